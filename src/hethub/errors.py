@@ -1,0 +1,53 @@
+"""User-facing error types.
+
+Every error a person can cause with their input (a file, a flag, a plan that cannot run) is one of
+these. The CLI prints ``str(err)`` as one paragraph and exits with ``err.exit_code``; nothing here
+ever reaches the user as a traceback.
+"""
+
+
+class HethubError(Exception):
+    """Base class for errors caused by user input or the environment, not by a bug."""
+
+    exit_code = 1
+
+
+class SpecError(HethubError, ValueError):
+    """A cluster or model specification is malformed or inconsistent."""
+
+    exit_code = 2
+
+
+class PlanError(HethubError, ValueError):
+    """A plan is malformed, inconsistent with its cluster/model, or cannot run."""
+
+    exit_code = 3
+
+
+class MemoryFitError(PlanError):
+    """A plan is valid but some stage does not fit in its devices' memory."""
+
+    exit_code = 4
+
+
+class InfeasibleError(HethubError):
+    """The planner found no plan that fits the cluster's memory."""
+
+    exit_code = 5
+
+
+class RuntimeSetupError(HethubError):
+    """The launched job does not match its plan (world size, backend, devices)."""
+
+    exit_code = 6
+
+
+class CheckpointError(HethubError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+    exit_code = 7
+
+
+def field_error(where: str, field: str, problem: str, fix: str, *, cls: type[HethubError] = SpecError):
+    """Build an error that names the offending field and how to fix it."""
+    return cls(f"{where}: field '{field}' {problem}. Fix: {fix}.")

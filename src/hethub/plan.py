@@ -1,0 +1,282 @@
+"""The versioned, human-readable parallel plan: pipelines -> stages -> devices, layers, TP.
+
+A plan is self-contained: it embeds the model and cluster it was made for, so `hethub predict` and
+the runtime need nothing else. Pipelines are data-parallel replicas that may differ in everything
+(kinds, layer splits, TP degrees, micro-batch counts); the runtime synchronises gradients among
+whichever ranks hold each parameter.
+
+Torch ranks are the plan's devices in ascending device-id order, so a plan that leaves devices idle
+still launches with a dense ``world_size``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hethub.errors import PlanError, SpecError
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import PRECISIONS, ModelSpec
+
+PLAN_FORMAT = "hethub-plan"
+PLAN_VERSION = 1
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Stage:
+    kind: str
+    devices: tuple[int, ...]  # cluster device ids; len == tp
+    layers: tuple[int, int]  # decoder layers [start, end)
+    embedding: bool = False
+    head: bool = False
+    recompute: bool = False
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    micro_batch_size: int
+    num_micro_batches: int
+    stages: tuple[Stage, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    cluster: Cluster
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    pipelines: tuple[Pipeline, ...]
+    schedule: str = "1f1b"
+    precision: str = "bf16-mixed"
+    strategy: str = "manual"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted(d for p in self.pipelines for d in p.devices))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def rank_of_device(self) -> dict[int, int]:
+        return {d: r for r, d in enumerate(self.devices)}
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def with_meta(self, **meta: Any) -> Plan:
+        return replace(self, meta={**self.meta, **meta})
+
+    # ---- validation --------------------------------------------------------------------------------
+    def validate(self) -> Plan:
+        """Raise PlanError naming the first inconsistent field and how to fix it; return self if fine."""
+        m, c = self.model, self.cluster
+        if self.schedule not in SCHEDULES:
+            _fail("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            _fail("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if self.seq_len < 1 or self.seq_len > m.max_seq_len:
+            _fail("seq_len", f"is {self.seq_len}, outside 1..{m.max_seq_len} (the model's max_seq_len)",
+                  "use a sequence length the model supports")
+        if not self.pipelines:
+            _fail("pipelines", "is empty", "add at least one pipeline")
+        used: dict[int, str] = {}
+        for pi, p in enumerate(self.pipelines):
+            where = f"pipelines[{pi}]"
+            if p.micro_batch_size < 1 or p.num_micro_batches < 1:
+                _fail(f"{where}.micro_batch_size/num_micro_batches",
+                      f"are {p.micro_batch_size}/{p.num_micro_batches}", "both must be >= 1")
+            if not p.stages:
+                _fail(f"{where}.stages", "is empty", "give each pipeline at least one stage")
+            expect_start = 0
+            for si, s in enumerate(p.stages):
+                sw = f"{where}.stages[{si}]"
+                _check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1,
+                             expect_start=expect_start)
+                expect_start = s.layers[1]
+                for d in s.devices:
+                    if d in used:
+                        _fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",
+                              "give every device to exactly one stage")
+                    used[d] = sw
+            if expect_start != m.num_layers:
+                _fail(f"{where}.stages", f"cover layers 0..{expect_start}, but the model has {m.num_layers}",
+                      f"make the last stage's layers end at {m.num_layers}")
+        total = sum(p.num_samples for p in self.pipelines)
+        if total != self.global_batch:
+            _fail("global_batch", f"is {self.global_batch} but the pipelines take {total} sequences "
+                  "(sum of micro_batch_size x num_micro_batches)",
+                  "make the pipelines' shares add up to the global batch")
+        return self
+
+    # ---- io ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        rank = self.rank_of_device()
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "strategy": self.strategy,
+            "training": {"global_batch": self.global_batch, "seq_len": self.seq_len,
+                         "schedule": self.schedule, "precision": self.precision},
+            "world_size": self.world_size,
+            "pipelines": [
+                {
+                    "micro_batch_size": p.micro_batch_size,
+                    "num_micro_batches": p.num_micro_batches,
+                    "stages": [
+                        {"kind": s.kind, "tp": s.tp, "devices": list(s.devices),
+                         "ranks": [rank[d] for d in s.devices], "layers": list(s.layers),
+                         "embedding": s.embedding, "head": s.head, "recompute": s.recompute}
+                        for s in p.stages
+                    ],
+                }
+                for p in self.pipelines
+            ],
+            "meta": self.meta,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"not a hethub plan: field 'format' must be {PLAN_FORMAT!r}. Fix: pass a file written "
+                            "by 'hethub plan' (or 'hethub import-plan').")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan field 'version' is {data.get('version')!r}; this hethub reads version "
+                            f"{PLAN_VERSION}. Fix: re-create the plan with this version of 'hethub plan'.")
+        try:
+            model = ModelSpec.from_dict(data["model"], where="plan field 'model'")
+            cluster = Cluster.from_dict(data["cluster"], where="plan field 'cluster'")
+            t = data["training"]
+            pipelines = tuple(_pipeline_from_dict(p, i) for i, p in enumerate(data["pipelines"]))
+            plan = Plan(model=model, cluster=cluster, global_batch=_int(t, "global_batch", "training"),
+                        seq_len=_int(t, "seq_len", "training"), pipelines=pipelines,
+                        schedule=t.get("schedule", "1f1b"), precision=t.get("precision", "bf16-mixed"),
+                        strategy=str(data.get("strategy", "manual")), meta=dict(data.get("meta") or {}))
+        except SpecError as err:
+            raise PlanError(str(err)) from None
+        except KeyError as err:
+            raise PlanError(f"plan is missing field {err}. Fix: add it (see docs/plan-format.md).") from None
+        except (TypeError, AttributeError, ValueError) as err:
+            raise PlanError(f"plan has a field of the wrong type ({err}). Fix: see docs/plan-format.md.") from None
+        plan.validate()
+        _check_ranks(data, plan)
+        return plan
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan file '{p}' does not exist. Fix: create one with 'hethub plan --out {p}'.")
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise PlanError(f"{p}: not valid JSON ({err}). Fix: re-create it with 'hethub plan'.") from None
+        try:
+            return Plan.from_dict(data)
+        except PlanError as err:
+            raise PlanError(f"{p}: {err}") from None
+
+
+def _fail(fieldname: str, problem: str, fix: str) -> None:
+    raise PlanError(f"plan field '{fieldname}' {problem}. Fix: {fix}.")
+
+
+def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first: bool, last: bool,
+                 expect_start: int) -> None:
+    if s.kind not in cluster.kinds:
+        _fail(f"{sw}.kind", f"is {s.kind!r}, not a kind of cluster {cluster.name!r}",
+              f"use one of {', '.join(cluster.kind_names)}")
+    if not s.devices:
+        _fail(f"{sw}.devices", "is empty", "give the stage at least one device")
+    for d in s.devices:
+        if not 0 <= d < cluster.num_devices:
+            _fail(f"{sw}.devices", f"names device {d}, but the cluster has devices 0..{cluster.num_devices - 1}",
+                  "use device ids of this cluster")
+        if cluster.devices[d].kind != s.kind:
+            _fail(f"{sw}.devices", f"includes device {d} of kind {cluster.devices[d].kind!r}, not {s.kind!r}",
+                  "use only devices of the stage's kind")
+    if len({cluster.devices[d].node for d in s.devices}) > 1:
+        _fail(f"{sw}.devices", "span several nodes", "keep a tensor-parallel group inside one node")
+    tp = s.tp
+    if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
+        _fail(f"{sw}.tp", f"is {tp}, which does not divide the model's heads ({model.num_heads}), KV heads "
+              f"({model.num_kv_heads}) and FFN size ({model.ffn_hidden_size})", "use a TP degree that divides them")
+    start, end = s.layers
+    if start != expect_start or end < start or end > model.num_layers:
+        _fail(f"{sw}.layers", f"is [{start}, {end}), expected to start at {expect_start} and end by "
+              f"{model.num_layers}", "give stages contiguous layer ranges covering every layer once")
+    if s.embedding != first:
+        _fail(f"{sw}.embedding", f"is {s.embedding}", "put the embedding on the first stage of each pipeline only")
+    if s.head != last:
+        _fail(f"{sw}.head", f"is {s.head}", "put the head on the last stage of each pipeline only")
+    if s.num_layers == 0 and not (s.embedding or s.head):
+        _fail(f"{sw}.layers", "is empty and the stage holds no embedding or head",
+              "remove the stage or give it layers")
+
+
+def _int(t: dict[str, Any], key: str, where: str) -> int:
+    v = t[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PlanError(f"plan field '{where}.{key}' must be an integer, got {v!r}. Fix: write an integer.")
+    return v
+
+
+def _pipeline_from_dict(p: dict[str, Any], i: int) -> Pipeline:
+    where = f"pipelines[{i}]"
+    stages = []
+    for si, s in enumerate(p["stages"]):
+        devices = s["devices"]
+        layers = s["layers"]
+        if not isinstance(devices, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
+            raise PlanError(f"plan field '{where}.stages[{si}].devices' must be a list of device ids. "
+                            "Fix: write e.g. [0, 1].")
+        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+            raise PlanError(f"plan field '{where}.stages[{si}].layers' must be [start, end). Fix: write e.g. [0, 16].")
+        if "tp" in s and s["tp"] != len(devices):
+            raise PlanError(f"plan field '{where}.stages[{si}].tp' is {s['tp']} but the stage lists "
+                            f"{len(devices)} devices. Fix: a stage's TP degree equals its device count.")
+        stages.append(Stage(kind=s["kind"], devices=tuple(devices), layers=(layers[0], layers[1]),
+                            embedding=bool(s.get("embedding", False)), head=bool(s.get("head", False)),
+                            recompute=bool(s.get("recompute", False))))
+    return Pipeline(micro_batch_size=_int(p, "micro_batch_size", where),
+                    num_micro_batches=_int(p, "num_micro_batches", where), stages=tuple(stages))
+
+
+def _check_ranks(data: dict[str, Any], plan: Plan) -> None:
+    """Ranks are derived; if a person edited them, say they disagree rather than silently ignore."""
+    rank = plan.rank_of_device()
+    for pi, p in enumerate(data["pipelines"]):
+        for si, s in enumerate(p["stages"]):
+            if "ranks" in s and list(s["ranks"]) != [rank[d] for d in s["devices"]]:
+                _fail(f"pipelines[{pi}].stages[{si}].ranks", f"is {s['ranks']} but devices {s['devices']} "
+                      f"get ranks {[rank[d] for d in s['devices']]} (ranks are devices in ascending order)",
+                      "edit 'devices' only, or delete 'ranks'")

@@ -1,0 +1,36 @@
+"""Link and collective costs (alpha-beta model).
+
+A transfer of n bytes over a link costs latency + n / bandwidth. Collectives use the ring algorithm's
+volume: all-reduce moves 2(p-1)/p of the data through the slowest link of the ring in 2(p-1) steps.
+"""
+
+from __future__ import annotations
+
+from hethub.spec.cluster import Cluster, Link
+
+
+def p2p_time_s(link: Link, nbytes: float) -> float:
+    return link.time_s(nbytes)
+
+
+def allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> float:
+    if participants <= 1 or nbytes <= 0:
+        return 0.0
+    p = participants
+    return 2 * (p - 1) * link.latency_s + 2 * (p - 1) / p * nbytes / link.bw_bytes_per_s
+
+
+def slowest_link(cluster: Cluster, devices: list[int] | tuple[int, ...]) -> Link:
+    """The bottleneck link of a ring over `devices` in the given order."""
+    if len(devices) < 2:
+        return Link(float("inf"), 0.0)
+    links = [cluster.link(a, b) for a, b in zip(devices, [*devices[1:], devices[0]], strict=True)]
+    return Link(min(lk.bw_bytes_per_s for lk in links), max(lk.latency_s for lk in links))
+
+
+def tp_comm_time_s(*, act_bytes_per_layer: float, layers: int, tp: int, link: Link) -> tuple[float, float]:
+    """Megatron TP: two all-reduces of the layer's activations forward and two backward, per layer."""
+    if tp <= 1:
+        return 0.0, 0.0
+    one = allreduce_time_s(nbytes=act_bytes_per_layer, participants=tp, link=link)
+    return 2 * layers * one, 2 * layers * one

@@ -1,0 +1,71 @@
+"""Per-device memory of a pipeline stage: weights, gradients, optimizer state, activations in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hethub.spec.model import ModelSpec
+
+# Usable share of device memory: allocator fragmentation and the runtime's context take the rest.
+USABLE_FRACTION = 0.92
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+def act_bytes_for(precision: str) -> int:
+    return 2 if precision == "bf16-mixed" else 4
+
+
+def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int) -> float:
+    """Parameters held by one device of a stage (TP splits matmuls, embedding and head by vocab)."""
+    h = model.hidden_size
+    per_layer = model.layer_matmul_params / tp + (model.layer_params - model.layer_matmul_params)
+    n = layers * per_layer
+    if embedding:
+        n += model.vocab_size * h / tp + (model.embedding_params - model.vocab_size * h)
+    if head:
+        n += model.head_params / tp + model.final_norm_params
+    return n
+
+
+def in_flight_micro_batches(*, schedule: str, stage_index: int, num_stages: int, num_micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak under the schedule."""
+    if schedule == "gpipe":
+        return num_micro_batches
+    return min(num_micro_batches, num_stages - stage_index)
+
+
+def stage_memory(
+    model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int, seq_len: int,
+    recompute: bool, precision: str, in_flight: int,
+) -> StageMemory:
+    params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp)
+    per_param = ModelSpec.state_bytes_per_param(precision)
+    ab = act_bytes_for(precision)
+    tokens = mbs * seq_len
+    per_layer = model.layer_activation_bytes_per_token(tp=tp, recompute=recompute, act_bytes=ab)
+    acts = in_flight * tokens * layers * per_layer
+    if recompute and layers:
+        # Backward re-runs one layer's forward at a time, holding its full activations transiently.
+        acts += tokens * model.layer_activation_bytes_per_token(tp=tp, recompute=False, act_bytes=ab)
+    if embedding:
+        acts += in_flight * tokens * model.hidden_size * ab
+    if head:
+        # Logits live only for the micro-batch whose loss is being computed.
+        acts += tokens * model.head_activation_bytes_per_token(tp=tp, act_bytes=ab)
+    return StageMemory(
+        weights_bytes=params * per_param["weights"],
+        grads_bytes=params * per_param["grads"],
+        optimizer_bytes=params * per_param["optimizer"],
+        activations_bytes=acts,
+    )

@@ -1,0 +1,59 @@
+"""Measured per-layer times that replace the analytic roofline where we have them.
+
+A profile belongs to one (model, device kind, sequence length) and holds, per (micro-batch size,
+TP degree), the forward/backward/optimizer-update time of the embedding, of one decoder layer and of
+the head. The on-disk formats (hethub's own and Sailor's) are read in :mod:`hethub.profile`; this
+module is the in-memory form the predictor consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    fwd_s: float
+    bwd_s: float
+    update_s: float = 0.0
+
+    def scaled(self, factor: float) -> LayerTimes:
+        return LayerTimes(self.fwd_s * factor, self.bwd_s * factor, self.update_s)
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    embedding: LayerTimes
+    layer: LayerTimes
+    head: LayerTimes
+    peak_mem_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class KindProfile:
+    kind: str
+    model: str
+    seq_len: int
+    entries: dict[tuple[int, int], ProfileEntry] = field(default_factory=dict)  # (mbs, tp) -> times
+    source: str = ""
+
+    def lookup(self, *, mbs: int, tp: int) -> ProfileEntry | None:
+        """Times for (mbs, tp); a missing mbs is scaled linearly from the nearest measured one."""
+        if (mbs, tp) in self.entries:
+            return self.entries[(mbs, tp)]
+        same_tp = [m for (m, t) in self.entries if t == tp]
+        if not same_tp:
+            return None
+        near = min(same_tp, key=lambda m: abs(m - mbs))
+        e, f = self.entries[(near, tp)], mbs / near
+        return ProfileEntry(e.embedding.scaled(f), e.layer.scaled(f), e.head.scaled(f), None)
+
+
+@dataclass(frozen=True)
+class ProfileSet:
+    """Profiles by device kind name; the predictor falls back to analytic times for missing kinds."""
+
+    by_kind: dict[str, KindProfile] = field(default_factory=dict)
+
+    def get(self, kind: str) -> KindProfile | None:
+        return self.by_kind.get(kind)

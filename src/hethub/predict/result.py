@@ -1,0 +1,100 @@
+"""What the predictor returns: one object with the step's time, throughput, memory and timeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on one device's timeline. `category`: forward, backward, p2p, allreduce, optimizer."""
+
+    device: int
+    category: str
+    name: str
+    start_s: float
+    end_s: float
+    pipeline: int
+    stage: int
+    micro_batch: int | None = None
+
+    @property
+    def dur_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    pipeline: int
+    stage: int
+    kind: str
+    devices: tuple[int, ...]
+    layers: tuple[int, int]
+    tp: int
+    fwd_s: float  # per micro-batch, compute + TP collectives
+    bwd_s: float
+    update_s: float
+    p2p_s: float  # send of one micro-batch's activations to the next stage
+    sync_s: float  # data-parallel gradient synchronisation of this stage's parameters
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    capacity_bytes: float
+    compute_source: str
+
+    @property
+    def peak_mem_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_mem_bytes <= self.capacity_bytes
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time_s: float
+    tokens_per_s: float
+    pipeline_times_s: tuple[float, ...]  # end of each pipeline's last backward
+    stages: tuple[StagePrediction, ...]
+    timeline: tuple[Event, ...] = field(default=(), repr=False)
+    model_flops_per_step: float = 0.0
+
+    @property
+    def fits_memory(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    @property
+    def peak_mem_bytes_by_device(self) -> dict[int, float]:
+        return {d: s.peak_mem_bytes for s in self.stages for d in s.devices}
+
+    @property
+    def peak_mem_bytes_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.stages:
+            out[s.kind] = max(out.get(s.kind, 0.0), s.peak_mem_bytes)
+        return out
+
+    @property
+    def compute_sources(self) -> dict[str, str]:
+        return {s.kind: s.compute_source for s in self.stages}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "pipeline_times_s": list(self.pipeline_times_s),
+            "fits_memory": self.fits_memory,
+            "peak_mem_bytes_by_kind": self.peak_mem_bytes_by_kind,
+            "compute_sources": self.compute_sources,
+            "stages": [
+                {"pipeline": s.pipeline, "stage": s.stage, "kind": s.kind, "devices": list(s.devices),
+                 "layers": list(s.layers), "tp": s.tp, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
+                 "update_s": s.update_s, "p2p_s": s.p2p_s, "sync_s": s.sync_s,
+                 "peak_mem_bytes": s.peak_mem_bytes, "capacity_bytes": s.capacity_bytes,
+                 "compute_source": s.compute_source}
+                for s in self.stages
+            ],
+        }

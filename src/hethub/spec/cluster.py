@@ -1,0 +1,280 @@
+"""Clusters of mixed accelerators: device kinds, node groups and links.
+
+A cluster file (TOML) lists node groups, each of one device kind. Kinds come from the built-in
+catalog (``catalog.toml``, every number with its source) or are defined / overridden in the file
+under ``[kinds.NAME]``. Devices are numbered in file order: group by group, node by node, device by
+device; that number is the device id a plan refers to.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hethub.errors import SpecError, field_error
+from hethub.spec._toml import check_keys, get_int, get_number, get_str, read_toml
+
+GIB = 1024**3
+BACKENDS = ("nccl", "gloo", "hccl", "xccl", "mpi")
+_KIND_KEYS = {
+    "base", "vendor", "mem_bytes", "mem_gib", "peak_flops", "intra_node_bw_bytes_per_s",
+    "intra_node_latency_s", "mem_bw_bytes_per_s", "backend", "efficiency", "emulated_slowdown",
+    "source", "notes",
+}
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """One accelerator model. ``peak_flops`` is dense bf16/fp16 (fp32 for CPUs)."""
+
+    name: str
+    vendor: str
+    mem_bytes: int
+    peak_flops: float
+    intra_node_bw_bytes_per_s: float
+    intra_node_latency_s: float
+    backend: str = "nccl"
+    # Fraction of peak that dense transformer layers reach; the analytic predictor's only fudge.
+    efficiency: float = 0.5
+    mem_bw_bytes_per_s: float | None = None
+    # >1 only for CPU emulation: a rank of this kind sleeps (k-1)x its compute time.
+    emulated_slowdown: float = 1.0
+    source: str = ""
+    notes: str = ""
+
+    @property
+    def effective_flops(self) -> float:
+        return self.peak_flops * self.efficiency / self.emulated_slowdown
+
+    @property
+    def emulated(self) -> bool:
+        return self.emulated_slowdown != 1.0
+
+
+@dataclass(frozen=True)
+class Link:
+    bw_bytes_per_s: float
+    latency_s: float
+
+    def time_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bw_bytes_per_s
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    kind: str
+    num_nodes: int
+    devices_per_node: int
+    # Per-group NIC override; None uses the cluster's network default.
+    inter_node_bw_bytes_per_s: float | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Device:
+    id: int
+    kind: str
+    node: int  # global node index
+    local_index: int  # index within its node
+    group: int
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    kinds: dict[str, DeviceKind]
+    groups: tuple[NodeGroup, ...]
+    inter_node: Link
+    cross_kind: Link
+    description: str = ""
+    devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        devices, node = [], 0
+        for gi, g in enumerate(self.groups):
+            for _ in range(g.num_nodes):
+                for local in range(g.devices_per_node):
+                    devices.append(Device(id=len(devices), kind=g.kind, node=node, local_index=local, group=gi))
+                node += 1
+        object.__setattr__(self, "devices", tuple(devices))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def kind_names(self) -> tuple[str, ...]:
+        """Kinds in order of first appearance in the file."""
+        return tuple(dict.fromkeys(g.kind for g in self.groups))
+
+    def kind_of(self, device_id: int) -> DeviceKind:
+        return self.kinds[self.devices[device_id].kind]
+
+    def devices_of_kind(self, kind: str) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.kind == kind)
+
+    def count_by_kind(self) -> dict[str, int]:
+        return {k: len(self.devices_of_kind(k)) for k in self.kind_names}
+
+    def link(self, a: int, b: int) -> Link:
+        """The link data takes from device a to device b."""
+        da, db = self.devices[a], self.devices[b]
+        if da.node == db.node:
+            k = self.kinds[da.kind]
+            return Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
+        bw = min(self._nic_bw(da.group), self._nic_bw(db.group))
+        lat = self.inter_node.latency_s
+        if da.kind != db.kind:
+            bw = min(bw, self.cross_kind.bw_bytes_per_s)
+            lat = max(lat, self.cross_kind.latency_s)
+        return Link(bw, lat)
+
+    def _nic_bw(self, group: int) -> float:
+        return self.groups[group].inter_node_bw_bytes_per_s or self.inter_node.bw_bytes_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "kinds": {n: asdict(k) for n, k in self.kinds.items()},
+            "groups": [asdict(g) for g in self.groups],
+            "network": {
+                "inter_node_bw_bytes_per_s": self.inter_node.bw_bytes_per_s,
+                "inter_node_latency_s": self.inter_node.latency_s,
+                "cross_kind_bw_bytes_per_s": self.cross_kind.bw_bytes_per_s,
+                "cross_kind_latency_s": self.cross_kind.latency_s,
+            },
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any], *, where: str = "cluster") -> Cluster:
+        """Inverse of :meth:`to_dict` (as embedded in a plan); kinds are complete, no catalog lookup."""
+        try:
+            kinds = {n: DeviceKind(**k) for n, k in data["kinds"].items()}
+            groups = tuple(NodeGroup(**g) for g in data["groups"])
+            net = data["network"]
+            return Cluster(
+                name=data["name"], description=data.get("description", ""), kinds=kinds, groups=groups,
+                inter_node=Link(net["inter_node_bw_bytes_per_s"], net["inter_node_latency_s"]),
+                cross_kind=Link(net["cross_kind_bw_bytes_per_s"], net["cross_kind_latency_s"]),
+            )
+        except (KeyError, TypeError, AttributeError) as err:
+            raise SpecError(f"{where}: embedded cluster is malformed ({err}). Fix: re-create the plan with "
+                            "'hethub plan'.") from None
+
+
+def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind | None = None) -> DeviceKind:
+    check_keys(table, allowed=_KIND_KEYS, where=where)
+    b = asdict(base) if base else {}
+
+    def num(key: str, *, positive: bool = True) -> float:
+        return get_number(table, key, where=where, default=b.get(key), positive=positive)
+
+    if "mem_bytes" in table and "mem_gib" in table:
+        raise field_error(where, "mem_gib", "conflicts with mem_bytes", "give only one of them")
+    if "mem_gib" in table:
+        mem_bytes = int(get_number(table, "mem_gib", where=where) * GIB)
+    else:
+        mem_bytes = int(num("mem_bytes"))
+    efficiency = num("efficiency")
+    if efficiency > 1:
+        raise field_error(where, "efficiency", f"must be <= 1, got {efficiency}", "give a fraction of peak")
+    slowdown = get_number(table, "emulated_slowdown", where=where, default=b.get("emulated_slowdown", 1.0))
+    if slowdown < 1:
+        raise field_error(where, "emulated_slowdown", f"must be >= 1, got {slowdown}",
+                          "use 1 for real speed, k > 1 to emulate a k-times slower device")
+    mem_bw = table.get("mem_bw_bytes_per_s", b.get("mem_bw_bytes_per_s"))
+    if mem_bw is not None:
+        mem_bw = get_number({"mem_bw_bytes_per_s": mem_bw}, "mem_bw_bytes_per_s", where=where)
+    return DeviceKind(
+        name=name,
+        vendor=get_str(table, "vendor", where=where, default=b.get("vendor")),
+        mem_bytes=mem_bytes,
+        peak_flops=num("peak_flops"),
+        intra_node_bw_bytes_per_s=num("intra_node_bw_bytes_per_s"),
+        intra_node_latency_s=num("intra_node_latency_s", positive=False),
+        backend=get_str(table, "backend", where=where, default=b.get("backend", "nccl"), choices=BACKENDS),
+        efficiency=efficiency,
+        mem_bw_bytes_per_s=mem_bw,
+        emulated_slowdown=slowdown,
+        source=get_str(table, "source", where=where, default=b.get("source") or "(not given)"),
+        notes=table.get("notes", b.get("notes", "")) if isinstance(table.get("notes", ""), str) else "",
+    )
+
+
+@functools.cache
+def catalog() -> dict[str, DeviceKind]:
+    """The built-in device kinds, keyed by name."""
+    text = resources.files("hethub.spec").joinpath("catalog.toml").read_text(encoding="utf-8")
+    import tomllib
+
+    data = tomllib.loads(text)
+    return {n: parse_kind(n, t, where=f"catalog.toml: kinds.{n}") for n, t in data["kinds"].items()}
+
+
+def resolve_kind(name: str, *, where: str, local: dict[str, Any] | None = None) -> DeviceKind:
+    local = local or {}
+    if name in local:
+        table = local[name]
+        base_name = table.get("base") if isinstance(table, dict) else None
+        base = None
+        if base_name is not None:
+            if base_name not in catalog():
+                raise field_error(f"{where}: kinds.{name}", "base", f"names unknown catalog kind {base_name!r}",
+                                  f"use one of: {', '.join(sorted(catalog()))}")
+            base = catalog()[base_name]
+        return parse_kind(name, table, where=f"{where}: kinds.{name}", base=base)
+    if name in catalog():
+        return catalog()[name]
+    raise SpecError(
+        f"{where}: unknown device kind {name!r}. Fix: use a catalog kind ({', '.join(sorted(catalog()))}) "
+        f"or define it under [kinds.{name}] in the cluster file."
+    )
+
+
+def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
+    check_keys(data, allowed={"name", "description", "kinds", "group", "network"}, where=where)
+    local = data.get("kinds", {})
+    check_keys(local, allowed=set(local) if isinstance(local, dict) else set(), where=f"{where}: kinds")
+    raw_groups = data.get("group")
+    if not isinstance(raw_groups, list) or not raw_groups:
+        raise field_error(where, "group", "is missing or empty",
+                          "add at least one [[group]] table with kind, nodes and devices_per_node")
+    kinds: dict[str, DeviceKind] = {}
+    groups = []
+    for i, g in enumerate(raw_groups):
+        gw = f"{where}: group[{i}]"
+        check_keys(g, allowed={"kind", "nodes", "devices_per_node", "inter_node_bw_bytes_per_s"}, where=gw)
+        kind = get_str(g, "kind", where=gw)
+        kinds[kind] = resolve_kind(kind, where=where, local=local)
+        nic = g.get("inter_node_bw_bytes_per_s")
+        groups.append(NodeGroup(
+            kind=kind, num_nodes=get_int(g, "nodes", where=gw),
+            devices_per_node=get_int(g, "devices_per_node", where=gw),
+            inter_node_bw_bytes_per_s=None if nic is None else get_number(g, "inter_node_bw_bytes_per_s", where=gw),
+        ))
+    net = data.get("network", {})
+    nw = f"{where}: network"
+    check_keys(net, allowed={"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kind_bw_bytes_per_s",
+                             "cross_kind_latency_s"}, where=nw)
+    inter = Link(get_number(net, "inter_node_bw_bytes_per_s", where=nw, default=12.5e9),
+                 get_number(net, "inter_node_latency_s", where=nw, default=10e-6, positive=False))
+    cross = Link(get_number(net, "cross_kind_bw_bytes_per_s", where=nw, default=inter.bw_bytes_per_s),
+                 get_number(net, "cross_kind_latency_s", where=nw, default=inter.latency_s, positive=False))
+    name = data.get("name", "cluster")
+    if not isinstance(name, str):
+        raise field_error(where, "name", "must be a string", 'write name = "my-cluster"')
+    desc = data.get("description", "")
+    return Cluster(name=name, description=desc if isinstance(desc, str) else "", kinds=kinds,
+                   groups=tuple(groups), inter_node=inter, cross_kind=cross)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and validate a cluster TOML file."""
+    return parse_cluster(read_toml(path, what="cluster"), where=str(path))

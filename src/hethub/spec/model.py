@@ -1,0 +1,257 @@
+"""Decoder-only transformer shapes: presets, Hugging Face import, parameter/FLOP/memory arithmetic.
+
+Two families share one description: Llama-style (RMSNorm, rotary positions, grouped-query attention,
+SwiGLU MLP, no biases) and GPT/OPT-style (LayerNorm, learned positions, GeLU/ReLU MLP, biases).
+All arithmetic is per token or per layer so the predictor can cut a model anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from hethub.errors import SpecError, field_error
+
+ARCHS = ("llama", "gpt")
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+PRECISIONS = ("bf16-mixed", "fp32")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_len: int
+    arch: str = "llama"
+    activation: str = "swiglu"
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"model {self.name!r}"
+        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                  "max_seq_len"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise field_error(where, f, f"must be a positive integer, got {v!r}", "give a positive integer")
+        if self.arch not in ARCHS:
+            raise field_error(where, "arch", f"must be one of {ARCHS}, got {self.arch!r}", "use llama or gpt")
+        if self.activation not in ACTIVATIONS:
+            raise field_error(where, "activation", f"must be one of {ACTIVATIONS}, got {self.activation!r}",
+                              "use swiglu, gelu or relu")
+        if self.hidden_size % self.num_heads:
+            raise field_error(where, "num_heads", f"({self.num_heads}) must divide hidden_size "
+                              f"({self.hidden_size})", "choose a head count that divides the hidden size")
+        if self.num_heads % self.num_kv_heads:
+            raise field_error(where, "num_kv_heads", f"({self.num_kv_heads}) must divide num_heads "
+                              f"({self.num_heads})", "choose a KV head count that divides the head count")
+
+    # ---- shapes ---------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def has_bias(self) -> bool:
+        return self.arch == "gpt"
+
+    # ---- parameters -----------------------------------------------------------------------------
+    @property
+    def layer_matmul_params(self) -> int:
+        h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
+        attn = h * h + 2 * h * kv + h * h
+        mlp = (3 if self.gated else 2) * h * f
+        return attn + mlp
+
+    @property
+    def layer_params(self) -> int:
+        h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
+        norms = 2 * h if self.arch == "llama" else 4 * h  # LayerNorm has a bias
+        bias = (h + 2 * kv + h + f + h) if self.has_bias else 0
+        return self.layer_matmul_params + norms + bias
+
+    @property
+    def embedding_params(self) -> int:
+        pos = self.max_seq_len * self.hidden_size if self.arch == "gpt" else 0
+        return self.vocab_size * self.hidden_size + pos
+
+    @property
+    def final_norm_params(self) -> int:
+        return self.hidden_size * (1 if self.arch == "llama" else 2)
+
+    @property
+    def head_params(self) -> int:
+        """Output projection (final norm excluded). A tied head still occupies memory where it runs."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        head = 0 if self.tied_embeddings else self.head_params
+        return self.embedding_params + self.num_layers * self.layer_params + self.final_norm_params + head
+
+    # ---- FLOPs (forward; backward = 2x forward; recomputation adds one forward) ---------------------
+    def layer_fwd_flops(self, *, tokens: int, seq_len: int) -> float:
+        """Matmul FLOPs of one decoder layer for `tokens` tokens in sequences of `seq_len`.
+
+        Attention counts the full s x s score and value products (Megatron's convention), not the
+        causal half, because dense kernels do that work.
+        """
+        return 2.0 * tokens * self.layer_matmul_params + 4.0 * tokens * seq_len * self.hidden_size
+
+    def head_fwd_flops(self, *, tokens: int) -> float:
+        return 2.0 * tokens * self.vocab_size * self.hidden_size
+
+    def fwd_flops_per_token(self, *, seq_len: int) -> float:
+        return self.num_layers * self.layer_fwd_flops(tokens=1, seq_len=seq_len) + self.head_fwd_flops(tokens=1)
+
+    def train_flops_per_token(self, *, seq_len: int) -> float:
+        """Forward + backward model FLOPs per token (no recomputation): the MFU numerator."""
+        return 3.0 * self.fwd_flops_per_token(seq_len=seq_len)
+
+    # ---- memory -----------------------------------------------------------------------------------
+    @staticmethod
+    def state_bytes_per_param(precision: str) -> dict[str, int]:
+        """Bytes per parameter held for training with Adam.
+
+        bf16-mixed: bf16 weights and grads, fp32 master weights and two fp32 Adam moments
+        (Megatron's layout without a distributed optimizer). fp32: everything fp32.
+        """
+        if precision == "bf16-mixed":
+            return {"weights": 2, "grads": 2, "optimizer": 12}
+        if precision == "fp32":
+            return {"weights": 4, "grads": 4, "optimizer": 8}
+        raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
+
+    def layer_activation_bytes_per_token(self, *, tp: int = 1, recompute: bool = False,
+                                         act_bytes: int = 2) -> float:
+        """Activations one layer keeps per token between its forward and backward.
+
+        Counts the tensors autograd saves, assuming memory-efficient attention (no s x s scores
+        kept). With tensor parallelism (no sequence parallelism) the norm inputs/outputs are
+        replicated and everything inside attention and the MLP is split. With full recomputation
+        only the layer input is kept; the transient recompute of one layer is added by the caller.
+        """
+        h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
+        if recompute:
+            return float(h * act_bytes)
+        replicated = 4 * h
+        rope = (h + kv) if self.arch == "llama" else 0
+        mlp = 4 * f if self.gated else 2 * f
+        split = (h + 2 * kv) + rope + h + mlp
+        return float((replicated + split / tp) * act_bytes)
+
+    def head_activation_bytes_per_token(self, *, tp: int = 1, act_bytes: int = 2) -> float:
+        """Final norm input/output plus fp32 logits (and their softmax) for the loss."""
+        return float(2 * self.hidden_size * act_bytes + 2 * 4 * self.vocab_size / tp)
+
+    # ---- io ----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any], *, where: str = "model") -> ModelSpec:
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: expected an object with the model's fields. Fix: give a JSON object.")
+        known = {f.name for f in fields(ModelSpec)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise field_error(where, unknown[0], "is not a known model field", f"use only {', '.join(sorted(known))}")
+        try:
+            return ModelSpec(**data)
+        except TypeError as err:
+            raise SpecError(f"{where}: incomplete model description ({err}). Fix: give all of "
+                            f"{', '.join(sorted(known))}.") from None
+
+
+def _llama(name: str, layers: int, h: int, heads: int, kv: int, ffn: int, vocab: int, seq: int,
+           tied: bool = False) -> ModelSpec:
+    return ModelSpec(name=name, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv,
+                     ffn_hidden_size=ffn, vocab_size=vocab, max_seq_len=seq, tied_embeddings=tied)
+
+
+def _gpt(name: str, layers: int, h: int, heads: int, ffn: int, vocab: int, seq: int, act: str) -> ModelSpec:
+    return ModelSpec(name=name, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=heads,
+                     ffn_hidden_size=ffn, vocab_size=vocab, max_seq_len=seq, arch="gpt", activation=act,
+                     tied_embeddings=True)
+
+
+PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    # HETHUB trains a Llama-style ~140B model without publishing its shape. Ours: Llama-2-70B's
+    # recipe widened to hidden 12288 (96 heads of 128, 8 KV heads), FFN 32768, 90 layers:
+    # 139.0e9 parameters.
+    _llama("llama-140b", 90, 12288, 96, 8, 32768, 32000, 4096),
+    # OPT-350M's embeddings are 512-wide with in/out projections; we model them at the hidden
+    # size (the projections are 1M parameters, well inside the profiles' noise).
+    _gpt("opt-350m", 24, 1024, 16, 4096, 50272, 2048, "relu"),
+    _gpt("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, "gelu"),
+    _gpt("opt-30b", 48, 7168, 56, 28672, 50272, 2048, "relu"),
+    # Small models for tests and the local CPU demo (byte-level vocabulary).
+    _llama("tiny", 6, 64, 4, 2, 128, 256, 64),
+    _llama("small", 8, 128, 4, 2, 344, 256, 128),
+)}
+
+
+def _from_hf(cfg: dict[str, Any], *, name: str) -> ModelSpec:
+    mt = cfg.get("model_type", "llama")
+    try:
+        if mt in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
+            heads = cfg["num_attention_heads"]
+            return _llama(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
+                          cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"],
+                          cfg.get("max_position_embeddings", 4096), bool(cfg.get("tie_word_embeddings", False)))
+        if mt == "opt":
+            act = "relu" if cfg.get("activation_function", "relu") == "relu" else "gelu"
+            return _gpt(name, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+                        cfg["ffn_dim"], cfg["vocab_size"], cfg["max_position_embeddings"], act)
+        if mt == "gpt_neo":
+            h = cfg["hidden_size"]
+            return _gpt(name, cfg["num_layers"], h, cfg["num_heads"], cfg.get("intermediate_size") or 4 * h,
+                        cfg["vocab_size"], cfg["max_position_embeddings"], "gelu")
+        if mt == "gpt2":
+            h = cfg["n_embd"]
+            return _gpt(name, cfg["n_layer"], h, cfg["n_head"], cfg.get("n_inner") or 4 * h, cfg["vocab_size"],
+                        cfg["n_positions"], "gelu")
+    except KeyError as err:
+        raise SpecError(f"{name}: Hugging Face config lacks field {err} for model_type {mt!r}. Fix: use the "
+                        "model's original config.json.") from None
+    raise SpecError(f"{name}: unsupported model_type {mt!r}. Fix: use a llama/mistral/qwen2/opt/gpt_neo/gpt2 "
+                    "config, or a preset.")
+
+
+def get_model(name_or_path: str) -> ModelSpec:
+    """A preset by name, or a Hugging Face ``config.json`` by path."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    p = Path(name_or_path)
+    if p.suffix == ".json" or p.is_file():
+        if not p.is_file():
+            raise SpecError(f"model config '{p}' does not exist. Fix: pass a preset name "
+                            f"({', '.join(PRESETS)}) or the path of a Hugging Face config.json.")
+        try:
+            cfg = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SpecError(f"{p}: not valid JSON ({err}). Fix: pass a Hugging Face config.json.") from None
+        if not isinstance(cfg, dict):
+            raise SpecError(f"{p}: expected a JSON object. Fix: pass a Hugging Face config.json.")
+        return _from_hf(cfg, name=p.parent.name or p.stem)
+    raise SpecError(f"unknown model {name_or_path!r}. Fix: use a preset ({', '.join(PRESETS)}) or the path "
+                    "of a Hugging Face config.json.")
