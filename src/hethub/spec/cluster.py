@@ -225,7 +225,7 @@ def resolve_kind(name: str, *, where: str, local: dict[str, Any] | None = None) 
         base_name = table.get("base") if isinstance(table, dict) else None
         base = None
         if base_name is not None:
-            if base_name not in catalog():
+            if not isinstance(base_name, str) or base_name not in catalog():
                 raise field_error(f"{where}: kinds.{name}", "base", f"names unknown catalog kind {base_name!r}",
                                   f"use one of: {', '.join(sorted(catalog()))}")
             base = catalog()[base_name]
