@@ -167,26 +167,27 @@ class Plan:
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"not a hethub plan: field 'format' must be {PLAN_FORMAT!r}. Fix: pass a file written "
-                            "by 'hethub plan' (or 'hethub import-plan').")
+            raise PlanError(f"not a hethub plan: field 'format' must be {PLAN_FORMAT!r}. "
+                            "Fix: pass a file written by 'hethub plan' (or 'hethub import-plan').")
         if data.get("version") != PLAN_VERSION:
             raise PlanError(f"plan field 'version' is {data.get('version')!r}; this hethub reads version "
                             f"{PLAN_VERSION}. Fix: re-create the plan with this version of 'hethub plan'.")
         try:
-            model = ModelSpec.from_dict(data["model"], where="plan field 'model'")
-            cluster = Cluster.from_dict(data["cluster"], where="plan field 'cluster'")
-            t = data["training"]
-            pipelines = tuple(_pipeline_from_dict(p, i) for i, p in enumerate(data["pipelines"]))
-            plan = Plan(model=model, cluster=cluster, global_batch=_int(t, "global_batch", "training"),
-                        seq_len=_int(t, "seq_len", "training"), pipelines=pipelines,
-                        schedule=t.get("schedule", "1f1b"), precision=t.get("precision", "bf16-mixed"),
-                        strategy=str(data.get("strategy", "manual")), meta=dict(data.get("meta") or {}))
+            model = ModelSpec.from_dict(_get(data, "model", "", dict), where="plan field 'model'")
+            cluster = Cluster.from_dict(_get(data, "cluster", "", dict), where="plan field 'cluster'")
         except SpecError as err:
             raise PlanError(str(err)) from None
-        except KeyError as err:
-            raise PlanError(f"plan is missing field {err}. Fix: add it (see docs/plan-format.md).") from None
-        except (TypeError, AttributeError, ValueError) as err:
-            raise PlanError(f"plan has a field of the wrong type ({err}). Fix: see docs/plan-format.md.") from None
+        t = _get(data, "training", "", dict)
+        pipelines = tuple(_pipeline_from_dict(p, f"pipelines[{i}]")
+                          for i, p in enumerate(_get(data, "pipelines", "", list)))
+        meta = data.get("meta") or {}
+        if not isinstance(meta, dict):
+            _fail("meta", "must be an object", "write {} or delete it")
+        plan = Plan(model=model, cluster=cluster, global_batch=_get(t, "global_batch", "training", int),
+                    seq_len=_get(t, "seq_len", "training", int), pipelines=pipelines,
+                    schedule=_get(t, "schedule", "training", str, default="1f1b"),
+                    precision=_get(t, "precision", "training", str, default="bf16-mixed"),
+                    strategy=str(data.get("strategy", "manual")), meta=dict(meta))
         plan.validate()
         _check_ranks(data, plan)
         return plan
@@ -243,32 +244,43 @@ def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first
               "remove the stage or give it layers")
 
 
-def _int(t: dict[str, Any], key: str, where: str) -> int:
-    v = t[key]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise PlanError(f"plan field '{where}.{key}' must be an integer, got {v!r}. Fix: write an integer.")
-    return v
+_TYPE_WORDS = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
 
 
-def _pipeline_from_dict(p: dict[str, Any], i: int) -> Pipeline:
-    where = f"pipelines[{i}]"
+def _get(obj: dict[str, Any], key: str, where: str, typ: type, *, default: Any = None) -> Any:
+    """obj[key] checked against `typ`, with the field's full path in the error."""
+    path = f"{where}.{key}" if where else key
+    if not isinstance(obj, dict):
+        _fail(where or "(top level)", "must be an object", "see docs/plan-format.md")
+    if key not in obj:
+        if default is not None:
+            return default
+        _fail(path, "is missing", "add it (see docs/plan-format.md)")
+    value = obj[key]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        _fail(path, f"must be {_TYPE_WORDS[typ]}, got {value!r}", f"write {_TYPE_WORDS[typ]}")
+    return value
+
+
+def _pipeline_from_dict(p: Any, where: str) -> Pipeline:
     stages = []
-    for si, s in enumerate(p["stages"]):
-        devices = s["devices"]
-        layers = s["layers"]
-        if not isinstance(devices, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
-            raise PlanError(f"plan field '{where}.stages[{si}].devices' must be a list of device ids. "
-                            "Fix: write e.g. [0, 1].")
-        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
-            raise PlanError(f"plan field '{where}.stages[{si}].layers' must be [start, end). Fix: write e.g. [0, 16].")
+    for si, s in enumerate(_get(p, "stages", where, list)):
+        sw = f"{where}.stages[{si}]"
+        devices = _get(s, "devices", sw, list)
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
+            _fail(f"{sw}.devices", f"must be a list of device ids, got {devices!r}", "write e.g. [0, 1]")
+        layers = _get(s, "layers", sw, list)
+        if not (len(layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+            _fail(f"{sw}.layers", f"must be [start, end), got {layers!r}", "write e.g. [0, 16]")
         if "tp" in s and s["tp"] != len(devices):
-            raise PlanError(f"plan field '{where}.stages[{si}].tp' is {s['tp']} but the stage lists "
-                            f"{len(devices)} devices. Fix: a stage's TP degree equals its device count.")
-        stages.append(Stage(kind=s["kind"], devices=tuple(devices), layers=(layers[0], layers[1]),
-                            embedding=bool(s.get("embedding", False)), head=bool(s.get("head", False)),
-                            recompute=bool(s.get("recompute", False))))
-    return Pipeline(micro_batch_size=_int(p, "micro_batch_size", where),
-                    num_micro_batches=_int(p, "num_micro_batches", where), stages=tuple(stages))
+            _fail(f"{sw}.tp", f"is {s['tp']!r} but the stage lists {len(devices)} devices",
+                  "a stage's TP degree equals its number of devices")
+        stages.append(Stage(kind=_get(s, "kind", sw, str), devices=tuple(devices), layers=(layers[0], layers[1]),
+                            embedding=_get(s, "embedding", sw, bool, default=False),
+                            head=_get(s, "head", sw, bool, default=False),
+                            recompute=_get(s, "recompute", sw, bool, default=False)))
+    return Pipeline(micro_batch_size=_get(p, "micro_batch_size", where, int),
+                    num_micro_batches=_get(p, "num_micro_batches", where, int), stages=tuple(stages))
 
 
 def _check_ranks(data: dict[str, Any], plan: Plan) -> None:
@@ -276,7 +288,7 @@ def _check_ranks(data: dict[str, Any], plan: Plan) -> None:
     rank = plan.rank_of_device()
     for pi, p in enumerate(data["pipelines"]):
         for si, s in enumerate(p["stages"]):
-            if "ranks" in s and list(s["ranks"]) != [rank[d] for d in s["devices"]]:
+            if "ranks" in s and s["ranks"] != [rank[d] for d in s["devices"]]:
                 _fail(f"pipelines[{pi}].stages[{si}].ranks", f"is {s['ranks']} but devices {s['devices']} "
                       f"get ranks {[rank[d] for d in s['devices']]} (ranks are devices in ascending order)",
                       "edit 'devices' only, or delete 'ranks'")

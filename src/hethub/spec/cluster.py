@@ -19,6 +19,8 @@ from hethub.spec._toml import check_keys, get_int, get_number, get_str, read_tom
 
 GIB = 1024**3
 BACKENDS = ("nccl", "gloo", "hccl", "xccl", "mpi")
+_NETWORK_KEYS = {"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kind_bw_bytes_per_s",
+                 "cross_kind_latency_s"}
 _KIND_KEYS = {
     "base", "vendor", "mem_bytes", "mem_gib", "peak_flops", "intra_node_bw_bytes_per_s",
     "intra_node_latency_s", "mem_bw_bytes_per_s", "backend", "efficiency", "emulated_slowdown",
@@ -154,19 +156,28 @@ class Cluster:
 
     @staticmethod
     def from_dict(data: dict[str, Any], *, where: str = "cluster") -> Cluster:
-        """Inverse of :meth:`to_dict` (as embedded in a plan); kinds are complete, no catalog lookup."""
-        try:
-            kinds = {n: DeviceKind(**k) for n, k in data["kinds"].items()}
-            groups = tuple(NodeGroup(**g) for g in data["groups"])
-            net = data["network"]
-            return Cluster(
-                name=data["name"], description=data.get("description", ""), kinds=kinds, groups=groups,
-                inter_node=Link(net["inter_node_bw_bytes_per_s"], net["inter_node_latency_s"]),
-                cross_kind=Link(net["cross_kind_bw_bytes_per_s"], net["cross_kind_latency_s"]),
-            )
-        except (KeyError, TypeError, AttributeError) as err:
-            raise SpecError(f"{where}: embedded cluster is malformed ({err}). Fix: re-create the plan with "
-                            "'hethub plan'.") from None
+        """Inverse of :meth:`to_dict` (as embedded in a plan), validated like a cluster file."""
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: expected an object. Fix: re-create the plan with 'hethub plan'.")
+        kinds, groups = data.get("kinds"), data.get("groups")
+        if not isinstance(kinds, dict) or not all(isinstance(k, dict) for k in kinds.values()):
+            raise field_error(where, "kinds", "must map kind names to objects", "re-create the plan with 'hethub plan'")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise field_error(where, "groups", "must be a list of objects", "re-create the plan with 'hethub plan'")
+        net = data.get("network")
+        if not isinstance(net, dict) or set(net) != _NETWORK_KEYS:
+            raise field_error(where, "network", f"must give exactly {', '.join(sorted(_NETWORK_KEYS))} (is malformed)",
+                              "re-create the plan with 'hethub plan'")
+        toml_like = {
+            "name": data.get("name", "cluster"),
+            "description": data.get("description", ""),
+            "kinds": {n: {k: v for k, v in t.items() if k != "name" and v is not None} for n, t in kinds.items()},
+            "group": [
+                {("nodes" if k == "num_nodes" else k): v for k, v in g.items() if v is not None} for g in groups
+            ],
+            "network": net,
+        }
+        return parse_cluster(toml_like, where=where)
 
 
 def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind | None = None) -> DeviceKind:
@@ -203,9 +214,16 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
         efficiency=efficiency,
         mem_bw_bytes_per_s=mem_bw,
         emulated_slowdown=slowdown,
-        source=get_str(table, "source", where=where, default=b.get("source") or "(not given)"),
-        notes=table.get("notes", b.get("notes", "")) if isinstance(table.get("notes", ""), str) else "",
+        source=_text(table, "source", where=where, default=b.get("source", "")),
+        notes=_text(table, "notes", where=where, default=b.get("notes", "")),
     )
+
+
+def _text(table: dict[str, Any], key: str, *, where: str, default: str) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str):
+        raise field_error(where, key, f"must be a string, got {value!r}", f'write {key} = "<text>"')
+    return value
 
 
 @functools.cache
@@ -261,8 +279,7 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         ))
     net = data.get("network", {})
     nw = f"{where}: network"
-    check_keys(net, allowed={"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kind_bw_bytes_per_s",
-                             "cross_kind_latency_s"}, where=nw)
+    check_keys(net, allowed=_NETWORK_KEYS, where=nw)
     inter = Link(get_number(net, "inter_node_bw_bytes_per_s", where=nw, default=12.5e9),
                  get_number(net, "inter_node_latency_s", where=nw, default=10e-6, positive=False))
     cross = Link(get_number(net, "cross_kind_bw_bytes_per_s", where=nw, default=inter.bw_bytes_per_s),

@@ -210,31 +210,45 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
 )}
 
 
+def _hf_int(cfg: dict[str, Any], key: str, *, name: str, default: int | None = None) -> int:
+    """A positive integer field of a Hugging Face config, named by its config.json key on error."""
+    # Hugging Face writes null for "use the default" (e.g. GPT-Neo's intermediate_size).
+    value = cfg.get(key) if cfg.get(key) is not None else default
+    if value is None:
+        raise field_error(f"{name}: config.json", key, "is missing", f"add \"{key}\": <positive integer>")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise field_error(f"{name}: config.json", key, f"must be a positive integer, got {value!r}",
+                          "use the model's original config.json")
+    return value
+
+
 def _from_hf(cfg: dict[str, Any], *, name: str) -> ModelSpec:
     mt = cfg.get("model_type", "llama")
-    try:
-        if mt in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
-            heads = cfg["num_attention_heads"]
-            return _llama(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
-                          cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"],
-                          cfg.get("max_position_embeddings", 4096), bool(cfg.get("tie_word_embeddings", False)))
-        if mt == "opt":
-            act = "relu" if cfg.get("activation_function", "relu") == "relu" else "gelu"
-            return _gpt(name, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-                        cfg["ffn_dim"], cfg["vocab_size"], cfg["max_position_embeddings"], act)
-        if mt == "gpt_neo":
-            h = cfg["hidden_size"]
-            return _gpt(name, cfg["num_layers"], h, cfg["num_heads"], cfg.get("intermediate_size") or 4 * h,
-                        cfg["vocab_size"], cfg["max_position_embeddings"], "gelu")
-        if mt == "gpt2":
-            h = cfg["n_embd"]
-            return _gpt(name, cfg["n_layer"], h, cfg["n_head"], cfg.get("n_inner") or 4 * h, cfg["vocab_size"],
-                        cfg["n_positions"], "gelu")
-    except KeyError as err:
-        raise SpecError(f"{name}: Hugging Face config lacks field {err} for model_type {mt!r}. Fix: use the "
-                        "model's original config.json.") from None
-    raise SpecError(f"{name}: unsupported model_type {mt!r}. Fix: use a llama/mistral/qwen2/opt/gpt_neo/gpt2 "
-                    "config, or a preset.")
+
+    def i(key: str, default: int | None = None) -> int:
+        return _hf_int(cfg, key, name=name, default=default)
+
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
+        heads = i("num_attention_heads")
+        tied = cfg.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise field_error(f"{name}: config.json", "tie_word_embeddings", f"must be true or false, got {tied!r}",
+                              "use the model's original config.json")
+        return _llama(name, i("num_hidden_layers"), i("hidden_size"), heads, i("num_key_value_heads", heads),
+                      i("intermediate_size"), i("vocab_size"), i("max_position_embeddings", 4096), tied)
+    if mt == "opt":
+        act = "relu" if cfg.get("activation_function", "relu") == "relu" else "gelu"
+        return _gpt(name, i("num_hidden_layers"), i("hidden_size"), i("num_attention_heads"), i("ffn_dim"),
+                    i("vocab_size"), i("max_position_embeddings"), act)
+    if mt == "gpt_neo":
+        h = i("hidden_size")
+        return _gpt(name, i("num_layers"), h, i("num_heads"), i("intermediate_size", 4 * h), i("vocab_size"), i("max_position_embeddings"), "gelu")
+    if mt == "gpt2":
+        h = i("n_embd")
+        return _gpt(name, i("n_layer"), h, i("n_head"), i("n_inner", 4 * h),
+                    i("vocab_size"), i("n_positions"), "gelu")
+    raise SpecError(f"{name}: config.json field 'model_type' is {mt!r}, which hethub does not know. Fix: use a "
+                    "llama/mistral/qwen2/opt/gpt_neo/gpt2 config, or a preset.")
 
 
 def get_model(name_or_path: str) -> ModelSpec:

@@ -1,0 +1,25 @@
+# The two set-up commands of README.md. Each makes (or reuses) a local virtual environment.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint clean
+
+$(BIN)/hethub: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch is pinned ==2.13.0 in pyproject.toml: the CPU wheel on this machine, never a CUDA build.
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(BIN)/hethub
+	$(BIN)/hethub demo
+
+lint: $(BIN)/hethub
+	$(BIN)/ruff check src tests bench
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache runs

@@ -1,0 +1,192 @@
+"""The `hethub` command line. Parsing and printing only; the work lives in the packages.
+
+Every input error is a HethubError: it is printed as one paragraph on stderr and the process exits
+with the error's code (see docs/cli.md). Heavy imports (torch) happen inside the commands that need
+them, so planning stays fast and works without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from hethub.errors import HethubError
+
+EXIT_INTERRUPTED = 130
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _load_profiles(arg: str | None, model=None, seq_len: int | None = None):
+    if not arg:
+        return None
+    from hethub.profile.format import load_profiles
+
+    return load_profiles(arg, model=model, seq_len=seq_len)
+
+
+# ---- plan / predict ---------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hethub.search.config import PlannerConfig
+    from hethub.search.planner import make_plan
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+    from hethub.tables import format_plan_table, format_summary
+
+    cluster = load_cluster(args.cluster)
+    model = get_model(args.model)
+    config = PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
+                           schedule=args.schedule, precision=args.precision, top_k=args.top_k)
+    profiles = _load_profiles(args.profiles, model, args.seq_len)
+    if args.compare:
+        return _compare(cluster=cluster, model=model, config=config, profiles=profiles, as_json=args.json)
+    result = make_plan(cluster=cluster, model=model, config=config, profiles=profiles)
+    if args.out:
+        result.plan.save(args.out)
+    pred = result.prediction
+    if args.json:
+        out = {
+            "strategy": args.strategy,
+            "tokens_per_s": pred.tokens_per_s,
+            "step_time_s": pred.step_time_s,
+            "upper_bound_tokens_per_s": result.upper_bound_tokens_per_s,
+            "efficiency": result.efficiency,
+            "search_time_s": result.search_time_s,
+            "feasible": pred.fits_memory,
+            "peak_mem_bytes_by_kind": pred.peak_mem_bytes_by_kind,
+            "num_pipelines": len(result.plan.pipelines),
+            "devices_used": result.plan.world_size,
+            "compute_sources": pred.compute_sources,
+            "notes": list(result.notes),
+            "plan_file": args.out,
+            "alternatives": [{"tokens_per_s": p.tokens_per_s, "step_time_s": p.step_time_s,
+                              "num_pipelines": len(pl.pipelines)} for pl, p in result.alternatives],
+        }
+        if not args.out:
+            out["plan"] = result.plan.to_dict()
+        print(json.dumps(out, indent=2))
+        return 0
+    print(format_summary(result.plan, pred, upper_bound_tokens_per_s=result.upper_bound_tokens_per_s,
+                         search_time_s=result.search_time_s))
+    for note in result.notes:
+        print(f"note: {note}")
+    print()
+    print(format_plan_table(result.plan, pred))
+    for i, (alt_plan, alt_pred) in enumerate(result.alternatives[1:], start=2):
+        print(f"\n#{i}: {alt_pred.tokens_per_s:,.0f} tokens/s, {len(alt_plan.pipelines)} pipelines")
+    if args.out:
+        print(f"\nplan written to {args.out}")
+    return 0
+
+
+def _compare(*, cluster, model, config, profiles, as_json: bool) -> int:
+    from dataclasses import replace
+
+    from hethub.search.planner import make_plan
+
+    rows = []
+    for strategy in ("hethub", "uniform", "flops-proportional", "homogeneous"):
+        try:
+            r = make_plan(cluster=cluster, model=model, config=replace(config, strategy=strategy), profiles=profiles)
+            rows.append((strategy, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
+                         len(r.plan.pipelines), r.plan.world_size, ""))
+        except HethubError as err:
+            rows.append((strategy, 0.0, float("nan"), 0.0, 0, 0, str(err).split(". Fix")[0]))
+    base = next((r[1] for r in rows if r[0] == "uniform"), 0.0)
+    if as_json:
+        print(json.dumps([{"strategy": s, "tokens_per_s": t, "step_time_s": st, "efficiency": e,
+                           "speedup_over_uniform": (t / base if base else None), "num_pipelines": n,
+                           "devices_used": d, "error": err or None} for s, t, st, e, n, d, err in rows], indent=2))
+        return 0
+    print(f"{'strategy':<20} {'tokens/s':>14} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
+          f"{'pipelines':>9} {'devices':>7}")
+    for s, t, st, e, n, d, err in rows:
+        if err:
+            print(f"{s:<20} {'infeasible':>14}  {err}")
+            continue
+        speed = f"{t / base:.2f}x" if base else "n/a"
+        print(f"{s:<20} {t:>14,.0f} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7}")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from hethub.plan import Plan
+    from hethub.predict.predictor import predict
+    from hethub.tables import format_plan_table, format_summary
+
+    plan = Plan.load(args.plan)
+    profiles = _load_profiles(args.profiles, plan.model, plan.seq_len)
+    pred = predict(plan, profiles=profiles)
+    upper = plan.meta.get("upper_bound_tokens_per_s")
+    if args.json:
+        out = {**pred.to_dict(), "upper_bound_tokens_per_s": upper,
+               "efficiency": pred.tokens_per_s / upper if upper else None, "feasible": pred.fits_memory}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(format_summary(plan, pred, upper_bound_tokens_per_s=upper))
+    print()
+    print(format_plan_table(plan, pred))
+    return 0
+
+
+# ---- parser ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hethub", description="Plan, predict and train LLMs on mixed accelerators.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sp = sub.add_parser("plan", help="search the best heterogeneous plan for a cluster and model")
+    sp.add_argument("--cluster", required=True, help="cluster TOML file")
+    sp.add_argument("--model", required=True, help="preset name or Hugging Face config.json")
+    sp.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per optimizer step")
+    sp.add_argument("--seq-len", type=_positive_int, required=True)
+    sp.add_argument("--strategy", default="hethub", choices=["hethub", "uniform", "flops-proportional",
+                                                             "homogeneous"])
+    sp.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    sp.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
+    sp.add_argument("--top-k", type=_positive_int, default=1, help="also show the k best plans")
+    sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
+    sp.add_argument("--compare", action="store_true", help="print every strategy side by side")
+    sp.add_argument("--out", help="write the plan JSON here")
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.set_defaults(func=cmd_plan)
+
+    sp = sub.add_parser("predict", help="predict step time, throughput and memory of a plan")
+    sp.add_argument("--plan", required=True)
+    sp.add_argument("--profiles")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_predict)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+# Commands defined in other modules register themselves here (keeps this file about parsing).
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except HethubError as err:
+        print(f"hethub {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("hethub: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

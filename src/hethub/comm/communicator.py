@@ -1,0 +1,91 @@
+"""The one seam through which the runtime communicates.
+
+Everything the runtime sends or reduces goes through :class:`Communicator`: point-to-point
+activations, gradient all-reduces, TP all-reduce/all-gather, and small object gathers for metrics.
+This implementation uses plain ``torch.distributed`` over the groups it is given (gloo on CPU).
+A later bridge for p2p/all-reduce across device kinds replaces it behind the same methods, so the
+runtime never names a backend.
+
+Groups are identified by their sorted rank tuple. ``create_groups`` must be called on every rank
+with the same list in the same order (``new_group`` is collective over the world).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GroupKey = tuple[int, ...]
+
+
+class Communicator:
+    def __init__(self, *, timeout: timedelta | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Communicator needs torch.distributed initialised first (init_process_group)")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._timeout = timeout
+        self._groups: dict[GroupKey, Any] = {}
+
+    # ---- groups ----------------------------------------------------------------------------------
+    def create_groups(self, groups: Iterable[Sequence[int]]) -> None:
+        for ranks in groups:
+            key = tuple(sorted(ranks))
+            if key in self._groups:
+                continue
+            if len(key) == self.world_size:
+                self._groups[key] = None  # the default group; a copy would only cost a new gloo context
+            else:
+                kw = {"timeout": self._timeout} if self._timeout else {}
+                self._groups[key] = dist.new_group(ranks=list(key), **kw)
+
+    def _pg(self, group: Sequence[int] | None) -> Any:
+        if group is None:
+            return None
+        key = tuple(sorted(group))
+        if len(key) == self.world_size:
+            return None
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise RuntimeError(f"group {key} was not created; list it in create_groups on every rank") from None
+
+    # ---- point to point --------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> Any:
+        """Non-blocking send; the caller keeps ``tensor`` alive and waits on the returned work."""
+        return dist.isend(tensor.contiguous(), dst=dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
+        dist.recv(tensor, src=src, tag=tag)
+        return tensor
+
+    # ---- collectives -----------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,
+                   op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce over ``group`` (None: all ranks). ``op``: sum or max."""
+        if group is not None and len(group) == 1:
+            return tensor
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.all_reduce(tensor, op=rop, group=self._pg(group))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0) -> torch.Tensor:
+        """Concatenate every member's ``tensor`` along ``dim``, in ascending rank order."""
+        if len(group) == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in group]
+        dist.all_gather(parts, tensor.contiguous(), group=self._pg(group))
+        return torch.cat(parts, dim=dim)
+
+    def gather_objects(self, obj: Any, *, dst: int) -> list[Any] | None:
+        """Picklable objects from every rank, on ``dst`` only (rank order); None elsewhere."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,194 @@
+"""Assemble the building blocks into one prediction of a plan's training step.
+
+Per stage: compute time (measured profile for its kind when one matches, else the roofline of
+:mod:`hethub.predict.compute`) plus Megatron TP all-reduces over the kind's intra-node link; the
+send of one micro-batch's activations to the next stage over the link between the stage's last
+device and the next stage's first; memory from :mod:`hethub.predict.memory` with the schedule's
+in-flight micro-batches. Each pipeline's schedule is simulated event by event
+(:mod:`hethub.predict.schedule`), then the data-parallel gradient sync (:mod:`hethub.predict.sync`)
+and optimizer update give each stage's end; the step ends with the last one.
+
+Large plans are mostly identical replicas, so stage costs are cached by what determines them and
+each distinct pipeline (same micro-batch count and per-stage times) is simulated once.
+
+`predict` expects a valid plan (see :meth:`hethub.plan.Plan.validate`); it does not re-validate,
+because the planner calls it in a loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hethub.plan import Pipeline, Plan
+from hethub.predict.comm import p2p_time_s, tp_comm_time_s
+from hethub.predict.compute import StageTimes, stage_times
+from hethub.predict.memory import USABLE_FRACTION, StageMemory, act_bytes_for, in_flight_micro_batches, stage_memory
+from hethub.predict.profiles import KindProfile, ProfileSet
+from hethub.predict.result import Event, Prediction, StagePrediction
+from hethub.predict.schedule import StageSchedule, simulate_pipeline, simulate_pipeline_time
+from hethub.predict.sync import SyncResult, simulate_sync
+from hethub.spec.cluster import Link
+
+
+@dataclass(frozen=True)
+class _StageCost:
+    times: StageTimes
+    fwd_s: float  # compute + TP collectives
+    bwd_s: float
+
+
+class _Costs:
+    """Caches of stage costs and pipeline simulations, keyed by everything that determines them."""
+
+    def __init__(self, plan: Plan, profiles: ProfileSet | None) -> None:
+        self.plan = plan
+        self.profiles = profiles
+        self.act_bytes = act_bytes_for(plan.precision)
+        self.stage: dict[tuple, _StageCost] = {}
+        self.memory: dict[tuple, StageMemory] = {}
+        self.finish: dict[tuple, list[float]] = {}
+        self.schedules: dict[tuple, list[StageSchedule]] = {}
+
+    def _profile(self, kind: str) -> KindProfile | None:
+        prof = self.profiles.get(kind) if self.profiles is not None else None
+        # Attention cost grows faster than linearly with sequence length, so a profile measured at
+        # another length is not rescaled: the roofline is used instead (visible in compute_source).
+        return prof if prof is not None and prof.seq_len == self.plan.seq_len else None
+
+    def stage_cost(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
+                   recompute: bool) -> _StageCost:
+        key = (kind, layers, embedding, head, tp, mbs, recompute)
+        cost = self.stage.get(key)
+        if cost is None:
+            plan = self.plan
+            k = plan.cluster.kinds[kind]
+            times = stage_times(plan.model, k, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
+                                seq_len=plan.seq_len, recompute=recompute, precision=plan.precision,
+                                profile=self._profile(kind))
+            act = mbs * plan.seq_len * plan.model.hidden_size * self.act_bytes
+            intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
+            tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
+            cost = self.stage[key] = _StageCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
+        return cost
+
+    def stage_memory(self, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int, recompute: bool,
+                     in_flight: int) -> StageMemory:
+        key = (layers, embedding, head, tp, mbs, recompute, in_flight)
+        mem = self.memory.get(key)
+        if mem is None:
+            plan = self.plan
+            mem = self.memory[key] = stage_memory(plan.model, layers=layers, embedding=embedding, head=head, tp=tp,
+                                                  mbs=mbs, seq_len=plan.seq_len, recompute=recompute,
+                                                  precision=plan.precision, in_flight=in_flight)
+        return mem
+
+    def simulate(self, sig: tuple, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
+                 *, ops: bool) -> list[float]:
+        if ops:
+            if sig not in self.schedules:
+                self.schedules[sig] = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
+                                                        schedule=self.plan.schedule)
+            return [st.finish_s for st in self.schedules[sig]]
+        if sig not in self.finish:
+            self.finish[sig] = simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
+                                                      schedule=self.plan.schedule)
+        return self.finish[sig]
+
+
+def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = False) -> Prediction:
+    """Step time, throughput, per-device memory and (optionally) the per-device timeline of `plan`."""
+    model, cluster = plan.model, plan.cluster
+    costs = _Costs(plan, profiles)
+    p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
+    partial: list[tuple[int, int, _StageCost, StageMemory, float]] = []
+    finish: list[list[float]] = []
+    updates: list[list[float]] = []
+    sigs: list[tuple] = []
+    for pi, p in enumerate(plan.pipelines):
+        mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
+        fwd, bwd, p2p, upd = [], [], [], []
+        for si, s in enumerate(p.stages):
+            cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
+                                    mbs=mbs, recompute=s.recompute)
+            in_flight = in_flight_micro_batches(schedule=plan.schedule, stage_index=si, num_stages=n,
+                                                num_micro_batches=m)
+            mem = costs.stage_memory(layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp, mbs=mbs,
+                                     recompute=s.recompute, in_flight=in_flight)
+            send = 0.0
+            if si < n - 1:
+                link = cluster.link(s.devices[-1], p.stages[si + 1].devices[0])
+                send = p2p_time_s(link, mbs * p2p_bytes_per_mbs)
+            fwd.append(cost.fwd_s)
+            bwd.append(cost.bwd_s)
+            p2p.append(send)
+            upd.append(cost.times.update_s)
+            partial.append((pi, si, cost, mem, send))
+        sig = (m, tuple(fwd), tuple(bwd), tuple(p2p))
+        sigs.append(sig)
+        finish.append(costs.simulate(sig, fwd, bwd, p2p, m, ops=timeline))
+        updates.append(upd)
+
+    sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline)
+    stages = tuple(_stage_prediction(plan, pi, si, cost, mem, send, sync) for pi, si, cost, mem, send in partial)
+    step = sync.step_time_s
+    tokens = plan.tokens_per_step
+    events: tuple[Event, ...] = ()
+    if timeline:
+        events = _timeline(plan, [costs.schedules[sig] for sig in sigs], stages, sync)
+    return Prediction(
+        step_time_s=step,
+        tokens_per_s=tokens / step if step > 0 else float("inf"),
+        pipeline_times_s=tuple(max(row) for row in finish),
+        stages=stages,
+        timeline=events,
+        model_flops_per_step=model.train_flops_per_token(seq_len=plan.seq_len) * tokens,
+    )
+
+
+def _stage_prediction(plan: Plan, pi: int, si: int, cost: _StageCost, mem: StageMemory, send: float,
+                      sync: SyncResult) -> StagePrediction:
+    s = plan.pipelines[pi].stages[si]
+    return StagePrediction(
+        pipeline=pi, stage=si, kind=s.kind, devices=s.devices, layers=s.layers, tp=s.tp,
+        fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, update_s=cost.times.update_s, p2p_s=send,
+        sync_s=sync.sync_s[(pi, si)], weights_bytes=mem.weights_bytes, grads_bytes=mem.grads_bytes,
+        optimizer_bytes=mem.optimizer_bytes, activations_bytes=mem.activations_bytes,
+        capacity_bytes=plan.cluster.kinds[s.kind].mem_bytes * USABLE_FRACTION, compute_source=cost.times.source,
+    )
+
+
+def _timeline(plan: Plan, schedules: list[list[StageSchedule]], stages: tuple[StagePrediction, ...],
+              sync: SyncResult) -> tuple[Event, ...]:
+    """Compute, transfer, all-reduce and optimizer intervals on every device, sorted by start time."""
+    events: list[Event] = []
+    by_id = {(sp.pipeline, sp.stage): sp for sp in stages}
+    for pi, (p, sched) in enumerate(zip(plan.pipelines, schedules, strict=True)):
+        for si, st in enumerate(sched):
+            sp = by_id[(pi, si)]
+            back = by_id[(pi, si - 1)].p2p_s if si > 0 else 0.0
+            for d in sp.devices:
+                events.extend(_stage_events(p, pi, si, d, st, send_fwd=sp.p2p_s, send_bwd=back))
+                for name, a, b in sync.intervals[(pi, si)]:
+                    events.append(Event(d, "allreduce", f"allreduce {name}", a, b, pi, si))
+                end = sync.stage_end_s[(pi, si)]
+                if sp.update_s > 0:
+                    events.append(Event(d, "optimizer", "optimizer", end - sp.update_s, end, pi, si))
+    events.sort(key=lambda e: (e.start_s, e.device))
+    return tuple(events)
+
+
+def _stage_events(p: Pipeline, pi: int, si: int, device: int, st: StageSchedule, *, send_fwd: float,
+                  send_bwd: float) -> list[Event]:
+    last = si == len(p.stages) - 1
+    out = []
+    for op in st.ops:
+        i = op.micro_batch
+        if op.kind == "F":
+            out.append(Event(device, "forward", f"F{i}", op.start_s, op.end_s, pi, si, i))
+            if not last:
+                out.append(Event(device, "p2p", f"send act {i}", op.end_s, op.end_s + send_fwd, pi, si, i))
+        else:
+            out.append(Event(device, "backward", f"B{i}", op.start_s, op.end_s, pi, si, i))
+            if si > 0:
+                out.append(Event(device, "p2p", f"send grad {i}", op.end_s, op.end_s + send_bwd, pi, si, i))
+    return out

@@ -1,0 +1,168 @@
+"""Event-by-event simulation of one pipeline's micro-batch schedule (1F1B or GPipe).
+
+Inputs, per stage s of a pipeline of p stages: ``fwd_s[s]`` and ``bwd_s[s]``, the time of one
+micro-batch's forward / backward on that stage (compute plus tensor-parallel collectives), and
+``p2p_s[s]``, the time to send one micro-batch's activations from stage s to s+1 (the gradients sent
+back from s+1 to s take the same time). ``p2p_s`` may have p-1 or p entries; an entry for the last
+stage is ignored.
+
+Op order on stage s (``op_order``), with m micro-batches:
+
+* ``1f1b``: w = min(p - s - 1, m) warm-up forwards F0..F(w-1); then the remaining m - w forwards
+  alternate with backwards: F(w), B0, F(w+1), B1, ...; then the last w backwards. This also
+  holds for m < p.
+* ``gpipe``: all forwards F0..F(m-1), then all backwards B0..B(m-1).
+
+Timing rules (every op runs as soon as its inputs and its stage are free):
+
+* F(s, i) starts at max(end of the previous op on s, end of F(s-1, i) + p2p_s[s-1]).
+* B(s, i) starts at max(end of the previous op on s, end of B(s+1, i) + p2p_s[s], end of F(s, i));
+  the last stage's B(p-1, i) needs only its own F(p-1, i).
+* Transfers are asynchronous: they delay the receiver but never occupy a stage's compute.
+
+A stage's finish time is the end of its last backward. Because each stage's op times are used
+as given, unequal stages are modelled exactly, not by a bottleneck formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F" or "B"
+    micro_batch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    ops: tuple[Op, ...]
+    finish_s: float  # end of the stage's last backward
+
+
+def op_order(*, num_stages: int, stage: int, num_micro_batches: int, schedule: str) -> list[tuple[str, int]]:
+    """The (kind, micro-batch) sequence stage `stage` executes under `schedule`."""
+    return [("F", c) if c >= 0 else ("B", ~c) for c in _codes(num_stages, stage, num_micro_batches, schedule)]
+
+
+def simulate_pipeline_time(
+    *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
+    schedule: str = "1f1b",
+) -> list[float]:
+    """Finish time (end of the last backward) of every stage; the fast path, no op records."""
+    finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, record=False)
+    return finish
+
+
+def simulate_pipeline(
+    *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
+    schedule: str = "1f1b",
+) -> list[StageSchedule]:
+    """Every stage's ops with their start/end times, and its finish time."""
+    finish, recs = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, record=True)
+    return [
+        StageSchedule(ops=tuple(Op("F" if c >= 0 else "B", c if c >= 0 else ~c, a, b) for c, a, b in rec),
+                      finish_s=f)
+        for f, rec in zip(finish, recs, strict=True)
+    ]
+
+
+def _codes(p: int, s: int, m: int, schedule: str) -> list[int]:
+    """Op codes: i >= 0 is the forward of micro-batch i, ~i (< 0) its backward."""
+    if schedule == "gpipe":
+        return [*range(m), *(~i for i in range(m))]
+    if schedule != "1f1b":
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
+    w = min(p - s - 1, m)
+    codes = list(range(w))
+    for j in range(m - w):
+        codes.append(w + j)
+        codes.append(~j)
+    codes.extend(~i for i in range(m - w, m))
+    return codes
+
+
+def _check(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> int:
+    p = len(fwd_s)
+    if p < 1 or len(bwd_s) != p:
+        raise ValueError(f"need fwd_s and bwd_s of equal, non-zero length; got {len(fwd_s)} and {len(bwd_s)}")
+    if len(p2p_s) not in (p - 1, p):
+        raise ValueError(f"p2p_s needs {p - 1} or {p} entries for {p} stages, got {len(p2p_s)}")
+    if m < 1:
+        raise ValueError(f"num_micro_batches must be >= 1, got {m}")
+    return p
+
+
+def _simulate(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int, schedule: str, *, record: bool,
+) -> tuple[list[float], list[list[tuple[int, float, float]]]]:
+    p = _check(fwd_s, bwd_s, p2p_s, m)
+    orders = [_codes(p, s, m, schedule) for s in range(p)]
+    f_end = [[0.0] * m for _ in range(p)]
+    b_end = [[0.0] * m for _ in range(p)]
+    # Forwards and backwards each complete in micro-batch order on every stage, so "is F(s-1, i)
+    # done" is just "has stage s-1 finished more than i forwards": no per-op flags needed.
+    nf = [0] * p
+    nb = [0] * p
+    ptr = [0] * p
+    clock = [0.0] * p
+    recs: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
+    remaining = 2 * m * p
+    down = list(range(p))
+    up = down[::-1]
+    sweep = 0
+    while remaining:
+        # Forwards flow down the stages and backwards up, so alternate the sweep direction.
+        progressed = 0
+        for s in down if sweep % 2 == 0 else up:
+            order, k, t = orders[s], ptr[s], clock[s]
+            n = len(order)
+            fe, be = f_end[s], b_end[s]
+            fs, bs = fwd_s[s], bwd_s[s]
+            prev_fe = f_end[s - 1] if s > 0 else None
+            next_be = b_end[s + 1] if s < p - 1 else None
+            in_p2p = p2p_s[s - 1] if s > 0 else 0.0
+            out_p2p = p2p_s[s] if s < p - 1 else 0.0
+            rec = recs[s]
+            while k < n:
+                c = order[k]
+                if c >= 0:
+                    if prev_fe is not None:
+                        if nf[s - 1] <= c:
+                            break
+                        ready = prev_fe[c] + in_p2p
+                        if ready > t:
+                            t = ready
+                    start = t
+                    t += fs
+                    fe[c] = t
+                    nf[s] += 1
+                else:
+                    i = ~c
+                    if next_be is not None:
+                        if nb[s + 1] <= i:
+                            break
+                        ready = next_be[i] + out_p2p
+                        if ready > t:
+                            t = ready
+                    # F(s, i) precedes B(s, i) in the stage's own order, so it already ended by t.
+                    start = t
+                    t += bs
+                    be[i] = t
+                    nb[s] += 1
+                if record:
+                    rec.append((c, start, t))
+                k += 1
+            progressed += k - ptr[s]
+            ptr[s], clock[s] = k, t
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked; this is a bug in the op order")
+        remaining -= progressed
+        sweep += 1
+    return [b_end[s][m - 1] for s in range(p)], recs

@@ -1,0 +1,137 @@
+"""Data-parallel gradient synchronisation among whichever stages hold each parameter group.
+
+Parameter groups are the embedding, each decoder layer l, and the head with the final norm. A
+group's holders are the stages (one per pipeline) that contain it, so replicas that split layers
+differently still sync layer by layer. With tied embeddings, a pipeline whose embedding and head
+sit on different stages holds the shared matrix twice: both stages join the embedding group (as
+Megatron's embedding group does), and the head group keeps only the final norm.
+
+Each group is one ring all-reduce (:func:`hethub.predict.comm.allreduce_time_s`):
+
+* participants: the number of holder stages;
+* bytes per participant: the group's parameters on one device of a holder x grad bytes, taking
+  the largest over holders (the smallest TP degree), because the biggest shard bounds the ring;
+* link: :func:`hethub.predict.comm.slowest_link` over the first device of each holder, in pipeline
+  order, so a ring that crosses kinds pays the cross-kind link.
+
+Timing: a group's all-reduce starts once every holder has finished its last backward and its
+previous syncs; each stage runs its groups' all-reduces one after another in layer order
+(embedding, layers 0..L-1, head). A stage ends at its last sync's end plus its optimizer update;
+the step ends when the last stage does.
+
+Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
+backward still runs, so this overestimates a little); TP ranks of a stage are assumed to run their
+shard's all-reduces in parallel on separate rings at the first device's link; mismatched TP shard
+layouts among holders are costed as if they lined up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hethub.plan import Plan
+from hethub.predict.comm import allreduce_time_s, slowest_link
+from hethub.spec.cluster import Link
+from hethub.spec.model import ModelSpec
+
+StageId = tuple[int, int]  # (pipeline index, stage index)
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    name: str  # "embedding", "layer 12", "head"
+    holders: tuple[StageId, ...]
+    nbytes: float  # per participant
+    link: Link
+    time_s: float
+
+    @property
+    def participants(self) -> int:
+        return len(self.holders)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    step_time_s: float
+    stage_end_s: dict[StageId, float]  # sync end + optimizer update
+    sync_s: dict[StageId, float]  # summed all-reduce durations of the stage's groups (no waiting)
+    # (group name, start, end) per stage, in execution order; only when recorded.
+    intervals: dict[StageId, list[tuple[str, float, float]]]
+
+
+def sync_groups(plan: Plan) -> list[SyncGroup]:
+    """The plan's parameter groups in layer order, with their all-reduce cost."""
+    model, cluster = plan.model, plan.cluster
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    emb: list[StageId] = []
+    head: list[StageId] = []
+    tied: list[StageId] = []
+    by_layer: list[list[StageId]] = [[] for _ in range(model.num_layers)]
+    for pi, p in enumerate(plan.pipelines):
+        emb_stage = head_stage = None
+        for si, s in enumerate(p.stages):
+            for layer in range(s.layers[0], s.layers[1]):
+                by_layer[layer].append((pi, si))
+            if s.embedding:
+                emb_stage = si
+                emb.append((pi, si))
+            if s.head:
+                head_stage = si
+                head.append((pi, si))
+        if model.tied_embeddings and head_stage is not None and emb_stage != head_stage:
+            tied.append((pi, head_stage))
+
+    tp_of = {(pi, si): s.tp for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+    first_dev = {(pi, si): s.devices[0] for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+    h, v = model.hidden_size, model.vocab_size
+    norm_layer = model.layer_params - model.layer_matmul_params
+    pos = model.embedding_params - v * h
+    links: dict[tuple[StageId, ...], Link] = {}
+
+    def group(name: str, holders: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
+        hs = tuple(holders)
+        link = links.get(hs)
+        if link is None:
+            link = links[hs] = slowest_link(cluster, [first_dev[x] for x in hs])
+        nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
+        return SyncGroup(name, hs, nbytes, link, allreduce_time_s(nbytes=nbytes, participants=len(hs), link=link))
+
+    tps = set(tp_of.values())
+    # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
+    # holders at the embedding stage's count keeps the max-over-holders rule simple and safe.
+    groups = [group("embedding", [*emb, *tied], {t: v * h / t + pos for t in tps})]
+    layer_params = {t: model.layer_matmul_params / t + norm_layer for t in tps}
+    groups.extend(group(f"layer {layer}", hs, layer_params) for layer, hs in enumerate(by_layer))
+    # A tied head's matrix is synced with the embedding; only the final norm is left here.
+    head_matrix = 0 if model.tied_embeddings else v * h
+    groups.append(group("head", head, {t: head_matrix / t + model.final_norm_params for t in tps}))
+    return groups
+
+
+def simulate_sync(
+    plan: Plan, *, finish_s: Sequence[Sequence[float]], update_s: Sequence[Sequence[float]], record: bool = False,
+    groups: Sequence[SyncGroup] | None = None,
+) -> SyncResult:
+    """Run every group's all-reduce after its holders' backwards; `finish_s[p][s]` is stage s's last backward."""
+    groups = sync_groups(plan) if groups is None else groups
+    cursor: dict[StageId, float] = {
+        (pi, si): float(f) for pi, row in enumerate(finish_s) for si, f in enumerate(row)
+    }
+    sync_s = dict.fromkeys(cursor, 0.0)
+    intervals: dict[StageId, list[tuple[str, float, float]]] = {k: [] for k in cursor} if record else {}
+    for g in groups:
+        if g.time_s <= 0.0:
+            continue  # one holder only: nothing to wait for or send
+        hs = g.holders
+        start = max(cursor[x] for x in hs)
+        end = start + g.time_s
+        for x in hs:
+            cursor[x] = end
+            sync_s[x] += g.time_s
+        if record:
+            for x in hs:
+                intervals[x].append((g.name, start, end))
+    stage_end = {(pi, si): cursor[(pi, si)] + u for pi, row in enumerate(update_s) for si, u in enumerate(row)}
+    return SyncResult(step_time_s=max(stage_end.values()), stage_end_s=stage_end, sync_s=sync_s,
+                      intervals=intervals)

@@ -1,0 +1,1 @@
+"""Training runtime: executes a plan with torch.distributed (one process per device)."""

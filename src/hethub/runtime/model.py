@@ -1,0 +1,199 @@
+"""The decoder, built per stage: Llama-style (RMSNorm, rotary, GQA, SwiGLU) or GPT-style (LayerNorm,
+learned positions, GeLU/ReLU MLP, biases), as described by a ModelSpec.
+
+A stage module holds only its layers (plus embedding / final norm + head where the plan puts them)
+but names every parameter as the full model does (``layers.7.attn.wq.weight``), so gradients,
+checkpoints and parity checks map by name. Weights are drawn per parameter from a generator seeded
+by hash(seed, name) at full size and then sliced to this rank's TP shard: the same model results
+however it is split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hethub.runtime.tensor_parallel import TPContext, copy_to_tp, reduce_from_tp, shard
+from hethub.spec.model import ModelSpec
+
+_COLUMN = ("wq", "wk", "wv", "w1", "w3")  # split along output features (dim 0 of weight and bias)
+_ROW = ("wo", "w2")  # split along input features (dim 1 of weight); bias replicated
+
+
+def shard_dim_of(name: str) -> int | None:
+    """Dimension along which TP splits parameter ``name``; None when replicated."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _COLUMN:
+        return 0
+    if len(parts) >= 2 and parts[-2] in _ROW and parts[-1] == "weight":
+        return 1
+    return None
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    return nn.LayerNorm(spec.hidden_size, eps=1e-5) if spec.arch == "gpt" else RMSNorm(spec.hidden_size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(*, head_dim: int, seq_len: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-b, a], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.heads, self.kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
+        self.head_dim = spec.head_dim
+        h, bias = spec.hidden_size, spec.has_bias
+        self.wq = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        # Row-parallel bias is added once, after the reduction, so it stays replicated.
+        self.wo_bias = nn.Parameter(torch.zeros(h)) if bias else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        x = copy_to_tp(x, self.tp)
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][:s], rope[1][:s]
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = reduce_from_tp(self.wo(o.transpose(1, 2).reshape(b, s, -1)), self.tp)
+        return o if self.wo_bias is None else o + self.wo_bias
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
+        super().__init__()
+        self.tp, self.act, bias = tp, spec.activation, spec.has_bias
+        h, f = spec.hidden_size, spec.ffn_hidden_size // tp.size
+        self.w1 = nn.Linear(h, f, bias=bias)
+        self.w3 = nn.Linear(h, f, bias=bias) if spec.gated else None
+        self.w2 = nn.Linear(f, h, bias=False)
+        self.w2_bias = nn.Parameter(torch.zeros(h)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp)
+        if self.w3 is not None:
+            y = F.silu(self.w1(x)) * self.w3(x)
+        else:
+            y = F.gelu(self.w1(x)) if self.act == "gelu" else F.relu(self.w1(x))
+        y = reduce_from_tp(self.w2(y), self.tp)
+        return y if self.w2_bias is None else y + self.w2_bias
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = _norm(spec), Attention(spec, tp)
+        self.mlp_norm, self.mlp = _norm(spec), MLP(spec, tp)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class StageModel(nn.Module):
+    """Layers [start, end) of the decoder, plus the embedding and/or final norm + head.
+
+    ``forward`` takes token ids (embedding stage) or hidden states, and returns hidden states, or,
+    on the head stage, the *sum over samples of each sample's mean token loss* (so replicas with
+    different sample counts can be combined exactly by a global division).
+    """
+
+    def __init__(self, spec: ModelSpec, *, layers: tuple[int, int], embedding: bool, head: bool,
+                 tp: TPContext | None = None, recompute: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        self.spec, self.tp, self.recompute = spec, tp or TPContext(), recompute
+        self.has_embedding, self.has_head = embedding, head
+        if embedding or (head and spec.tied_embeddings):
+            self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if embedding and spec.arch == "gpt":
+            self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(spec, self.tp) for i in range(*layers)})
+        if head:
+            self.norm = _norm(spec)
+            if not spec.tied_embeddings:
+                self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.arch == "llama":
+            cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=spec.max_seq_len)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        init_parameters(self, seed=seed, tp=self.tp, num_layers=spec.num_layers)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.has_embedding:
+            h = self.embed(x)
+            if self.spec.arch == "gpt":
+                h = h + self.pos(torch.arange(x.shape[1], device=x.device))
+        else:
+            h = x
+        rope = (self.rope_cos, self.rope_sin) if self.spec.arch == "llama" else None
+        for block in self.layers.values():
+            if self.recompute and torch.is_grad_enabled():
+                h = checkpoint(block, h, rope, use_reentrant=False)
+            else:
+                h = block(h, rope)
+        if not self.has_head:
+            return h
+        if targets is None:
+            raise ValueError("the head stage needs targets to compute the loss")
+        w = self.embed.weight if self.spec.tied_embeddings else self.head.weight
+        logits = F.linear(self.norm(h), w).float()
+        tok = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return tok.view(targets.shape).mean(dim=1).sum()
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Stable across processes and Python runs (``hash()`` of a str is salted per process)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, *, seed: int, tp: TPContext, num_layers: int) -> None:
+    for name, p in module.named_parameters():
+        dim = shard_dim_of(name)
+        full_shape = list(p.shape)
+        if dim is not None:
+            full_shape[dim] *= tp.size
+        leaf = name.rsplit(".", 1)[-1]
+        is_norm = "norm" in name.split(".")[-2] if "." in name else False
+        if name.endswith("bias") or leaf.endswith("_bias") or (is_norm and leaf == "bias"):
+            full = torch.zeros(full_shape)
+        elif is_norm:
+            full = torch.ones(full_shape)
+        else:
+            std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            g = torch.Generator().manual_seed(param_seed(seed, name))
+            full = torch.randn(full_shape, generator=g) * std
+        p.copy_(shard(full, dim=dim, tp=tp))

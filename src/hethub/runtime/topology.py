@@ -1,0 +1,210 @@
+"""Rank layout from a plan: who holds what, who talks to whom, which groups exist.
+
+Pure Python (no torch) so it is unit-tested without processes. The runtime creates every group
+listed in ``Topology.groups`` on every rank, in that order (gloo's ``new_group`` is collective over
+the world; creating groups lazily or per rank hangs), and passes the handles explicitly.
+
+Parameters are grouped into *units* (``embed``, ``pos``, ``layer.<i>``, ``final_norm``, ``head``):
+all parameters of a unit live on the same stages. A unit's *holders* are the stages, across all
+pipelines, that hold it; its gradients are summed among exactly those stages' ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hethub.plan import Plan
+
+Schedule = Literal["1f1b", "gpipe"]
+
+
+@dataclass(frozen=True)
+class StagePlace:
+    pipeline: int
+    stage: int
+    num_stages: int
+    kind: str
+    ranks: tuple[int, ...]  # torch ranks, TP rank order
+    layers: tuple[int, int]
+    embedding: bool
+    head: bool
+    recompute: bool = False
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Everything one rank needs to know about its own position."""
+
+    rank: int
+    stage: StagePlace
+    tp_rank: int
+    micro_batch_size: int
+    num_micro_batches: int
+    sample_offset: int  # first sequence of this replica within the global batch
+    fwd_recv_from: int | None  # rank sending this rank its input activation
+    fwd_send_to: tuple[int, ...]  # ranks this rank sends its output activation to
+    bwd_recv_from: int | None  # rank sending this rank the gradient of its output
+    bwd_send_to: tuple[int, ...]  # ranks this rank sends its input gradient to
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """Ranks that all-reduce one set of gradients. ``mixed``: holders differ in TP degree, so every
+    rank contributes full-size gradients (its shard in place, zeros elsewhere)."""
+
+    ranks: tuple[int, ...]
+    mixed: bool
+
+
+# ---- activation routing between stages of TP degree a (sender) and b (receiver) -----------------
+def fwd_source(*, a: int, q: int) -> int:
+    """TP rank of the previous stage that receiver q gets its activation from."""
+    return q % a
+
+
+def fwd_targets(*, a: int, b: int, j: int) -> tuple[int, ...]:
+    """TP ranks of the next stage that sender j sends its activation to."""
+    return tuple(q for q in range(b) if fwd_source(a=a, q=q) == j)
+
+
+def bwd_source(*, b: int, j: int) -> int:
+    """TP rank of the next stage that sender j gets its output gradient from."""
+    return j % b
+
+
+def bwd_targets(*, a: int, b: int, q: int) -> tuple[int, ...]:
+    """TP ranks of the previous stage that receiver q sends its input gradient to."""
+    return tuple(j for j in range(a) if bwd_source(b=b, j=j) == q)
+
+
+# ---- schedules (same ordering as the predictor) ---------------------------------------------------
+def schedule_ops(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[str, int]]:
+    """Ordered ("F"|"B", micro_batch) for one stage. 1F1B: w=min(p-s-1, m) warm-up forwards, then
+    alternate F/B, then the remaining backwards. GPipe: all forwards, then all backwards."""
+    m = num_micro_batches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(f"unknown schedule {schedule!r}; use 1f1b or gpipe")
+    w = min(num_stages - stage - 1, m)
+    ops = [("F", i) for i in range(w)]
+    for i in range(m - w):
+        ops += [("F", w + i), ("B", i)]
+    ops += [("B", i) for i in range(m - w, m)]
+    return ops
+
+
+# ---- parameter units ------------------------------------------------------------------------------
+def stage_units(stage: StagePlace, *, tied: bool, learned_pos: bool) -> tuple[str, ...]:
+    units: list[str] = []
+    if stage.embedding:
+        units.append("embed")
+        if learned_pos:
+            units.append("pos")
+    units += [f"layer.{i}" for i in range(*stage.layers)]
+    if stage.head:
+        units.append("final_norm")
+        if not tied:
+            units.append("head")
+        elif "embed" not in units:
+            units.append("embed")  # the tied head holds the embedding under its own name
+    return tuple(units)
+
+
+def unit_of(param_name: str) -> str:
+    """Map a parameter name of the stage module to its unit."""
+    parts = param_name.split(".")
+    if parts[0] == "layers":
+        return f"layer.{parts[1]}"
+    return {"embed": "embed", "pos": "pos", "norm": "final_norm", "head": "head"}[parts[0]]
+
+
+def replica_offsets(samples_per_replica: list[int] | tuple[int, ...]) -> list[int]:
+    """Replica r takes sequences [offset_r, offset_r + samples_r) of each global batch."""
+    out, acc = [], 0
+    for n in samples_per_replica:
+        out.append(acc)
+        acc += n
+    return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    places: tuple[RankPlace, ...]  # indexed by rank
+    stages: tuple[StagePlace, ...]  # every stage of every pipeline
+    unit_holders: dict[str, tuple[StagePlace, ...]]  # first holder owns the unit for norm counting
+    groups: tuple[tuple[int, ...], ...]  # creation order; identical on every rank
+    global_batch: int
+    log_rank: int  # last stage of pipeline 0, TP rank 0: logs metrics
+
+    def place(self, rank: int) -> RankPlace:
+        return self.places[rank]
+
+    def sync_group(self, unit: str, rank: int) -> SyncGroup:
+        holders = self.unit_holders[unit]
+        tps = {s.tp for s in holders}
+        if len(tps) > 1:
+            return SyncGroup(ranks=tuple(sorted(r for s in holders for r in s.ranks)), mixed=True)
+        q = self.places[rank].tp_rank
+        return SyncGroup(ranks=tuple(sorted(s.ranks[q] for s in holders)), mixed=False)
+
+    def owns(self, unit: str, rank: int) -> bool:
+        """True on the ranks of the unit's first holder stage: they count it in the gradient norm."""
+        return rank in self.unit_holders[unit][0].ranks
+
+
+def build_topology(plan: Plan) -> Topology:
+    rank_of = plan.rank_of_device()
+    tied, learned_pos = plan.model.tied_embeddings, plan.model.arch == "gpt"
+    offsets = replica_offsets([p.num_samples for p in plan.pipelines])
+    stages: list[StagePlace] = []
+    places: dict[int, RankPlace] = {}
+    for pi, p in enumerate(plan.pipelines):
+        sp = [StagePlace(pipeline=pi, stage=si, num_stages=len(p.stages), kind=s.kind,
+                         ranks=tuple(rank_of[d] for d in s.devices), layers=s.layers, embedding=s.embedding,
+                         head=s.head, recompute=s.recompute) for si, s in enumerate(p.stages)]
+        stages += sp
+        for si, st in enumerate(sp):
+            prev = sp[si - 1] if si > 0 else None
+            nxt = sp[si + 1] if si + 1 < len(sp) else None
+            for q, r in enumerate(st.ranks):
+                places[r] = RankPlace(
+                    rank=r, stage=st, tp_rank=q, micro_batch_size=p.micro_batch_size,
+                    num_micro_batches=p.num_micro_batches, sample_offset=offsets[pi],
+                    fwd_recv_from=prev.ranks[fwd_source(a=prev.tp, q=q)] if prev else None,
+                    fwd_send_to=tuple(nxt.ranks[t] for t in fwd_targets(a=st.tp, b=nxt.tp, j=q)) if nxt else (),
+                    bwd_recv_from=nxt.ranks[bwd_source(b=nxt.tp, j=q)] if nxt else None,
+                    bwd_send_to=tuple(prev.ranks[t] for t in bwd_targets(a=prev.tp, b=st.tp, q=q)) if prev else (),
+                )
+    holders: dict[str, list[StagePlace]] = {}
+    for st in stages:
+        for u in stage_units(st, tied=tied, learned_pos=learned_pos):
+            holders.setdefault(u, []).append(st)
+    topo = Topology(world_size=plan.world_size, places=tuple(places[r] for r in range(plan.world_size)),
+                    stages=tuple(stages), unit_holders={u: tuple(h) for u, h in holders.items()}, groups=(),
+                    global_batch=plan.global_batch,
+                    log_rank=next(s for s in stages if s.pipeline == 0 and s.head).ranks[0])
+    return _with_groups(topo)
+
+
+def _with_groups(topo: Topology) -> Topology:
+    """TP groups first, then gradient-sync groups; singletons skipped (nothing to reduce)."""
+    seen: dict[tuple[int, ...], None] = {}
+    for st in topo.stages:
+        if st.tp > 1:
+            seen.setdefault(tuple(sorted(st.ranks)), None)
+    for unit in topo.unit_holders:
+        for st in topo.unit_holders[unit]:
+            for r in st.ranks:
+                g = topo.sync_group(unit, r).ranks
+                if len(g) > 1:
+                    seen.setdefault(g, None)
+    return Topology(world_size=topo.world_size, places=topo.places, stages=topo.stages,
+                    unit_holders=topo.unit_holders, groups=tuple(seen), global_batch=topo.global_batch,
+                    log_rank=topo.log_rank)

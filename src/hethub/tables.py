@@ -1,0 +1,89 @@
+"""Plain-text tables of plans and predictions for the terminal.
+
+Identical replicas are folded into one row group ("x16") so a 768-device plan stays readable.
+"""
+
+from __future__ import annotations
+
+from hethub.plan import Plan
+from hethub.predict.result import Prediction
+
+GB = 1e9
+
+
+def compact_ids(ids: tuple[int, ...] | list[int]) -> str:
+    """[0,1,2,3,8,9] -> '0-3,8-9'."""
+    if not ids:
+        return "-"
+    out, start, prev = [], ids[0], ids[0]
+    for i in [*ids[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)
+
+
+def _signature(plan: Plan, pi: int) -> tuple:
+    p = plan.pipelines[pi]
+    return (p.micro_batch_size, p.num_micro_batches,
+            tuple((s.kind, s.tp, s.layers, s.recompute) for s in p.stages))
+
+
+def format_plan_table(plan: Plan, pred: Prediction) -> str:
+    groups: dict[tuple, list[int]] = {}
+    for pi in range(len(plan.pipelines)):
+        groups.setdefault(_signature(plan, pi), []).append(pi)
+    by_stage = {(s.pipeline, s.stage): s for s in pred.stages}
+    head = (f"{'pipelines':<14} {'mbs x n':>9} {'stage':>5} {'kind':<12} {'devices':<18} {'layers':<9} {'tp':>2} "
+            f"{'mem GB / cap':>14} {'fwd+bwd ms':>10} {'sync ms':>8}")
+    lines = [head, "-" * len(head)]
+    for pis in groups.values():
+        first = plan.pipelines[pis[0]]
+        label = f"{compact_ids(pis)}" + (f" (x{len(pis)})" if len(pis) > 1 else "")
+        for si, s in enumerate(first.stages):
+            sp = by_stage[(pis[0], si)]
+            devs = compact_ids(list(s.devices)) + (" ..." if len(pis) > 1 else "")
+            mem = f"{sp.peak_mem_bytes / GB:.1f}/{sp.capacity_bytes / GB:.0f}" + ("" if sp.fits else " !")
+            lines.append(
+                f"{label if si == 0 else '':<14} "
+                f"{(f'{first.micro_batch_size}x{first.num_micro_batches}' if si == 0 else ''):>9} "
+                f"{si:>5} {s.kind:<12} {devs:<18} {f'{s.layers[0]}-{s.layers[1] - 1}' if s.num_layers else '-':<9} "
+                f"{s.tp:>2} {mem:>14} {(sp.fwd_s + sp.bwd_s) * 1e3:>10.1f} {sp.sync_s * 1e3:>8.1f}"
+            )
+    return "\n".join(lines)
+
+
+def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: float | None = None,
+                   search_time_s: float | None = None) -> str:
+    used = plan.world_size
+    kinds = ", ".join(f"{n} x{c}" for n, c in _kinds_used(plan).items())
+    out = [
+        f"strategy {plan.strategy}: {len(plan.pipelines)} pipelines on {used} of {plan.cluster.num_devices} "
+        f"devices ({kinds}); schedule {plan.schedule}, {plan.precision}",
+        f"predicted step time {pred.step_time_s:.3f} s, {pred.tokens_per_s:,.0f} tokens/s "
+        f"(global batch {plan.global_batch} x {plan.seq_len} tokens)",
+    ]
+    if upper_bound_tokens_per_s:
+        out.append(f"upper bound {upper_bound_tokens_per_s:,.0f} tokens/s -> efficiency "
+                   f"{pred.tokens_per_s / upper_bound_tokens_per_s:.3f}")
+    if search_time_s is not None:
+        out.append(f"search time {search_time_s:.2f} s")
+    srcs = ", ".join(f"{k}: {v}" for k, v in sorted(pred.compute_sources.items()))
+    out.append(f"compute times from: {srcs}")
+    emulated = [k.name for k in plan.cluster.kinds.values() if k.emulated]
+    if emulated:
+        out.append(f"EMULATED kinds (CPU processes slowed on purpose): {', '.join(emulated)}")
+    if not pred.fits_memory:
+        out.append("WARNING: some stages exceed device memory (marked '!')")
+    return "\n".join(out)
+
+
+def _kinds_used(plan: Plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in plan.pipelines:
+        for s in p.stages:
+            out[s.kind] = out.get(s.kind, 0) + s.tp
+    return out

@@ -1,0 +1,50 @@
+import pathlib
+
+import pytest
+
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.model import ModelSpec
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "clusters"
+SHARED = REPO.parent / "shared"
+
+
+def small_cluster(*, fast: int = 4, slow: int = 4, per_node: int = 2) -> Cluster:
+    """Two kinds: 'fast' (100 TFLOP/s) and 'slow' (40 TFLOP/s), `per_node` devices per node."""
+    def kind(name: str, flops: float, mem_gb: float) -> DeviceKind:
+        return DeviceKind(name=name, vendor="test", mem_bytes=int(mem_gb * 1e9), peak_flops=flops,
+                          intra_node_bw_bytes_per_s=100e9, intra_node_latency_s=5e-6, efficiency=0.5,
+                          mem_bw_bytes_per_s=1e12, backend="gloo")
+
+    groups = []
+    if fast:
+        groups.append(NodeGroup("fast", fast // per_node, per_node))
+    if slow:
+        groups.append(NodeGroup("slow", slow // per_node, per_node))
+    return Cluster(name="small", kinds={"fast": kind("fast", 100e12, 40), "slow": kind("slow", 40e12, 16)},
+                   groups=tuple(groups), inter_node=Link(12.5e9, 1e-5), cross_kind=Link(5e9, 5e-5))
+
+
+def tiny_model(layers: int = 6) -> ModelSpec:
+    return ModelSpec(name="t", num_layers=layers, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
+                     vocab_size=256, max_seq_len=64)
+
+
+def two_stage_plan(cluster: Cluster | None = None, model: ModelSpec | None = None, *, split: int = 4) -> Plan:
+    cluster = cluster or small_cluster()
+    model = model or tiny_model()
+    stages = (Stage("fast", (0,), (0, split), embedding=True), Stage("slow", (4,), (split, model.num_layers), head=True))
+    return Plan(model=model, cluster=cluster, global_batch=8, seq_len=32,
+                pipelines=(Pipeline(2, 4, stages),)).validate()
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    return small_cluster()
+
+
+@pytest.fixture
+def model() -> ModelSpec:
+    return tiny_model()

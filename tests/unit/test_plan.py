@@ -1,0 +1,99 @@
+import dataclasses
+import json
+
+import pytest
+from conftest import small_cluster, tiny_model, two_stage_plan
+
+from hethub.errors import PlanError
+from hethub.plan import Pipeline, Plan, Stage
+
+
+def test_round_trip_is_exact(tmp_path):
+    plan = two_stage_plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    assert again.to_dict() == plan.to_dict()
+
+
+def test_ranks_are_dense_in_device_order():
+    plan = two_stage_plan()
+    d = plan.to_dict()
+    assert d["world_size"] == 2
+    assert [s["ranks"] for s in d["pipelines"][0]["stages"]] == [[0], [1]]
+    assert [s["devices"] for s in d["pipelines"][0]["stages"]] == [[0], [4]]
+
+
+def _mutate(plan: Plan, **changes) -> dict:
+    d = plan.to_dict()
+    for path, value in changes.items():
+        cur = d
+        keys = path.split(".")
+        for k in keys[:-1]:
+            cur = cur[int(k)] if isinstance(cur, list) else cur[k]
+        last = keys[-1]
+        if isinstance(cur, list):
+            cur[int(last)] = value
+        else:
+            cur[last] = value
+    return d
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"training.global_batch": 9}, "global_batch"),
+        ({"pipelines.0.stages.0.layers": [0, 3]}, "pipelines[0].stages[1].layers"),
+        ({"pipelines.0.stages.1.layers": [4, 5]}, "pipelines[0].stages"),
+        ({"pipelines.0.stages.0.kind": "slow"}, "pipelines[0].stages[0].devices"),
+        ({"pipelines.0.stages.0.kind": "h100"}, "pipelines[0].stages[0].kind"),
+        ({"pipelines.0.stages.1.devices": [0]}, "pipelines[0].stages[1].devices"),
+        ({"pipelines.0.stages.1.devices": [99]}, "pipelines[0].stages[1].devices"),
+        ({"pipelines.0.stages.0.embedding": False}, "pipelines[0].stages[0].embedding"),
+        ({"pipelines.0.stages.0.head": True}, "pipelines[0].stages[0].head"),
+        ({"pipelines.0.stages.0.ranks": [5]}, "pipelines[0].stages[0].ranks"),
+        ({"pipelines.0.stages.0.tp": 2}, "pipelines[0].stages[0].tp"),
+        ({"training.schedule": "zigzag"}, "schedule"),
+        ({"training.seq_len": 10_000}, "seq_len"),
+        ({"version": 99}, "version"),
+        ({"format": "sailor"}, "format"),
+    ],
+)
+def test_validation_names_the_field(change, field):
+    d = _mutate(two_stage_plan(), **change)
+    with pytest.raises(PlanError) as err:
+        Plan.from_dict(json.loads(json.dumps(d)))
+    assert field in str(err.value)
+    assert "Fix:" in str(err.value)
+
+
+def test_tp_must_stay_in_node_and_divide_heads():
+    cluster = small_cluster(per_node=2)
+    model = tiny_model()
+    # devices 1 and 2 sit on different nodes
+    bad = Stage("fast", (1, 2), (0, 6), embedding=True, head=True)
+    with pytest.raises(PlanError, match="span several nodes"):
+        Plan(model=model, cluster=cluster, global_batch=2, seq_len=8, pipelines=(Pipeline(1, 2, (bad,)),)).validate()
+    m3 = dataclasses.replace(model, num_heads=6, num_kv_heads=3, hidden_size=96)
+    ok_node = Stage("fast", (0, 1), (0, 6), embedding=True, head=True)
+    with pytest.raises(PlanError, match=r"stages\[0\]\.tp"):
+        Plan(model=m3, cluster=cluster, global_batch=2, seq_len=8, pipelines=(Pipeline(1, 2, (ok_node,)),)).validate()
+
+
+def test_unequal_replicas_and_splits_are_valid():
+    cluster, model = small_cluster(), tiny_model()
+    p1 = Pipeline(2, 3, (Stage("fast", (0,), (0, 4), embedding=True), Stage("slow", (4,), (4, 6), head=True)))
+    p2 = Pipeline(2, 1, (Stage("fast", (1,), (0, 2), embedding=True), Stage("slow", (5,), (2, 6), head=True)))
+    plan = Plan(model=model, cluster=cluster, global_batch=8, seq_len=16, pipelines=(p1, p2)).validate()
+    assert plan.world_size == 4
+    assert plan.rank_of_device() == {0: 0, 1: 1, 4: 2, 5: 3}
+
+
+def test_load_reports_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(bad)
