@@ -35,7 +35,8 @@ def tiny_model(layers: int = 6) -> ModelSpec:
 def two_stage_plan(cluster: Cluster | None = None, model: ModelSpec | None = None, *, split: int = 4) -> Plan:
     cluster = cluster or small_cluster()
     model = model or tiny_model()
-    stages = (Stage("fast", (0,), (0, split), embedding=True), Stage("slow", (4,), (split, model.num_layers), head=True))
+    stages = (Stage("fast", (0,), (0, split), embedding=True),
+              Stage("slow", (4,), (split, model.num_layers), head=True))
     return Plan(model=model, cluster=cluster, global_batch=8, seq_len=32,
                 pipelines=(Pipeline(2, 4, stages),)).validate()
 

@@ -9,10 +9,10 @@ import json
 import math
 
 import pytest
-from conftest import EXAMPLES, two_stage_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import EXAMPLES, two_stage_plan
 from hethub import cli
 from hethub.spec._toml import read_toml
 
@@ -193,7 +193,8 @@ def test_malformed_plan_files(tmp_path, capsys, data):
 def test_garbage_files_are_rejected(tmp_path, capsys):
     bad = tmp_path / "c.toml"
     bad.write_text("[[group]\nkind = ")
-    code, err = _run(["plan", "--cluster", str(bad), "--model", "tiny", "--global-batch", "4", "--seq-len", "8"], capsys)
+    argv = ["plan", "--cluster", str(bad), "--model", "tiny", "--global-batch", "4", "--seq-len", "8"]
+    code, err = _run(argv, capsys)
     _assert_clear(code, err, "TOML")
     badj = tmp_path / "p.json"
     badj.write_bytes(b"\xff\xfe{")

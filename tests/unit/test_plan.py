@@ -2,8 +2,8 @@ import dataclasses
 import json
 
 import pytest
-from conftest import small_cluster, tiny_model, two_stage_plan
 
+from conftest import small_cluster, tiny_model, two_stage_plan
 from hethub.errors import PlanError
 from hethub.plan import Pipeline, Plan, Stage
 

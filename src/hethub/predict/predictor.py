@@ -82,8 +82,8 @@ class _Costs:
                                                   precision=plan.precision, in_flight=in_flight)
         return mem
 
-    def simulate(self, sig: tuple, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
-                 *, ops: bool) -> list[float]:
+    def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
+                 ops: bool) -> list[float]:
         if ops:
             if sig not in self.schedules:
                 self.schedules[sig] = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
@@ -125,11 +125,12 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
             partial.append((pi, si, cost, mem, send))
         sig = (m, tuple(fwd), tuple(bwd), tuple(p2p))
         sigs.append(sig)
-        finish.append(costs.simulate(sig, fwd, bwd, p2p, m, ops=timeline))
+        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline))
         updates.append(upd)
 
     sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline)
-    stages = tuple(_stage_prediction(plan, pi, si, cost, mem, send, sync) for pi, si, cost, mem, send in partial)
+    stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync)
+                   for pi, si, cost, mem, send in partial)
     step = sync.step_time_s
     tokens = plan.tokens_per_step
     events: tuple[Event, ...] = ()
@@ -145,7 +146,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     )
 
 
-def _stage_prediction(plan: Plan, pi: int, si: int, cost: _StageCost, mem: StageMemory, send: float,
+def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: StageMemory, send: float,
                       sync: SyncResult) -> StagePrediction:
     s = plan.pipelines[pi].stages[si]
     return StagePrediction(

@@ -1,0 +1,199 @@
+"""The assembled predictor on small hand-built plans, plus its speed on a 4,096-device plan."""
+
+import itertools
+import time
+from dataclasses import replace
+
+import pytest
+
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.predict.comm import allreduce_time_s
+from hethub.predict.predictor import predict
+from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
+from hethub.predict.sync import sync_groups
+from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.model import PRESETS
+
+TINY = PRESETS["tiny"]  # 6 layers, hidden 64
+SEQ = 64
+
+
+def kind(name: str, *, flops: float = 1e12, mem_bytes: int = 10**10, bw: float = 1e10) -> DeviceKind:
+    # efficiency 1 and no mem_bw (no optimizer time) keep hand computations simple.
+    return DeviceKind(name=name, vendor="test", mem_bytes=mem_bytes, peak_flops=flops, intra_node_bw_bytes_per_s=bw,
+                      intra_node_latency_s=0.0, efficiency=1.0)
+
+
+def cluster(*groups: tuple[DeviceKind, int, int], inter_bw: float = 1e9, cross_bw: float = 1e9) -> Cluster:
+    kinds = {k.name: k for k, _, _ in groups}
+    return Cluster(name="test", kinds=kinds, groups=tuple(NodeGroup(k.name, n, d) for k, n, d in groups),
+                   inter_node=Link(inter_bw, 0.0), cross_kind=Link(cross_bw, 0.0))
+
+
+def stages(kind_name: str, splits: list[tuple[int, ...]], devices: list[tuple[int, ...]]) -> tuple[Stage, ...]:
+    n = len(splits)
+    return tuple(Stage(kind=kind_name, devices=devs, layers=(lo, hi), embedding=i == 0, head=i == n - 1)
+                 for i, ((lo, hi), devs) in enumerate(zip(splits, devices, strict=True)))
+
+
+def plan(c: Cluster, pipelines: list[Pipeline], *, model=TINY, schedule: str = "1f1b") -> Plan:
+    gb = sum(p.num_samples for p in pipelines)
+    return Plan(model=model, cluster=c, global_batch=gb, seq_len=SEQ, pipelines=tuple(pipelines),
+                schedule=schedule).validate()
+
+
+def fwd_flops(layers: int, *, head: bool, mbs: int = 1) -> float:
+    tokens = mbs * SEQ
+    return layers * TINY.layer_fwd_flops(tokens=tokens, seq_len=SEQ) + (TINY.head_fwd_flops(tokens=tokens) if head
+                                                                         else 0.0)
+
+
+def test_single_stage_step_is_m_times_f_plus_b():
+    c = cluster((kind("a"), 1, 1))
+    pl = plan(c, [Pipeline(1, 4, stages("a", [(0, 6)], [(0,)]))])
+    pred = predict(pl)
+    f = fwd_flops(6, head=True) / 1e12
+    assert pred.step_time_s == pytest.approx(4 * 3 * f)
+    assert pred.tokens_per_s == pytest.approx(4 * SEQ / pred.step_time_s)
+    assert pred.model_flops_per_step == pytest.approx(TINY.train_flops_per_token(seq_len=SEQ) * 4 * SEQ)
+    assert pred.compute_sources == {"a": "analytic"}
+
+
+def test_two_stages_with_p2p_one_micro_batch():
+    # Two devices on one node: p2p over the intra-node link (1e10 B/s, no latency).
+    c = cluster((kind("a"), 1, 2))
+    pl = plan(c, [Pipeline(1, 1, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))])
+    pred = predict(pl)
+    f0, f1 = fwd_flops(3, head=False) / 1e12, fwd_flops(3, head=True) / 1e12
+    p2p = SEQ * TINY.hidden_size * 2 / 1e10
+    # F0, send, F1, B1, send back, B0.
+    assert pred.step_time_s == pytest.approx(f0 + p2p + f1 + 2 * f1 + p2p + 2 * f0)
+    assert pred.stages[0].p2p_s == pytest.approx(p2p) and pred.stages[1].p2p_s == 0.0
+
+
+def test_tp_adds_collectives_over_the_intra_node_link():
+    c = cluster((kind("a"), 1, 2))
+    one = predict(plan(c, [Pipeline(1, 1, stages("a", [(0, 6)], [(0,)]))]))
+    two = predict(plan(c, [Pipeline(1, 1, stages("a", [(0, 6)], [(0, 1)]))]))
+    act = SEQ * TINY.hidden_size * 2
+    tp_fwd = 2 * 6 * allreduce_time_s(nbytes=act, participants=2, link=Link(1e10, 0.0))
+    assert two.stages[0].fwd_s == pytest.approx(one.stages[0].fwd_s / 2 + tp_fwd)
+
+
+def test_dp_sync_waits_for_the_slower_replica():
+    c = cluster((kind("fast", flops=2e12), 1, 1), (kind("slow"), 1, 1))
+    pl = plan(c, [Pipeline(1, 2, stages("fast", [(0, 6)], [(0,)])), Pipeline(1, 2, stages("slow", [(0, 6)], [(1,)]))])
+    pred = predict(pl)
+    fast, slow = pred.pipeline_times_s
+    assert slow == pytest.approx(2 * fast)
+    total_sync = sum(g.time_s for g in sync_groups(pl))
+    assert total_sync > 0
+    assert pred.step_time_s == pytest.approx(slow + total_sync)
+    assert pred.stages[0].sync_s == pytest.approx(total_sync)
+
+
+def test_profile_is_used_when_given():
+    c = cluster((kind("a"), 1, 1))
+    pl = plan(c, [Pipeline(2, 1, stages("a", [(0, 6)], [(0,)]))])
+    entry = ProfileEntry(embedding=LayerTimes(0.001, 0.002), layer=LayerTimes(0.01, 0.02),
+                         head=LayerTimes(0.005, 0.01))
+    prof = ProfileSet({"a": KindProfile(kind="a", model="tiny", seq_len=SEQ, entries={(2, 1): entry})})
+    pred = predict(pl, profiles=prof)
+    assert pred.compute_sources == {"a": "profile"}
+    assert pred.stages[0].fwd_s == pytest.approx(6 * 0.01 + 0.001 + 0.005)
+    assert pred.step_time_s == pytest.approx(6 * 0.03 + 0.003 + 0.015)
+    # A profile at another sequence length is not trusted.
+    other = ProfileSet({"a": replace(prof.by_kind["a"], seq_len=SEQ // 2)})
+    assert predict(pl, profiles=other).compute_sources == {"a": "analytic"}
+
+
+def test_memory_overflow_is_reported():
+    small = cluster((kind("a", mem_bytes=10**5), 1, 1))
+    big = cluster((kind("a"), 1, 1))
+    p = [Pipeline(1, 1, stages("a", [(0, 6)], [(0,)]))]
+    assert not predict(plan(small, p)).fits_memory
+    pred = predict(plan(big, p))
+    assert pred.fits_memory
+    assert pred.stages[0].capacity_bytes == pytest.approx(10**10 * 0.92)
+    assert pred.peak_mem_bytes_by_device[0] == pytest.approx(pred.stages[0].peak_mem_bytes)
+
+
+def test_cross_kind_sync_is_slower_than_same_kind():
+    a, b = kind("a"), kind("b")
+    c = cluster((a, 2, 1), (b, 1, 1), inter_bw=1e9, cross_bw=1e8)
+
+    def two(dev0: int, k1: str, dev1: int) -> Plan:
+        return plan(c, [Pipeline(1, 1, stages("a", [(0, 6)], [(dev0,)])),
+                        Pipeline(1, 1, stages(k1, [(0, 6)], [(dev1,)]))])
+
+    same = predict(two(0, "a", 1))
+    cross = predict(two(0, "b", 2))
+    assert cross.stages[0].sync_s == pytest.approx(10 * same.stages[0].sync_s)
+    assert cross.step_time_s > same.step_time_s
+
+
+def test_replicas_that_split_layers_differently():
+    c = cluster((kind("a"), 1, 5))
+    p0 = Pipeline(1, 2, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))
+    p1 = Pipeline(1, 2, stages("a", [(0, 2), (2, 4), (4, 6)], [(2,), (3,), (4,)]))
+    pl = plan(c, [p0, p1])
+    groups = {g.name: g for g in sync_groups(pl)}
+    assert groups["layer 2"].holders == ((0, 0), (1, 1))
+    assert groups["layer 3"].holders == ((0, 1), (1, 1))
+    assert groups["embedding"].holders == ((0, 0), (1, 0))
+    assert groups["head"].holders == ((0, 1), (1, 2))
+    pred = predict(pl)
+    assert len(pred.stages) == 5
+    by_stage = {(s.pipeline, s.stage): s for s in pred.stages}
+    # Stage (1, 1) holds layers 2 and 3 only.
+    expected = groups["layer 2"].time_s + groups["layer 3"].time_s
+    assert by_stage[(1, 1)].sync_s == pytest.approx(expected)
+    assert pred.step_time_s >= max(pred.pipeline_times_s) + expected
+
+
+def test_tied_embedding_on_another_stage_joins_the_embedding_group():
+    gpt = replace(PRESETS["opt-350m"], name="mini-gpt", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
+                  ffn_hidden_size=256, vocab_size=512, max_seq_len=128)
+    c = cluster((kind("a"), 1, 3))
+    pl = plan(c, [Pipeline(1, 1, stages("a", [(0, 2), (2, 4)], [(0,), (1,)])),
+                  Pipeline(1, 1, stages("a", [(0, 4)], [(2,)]))], model=gpt)
+    groups = {g.name: g for g in sync_groups(pl)}
+    assert groups["embedding"].holders == ((0, 0), (1, 0), (0, 1))
+    assert groups["head"].nbytes == gpt.final_norm_params * 2
+
+
+def test_timeline_compute_events_do_not_overlap():
+    c = cluster((kind("a"), 1, 4), (kind("b", flops=5e11), 1, 2))
+    p0 = Pipeline(1, 4, stages("a", [(0, 2), (2, 4), (4, 6)], [(0,), (1,), (2, 3)]))
+    p1 = Pipeline(1, 3, stages("b", [(0, 4), (4, 6)], [(4,), (5,)]))
+    for schedule in ("1f1b", "gpipe"):
+        pred = predict(plan(c, [p0, p1], schedule=schedule), timeline=True)
+        assert {e.category for e in pred.timeline} >= {"forward", "backward", "p2p", "allreduce"}
+        for d in range(6):
+            busy = sorted((e.start_s, e.end_s) for e in pred.timeline
+                          if e.device == d and e.category in ("forward", "backward"))
+            assert len(busy) == 2 * (4 if d < 4 else 3)
+            for (_, e0), (s1, _) in itertools.pairwise(busy):
+                assert s1 >= e0 - 1e-15
+        assert max(e.end_s for e in pred.timeline) == pytest.approx(pred.step_time_s)
+        # Without a timeline the numbers are the same.
+        assert predict(plan(c, [p0, p1], schedule=schedule)).step_time_s == pred.step_time_s
+
+
+def test_predict_4096_devices_is_fast():
+    model = PRESETS["llama-2-70b"]
+    k = DeviceKind(name="h", vendor="t", mem_bytes=80 * 10**9, peak_flops=989e12, intra_node_bw_bytes_per_s=450e9,
+                   intra_node_latency_s=5e-6, efficiency=0.45, mem_bw_bytes_per_s=3.35e12)
+    c = Cluster(name="big", kinds={"h": k}, groups=(NodeGroup("h", 512, 8),), inter_node=Link(50e9, 10e-6),
+                cross_kind=Link(12.5e9, 40e-6))
+    pipes = []
+    for p in range(512):
+        devs = [(p * 8 + i,) for i in range(8)]
+        pipes.append(Pipeline(1, 8, stages("h", [(10 * i, 10 * i + 10) for i in range(8)], devs)))
+    pl = Plan(model=model, cluster=c, global_batch=512 * 8, seq_len=4096, pipelines=tuple(pipes))
+    t0 = time.perf_counter()
+    pred = predict(pl)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 2.0
+    assert len(pred.stages) == 4096 and len(set(pred.pipeline_times_s)) == 1
+    assert pred.step_time_s > pred.pipeline_times_s[0]
