@@ -102,7 +102,7 @@ def _write(tmp_path, mutate) -> str:
     (lambda d: d["entries"][0]["head"].update(bwd_s="fast"), "'entries[0].head.bwd_s'"),
     (lambda d: d["entries"][0]["embedding"].update(update_s=-1), "'entries[0].embedding.update_s'"),
     (lambda d: d["entries"][0].update(mbs=0), "'entries[0].mbs'"),
-    (lambda d: d["entries"][2].update(tp=1, mbs=2), "'entries[2]' repeats"),
+    (lambda d: d["entries"][1].update(tp=1, mbs=2), "'entries[2]' repeats"),
     (lambda d: d["entries"][0].update(peak_mem_bytes=1.5), "'entries[0].peak_mem_bytes'"),
     (lambda d: d.update(seq_len="long"), "'seq_len'"),
     (lambda d: d.update(kind=""), "'kind'"),

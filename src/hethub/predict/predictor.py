@@ -68,6 +68,9 @@ class _Costs:
             act = mbs * plan.seq_len * plan.model.hidden_size * self.act_bytes
             intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
             tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
+            if times.source == "profile":
+                # Profiles are measured at their TP degree, so its collectives are already inside.
+                tp_f = tp_b = 0.0
             cost = self.stage[key] = _StageCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
         return cost
 

@@ -87,7 +87,7 @@ def read_profile(path: str | Path) -> KindProfile:
 
 def read_profile_file(path: str | Path) -> ProfileFile:
     p = Path(path)
-    data = _read_json(p)
+    data = read_json_file(p)
     if isinstance(data, dict) and "format" in data:
         return profile_from_dict(data, where=str(p), source=str(p))
     from hethub.profile.sailor import is_sailor_profile, read_sailor_profile  # sailor imports this module
@@ -115,7 +115,11 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
     for key, v in (("model", model), ("kind", kind), ("device", data["device"])):
         if not isinstance(v, str) or (key != "device" and not v):
             raise _err(where, key, f"must be a non-empty string, got {v!r}", "write a name")
-    shape = ModelSpec.from_dict(data["model_shape"], where=f"{where}: field 'model_shape'")
+    try:
+        shape = ModelSpec.from_dict(data["model_shape"], where=f"{where}: field 'model_shape'")
+    except SpecError as err:  # ModelSpec's own checks do not know the file
+        msg = str(err)
+        raise SpecError(msg if msg.startswith(where) else f"{where}: field 'model_shape': {msg}") from None
     if shape.name != model:
         raise _err(where, "model_shape.name", f"is {shape.name!r} but field 'model' is {model!r}",
                    "make them the same")
@@ -165,7 +169,7 @@ def _err(where: str, f: str, problem: str, fix: str) -> SpecError:
     return SpecError(f"{where}: field '{f}' {problem}. Fix: {fix}.")
 
 
-def _read_json(p: Path) -> Any:
+def read_json_file(p: Path) -> Any:
     if not p.is_file():
         raise SpecError(f"profile file '{p}' does not exist. Fix: pass an existing profile file or directory.")
     try:

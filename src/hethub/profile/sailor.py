@@ -1,0 +1,287 @@
+"""Sailor's formats (eth-easl/sailor): per-layer profiles in, plans in and out.
+
+Sailor indexes a model's "layers" as 0 = embedding, 1..L = decoder blocks, then the head; its Llama
+profiles carry the final norm as a separate entry before the head, which we fold into the head.
+Plans: each stage has ``dp`` replicas, listed in ``tmp_per_stage`` as groups
+``[[[sailor_gpu, device_count, zone], ...], tp]`` of ``device_count / tp`` replicas each. Replica r of
+every stage forms hethub pipeline r. Sailor's own planners also write one entry per replica with
+``device_count`` = GPUs per VM; we read that form too. Details and caveats: docs/profiles.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hethub.errors import PlanError, SpecError
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry
+from hethub.profile.format import ProfileFile, read_json_file
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import PRESETS, ModelSpec
+
+SAILOR_KINDS = {"A100-40": "a100-40gb", "A100-80": "a100-80gb", "V100-16": "v100-16gb", "GH-96": "gh200",
+                "RTX-2080": "rtx-2080", "RTX-3090": "rtx-3090", "Titan-RTX": "titan-rtx"}
+# Sailor model dir -> (hethub preset, seq_len). Sequence lengths from llm_info.json (activation floats
+# per sample / hidden size) and training_config_*.json; Sailor's LLAMA-3-8 is not exactly Llama-3-8B
+# (multi-head KV, FFN 16384, vocab 50304 per llm_info.json), so its layer times are ~10% high for it.
+SAILOR_MODELS = {"OPT-350": ("opt-350m", 2048), "GPT-Neo-2.7": ("gpt-neo-2.7b", 2048),
+                 "LLAMA-3-8": ("llama-3-8b", 8192), "OPT-30": ("opt-30b", 2048)}
+DEFAULT_ZONE = "us-central1-a"
+
+
+# ---- profiles ---------------------------------------------------------------------------------------
+def is_sailor_profile(data: Any) -> bool:
+    return (isinstance(data, dict) and bool(data) and all(isinstance(k, str) and k.isdigit() for k in data)
+            and all(isinstance(v, dict) for v in data.values()))
+
+
+def read_sailor_profile(path: str | Path, *, data: Any = None, model: ModelSpec | None = None,
+                        kind: str | None = None, seq_len: int | None = None) -> ProfileFile:
+    """Read ``<MODEL>/<GPU>/profile.json``; model, kind and seq_len default to what the two directory
+    names map to (SAILOR_MODELS, SAILOR_KINDS)."""
+    p = Path(path)
+    where = str(p)
+    data = read_json_file(p) if data is None else data
+    if model is None or seq_len is None:
+        mdir = p.parent.parent.name
+        if mdir not in SAILOR_MODELS:
+            raise SpecError(f"{where}: model directory {mdir!r} is not one of Sailor's "
+                            f"({', '.join(SAILOR_MODELS)}). Fix: keep Sailor's <MODEL>/<GPU>/profile.json layout "
+                            "or pass model and seq_len explicitly.")
+        model = model or PRESETS[SAILOR_MODELS[mdir][0]]
+        seq_len = seq_len or SAILOR_MODELS[mdir][1]
+    if kind is None:
+        gdir = p.parent.name
+        if gdir not in SAILOR_KINDS:
+            raise SpecError(f"{where}: GPU directory {gdir!r} is not one of Sailor's ({', '.join(SAILOR_KINDS)}). "
+                            "Fix: keep Sailor's <MODEL>/<GPU>/profile.json layout or pass kind explicitly.")
+        kind = SAILOR_KINDS[gdir]
+    if not is_sailor_profile(data):
+        raise SpecError(f"{where}: not a Sailor profile (expected mbs -> tp -> layer -> [fwd_s, bwd_s, update_s] "
+                        "with integer keys). Fix: pass Sailor's profile.json unchanged.")
+    entries: dict[tuple[int, int], ProfileEntry] = {}
+    for mbs_key, by_tp in data.items():
+        for tp_key, layers in by_tp.items():
+            f = f"{mbs_key}.{tp_key}"
+            if not tp_key.isdigit() or not isinstance(layers, dict):
+                raise SpecError(f"{where}: field '{f}' must map layer indices to times. Fix: restore the file.")
+            entries[(int(mbs_key), int(tp_key))] = _entry(layers, where=where, f=f, model=model)
+    prof = KindProfile(kind=kind, model=model.name, seq_len=seq_len, entries=entries, source=f"sailor:{where}")
+    return ProfileFile(profile=prof, model_shape=model, device=f"sailor: {p.parent.name}")
+
+
+def _entry(layers: dict[str, Any], *, where: str, f: str, model: ModelSpec) -> ProfileEntry:
+    times = {}
+    for k, v in layers.items():
+        ok = (k.isdigit() and isinstance(v, list) and len(v) == 3
+              and all(isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in v))
+        if not ok:
+            raise SpecError(f"{where}: field '{f}.{k}' must be [forward_s, backward_s, update_s] under an "
+                            f"integer layer index, got {v!r}. Fix: restore Sailor's profile.json.")
+        times[int(k)] = LayerTimes(float(v[0]), float(v[1]), float(v[2]))
+    n, L = len(times), model.num_layers
+    if sorted(times) != list(range(n)) or n not in (L + 2, L + 3):
+        raise SpecError(f"{where}: field '{f}' has layer entries {min(times)}..{max(times)} ({n}), but "
+                        f"{model.name!r} needs {L + 2} (embedding, {L} decoder layers, head) or {L + 3} (with "
+                        "the final norm apart). Fix: this profile belongs to another model; use that model's.")
+    dec = [times[i] for i in range(1, L + 1)]
+    head = times[n - 1]
+    if n == L + 3:  # the final norm runs where the head runs; its update is one more tiny step
+        norm = times[L + 1]
+        head = LayerTimes(head.fwd_s + norm.fwd_s, head.bwd_s + norm.bwd_s, head.update_s + norm.update_s)
+    layer = LayerTimes(*(sum(getattr(t, a) for t in dec) / L for a in ("fwd_s", "bwd_s", "update_s")))
+    return ProfileEntry(embedding=times[0], layer=layer, head=head)
+
+
+# ---- plans: import ---------------------------------------------------------------------------------
+def sailor_plan_model(data: Any) -> ModelSpec | None:
+    """The model a Sailor plan names, if it does: Sailor's plans usually don't (then the caller's --model
+    decides). Accepts a Sailor model name (``"OPT-350"``) or a hethub preset under a ``model`` key."""
+    name = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(name, str):
+        return None
+    preset = SAILOR_MODELS[name][0] if name in SAILOR_MODELS else name
+    if preset not in PRESETS:
+        raise PlanError(f"sailor plan: field 'model' is {name!r}, not a Sailor model ({', '.join(SAILOR_MODELS)}) "
+                        "or hethub preset. Fix: remove it and pass --model.")
+    return PRESETS[preset]
+
+
+def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len: int, where: str = "sailor plan"
+                       ) -> Plan:
+    """Convert a Sailor plan into a validated hethub Plan on concrete devices of ``cluster``."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: expected a JSON object with pipeline_list, mbs and gbs. Fix: pass a Sailor plan.")
+    for key in ("pipeline_list", "mbs", "gbs"):
+        if key not in data:
+            raise _perr(where, key, "is missing", "add it (Sailor plans carry pipeline_list, mbs and gbs)")
+    mbs, gbs = _pint(data["mbs"], where, "mbs"), _pint(data["gbs"], where, "gbs")
+    plist = data["pipeline_list"]
+    if not isinstance(plist, list) or len(plist) != 1:
+        raise _perr(where, "pipeline_list", "must hold exactly one pipeline definition (Sailor runs only "
+                    "pipeline_list[0])", "keep one entry")
+    pdef, pw = plist[0], "pipeline_list[0]"
+    for key in ("layers_per_stage", "tmp_per_stage", "dp"):
+        if not isinstance(pdef, dict) or not isinstance(pdef.get(key), list):
+            raise _perr(where, f"{pw}.{key}", "is missing or not a list", "write it as in Sailor's plans")
+    layers_ps, tmps, dps = pdef["layers_per_stage"], pdef["tmp_per_stage"], pdef["dp"]
+    n = len(layers_ps)
+    if not n or len(tmps) != n or len(dps) != n or pdef.get("num_stages", n) != n:
+        raise _perr(where, f"{pw}.num_stages", f"disagrees with layers_per_stage ({n}), tmp_per_stage "
+                    f"({len(tmps)}) and dp ({len(dps)})", "give one entry per stage in each")
+    dp = _pint(dps[0], where, f"{pw}.dp[0]")
+    if any(d != dp for d in dps):
+        raise _perr(where, f"{pw}.dp", f"is {dps}; hethub pipelines need the same replica count in every stage",
+                    "use one dp for all stages")
+    if gbs % (mbs * dp):
+        raise _perr(where, "gbs", f"({gbs}) is not a multiple of mbs x dp = {mbs * dp}",
+                    "make every replica take the same whole number of micro-batches")
+    spans = _layer_spans(layers_ps, model=model, where=where, pw=pw)
+    zones: set[str] = set()
+    replicas = [_replicas(tmps[s], dp, where=where, f=f"{pw}.tmp_per_stage[{s}]", cluster=cluster, zones=zones)
+                for s in range(n)]
+    free = {d.id for d in cluster.devices}
+    stage_devs = [[_take(cluster, free, kind, tp, where=where) for kind, tp in reps] for reps in replicas]
+    pipelines = tuple(
+        Pipeline(micro_batch_size=mbs, num_micro_batches=gbs // (mbs * dp), stages=tuple(
+            Stage(kind=replicas[s][r][0], devices=stage_devs[s][r], layers=spans[s][0],
+                  embedding=spans[s][1], head=spans[s][2]) for s in range(n)))
+        for r in range(dp))
+    meta = {"sailor": {"zone": sorted(zones)[0] if len(zones) == 1 else DEFAULT_ZONE,
+                       "final_norm_apart": spans[-1][3]}}
+    plan = Plan(model=model, cluster=cluster, global_batch=gbs, seq_len=seq_len, pipelines=pipelines,
+                strategy="sailor", meta=meta)
+    return plan.validate()
+
+
+def _layer_spans(layers_ps: list[Any], *, model: ModelSpec, where: str, pw: str
+                 ) -> list[tuple[tuple[int, int], bool, bool, bool]]:
+    flat = [x for st in layers_ps for x in (st if isinstance(st, list) else [None])]
+    L, total = model.num_layers, len(flat)
+    if flat != list(range(total)) or total not in (L + 2, L + 3) or any(not st for st in layers_ps):
+        raise _perr(where, f"{pw}.layers_per_stage", f"must list Sailor layers 0..{L + 1} (embedding, "
+                    f"{L} decoder layers of {model.name!r}, head) in order, each stage non-empty",
+                    f"check the plan belongs to {model.name!r} (pass the right --model)")
+    spans, start = [], 0
+    for st in layers_ps:
+        dec = [i - 1 for i in st if 1 <= i <= L]
+        end = dec[-1] + 1 if dec else start
+        head = total - 1 in st
+        if total == L + 3 and (L + 1 in st) != head:
+            raise _perr(where, f"{pw}.layers_per_stage", f"puts the final norm (layer {L + 1}) and the head "
+                        f"(layer {L + 2}) on different stages", "keep them on one stage")
+        spans.append(((start, end), 0 in st, head, total == L + 3))
+        start = end
+    return spans
+
+
+def _replicas(groups: Any, dp: int, *, where: str, f: str, cluster: Cluster, zones: set[str]
+              ) -> list[tuple[str, int]]:
+    """The (kind, tp) of each replica of one stage, in order."""
+    if not isinstance(groups, list) or not groups:
+        raise _perr(where, f, "must be a non-empty list of [[[gpu, count, zone], ...], tp]", "write it so")
+    parsed = []
+    for gi, g in enumerate(groups):
+        gw = f"{f}[{gi}]"
+        ok = isinstance(g, list) and len(g) == 2 and isinstance(g[0], list) and g[0] and all(
+            isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) for v in g[0])
+        if not ok:
+            raise _perr(where, gw, f"is {g!r}", "write [[[gpu, device_count, zone], ...], tp]")
+        tp = _pint(g[1], where, f"{gw}[1]")
+        names = {v[0] for v in g[0]}
+        if len(names) > 1:
+            raise _perr(where, gw, f"mixes GPU kinds {sorted(names)} in one group", "give each kind its own group")
+        count = sum(_pint(v[1], where, f"{gw}[0][*][1]") for v in g[0])
+        zones.update(str(v[2]) for v in g[0])
+        parsed.append((_kind(names.pop(), cluster=cluster, where=where, f=f"{gw}[0][0][0]"), tp, count))
+    if sum(c // t for _, t, c in parsed) == dp and all(c % t == 0 for _, t, c in parsed):
+        return [(k, t) for k, t, c in parsed for _ in range(c // t)]  # groups of count/tp replicas
+    if len(parsed) == dp:
+        return [(k, t) for k, t, _ in parsed]  # Sailor planners' form: one entry per replica
+    raise _perr(where, f, f"describes {sum(c // t for _, t, c in parsed)} replicas (device_count / tp per group), "
+                f"but dp is {dp}", "make the groups' device counts add up to dp x tp")
+
+
+def _kind(name: str, *, cluster: Cluster, where: str, f: str) -> str:
+    for k in (SAILOR_KINDS.get(name), name):
+        if k in cluster.kinds:
+            return k
+    raise _perr(where, f, f"names GPU {name!r} (hethub kind {SAILOR_KINDS.get(name, name)!r}), which cluster "
+                f"{cluster.name!r} does not have",
+                f"use a cluster with that kind (this one has {', '.join(cluster.kind_names)})")
+
+
+def _take(cluster: Cluster, free: set[int], kind: str, tp: int, *, where: str) -> tuple[int, ...]:
+    """The lowest-numbered ``tp`` free devices of ``kind`` on the first node that has that many."""
+    by_node: dict[int, list[int]] = {}
+    for d in cluster.devices:
+        if d.kind == kind and d.id in free:
+            by_node.setdefault(d.node, []).append(d.id)
+    for ids in by_node.values():
+        if len(ids) >= tp:
+            free.difference_update(ids[:tp])
+            return tuple(ids[:tp])
+    raise PlanError(f"{where}: cluster {cluster.name!r} has no node with {tp} more free {kind!r} devices for the "
+                    f"next tensor-parallel replica (it has {cluster.count_by_kind().get(kind, 0)} of that kind). "
+                    "Fix: use a cluster with more devices of that kind, or a plan with fewer/smaller replicas.")
+
+
+# ---- plans: export ---------------------------------------------------------------------------------
+def export_sailor_plan(plan: Plan) -> dict[str, Any]:
+    """Sailor's form of ``plan``; PlanError says what Sailor's format cannot express."""
+    ps = plan.pipelines
+    mbs = {p.micro_batch_size for p in ps}
+    if len(mbs) > 1:
+        _nope(f"pipelines use different micro-batch sizes {sorted(mbs)}; Sailor's plan has one 'mbs'")
+    nmb = {p.num_micro_batches for p in ps}
+    if len(nmb) > 1:
+        _nope(f"pipelines take unequal batch shares ({sorted(nmb)} micro-batches); Sailor gives every "
+              "data-parallel replica gbs / (mbs x dp)")
+    splits = {tuple(s.layers for s in p.stages) for p in ps}
+    if len(splits) > 1:
+        _nope(f"pipelines split the layers differently ({sorted(splits)}); Sailor's replicas of a stage hold "
+              "the same layers")
+    if plan.schedule != "1f1b":
+        _nope(f"the schedule is {plan.schedule!r}; Sailor runs 1F1B")
+    if any(s.recompute for p in ps for s in p.stages):
+        _nope("some stages recompute activations; Sailor's plan format has no recomputation flag")
+    # Zone and a Llama-style separate final-norm entry are Sailor-only facts kept from an import.
+    info = plan.meta.get("sailor") if isinstance(plan.meta.get("sailor"), dict) else {}
+    zone, apart = str(info.get("zone", DEFAULT_ZONE)), bool(info.get("final_norm_apart", False))
+    L = plan.model.num_layers
+    names = {v: k for k, v in SAILOR_KINDS.items()}
+    layers_ps, tmps = [], []
+    for si, stage in enumerate(ps[0].stages):
+        (start, end), first, last = stage.layers, si == 0, si == len(ps[0].stages) - 1
+        idx = ([0] if first else []) + [i + 1 for i in range(start, end)]
+        idx += ([L + 1, L + 2] if apart else [L + 1]) if last else []
+        layers_ps.append(idx)
+        groups: list[list[Any]] = []  # runs of consecutive replicas with the same kind and TP
+        for p in ps:
+            s = p.stages[si]
+            name = names.get(s.kind, s.kind)
+            if groups and groups[-1][0][0][0] == name and groups[-1][1] == s.tp:
+                groups[-1][0][0][1] += s.tp
+            else:
+                groups.append([[[name, s.tp, zone]], s.tp])
+        tmps.append(groups)
+    n = len(layers_ps)
+    return {"pipeline_list": [{"num_stages": n, "layers_per_stage": layers_ps, "tmp_per_stage": tmps,
+                               "dp": [len(ps)] * n}],
+            "mbs": ps[0].micro_batch_size, "gbs": plan.global_batch}
+
+
+def _nope(why: str) -> None:
+    raise PlanError(f"cannot write this plan in Sailor's format: {why}. Fix: export a plan without that "
+                    "(e.g. from 'hethub plan' with equal replicas), or keep hethub's plan format.")
+
+
+def _pint(v: Any, where: str, f: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise _perr(where, f, f"must be a positive integer, got {v!r}", "write a positive integer")
+    return v
+
+
+def _perr(where: str, f: str, problem: str, fix: str) -> PlanError:
+    return PlanError(f"{where}: field '{f}' {problem}. Fix: {fix}.")

@@ -1,0 +1,199 @@
+"""Sailor's profiles and plans: reading its public data, plan import/export and what cannot be exported."""
+
+import json
+
+import pytest
+
+from conftest import EXAMPLES, SHARED, small_cluster, tiny_model
+from hethub.errors import PlanError, SpecError
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.profile import export_sailor_plan, import_sailor_plan, load_profiles, read_profile, sailor_plan_model
+from hethub.spec.cluster import load_cluster
+from hethub.spec.model import PRESETS
+
+SAILOR = SHARED / "reference" / "sailor"
+PROFILES = SAILOR / "profiles"
+needs_sailor = pytest.mark.skipif(not PROFILES.is_dir(), reason="../shared/reference/sailor is absent")
+# Sailor's GPT-Neo-2.7/GH-96 file is a copy of OPT-350/GH-96 (26 layer entries, identical numbers).
+MISFILED = {"GPT-Neo-2.7/GH-96"}
+
+
+def _profile_dirs() -> list[str]:
+    if not PROFILES.is_dir():
+        return []
+    return sorted(f"{p.parent.parent.name}/{p.parent.name}" for p in PROFILES.glob("*/*/profile.json"))
+
+
+@needs_sailor
+@pytest.mark.parametrize("name", _profile_dirs())
+def test_every_sailor_profile_loads_or_is_rejected_clearly(name):
+    path = PROFILES / name / "profile.json"
+    if name in MISFILED:
+        with pytest.raises(SpecError, match="belongs to another model"):
+            read_profile(path)
+        return
+    prof = read_profile(path)
+    assert prof.entries
+    for e in prof.entries.values():
+        # Seconds: per micro-batch, a decoder layer takes 0.1 ms .. 2 s (the top: OPT-350 at mbs 64
+        # on eight PCIe RTX-3090s, whose TP all-reduces are inside the measured time).
+        assert 1e-4 < e.layer.fwd_s < 2.0 and 1e-4 < e.layer.bwd_s < 3.0
+        assert e.embedding.fwd_s < 1.0 and e.head.fwd_s < 1.0
+
+
+@needs_sailor
+def test_units_and_seq_lens():
+    opt = read_profile(PROFILES / "OPT-350" / "A100-40" / "profile.json")
+    assert (opt.kind, opt.model, opt.seq_len) == ("a100-40gb", "opt-350m", 2048)
+    assert 1e-3 < opt.entries[(1, 1)].layer.fwd_s < 1e-2  # milliseconds, stored in seconds
+    llama = read_profile(PROFILES / "LLAMA-3-8" / "GH-96" / "profile.json")
+    assert (llama.kind, llama.model, llama.seq_len) == ("gh200", "llama-3-8b", 8192)
+
+
+@needs_sailor
+def test_llama_final_norm_is_folded_into_the_head():
+    raw = json.loads((PROFILES / "LLAMA-3-8" / "GH-96" / "profile.json").read_text())["1"]["1"]
+    e = read_profile(PROFILES / "LLAMA-3-8" / "GH-96" / "profile.json").entries[(1, 1)]
+    assert len(raw) == 35  # embedding, 32 blocks, final norm, head
+    assert e.head.fwd_s == pytest.approx(raw["34"][0] + raw["33"][0])
+    assert e.layer.fwd_s == pytest.approx(sum(raw[str(i)][0] for i in range(1, 33)) / 32)
+
+
+@needs_sailor
+@pytest.mark.parametrize("model", ["OPT-350", "GPT-Neo-2.7", "LLAMA-3-8", "OPT-30"])
+def test_v100_is_slower_than_a100_per_layer(model):
+    a100 = read_profile(PROFILES / model / "A100-40" / "profile.json")
+    v100 = read_profile(PROFILES / model / "V100-16" / "profile.json")
+    common = set(a100.entries) & set(v100.entries)
+    assert common
+    for key in common:
+        assert v100.entries[key].layer.fwd_s > a100.entries[key].layer.fwd_s, key
+        assert v100.entries[key].layer.bwd_s > a100.entries[key].layer.bwd_s, key
+
+
+@needs_sailor
+def test_loading_the_tree_for_one_model_skips_the_others():
+    with pytest.warns(UserWarning, match="profile skipped"):
+        ps = load_profiles(PROFILES, model=PRESETS["opt-350m"], seq_len=2048)
+    assert set(ps.by_kind) == {"a100-40gb", "a100-80gb", "v100-16gb", "gh200", "rtx-2080", "rtx-3090", "titan-rtx"}
+    assert all(p.model == "opt-350m" for p in ps.by_kind.values())
+
+
+# ---- plans ---------------------------------------------------------------------------------------
+def _example() -> dict:
+    return json.loads((SAILOR / "example-plan-opt350-a100-v100.json").read_text())
+
+
+def _import_example() -> Plan:
+    return import_sailor_plan(_example(), cluster=load_cluster(EXAMPLES / "a100-v100-32.toml"),
+                              model=PRESETS["opt-350m"], seq_len=2048)
+
+
+def _shape(plan: Plan) -> list:
+    return [(p.micro_batch_size, p.num_micro_batches, [(s.kind, s.tp, s.layers, s.embedding, s.head)
+                                                       for s in p.stages]) for p in plan.pipelines]
+
+
+@needs_sailor
+def test_example_plan_imports_and_exports_back():
+    plan = _import_example()
+    assert plan.validate() is plan
+    assert len(plan.pipelines) == 8 and plan.world_size == 32
+    p = plan.pipelines[0]
+    assert (p.micro_batch_size, p.num_micro_batches) == (2, 64)  # 1024 / (2 x 8)
+    assert [(s.kind, s.tp, s.layers) for s in p.stages] == [("v100-16gb", 2, (0, 7)), ("a100-40gb", 2, (7, 24))]
+    assert all(len({plan.cluster.devices[d].node for d in s.devices}) == 1 for q in plan.pipelines for s in q.stages)
+    assert export_sailor_plan(plan) == _example()
+    assert export_sailor_plan(Plan.from_dict(json.loads(plan.to_json()))) == _example()  # survives saving
+
+
+@needs_sailor
+def test_example_plan_needs_enough_devices():
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.toml")
+    data = _example()
+    data["pipeline_list"][0]["tmp_per_stage"][0][0][0][0][1] = 24  # 12 V100 replicas of 2
+    data["pipeline_list"][0]["tmp_per_stage"][1][0][0][0][1] = 24
+    data["pipeline_list"][0]["dp"] = [12, 12]
+    data["gbs"] = 2 * 12 * 8
+    with pytest.raises(PlanError, match=r"'v100-16gb'.*Fix"):
+        import_sailor_plan(data, cluster=cluster, model=PRESETS["opt-350m"], seq_len=2048)
+    with pytest.raises(PlanError, match=r"GPU 'V100-16'.*does not have"):
+        import_sailor_plan(_example(), cluster=small_cluster(), model=PRESETS["opt-350m"], seq_len=2048)
+
+
+def _sailor(stages, dp, *, mbs=1, gbs=8) -> dict:
+    return {"pipeline_list": [{"num_stages": len(stages), "layers_per_stage": [s[0] for s in stages],
+                               "tmp_per_stage": [s[1] for s in stages], "dp": [dp] * len(stages)}],
+            "mbs": mbs, "gbs": gbs}
+
+
+def test_mixed_replicas_round_trip_without_shared_data():
+    # tiny model: Sailor layers 0 (embedding), 1..6 (blocks), 7 (head).
+    data = _sailor([([0, 1, 2, 3], [[[["fast", 2, "z"]], 1], [[["slow", 2, "z"]], 2]]),
+                    ([4, 5, 6, 7], [[[["slow", 2, "z"]], 1], [[["fast", 2, "z"]], 2]])], dp=3, mbs=2, gbs=12)
+    plan = import_sailor_plan(data, cluster=small_cluster(fast=4, slow=4), model=tiny_model(), seq_len=32)
+    assert [[(s.kind, s.tp) for s in p.stages] for p in plan.pipelines] == [
+        [("fast", 1), ("slow", 1)], [("fast", 1), ("slow", 1)], [("slow", 2), ("fast", 2)]]
+    assert plan.pipelines[0].stages[0].layers == (0, 3) and plan.pipelines[0].num_micro_batches == 2
+    out = export_sailor_plan(plan)
+    assert out == data
+    assert _shape(import_sailor_plan(out, cluster=plan.cluster, model=plan.model, seq_len=32)) == _shape(plan)
+
+
+def test_sailor_planner_form_one_entry_per_replica():
+    # Sailor's planners write one entry per replica, the count being the GPUs of the VM.
+    data = _sailor([([0, 1, 2, 3, 4, 5, 6, 7], [[[["fast", 2, "z"]], 1], [[["fast", 2, "z"]], 1]])], dp=2, gbs=4)
+    plan = import_sailor_plan(data, cluster=small_cluster(), model=tiny_model(), seq_len=32)
+    assert [p.stages[0].devices for p in plan.pipelines] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda d: d.update(gbs=7), "'gbs'"),
+    (lambda d: d["pipeline_list"][0].update(dp=[2, 1]), r"'pipeline_list\[0\].dp'"),
+    (lambda d: d["pipeline_list"][0]["layers_per_stage"][1].pop(), "layers_per_stage"),
+    (lambda d: d["pipeline_list"][0]["tmp_per_stage"][0][0].__setitem__(1, 0), r"tmp_per_stage\[0\]\[0\]\[1\]"),
+    (lambda d: d.pop("mbs"), "'mbs'"),
+    (lambda d: d["pipeline_list"].append(d["pipeline_list"][0]), "exactly one"),
+])
+def test_malformed_sailor_plan(change, match):
+    data = _sailor([([0, 1, 2, 3], [[[["fast", 2, "z"]], 1]]), ([4, 5, 6, 7], [[[["slow", 2, "z"]], 1]])], dp=2)
+    change(data)
+    with pytest.raises(PlanError, match=match):
+        import_sailor_plan(data, cluster=small_cluster(), model=tiny_model(), seq_len=32)
+
+
+def _plan(shares=(2, 2), splits=(3, 3), mbs=(1, 1), recompute=False) -> Plan:
+    pipes = tuple(Pipeline(m, n, (Stage("fast", (i,), (0, s), embedding=True, recompute=recompute),
+                                  Stage("slow", (4 + i,), (s, 6), head=True)))
+                  for i, (n, s, m) in enumerate(zip(shares, splits, mbs, strict=True)))
+    return Plan(model=tiny_model(), cluster=small_cluster(), global_batch=sum(p.num_samples for p in pipes),
+                seq_len=32, pipelines=pipes).validate()
+
+
+@pytest.mark.parametrize(("plan", "reason"), [
+    (lambda: _plan(shares=(3, 1)), "unequal batch shares"),
+    (lambda: _plan(splits=(3, 4)), "split the layers differently"),
+    (lambda: _plan(mbs=(1, 2), shares=(2, 1)), "different micro-batch sizes"),
+    (lambda: _plan(recompute=True), "recompute"),
+])
+def test_unexportable_plans_say_why(plan, reason):
+    with pytest.raises(PlanError, match=f"cannot write this plan in Sailor's format: .*{reason}"):
+        export_sailor_plan(plan())
+
+
+def test_plan_model_from_file_if_named():
+    assert sailor_plan_model({"mbs": 1}) is None
+    assert sailor_plan_model({"model": "OPT-350"}) == PRESETS["opt-350m"]
+    with pytest.raises(PlanError, match="--model"):
+        sailor_plan_model({"model": "GPT-5"})
+
+
+@needs_sailor
+def test_prediction_uses_sailor_profiles():
+    from hethub.predict.predictor import predict
+
+    plan = _import_example()
+    files = [PROFILES / "OPT-350" / g / "profile.json" for g in ("A100-40", "V100-16")]
+    with_profiles = predict(plan, profiles=load_profiles(files, model=plan.model, seq_len=plan.seq_len))
+    assert with_profiles.compute_sources == {"v100-16gb": "profile", "a100-40gb": "profile"}
+    assert set(predict(plan).compute_sources.values()) == {"analytic"}
