@@ -166,13 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_predict)
 
-    for register in _EXTRA_COMMANDS:
+    for register in _extra_commands():
         register(sub)
     return p
 
 
-# Commands defined in other modules register themselves here (keeps this file about parsing).
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Commands defined in hethub.commands (keeps this file about the core commands)."""
+    from hethub.commands import interop
+
+    return [interop.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

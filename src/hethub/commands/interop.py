@@ -1,0 +1,61 @@
+"""`hethub import-plan` / `hethub export-plan`: plans in other planners' formats (Sailor)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hethub.errors import PlanError
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from hethub.profile.format import read_json_file
+    from hethub.profile.sailor import import_sailor_plan, sailor_plan_model
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+
+    data = read_json_file(Path(args.file))
+    model = sailor_plan_model(data) or (get_model(args.model) if args.model else None)
+    if model is None:
+        raise PlanError(f"{args.file}: the Sailor plan does not name its model. Fix: pass --model NAME.")
+    cluster = load_cluster(args.cluster)
+    plan = import_sailor_plan(data, cluster=cluster, model=model, seq_len=args.seq_len, where=args.file)
+    text = plan.to_json()
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"imported {len(plan.pipelines)} pipelines on {plan.world_size} devices -> {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hethub.plan import Plan
+    from hethub.profile.sailor import export_sailor_plan
+
+    plan = Plan.load(args.plan)
+    text = json.dumps(export_sailor_plan(plan), indent=2) + "\n"
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"exported to {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("import-plan", help="convert another planner's plan into a hethub plan")
+    sp.add_argument("file")
+    sp.add_argument("--format", required=True, choices=["sailor"])
+    sp.add_argument("--cluster", required=True, help="cluster TOML whose devices the plan is placed on")
+    sp.add_argument("--model", help="model preset or config.json (Sailor plans do not name theirs)")
+    sp.add_argument("--seq-len", type=int, default=2048)
+    sp.add_argument("--out")
+    sp.set_defaults(func=cmd_import)
+
+    sp = sub.add_parser("export-plan", help="write a hethub plan in another planner's format")
+    sp.add_argument("plan")
+    sp.add_argument("--format", required=True, choices=["sailor"])
+    sp.add_argument("--out")
+    sp.set_defaults(func=cmd_export)
