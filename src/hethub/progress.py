@@ -4,7 +4,7 @@ CI logs and redirected output cannot render a bar's carriage returns (they becom
 lines), so off a terminal we print one line every ``every_percent`` of the total or every
 ``every_s`` seconds, whichever comes first, plus a final line::
 
-    search: 40/100 plans (12.3 plans/s, ETA 5 s)
+    search: 40/100 plans (12.3 plans/s, ETA 4.9 s)
     search: 100/100 plans done in 8.1 s (12.3 plans/s)
 
 Use it around an iterable or as a context manager with an explicit total::

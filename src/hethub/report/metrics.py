@@ -36,6 +36,7 @@ class MeasuredRun:
     tokens_per_s: tuple[float, ...]
     timeline_step: int | None  # step whose per-rank events are in `events`
     events: dict[int, tuple[Event, ...]]  # rank -> events, times relative to the step start
+    timeline_step_time_s: float | None = None  # the logged step time of `timeline_step`
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -94,6 +95,7 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
         step_times_s=tuple(step_time[s] for s in sorted(step_time)),
         tokens_per_s=tuple(tokens[s] for s in sorted(tokens)),
         timeline_step=timeline_step, events=events, warnings=tuple(warnings),
+        timeline_step_time_s=step_time.get(timeline_step) if timeline_step is not None else None,
     )
 
 

@@ -1,0 +1,33 @@
+"""`hethub report`: pictures, Chrome trace and summary of a plan (and of a run, given its metrics)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hethub.plan import Plan
+    from hethub.predict.predictor import predict
+    from hethub.report import write_report
+
+    plan = Plan.load(args.plan)
+    profiles = None
+    if args.profiles:
+        from hethub.profile.format import load_profiles
+
+        profiles = load_profiles(args.profiles, model=plan.model, seq_len=plan.seq_len)
+    pred = predict(plan, profiles=profiles, timeline=True)
+    paths = write_report(plan=plan, prediction=pred, out_dir=args.out, metrics_path=args.metrics)
+    print(f"report written to {args.out}/")
+    for p in (paths.plan_png, paths.timeline_png, paths.trace_json, paths.summary_md):
+        print(f"  {p}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("report", help="draw the plan and its timeline; write a Chrome trace and a summary")
+    sp.add_argument("--plan", required=True)
+    sp.add_argument("--metrics", help="JSON lines written by a run's --metrics (adds measured timings)")
+    sp.add_argument("--profiles", help="measured layer profiles used for the prediction")
+    sp.add_argument("--out", required=True, help="output directory")
+    sp.set_defaults(func=cmd_report)

@@ -1,0 +1,59 @@
+"""Colours and the headless figure factory shared by the report's pictures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Okabe-Ito-like, distinguishable for common colour-vision deficiencies.
+CATEGORY_COLOURS = {
+    "forward": "#0072B2",
+    "backward": "#E69F00",
+    "recompute": "#F0E442",
+    "p2p": "#009E73",
+    "allreduce": "#CC79A7",
+    "optimizer": "#555555",
+    "wait": "#BBBBBB",
+    "other": "#999999",
+}
+IDLE_COLOUR = "#EEEEEE"
+MEMORY_COLOURS = {"weights": "#4C72B0", "grads": "#55A868", "optimizer": "#C44E52", "activations": "#8172B2"}
+OVER_CAPACITY = "#D62728"
+
+
+# tab20 pairs dark/light of one hue; dark ones first so neighbouring rows differ most. Red (6, 7)
+# is left out: it marks memory over capacity.
+_TAB20_ORDER = (0, 2, 4, 8, 10, 12, 14, 16, 18, 1, 3, 5, 9, 11, 13, 15, 17, 19)
+
+
+def row_colour(index: int, count: int) -> Any:
+    """A distinct colour per stage row: tab20 while it lasts, then an evenly spaced continuous map."""
+    from matplotlib import colormaps
+
+    if count <= len(_TAB20_ORDER):
+        return colormaps["tab20"](_TAB20_ORDER[index])
+    return colormaps["turbo"](0.05 + 0.9 * index / max(count - 1, 1))
+
+
+def new_figure(width_in: float, height_in: float) -> Any:
+    """A Figure on the Agg canvas: no pyplot, so no display and no global backend switch."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_in, height_in), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def text_colour_on(rgba: Any) -> str:
+    r, g, b = rgba[:3]
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 10:
+        return f"{seconds:.1f} s"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
