@@ -1,0 +1,35 @@
+"""Emulating a slower device kind on CPU (labelled as emulation wherever reported).
+
+After each compute chunk (one micro-batch forward or backward) a rank of a kind with
+``emulated_slowdown`` k sleeps (k-1) times the CPU time the chunk used. CPU time of this thread
+(``time.thread_time``) rather than wall time, so outside load on a shared machine does not inflate
+the sleep; it measured exact 2x/3x slowdowns here, where thread limits and affinity did not.
+Sleeping never touches tensors, so numerics are unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class Emulator:
+    def __init__(self, slowdown: float = 1.0) -> None:
+        if slowdown < 1:
+            raise ValueError(f"emulated slowdown must be >= 1, got {slowdown}")
+        self.slowdown = slowdown
+        self.slept_s = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.slowdown != 1.0
+
+    @contextmanager
+    def chunk(self) -> Iterator[None]:
+        t0 = time.thread_time()
+        yield
+        if self.active:
+            pause = (self.slowdown - 1.0) * (time.thread_time() - t0)
+            time.sleep(pause)
+            self.slept_s += pause

@@ -1,0 +1,66 @@
+"""Per-step metrics records (one JSON object per step, written as JSON lines by the log rank).
+
+Schema of one record::
+
+    step, loss, lr, grad_norm, step_time_s (slowest rank, step start to optimizer done),
+    tokens, tokens_per_s, emulated (any kind emulated),
+    kinds: {kind: {devices, flops, achieved_flops_per_s (per device, over the step time),
+                   busy_flops_per_s (over time spent computing), emulated, emulated_slowdown}},
+    ranks: [{rank, kind, pipeline, stage, tp_rank, step_s, busy_s, recv_wait_s, send_wait_s, sync_s,
+             optim_s, emulated_sleep_s, events: [{op: "F"|"B", mb, start_s, end_s}]}]
+
+FLOPs are model FLOPs (forward + backward = 3x forward, no recomputation), a rank's share being its
+stage's FLOPs over its TP degree. Times of an emulated kind include its emulation sleep: they are
+emulated, not measured device speeds, and flagged so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hethub.plan import Plan
+from hethub.runtime.pipeline import StepTrace
+from hethub.runtime.topology import RankPlace, StagePlace, Topology
+
+
+def stage_flops_per_step(plan: Plan, stage: StagePlace, *, samples: int) -> float:
+    tokens = samples * plan.seq_len
+    m = plan.model
+    fwd = stage.layers[1] - stage.layers[0]
+    flops = fwd * m.layer_fwd_flops(tokens=tokens, seq_len=plan.seq_len)
+    if stage.head:
+        flops += m.head_fwd_flops(tokens=tokens)
+    return 3.0 * flops
+
+
+def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float, optim_s: float, step_s: float,
+                emulated_sleep_s: float) -> dict[str, Any]:
+    st = place.stage
+    return {"rank": rank, "kind": st.kind, "pipeline": st.pipeline, "stage": st.stage, "tp_rank": place.tp_rank,
+            "step_s": round(step_s, 6), "busy_s": round(trace.busy_s, 6), "recv_wait_s": round(trace.recv_wait_s, 6),
+            "send_wait_s": round(trace.send_wait_s, 6), "sync_s": round(sync_s, 6), "optim_s": round(optim_s, 6),
+            "emulated_sleep_s": round(emulated_sleep_s, 6), "events": trace.events}
+
+
+def step_record(*, plan: Plan, topo: Topology, step: int, loss: float, lr: float, grad_norm: float,
+                ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    step_time = max(r["step_s"] for r in ranks)
+    kinds: dict[str, dict[str, Any]] = {}
+    for r in ranks:
+        place = topo.place(r["rank"])
+        kind = plan.cluster.kinds[place.stage.kind]
+        k = kinds.setdefault(place.stage.kind, {"devices": 0, "flops": 0.0, "busy_s": 0.0,
+                                                "emulated": kind.emulated,
+                                                "emulated_slowdown": kind.emulated_slowdown})
+        samples = place.micro_batch_size * place.num_micro_batches
+        k["devices"] += 1
+        k["flops"] += stage_flops_per_step(plan, place.stage, samples=samples) / place.stage.tp
+        k["busy_s"] += r["busy_s"]
+    for k in kinds.values():
+        k["achieved_flops_per_s"] = k["flops"] / (k["devices"] * step_time) if step_time > 0 else 0.0
+        k["busy_flops_per_s"] = k["flops"] / k["busy_s"] if k["busy_s"] > 0 else 0.0
+        k["busy_s"] = round(k["busy_s"], 6)
+    tokens = plan.tokens_per_step
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": round(step_time, 6),
+            "tokens": tokens, "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+            "emulated": any(k["emulated"] for k in kinds.values()), "kinds": kinds, "ranks": ranks}

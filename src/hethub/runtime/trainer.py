@@ -1,0 +1,101 @@
+"""One rank's training step: its stage of the plan, the schedule, gradient sync, clipping, AdamW.
+
+Built from a plan, a rank and a Communicator (groups are created here from the topology, on every
+rank in the same order). Used by ``hethub.train`` and directly by the distributed tests.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hethub.comm.communicator import Communicator
+from hethub.plan import Plan
+from hethub.runtime.data import Share, micro_batches
+from hethub.runtime.data_parallel import GradSync
+from hethub.runtime.emulation import Emulator
+from hethub.runtime.metrics import rank_record, step_record
+from hethub.runtime.model import StageModel
+from hethub.runtime.optim import OptimConfig, build_optimizer
+from hethub.runtime.pipeline import PipelineExecutor
+from hethub.runtime.tensor_parallel import TPContext
+from hethub.runtime.topology import build_topology
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seed: int = 0
+    device: str = "cpu"
+    autocast_bf16: bool = False  # only where the device supports it; CPU runs stay fp32
+
+
+class Trainer:
+    def __init__(self, plan: Plan, *, rank: int, comm: Communicator, cfg: TrainerConfig | None = None) -> None:
+        self.plan, self.rank, self.comm = plan, rank, comm
+        self.cfg = cfg or TrainerConfig()
+        self.topo = build_topology(plan)
+        comm.create_groups(self.topo.groups)
+        self.place = place = self.topo.place(rank)
+        st = place.stage
+        self.kind = plan.cluster.kinds[st.kind]
+        tp = TPContext(size=st.tp, rank=place.tp_rank, group=tuple(sorted(st.ranks)),
+                       comm=comm if st.tp > 1 else None)
+        self.device = torch.device(self.cfg.device)
+        self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
+                                recompute=st.recompute, seed=self.cfg.seed).to(self.device)
+        self.emulator = Emulator(self.kind.emulated_slowdown)
+        self.executor = PipelineExecutor(self.model, place=place, comm=comm, schedule=plan.schedule,
+                                         seq_len=plan.seq_len, hidden_size=plan.model.hidden_size,
+                                         emulator=self.emulator, device=self.device)
+        self.grad_sync = GradSync(self.model, topo=self.topo, rank=rank, comm=comm)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim)
+        self.share = Share(offset=place.sample_offset, micro_batch_size=place.micro_batch_size,
+                           num_micro_batches=place.num_micro_batches)
+        self._reports_loss = st.head and place.tp_rank == 0
+
+    def forward_backward(self, batch: torch.Tensor, *, t0: float | None = None) -> tuple[float, Any]:
+        """Run this rank's schedule on its share of a [global_batch, seq_len+1] batch.
+
+        Returns (global mean loss, trace); gradients are left *unsynchronised* in the model.
+        """
+        mbs = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches(batch, self.share)]
+        ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.autocast_bf16 else nullcontext()
+        with ctx:
+            loss_sum, trace = self.executor.run(mbs, t0=t0)
+        total = torch.tensor([loss_sum if self._reports_loss else 0.0], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(total)
+        return float(total) / self.plan.global_batch, trace
+
+    def sync_grads(self) -> None:
+        self.grad_sync.sync(global_samples=self.plan.global_batch)
+
+    def clip_and_update(self) -> float:
+        norm = self.grad_sync.clip(max_norm=self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def train_step(self, batch: torch.Tensor, *, step: int) -> dict[str, Any] | None:
+        """One optimizer step; returns the step's metrics record on the log rank, None elsewhere."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        slept0 = self.emulator.slept_s
+        loss, trace = self.forward_backward(batch, t0=t0)
+        t_sync = time.perf_counter()
+        self.sync_grads()
+        t_opt = time.perf_counter()
+        norm = self.clip_and_update()
+        end = time.perf_counter()
+        rec = rank_record(rank=self.rank, place=self.place, trace=trace, sync_s=t_opt - t_sync, optim_s=end - t_opt,
+                          step_s=end - t0, emulated_sleep_s=self.emulator.slept_s - slept0)
+        gathered = self.comm.gather_objects(rec, dst=self.topo.log_rank)
+        if gathered is None:
+            return None
+        return step_record(plan=self.plan, topo=self.topo, step=step, loss=loss, lr=lr, grad_norm=norm,
+                           ranks=gathered)

@@ -1,0 +1,116 @@
+"""Entry point of one training rank: ``torchrun --nproc-per-node N -m hethub.train --plan plan.json ...``.
+
+Reads the plan, checks the launch matches it (WORLD_SIZE == plan.world_size), initialises
+torch.distributed, builds this rank's stage and trains. The last stage's TP-rank-0 of pipeline 0
+prints one line per step and, with ``--metrics FILE``, appends one JSON object per step (schema in
+``hethub.runtime.metrics``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hethub.comm.communicator import Communicator
+from hethub.errors import HethubError, RuntimeSetupError
+from hethub.plan import Plan
+from hethub.runtime.data import BatchSource, byte_tokenize, hf_tokenizer, load_tokens
+from hethub.runtime.optim import OptimConfig
+from hethub.runtime.trainer import Trainer, TrainerConfig
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hethub.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--plan", required=True, help="plan JSON written by 'hethub plan'")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--metrics", help="append one JSON line per step to this file")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm limit; 0 disables")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer available locally (default: bytes)")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
+    return ap.parse_args(argv)
+
+
+def _env_int(name: str) -> int:
+    v = os.environ.get(name)
+    if v is None:
+        raise RuntimeSetupError(f"environment variable {name} is not set: this module runs under torchrun. Fix: "
+                                "torchrun --nproc-per-node N -m hethub.train --plan plan.json")
+    return int(v)
+
+
+def select_device(plan: Plan) -> tuple[str, str]:
+    """(backend, device type). NCCL on GPUs only when every kind asks for it; otherwise gloo on CPU
+    (the cross-kind bridge of a later issue lifts that restriction)."""
+    if torch.cuda.is_available() and dist.is_nccl_available() and all(
+            k.backend == "nccl" for k in plan.cluster.kinds.values()):
+        return "nccl", "cuda"
+    return "gloo", "cpu"
+
+
+def run(args: argparse.Namespace) -> None:
+    plan = Plan.load(args.plan)
+    world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    if world != plan.world_size:
+        raise RuntimeSetupError(f"the job has WORLD_SIZE={world} processes but plan {args.plan} needs "
+                                f"{plan.world_size} (one per device). Fix: launch with --nproc-per-node "
+                                f"{plan.world_size} (or nodes x nproc = {plan.world_size}).")
+    backend, device = select_device(plan)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    try:
+        comm = Communicator(timeout=timedelta(seconds=args.timeout_s))
+        warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
+        optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup,
+                            total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+        cfg = TrainerConfig(optim=optim, seed=args.seed, device=f"cuda:{local}" if device == "cuda" else "cpu",
+                            autocast_bf16=device == "cuda" and plan.precision == "bf16-mixed")
+        trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
+        tokenize = hf_tokenizer(args.tokenizer, vocab_size=plan.model.vocab_size) if args.tokenizer else byte_tokenize
+        source = BatchSource(load_tokens(num_tokens=args.steps * plan.global_batch * (plan.seq_len + 1),
+                                         tokenize=tokenize), global_batch=plan.global_batch, seq_len=plan.seq_len)
+        out = Path(args.metrics) if args.metrics else None
+        if out is not None and rank == trainer.topo.log_rank:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("", encoding="utf-8")
+        for step in range(args.steps):
+            rec = trainer.train_step(source.global_batch_at(step), step=step)
+            if rec is None:
+                continue
+            emu = " (emulated kinds: " + ", ".join(k for k, v in rec["kinds"].items() if v["emulated"]) + ")" \
+                if rec["emulated"] else ""
+            print(f"step {step:5d}  loss {rec['loss']:.4f}  step {rec['step_time_s'] * 1e3:8.1f} ms  "
+                  f"{rec['tokens_per_s']:10.0f} tok/s{emu}", flush=True)
+            if out is not None:
+                with out.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        run(args)
+    except HethubError as err:
+        print(f"hethub.train: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

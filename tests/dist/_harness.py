@@ -1,0 +1,134 @@
+"""Helpers for the distributed tests: concise plans, forked gloo ranks, a single-process reference."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.runtime.model import StageModel
+from hethub.runtime.optim import OptimConfig, build_optimizer
+from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.model import ModelSpec
+
+TIMEOUT = timedelta(seconds=30)
+F, S = "cpu-fast", "cpu-slow"
+JOIN_TIMEOUT_S = 60.0
+SPEC = ModelSpec(name="t6", num_layers=6, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                 vocab_size=256, max_seq_len=32)
+SEQ = 16
+# eps=1e-6 bounds how much Adam can amplify fp32 rounding in near-zero gradients (|dp| <= lr*|dg|/eps).
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=3, grad_clip=0.5, eps=1e-6)
+
+
+def _kind(name: str, slowdown: float = 1.0) -> DeviceKind:
+    return DeviceKind(name=name, vendor="cpu", mem_bytes=2**33, peak_flops=1e11, intra_node_bw_bytes_per_s=1e10,
+                      intra_node_latency_s=1e-6, backend="gloo", emulated_slowdown=slowdown)
+
+
+CLUSTER = Cluster(name="test", kinds={"cpu-fast": _kind("cpu-fast"), "cpu-slow": _kind("cpu-slow", 2.0)},
+                  groups=(NodeGroup("cpu-fast", 1, 4), NodeGroup("cpu-slow", 1, 4)),
+                  inter_node=Link(1e9, 5e-5), cross_kind=Link(1e9, 5e-5))
+
+
+def make_plan(pipelines: list[tuple[int, int, list[tuple[str, int, int]]]], *, spec: ModelSpec = SPEC,
+              schedule: str = "1f1b", seq_len: int = SEQ) -> Plan:
+    """``pipelines``: (micro_batch_size, num_micro_batches, [(kind, tp, num_layers), ...]) each.
+    Devices are handed out per kind in order; layers are contiguous from 0."""
+    free = {k: [d.id for d in CLUSTER.devices_of_kind(k)] for k in CLUSTER.kind_names}
+    out = []
+    for mbs, m, stages in pipelines:
+        start, built = 0, []
+        for i, (kind, tp, n) in enumerate(stages):
+            devs = tuple(free[kind][:tp])
+            free[kind] = free[kind][tp:]
+            built.append(Stage(kind=kind, devices=devs, layers=(start, start + n), embedding=i == 0,
+                               head=i == len(stages) - 1))
+            start += n
+        out.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(built)))
+    plan = Plan(model=spec, cluster=CLUSTER, global_batch=sum(p.num_samples for p in out), seq_len=seq_len,
+                pipelines=tuple(out), schedule=schedule, precision="fp32")
+    return plan.validate()
+
+
+def batches(plan: Plan, *, steps: int, seed: int = 1234) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, plan.model.vocab_size, (plan.global_batch, plan.seq_len + 1), generator=g)
+            for _ in range(steps)]
+
+
+def reference(spec: ModelSpec, data: list[torch.Tensor], *, optim: OptimConfig = OPTIM,
+              seed: int = 0) -> dict[str, Any]:
+    """Plain single-process training on the whole global batch: loss/grads of step 0, params after all."""
+    model = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=seed)
+    opt, sched = build_optimizer(model, optim)
+    out: dict[str, Any] = {}
+    for step, batch in enumerate(data):
+        loss = model(batch[:, :-1], batch[:, 1:]) / batch.shape[0]
+        loss.backward()
+        if step == 0:
+            out["loss"] = float(loss.detach())
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        out.setdefault("norms", []).append(float(norm))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any) -> None:
+    torch.set_num_threads(1)  # first: an inherited, used OpenMP pool can hang a forked child
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=TIMEOUT)
+        try:
+            q.put((rank, True, fn(rank, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # skip the parent's (pytest's) exit handlers inherited through fork
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world`` forked gloo ranks; return results by rank, raising on failure."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, ok, val = q.get(timeout=JOIN_TIMEOUT_S)
+            (results.__setitem__(rank, val) if ok else errors.append(f"rank {rank}:\n{val}"))
+    except Exception as err:  # queue.Empty: some rank hung
+        errors.append(f"ranks {sorted(set(range(world)) - set(results))} gave no result ({type(err).__name__})")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()  # only our own hung child
+            p.join(timeout=5)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]

@@ -1,0 +1,107 @@
+"""Every heterogeneous plan trains exactly like one device: loss and gradients of step 0 and the
+parameters after 3 AdamW steps (with global-norm clipping active) within 1e-5 in fp32."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, run_ranks
+
+from hethub.comm.communicator import Communicator
+from hethub.plan import Plan
+from hethub.runtime.model import shard_dim_of
+from hethub.runtime.optim import OptimConfig
+from hethub.runtime.tensor_parallel import TPContext, shard
+from hethub.runtime.trainer import Trainer, TrainerConfig
+
+TOL = 1e-5
+
+
+def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any], optim: OptimConfig) -> dict:
+    trainer = Trainer(plan, rank=rank, comm=Communicator(timeout=TIMEOUT), cfg=TrainerConfig(optim=optim))
+    tp = TPContext(size=trainer.place.stage.tp, rank=trainer.place.tp_rank)
+
+    def mine(name: str, full: torch.Tensor) -> torch.Tensor:
+        return shard(full, dim=shard_dim_of(name), tp=tp)
+
+    loss, _ = trainer.forward_backward(data[0])
+    trainer.sync_grads()
+    named = dict(trainer.model.named_parameters())
+    grad_diff = max((p.grad - mine(n, ref["grads"][n])).abs().max().item() for n, p in named.items())
+    norm = trainer.clip_and_update()
+    for step in range(1, len(data)):
+        trainer.train_step(data[step], step=step)
+    param_diff = max((p.detach() - mine(n, ref["params"][n])).abs().max().item() for n, p in named.items())
+    return {"loss": loss, "norm": norm, "grad_diff": grad_diff, "param_diff": param_diff, "names": sorted(named)}
+
+
+def check(plan: Plan, *, optim: OptimConfig = OPTIM) -> list[dict]:
+    data = batches(plan, steps=3)
+    ref = reference(plan.model, data, optim=optim)
+    assert ref["norms"][0] > optim.grad_clip, "clipping must be active for the test to cover it"
+    res = run_ranks(plan.world_size, _worker, plan, data, ref, optim)
+    assert set().union(*(r["names"] for r in res)) == set(ref["params"]), "every parameter is held somewhere"
+    for r in res:
+        assert abs(r["loss"] - ref["loss"]) <= TOL
+        assert abs(r["norm"] - ref["norms"][0]) <= TOL * max(1.0, ref["norms"][0])
+        assert r["grad_diff"] <= TOL, r
+        assert r["param_diff"] <= TOL, r
+    return res
+
+
+SCHEDULES = pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+
+
+@SCHEDULES
+def test_two_stages_5_1_split(schedule: str) -> None:
+    check(make_plan([(2, 4, [(F, 1, 5), (F, 1, 1)])], schedule=schedule))
+
+
+@SCHEDULES
+def test_three_stages_middle_on_emulated_slow_kind(schedule: str) -> None:
+    plan = make_plan([(2, 4, [(F, 1, 2), (S, 1, 2), (F, 1, 2)])], schedule=schedule)
+    assert plan.cluster.kinds[S].emulated
+    check(plan)
+
+
+def test_replicas_with_3_and_1_micro_batches() -> None:
+    check(make_plan([(2, 3, [(F, 1, 3), (F, 1, 3)]), (2, 1, [(S, 1, 6)])]))
+
+
+@SCHEDULES
+def test_replicas_split_layers_differently(schedule: str) -> None:
+    check(make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)]), (2, 2, [(S, 1, 2), (S, 1, 4)])], schedule=schedule))
+
+
+@SCHEDULES
+def test_tp2_stage_beside_tp1_stage(schedule: str) -> None:
+    check(make_plan([(2, 4, [(F, 2, 3), (S, 1, 3)])], schedule=schedule))
+
+
+def test_tp1_stage_before_tp2_stage() -> None:
+    check(make_plan([(2, 4, [(S, 1, 2), (F, 2, 4)])]))
+
+
+def test_replicas_with_different_tp_degrees() -> None:
+    # Every parameter's holders differ in TP degree: the full-size fallback sync.
+    check(make_plan([(2, 2, [(F, 2, 6)]), (2, 2, [(S, 1, 6)])]))
+
+
+def test_tied_embeddings_on_different_stages() -> None:
+    spec = replace(SPEC, name="t6-tied", tied_embeddings=True)
+    check(make_plan([(2, 2, [(F, 1, 3), (F, 2, 3)]), (2, 2, [(S, 1, 6)])], spec=spec))
+
+
+def test_gpt_variant() -> None:
+    spec = replace(SPEC, name="gpt6", arch="gpt", activation="gelu", num_kv_heads=4, tied_embeddings=True)
+    check(make_plan([(2, 2, [(F, 2, 4), (S, 1, 2)])], spec=spec))
+
+
+def test_recomputed_stage() -> None:
+    plan = make_plan([(2, 2, [(F, 2, 4), (S, 1, 2)])])
+    pipe = plan.pipelines[0]
+    stages = (replace(pipe.stages[0], recompute=True), pipe.stages[1])
+    check(replace(plan, pipelines=(replace(pipe, stages=stages),)))
