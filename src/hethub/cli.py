@@ -173,9 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Commands defined in hethub.commands (keeps this file about the core commands)."""
-    from hethub.commands import interop, report
+    from hethub.commands import interop, report, run
 
-    return [interop.register, report.register]
+    return [run.register, report.register, interop.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

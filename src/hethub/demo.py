@@ -1,0 +1,126 @@
+"""`hethub demo`: the built-in local default, end to end on this machine.
+
+On the embedded local-cpu cluster (4 CPU ranks: 2 cpu-fast, 2 cpu-slow emulated 2.5x slower) it
+measures this CPU's layer times, plans the `small` model with the `uniform` baseline and with the
+hethub planner, trains each plan for a few dozen steps through torchrun, and prints for each the
+measured and predicted tokens/s and the loss curve. It ends with the report of the planner's run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from hethub.errors import RuntimeSetupError
+from hethub.plan import Plan
+from hethub.predict.profiles import ProfileSet
+from hethub.search.config import PlannerConfig
+from hethub.search.planner import PlanResult, make_plan
+from hethub.spec.cluster import Cluster, load_cluster
+from hethub.spec.model import PRESETS
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    cluster: str | None = None  # None: the embedded local-cpu.toml
+    model: str = "small"
+    global_batch: int = 16
+    seq_len: int = 128
+    steps: int = 30
+    out_dir: str = "runs/demo"
+
+
+def default_cluster_path() -> Path:
+    return Path(str(resources.files("hethub.spec").joinpath("local-cpu.toml")))
+
+
+def sparkline(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
+
+
+def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> ProfileSet | None:
+    """Profile this CPU once and use it for every kind (emulated kinds are slowed by the predictor)."""
+    try:
+        from hethub.profile.layers import profile_for_kinds
+    except ImportError:
+        return None
+    return profile_for_kinds(model=PRESETS[cfg.model], kinds=cluster.kind_names, seq_len=cfg.seq_len,
+                             micro_batch_sizes=(1, 2, 4), out_dir=out_dir)
+
+
+def _train(plan_path: Path, plan: Plan, *, steps: int, metrics: Path) -> list[dict]:
+    from hethub.runtime.launch import launch_local
+
+    metrics.unlink(missing_ok=True)
+    proc = launch_local(plan_path, nproc=plan.world_size, steps=steps, metrics=metrics, capture=True,
+                        extra_args=["--lr", "3e-3", "--warmup-steps", "3"])
+    if proc.returncode != 0:
+        raise RuntimeSetupError(f"demo training of {plan_path} failed (exit {proc.returncode}):\n"
+                                f"{proc.stderr[-3000:]}\nFix: run 'make test' to see which part is broken.")
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _describe(plan: Plan) -> str:
+    parts = []
+    for p in plan.pipelines:
+        stages = " | ".join(f"{s.kind}{'x' + str(s.tp) if s.tp > 1 else ''}:{s.num_layers}L" for s in p.stages)
+        parts.append(f"[{stages}] x{p.num_micro_batches}mb")
+    return "  ".join(parts)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, dict]:
+    t_start = time.perf_counter()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cluster = load_cluster(cfg.cluster or default_cluster_path())
+    model = PRESETS[cfg.model]
+    print(f"hethub demo: {model.name} ({model.num_params / 1e6:.2f} M parameters) on '{cluster.name}': "
+          f"{cluster.num_devices} CPU ranks on this host.")
+    emulated = [f"{k.name} {k.emulated_slowdown:g}x slower" for k in cluster.kinds.values() if k.emulated]
+    if emulated:
+        print(f"EMULATION: {', '.join(emulated)} (ranks sleep after each compute chunk); not real hardware.")
+    print("measuring this CPU's layer times for the predictor ...", flush=True)
+    profiles = measure_profiles(cluster, cfg, out)
+    results: dict[str, dict] = {}
+    for strategy in ("uniform", "hethub"):
+        pc = PlannerConfig(global_batch=cfg.global_batch, seq_len=cfg.seq_len, strategy=strategy,
+                           precision="fp32")
+        res: PlanResult = make_plan(cluster=cluster, model=model, config=pc, profiles=profiles)
+        plan_path = out / f"plan-{strategy}.json"
+        res.plan.save(plan_path)
+        print(f"\n[{strategy}] {_describe(res.plan)}")
+        print(f"[{strategy}] training {cfg.steps} steps on {res.plan.world_size} ranks ...", flush=True)
+        rows = _train(plan_path, res.plan, steps=cfg.steps, metrics=out / f"metrics-{strategy}.jsonl")
+        steady = rows[2:] or rows
+        measured = statistics.median(r["tokens_per_s"] for r in steady)
+        losses = [r["loss"] for r in rows]
+        results[strategy] = {"measured_tokens_per_s": measured, "predicted_tokens_per_s": res.prediction.tokens_per_s,
+                             "losses": losses, "plan": str(plan_path)}
+        print(f"[{strategy}] measured {measured:,.0f} tokens/s, predicted {res.prediction.tokens_per_s:,.0f} "
+              f"tokens/s ({(res.prediction.tokens_per_s - measured) / measured:+.0%})")
+        print(f"[{strategy}] loss {losses[0]:.3f} -> {losses[-1]:.3f}  {sparkline(losses)}")
+    u, h = results["uniform"], results["hethub"]
+    print(f"\nplanner vs uniform: {h['measured_tokens_per_s'] / u['measured_tokens_per_s']:.2f}x measured, "
+          f"{h['predicted_tokens_per_s'] / u['predicted_tokens_per_s']:.2f}x predicted (emulated slow kind).")
+    report_dir = out / "report"
+    try:
+        from hethub.predict.predictor import predict
+        from hethub.report import write_report
+
+        plan = Plan.load(h["plan"])
+        write_report(plan=plan, prediction=predict(plan, profiles=profiles, timeline=True), out_dir=report_dir,
+                     metrics_path=out / "metrics-hethub.jsonl")
+        print(f"report of the planner's run: {report_dir}/ (summary.md, plan.png, timeline.png, trace.json)")
+    except ImportError as err:  # matplotlib is an optional extra
+        print(f"report skipped: {err}")
+    (out / "demo.json").write_text(json.dumps(results, indent=2))
+    print(f"demo finished in {time.perf_counter() - t_start:.0f} s; results in {out}/demo.json")
+    return results
