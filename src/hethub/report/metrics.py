@@ -27,7 +27,8 @@ from hethub.predict.result import Event
 
 CATEGORIES = ("forward", "backward", "p2p", "allreduce", "optimizer", "wait")
 # Short names the runtime might log without a category.
-_NAME_CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "OPT": "optimizer", "AR": "allreduce"}
+_NAME_CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "OPT": "optimizer", "OPTIM": "optimizer",
+                  "AR": "allreduce", "SYNC": "allreduce"}
 
 
 @dataclass(frozen=True)
@@ -137,12 +138,13 @@ def _event(e: Any, *, device: int, pipeline: int, stage: int) -> Event | None:
     start, end = _as_float(e.get("start_s")), _as_float(e.get("end_s"))
     if start is None or end is None or end < start:
         return None
-    name = str(e.get("name", "?"))
+    # The runtime logs {"op", "mb"}; other producers may write {"name", "micro_batch"}.
+    name = str(e.get("name", e.get("op", "?")))
     category = str(e.get("category") or _NAME_CATEGORY.get(name.upper(), "other")).lower()
     if category == "all-reduce":
         category = "allreduce"
     return Event(device=device, category=category, name=name, start_s=start, end_s=end, pipeline=pipeline,
-                 stage=stage, micro_batch=_as_int(e.get("micro_batch")))
+                 stage=stage, micro_batch=_as_int(e.get("micro_batch", e.get("mb"))))
 
 
 def _as_float(v: Any) -> float | None:
