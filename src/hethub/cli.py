@@ -44,6 +44,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hethub.tables import format_plan_table, format_summary
 
     cluster = load_cluster(args.cluster)
+    if args.links:
+        from hethub.predict.links import apply_links_profile, read_links_profile
+
+        cluster = apply_links_profile(cluster, read_links_profile(args.links))
     model = get_model(args.model)
     config = PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
                            schedule=args.schedule, precision=args.precision, top_k=args.top_k)
@@ -125,6 +129,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from hethub.tables import format_plan_table, format_summary
 
     plan = Plan.load(args.plan)
+    if args.links:
+        from hethub.predict.links import plan_with_links, read_links_profile
+
+        plan = plan_with_links(plan, read_links_profile(args.links))
     profiles = _load_profiles(args.profiles, plan.model, plan.seq_len)
     pred = predict(plan, profiles=profiles)
     upper = plan.meta.get("upper_bound_tokens_per_s")
@@ -155,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
     sp.add_argument("--top-k", type=_positive_int, default=1, help="also show the k best plans")
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
+    sp.add_argument("--links", help="measured links profile from 'hethub bench comm' (replaces catalog links)")
     sp.add_argument("--compare", action="store_true", help="print every strategy side by side")
     sp.add_argument("--out", help="write the plan JSON here")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
@@ -162,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("predict", help="predict step time, throughput and memory of a plan")
     sp.add_argument("--plan", required=True)
-    sp.add_argument("--profiles")
+    sp.add_argument("--profiles", help="measured layer profiles (directory or file)")
+    sp.add_argument("--links", help="measured links profile from 'hethub bench comm'")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_predict)
 
@@ -173,9 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Commands defined in hethub.commands (keeps this file about the core commands)."""
-    from hethub.commands import interop, report, run
+    from hethub.commands import bench, interop, profile, report, run
 
-    return [run.register, report.register, interop.register]
+    return [run.register, report.register, interop.register, profile.register, bench.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,6 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hethub: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away; that is not an error of ours.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

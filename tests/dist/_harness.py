@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -98,7 +99,9 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=TIMEOUT)
         try:
-            q.put((rank, True, fn(rank, *args)))
+            # Plain pickle copies tensors by value: torch's queue pickler would hand over shared memory
+            # that vanishes when this child exits before the parent reads it.
+            q.put((rank, True, pickle.dumps(fn(rank, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -121,7 +124,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     try:
         for _ in range(world):
             rank, ok, val = q.get(timeout=JOIN_TIMEOUT_S)
-            (results.__setitem__(rank, val) if ok else errors.append(f"rank {rank}:\n{val}"))
+            (results.__setitem__(rank, pickle.loads(val)) if ok else errors.append(f"rank {rank}:\n{val}"))
     except Exception as err:  # queue.Empty: some rank hung
         errors.append(f"ranks {sorted(set(range(world)) - set(results))} gave no result ({type(err).__name__})")
     for p in procs:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, run_ranks
 
-from hethub.comm.communicator import Communicator
+from hethub.comm.factory import make_communicator
 from hethub.plan import Plan
 from hethub.runtime.model import shard_dim_of
 from hethub.runtime.optim import OptimConfig
@@ -20,8 +20,16 @@ from hethub.runtime.trainer import Trainer, TrainerConfig
 TOL = 1e-5
 
 
+@pytest.fixture(autouse=True, params=["auto", "force"])
+def bridge(request, monkeypatch):
+    """Every parity case runs twice: native groups, and with the cross-kind bridge forced on."""
+    monkeypatch.setenv("HETHUB_BRIDGE", request.param)
+    return request.param
+
+
 def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any], optim: OptimConfig) -> dict:
-    trainer = Trainer(plan, rank=rank, comm=Communicator(timeout=TIMEOUT), cfg=TrainerConfig(optim=optim))
+    comm = make_communicator(plan=plan, rank=rank, timeout=TIMEOUT)
+    trainer = Trainer(plan, rank=rank, comm=comm, cfg=TrainerConfig(optim=optim))
     tp = TPContext(size=trainer.place.stage.tp, rank=trainer.place.tp_rank)
 
     def mine(name: str, full: torch.Tensor) -> torch.Tensor:

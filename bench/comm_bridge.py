@@ -1,0 +1,101 @@
+"""Bridge vs direct gloo: bandwidth for the same message sizes, measured side by side in one run.
+
+    python bench/comm_bridge.py [--max-bytes 256MiB] [--allreduce]
+
+Two forked gloo ranks ping-pong each message size three ways, interleaved so load on the host
+affects all alike:
+
+- direct: plain gloo send/recv (what same-kind traffic does on CPU);
+- bridge: two emulated kinds with the bridge forced, staging through host buffers as it must for
+  device tensors (on CPU that is one extra memcpy at each end);
+- bridge-0copy: the bridge's routing without staging (what it does for real host tensors).
+
+``--allreduce`` adds 4 ranks (kinds a, a, b, b): flat gloo all-reduce vs the hierarchical one
+(reduce in kind, leaders over the bridge in chunks, broadcast). Bandwidth is message bytes / one-way
+time (p2p) or bytes / all-reduce time. Everything here is TCP loopback on one host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hethub.comm.bridge import BridgedCommunicator
+from hethub.comm.communicator import Communicator
+from hethub.comm.linkbench import message_sizes, ping_pong_s, repetitions, run_local_ranks
+from hethub.commands.bench import parse_bytes
+
+TIMEOUT = timedelta(seconds=120)
+MODES = ("direct", "bridge", "bridge-0copy")
+
+
+def _p2p_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
+    comms = {
+        "direct": Communicator(timeout=TIMEOUT),
+        "bridge": BridgedCommunicator(kind_of_rank=["a", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
+                                      timeout=TIMEOUT, force_bridge=True),
+        "bridge-0copy": BridgedCommunicator(kind_of_rank=["a", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
+                                            timeout=TIMEOUT, force_bridge=True, stage_host=False),
+    }
+    out: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        out[n] = {m: ping_pong_s(comms[m], rank=rank, nbytes=n, reps=repetitions(n)) for m in MODES}
+    return out
+
+
+def _allreduce_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
+    hier = BridgedCommunicator(kind_of_rank=["a", "a", "b", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
+                               timeout=TIMEOUT, force_bridge=True)
+    out: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        x = torch.ones(n // 4, dtype=torch.float32)
+        best = {"flat": float("inf"), "hierarchical": float("inf")}
+        for i in range(repetitions(n) + 1):
+            for mode in best:
+                dist.barrier()
+                start = time.perf_counter()
+                if mode == "flat":
+                    dist.all_reduce(x)
+                else:
+                    hier.all_reduce(x)
+                if i:  # the first round warms up
+                    best[mode] = min(best[mode], time.perf_counter() - start)
+        out[n] = best
+    return out
+
+
+def _fmt(n: int) -> str:
+    return f"{n // 1024**2} MiB" if n >= 1024**2 else f"{n // 1024} KiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-bytes", type=parse_bytes, default=256 * 1024**2)
+    ap.add_argument("--allreduce", action="store_true", help="also compare flat vs hierarchical all-reduce")
+    args = ap.parse_args()
+    sizes = message_sizes(max_bytes=args.max_bytes)
+    start = time.perf_counter()
+    p2p = run_local_ranks(2, _p2p_worker, sizes)[0]
+    print("p2p, 2 ranks, TCP loopback; bandwidth = bytes / one-way time (fastest round trip / 2)")
+    print(f"{'size':>9} {'direct GB/s':>12} {'bridge GB/s':>12} {'bridge/direct':>14} {'0copy GB/s':>11} "
+          f"{'0copy/direct':>13}")
+    for n in sizes:
+        bw = {m: n / p2p[n][m] / 1e9 for m in MODES}
+        print(f"{_fmt(n):>9} {bw['direct']:>12.3f} {bw['bridge']:>12.3f} {bw['bridge'] / bw['direct']:>14.2f} "
+              f"{bw['bridge-0copy']:>11.3f} {bw['bridge-0copy'] / bw['direct']:>13.2f}")
+    if args.allreduce:
+        ar = run_local_ranks(4, _allreduce_worker, sizes)[0]
+        print("\nall-reduce, 4 ranks (kinds a,a,b,b); bandwidth = bytes / time")
+        print(f"{'size':>9} {'flat GB/s':>10} {'hier GB/s':>10} {'hier/flat':>10}")
+        for n in sizes:
+            flat, hier = n / ar[n]["flat"] / 1e9, n / ar[n]["hierarchical"] / 1e9
+            print(f"{_fmt(n):>9} {flat:>10.3f} {hier:>10.3f} {hier / flat:>10.2f}")
+    print(f"\n{time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""A Communicator that spans vendors: native backends inside each island, a host/gloo bridge between.
+
+Ranks are grouped into *islands* whose native library can talk among itself. Inside an island,
+point-to-point and collectives use that island's backend (nccl, hccl, gloo, ...). Across islands,
+tensors are staged in host memory (pinned for CUDA) and moved over gloo (TCP), then copied onto the
+receiving device: every vendor's torch can reach host memory and gloo, none can reach another
+vendor's collective library. All-reduces over groups that span islands are hierarchical (see
+:mod:`hethub.comm.hierarchical`). The runtime calls the same methods as on :class:`Communicator`
+and never learns which path a message took.
+
+Islands: with ``force_bridge`` every kind is its own island (how CPU tests emulate two vendors);
+otherwise kinds share an island when they share a backend and, for accelerator backends, a vendor
+(A100 and V100 share NCCL; an NVIDIA and an AMD GPU both say "nccl" but NCCL and RCCL do not
+interoperate, so they are bridged).
+
+Point-to-point through the bridge moves the sender's tensor as-is: both ends must agree on shape
+and dtype, as with torch.distributed; the receiver's copy lands on the receiver's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hethub.comm.backends import DEVICE_OF_BACKEND
+from hethub.comm.communicator import Communicator, GroupKey
+from hethub.comm.hierarchical import (
+    DEFAULT_CHUNK_BYTES,
+    GroupMaker,
+    HostPool,
+    Route,
+    build_route,
+    hierarchical_all_reduce,
+)
+from hethub.errors import RuntimeSetupError
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_HOST_BACKENDS = ("gloo", "mpi")  # host memory: any two CPUs interoperate whatever their vendor
+
+
+@dataclass
+class StagedWork:
+    """An isend through the bridge. Holds the host copy until the send is waited on, then returns
+    it to the pool."""
+
+    work: Any
+    host: torch.Tensor | None
+    like: torch.Tensor
+    pool: HostPool
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if self.host is not None:
+            self.pool.give(self.host, like=self.like)
+            self.host = None
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def island_of_kind(kind: str, *, backend: str, vendor: str | None, force_bridge: bool) -> str:
+    """The island a kind's ranks belong to (kinds with equal names share one native group)."""
+    if force_bridge:
+        return f"kind:{kind}"
+    if backend in _HOST_BACKENDS or not vendor:
+        return backend
+    return f"{backend}:{vendor}"
+
+
+class BridgedCommunicator(Communicator):
+    def __init__(self, *, kind_of_rank: Sequence[str], backend_of_kind: Mapping[str, str],
+                 timeout: timedelta | None = None, force_bridge: bool = False,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, vendor_of_kind: Mapping[str, str] | None = None,
+                 stage_host: bool | None = None) -> None:
+        super().__init__(timeout=timeout)
+        if len(kind_of_rank) != self.world_size:
+            raise RuntimeSetupError(f"the bridge was given kinds for {len(kind_of_rank)} ranks but the job has "
+                                    f"{self.world_size}. Fix: pass one kind per rank (plan device order).")
+        missing = sorted(set(kind_of_rank) - set(backend_of_kind))
+        if missing:
+            raise RuntimeSetupError(f"no backend chosen for kinds {missing}. Fix: pass backend_of_kind for every "
+                                    "kind (see hethub.comm.factory.make_communicator).")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        vendors = vendor_of_kind or {}
+        self.kind_of_rank = tuple(kind_of_rank)
+        self.force_bridge = force_bridge
+        self.chunk_bytes = chunk_bytes
+        # Host tensors need no staging to ride gloo. Emulation (force_bridge) stages them anyway, so
+        # CPU tests run the copy path and its cost shows up in benchmarks as it would on a device.
+        self.stage_host = force_bridge if stage_host is None else stage_host
+        self.island_of_rank = tuple(
+            island_of_kind(k, backend=backend_of_kind[k], vendor=vendors.get(k), force_bridge=force_bridge)
+            for k in kind_of_rank)
+        self.backend_of_island = {i: backend_of_kind[k] for i, k in zip(self.island_of_rank, kind_of_rank,
+                                                                           strict=True)}
+        self._maker = GroupMaker(world_size=self.world_size, world_backend=str(dist.get_backend()),
+                                 timeout=timeout)
+        # Cross-island traffic always rides gloo: the default group when the world is gloo, else its own.
+        self._bridge_pg = self._maker.get(range(self.world_size), "gloo")
+        self._routes: dict[GroupKey, Route] = {}
+        self._pool = HostPool()
+        # The world is a group too (all_reduce with group=None); building it also creates each
+        # island's group over all its ranks, which same-island point-to-point uses.
+        self.create_groups([range(self.world_size)])
+        island = self.island_of_rank[self.rank]
+        mates = [r for r, i in enumerate(self.island_of_rank) if i == island]
+        self._island_pg = self._maker.get(mates, self.backend_of_island[island]) if len(mates) > 1 else None
+
+    # ---- description -----------------------------------------------------------------------------
+    @property
+    def bridged(self) -> bool:
+        return len(set(self.island_of_rank)) > 1
+
+    def describe(self) -> dict[str, Any]:
+        """Islands, their backends and ranks: what logs and benchmarks print."""
+        islands: dict[str, dict[str, Any]] = {}
+        for r, (i, k) in enumerate(zip(self.island_of_rank, self.kind_of_rank, strict=True)):
+            entry = islands.setdefault(i, {"backend": self.backend_of_island[i], "kinds": [], "ranks": []})
+            entry["ranks"].append(r)
+            if k not in entry["kinds"]:
+                entry["kinds"].append(k)
+        return {"bridged": self.bridged, "force_bridge": self.force_bridge, "chunk_bytes": self.chunk_bytes,
+                "stage_host": self.stage_host, "islands": islands}
+
+    # ---- groups ----------------------------------------------------------------------------------
+    def create_groups(self, groups: Iterable[Sequence[int]]) -> None:
+        for ranks in groups:
+            key = tuple(sorted(ranks))
+            if key not in self._routes:
+                self._routes[key] = build_route(key, rank=self.rank, island_of_rank=self.island_of_rank,
+                                                backend_of_island=self.backend_of_island, groups=self._maker)
+
+    def _route(self, group: Sequence[int] | None) -> Route:
+        key = tuple(range(self.world_size)) if group is None else tuple(sorted(group))
+        try:
+            return self._routes[key]
+        except KeyError:
+            raise RuntimeError(f"group {key} was not created; list it in create_groups on every rank") from None
+
+    def _same_island(self, peer: int) -> bool:
+        return self.island_of_rank[peer] == self.island_of_rank[self.rank]
+
+    def _p2p_pg(self, tensor: torch.Tensor) -> Any:
+        """Same-island p2p: the island's native group for its device, else gloo (host tensors)."""
+        native = DEVICE_OF_BACKEND.get(self.backend_of_island[self.island_of_rank[self.rank]])
+        return self._island_pg if tensor.device.type == native else self._bridge_pg
+
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type != "cpu" or self.stage_host or not tensor.is_contiguous()
+
+    # ---- point to point --------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> Any:
+        data = tensor.contiguous()
+        if self._same_island(dst):
+            return dist.isend(data, dst=dst, tag=tag, group=self._p2p_pg(data))
+        if not self._staged(data):
+            # Already in host memory; like any isend, the caller keeps it unchanged until wait().
+            return dist.isend(data, dst=dst, tag=tag, group=self._bridge_pg)
+        host = self._pool.take(data)
+        host.copy_(data.view(-1))  # blocking for CUDA sources: on the host when this returns
+        return StagedWork(dist.isend(host, dst=dst, tag=tag, group=self._bridge_pg), host, data, self._pool)
+
+    def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
+        if self._same_island(src):
+            dist.recv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor))
+            return tensor
+        if not self._staged(tensor):
+            dist.recv(tensor, src=src, tag=tag, group=self._bridge_pg)
+            return tensor
+        host = self._pool.take(tensor)
+        dist.recv(host, src=src, tag=tag, group=self._bridge_pg)
+        tensor.copy_(host.view(tensor.shape))
+        self._pool.give(host, like=tensor)  # a default (blocking) copy_ has finished reading host
+        return tensor
+
+    # ---- collectives -----------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,
+                   op: str = "sum") -> torch.Tensor:
+        route = self._route(group)
+        if len(route.members) == 1:
+            return tensor
+        rop = _OPS[op]
+        if route.bridged:
+            hierarchical_all_reduce(tensor, route=route, rank=self.rank, op=rop, chunk_bytes=self.chunk_bytes,
+                                    pool=self._pool, stage_host=self.stage_host)
+        else:
+            assert route.local is not None
+            dist.all_reduce(tensor, op=rop, group=route.local.pg_for(tensor))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0) -> torch.Tensor:
+        route = self._route(group)
+        if len(route.members) == 1:
+            return tensor
+        if not route.bridged:
+            assert route.local is not None
+            parts = [torch.empty_like(tensor) for _ in route.members]
+            dist.all_gather(parts, tensor.contiguous(), group=route.local.pg_for(tensor))
+            return torch.cat(parts, dim=dim)
+        host = tensor.contiguous().to("cpu")  # gathers are small (TP pieces, metrics): no pooling
+        parts = [torch.empty_like(host) for _ in route.members]
+        dist.all_gather(parts, host, group=route.host_pg)
+        return torch.cat(parts, dim=dim).to(tensor.device)
+
+    def gather_objects(self, obj: Any, *, dst: int) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self._bridge_pg)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._bridge_pg)
