@@ -21,6 +21,8 @@ class StageTimes:
     bwd_s: float  # includes recomputation
     update_s: float  # optimizer step, once per training step
     source: str  # "profile" or "analytic"
+    # Whether fwd/bwd already contain the TP all-reduces (profiles measured on a real TP group).
+    tp_comm_included: bool = False
 
 
 def stage_times(
@@ -37,9 +39,10 @@ def stage_times(
                 fwd, bwd, upd = fwd + part.fwd_s, bwd + part.bwd_s, upd + part.update_s
         if recompute:
             bwd += layers * entry.layer.fwd_s
-        # A profile measures real speed; an emulated kind is slowed on top of it.
+        # A profile measures real speed; an emulated kind is slowed on top of it, in its forward and
+        # backward chunks only (the runtime's emulation sleeps there, not in the optimizer step).
         k = kind.emulated_slowdown
-        return StageTimes(fwd * k, bwd * k, upd * k, "profile")
+        return StageTimes(fwd * k, bwd * k, upd, "profile", entry.tp_comm_included)
     tokens = mbs * seq_len
     flops = layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len)
     if head:
@@ -51,5 +54,5 @@ def stage_times(
     if kind.mem_bw_bytes_per_s:
         state = sum(ModelSpec.state_bytes_per_param(precision).values())
         params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp)
-        upd = 2 * params * state / kind.mem_bw_bytes_per_s * kind.emulated_slowdown
+        upd = 2 * params * state / kind.mem_bw_bytes_per_s
     return StageTimes(fwd, bwd, upd, "analytic")

@@ -8,6 +8,10 @@ from hethub.spec.model import ModelSpec
 
 # Usable share of device memory: allocator fragmentation and the runtime's context take the rest.
 USABLE_FRACTION = 0.92
+# hethub's runtime replicates the embedding and the head on every TP rank (each computes the full
+# logits); Megatron splits them by vocabulary. The building blocks default to Megatron's layout,
+# the predictor passes this so its memory matches what hethub's runtime holds.
+RUNTIME_VOCAB_PARALLEL = False
 
 
 @dataclass(frozen=True)
@@ -26,15 +30,18 @@ def act_bytes_for(precision: str) -> int:
     return 2 if precision == "bf16-mixed" else 4
 
 
-def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int) -> float:
-    """Parameters held by one device of a stage (TP splits matmuls, embedding and head by vocab)."""
+def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int,
+                 vocab_parallel: bool = True) -> float:
+    """Parameters held by one device of a stage (TP splits matmuls, and embedding and head by
+    vocabulary where ``vocab_parallel``; otherwise those are replicated)."""
     h = model.hidden_size
     per_layer = model.layer_matmul_params / tp + (model.layer_params - model.layer_matmul_params)
     n = layers * per_layer
+    vtp = tp if vocab_parallel else 1
     if embedding:
-        n += model.vocab_size * h / tp + (model.embedding_params - model.vocab_size * h)
+        n += model.vocab_size * h / vtp + (model.embedding_params - model.vocab_size * h)
     if head:
-        n += model.head_params / tp + model.final_norm_params
+        n += model.head_params / vtp + model.final_norm_params
     return n
 
 
@@ -47,9 +54,9 @@ def in_flight_micro_batches(*, schedule: str, stage_index: int, num_stages: int,
 
 def stage_memory(
     model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int, seq_len: int,
-    recompute: bool, precision: str, in_flight: int,
+    recompute: bool, precision: str, in_flight: int, vocab_parallel: bool = True,
 ) -> StageMemory:
-    params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp)
+    params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp, vocab_parallel=vocab_parallel)
     per_param = ModelSpec.state_bytes_per_param(precision)
     ab = act_bytes_for(precision)
     tokens = mbs * seq_len
@@ -61,8 +68,10 @@ def stage_memory(
     if embedding:
         acts += in_flight * tokens * model.hidden_size * ab
     if head:
-        # Logits live only for the micro-batch whose loss is being computed.
-        acts += tokens * model.head_activation_bytes_per_token(tp=tp, act_bytes=ab)
+        # The loss saves its logits (and softmax) for backward, so every micro-batch in flight on
+        # the head stage holds them: one under 1F1B (the last stage), all m under GPipe.
+        acts += in_flight * tokens * model.head_activation_bytes_per_token(tp=tp if vocab_parallel else 1,
+                                                                           act_bytes=ab)
     return StageMemory(
         weights_bytes=params * per_param["weights"],
         grads_bytes=params * per_param["grads"],

@@ -22,11 +22,19 @@ from dataclasses import dataclass
 from hethub.plan import Pipeline, Plan
 from hethub.predict.comm import p2p_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
-from hethub.predict.memory import USABLE_FRACTION, StageMemory, act_bytes_for, in_flight_micro_batches, stage_memory
+from hethub.predict.contention import StageWork, simulate_shared_cores
+from hethub.predict.memory import (
+    RUNTIME_VOCAB_PARALLEL,
+    USABLE_FRACTION,
+    StageMemory,
+    act_bytes_for,
+    in_flight_micro_batches,
+    stage_memory,
+)
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.schedule import StageSchedule, simulate_pipeline, simulate_pipeline_time
-from hethub.predict.sync import SyncResult, simulate_sync
+from hethub.predict.sync import SyncResult, simulate_sync, sync_groups
 from hethub.spec.cluster import Link
 
 
@@ -68,8 +76,8 @@ class _Costs:
             act = mbs * plan.seq_len * plan.model.hidden_size * self.act_bytes
             intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
             tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
-            if times.source == "profile":
-                # Profiles are measured at their TP degree, so its collectives are already inside.
+            if times.tp_comm_included:
+                # Profiles measured on a real TP group have its collectives inside already.
                 tp_f = tp_b = 0.0
             cost = self.stage[key] = _StageCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
         return cost
@@ -82,7 +90,8 @@ class _Costs:
             plan = self.plan
             mem = self.memory[key] = stage_memory(plan.model, layers=layers, embedding=embedding, head=head, tp=tp,
                                                   mbs=mbs, seq_len=plan.seq_len, recompute=recompute,
-                                                  precision=plan.precision, in_flight=in_flight)
+                                                  precision=plan.precision, in_flight=in_flight,
+                                                  vocab_parallel=RUNTIME_VOCAB_PARALLEL)
         return mem
 
     def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
@@ -98,8 +107,13 @@ class _Costs:
         return self.finish[sig]
 
 
-def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = False) -> Prediction:
-    """Step time, throughput, per-device memory and (optionally) the per-device timeline of `plan`."""
+def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = False,
+            host_background_procs: float = 0.0) -> Prediction:
+    """Step time, throughput, per-device memory and (optionally) the per-device timeline of `plan`.
+
+    ``host_background_procs``: only with ``cluster.host_cores``: busy processes of others on the
+    emulation host, sharing its cores with the plan's ranks (a measured input; 0 on a quiet machine).
+    """
     model, cluster = plan.model, plan.cluster
     costs = _Costs(plan, profiles)
     p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
@@ -131,10 +145,20 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline))
         updates.append(upd)
 
-    sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline)
+    groups = sync_groups(plan)
+    sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline, groups=groups)
     stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync)
                    for pi, si, cost, mem, send in partial)
     step = sync.step_time_s
+    pipeline_times = tuple(max(row) for row in finish)
+    cores = cluster.host_cores
+    if cores is not None and (plan.world_size > cores or host_background_procs > 0):
+        # More ranks than cores on the one emulation host: they share the cores (contention.py).
+        work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send) for pi, si, cost, _, send in partial}
+        step, pipes = simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
+                                            num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
+                                            background_procs=host_background_procs)
+        pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
     events: tuple[Event, ...] = ()
     if timeline:
@@ -142,11 +166,21 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     return Prediction(
         step_time_s=step,
         tokens_per_s=tokens / step if step > 0 else float("inf"),
-        pipeline_times_s=tuple(max(row) for row in finish),
+        pipeline_times_s=pipeline_times,
         stages=stages,
         timeline=events,
         model_flops_per_step=model.train_flops_per_token(seq_len=plan.seq_len) * tokens,
     )
+
+
+def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float) -> StageWork:
+    """Split a stage's times into CPU work and emulation sleep (the part no core is needed for)."""
+    s = plan.pipelines[pi].stages[si]
+    k = plan.cluster.kinds[s.kind].emulated_slowdown
+    t = cost.times
+    return StageWork(fwd_cpu_s=cost.fwd_s - t.fwd_s * (1 - 1 / k), fwd_idle_s=t.fwd_s * (1 - 1 / k),
+                     bwd_cpu_s=cost.bwd_s - t.bwd_s * (1 - 1 / k), bwd_idle_s=t.bwd_s * (1 - 1 / k),
+                     p2p_s=send, update_cpu_s=t.update_s, ranks=s.tp)
 
 
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: StageMemory, send: float,

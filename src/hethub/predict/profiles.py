@@ -27,6 +27,9 @@ class ProfileEntry:
     layer: LayerTimes
     head: LayerTimes
     peak_mem_bytes: int | None = None
+    # False when a TP>1 entry was measured as the sharded layer alone (no TP group at hand): the
+    # predictor then adds its modelled TP all-reduces. True for real TP groups and Sailor's data.
+    tp_comm_included: bool = True
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class KindProfile:
             return None
         near = min(same_tp, key=lambda m: abs(m - mbs))
         e, f = self.entries[(near, tp)], mbs / near
-        return ProfileEntry(e.embedding.scaled(f), e.layer.scaled(f), e.head.scaled(f), None)
+        return ProfileEntry(e.embedding.scaled(f), e.layer.scaled(f), e.head.scaled(f), None, e.tp_comm_included)
 
 
 @dataclass(frozen=True)

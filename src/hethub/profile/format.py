@@ -63,7 +63,8 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
         "entries": [
             {"mbs": mbs, "tp": tp,
              **{part: _times_dict(getattr(e, part)) for part in _PARTS},
-             "peak_mem_bytes": e.peak_mem_bytes}
+             "peak_mem_bytes": e.peak_mem_bytes,
+             **({} if e.tp_comm_included else {"tp_comm_included": False})}
             for (mbs, tp), e in sorted(profile.entries.items())
         ],
     }
@@ -140,8 +141,12 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
         mem = e.get("peak_mem_bytes")
         if mem is not None:
             mem = _pos_int(mem, where, f"{f}.peak_mem_bytes")
+        included = e.get("tp_comm_included", True)  # optional (absent in older files): collectives inside
+        if not isinstance(included, bool):
+            raise _err(where, f"{f}.tp_comm_included", f"must be true or false, got {included!r}",
+                       "write true if the TP all-reduces are inside the times")
         entries[(mbs, tp)] = ProfileEntry(*(_times(e[part], where, f"{f}.{part}") for part in _PARTS),
-                                          peak_mem_bytes=mem)
+                                          peak_mem_bytes=mem, tp_comm_included=included)
     prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where)
     return ProfileFile(profile=prof, model_shape=shape, device=data["device"])
 

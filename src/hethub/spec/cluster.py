@@ -95,6 +95,10 @@ class Cluster:
     inter_node: Link
     cross_kind: Link
     description: str = ""
+    # Local emulation only: every device is a process on ONE host with this many CPU cores, so ranks
+    # beyond the core count share them (the predictor's contention model). None: each device
+    # computes on its own hardware, as on any real cluster.
+    host_cores: int | None = None
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +148,7 @@ class Cluster:
         return {
             "name": self.name,
             "description": self.description,
+            **({"host_cores": self.host_cores} if self.host_cores is not None else {}),
             "kinds": {n: asdict(k) for n, k in self.kinds.items()},
             "groups": [asdict(g) for g in self.groups],
             "network": {
@@ -176,6 +181,7 @@ class Cluster:
                 {("nodes" if k == "num_nodes" else k): v for k, v in g.items() if v is not None} for g in groups
             ],
             "network": net,
+            **({"host_cores": data["host_cores"]} if "host_cores" in data else {}),
         }
         return parse_cluster(toml_like, where=where)
 
@@ -257,7 +263,7 @@ def resolve_kind(name: str, *, where: str, local: dict[str, Any] | None = None) 
 
 
 def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
-    check_keys(data, allowed={"name", "description", "kinds", "group", "network"}, where=where)
+    check_keys(data, allowed={"name", "description", "kinds", "group", "network", "host_cores"}, where=where)
     local = data.get("kinds", {})
     check_keys(local, allowed=set(local) if isinstance(local, dict) else set(), where=f"{where}: kinds")
     raw_groups = data.get("group")
@@ -289,7 +295,22 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         raise field_error(where, "name", "must be a string", 'write name = "my-cluster"')
     desc = data.get("description", "")
     return Cluster(name=name, description=desc if isinstance(desc, str) else "", kinds=kinds,
-                   groups=tuple(groups), inter_node=inter, cross_kind=cross)
+                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host_cores=_host_cores(data, where))
+
+
+def _host_cores(data: dict[str, Any], where: str) -> int | None:
+    """``host_cores = N`` or ``"auto"`` (the cores this process may use, read when the file is loaded)."""
+    v = data.get("host_cores")
+    if v is None:
+        return None
+    if v == "auto":
+        import os
+
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise field_error(where, "host_cores", f"must be a positive integer or \"auto\", got {v!r}",
+                          'write host_cores = "auto" for local emulation, or leave it out')
+    return v
 
 
 def load_cluster(path: str | Path) -> Cluster:

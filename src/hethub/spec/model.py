@@ -242,7 +242,8 @@ def _from_hf(cfg: dict[str, Any], *, name: str) -> ModelSpec:
                     i("vocab_size"), i("max_position_embeddings"), act)
     if mt == "gpt_neo":
         h = i("hidden_size")
-        return _gpt(name, i("num_layers"), h, i("num_heads"), i("intermediate_size", 4 * h), i("vocab_size"), i("max_position_embeddings"), "gelu")
+        return _gpt(name, i("num_layers"), h, i("num_heads"),
+                    i("intermediate_size", 4 * h), i("vocab_size"), i("max_position_embeddings"), "gelu")
     if mt == "gpt2":
         h = i("n_embd")
         return _gpt(name, i("n_layer"), h, i("n_head"), i("n_inner", 4 * h),

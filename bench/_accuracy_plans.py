@@ -1,0 +1,69 @@
+"""The plans of the predictor accuracy benchmark, on examples/clusters/local-cpu.toml.
+
+Devices 0 and 1 are cpu-fast, 2 and 3 cpu-slow (emulated 2.5x slower). ``TUNING`` is the set the
+predictor's overhead and contention model were developed against; ``HELD_OUT`` was written before
+looking at any result and never used to change the predictor, so its errors show how the model
+generalises. Both cover 1-4 ranks, unequal splits, uneven replicas, TP, emulated kinds, 1F1B and
+GPipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import ModelSpec
+
+F, S = "cpu-fast", "cpu-slow"
+# (kind, devices, layers) per stage; layers are contiguous from 0.
+StageDef = tuple[str, tuple[int, ...], int]
+
+
+@dataclass(frozen=True)
+class PlanDef:
+    name: str
+    pipelines: tuple[tuple[int, int, tuple[StageDef, ...]], ...]  # (mbs, micro-batches, stages)
+    schedule: str = "1f1b"
+
+
+TUNING: tuple[PlanDef, ...] = (
+    PlanDef("1 fast rank", ((2, 4, ((F, (0,), 8),)),)),
+    PlanDef("2 stages fast/fast 4|4", ((2, 4, ((F, (0,), 4), (F, (1,), 4))),)),
+    PlanDef("2 stages fast/slow 5|3", ((2, 4, ((F, (0,), 5), (S, (2,), 3))),)),
+    PlanDef("2 fast replicas (DP)", ((2, 2, ((F, (0,), 8),)), (2, 2, ((F, (1,), 8),)))),
+    PlanDef("4 stages f,f,s,s 3|2|2|1", ((2, 4, ((F, (0,), 3), (F, (1,), 2), (S, (2,), 2), (S, (3,), 1))),)),
+    PlanDef("4 stages f,f,s,s GPipe", ((2, 4, ((F, (0,), 3), (F, (1,), 2), (S, (2,), 2), (S, (3,), 1))),),
+            schedule="gpipe"),
+    PlanDef("uneven replicas fast | slow 4|4", ((2, 3, ((F, (0,), 8),)), (2, 2, ((S, (2,), 4), (S, (3,), 4))))),
+    PlanDef("TP2 fast 5 | slow 3", ((2, 4, ((F, (0, 1), 5), (S, (2,), 3))),)),
+)
+
+HELD_OUT: tuple[PlanDef, ...] = (
+    PlanDef("1 slow rank", ((2, 3, ((S, (2,), 8),)),)),
+    PlanDef("3 stages f,f,s 2|3|3 GPipe", ((2, 3, ((F, (0,), 2), (F, (1,), 3), (S, (2,), 3))),), schedule="gpipe"),
+    PlanDef("4 replicas f,f,s,s", ((2, 3, ((F, (0,), 8),)), (2, 3, ((F, (1,), 8),)), (2, 1, ((S, (2,), 8),)),
+                                   (2, 1, ((S, (3,), 8),)))),
+    PlanDef("2x2 stages, splits 4|4 and 6|2", ((2, 4, ((F, (0,), 4), (F, (1,), 4))),
+                                               (2, 2, ((S, (2,), 6), (S, (3,), 2))))),
+    PlanDef("TP2 fast, whole model", ((2, 4, ((F, (0, 1), 8),)),)),
+    PlanDef("2 stages slow/fast 3|5, mbs 1", ((1, 6, ((S, (2,), 3), (F, (0,), 5))),)),
+    PlanDef("TP2 fast + slow replica", ((2, 4, ((F, (0, 1), 8),)), (2, 1, ((S, (2,), 8),)))),
+    PlanDef("4 stages s,s,f,f mbs 4", ((4, 2, ((S, (2,), 1), (S, (3,), 2), (F, (0,), 2), (F, (1,), 3))),)),
+)
+
+
+def build_plan(d: PlanDef, *, cluster: Cluster, model: ModelSpec, seq_len: int) -> Plan:
+    pipes = []
+    for mbs, m, stages in d.pipelines:
+        start, built = 0, []
+        for i, (kind, devices, n) in enumerate(stages):
+            built.append(Stage(kind=kind, devices=devices, layers=(start, start + n), embedding=i == 0,
+                               head=i == len(stages) - 1))
+            start += n
+        if start != model.num_layers:
+            raise ValueError(f"plan {d.name!r} covers {start} of {model.num_layers} layers")
+        pipes.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(built)))
+    return Plan(model=model, cluster=cluster, global_batch=sum(p.num_samples for p in pipes), seq_len=seq_len,
+                pipelines=tuple(pipes), schedule=d.schedule, precision="fp32",
+                meta={"bench": d.name}).validate()

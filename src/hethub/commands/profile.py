@@ -1,0 +1,67 @@
+"""`hethub profile`: measure the real layers on this machine and write a hethub profile file."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return tuple(dict.fromkeys(vals))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hethub.errors import SpecError
+    from hethub.profile.format import write_profile
+    from hethub.profile.layers import Repetitions
+    from hethub.profile.runner import ProfileRequest, device_description, run_profile
+    from hethub.spec.model import get_model
+
+    model = get_model(args.model)
+    seq_len = args.seq_len or model.max_seq_len
+    if seq_len > model.max_seq_len:
+        raise SpecError(f"--seq-len {seq_len} exceeds model {model.name!r}'s max_seq_len {model.max_seq_len}. "
+                        "Fix: use a shorter sequence length.")
+    _check_device(args.device)
+    req = ProfileRequest(model=model, kind=args.kind, seq_len=seq_len, mbs=args.mbs, tp=args.tp, device=args.device,
+                         threads=args.threads, reps=Repetitions(warmup=args.warmup, repeats=args.repeats))
+    prof = run_profile(req)
+    write_profile(args.out, prof, model=model, device=device_description(args.device))
+    print(f"profile of {model.name} (kind {args.kind}, seq_len {seq_len}) written to {args.out}")
+    for (mbs, tp), e in sorted(prof.entries.items()):
+        print(f"  mbs {mbs} tp {tp}: layer fwd {e.layer.fwd_s * 1e3:.2f} ms  bwd {e.layer.bwd_s * 1e3:.2f} ms  "
+              f"update {e.layer.update_s * 1e3:.2f} ms  head fwd+bwd {(e.head.fwd_s + e.head.bwd_s) * 1e3:.2f} ms")
+    return 0
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    from hethub.errors import RuntimeSetupError
+
+    if device == "cpu":
+        return
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return  # ROCm builds of torch answer to "cuda" too
+    raise RuntimeSetupError(f"--device {device!r} is not available here (torch {torch.__version__}). "
+                            "Fix: use --device cpu, or cuda / cuda:N on a machine with a GPU.")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("profile", help="measure layer times on this machine and write a profile file")
+    sp.add_argument("--model", required=True, help="preset name or Hugging Face config.json")
+    sp.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (ROCm: cuda)")
+    sp.add_argument("--mbs", type=_int_list, default=(1,), help="micro-batch sizes, e.g. 1,2,4")
+    sp.add_argument("--tp", type=_int_list, default=(1,), help="TP degrees, e.g. 1,2 (CPU: real gloo ranks)")
+    sp.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
+    sp.add_argument("--kind", default="cpu", help="device kind the profile is for, as in the cluster file")
+    sp.add_argument("--threads", type=int, default=1, help="torch threads per rank (the runtime uses 1 on CPU)")
+    sp.add_argument("--warmup", type=int, default=3, help="unmeasured repetitions per part")
+    sp.add_argument("--repeats", type=int, default=10, help="measured repetitions (median) per part")
+    sp.add_argument("--out", required=True, help="profile JSON file to write")
+    sp.set_defaults(func=cmd_profile)

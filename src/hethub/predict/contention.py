@@ -1,0 +1,166 @@
+"""Ranks sharing a host's CPU cores: the whole step simulated with processor sharing.
+
+Only for local emulation, where every device is a process on one host (``Cluster.host_cores``). When
+more ranks compute at once than there are cores, each computing rank runs at ``cores / computing``
+of its full speed (the OS shares cores fairly between single-threaded processes). What does not
+use a core does not slow anyone:
+
+* an emulated kind's extra time is a sleep: after each forward or backward chunk of CPU work c, the
+  rank sleeps (k - 1) x c (hethub.runtime.emulation), during which the others have the cores;
+* waiting for a transfer, and the gradient all-reduces (loopback, tiny next to compute here), are
+  timed waits.
+
+So every stage's program is replayed as phases: CPU work (shared), sleep and waits (not shared),
+in the schedule's op order (1F1B or GPipe), with the same dependencies as
+:mod:`hethub.predict.schedule` (a forward needs the previous stage's forward plus the transfer, a
+backward the next stage's backward plus the transfer), then its gradient-sync groups in layer order
+(each starts once all its holders arrive) and its optimizer update (CPU work). A TP stage counts as
+``tp`` computing processes. With no more computing ranks than cores this reduces to the
+uncontended simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hethub.predict.schedule import op_order
+from hethub.predict.sync import SyncGroup
+
+StageId = tuple[int, int]
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One stage's per-micro-batch costs split into what needs a core and what does not."""
+
+    fwd_cpu_s: float
+    fwd_idle_s: float  # emulation sleep (+ nothing else)
+    bwd_cpu_s: float
+    bwd_idle_s: float
+    p2p_s: float  # transfer to the next stage (and of gradients back from it)
+    update_cpu_s: float
+    ranks: int  # processes computing together (the TP degree)
+
+
+@dataclass
+class _Stage:
+    sid: StageId
+    work: StageWork
+    tasks: list[tuple[str, int]]
+    weight: int
+    ptr: int = 0
+    # ("until", absolute time) | ("cpu", work left at full speed) | ("sleep", seconds, once CPU work is done)
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    done_s: float | None = None
+
+
+def simulate_shared_cores(
+    *, stages: dict[StageId, StageWork], num_micro_batches: Sequence[int], schedule: str, cores: int,
+    groups: Sequence[SyncGroup], background_procs: float = 0.0,
+) -> tuple[float, list[float]]:
+    """(step time, each pipeline's last-backward time) with `cores` shared by every rank of the plan
+    and by `background_procs` always-busy processes of other users (0 on a machine of one's own)."""
+    n_stages = {pi: 1 + max(si for p, si in stages if p == pi) for pi, _ in stages}
+    st: dict[StageId, _Stage] = {}
+    my_groups: dict[StageId, list[int]] = {sid: [] for sid in stages}
+    for gi, g in enumerate(groups):
+        if g.time_s > 0:
+            for h in g.holders:
+                my_groups[h].append(gi)
+    for sid, w in stages.items():
+        pi, si = sid
+        ops = op_order(num_stages=n_stages[pi], stage=si, num_micro_batches=num_micro_batches[pi], schedule=schedule)
+        tasks = [(k, i) for k, i in ops] + [("S", gi) for gi in my_groups[sid]] + [("U", 0)]
+        st[sid] = _Stage(sid, w, tasks, max(1, w.ranks))
+    f_end: dict[tuple[int, int, int], float] = {}
+    b_end: dict[tuple[int, int, int], float] = {}
+    arrived: dict[int, set[StageId]] = {}
+    bwd_done: dict[int, float] = {}
+    now = 0.0
+    while True:
+        moved = True
+        while moved:  # instantaneous transitions at `now`
+            moved = False
+            for s in st.values():
+                moved |= _step(s, st, now=now, f_end=f_end, b_end=b_end, arrived=arrived, groups=groups,
+                               bwd_done=bwd_done)
+        if all(s.done_s is not None for s in st.values()):
+            break
+        busy = [s for s in st.values() if s.phases and s.phases[0][0] == "cpu"]
+        n = sum(s.weight for s in busy)
+        rate = min(1.0, cores / (n + background_procs)) if n else 1.0
+        nxt = [now + s.phases[0][1] / rate for s in busy]
+        nxt += [s.phases[0][1] for s in st.values() if s.phases and s.phases[0][0] == "until"]
+        if not nxt:
+            raise RuntimeError("shared-core simulation deadlocked; this is a bug in the op order")
+        t = min(nxt)
+        for s in busy:
+            s.phases[0] = ("cpu", max(0.0, s.phases[0][1] - (t - now) * rate))
+        now = t
+    step = max(s.done_s or 0.0 for s in st.values())
+    pipes = [bwd_done.get(pi, 0.0) for pi in sorted(n_stages)]
+    return step, pipes
+
+
+def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_end: dict,
+          arrived: dict[int, set[StageId]], groups: Sequence[SyncGroup], bwd_done: dict[int, float]) -> bool:
+    """Advance stage `s` through whatever completes or starts at `now`; True if anything did."""
+    if s.done_s is not None:
+        return False
+    if s.phases:
+        kind, v = s.phases[0]
+        if not ((kind == "cpu" and v <= _EPS) or (kind == "until" and v <= now + _EPS)):
+            return False
+        s.phases.pop(0)
+        if s.phases and s.phases[0][0] == "sleep":  # a sleep starts when the CPU work before it ends
+            s.phases[0] = ("until", now + s.phases[0][1])
+        if not s.phases:
+            _finish_task(s, now=now, f_end=f_end, b_end=b_end, bwd_done=bwd_done)
+        return True
+    if s.ptr >= len(s.tasks):
+        s.done_s = now
+        return True
+    kind, i = s.tasks[s.ptr]
+    pi, si = s.sid
+    w = s.work
+    if kind == "F":
+        ready = now
+        if si > 0:
+            dep = f_end.get((pi, si - 1, i))
+            if dep is None:
+                return False
+            ready = dep + st[(pi, si - 1)].work.p2p_s
+        s.phases = [("until", ready), ("cpu", w.fwd_cpu_s), ("sleep", w.fwd_idle_s)]
+    elif kind == "B":
+        ready = now
+        if (pi, si + 1) in st:
+            dep = b_end.get((pi, si + 1, i))
+            if dep is None:
+                return False
+            ready = dep + w.p2p_s
+        s.phases = [("until", ready), ("cpu", w.bwd_cpu_s), ("sleep", w.bwd_idle_s)]
+    elif kind == "S":
+        holders = arrived.setdefault(i, set())
+        holders.add(s.sid)
+        if len(holders) < len(groups[i].holders):
+            return False
+        # The last holder arrived: the all-reduce runs for all of them from now.
+        for h in groups[i].holders:
+            st[h].phases = [("until", now + groups[i].time_s)]
+        arrived[i] = set()
+    else:
+        s.phases = [("cpu", w.update_cpu_s)]
+    return True
+
+
+def _finish_task(s: _Stage, *, now: float, f_end: dict, b_end: dict, bwd_done: dict[int, float]) -> None:
+    kind, i = s.tasks[s.ptr]
+    pi, si = s.sid
+    if kind == "F":
+        f_end[(pi, si, i)] = now
+    elif kind == "B":
+        b_end[(pi, si, i)] = now
+        bwd_done[pi] = max(bwd_done.get(pi, 0.0), now)
+    s.ptr += 1

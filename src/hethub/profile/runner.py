@@ -1,0 +1,159 @@
+"""Run the layer measurements for every (micro-batch size, TP degree) and build a KindProfile.
+
+TP degree 1 is measured in this process. TP degree t > 1 on CPU runs on t forked ranks of a real
+gloo group (loopback), so each entry's times contain the TP all-reduces, which is what the
+predictor assumes of a profile; the slowest rank's median counts (a TP stage waits for all its
+ranks). On an accelerator a TP group would need t devices and the matching backend; with fewer
+devices the sharded layer is measured alone and the entry is marked ``tp_comm_included: false``,
+so the predictor adds its modelled TP collectives on top.
+
+Threads: the runtime runs one thread per rank (``launch_local`` sets OMP_NUM_THREADS=1), so CPU
+profiles default to one thread too; a profile is only as good as its match with the run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from hethub.predict.profiles import KindProfile, ProfileEntry
+from hethub.profile.layers import EntryResult, Repetitions, measure_entry
+from hethub.progress import progress
+from hethub.runtime.tensor_parallel import TPContext
+from hethub.spec.model import ModelSpec
+
+_JOIN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    model: ModelSpec
+    kind: str
+    seq_len: int
+    mbs: tuple[int, ...]
+    tp: tuple[int, ...]
+    device: str = "cpu"
+    threads: int = 1
+    reps: Repetitions = field(default_factory=Repetitions)
+
+
+def device_description(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device}: {torch.cuda.get_device_name(torch.device(device))}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu: {platform.processor() or platform.machine()}, {cores} cores usable"
+
+
+def run_profile(req: ProfileRequest) -> KindProfile:
+    """Measure every requested (mbs, tp) entry; progress goes to stderr."""
+    torch.set_num_threads(req.threads)
+    entries: dict[tuple[int, int], ProfileEntry] = {}
+    dev = torch.device(req.device)
+    combos = [(m, t) for t in req.tp for m in req.mbs]
+    with progress(len(combos), desc=f"profile {req.model.name} on {req.device}", unit="entries") as bar:
+        for mbs, tp in combos:
+            _check_tp(req.model, tp)
+            if tp == 1:
+                res, included = measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=TPContext(), device=dev,
+                                              reps=req.reps), True
+            elif dev.type == "cpu":
+                res, included = _slowest(_run_tp_ranks(req, mbs=mbs, tp=tp)), True
+            else:
+                res, included = _measure_sharded_alone(req, mbs=mbs, tp=tp, dev=dev), False
+            entries[(mbs, tp)] = ProfileEntry(res.embedding.times, res.layer.times, res.head.times,
+                                              peak_mem_bytes=res.peak_mem_bytes, tp_comm_included=included)
+            bar.update()
+    return KindProfile(kind=req.kind, model=req.model.name, seq_len=req.seq_len, entries=entries,
+                       source=f"hethub profile on {device_description(req.device)}")
+
+
+def _check_tp(model: ModelSpec, tp: int) -> None:
+    from hethub.errors import SpecError
+
+    if model.num_kv_heads % tp or model.ffn_hidden_size % tp:
+        raise SpecError(f"--tp {tp} does not divide model {model.name!r} (num_kv_heads {model.num_kv_heads}, "
+                        f"ffn_hidden_size {model.ffn_hidden_size}). Fix: use TP degrees dividing both.")
+
+
+def _slowest(results: list[EntryResult]) -> EntryResult:
+    """Per part, the rank with the longest forward + backward: a TP stage is as slow as its slowest rank."""
+    def pick(attr: str):
+        return max((getattr(r, attr) for r in results), key=lambda p: p.times.fwd_s + p.times.bwd_s)
+
+    return EntryResult(pick("embedding"), pick("layer"), pick("head"), max(r.peak_mem_bytes for r in results))
+
+
+class _NoCollectives:
+    """Stands in for the Communicator when a sharded layer is timed alone: collectives are skipped."""
+
+    def all_reduce(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        return None
+
+
+def _measure_sharded_alone(req: ProfileRequest, *, mbs: int, tp: int, dev: torch.device) -> EntryResult:
+    ctx = TPContext(size=tp, rank=0, group=tuple(range(tp)), comm=_NoCollectives())  # type: ignore[arg-type]
+    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx, device=dev, reps=req.reps)
+
+
+# ---- forked TP ranks (CPU, gloo) --------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_child(rank: int, tp: int, port: int, req: ProfileRequest, mbs: int, q: Any) -> None:
+    torch.set_num_threads(req.threads)  # first: an inherited OpenMP pool can hang a forked child
+    try:
+        import torch.distributed as dist
+
+        from hethub.comm.communicator import Communicator
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                                timeout=timedelta(seconds=300))
+        try:
+            ctx = TPContext(size=tp, rank=rank, group=tuple(range(tp)), comm=Communicator())
+            q.put((rank, True, measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx,
+                                             device=torch.device("cpu"), reps=req.reps)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # skip the parent's exit handlers inherited through fork
+
+
+def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_child, args=(r, tp, port, req, mbs, q), daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    results: dict[int, EntryResult] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(tp):
+            rank, ok, val = q.get(timeout=_JOIN_TIMEOUT_S)
+            (results.__setitem__(rank, val) if ok else errors.append(f"rank {rank}:\n{val}"))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()  # only our own hung child
+    if errors or len(results) != tp:
+        raise RuntimeError("TP profiling ranks failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(tp)]

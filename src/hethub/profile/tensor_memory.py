@@ -1,0 +1,91 @@
+"""Byte accounting of tensor storage on any device (CPU has no allocator statistics to ask).
+
+What the predictor's memory model counts, measured on real modules:
+
+* training state: parameters, their gradients and the optimizer's per-parameter state (for AdamW
+  ``exp_avg`` and ``exp_avg_sq``; the one-element ``step`` counters are left out, 4 bytes per
+  tensor, because the predictor counts bytes per parameter);
+* activations: the tensors autograd saves for backward during a forward, caught with
+  ``torch.autograd.graph.saved_tensors_hooks``; storages are counted once (views share them) and
+  parameters (which linear layers save too) are excluded, as they are already counted above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    s = t.untyped_storage()
+    return str(t.device), s.data_ptr()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateBytes:
+    """Parameters, gradients (where allocated) and per-parameter optimizer state of ``model``."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    opt: list[torch.Tensor] = []
+    if optimizer is not None:
+        for p in params:
+            for v in optimizer.state.get(p, {}).values():
+                # Per-parameter moments have the parameter's shape; scalar step counters do not.
+                if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                    opt.append(v)
+    return StateBytes(storage_bytes(params), storage_bytes(grads), storage_bytes(opt))
+
+
+@dataclass
+class SavedTensors:
+    """Collects the storages autograd saves for backward inside :func:`saved_for_backward`."""
+
+    exclude: set[tuple[str, int]] = field(default_factory=set)
+    storages: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@contextmanager
+def saved_for_backward(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedTensors]:
+    """Count the bytes autograd keeps for backward of the forwards run inside the block.
+
+    ``exclude``: tensors whose storage is accounted elsewhere (the module's parameters).
+    """
+    rec = SavedTensors(exclude={_storage_key(t) for t in exclude})
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            key = _storage_key(t)
+            if key not in rec.exclude:
+                rec.storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield rec
