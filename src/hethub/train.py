@@ -3,7 +3,7 @@
 Reads the plan, checks the launch matches it (WORLD_SIZE == plan.world_size), initialises
 torch.distributed, builds this rank's stage and trains. The last stage's TP-rank-0 of pipeline 0
 prints one line per step and, with ``--metrics FILE``, appends one JSON object per step (schema in
-``hethub.runtime.metrics``).
+``hethub.runtime.metrics``). Checkpoints, ``--resume`` and elastic restarts: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hethub.comm.communicator import Communicator
+from hethub.comm.factory import make_communicator
 from hethub.errors import HethubError, RuntimeSetupError
 from hethub.plan import Plan
+from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
+from hethub.runtime.checkpoint_io import latest_dir
 from hethub.runtime.data import BatchSource, byte_tokenize, hf_tokenizer, load_tokens
+from hethub.runtime.elastic import init_process_group, maybe_inject_fault, replan_path, shrunk_plan
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.trainer import Trainer, TrainerConfig
 
@@ -39,7 +42,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", help="a Hugging Face tokenizer available locally (default: bytes)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
-    return ap.parse_args(argv)
+    ck = ap.add_argument_group("checkpoints and restarts (docs/reliability.md)")
+    ck.add_argument("--checkpoint-dir", help="save checkpoints here (always at the end of the run)")
+    ck.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
+    ck.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="keep the newest K (0: all)")
+    ck.add_argument("--resume", metavar="DIR|auto",
+                    help="continue from a checkpoint; auto: the newest in --checkpoint-dir if there is one")
+    ck.add_argument("--replan-on-shrink", action="store_true",
+                    help="if fewer processes than the plan's devices start, plan for them and resume under it")
+    args = ap.parse_args(argv)
+    if (args.resume == "auto" or args.checkpoint_every or args.replan_on_shrink) and not args.checkpoint_dir:
+        ap.error("--resume auto, --checkpoint-every and --replan-on-shrink need --checkpoint-dir")
+    return args
 
 
 def _env_int(name: str) -> int:
@@ -62,7 +76,8 @@ def select_device(plan: Plan) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> None:
     plan = Plan.load(args.plan)
     world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
-    if world != plan.world_size:
+    shrunk = args.replan_on_shrink and world < plan.world_size
+    if world != plan.world_size and not shrunk:
         raise RuntimeSetupError(f"the job has WORLD_SIZE={world} processes but plan {args.plan} needs "
                                 f"{plan.world_size} (one per device). Fix: launch with --nproc-per-node "
                                 f"{plan.world_size} (or nodes x nproc = {plan.world_size}).")
@@ -70,9 +85,14 @@ def run(args: argparse.Namespace) -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     try:
-        comm = Communicator(timeout=timedelta(seconds=args.timeout_s))
+        comm = make_communicator(plan=plan, rank=rank, timeout=timedelta(seconds=args.timeout_s))
+        if shrunk:
+            plan = shrunk_plan(plan, world_size=world, comm=comm, root=Path(args.checkpoint_dir))
+            if rank == 0:
+                print(f"hethub.train: {world} of {plan.meta.get('replanned_from_world_size')} devices: re-planned, "
+                      f"running {replan_path(Path(args.checkpoint_dir), world)}", flush=True)
         warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
         optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup,
                             total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
@@ -82,12 +102,16 @@ def run(args: argparse.Namespace) -> None:
         tokenize = hf_tokenizer(args.tokenizer, vocab_size=plan.model.vocab_size) if args.tokenizer else byte_tokenize
         source = BatchSource(load_tokens(num_tokens=args.steps * plan.global_batch * (plan.seq_len + 1),
                                          tokenize=tokenize), global_batch=plan.global_batch, seq_len=plan.seq_len)
+        start = _resume(args, trainer)
         out = Path(args.metrics) if args.metrics else None
         if out is not None and rank == trainer.topo.log_rank:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("", encoding="utf-8")
-        for step in range(args.steps):
+            _keep_records_before(out, start)
+        for step in range(start, args.steps):
+            maybe_inject_fault(rank=rank, step=step)
             rec = trainer.train_step(source.global_batch_at(step), step=step)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+                save_checkpoint(trainer, root=args.checkpoint_dir, step=step + 1, keep=args.keep_checkpoints)
             if rec is None:
                 continue
             emu = " (emulated kinds: " + ", ".join(k for k, v in rec["kinds"].items() if v["emulated"]) + ")" \
@@ -97,8 +121,40 @@ def run(args: argparse.Namespace) -> None:
             if out is not None:
                 with out.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(rec) + "\n")
+        if args.checkpoint_dir and start < args.steps:
+            save_checkpoint(trainer, root=args.checkpoint_dir, step=args.steps, keep=args.keep_checkpoints)
     finally:
         dist.destroy_process_group()
+
+
+def _resume(args: argparse.Namespace, trainer: Trainer) -> int:
+    """The step to start from: 0, or the restored checkpoint's step."""
+    if not args.resume:
+        return 0
+    if args.resume == "auto":
+        if latest_dir(Path(args.checkpoint_dir)) is None:
+            return 0  # the first attempt of an elastic job: nothing saved yet
+        src = args.checkpoint_dir
+    else:
+        src = args.resume
+    got = load_checkpoint(trainer, src)
+    if trainer.rank == trainer.topo.log_rank:
+        how = " (saved under another plan: resharded)" if got.resharded else ""
+        print(f"hethub.train: resumed from {got.path} at step {got.step}{how}", flush=True)
+    return got.step
+
+
+def _keep_records_before(path: Path, step: int) -> None:
+    """Drop metrics of steps >= ``step`` (a resumed run redoes them); start the file anew at step 0."""
+    keep = []
+    if step > 0 and path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", step) < step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                pass  # a line cut short by the failure that made us resume
+    path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

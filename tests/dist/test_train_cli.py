@@ -29,8 +29,12 @@ def test_torchrun_two_ranks_writes_metrics(tmp_path: Path) -> None:
         assert r["kinds"][F]["achieved_flops_per_s"] > 0
         assert sorted(x["rank"] for x in r["ranks"]) == [0, 1]
         for x in r["ranks"]:
-            ops = [(e["op"], e["mb"]) for e in x["events"]]
+            ops = [(e["op"], e["mb"]) for e in x["events"] if e["op"] in ("F", "B")]
             assert sorted(ops) == [("B", 0), ("B", 1), ("F", 0), ("F", 1)]
+            # Gradient sync then the optimizer close the step, after the last backward.
+            tail = [e for e in x["events"] if e["op"] not in ("F", "B")]
+            assert [e["op"] for e in tail] == ["sync", "optim"]
+            assert tail[0]["start_s"] >= max(e["end_s"] for e in x["events"] if e["op"] == "B") - 1e-6
             assert all(0 <= e["start_s"] <= e["end_s"] for e in x["events"])
         slow = next(x for x in r["ranks"] if x["kind"] == S)
         assert slow["emulated_sleep_s"] > 0

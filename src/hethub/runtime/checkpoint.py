@@ -1,0 +1,217 @@
+"""Save and load a training run's state per parameter name, so any plan can resume any checkpoint.
+
+State is stored by full-model parameter name as *full* tensors (TP shards gathered within the
+stage's TP group), each written once: by the lowest rank holding it (DP replicas and a tied head
+hold identical copies; AdamW is element-wise, so their optimizer state is identical too). Loading
+under any plan — other stage splits, TP/DP degrees or kinds — is then "every rank slices what it
+holds". Beside tensors a checkpoint records the step (which fixes the LR schedule position and,
+since batches are a pure function of the step, the data position), the model shape it fits, the
+plan it was saved under, and every rank's RNG state. Files, atomicity and checksums:
+``checkpoint_io``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hethub.errors import CheckpointError
+from hethub.runtime import checkpoint_io as io
+from hethub.runtime.model import shard_dim_of
+from hethub.runtime.tensor_parallel import shard
+from hethub.runtime.topology import unit_of
+from hethub.runtime.trainer import Trainer
+
+_OPT_KEYS = ("exp_avg", "exp_avg_sq")
+# Encoded in one all-reduce(max) so that every rank can name the bad file, not only the one that read it.
+_PROBLEMS = ("is missing", "has a different size than the manifest says",
+             "does not match its sha256 checksum in the manifest")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int  # optimizer steps already done = the next step to run
+    path: Path
+    resharded: bool  # saved under a different plan (RNG states then stay as they are)
+
+
+def owner_rank(trainer: Trainer, name: str) -> int:
+    """The one rank that writes parameter ``name``: the lowest rank among all its holders."""
+    return min(r for st in trainer.topo.unit_holders[unit_of(name)] for r in st.ranks)
+
+
+def _full(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a TP-sharded parameter (or its optimizer state); collective over the TP group."""
+    dim, ranks = shard_dim_of(name), trainer.place.stage.ranks
+    if dim is None or len(ranks) == 1:
+        return t.detach().clone()
+    # all_gather concatenates in ascending rank order; TP rank order is the stage's device order.
+    parts = trainer.comm.all_gather(t.detach().contiguous(), group=ranks, dim=dim).chunk(len(ranks), dim=dim)
+    by_rank = dict(zip(sorted(ranks), parts, strict=True))
+    return torch.cat([by_rank[r] for r in ranks], dim=dim)
+
+
+def _fail_together(trainer: Trainer, code: int) -> int:
+    """Max of ``code`` over all ranks: a failure on one rank stops every rank instead of hanging them."""
+    flag = torch.tensor([code], dtype=torch.int64)
+    trainer.comm.all_reduce(flag, op="max")
+    return int(flag)
+
+
+def _raise_if_failed(trainer: Trainer, error: str, tmp: Path) -> None:
+    failed = _fail_together(trainer, trainer.rank + 1 if error else 0)
+    if failed:
+        raise CheckpointError(f"writing checkpoint '{tmp}' failed on rank {failed - 1}"
+                              + (f": {error}" if error else " (see its message)")
+                              + ". Fix: check free space and permissions of --checkpoint-dir.")
+
+
+def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int = 3,
+                    meta: dict[str, Any] | None = None) -> Path:
+    """Collective: write ``root/step-NNNNNN/`` for ``step`` optimizer steps done; returns its path."""
+    root, rank, comm = Path(root), trainer.rank, trainer.comm
+    tmp = root / (io.step_dir_name(step) + ".tmp")
+    error = ""
+    try:
+        if rank == 0:
+            io.prepare_tmp(root, step)
+    except OSError as err:
+        error = f"{err}"
+    _raise_if_failed(trainer, error, tmp)  # also the barrier: the directory exists before anyone writes
+    owned: dict[str, torch.Tensor] = {}
+    shapes: dict[str, dict[str, Any]] = {}
+    for name, p in sorted(trainer.model.named_parameters()):
+        st = trainer.optimizer.state.get(p, {})
+        full = {"param": _full(trainer, name, p)} | {k: _full(trainer, name, st[k]) for k in _OPT_KEYS if k in st}
+        if owner_rank(trainer, name) != rank:
+            continue
+        if "step" in st:
+            full["step"] = st["step"].detach().clone()
+        owned |= {f"{k}:{name}": v for k, v in full.items()}
+        shapes[name] = {"shape": list(full["param"].shape), "dtype": str(p.dtype).removeprefix("torch."),
+                        "optim": "step" in full}
+    files: dict[str, dict[str, Any]] = {}
+    try:
+        if owned:
+            fname = f"model-r{rank:05d}.pt"
+            files[fname] = dataclasses.asdict(io.save_tensors(tmp / fname, owned))
+            for v in shapes.values():
+                v["file"] = fname
+        rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()}
+                                               if trainer.device.type == "cuda" else {})
+        files[f"rng-r{rank:05d}.pt"] = dataclasses.asdict(io.save_tensors(tmp / f"rng-r{rank:05d}.pt", rng))
+    except OSError as err:
+        error = f"{err}"
+    _raise_if_failed(trainer, error, tmp)
+    gathered = comm.gather_objects((files, shapes), dst=0)
+    if gathered is not None:
+        plan = trainer.plan
+        manifest = {
+            "format": io.FORMAT, "version": io.VERSION, "step": step,
+            "data": {"next_step": step, "next_sequence": step * plan.global_batch},
+            "model": plan.model.to_dict(), "global_batch": plan.global_batch, "seq_len": plan.seq_len,
+            "world_size": plan.world_size, "plan": plan.to_dict(), "seed": trainer.cfg.seed,
+            "optim": dataclasses.asdict(trainer.cfg.optim), "meta": meta or {},
+            "files": {f: e for fs, _ in gathered for f, e in fs.items()},
+            "tensors": {n: s for _, ss in gathered for n, s in ss.items()},
+            "rng": {str(r): f"rng-r{r:05d}.pt" for r in range(plan.world_size)},
+        }
+        io.commit(root, step, manifest)
+        io.prune(root, keep=keep)
+    comm.barrier()  # nobody runs on (or is killed) before the checkpoint is committed
+    return root / io.step_dir_name(step)
+
+
+def _check_compatible(trainer: Trainer, manifest: dict[str, Any], step_dir: Path) -> None:
+    """Plan-independent checks (same result on every rank: no collective needed)."""
+    plan, where = trainer.plan, step_dir / io.MANIFEST
+    saved, now = dict(manifest["model"]), plan.model.to_dict()
+    saved.pop("name", None)
+    diff = [k for k in sorted(set(saved) | set(now) - {"name"}) if saved.get(k) != now.get(k)]
+    if diff:
+        k = diff[0]
+        raise CheckpointError(f"{where}: the checkpoint is of a different model: '{k}' is {saved.get(k)!r} there "
+                              f"but {now.get(k)!r} in plan's model {plan.model.name!r}. Fix: resume with a plan for "
+                              "the model the checkpoint was trained with.")
+    if manifest.get("global_batch") != plan.global_batch or manifest.get("seq_len") != plan.seq_len:
+        raise CheckpointError(f"{where}: the checkpoint was trained with global_batch={manifest.get('global_batch')}, "
+                              f"seq_len={manifest.get('seq_len')}; the plan has {plan.global_batch}, {plan.seq_len}. "
+                              "Fix: resume under a plan with the same global batch and sequence length (the data "
+                              "position and the loss scale depend on them).")
+
+
+def _param_problem(trainer: Trainer, manifest: dict[str, Any], step_dir: Path) -> str:
+    """What is wrong with this rank's parameters in the manifest ('' if nothing): rank-local, so the
+    caller reports it through the shared failure flag."""
+    for name, p in trainer.model.named_parameters():
+        entry = manifest["tensors"].get(name)
+        shape = list(p.shape)
+        dim = shard_dim_of(name)
+        if dim is not None:
+            shape[dim] *= trainer.place.stage.tp
+        if entry is None or entry.get("shape") != shape or entry.get("file") not in manifest["files"]:
+            return (f"{step_dir / io.MANIFEST}: parameter '{name}' is missing or has another shape "
+                    f"({None if entry is None else entry.get('shape')} vs {shape})")
+    return ""
+
+
+def load_checkpoint(trainer: Trainer, path: str | Path) -> Resumed:
+    """Collective: restore parameters, AdamW state, LR schedule and RNG from ``path`` (a step directory, or a
+    root whose newest checkpoint is used), under whatever plan ``trainer`` runs. Verifies every file it reads."""
+    step_dir = io.resolve(path)
+    manifest = io.read_manifest(step_dir)
+    _check_compatible(trainer, manifest, step_dir)
+    bad_param = _param_problem(trainer, manifest, step_dir)
+    if _fail_together(trainer, 1 if bad_param else 0):
+        raise CheckpointError(f"{bad_param or f'{step_dir}: a parameter check failed on another rank'}; the "
+                              "checkpoint does not fit this model. Fix: resume with the model it was saved with.")
+    resharded = manifest.get("plan", {}).get("pipelines") != trainer.plan.to_dict()["pipelines"]
+    named = dict(sorted(trainer.model.named_parameters()))
+    need = sorted({manifest["tensors"][n]["file"] for n in named})
+    rng_file = manifest.get("rng", {}).get(str(trainer.rank))
+    if not resharded and rng_file:
+        need.append(rng_file)
+    order = sorted(set(manifest["files"]) | set(need))
+    code = 0
+    for f in need:
+        problem = io.check_file(step_dir, f, manifest["files"].get(f, {}))
+        if problem:
+            kind = 0 if problem == "is missing" else 1 if "bytes" in problem else 2
+            code = max(code, (order.index(f) + 1) * len(_PROBLEMS) + kind)
+    code = _fail_together(trainer, code)
+    if code:
+        raise io.corrupt_error(step_dir, order[code // len(_PROBLEMS) - 1], _PROBLEMS[code % len(_PROBLEMS)])
+    data: dict[str, torch.Tensor] = {}
+    for f in need:
+        data |= torch.load(step_dir / f, map_location="cpu", weights_only=True, mmap=True)
+    tp = trainer.model.tp
+    with torch.no_grad():
+        for name, p in named.items():
+            dim = shard_dim_of(name)
+            p.copy_(shard(data[f"param:{name}"], dim=dim, tp=tp))
+            if manifest["tensors"][name].get("optim"):
+                trainer.optimizer.state[p] = {
+                    "step": data[f"step:{name}"].clone(),
+                    **{k: shard(data[f"{k}:{name}"], dim=dim, tp=tp).clone().to(p.device) for k in _OPT_KEYS}}
+    step = int(manifest["step"])
+    restore_schedule(trainer, step)
+    if not resharded and rng_file:
+        torch.set_rng_state(data["cpu"])
+        if "cuda" in data and trainer.device.type == "cuda":
+            torch.cuda.set_rng_state(data["cuda"])
+    return Resumed(step=step, path=step_dir, resharded=resharded)
+
+
+def restore_schedule(trainer: Trainer, step: int) -> None:
+    """Put the LR schedule where it is after ``step`` optimizer steps, computing the LR exactly as
+    ``LambdaLR`` does (base_lr * factor(step)) so a resumed run's LR is bit-identical. Rebuilt from the
+    step rather than loaded, because param-group counts differ between plans."""
+    sched = trainer.scheduler
+    for g, base, fn in zip(trainer.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        g["lr"] = base * fn(step)
+    sched.last_epoch = step
+    sched._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]  # what get_last_lr() returns

@@ -1,0 +1,96 @@
+"""Elastic runs: a rank SIGKILLed under ``torchrun --max-restarts 1`` resumes and finishes exactly; a
+job that comes back with fewer processes re-plans and resumes under the new plan (resharding)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _harness import CLUSTER, F, S, make_plan
+
+from hethub.errors import RuntimeSetupError
+from hethub.runtime.elastic import Fault, maybe_inject_fault, parse_fault, replan, restrict_cluster
+from hethub.runtime.launch import torchrun_command
+
+TIMEOUT_S = 120
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _torchrun(tmp: Path, *, nproc: int, steps: int, metrics: str, args: list[str],
+              env: dict[str, str] | None = None, restarts: int = 0) -> str:
+    import os
+    import subprocess
+
+    import hethub
+
+    cmd = torchrun_command(tmp / "plan.json", nproc=nproc, steps=steps, metrics=tmp / metrics,
+                           extra_args=["--timeout-s", "30", *args])
+    # torchrun's own flags go before the module: restarts, and a fast failure monitor.
+    i = cmd.index("-m", 3)
+    cmd[i:i] = [f"--max-restarts={restarts}", "--monitor-interval=0.1"]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
+            "PYTHONPATH": str(Path(hethub.__file__).resolve().parents[1])}
+    proc = subprocess.run(cmd, env=full, text=True, capture_output=True, timeout=TIMEOUT_S, check=False, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_from_checkpoint_and_matches(tmp_path: Path) -> None:
+    make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)])]).save(tmp_path / "plan.json")
+    _torchrun(tmp_path, nproc=2, steps=5, metrics="clean.jsonl", args=[])
+    out = _torchrun(tmp_path, nproc=2, steps=5, metrics="killed.jsonl", restarts=1,
+                    env={"HETHUB_FAULT_INJECT": "rank=1,step=3"},
+                    args=["--checkpoint-dir", "ck", "--checkpoint-every", "2", "--resume", "auto"])
+    assert "kills itself before step 3" in out and "resumed from ck/step-000002 at step 2" in out
+    clean, killed = _losses(tmp_path / "clean.jsonl"), _losses(tmp_path / "killed.jsonl")
+    assert sorted(killed) == [0, 1, 2, 3, 4]
+    assert killed == clean  # bit for bit, the final loss included
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000005"
+
+
+@pytest.mark.slow
+def test_fewer_processes_replan_and_resume(tmp_path: Path) -> None:
+    # 4 ranks (TP=2 replica beside a 2-stage replica) save at step 2; 2 processes come back.
+    make_plan([(2, 2, [(F, 1, 3), (F, 1, 3)]), (2, 2, [(F, 2, 6)])]).save(tmp_path / "plan.json")
+    _torchrun(tmp_path, nproc=4, steps=4, metrics="full.jsonl",
+              args=["--checkpoint-dir", "ck", "--checkpoint-every", "2"])
+    out = _torchrun(tmp_path, nproc=2, steps=4, metrics="shrunk.jsonl",
+                    args=["--checkpoint-dir", "ck2", "--resume", "ck/step-000002", "--replan-on-shrink"])
+    assert "re-planned" in out and "resharded" in out
+    assert (tmp_path / "ck2" / "plan-world2.json").is_file()
+    full, shrunk = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "shrunk.jsonl")
+    assert sorted(shrunk) == [2, 3]
+    for step in (2, 3):
+        assert abs(shrunk[step] - full[step]) <= 1e-5
+
+
+# ---- pure parts -----------------------------------------------------------------------------------
+def test_restrict_cluster_keeps_device_order_and_partial_nodes() -> None:
+    sub = restrict_cluster(CLUSTER, [0, 1, 4, 5, 6])  # 2 of the fast node, 3 of the slow node
+    assert [d.kind for d in sub.devices] == [F, F, S, S, S]
+    assert [g.devices_per_node for g in sub.groups] == [2, 3]
+    with pytest.raises(RuntimeSetupError, match="Fix"):
+        restrict_cluster(CLUSTER, [99])
+
+
+def test_replan_uses_every_surviving_device() -> None:
+    plan = make_plan([(2, 2, [(F, 2, 3), (S, 1, 3)]), (2, 2, [(F, 1, 6)])])  # devices F0 F1 F2 S4
+    new = replan(plan, world_size=2)
+    assert new.world_size == 2 and new.global_batch == plan.global_batch and new.model == plan.model
+    assert {s.kind for p in new.pipelines for s in p.stages} == {F}
+    assert new.meta["replanned_from_world_size"] == 4
+
+
+def test_fault_spec() -> None:
+    assert parse_fault("rank=1,step=3") == Fault(rank=1, step=3)
+    with pytest.raises(RuntimeSetupError, match="rank=R,step=S"):
+        parse_fault("rank=1")
+    # Only in torchrun's first attempt, and only on the named rank and step: these return.
+    maybe_inject_fault(rank=1, step=3, env={"HETHUB_FAULT_INJECT": "rank=1,step=3", "TORCHELASTIC_RESTART_COUNT": "1"})
+    maybe_inject_fault(rank=0, step=3, env={"HETHUB_FAULT_INJECT": "rank=1,step=3"})
+    maybe_inject_fault(rank=1, step=2, env={})
