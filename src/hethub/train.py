@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hethub.comm.communicator import Communicator
 from hethub.comm.factory import make_communicator
 from hethub.errors import HethubError, RuntimeSetupError
 from hethub.plan import Plan
@@ -87,12 +88,15 @@ def run(args: argparse.Namespace) -> None:
         torch.cuda.set_device(local)
     init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     try:
-        comm = make_communicator(plan=plan, rank=rank, timeout=timedelta(seconds=args.timeout_s))
+        timeout = timedelta(seconds=args.timeout_s)
         if shrunk:
-            plan = shrunk_plan(plan, world_size=world, comm=comm, root=Path(args.checkpoint_dir))
+            # The old plan no longer matches the world: agree on a new one over plain world groups first.
+            plan = shrunk_plan(plan, world_size=world, comm=Communicator(timeout=timeout),
+                               root=Path(args.checkpoint_dir))
             if rank == 0:
                 print(f"hethub.train: {world} of {plan.meta.get('replanned_from_world_size')} devices: re-planned, "
                       f"running {replan_path(Path(args.checkpoint_dir), world)}", flush=True)
+        comm = make_communicator(plan=plan, rank=rank, timeout=timeout)
         warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
         optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup,
                             total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)

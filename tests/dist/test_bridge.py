@@ -24,7 +24,6 @@ from hethub.errors import RuntimeSetupError
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.links import plan_with_links, read_links_profile
 from hethub.predict.predictor import predict
-from hethub.runtime.model import shard_dim_of
 from hethub.runtime.tensor_parallel import TPContext, shard
 from hethub.runtime.trainer import Trainer, TrainerConfig
 from hethub.spec.cluster import catalog, load_cluster
@@ -195,12 +194,12 @@ def _train_worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str
     named = dict(trainer.model.named_parameters())
     loss, _ = trainer.forward_backward(data[0])
     trainer.sync_grads()
-    grad_diff = max((p.grad - shard(ref["grads"][n], dim=shard_dim_of(n), tp=tp)).abs().max().item()
+    grad_diff = max((p.grad - shard(ref["grads"][n], dim=trainer.model.shard_dim(n), tp=tp)).abs().max().item()
                     for n, p in named.items())
     trainer.clip_and_update()
     for step in range(1, len(data)):
         trainer.train_step(data[step], step=step)
-    param_diff = max((p.detach() - shard(ref["params"][n], dim=shard_dim_of(n), tp=tp)).abs().max().item()
+    param_diff = max((p.detach() - shard(ref["params"][n], dim=trainer.model.shard_dim(n), tp=tp)).abs().max().item()
                      for n, p in named.items())
     return {"loss": loss, "grad_diff": grad_diff, "param_diff": param_diff}
 

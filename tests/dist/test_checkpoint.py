@@ -89,6 +89,20 @@ def test_resume_under_another_plan(tmp_path: Path) -> None:
         assert abs(r["losses"][0] - whole[0]["losses"][3]) <= 1e-6
 
 
+def test_resume_vocab_split_under_another_plan(tmp_path: Path) -> None:
+    # Tied table split by vocabulary on two TP=2 stages (gathered on save); resumed whole on a TP=1 first
+    # stage and split again on a TP=2 head stage.
+    spec = replace(SPEC, name="t6-tied", tied_embeddings=True)
+    p = make_plan([(2, 4, [(F, 2, 3), (S, 2, 3)])], spec=spec)
+    q = make_plan([(2, 4, [(S, 1, 2), (F, 2, 4)])], spec=spec)
+    data = batches(p, steps=4)
+    whole = _run(p, data, stop=4)
+    _run(p, data, stop=3, save=str(tmp_path))
+    after = _run(q, data, start=3, stop=4, resume=str(tmp_path))
+    for r in after:
+        assert abs(r["losses"][0] - whole[0]["losses"][3]) <= 1e-6
+
+
 def _load_error(rank: int, plan: Plan, root: str) -> str:
     trainer = Trainer(plan, rank=rank, comm=Communicator(timeout=TIMEOUT), cfg=CFG)
     try:

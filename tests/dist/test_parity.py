@@ -12,7 +12,6 @@ from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, 
 
 from hethub.comm.factory import make_communicator
 from hethub.plan import Plan
-from hethub.runtime.model import shard_dim_of
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.tensor_parallel import TPContext, shard
 from hethub.runtime.trainer import Trainer, TrainerConfig
@@ -33,7 +32,7 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]
     tp = TPContext(size=trainer.place.stage.tp, rank=trainer.place.tp_rank)
 
     def mine(name: str, full: torch.Tensor) -> torch.Tensor:
-        return shard(full, dim=shard_dim_of(name), tp=tp)
+        return shard(full, dim=trainer.model.shard_dim(name), tp=tp)
 
     loss, _ = trainer.forward_backward(data[0])
     trainer.sync_grads()
@@ -43,7 +42,8 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]
     for step in range(1, len(data)):
         trainer.train_step(data[step], step=step)
     param_diff = max((p.detach() - mine(n, ref["params"][n])).abs().max().item() for n, p in named.items())
-    return {"loss": loss, "norm": norm, "grad_diff": grad_diff, "param_diff": param_diff, "names": sorted(named)}
+    return {"loss": loss, "norm": norm, "grad_diff": grad_diff, "param_diff": param_diff, "names": sorted(named),
+            "shapes": {n: tuple(p.shape) for n, p in named.items()}, "tp": tp.size}
 
 
 def check(plan: Plan, *, optim: OptimConfig = OPTIM) -> list[dict]:
@@ -113,3 +113,29 @@ def test_recomputed_stage() -> None:
     pipe = plan.pipelines[0]
     stages = (replace(pipe.stages[0], recompute=True), pipe.stages[1])
     check(replace(plan, pipelines=(replace(pipe, stages=stages),)))
+
+
+def _vocab_rows(res: list[dict], name: str) -> set[tuple[int, int]]:
+    """(TP degree, rows of ``name``) on every rank that holds it."""
+    return {(r["tp"], r["shapes"][name][0]) for r in res if name in r["shapes"]}
+
+
+def test_tied_embeddings_under_tp2() -> None:
+    # Embedding and tied head on different TP=2 stages: both use the same vocabulary shard.
+    spec = replace(SPEC, name="t6-tied", tied_embeddings=True)
+    res = check(make_plan([(2, 4, [(F, 2, 3), (S, 2, 3)])], spec=spec))
+    assert _vocab_rows(res, "embed.weight") == {(2, SPEC.vocab_size // 2)}
+
+
+def test_head_stage_tp2_splits_vocabulary() -> None:
+    # A TP=2 head beside a TP=1 replica's head: the mixed sync of a vocabulary-split parameter.
+    res = check(make_plan([(2, 2, [(S, 1, 3), (F, 2, 3)]), (2, 2, [(S, 1, 6)])]))
+    assert _vocab_rows(res, "head.weight") == {(2, SPEC.vocab_size // 2), (1, SPEC.vocab_size)}
+
+
+def test_indivisible_vocabulary_replicates_on_that_stage() -> None:
+    # 255 rows do not split over TP=2: those stages keep the whole (tied) table, and sync it with a
+    # TP=1 replica through the mixed path.
+    spec = replace(SPEC, name="t6-v255", vocab_size=255, tied_embeddings=True)
+    res = check(make_plan([(2, 2, [(F, 2, 3), (F, 2, 3)]), (2, 2, [(S, 1, 6)])], spec=spec))
+    assert _vocab_rows(res, "embed.weight") == {(2, 255), (1, 255)}

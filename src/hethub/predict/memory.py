@@ -8,10 +8,16 @@ from hethub.spec.model import ModelSpec
 
 # Usable share of device memory: allocator fragmentation and the runtime's context take the rest.
 USABLE_FRACTION = 0.92
-# hethub's runtime replicates the embedding and the head on every TP rank (each computes the full
-# logits); Megatron splits them by vocabulary. The building blocks default to Megatron's layout,
-# the predictor passes this so its memory matches what hethub's runtime holds.
-RUNTIME_VOCAB_PARALLEL = False
+# hethub's runtime splits the embedding and the head by vocabulary across a stage's TP group, as
+# Megatron does, except where the TP degree does not divide the vocabulary: that stage replicates
+# them (see ``runtime_vocab_parallel``). The predictor passes this so its memory matches the runtime.
+RUNTIME_VOCAB_PARALLEL = True
+
+
+def runtime_vocab_parallel(model: ModelSpec, tp: int) -> bool:
+    """Whether the runtime splits a TP-``tp`` stage's embedding and head by vocabulary (mirrors
+    ``hethub.runtime.tensor_parallel.vocab_parallel``; no torch import here)."""
+    return RUNTIME_VOCAB_PARALLEL and model.vocab_size % tp == 0
 
 
 @dataclass(frozen=True)

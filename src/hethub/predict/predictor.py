@@ -24,11 +24,11 @@ from hethub.predict.comm import p2p_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
 from hethub.predict.contention import StageWork, simulate_shared_cores
 from hethub.predict.memory import (
-    RUNTIME_VOCAB_PARALLEL,
     USABLE_FRACTION,
     StageMemory,
     act_bytes_for,
     in_flight_micro_batches,
+    runtime_vocab_parallel,
     stage_memory,
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
@@ -91,7 +91,7 @@ class _Costs:
             mem = self.memory[key] = stage_memory(plan.model, layers=layers, embedding=embedding, head=head, tp=tp,
                                                   mbs=mbs, seq_len=plan.seq_len, recompute=recompute,
                                                   precision=plan.precision, in_flight=in_flight,
-                                                  vocab_parallel=RUNTIME_VOCAB_PARALLEL)
+                                                  vocab_parallel=runtime_vocab_parallel(plan.model, tp))
         return mem
 
     def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,

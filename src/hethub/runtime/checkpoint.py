@@ -21,7 +21,6 @@ import torch
 
 from hethub.errors import CheckpointError
 from hethub.runtime import checkpoint_io as io
-from hethub.runtime.model import shard_dim_of
 from hethub.runtime.tensor_parallel import shard
 from hethub.runtime.topology import unit_of
 from hethub.runtime.trainer import Trainer
@@ -46,7 +45,7 @@ def owner_rank(trainer: Trainer, name: str) -> int:
 
 def _full(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a TP-sharded parameter (or its optimizer state); collective over the TP group."""
-    dim, ranks = shard_dim_of(name), trainer.place.stage.ranks
+    dim, ranks = trainer.model.shard_dim(name), trainer.place.stage.ranks
     if dim is None or len(ranks) == 1:
         return t.detach().clone()
     # all_gather concatenates in ascending rank order; TP rank order is the stage's device order.
@@ -150,7 +149,7 @@ def _param_problem(trainer: Trainer, manifest: dict[str, Any], step_dir: Path) -
     for name, p in trainer.model.named_parameters():
         entry = manifest["tensors"].get(name)
         shape = list(p.shape)
-        dim = shard_dim_of(name)
+        dim = trainer.model.shard_dim(name)
         if dim is not None:
             shape[dim] *= trainer.place.stage.tp
         if entry is None or entry.get("shape") != shape or entry.get("file") not in manifest["files"]:
@@ -191,7 +190,7 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> Resumed:
     tp = trainer.model.tp
     with torch.no_grad():
         for name, p in named.items():
-            dim = shard_dim_of(name)
+            dim = trainer.model.shard_dim(name)
             p.copy_(shard(data[f"param:{name}"], dim=dim, tp=tp))
             if manifest["tensors"][name].get("optim"):
                 trainer.optimizer.state[p] = {

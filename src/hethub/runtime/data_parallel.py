@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hethub.comm.communicator import Communicator
-from hethub.runtime.model import shard_dim_of
+from hethub.runtime.model import StageModel
 from hethub.runtime.topology import SyncGroup, Topology, unit_of
 
 
@@ -29,7 +29,7 @@ class _Bucket:
 
 
 class GradSync:
-    def __init__(self, model: nn.Module, *, topo: Topology, rank: int, comm: Communicator) -> None:
+    def __init__(self, model: StageModel, *, topo: Topology, rank: int, comm: Communicator) -> None:
         self.device = next(model.parameters()).device
         self.comm, self.rank = comm, rank
         place = topo.place(rank)
@@ -39,8 +39,10 @@ class GradSync:
         for name, p in sorted(model.named_parameters()):
             unit = unit_of(name)
             g = topo.sync_group(unit, rank)
-            buckets.setdefault(g.ranks, _Bucket(group=g)).params.append((name, p, shard_dim_of(name)))
-            dim = shard_dim_of(name)
+            # Embedding and head are split by vocabulary or replicated depending on this stage's TP
+            # degree; holders of another degree are handled by the mixed sync, which uses each one's own.
+            dim = model.shard_dim(name)
+            buckets.setdefault(g.ranks, _Bucket(group=g)).params.append((name, p, dim))
             if topo.owns(unit, rank) and (dim is not None or self.tp_rank == 0):
                 self.norm_params.append(p)
         self.buckets = list(buckets.values())

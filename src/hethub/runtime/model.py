@@ -18,15 +18,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hethub.runtime.tensor_parallel import TPContext, copy_to_tp, reduce_from_tp, shard
+from hethub.runtime.tensor_parallel import (
+    TPContext,
+    copy_to_tp,
+    reduce_from_tp,
+    shard,
+    vocab_parallel,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 from hethub.spec.model import ModelSpec
 
 _COLUMN = ("wq", "wk", "wv", "w1", "w3")  # split along output features (dim 0 of weight and bias)
 _ROW = ("wo", "w2")  # split along input features (dim 1 of weight); bias replicated
+_VOCAB = ("embed.weight", "head.weight")  # split by vocabulary (dim 0) where the stage's TP degree divides it
 
 
-def shard_dim_of(name: str) -> int | None:
-    """Dimension along which TP splits parameter ``name``; None when replicated."""
+def shard_dim_of(name: str, *, vocab_parallel: bool) -> int | None:
+    """Dimension along which TP splits parameter ``name``; None when replicated. ``vocab_parallel``:
+    the stage splits embedding and head by vocabulary (see ``tensor_parallel.vocab_parallel``)."""
+    if name in _VOCAB:
+        return 0 if vocab_parallel else None
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _COLUMN:
         return 0
@@ -136,24 +148,31 @@ class StageModel(nn.Module):
         super().__init__()
         self.spec, self.tp, self.recompute = spec, tp or TPContext(), recompute
         self.has_embedding, self.has_head = embedding, head
+        # A tied head uses the same shard of the same table, so both uses keep one layout.
+        self.vocab_parallel = vocab_parallel(spec.vocab_size, self.tp.size)
+        vocab = spec.vocab_size // self.tp.size if self.vocab_parallel else spec.vocab_size
         if embedding or (head and spec.tied_embeddings):
-            self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            self.embed = nn.Embedding(vocab, spec.hidden_size)
         if embedding and spec.arch == "gpt":
             self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(spec, self.tp) for i in range(*layers)})
         if head:
             self.norm = _norm(spec)
             if not spec.tied_embeddings:
-                self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+                self.head = nn.Linear(spec.hidden_size, vocab, bias=False)
         if spec.arch == "llama":
             cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=spec.max_seq_len)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         init_parameters(self, seed=seed, tp=self.tp, num_layers=spec.num_layers)
 
+    def shard_dim(self, name: str) -> int | None:
+        """Dimension along which this stage's TP splits parameter ``name``; None when replicated."""
+        return shard_dim_of(name, vocab_parallel=self.vocab_parallel)
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.has_embedding:
-            h = self.embed(x)
+            h = vocab_parallel_embedding(x, self.embed.weight, self.tp) if self.vocab_parallel else self.embed(x)
             if self.spec.arch == "gpt":
                 h = h + self.pos(torch.arange(x.shape[1], device=x.device))
         else:
@@ -169,9 +188,13 @@ class StageModel(nn.Module):
         if targets is None:
             raise ValueError("the head stage needs targets to compute the loss")
         w = self.embed.weight if self.spec.tied_embeddings else self.head.weight
-        logits = F.linear(self.norm(h), w).float()
-        tok = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        return tok.view(targets.shape).mean(dim=1).sum()
+        if not self.vocab_parallel:  # TP 1, or an indivisible vocabulary: full logits on every rank
+            logits = F.linear(self.norm(h), w).float()
+            tok = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+            return tok.view(targets.shape).mean(dim=1).sum()
+        # Column-parallel over the vocabulary: copy_to_tp sums the partial input gradients in backward.
+        logits = F.linear(copy_to_tp(self.norm(h), self.tp), w).float()
+        return vocab_parallel_cross_entropy(logits, targets, self.tp).mean(dim=1).sum()
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -180,9 +203,9 @@ def param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, *, seed: int, tp: TPContext, num_layers: int) -> None:
+def init_parameters(module: StageModel, *, seed: int, tp: TPContext, num_layers: int) -> None:
     for name, p in module.named_parameters():
-        dim = shard_dim_of(name)
+        dim = module.shard_dim(name)
         full_shape = list(p.shape)
         if dim is not None:
             full_shape[dim] *= tp.size
