@@ -1,0 +1,62 @@
+"""Turn a priced set of pipelines into a Plan: choose devices, write layer ranges."""
+
+from __future__ import annotations
+
+from hethub.errors import InfeasibleError
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.search.combine import Estimate
+from hethub.search.split import PipeCost
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import ModelSpec
+
+
+def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple[int, ...]]]:
+    """Device ids for every stage of every pipeline.
+
+    Per kind, TP groups are placed largest first with a cursor over the kind's nodes. TP degrees are
+    powers of two dividing the node size, so every node the cursor has passed is full and counting
+    devices is enough to know a set of pipelines fits (the search relies on this). Within one TP
+    degree, a pipeline's stages are consecutive, so neighbours share a node where they can.
+    """
+    free: dict[str, list[list[int]]] = {}
+    for d in cluster.devices:
+        nodes = free.setdefault(d.kind, [])
+        if not nodes or cluster.devices[nodes[-1][0]].node != d.node:
+            nodes.append([])
+        nodes[-1].append(d.id)
+    requests = [(pi, si, st.kind, st.tp) for pi, pc in enumerate(pipes) for si, st in enumerate(pc.slots)]
+    requests.sort(key=lambda r: -r[3])  # stable: pipeline then stage order within one degree
+    out: list[list[tuple[int, ...]]] = [[() for _ in pc.slots] for pc in pipes]
+    cursor: dict[str, int] = {}
+    for pi, si, kind, tp in requests:
+        nodes, c = free.get(kind, []), cursor.get(kind, 0)
+        while c < len(nodes) and len(nodes[c]) < tp:
+            c += 1
+        if c == len(nodes):
+            raise InfeasibleError(f"internal: not enough {kind} devices for the chosen pipelines")
+        out[pi][si] = tuple(nodes[c][:tp])
+        del nodes[c][:tp]
+        cursor[kind] = c
+    return out
+
+
+def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
+               schedule: str, precision: str, strategy: str) -> Plan:
+    pipes, counts = [], []
+    for g, ms in zip(est.groups, est.micro_batches, strict=True):
+        for m in ms:
+            pipes.append(g.pipe)
+            counts.append(m)
+    devices = allocate_devices(cluster, pipes)
+    pipelines = []
+    for pc, m, devs in zip(pipes, counts, devices, strict=True):
+        stages, start = [], 0
+        for s, (slot, n) in enumerate(zip(pc.slots, pc.layers, strict=True)):
+            stages.append(Stage(kind=slot.kind, devices=devs[s], layers=(start, start + n), embedding=s == 0,
+                                head=s == len(pc.slots) - 1, recompute=pc.recompute[s]))
+            start += n
+        pipelines.append(Pipeline(micro_batch_size=pc.mbs, num_micro_batches=m, stages=tuple(stages)))
+    # Order replicas by their first device so the plan reads like the cluster file.
+    pipelines.sort(key=lambda p: p.stages[0].devices[0])
+    return Plan(model=model, cluster=cluster, global_batch=global_batch, seq_len=seq_len,
+                pipelines=tuple(pipelines), schedule=schedule, precision=precision, strategy=strategy).validate()

@@ -1,0 +1,155 @@
+"""Many pipelines: split the global batch among them and price the data-parallel synchronisation.
+
+Each pipeline's time is affine in its micro-batch count, T_i(m) = a_i + b_i m, so the integer
+min-max allocation is a water level: the smallest T with sum_i floor((T - a_i) / b_i) >= M. That is
+what the greedy "give the next micro-batch to the pipeline whose finish grows least" reaches, but in
+O(groups x log) instead of O(M log P). Identical pipelines are kept as one group with a count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass
+
+from hethub.predict.comm import allreduce_time_s
+from hethub.search.links import LinkBook
+from hethub.search.split import PipeCost
+from hethub.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    pipe: PipeCost
+    count: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    groups: tuple[Group, ...]
+    micro_batches: tuple[tuple[int, ...], ...]  # per group, one count per pipeline (all >= 1)
+    step_time_s: float
+
+    @property
+    def num_devices(self) -> int:
+        return sum(g.pipe.num_devices * g.count for g in self.groups)
+
+
+def allocate(groups: list[Group], total_mb: int) -> tuple[list[list[int]], float] | None:
+    """Micro-batches per pipeline minimising the latest finish; pipelines left with none are dropped."""
+    if not groups or total_mb < 1:
+        return None
+    if len(groups) == 1:  # identical pipelines: as even as integers allow
+        c = min(groups[0].count, total_mb)
+        ms = [total_mb // c + (i < total_mb % c) for i in range(c)]
+        return [ms], groups[0].pipe.time_s(ms[0])
+
+    def level(t: float) -> int:
+        return sum(g.count * max(0, math.floor((t - g.pipe.base_s) / g.pipe.per_mb_s)) for g in groups)
+
+    lo = min(g.pipe.time_s(1) for g in groups) * (1 - 1e-12)
+    hi = max(g.pipe.time_s(math.ceil(total_mb / sum(g.count for g in groups))) for g in groups) * (1 + 1e-12)
+    for _ in range(100):
+        if hi - lo <= 1e-10 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if level(mid) >= total_mb:
+            hi = mid
+        else:
+            lo = mid
+    per = [max(0, math.floor((hi - g.pipe.base_s) / g.pipe.per_mb_s)) for g in groups]
+    counts = [[n] * g.count for n, g in zip(per, groups, strict=True)]
+    excess = sum(sum(c) for c in counts) - total_mb
+    # Take the surplus from the pipelines that finish last.
+    order = sorted(range(len(groups)), key=lambda i: -groups[i].pipe.time_s(per[i]))
+    for i in order:
+        j = 0
+        while excess > 0 and j < len(counts[i]) and counts[i][j] > 0:
+            counts[i][j] -= 1
+            excess -= 1
+            j += 1
+        if excess == 0:
+            break
+    makespan = max((g.pipe.time_s(m) for g, cs in zip(groups, counts, strict=True) for m in cs if m > 0),
+                   default=math.inf)
+    return [[m for m in cs if m > 0] for cs in counts], makespan
+
+
+def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, model: ModelSpec,
+                precision: str) -> float:
+    """End of the step: each pipeline's backward, then the per-layer gradient all-reduces, then updates.
+
+    Mirrors predict/sync.py on one representative per group (identical pipelines finish together):
+    one ring all-reduce per parameter group (embedding, each layer, head) among all replicas, sized
+    by the smallest TP degree among its holders, over the slowest link their kinds imply; a stage
+    runs its groups in layer order, each once all holders are free. Replicas whose layer boundaries
+    differ therefore chain their syncs, which this captures and a per-stage sum would not.
+    """
+    replicas = sum(g.count for g in groups)
+    total_devices = sum(g.count * g.pipe.num_devices for g in groups)
+    # Stage s of 1F1B/GPipe finishes its last backward before stage 0 by the backward hops in between.
+    cursor: list[list[float]] = []
+    for g, t in zip(groups, times_s, strict=True):
+        pc, ends, back = g.pipe, [], t
+        for s in range(len(pc.layers)):
+            ends.append(back)
+            back -= pc.bwd_s[s] + (pc.p2p_s[s] if s < len(pc.p2p_s) else 0.0)
+        cursor.append(ends)
+    if replicas > 1:
+        gb = ModelSpec.state_bytes_per_param(precision)["grads"]
+        h, v = model.hidden_size, model.vocab_size
+        norm = model.layer_params - model.layer_matmul_params
+        rings = links.ring_cache
+
+        def ring(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
+            slots = [groups[gi].pipe.slots[si] for gi, si in holders]
+            key = (matrix, extra, frozenset(sl.kind for sl in slots), min(sl.tp for sl in slots), replicas,
+                   total_devices, gb)
+            if key not in rings:
+                link = links.replicas(key[2], devices=total_devices)
+                rings[key] = allreduce_time_s(nbytes=(matrix / key[3] + extra) * gb, participants=replicas, link=link)
+            return rings[key]
+
+        def run(holders: list[tuple[int, int]], dur: float) -> None:
+            end = max(cursor[gi][si] for gi, si in holders) + dur
+            for gi, si in holders:
+                cursor[gi][si] = end
+
+        # Between two boundaries (of any replica) the holders do not change: run that stretch of
+        # layers as one block, which is exactly the same as running its layers one by one.
+        starts = [_starts(g.pipe.layers) for g in groups]
+        cuts = sorted({a for st in starts for a in st if a < model.num_layers} | {0, model.num_layers})
+        last = [len(g.pipe.layers) - 1 for g in groups]
+        emb = [(gi, 0) for gi in range(len(groups))]
+        if model.tied_embeddings:
+            emb += [(gi, last[gi]) for gi in range(len(groups)) if last[gi] > 0]
+        run(emb, ring(v * h, model.embedding_params - v * h, emb))
+        for a, b in itertools.pairwise(cuts):
+            hs = [(gi, bisect.bisect_right(starts[gi], a) - 1) for gi in range(len(groups))]
+            run(hs, (b - a) * ring(model.layer_matmul_params, norm, hs))
+        hs = [(gi, last[gi]) for gi in range(len(groups))]
+        run(hs, ring(0 if model.tied_embeddings else v * h, model.final_norm_params, hs))
+    return max(c + u for g, row in zip(groups, cursor, strict=True) for c, u in zip(row, g.pipe.update_s, strict=True))
+
+
+def _starts(layers: tuple[int, ...]) -> list[int]:
+    """First layer of each stage; empty stages share their successor's start, so take the last match."""
+    out, a = [], 0
+    for n in layers:
+        out.append(a)
+        a += n
+    return out
+
+
+def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec,
+             precision: str) -> Estimate | None:
+    groups = [g for g in groups if g.count > 0]
+    alloc = allocate(groups, total_mb)
+    if alloc is None:
+        return None
+    counts, _ = alloc
+    kept = [(Group(g.pipe, len(c)), tuple(c)) for g, c in zip(groups, counts, strict=True) if c]
+    gs = [g for g, _ in kept]
+    step = step_time_s(gs, [g.pipe.time_s(max(c)) for g, c in kept], links=links, model=model, precision=precision)
+    return Estimate(groups=tuple(gs), micro_batches=tuple(c for _, c in kept), step_time_s=step)

@@ -1,0 +1,55 @@
+"""What the planner is asked for: the training job, the strategy and how wide to search."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hethub.errors import SpecError
+from hethub.plan import SCHEDULES
+from hethub.spec.model import PRECISIONS
+
+STRATEGIES = ("hethub", "uniform", "flops-proportional", "homogeneous")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    strategy: str = "hethub"
+    schedule: str = "1f1b"
+    precision: str = "bf16-mixed"
+    top_k: int = 1
+    # Micro-batch sizes tried (each must divide the global batch to be used).
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    # TP degrees tried; a kind only uses those that divide its node size and the model's dimensions.
+    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    allow_recompute: bool = True
+    # How many closed-form finalists the full predictor re-scores; more is slower and rarely better.
+    finalists: int = 6
+
+    def __post_init__(self) -> None:
+        def bad(field: str, problem: str, fix: str) -> SpecError:
+            return SpecError(f"planner option '{field}' {problem}. Fix: {fix}.")
+
+        for name in ("global_batch", "seq_len", "top_k", "finalists"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(name, f"must be a positive integer, got {v!r}", "give a positive integer")
+        if self.strategy not in STRATEGIES:
+            raise bad("strategy", f"is {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        for name in ("micro_batch_sizes", "tp_degrees"):
+            vals = getattr(self, name)
+            if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
+                raise bad(name, f"must be a non-empty tuple of positive integers, got {vals!r}",
+                          "give e.g. (1, 2, 4)")
+        if any(t & (t - 1) for t in self.tp_degrees):
+            # Powers of two pack into nodes without fragmentation (see docs/planner.md, "devices").
+            raise bad("tp_degrees", f"must be powers of two, got {self.tp_degrees!r}", "use 1, 2, 4, 8, ...")
+
+    @property
+    def usable_micro_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({b for b in self.micro_batch_sizes if self.global_batch % b == 0}))

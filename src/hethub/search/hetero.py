@@ -1,0 +1,181 @@
+"""The combination search: which templates, how many of each, and what the leftovers do.
+
+Per micro-batch size: keep the best few kind-pure templates per kind (templates.py), take every
+choice of one template (or none) per kind and replicate it as often as the kind's devices allow;
+fill the leftover devices with the best smaller template of the same kind. Then, for the most
+promising choices, hand leftover devices (and, optionally, one or two of a kind's pipelines, or a
+whole unused kind) to identical mixed-kind pipelines, over kind orders, TP degrees and replica
+counts. Every candidate is priced in closed form (combine.estimate); the planner re-scores the best
+with the full predictor.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hethub.search.combine import Estimate, Group
+from hethub.search.split import PipeCost
+from hethub.search.templates import Ranked, Searcher
+
+TOP_PER_KIND = 3
+TOP_FOR_MIXED = 4
+MAX_REPLICA_COUNTS = 8  # mixed replica counts tried per kind order (spread geometrically)
+SMALL_POOL = 32  # devices up to which mixed pipelines may leave part of the pool idle
+MBS_KEEP = 0.9
+
+
+def _top_distinct(ranked: list[Ranked], n: int) -> list[Ranked]:
+    out, seen = [], set()
+    for r in ranked:
+        key = (r.pipe.slots[0].tp, len(r.pipe.slots), any(r.pipe.recompute))
+        if key not in seen and r.rate > 0:
+            seen.add(key)
+            out.append(r)
+        if len(out) == n:
+            break
+    return out
+
+
+def _fill(ranked: list[Ranked], left: int) -> tuple[list[Group], int]:
+    """Greedily give leftover devices of one kind to the best-rated template that still fits."""
+    groups = []
+    for r in ranked:
+        d = r.pipe.num_devices
+        if r.rate > 0 and d <= left:
+            groups.append(Group(r.pipe, left // d))
+            left -= (left // d) * d
+    return groups, left
+
+
+def _spread(lo: int, hi: int, n: int) -> list[int]:
+    if hi - lo + 1 <= n:
+        return list(range(lo, hi + 1))
+    vals, x, ratio = {lo, hi}, float(lo), (hi / lo) ** (1 / (n - 1))
+    for _ in range(n):
+        x *= ratio
+        vals.add(min(hi, round(x)))
+    return sorted(vals)
+
+
+def mixed_options(s: Searcher, pool: dict[str, int], mbs: int, tp_hint: dict[str, int]) -> list[Group]:
+    """Identical mixed pipelines over subsets of the pooled devices (one group per candidate)."""
+    key = (tuple(sorted(pool.items())), tuple(sorted(tp_hint.items())), mbs)
+    if key in s.mixed_cache:
+        return s.mixed_cache[key]
+    kinds = [k for k, n in pool.items() if n > 0 and s.tps[k]]
+    small = sum(pool[k] for k in kinds) <= SMALL_POOL
+    out: list[Group] = []
+    s.mixed_cache[key] = out
+    for size in range(2, len(kinds) + 1):
+        for subset in itertools.combinations(kinds, size):
+            # Large pools: the TP degree the kind's pure pipelines use (else its largest) only.
+            tp_choices = [sorted({tp_hint.get(k, s.tps[k][-1]), s.tps[k][-1]}) if small
+                          else [tp_hint.get(k, s.tps[k][-1])] for k in subset]
+            for tps in itertools.product(*tp_choices):
+                slots = {k: pool[k] // t for k, t in zip(subset, tps, strict=True)}
+                c_hi = min(slots.values())
+                c_lo = max(1, -(-sum(slots.values()) // (s.model.num_layers + 2)))
+                for c in _spread(c_lo, c_hi, MAX_REPLICA_COUNTS) if c_lo <= c_hi else []:
+                    # Small pools: any number of stages per kind; large ones: use the whole pool.
+                    counts = [range(1, slots[k] // c + 1) if small else [slots[k] // c] for k in subset]
+                    for ns in itertools.product(*counts):
+                        for order in itertools.permutations(range(size)):
+                            segs = [(subset[i], tps[i], ns[i]) for i in order]
+                            out.extend(Group(pipe, c) for pipe in s.mixed(segs, mbs))
+    return out
+
+
+def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
+    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
+    results: list[Estimate] = []
+    kinds = list(s.counts)
+    for mbs in _promising_mbs(s, kinds_alone=kinds_alone):
+        if kinds_alone:
+            for k in kinds:
+                ranked_k = s.pure(k, mbs, share=1.0)
+                for r in _top_distinct(ranked_k, TOP_PER_KIND):
+                    c = s.counts[k] // r.pipe.num_devices
+                    fill, _ = _fill(ranked_k, s.counts[k] - c * r.pipe.num_devices)
+                    _add(results, s.estimate([Group(r.pipe, c), *fill], mbs))
+            continue
+        ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
+        tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
+        base: list[tuple[float, list[tuple[str, Ranked | None]]]] = []
+        for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
+            groups: list[Group] = []
+            for k, r in zip(kinds, choice, strict=True):
+                if r is not None:
+                    c = s.counts[k] // r.pipe.num_devices
+                    fill, _ = _fill(ranked[k], s.counts[k] - c * r.pipe.num_devices)
+                    groups += [Group(r.pipe, c), *fill]
+            est = s.estimate(groups, mbs) if groups else None
+            _add(results, est)
+            base.append((est.step_time_s if est else float("inf"), list(zip(kinds, choice, strict=True))))
+        _aligned(s, results, ranked, mbs)
+        base.sort(key=lambda x: x[0])
+        for _, choice in base[:TOP_FOR_MIXED] + [b for b in base if all(r is None for _, r in b[1])]:
+            _mixed_around(s, results, choice, mbs)
+    results.sort(key=lambda e: e.step_time_s)
+    return results
+
+
+def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
+    """Micro-batch sizes worth combining: on large clusters, those within MBS_KEEP of some kind's best
+    pure-template rate (the combination search costs far more than the template scan)."""
+    sizes = list(s.config.usable_micro_batch_sizes)
+    if sum(s.counts.values()) <= SMALL_POOL:
+        return sizes
+    best = {(k, b): max((r.rate for r in s.pure(k, b, share=1.0 if kinds_alone else s.share[k])), default=0.0)
+            for k in s.counts for b in sizes}
+    top = {k: max(best[(k, b)] for b in sizes) for k in s.counts}
+    return [b for b in sizes if any(top[k] > 0 and best[(k, b)] >= MBS_KEEP * top[k] for k in s.counts)]
+
+
+def _mixed_around(s: Searcher, results: list[Estimate], choice: list[tuple[str, Ranked | None]], mbs: int) -> None:
+    """Variants of one pure choice whose leftover (or released) devices form mixed pipelines."""
+    used = [(k, r) for k, r in choice if r is not None]
+    releases = [0, 1] if used and sum(s.counts.values()) <= SMALL_POOL else [0]
+    for release in releases:
+        pure: list[Group] = []
+        pool: dict[str, int] = {k: s.counts[k] for k, r in choice if r is None}
+        hint: dict[str, int] = {}
+        for k, r in used:
+            pipe: PipeCost = r.pipe
+            c = max(0, s.counts[k] // pipe.num_devices - release)
+            pure.append(Group(pipe, c))
+            pool[k] = s.counts[k] - c * pipe.num_devices
+            hint[k] = pipe.slots[0].tp
+        for g in mixed_options(s, pool, mbs, hint):
+            _add(results, s.estimate([*pure, g], mbs))
+
+
+def _aligned(s: Searcher, results: list[Estimate], ranked: dict[str, list[Ranked]], mbs: int) -> None:
+    """Kind-pure pipelines of every kind with the same stage count AND the same layer boundaries.
+
+    Replicas whose stage boundaries differ chain their per-layer gradient syncs (a stage waits for
+    holders that wait for other holders); aligned replicas sync each stage's layers independently.
+    Within one kind-pure pipeline the balanced split hardly depends on the kind, so aligning costs
+    little. The reference split is the one of the kind with the most compute.
+    """
+    kinds = sorted(s.counts, key=lambda k: -s.counts[k] * s.cluster.kinds[k].effective_flops)
+    stage_counts = {len(r.pipe.slots) for k in kinds for r in _top_distinct(ranked[k], TOP_PER_KIND)}
+    for p in sorted(stage_counts):
+        per_kind = {k: [r for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2] for k in kinds}
+        for choice in itertools.product(*[[None, *per_kind[k]] for k in kinds]):
+            used = [(k, r) for k, r in zip(kinds, choice, strict=True) if r is not None]
+            if len(used) < 2:
+                continue
+            ref = used[0][1].pipe.layers
+            groups = []
+            for k, r in used:
+                pipe = s.fixed(r.pipe.slots, ref, mbs)
+                if pipe is None:
+                    break
+                groups.append(Group(pipe, s.counts[k] // pipe.num_devices))
+            else:
+                _add(results, s.estimate(groups, mbs))
+
+
+def _add(results: list[Estimate], est: Estimate | None) -> None:
+    if est is not None and est.step_time_s < float("inf"):
+        results.append(est)

@@ -1,0 +1,52 @@
+"""Representative links between stages and replicas, before devices are chosen.
+
+The search prices a template without knowing which node each stage lands on. The device allocator
+(assemble.py) places a pipeline's stages of one kind on consecutive devices, so consecutive stages
+whose TP groups fit one node together usually share it; otherwise they cross the kind's NIC, or the
+cross-kind path at a kind boundary. Final scoring uses the real devices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hethub.search.split import Slot
+from hethub.spec.cluster import Cluster, Link
+
+
+class LinkBook:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.ring_cache: dict[tuple, float] = {}  # all-reduce times, shared by a search's estimates
+        self.node_size: dict[str, int] = {}
+        self._nic: dict[str, float] = {}
+        for g in cluster.groups:
+            nic = g.inter_node_bw_bytes_per_s or cluster.inter_node.bw_bytes_per_s
+            self.node_size[g.kind] = min(self.node_size.get(g.kind, g.devices_per_node), g.devices_per_node)
+            self._nic[g.kind] = min(self._nic.get(g.kind, nic), nic)
+
+    def intra(self, kind: str) -> Link:
+        k = self.cluster.kinds[kind]
+        return Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
+
+    @functools.cache  # noqa: B019 - one LinkBook per search, a handful of kinds
+    def between(self, a: str, b: str) -> Link:
+        """Inter-node link from kind a to kind b (the cluster's rule in Cluster.link)."""
+        c = self.cluster
+        bw, lat = min(self._nic[a], self._nic[b]), c.inter_node.latency_s
+        if a != b:
+            bw, lat = min(bw, c.cross_kind.bw_bytes_per_s), max(lat, c.cross_kind.latency_s)
+        return Link(bw, lat)
+
+    def p2p(self, a: Slot, b: Slot) -> Link:
+        if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind]:
+            return self.intra(a.kind)
+        return self.between(a.kind, b.kind)
+
+    def replicas(self, kinds: frozenset[str], *, devices: int) -> Link:
+        """Slowest link of a data-parallel ring over pipelines made of these kinds."""
+        ks = sorted(kinds)
+        if len(ks) == 1 and devices <= self.node_size[ks[0]]:
+            return self.intra(ks[0])
+        links = [self.between(a, b) for a in ks for b in ks]
+        return Link(min(lk.bw_bytes_per_s for lk in links), max(lk.latency_s for lk in links))

@@ -1,0 +1,156 @@
+"""The planner's entry points: make_plan and upper_bound.
+
+The search ranks candidates in closed form (fast, approximate); the final choice among the best
+is made by the full predictor, so `hethub plan` and `hethub predict` agree exactly on the result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from hethub.errors import InfeasibleError
+from hethub.plan import Plan
+from hethub.predict.predictor import predict
+from hethub.predict.profiles import ProfileSet
+from hethub.predict.result import Prediction
+from hethub.search.assemble import build_plan
+from hethub.search.baselines import baseline_plans
+from hethub.search.config import PlannerConfig
+from hethub.search.diagnose import infeasible_message
+from hethub.search.hetero import search
+from hethub.search.polish import polish
+from hethub.search.templates import Searcher
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan
+    prediction: Prediction
+    search_time_s: float
+    upper_bound_tokens_per_s: float
+    efficiency: float  # prediction.tokens_per_s / upper bound
+    alternatives: tuple[tuple[Plan, Prediction], ...]  # top-k, best first, including the best
+    notes: tuple[str, ...]
+
+
+def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+              profiles: ProfileSet | None = None) -> PlanResult:
+    """Best memory-feasible plan under `config.strategy`, scored by the predictor."""
+    t0 = time.perf_counter()
+    _check_job(model, config)
+    books: dict = {}
+    bound, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
+    if config.strategy in ("hethub", "homogeneous"):
+        candidates = list(alone) if config.strategy == "homogeneous" else _hethub_candidates(
+            cluster=cluster, model=model, config=config, profiles=profiles, alone=alone, books=books)
+    else:
+        s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
+        n = config.finalists + config.top_k
+        candidates = [plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]]
+    scored = _score(candidates, profiles)
+    if not scored:
+        raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
+    if config.strategy == "hethub":
+        # A short local search with the predictor itself; bounded so it never dominates the search.
+        budget = max(0.05, 0.25 * (time.perf_counter() - t0))
+        best = polish(*scored[0], profiles=profiles, budget_s=budget, allow_recompute=config.allow_recompute)
+        scored = sorted([best, *scored[1:]], key=lambda x: x[1].step_time_s)
+    elapsed = time.perf_counter() - t0
+    top = []
+    for plan, pred in scored[: config.top_k]:
+        eff = pred.tokens_per_s / bound if bound > 0 else 0.0
+        plan = replace(plan, strategy=config.strategy).with_meta(
+            strategy=config.strategy, predicted_tokens_per_s=pred.tokens_per_s,
+            predicted_step_time_s=pred.step_time_s, efficiency=eff, search_time_s=elapsed,
+            upper_bound_tokens_per_s=bound)
+        top.append((plan, pred))
+    best_plan, best_pred = top[0]
+    return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
+                      efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
+                      notes=notes)
+
+
+def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+                profiles: ProfileSet | None = None) -> tuple[float, tuple[str, ...]]:
+    """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
+    _check_job(model, config)
+    bound, notes, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles)
+    return bound, notes
+
+
+def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
+    if config.seq_len > model.max_seq_len:
+        raise InfeasibleError(f"seq_len {config.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}. "
+                              f"Fix: use --seq-len {model.max_seq_len} or less.")
+    if not config.usable_micro_batch_sizes:
+        raise InfeasibleError(f"no micro-batch size in {config.micro_batch_sizes} divides the global batch "
+                              f"{config.global_batch}. Fix: use a global batch divisible by one of them.")
+
+
+def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+           profiles: ProfileSet | None, books: dict | None = None) -> tuple[float, tuple[str, ...], list[Plan]]:
+    """The upper bound, its notes, and each kind's best feasible single-kind candidates."""
+    total, notes, feasible = 0.0, [], []
+    for kind in cluster.kind_names:
+        plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
+                            books=books)
+        scored = _score(plans, profiles)
+        if scored:
+            feasible.extend(p for p, _ in scored[:2])
+            total += scored[0][1].tokens_per_s
+            continue
+        relaxed = _score(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
+                                     relax=True, books=books), profiles, require_fit=False)
+        n = cluster.count_by_kind()[kind]
+        if relaxed:
+            total += relaxed[0][1].tokens_per_s
+            notes.append(f"kind {kind} alone ({n} devices) cannot hold {model.name} at seq_len {config.seq_len}; "
+                         "the upper bound uses its best plan with the memory limit relaxed")
+        else:
+            notes.append(f"kind {kind} alone ({n} devices) has no plan for {model.name} even with memory relaxed "
+                         "(no usable TP degree or too few devices); it adds nothing to the upper bound")
+    return total, tuple(notes), feasible
+
+
+def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
+                kind: str, relax: bool, books: dict | None) -> list[Plan]:
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, relax_memory=relax, kinds=(kind,),
+                 books=books)
+    return _plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous")
+
+
+def _hethub_candidates(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+                       profiles: ProfileSet | None, alone: list[Plan], books: dict) -> list[Plan]:
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
+    # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
+    return [*_plans(s, search(s), config=config, strategy="hethub"),
+            *alone]
+
+
+def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> list[Plan]:
+    out, seen = [], set()
+    for est in ests:
+        key = (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
+                              seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
+                              strategy=strategy))
+        if len(out) >= config.finalists + config.top_k:
+            break
+    return out
+
+
+def _score(plans: list[Plan], profiles: ProfileSet | None, *,
+           require_fit: bool = True) -> list[tuple[Plan, Prediction]]:
+    scored = []
+    for plan in plans:
+        pred = predict(plan, profiles=profiles)
+        if pred.fits_memory or not require_fit:
+            scored.append((plan, pred))
+    scored.sort(key=lambda x: x[1].step_time_s)
+    return scored

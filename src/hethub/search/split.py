@@ -1,0 +1,224 @@
+"""One pipeline: which stage shapes in which order, and how many layers each stage gets.
+
+Decoder layers are identical, so a split is just a layer count per stage. We minimise the bottleneck
+stage (forward + backward of one micro-batch), which is what the 1F1B/GPipe steady state runs at,
+subject to each stage's memory at its position (1F1B stage s of p holds p - s micro-batches). For a
+bottleneck value B every stage can take at most n_s(B) layers (closed form, time and memory are affine);
+B is feasible iff sum n_s(B) >= L. Bisection on B, then trimming the excess from the slowest stages,
+gives the optimum in O(p log(1/eps)) instead of the O(p L^2) of a generic partition DP.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hethub.predict.memory import act_bytes_for
+from hethub.search.costs import CostBook, StageModel
+from hethub.spec.cluster import Link
+from hethub.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Slot:
+    kind: str
+    tp: int
+
+
+@dataclass(frozen=True)
+class PipeCost:
+    """A pipeline template with its layer split and closed-form times (devices not chosen yet)."""
+
+    slots: tuple[Slot, ...]
+    mbs: int
+    layers: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    update_s: tuple[float, ...]
+    p2p_s: tuple[float, ...]
+    params: tuple[float, ...]  # parameters held by one device of each stage
+    schedule: str
+
+    @functools.cached_property
+    def num_devices(self) -> int:
+        return sum(s.tp for s in self.slots)
+
+    @functools.cached_property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(s.kind for s in self.slots)
+
+    @functools.cached_property
+    def per_mb_s(self) -> float:
+        if self.schedule == "gpipe":
+            return max(self.fwd_s) + max(self.bwd_s)
+        return max(f + b for f, b in zip(self.fwd_s, self.bwd_s, strict=True))
+
+    @functools.cached_property
+    def base_s(self) -> float:
+        """T(m) = base_s + m * per_mb_s: fill and drain of the pipeline plus the steady state."""
+        return sum(self.fwd_s) + sum(self.bwd_s) + 2 * sum(self.p2p_s) - self.per_mb_s
+
+    def time_s(self, m: int) -> float:
+        return self.base_s + m * self.per_mb_s
+
+    def devices_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.slots:
+            out[s.kind] = out.get(s.kind, 0) + s.tp
+        return out
+
+
+@dataclass(frozen=True)
+class _Option:
+    sm: StageModel
+    per_layer: float
+    base: float
+    max_layers: int
+
+
+def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
+                 p2p_link: Callable[[Slot, Slot], Link], in_flight_hint: int = 1,
+                 slacks: tuple[float, ...] = (1.0,)) -> list[PipeCost]:
+    """Good layer splits for these stages (one per bottleneck slack), or [] when the model cannot fit."""
+    job = book.job
+    model: ModelSpec = job.model
+    n_layers, p = model.num_layers, len(slots)
+    if p > n_layers + 2:
+        return []
+    opts: list[list[_Option]] = []
+    lows: list[int] = []
+    for s, slot in enumerate(slots):
+        emb, head = s == 0, s == p - 1
+        in_flight = in_flight_hint if job.schedule == "gpipe" else p - s
+        low = 0 if p > 1 and (emb or head) else 1
+        if p == 1:
+            low = n_layers
+        here = _options(book, slot, mbs=mbs, emb=emb, head=head, in_flight=in_flight, low=low,
+                        allow_recompute=allow_recompute)
+        if not here:
+            return []
+        opts.append(here)
+        lows.append(low)
+    if sum(max(o.max_layers for o in ops) for ops in opts) < n_layers:
+        return []
+
+    # Give layers one at a time to the stage whose cost grows least: each stage's cost (cheapest option
+    # that still fits) is nondecreasing in its layer count, so this greedy minimises the bottleneck.
+    counts = _greedy(opts, lows, n_layers, key=lambda ops, k: (_cost(ops, k + 1), -_cost(ops, k)), cap=math.inf)
+    if counts is None:
+        return []
+    bottleneck = max(_cost(ops, k) for ops, k in zip(opts, counts, strict=True))
+    # Among splits within (a slack on) that bottleneck, minimise the sum of stage times: it is the
+    # pipeline's fill and drain, which weighs as much as the bottleneck when micro-batches are few.
+    out: list[PipeCost] = []
+    for slack in slacks:
+        cand = _greedy(opts, lows, n_layers, key=lambda ops, k: (_cost(ops, k + 1) - _cost(ops, k), 0.0),
+                       cap=bottleneck * slack * (1 + 1e-12))
+        for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
+            pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, p2p_link=p2p_link,
+                          schedule=job.schedule)
+            if all(pipe.layers != o.layers or pipe.recompute != o.recompute for o in out):
+                out.append(pipe)
+    return out
+
+
+def _greedy(opts: list[list[_Option]], lows: list[int], n_layers: int, *,
+            key: Callable[[list[_Option], int], tuple[float, float]], cap: float) -> list[int] | None:
+    """Add layers one at a time to the stage with the smallest key whose cost stays within cap."""
+    counts = list(lows)
+    heap = []
+    for s, (ops, k) in enumerate(zip(opts, counts, strict=True)):
+        if _cost(ops, k + 1) <= cap:
+            heap.append((*key(ops, k), s))
+    heapq.heapify(heap)
+    for _ in range(n_layers - sum(counts)):
+        if not heap:
+            return None
+        s = heapq.heappop(heap)[-1]
+        counts[s] += 1
+        if _cost(opts[s], counts[s] + 1) <= cap:
+            heapq.heappush(heap, (*key(opts[s], counts[s]), s))
+    return counts
+
+
+def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...], *, mbs: int,
+                allow_recompute: bool, p2p_link: Callable[[Slot, Slot], Link],
+                in_flight_hint: int = 1) -> PipeCost | None:
+    """Price these stages with a given layer split (recomputing where needed), or None if it cannot fit."""
+    job, p = book.job, len(slots)
+    opts = []
+    for s, (slot, k) in enumerate(zip(slots, counts, strict=True)):
+        in_flight = in_flight_hint if job.schedule == "gpipe" else p - s
+        ops = [o for o in _options(book, slot, mbs=mbs, emb=s == 0, head=s == p - 1, in_flight=in_flight, low=0,
+                                   allow_recompute=allow_recompute) if o.max_layers >= k]
+        if not ops:
+            return None
+        opts.append(ops)
+    return _price(job_model=job.model, slots=slots, opts=opts, counts=list(counts), mbs=mbs, p2p_link=p2p_link,
+                  schedule=job.schedule)
+
+
+def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_flight: int, low: int,
+             allow_recompute: bool) -> list[_Option]:
+    """With and without recomputation, where each fits; cached (templates share stage positions)."""
+    key = (slot, mbs, emb, head, in_flight, low, allow_recompute)
+    here = book.options.get(key)
+    if here is None:
+        n_layers = book.job.model.num_layers
+        here = book.options[key] = []
+        for rc in ((False, True) if allow_recompute else (False,)):
+            sm = book.stage(slot.kind, tp=slot.tp, mbs=mbs, recompute=rc)
+            u = sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
+            if u >= low:
+                w = sm.work(emb=emb, head=head)
+                here.append(_Option(sm, w.per_layer, w.base, u))
+            if u >= n_layers:
+                break  # recomputation only adds time when everything already fits
+    return here
+
+
+def _cost(ops: list[_Option], k: int) -> float:
+    best = math.inf
+    for o in ops:  # at most two options: a plain loop is the hot path of the search
+        if o.max_layers >= k:
+            c = o.base + k * o.per_layer
+            if c < best:
+                best = c
+    return best
+
+
+def _cheapest(ops: list[_Option], k: int) -> _Option:
+    return min((o for o in ops if o.max_layers >= k), key=lambda o: o.base + k * o.per_layer)
+
+
+def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Option]], counts: list[int],
+           mbs: int, p2p_link: Callable[[Slot, Slot], Link], schedule: str) -> PipeCost:
+    models = [_cheapest(ops, k).sm for ops, k in zip(opts, counts, strict=True)]
+    return price(models, counts, model=job_model, slots=slots, mbs=mbs, p2p_link=p2p_link, schedule=schedule)
+
+
+def price(models: list[StageModel], counts: list[int], *, model: ModelSpec, slots: tuple[Slot, ...], mbs: int,
+          p2p_link: Callable[[Slot, Slot], Link], schedule: str) -> PipeCost:
+    """Closed-form costs of a pipeline whose stage models and layer counts are given."""
+    p = len(slots)
+    fwd, bwd, upd, params = [], [], [], []
+    for s, (sm, k) in enumerate(zip(models, counts, strict=True)):
+        emb, head = s == 0, s == p - 1
+        fwd.append(sm.fwd_s(k, emb=emb, head=head))
+        bwd.append(sm.bwd_s(k, emb=emb, head=head))
+        upd.append(sm.update_s(k, emb=emb, head=head))
+        params.append(sm.params(k, emb=emb, head=head))
+    job = models[0].job
+    act = mbs * job.seq_len * model.hidden_size * act_bytes_for(job.precision)
+    p2p = tuple(_link_time(p2p_link(slots[s], slots[s + 1]), act) for s in range(p - 1))
+    return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
+                    fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
+                    schedule=schedule)
+
+
+def _link_time(link: Link, nbytes: float) -> float:
+    return link.latency_s + nbytes / link.bw_bytes_per_s

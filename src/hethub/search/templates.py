@@ -1,0 +1,159 @@
+"""Candidate pipelines: kind-pure templates per (kind, TP, stages) and mixed templates.
+
+A template fixes a pipeline's stage shapes; split.py chooses its layer split. Pure templates are
+ranked by estimated samples/s per device; only the best few per kind survive into the combination
+search (pruning). The stage count p is scanned upwards from the smallest that fits memory and the
+scan stops once p is well past both the best p so far and the point where no stage needs
+recomputation: more stages then only add fill/drain time and point-to-point hops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hethub.predict.profiles import ProfileSet
+from hethub.search.combine import Estimate, Group, estimate
+from hethub.search.config import PlannerConfig
+from hethub.search.costs import CostBook, Job
+from hethub.search.links import LinkBook
+from hethub.search.split import PipeCost, Slot, fixed_split, split_layers
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import ModelSpec
+
+PATIENCE = 6  # stage counts scanned past the best one
+SMALL_CLUSTER = 64  # devices up to which layer splits that trade bottleneck for fill/drain are tried
+
+
+@dataclass(frozen=True)
+class Ranked:
+    pipe: PipeCost
+    rate: float  # estimated samples/s per device when its kind runs its batch share with it
+
+
+def tp_options(cluster: Cluster, model: ModelSpec, kind: str, degrees: tuple[int, ...]) -> tuple[int, ...]:
+    sizes = [g.devices_per_node for g in cluster.groups if g.kind == kind]
+    return tuple(t for t in sorted(set(degrees)) if all(n % t == 0 for n in sizes)
+                 and model.num_heads % t == 0 and model.num_kv_heads % t == 0 and model.ffn_hidden_size % t == 0)
+
+
+class Searcher:
+    """Everything one search shares: costs, links, device counts, options."""
+
+    def __init__(self, *, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+                 profiles: ProfileSet | None, relax_memory: bool = False,
+                 kinds: tuple[str, ...] | None = None, books: dict[bool, CostBook] | None = None) -> None:
+        self.cluster, self.model, self.config = cluster, model, config
+        self.job = Job(model=model, seq_len=config.seq_len, precision=config.precision,
+                       schedule=config.schedule, profiles=profiles, relax_memory=relax_memory)
+        # Searches of one make_plan share stage models and splits (they differ only in kinds used).
+        books = {} if books is None else books
+        if relax_memory not in books:
+            books[relax_memory] = CostBook(self.job, cluster.kinds)
+        self.book = books[relax_memory]
+        self.links = LinkBook(cluster)
+        counts = cluster.count_by_kind()
+        self.counts = {k: counts[k] for k in (kinds or cluster.kind_names)}
+        self.tps = {k: tp_options(cluster, model, k, config.tp_degrees) for k in self.counts}
+        flops = {k: n * cluster.kinds[k].effective_flops for k, n in self.counts.items()}
+        self.share = {k: f / sum(flops.values()) for k, f in flops.items()}
+        self._pure: dict[tuple[str, int, float], list[Ranked]] = {}
+        self.mixed_cache: dict[tuple, list] = {}
+
+    def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
+        """The min-max split, plus the best split without recomputation when that one recomputes.
+
+        Min-max is right for many micro-batches; with few, the fill/drain (the sum over stages)
+        weighs as much, and avoiding recomputation can beat a slightly lower bottleneck.
+        """
+        key = (slots, mbs)
+        if key not in self.book.splits:
+            # GPipe holds all of a pipeline's micro-batches; expect its device share of them, with room.
+            share = sum(sl.tp for sl in slots) / sum(self.counts.values())
+            hint = max(1, math.ceil(1.5 * share * self.config.global_batch / mbs))
+            out: list[PipeCost] = []
+            # Small clusters run few micro-batches per pipeline, where trading bottleneck for fill
+            # and drain pays; large ones do not, and the variants would cost search time.
+            slacks = (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
+            for rc in (True, False) if self.config.allow_recompute else (False,):
+                pipes = split_layers(self.book, slots, mbs=mbs, allow_recompute=rc, p2p_link=self.links.p2p,
+                                     in_flight_hint=hint, slacks=slacks)
+                out.extend(pipes)
+                if not pipes or not any(any(pc.recompute) for pc in pipes):
+                    break
+            self.book.splits[key] = out
+        return self.book.splits[key]  # type: ignore[return-value]
+
+    def fixed(self, slots: tuple[Slot, ...], counts: tuple[int, ...], mbs: int) -> PipeCost | None:
+        key = (slots, mbs, counts)
+        if key not in self.book.splits:
+            self.book.splits[key] = fixed_split(self.book, slots, counts, mbs=mbs,
+                                                allow_recompute=self.config.allow_recompute, p2p_link=self.links.p2p,
+                                                in_flight_hint=max(1, self.config.global_batch // mbs))
+        return self.book.splits[key]  # type: ignore[return-value]
+
+    def estimate(self, groups: list[Group], mbs: int) -> Estimate | None:
+        return estimate(groups, total_mb=self.config.global_batch // mbs, links=self.links, model=self.model,
+                        precision=self.config.precision)
+
+    def rate(self, pipe: PipeCost, *, kind_devices: int, share: float) -> float:
+        c = kind_devices // pipe.num_devices
+        if c < 1:
+            return 0.0
+        total_mb = self.config.global_batch // pipe.mbs
+        mb = max(c, round(total_mb * share))
+        est = estimate([Group(pipe, c)], total_mb=mb, links=self.links, model=self.model,
+                       precision=self.config.precision)
+        return 0.0 if est is None else mb * pipe.mbs / est.step_time_s / est.num_devices
+
+    def pure(self, kind: str, mbs: int, *, share: float) -> list[Ranked]:
+        """All scanned kind-pure templates of `kind`, best rate first."""
+        key = (kind, mbs, share)
+        if key in self._pure:
+            return self._pure[key]
+        n, out = self.counts[kind], []
+        for tp in self.tps[kind]:
+            p_max = min(n // tp, self.model.num_layers)
+            # Scan upwards from the first stage count that fits; stop PATIENCE past the best. The
+            # rate can jump again where recomputation stops being needed, so scan that window too.
+            p_free = self._first_without_recompute(kind, tp, mbs, p_max)
+            best_p, best_rate, p = 0, 0.0, 1
+            while p <= p_max:
+                for pipe in self.splits((Slot(kind, tp),) * p, mbs):
+                    r = self.rate(pipe, kind_devices=n, share=share)
+                    out.append(Ranked(pipe, r))
+                    if r > best_rate:
+                        best_p, best_rate = p, r
+                if best_p and p > best_p + PATIENCE:
+                    if p_free is None or p >= p_free + PATIENCE:
+                        break
+                    p = max(p, p_free - 1)
+                p += 1
+        out.sort(key=lambda x: -x.rate)
+        self._pure[key] = out
+        return out
+
+    def _first_without_recompute(self, kind: str, tp: int, mbs: int, p_max: int) -> int | None:
+        """Smallest stage count whose stages can hold all layers without recomputation (1F1B memory)."""
+        sm = self.book.stage(kind, tp=tp, mbs=mbs, recompute=False)
+        n_layers = self.model.num_layers
+
+        def fits(p: int) -> bool:
+            return sum(max(0, sm.max_layers(emb=s == 0, head=s == p - 1, in_flight=p - s, limit=n_layers))
+                       for s in range(p)) >= n_layers
+
+        if p_max < 1 or not fits(p_max):
+            return None
+        lo, hi = 1, p_max
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def mixed(self, segments: list[tuple[str, int, int]], mbs: int) -> list[PipeCost]:
+        """Pipelines of consecutive kind segments (kind, tp, stages), in the given order."""
+        slots = tuple(Slot(k, t) for k, t, n in segments for _ in range(n))
+        return self.splits(slots, mbs) if slots else []

@@ -1,0 +1,100 @@
+"""The planner's building blocks: layer split, batch allocation, device placement, closed form."""
+
+import heapq
+import itertools
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hethub.predict.predictor import predict
+from hethub.search import PlannerConfig
+from hethub.search.assemble import allocate_devices
+from hethub.search.combine import Group, allocate
+from hethub.search.split import PipeCost, Slot
+from hethub.search.templates import Searcher
+from hethub.spec.cluster import parse_cluster
+from hethub.spec.model import get_model
+
+
+def _pipe(base: float, per: float) -> PipeCost:
+    # fwd + bwd = per, and a fill/drain that makes base_s = base.
+    return PipeCost(slots=(Slot("k", 1),), mbs=1, layers=(1,), recompute=(False,), fwd_s=(per / 3 + base / 2,),
+                    bwd_s=(2 * per / 3 + base / 2,), update_s=(0.0,), p2p_s=(), params=(1.0,), schedule="gpipe")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 5), st.floats(0.1, 3), st.integers(1, 3)), min_size=1, max_size=4),
+       st.integers(1, 40))
+def test_allocation_matches_greedy_min_max(specs, total):
+    groups = [Group(_pipe(b, p), c) for b, p, c in specs]
+    counts, makespan = allocate(groups, total)
+    assert sum(sum(c) for c in counts) == total
+    # Reference: give each micro-batch to the pipeline whose finish grows least.
+    pipes = [g.pipe for g in groups for _ in range(g.count)]
+    ms = [0] * len(pipes)
+    heap = [(p.time_s(1), i) for i, p in enumerate(pipes)]
+    heapq.heapify(heap)
+    for _ in range(total):
+        _, i = heapq.heappop(heap)
+        ms[i] += 1
+        heapq.heappush(heap, (pipes[i].time_s(ms[i] + 1), i))
+    greedy = max(p.time_s(m) for p, m in zip(pipes, ms, strict=True) if m)
+    assert makespan <= greedy * (1 + 1e-9)
+
+
+def _searcher(cluster, model, **cfg):
+    return Searcher(cluster=cluster, model=model, config=PlannerConfig(**cfg), profiles=None)
+
+
+def test_split_minimises_the_bottleneck_like_brute_force():
+    cluster = parse_cluster({"name": "two", "group": [{"kind": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+                                                      {"kind": "v100-16gb", "nodes": 1, "devices_per_node": 4}]},
+                            where="test")
+    model = get_model("llama-2-7b")
+    s = _searcher(cluster, model, global_batch=64, seq_len=1024, micro_batch_sizes=(1,))
+    slots = (Slot("a100-80gb", 2), Slot("v100-16gb", 4), Slot("a100-80gb", 1))
+    best = s.splits(slots, 1)[0]
+    bottleneck = max(f + b for f, b in zip(best.fwd_s, best.bwd_s, strict=True))
+    brute = math.inf
+    n = model.num_layers
+    for a in range(n + 1):
+        for b in range(1, n - a + 1):
+            pc = s.fixed(slots, (a, b, n - a - b), 1)
+            if pc is not None:
+                brute = min(brute, max(f + bw for f, bw in zip(pc.fwd_s, pc.bwd_s, strict=True)))
+    assert bottleneck <= brute * (1 + 1e-9)
+
+
+def test_closed_form_stage_costs_agree_with_the_predictor():
+    cluster = parse_cluster({"name": "one", "group": [{"kind": "h100-sxm", "nodes": 2, "devices_per_node": 8}]},
+                            where="test")
+    model = get_model("llama-2-13b")
+    s = _searcher(cluster, model, global_batch=32, seq_len=2048)
+    from hethub.search.assemble import build_plan
+    from hethub.search.combine import estimate
+
+    pipe = s.splits((Slot("h100-sxm", 4),) * 2, 2)[0]
+    est = estimate([Group(pipe, 2)], total_mb=16, links=s.links, model=model, precision="bf16-mixed")
+    plan = build_plan(cluster=cluster, model=model, est=est, global_batch=32, seq_len=2048, schedule="1f1b",
+                      precision="bf16-mixed", strategy="hethub")
+    pred = predict(plan)
+    for sp in pred.stages:
+        assert math.isclose(sp.fwd_s, pipe.fwd_s[sp.stage], rel_tol=1e-9)
+        assert math.isclose(sp.bwd_s, pipe.bwd_s[sp.stage], rel_tol=1e-9)
+    assert pred.fits_memory
+    assert math.isclose(est.step_time_s, pred.step_time_s, rel_tol=0.05)
+
+
+def test_devices_are_packed_largest_tp_first_inside_nodes():
+    cluster = parse_cluster({"name": "n", "group": [{"kind": "a100-80gb", "nodes": 2, "devices_per_node": 8}]},
+                            where="test")
+    pipes = [PipeCost(slots=(Slot("a100-80gb", t),) * n, mbs=1, layers=(1,) * n, recompute=(False,) * n,
+                      fwd_s=(1.0,) * n, bwd_s=(1.0,) * n, update_s=(0.0,) * n, p2p_s=(0.0,) * (n - 1),
+                      params=(1.0,) * n, schedule="1f1b") for t, n in ((1, 2), (4, 2), (2, 3))]
+    out = allocate_devices(cluster, pipes)
+    used = list(itertools.chain.from_iterable(itertools.chain.from_iterable(out)))
+    assert len(used) == len(set(used)) == 2 + 8 + 6
+    for stages in out:
+        for devs in stages:
+            assert len({cluster.devices[d].node for d in devs}) == 1
