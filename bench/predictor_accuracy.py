@@ -32,9 +32,8 @@ from _accuracy_plans import HELD_OUT, TUNING, PlanDef, build_plan
 from hethub.plan import Plan
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
-from hethub.profile.format import merge_profiles
 from hethub.profile.layers import Repetitions
-from hethub.profile.runner import ProfileRequest, run_profile
+from hethub.profile.runner import profile_for_kinds
 from hethub.profile.stage_memory import measure_stage_memory
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
@@ -49,11 +48,8 @@ def usable_cores() -> int:
 
 
 def profile_machine(model_name: str, *, seq_len: int) -> ProfileSet:
-    model = get_model(model_name)
-    req = ProfileRequest(model=model, kind="cpu-fast", seq_len=seq_len, mbs=(1, 2, 4), tp=(1, 2),
-                         reps=Repetitions(warmup=3, repeats=15))
-    fast = run_profile(req)
-    return merge_profiles([fast, replace(fast, kind="cpu-slow")])
+    return profile_for_kinds(model=get_model(model_name), kinds=("cpu-fast", "cpu-slow"), seq_len=seq_len,
+                             mbs=(1, 2, 4), tp=(1, 2), reps=Repetitions(warmup=3, repeats=15))
 
 
 def _cpu_busy_s() -> float:

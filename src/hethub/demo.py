@@ -48,12 +48,14 @@ def sparkline(values: list[float]) -> str:
 
 def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> ProfileSet | None:
     """Profile this CPU once and use it for every kind (emulated kinds are slowed by the predictor)."""
-    try:
-        from hethub.profile.layers import profile_for_kinds
-    except ImportError:
-        return None
-    return profile_for_kinds(model=PRESETS[cfg.model], kinds=cluster.kind_names, seq_len=cfg.seq_len,
-                             micro_batch_sizes=(1, 2, 4), out_dir=out_dir)
+    from hethub.profile.format import write_profile
+    from hethub.profile.runner import device_description, profile_for_kinds
+
+    model = PRESETS[cfg.model]
+    profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=(1, 2, 4))
+    for kind, prof in profiles.by_kind.items():
+        write_profile(out_dir / f"profile-{kind}.json", prof, model=model, device=device_description("cpu"))
+    return profiles
 
 
 def _train(plan_path: Path, plan: Plan, *, steps: int, metrics: Path) -> list[dict]:

@@ -17,13 +17,14 @@ import os
 import platform
 import socket
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from hethub.predict.profiles import KindProfile, ProfileEntry
+from hethub.predict.profiles import KindProfile, ProfileEntry, ProfileSet
+from hethub.profile.format import merge_profiles
 from hethub.profile.layers import EntryResult, Repetitions, measure_entry
 from hethub.progress import progress
 from hethub.runtime.tensor_parallel import TPContext
@@ -157,3 +158,15 @@ def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult
     if errors or len(results) != tp:
         raise RuntimeError("TP profiling ranks failed:\n" + "\n".join(errors))
     return [results[r] for r in range(tp)]
+
+
+def profile_for_kinds(*, model: ModelSpec, kinds: tuple[str, ...], seq_len: int, mbs: tuple[int, ...],
+                      tp: tuple[int, ...] = (1, 2), reps: Repetitions | None = None) -> ProfileSet:
+    """Profile this host once and hand the result to every kind running on it.
+
+    For local emulation all kinds are the same CPU; the predictor slows the emulated ones itself.
+    """
+    req = ProfileRequest(model=model, kind=kinds[0], seq_len=seq_len, mbs=mbs, tp=tp,
+                         reps=reps or Repetitions())
+    base = run_profile(req)
+    return merge_profiles([replace(base, kind=k) for k in kinds])
