@@ -1,0 +1,100 @@
+"""The commands as a user types them (in-process through hethub.cli.main)."""
+
+import json
+
+import pytest
+
+from conftest import EXAMPLES, SHARED, two_stage_plan
+from hethub import cli
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.spec.cluster import load_cluster
+from hethub.spec.model import get_model
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_then_predict_agree(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    code, out, _ = run(["plan", "--cluster", EXAMPLES / "a100-v100-32.toml", "--model", "llama-2-7b",
+                        "--global-batch", "64", "--seq-len", "2048", "--json", "--out", plan_path], capsys)
+    assert code == 0
+    planned = json.loads(out)
+    for key in ("tokens_per_s", "step_time_s", "upper_bound_tokens_per_s", "efficiency", "search_time_s",
+                "feasible", "peak_mem_bytes_by_kind"):
+        assert key in planned
+    assert planned["feasible"] is True
+    code, out, _ = run(["predict", "--plan", plan_path, "--json"], capsys)
+    assert code == 0
+    assert json.loads(out)["step_time_s"] == planned["step_time_s"]
+    code, out, _ = run(["predict", "--plan", plan_path], capsys)
+    assert "predicted step time" in out and "a100-40gb" in out
+
+
+def test_compare_prints_every_strategy_with_speedups(capsys):
+    code, out, _ = run(["plan", "--cluster", EXAMPLES / "local-cpu.toml", "--model", "tiny", "--global-batch", "8",
+                        "--seq-len", "32", "--precision", "fp32", "--compare", "--json"], capsys)
+    assert code == 0
+    rows = {r["strategy"]: r for r in json.loads(out)}
+    assert set(rows) == {"hethub", "uniform", "flops-proportional", "homogeneous"}
+    assert rows["uniform"]["speedup_over_uniform"] == pytest.approx(1.0)
+    assert rows["hethub"]["tokens_per_s"] >= rows["homogeneous"]["tokens_per_s"] * 0.999
+
+
+def test_report_command_writes_four_files(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    two_stage_plan().save(plan_path)
+    code, _, _ = run(["report", "--plan", plan_path, "--out", tmp_path / "rep"], capsys)
+    assert code == 0
+    for name in ("plan.png", "timeline.png", "trace.json", "summary.md"):
+        assert (tmp_path / "rep" / name).stat().st_size > 100
+
+
+def test_train_refuses_a_plan_that_does_not_fit_memory(tmp_path, capsys):
+    cluster = load_cluster(EXAMPLES / "local-cpu.toml")
+    model = get_model("llama-2-7b")  # 108 GB of training state on one 8 GB CPU "device"
+    stage = Stage("cpu-fast", (0,), (0, model.num_layers), embedding=True, head=True)
+    plan = Plan(model=model, cluster=cluster, global_batch=1, seq_len=128, pipelines=(Pipeline(1, 1, (stage,)),))
+    path = tmp_path / "big.json"
+    plan.validate().save(path)
+    code, _, err = run(["train", "--plan", path, "--steps", "1"], capsys)
+    assert code == 4
+    assert "pipelines[0].stages[0]" in err and "cpu-fast" in err and "GiB" in err and "Fix:" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(not (SHARED / "reference" / "sailor").is_dir(), reason="../shared/reference absent")
+def test_sailor_plan_imports_predicts_and_exports_back(tmp_path, capsys):
+    src = SHARED / "reference" / "sailor" / "example-plan-opt350-a100-v100.json"
+    plan_path = tmp_path / "plan.json"
+    code, _, err = run(["import-plan", "--format", "sailor", src, "--cluster", EXAMPLES / "a100-v100-32.toml",
+                        "--model", "opt-350m", "--out", plan_path], capsys)
+    assert code == 0, err
+    code, out, _ = run(["predict", "--plan", plan_path, "--json", "--profiles",
+                        SHARED / "reference" / "sailor" / "profiles" / "OPT-350"], capsys)
+    assert code == 0
+    assert set(json.loads(out)["compute_sources"].values()) == {"profile"}
+    back = tmp_path / "back.json"
+    code, _, _ = run(["export-plan", "--format", "sailor", plan_path, "--out", back], capsys)
+    assert code == 0
+    original = json.loads(src.read_text())
+    exported = json.loads(back.read_text())
+    for key in ("mbs", "gbs"):
+        assert exported[key] == original[key]
+    assert exported["pipeline_list"][0]["layers_per_stage"] == original["pipeline_list"][0]["layers_per_stage"]
+
+
+def test_export_refuses_unequal_shares_with_the_reason(tmp_path, capsys):
+    base = two_stage_plan()
+    p = base.pipelines[0]
+    a = Pipeline(1, 6, (Stage("fast", (0,), (0, 4), embedding=True), Stage("slow", (4,), (4, 6), head=True)))
+    b = Pipeline(1, 2, (Stage("fast", (1,), (0, 4), embedding=True), Stage("slow", (5,), (4, 6), head=True)))
+    plan = Plan(model=base.model, cluster=base.cluster, global_batch=p.num_samples, seq_len=32, pipelines=(a, b))
+    path = tmp_path / "uneven.json"
+    plan.validate().save(path)
+    code, _, err = run(["export-plan", "--format", "sailor", path], capsys)
+    assert code == 3
+    assert "unequal" in err.lower() or "share" in err.lower()
