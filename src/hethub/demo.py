@@ -63,7 +63,7 @@ def _train(plan_path: Path, plan: Plan, *, steps: int, metrics: Path) -> list[di
 
     metrics.unlink(missing_ok=True)
     proc = launch_local(plan_path, nproc=plan.world_size, steps=steps, metrics=metrics, capture=True,
-                        extra_args=["--lr", "3e-3", "--warmup-steps", "3"])
+                        extra_args=["--lr", "3e-3", "--warmup-steps", "3", "--trace"])
     if proc.returncode != 0:
         raise RuntimeSetupError(f"demo training of {plan_path} failed (exit {proc.returncode}):\n"
                                 f"{proc.stderr[-3000:]}\nFix: run 'make test' to see which part is broken.")

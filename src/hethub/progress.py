@@ -63,6 +63,15 @@ class Progress(Generic[T]):
             self._log(self._line(now))
             self._last_log_s, self._last_log_count = now, self.count
 
+    @property
+    def is_bar(self) -> bool:
+        return self._bar is not None
+
+    def note(self, text: str) -> None:
+        """Show `text` beside the bar (e.g. the current loss); log-line mode leaves that to the caller."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+
     def close(self) -> None:
         if self._closed:
             return

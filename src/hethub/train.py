@@ -9,6 +9,7 @@ prints one line per step and, with ``--metrics FILE``, appends one JSON object p
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from hethub.comm.communicator import Communicator
 from hethub.comm.factory import make_communicator
 from hethub.errors import HethubError, RuntimeSetupError
 from hethub.plan import Plan
+from hethub.progress import progress
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
 from hethub.runtime.checkpoint_io import latest_dir
 from hethub.runtime.data import BatchSource, byte_tokenize, hf_tokenizer, load_tokens
@@ -41,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm limit; 0 disables")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", action="store_true",
+                    help="log every micro-batch's forward/backward interval per rank (for timeline reports)")
     ap.add_argument("--tokenizer", help="a Hugging Face tokenizer available locally (default: bytes)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
     ck = ap.add_argument_group("checkpoints and restarts (docs/reliability.md)")
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> None:
         optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup,
                             total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
         cfg = TrainerConfig(optim=optim, seed=args.seed, device=f"cuda:{local}" if device == "cuda" else "cpu",
-                            autocast_bf16=device == "cuda" and plan.precision == "bf16-mixed")
+                            autocast_bf16=device == "cuda" and plan.precision == "bf16-mixed", trace=args.trace)
         trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
         tokenize = hf_tokenizer(args.tokenizer, vocab_size=plan.model.vocab_size) if args.tokenizer else byte_tokenize
         source = BatchSource(load_tokens(num_tokens=args.steps * plan.global_batch * (plan.seq_len + 1),
@@ -111,6 +115,11 @@ def run(args: argparse.Namespace) -> None:
         if out is not None and rank == trainer.topo.log_rank:
             out.parent.mkdir(parents=True, exist_ok=True)
             _keep_records_before(out, start)
+        logs = rank == trainer.topo.log_rank
+        # A bar on a terminal; elsewhere the per-step lines below are the log (with rate), so the
+        # bar's own periodic lines go to a sink.
+        bar = progress(args.steps - start, desc="train", unit="steps",
+                       stream=sys.stderr if logs and sys.stderr.isatty() else io.StringIO())
         for step in range(start, args.steps):
             maybe_inject_fault(rank=rank, step=step)
             rec = trainer.train_step(source.global_batch_at(step), step=step)
@@ -120,11 +129,15 @@ def run(args: argparse.Namespace) -> None:
                 continue
             emu = " (emulated kinds: " + ", ".join(k for k, v in rec["kinds"].items() if v["emulated"]) + ")" \
                 if rec["emulated"] else ""
-            print(f"step {step:5d}  loss {rec['loss']:.4f}  step {rec['step_time_s'] * 1e3:8.1f} ms  "
-                  f"{rec['tokens_per_s']:10.0f} tok/s{emu}", flush=True)
+            bar.update()
+            bar.note(f"loss {rec['loss']:.4f}, {rec['tokens_per_s']:,.0f} tok/s")
+            if not bar.is_bar:
+                print(f"step {step:5d}  loss {rec['loss']:.4f}  step {rec['step_time_s'] * 1e3:8.1f} ms  "
+                      f"{rec['tokens_per_s']:10.0f} tok/s{emu}", flush=True)
             if out is not None:
                 with out.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(rec) + "\n")
+        bar.close()
         if args.checkpoint_dir and start < args.steps:
             save_checkpoint(trainer, root=args.checkpoint_dir, step=args.steps, keep=args.keep_checkpoints)
     finally:

@@ -18,7 +18,7 @@ def test_torchrun_two_ranks_writes_metrics(tmp_path: Path) -> None:
     plan.save(tmp_path / "plan.json")
     metrics = tmp_path / "m.jsonl"
     proc = launch_local(tmp_path / "plan.json", nproc=2, steps=2, metrics=metrics, capture=True, timeout_s=120,
-                        extra_args=["--timeout-s", "60"])
+                        extra_args=["--timeout-s", "60", "--trace"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1]
@@ -39,6 +39,24 @@ def test_torchrun_two_ranks_writes_metrics(tmp_path: Path) -> None:
         slow = next(x for x in r["ranks"] if x["kind"] == S)
         assert slow["emulated_sleep_s"] > 0
     assert "loss" in proc.stdout
+    _report_from_real_metrics(plan, metrics, tmp_path / "report")
+
+
+def _report_from_real_metrics(plan, metrics: Path, out: Path) -> None:
+    """The report draws the measured timeline of this real run beside the prediction."""
+    from hethub.predict.predictor import predict
+    from hethub.report import read_metrics, write_report
+
+    paths = write_report(plan=plan, prediction=predict(plan, timeline=True), out_dir=out, metrics_path=metrics)
+    for p in (paths.plan_png, paths.timeline_png, paths.trace_json, paths.summary_md):
+        assert Path(p).stat().st_size > 100
+    run = read_metrics(metrics, plan=plan)
+    assert sorted(run.events) == [0, 1] and all(run.events.values())
+    trace = json.loads(Path(paths.trace_json).read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    measured = [e for e in events if e.get("ph") == "X" and e["pid"] >= 1000]
+    assert measured, "the trace should hold the measured events"
+    assert "measured" in Path(paths.summary_md).read_text()
 
 
 def test_world_size_mismatch_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

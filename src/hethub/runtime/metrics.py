@@ -34,7 +34,9 @@ def stage_flops_per_step(plan: Plan, stage: StagePlace, *, samples: int) -> floa
 
 
 def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float, optim_s: float, step_s: float,
-                emulated_sleep_s: float) -> dict[str, Any]:
+                emulated_sleep_s: float, detail: bool = True) -> dict[str, Any]:
+    """One rank's step timings. Without `detail` (hethub.train's default) the per-micro-batch
+    events are dropped: the totals are enough for per-step metrics and keep the gather small."""
     st = place.stage
     # Gradient sync and the optimizer close the step, in that order: place them from its end.
     opt_start = step_s - optim_s
@@ -43,7 +45,7 @@ def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float,
     return {"rank": rank, "kind": st.kind, "pipeline": st.pipeline, "stage": st.stage, "tp_rank": place.tp_rank,
             "step_s": round(step_s, 6), "busy_s": round(trace.busy_s, 6), "recv_wait_s": round(trace.recv_wait_s, 6),
             "send_wait_s": round(trace.send_wait_s, 6), "sync_s": round(sync_s, 6), "optim_s": round(optim_s, 6),
-            "emulated_sleep_s": round(emulated_sleep_s, 6), "events": [*trace.events, *tail]}
+            "emulated_sleep_s": round(emulated_sleep_s, 6), "events": [*(trace.events if detail else ()), *tail]}
 
 
 def step_record(*, plan: Plan, topo: Topology, step: int, loss: float, lr: float, grad_norm: float,

@@ -32,6 +32,7 @@ class TrainerConfig:
     seed: int = 0
     device: str = "cpu"
     autocast_bf16: bool = False  # only where the device supports it; CPU runs stay fp32
+    trace: bool = False  # log every micro-batch's forward/backward interval, not just per-step totals
 
 
 class Trainer:
@@ -93,7 +94,7 @@ class Trainer:
         norm = self.clip_and_update()
         end = time.perf_counter()
         rec = rank_record(rank=self.rank, place=self.place, trace=trace, sync_s=t_opt - t_sync, optim_s=end - t_opt,
-                          step_s=end - t0, emulated_sleep_s=self.emulator.slept_s - slept0)
+                          step_s=end - t0, emulated_sleep_s=self.emulator.slept_s - slept0, detail=self.cfg.trace)
         gathered = self.comm.gather_objects(rec, dst=self.topo.log_rank)
         if gathered is None:
             return None

@@ -99,17 +99,21 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     if replicas > 1:
         gb = ModelSpec.state_bytes_per_param(precision)["grads"]
         h, v = model.hidden_size, model.vocab_size
-        norm = model.layer_params - model.layer_matmul_params
-        rings = links.ring_cache
+        matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
+        norm = model.layer_params - matmul
+        # All-reduce times by (sizes, holders' kinds, smallest TP); the rest of the key is fixed per call.
+        rings = links.ring_cache.setdefault((replicas, total_devices, gb), {})
+        slots = [g.pipe.slots for g in groups]
 
         def ring(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
-            slots = [groups[gi].pipe.slots[si] for gi, si in holders]
-            key = (matrix, extra, frozenset(sl.kind for sl in slots), min(sl.tp for sl in slots), replicas,
-                   total_devices, gb)
-            if key not in rings:
+            here = [slots[gi][si] for gi, si in holders]
+            key = (matrix, extra, frozenset([sl.kind for sl in here]), min([sl.tp for sl in here]))
+            t = rings.get(key)
+            if t is None:
                 link = links.replicas(key[2], devices=total_devices)
-                rings[key] = allreduce_time_s(nbytes=(matrix / key[3] + extra) * gb, participants=replicas, link=link)
-            return rings[key]
+                t = rings[key] = allreduce_time_s(nbytes=(matrix / key[3] + extra) * gb, participants=replicas,
+                                                  link=link)
+            return t
 
         def run(holders: list[tuple[int, int]], dur: float) -> None:
             end = max(cursor[gi][si] for gi, si in holders) + dur
@@ -127,7 +131,7 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
         run(emb, ring(v * h, model.embedding_params - v * h, emb))
         for a, b in itertools.pairwise(cuts):
             hs = [(gi, bisect.bisect_right(starts[gi], a) - 1) for gi in range(len(groups))]
-            run(hs, (b - a) * ring(model.layer_matmul_params, norm, hs))
+            run(hs, (b - a) * ring(matmul, norm, hs))
         hs = [(gi, last[gi]) for gi in range(len(groups))]
         run(hs, ring(0 if model.tied_embeddings else v * h, model.final_norm_params, hs))
     return max(c + u for g, row in zip(groups, cursor, strict=True) for c, u in zip(row, g.pipe.update_s, strict=True))

@@ -15,9 +15,8 @@ import itertools
 
 from hethub.search.combine import Estimate, Group
 from hethub.search.split import PipeCost
-from hethub.search.templates import Ranked, Searcher
+from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
 
-TOP_PER_KIND = 3
 TOP_FOR_MIXED = 4
 MAX_REPLICA_COUNTS = 8  # mixed replica counts tried per kind order (spread geometrically)
 SMALL_POOL = 32  # devices up to which mixed pipelines may leave part of the pool idle

@@ -17,7 +17,7 @@ from hethub.spec.cluster import Cluster, Link
 class LinkBook:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self.ring_cache: dict[tuple, float] = {}  # all-reduce times, shared by a search's estimates
+        self.ring_cache: dict[tuple, dict] = {}  # all-reduce times by ring size, shared by a search's estimates
         self.node_size: dict[str, int] = {}
         self._nic: dict[str, float] = {}
         for g in cluster.groups:

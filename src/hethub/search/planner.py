@@ -43,14 +43,18 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     _check_job(model, config)
     books: dict = {}
     bound, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
-    if config.strategy in ("hethub", "homogeneous"):
-        candidates = list(alone) if config.strategy == "homogeneous" else _hethub_candidates(
-            cluster=cluster, model=model, config=config, profiles=profiles, alone=alone, books=books)
+    # The kind-alone plans were scored for the bound already; predict() is deterministic, so reuse it.
+    if config.strategy == "homogeneous":
+        scored = sorted(alone, key=lambda x: x[1].step_time_s)
+    elif config.strategy == "hethub":
+        # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
+        scored = sorted([*_score(_hethub_candidates(cluster=cluster, model=model, config=config, profiles=profiles,
+                                                    books=books), profiles), *alone],
+                        key=lambda x: x[1].step_time_s)
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
-        candidates = [plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]]
-    scored = _score(candidates, profiles)
+        scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles)
     if not scored:
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
     if config.strategy == "hethub":
@@ -91,15 +95,16 @@ def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
 
 
 def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-           profiles: ProfileSet | None, books: dict | None = None) -> tuple[float, tuple[str, ...], list[Plan]]:
-    """The upper bound, its notes, and each kind's best feasible single-kind candidates."""
+           profiles: ProfileSet | None,
+           books: dict | None = None) -> tuple[float, tuple[str, ...], list[tuple[Plan, Prediction]]]:
+    """The upper bound, its notes, and each kind's best feasible single-kind candidates, scored."""
     total, notes, feasible = 0.0, [], []
     for kind in cluster.kind_names:
         plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                             books=books)
         scored = _score(plans, profiles)
         if scored:
-            feasible.extend(p for p, _ in scored[:2])
+            feasible.extend(scored[:2])
             total += scored[0][1].tokens_per_s
             continue
         relaxed = _score(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
@@ -123,11 +128,9 @@ def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pr
 
 
 def _hethub_candidates(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                       profiles: ProfileSet | None, alone: list[Plan], books: dict) -> list[Plan]:
+                       profiles: ProfileSet | None, books: dict) -> list[Plan]:
     s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
-    # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
-    return [*_plans(s, search(s), config=config, strategy="hethub"),
-            *alone]
+    return _plans(s, search(s), config=config, strategy="hethub")
 
 
 def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> list[Plan]:

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 from hethub.predict.profiles import ProfileSet
-from hethub.search.combine import Estimate, Group, estimate
+from hethub.search.bounds import rate_bound, stage_capacity
+from hethub.search.combine import Estimate, Group, estimate, step_time_s
 from hethub.search.config import PlannerConfig
 from hethub.search.costs import CostBook, Job
 from hethub.search.links import LinkBook
@@ -22,6 +23,7 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 PATIENCE = 6  # stage counts scanned past the best one
+TOP_PER_KIND = 3  # pure templates per kind that enter the combination search (hetero.py)
 SMALL_CLUSTER = 64  # devices up to which layer splits that trade bottleneck for fill/drain are tried
 
 
@@ -97,33 +99,62 @@ class Searcher:
                         precision=self.config.precision)
 
     def rate(self, pipe: PipeCost, *, kind_devices: int, share: float) -> float:
+        """Samples/s per device of `pipe` replicated over its kind, running that kind's share of the batch.
+
+        With one group of c identical pipelines (each holding >= 1 micro-batch), the step is the
+        slowest pipeline's T(ceil(mb / c)) plus a sync tail that does not depend on T (combine.step_time_s
+        only shifts by it). The tail is cached per (pipe, c) in the CostBook, so the kind-alone searches
+        and the combined one (same templates, other shares) rate a template in O(1) after the first time.
+        """
         c = kind_devices // pipe.num_devices
         if c < 1:
             return 0.0
-        total_mb = self.config.global_batch // pipe.mbs
-        mb = max(c, round(total_mb * share))
-        est = estimate([Group(pipe, c)], total_mb=mb, links=self.links, model=self.model,
-                       precision=self.config.precision)
-        return 0.0 if est is None else mb * pipe.mbs / est.step_time_s / est.num_devices
+        mb = max(c, round(self.config.global_batch // pipe.mbs * share))
+        key = (id(pipe), c)
+        hit = self.book.solo.get(key)
+        if hit is None:  # keep the pipe alive with its tail so the id cannot be reused
+            tail = step_time_s([Group(pipe, c)], [0.0], links=self.links, model=self.model,
+                               precision=self.config.precision)
+            hit = self.book.solo[key] = (pipe, tail)
+        return mb * pipe.mbs / (pipe.time_s(-(-mb // c)) + hit[1]) / (c * pipe.num_devices)
 
     def pure(self, kind: str, mbs: int, *, share: float) -> list[Ranked]:
-        """All scanned kind-pure templates of `kind`, best rate first."""
+        """Scanned kind-pure templates of `kind`, best rate first.
+
+        On clusters over SMALL_CLUSTER devices, a stage count whose closed-form rate bound
+        (bounds.py) is below the TOP_PER_KIND-th best distinct template found so far is not split:
+        it could not enter the kind's top templates. Such a count still extends the scan as if it
+        had been the best so far whenever its bound allows that, so every stage count the full
+        scan reaches is still reached.
+        """
         key = (kind, mbs, share)
         if key in self._pure:
             return self._pure[key]
         n, out = self.counts[kind], []
-        for tp in self.tps[kind]:
+        prune = self.cluster.num_devices > SMALL_CLUSTER
+        top: list[tuple[float, tuple]] = []  # the best TOP_PER_KIND distinct (rate, key) so far
+        # Largest TP first: on the models that need pruning it is usually best, which raises the bar early.
+        for tp in sorted(self.tps[kind], reverse=prune):
             p_max = min(n // tp, self.model.num_layers)
             # Scan upwards from the first stage count that fits; stop PATIENCE past the best. The
             # rate can jump again where recomputation stops being needed, so scan that window too.
             p_free = self._first_without_recompute(kind, tp, mbs, p_max)
             best_p, best_rate, p = 0, 0.0, 1
             while p <= p_max:
-                for pipe in self.splits((Slot(kind, tp),) * p, mbs):
-                    r = self.rate(pipe, kind_devices=n, share=share)
-                    out.append(Ranked(pipe, r))
-                    if r > best_rate:
-                        best_p, best_rate = p, r
+                bar = top[-1][0] if len(top) == TOP_PER_KIND else 0.0
+                bound = rate_bound(self.book, self.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=n,
+                                   global_batch=self.config.global_batch, share=share) if prune and bar else 1.0
+                if bound * (1 + 1e-9) < bar:
+                    if bound > best_rate:
+                        best_p = p
+                else:
+                    for pipe in self.splits((Slot(kind, tp),) * p, mbs):
+                        r = self.rate(pipe, kind_devices=n, share=share)
+                        out.append(Ranked(pipe, r))
+                        if r > best_rate:
+                            best_p, best_rate = p, r
+                        if prune and r > 0:
+                            _keep_top(top, r, (tp, p, any(pipe.recompute)))
                 if best_p and p > best_p + PATIENCE:
                     if p_free is None or p >= p_free + PATIENCE:
                         break
@@ -135,12 +166,11 @@ class Searcher:
 
     def _first_without_recompute(self, kind: str, tp: int, mbs: int, p_max: int) -> int | None:
         """Smallest stage count whose stages can hold all layers without recomputation (1F1B memory)."""
-        sm = self.book.stage(kind, tp=tp, mbs=mbs, recompute=False)
         n_layers = self.model.num_layers
 
         def fits(p: int) -> bool:
-            return sum(max(0, sm.max_layers(emb=s == 0, head=s == p - 1, in_flight=p - s, limit=n_layers))
-                       for s in range(p)) >= n_layers
+            per = stage_capacity(self.book, kind, tp=tp, mbs=mbs, p=p, recompute=False)
+            return sum(max(0, k) for k in per) >= n_layers
 
         if p_max < 1 or not fits(p_max):
             return None
@@ -157,3 +187,16 @@ class Searcher:
         """Pipelines of consecutive kind segments (kind, tp, stages), in the given order."""
         slots = tuple(Slot(k, t) for k, t, n in segments for _ in range(n))
         return self.splits(slots, mbs) if slots else []
+
+
+def _keep_top(top: list[tuple[float, tuple]], rate: float, key: tuple) -> None:
+    """Insert into the best TOP_PER_KIND distinct (rate, key) pairs, best first (hetero._top_distinct's keys)."""
+    for i, (r, k) in enumerate(top):
+        if k == key:
+            if rate <= r:
+                return
+            del top[i]
+            break
+    top.append((rate, key))
+    top.sort(key=lambda x: -x[0])
+    del top[TOP_PER_KIND:]
