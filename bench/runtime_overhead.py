@@ -1,14 +1,16 @@
 """Overhead of the hethub runtime over a plain PyTorch loop, measured side by side in one process.
 
     python bench/runtime_overhead.py [--model tiny] [--seq-len 64] [--mbs 4] [--micro-batches 2] [--steps 10]
+                                     [--skip-demo]
 
 Both train the same model on the same micro-batches (gradient accumulation), with AdamW and
 global-norm clipping, one thread; each reports the median step time after warm-up steps. The
 runtime side is a 1-rank plan run through the full Trainer (schedule, gradient sync, metrics
 gather) over a gloo group of one.
 
-``measured_step_time_s`` runs any plan through torchrun and returns its median measured step time,
-for comparisons against the predictor.
+Then the demo's two plans (uniform and the planner's, on the embedded local-cpu cluster, with this
+machine's measured layer profile) are run through torchrun, and their measured step times are
+printed beside the predicted ones.
 """
 
 from __future__ import annotations
@@ -97,6 +99,30 @@ def measured_step_time_s(plan_path: str | Path, *, nproc: int, steps: int, warmu
     return statistics.median(r["step_time_s"] for r in recs[warmup:])
 
 
+def demo_plans_rows(*, steps: int, warmup: int, workdir: Path) -> list[tuple[str, float, float]]:
+    """(strategy, measured, predicted step time) of the demo's two plans, profiled on this machine."""
+    from hethub.demo import DemoConfig, default_cluster_path
+    from hethub.profile.runner import profile_for_kinds
+    from hethub.search.config import PlannerConfig
+    from hethub.search.planner import make_plan
+    from hethub.spec.cluster import load_cluster
+
+    cfg = DemoConfig()
+    cluster = load_cluster(default_cluster_path())
+    model = get_model(cfg.model)
+    profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=(1, 2, 4))
+    rows = []
+    for strategy in ("uniform", "hethub"):
+        res = make_plan(cluster=cluster, model=model, profiles=profiles,
+                        config=PlannerConfig(global_batch=cfg.global_batch, seq_len=cfg.seq_len, strategy=strategy,
+                                             precision="fp32"))
+        path = workdir / f"plan-{strategy}.json"
+        res.plan.save(path)
+        measured = measured_step_time_s(path, nproc=res.plan.world_size, steps=steps, warmup=warmup)
+        rows.append((strategy, measured, res.prediction.step_time_s))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -105,6 +131,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--skip-demo", action="store_true", help="only the 1-rank overhead comparison")
     args = ap.parse_args()
     torch.set_num_threads(1)
     plan = one_rank_plan(args.model, seq_len=args.seq_len, mbs=args.mbs, micro_batches=args.micro_batches)
@@ -116,6 +143,15 @@ def main() -> None:
     print(f"{'plain PyTorch loop':>22}: {plain * 1e3:8.2f} ms/step")
     print(f"{'hethub runtime, 1 rank':>22}: {rt * 1e3:8.2f} ms/step")
     print(f"{'ratio runtime/plain':>22}: {rt / plain:8.3f}")
+    if args.skip_demo:
+        return
+    print("\ndemo plans on local-cpu.toml (EMULATED slow kind), measured through torchrun vs predicted:")
+    with tempfile.TemporaryDirectory() as d:
+        rows = demo_plans_rows(steps=args.steps, warmup=args.warmup, workdir=Path(d))
+    print(f"{'plan':>10} {'measured ms':>12} {'predicted ms':>13} {'error':>8}")
+    for strategy, measured, predicted in rows:
+        err = (predicted - measured) / measured
+        print(f"{strategy:>10} {measured * 1e3:12.1f} {predicted * 1e3:13.1f} {err:+8.1%}")
 
 
 if __name__ == "__main__":
