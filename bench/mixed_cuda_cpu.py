@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from hethub.comm.factory import make_communicator
-from hethub.comm.linkbench import run_local_ranks
 from hethub.plan import Pipeline, Plan, Stage
+from hethub.runtime.local_ranks import run_local_ranks
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.trainer import Trainer, TrainerConfig

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hethub.plan import Pipeline, Plan, Stage
+from hethub.runtime.local_ranks import run_local_ranks
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
@@ -87,51 +82,7 @@ def reference(spec: ModelSpec, data: list[torch.Tensor], *, optim: OptimConfig =
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any) -> None:
-    torch.set_num_threads(1)  # first: an inherited, used OpenMP pool can hang a forked child
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=TIMEOUT)
-        try:
-            # Plain pickle copies tensors by value: torch's queue pickler would hand over shared memory
-            # that vanishes when this child exits before the parent reads it.
-            q.put((rank, True, pickle.dumps(fn(rank, *args))))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        q.put((rank, False, traceback.format_exc()))
-    q.close()
-    q.join_thread()
-    os._exit(0)  # skip the parent's (pytest's) exit handlers inherited through fork
-
-
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world`` forked gloo ranks; return results by rank, raising on failure."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    try:
-        for _ in range(world):
-            rank, ok, val = q.get(timeout=JOIN_TIMEOUT_S)
-            (results.__setitem__(rank, pickle.loads(val)) if ok else errors.append(f"rank {rank}:\n{val}"))
-    except Exception as err:  # queue.Empty: some rank hung
-        errors.append(f"ranks {sorted(set(range(world)) - set(results))} gave no result ({type(err).__name__})")
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.terminate()  # only our own hung child
-            p.join(timeout=5)
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return run_local_ranks(world, fn, *args, timeout_s=JOIN_TIMEOUT_S, collective_timeout_s=TIMEOUT.total_seconds(),
+                           error=AssertionError)

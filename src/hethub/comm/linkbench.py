@@ -13,23 +13,20 @@ needs ranks placed on the real devices; the profile format is the same.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hethub.comm.bridge import BridgedCommunicator
 from hethub.comm.communicator import Communicator
 from hethub.predict.links import CROSS_KIND, LinkFit, LinksProfile, fit_alpha_beta
+from hethub.runtime.local_ranks import run_local_ranks
 from hethub.spec.cluster import Cluster
 
 KIB, MIB = 1024, 1024 * 1024
@@ -75,59 +72,6 @@ def repetitions(nbytes: int) -> int:
 
 
 # ---- local ranks ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any) -> None:
-    torch.set_num_threads(1)  # first thing: a forked child inheriting a used OpenMP pool can hang
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=TIMEOUT)
-        try:
-            q.put((rank, True, fn(rank, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        q.put((rank, False, traceback.format_exc()))
-    q.close()
-    q.join_thread()
-    os._exit(0)  # skip the parent's exit handlers inherited through fork
-
-
-def run_local_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0,
-                    start_method: str = "fork") -> list[Any]:
-    """``fn(rank, *args)`` on ``world`` gloo ranks of this host; results by rank.
-
-    Forking is fast (~0.05 s: torch is already imported); use ``start_method="spawn"`` when ranks
-    use CUDA, which cannot be re-initialised in a forked child.
-    """
-    ctx = mp.get_context(start_method)
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    try:
-        for _ in range(world):
-            rank, ok, val = q.get(timeout=timeout_s)
-            (results.__setitem__(rank, val) if ok else errors.append(f"rank {rank}:\n{val}"))
-    except Exception as err:  # queue.Empty: a rank hung
-        errors.append(f"ranks {sorted(set(range(world)) - set(results))} gave no result ({type(err).__name__})")
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.terminate()  # our own hung child only
-            p.join(timeout=5)
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world)]
-
-
 # ---- measuring --------------------------------------------------------------------------------------
 def ping_pong_s(comm: Communicator, *, rank: int, nbytes: int, reps: int, tag: int = 0) -> float:
     """One-way time of ``nbytes`` between ranks 0 and 1: half the fastest of ``reps`` round trips."""
@@ -186,7 +130,8 @@ def measure_links(cluster: Cluster, *, max_bytes: int = MAX_BYTES, min_bytes: in
         raise ValueError(f"cluster {cluster.name!r} has a single device: it has no links to measure")
     sizes = message_sizes(min_bytes=min_bytes, max_bytes=max_bytes)
     start = time.perf_counter()
-    measured = run_local_ranks(2, _bench_worker, classes, sizes, show_progress)[0]
+    measured = run_local_ranks(2, _bench_worker, classes, sizes, show_progress,
+                               collective_timeout_s=TIMEOUT.total_seconds())[0]
     fits = {}
     for name, samples in measured.items():
         latency_s, bw = fit_alpha_beta(samples)

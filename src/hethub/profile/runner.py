@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
-import traceback
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -107,57 +104,17 @@ def _measure_sharded_alone(req: ProfileRequest, *, mbs: int, tp: int, dev: torch
 
 
 # ---- forked TP ranks (CPU, gloo) --------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _tp_worker(rank: int, req: ProfileRequest, mbs: int, tp: int) -> EntryResult:
+    from hethub.comm.communicator import Communicator
 
-
-def _tp_child(rank: int, tp: int, port: int, req: ProfileRequest, mbs: int, q: Any) -> None:
-    torch.set_num_threads(req.threads)  # first: an inherited OpenMP pool can hang a forked child
-    try:
-        import torch.distributed as dist
-
-        from hethub.comm.communicator import Communicator
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
-                                timeout=timedelta(seconds=300))
-        try:
-            ctx = TPContext(size=tp, rank=rank, group=tuple(range(tp)), comm=Communicator())
-            q.put((rank, True, measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx,
-                                             device=torch.device("cpu"), reps=req.reps)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        q.put((rank, False, traceback.format_exc()))
-    q.close()
-    q.join_thread()
-    os._exit(0)  # skip the parent's exit handlers inherited through fork
+    ctx = TPContext(size=tp, rank=rank, group=tuple(range(tp)), comm=Communicator())
+    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx, device=torch.device("cpu"), reps=req.reps)
 
 
 def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult]:
-    import torch.multiprocessing as mp
+    from hethub.runtime.local_ranks import run_local_ranks
 
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_tp_child, args=(r, tp, port, req, mbs, q), daemon=True) for r in range(tp)]
-    for p in procs:
-        p.start()
-    results: dict[int, EntryResult] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(tp):
-            rank, ok, val = q.get(timeout=_JOIN_TIMEOUT_S)
-            (results.__setitem__(rank, val) if ok else errors.append(f"rank {rank}:\n{val}"))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()  # only our own hung child
-    if errors or len(results) != tp:
-        raise RuntimeError("TP profiling ranks failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(tp)]
+    return run_local_ranks(tp, _tp_worker, req, mbs, tp, timeout_s=_JOIN_TIMEOUT_S, threads=req.threads)
 
 
 def profile_for_kinds(*, model: ModelSpec, kinds: tuple[str, ...], seq_len: int, mbs: tuple[int, ...],

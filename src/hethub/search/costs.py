@@ -129,7 +129,7 @@ class CostBook:
         self._cache: dict[tuple[str, int, int, bool], StageModel] = {}
         self.splits: dict[tuple, object] = {}
         self.options: dict[tuple, list] = {}
-        self.capacity: dict[tuple, list[int]] = {}  # per-stage layer capacity of p-stage kind-pure templates
+        self.capacity: dict[tuple, object] = {}  # bounds.Capacity by (kind, tp, micro-batch size)
         self.solo: dict[tuple[int, int], tuple[object, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
 
     def stage(self, kind: str, *, tp: int, mbs: int, recompute: bool) -> StageModel:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from hethub.predict.profiles import ProfileSet
-from hethub.search.bounds import rate_bound, stage_capacity
+from hethub.search.bounds import capacity, rate_bound
 from hethub.search.combine import Estimate, Group, estimate, step_time_s
 from hethub.search.config import PlannerConfig
 from hethub.search.costs import CostBook, Job
@@ -168,9 +168,10 @@ class Searcher:
         """Smallest stage count whose stages can hold all layers without recomputation (1F1B memory)."""
         n_layers = self.model.num_layers
 
+        caps = capacity(self.book, kind, tp=tp, mbs=mbs)
+
         def fits(p: int) -> bool:
-            per = stage_capacity(self.book, kind, tp=tp, mbs=mbs, p=p, recompute=False)
-            return sum(max(0, k) for k in per) >= n_layers
+            return caps.total(p, variant=0) >= n_layers
 
         if p_max < 1 or not fits(p_max):
             return None
