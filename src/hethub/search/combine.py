@@ -9,6 +9,7 @@ O(groups x log) instead of O(M log P). Identical pipelines are kept as one group
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -74,6 +75,39 @@ def allocate(groups: list[Group], total_mb: int) -> tuple[list[list[int]], float
     makespan = max((g.pipe.time_s(m) for g, cs in zip(groups, counts, strict=True) for m in cs if m > 0),
                    default=math.inf)
     return [[m for m in cs if m > 0] for cs in counts], makespan
+
+
+def water_level(groups: list, total_mb: int) -> float:
+    """The makespan `allocate` reaches (so a lower bound of the step), without its bisection.
+
+    It is the total_mb-th smallest finish a_i + k b_i (k >= 1, counted once per pipeline of the
+    group). Where sum_i c_i max(0, T - a_i) / b_i = total_mb, T is at most that (floors only lose),
+    and each group is at most about one micro-batch short; walking the next finishes in order from
+    one below that point gives the answer in O(groups log groups). `groups` holds `Group`s of
+    anything with base_s and per_mb_s (a PipeCost or a bounds.PipeFloor).
+    """
+    gs = sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count) for g in groups if g.count > 0)
+    if not gs or total_mb < 1:
+        return math.inf
+    slope = offset = 0.0
+    for i, (a, b, c) in enumerate(gs):  # the continuous level, adding pipelines once it passes their start
+        slope += c / b
+        offset += c * a / b
+        level = (total_mb + offset) / slope
+        if i + 1 == len(gs) or level <= gs[i + 1][0]:
+            break
+    have, heap = 0, []
+    for i, (a, b, c) in enumerate(gs):
+        k = max(0, math.floor((level - a) / b) - 1)  # one below, in case rounding put the floor one up
+        have += c * k
+        heap.append((a + (k + 1) * b, i, k + 1))
+    heapq.heapify(heap)
+    while True:
+        t, i, k = heapq.heappop(heap)
+        have += gs[i][2]
+        if have >= total_mb:
+            return t
+        heapq.heappush(heap, (gs[i][0] + (k + 1) * gs[i][1], i, k + 1))
 
 
 def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, model: ModelSpec,

@@ -8,7 +8,6 @@ largest layer count that fits memory in closed form, yet agrees with the predict
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from hethub.predict.comm import tp_comm_time_s
@@ -71,6 +70,8 @@ class StageModel:
         self.emb_params = stage_params(m, layers=0, embedding=True, head=False, tp=tp) - p0
         self.head_params = stage_params(m, layers=0, embedding=False, head=True, tp=tp) - p0
         self.capacity_bytes = float("inf") if job.relax_memory else kind.mem_bytes * USABLE_FRACTION
+        self._max: dict[tuple[bool, bool, int, int], int] = {}
+        self._coef: dict[tuple[bool, bool], tuple[float, ...] | None] = {}
 
     def fwd_s(self, layers: int, *, emb: bool, head: bool) -> float:
         return layers * self.fwd_per_layer_s + emb * self.emb_fwd_s + head * self.head_fwd_s
@@ -100,25 +101,61 @@ class StageModel:
         """Most layers (<= limit) this stage holds within memory; -1 if not even zero fit."""
         if self.capacity_bytes == float("inf"):
             return limit
-        return _max_layers(self, emb, head, in_flight, limit)
+        key = (emb, head, in_flight, limit)
+        n = self._max.get(key)
+        if n is None:
+            n = self._max[key] = self._solve_max_layers(emb, head, in_flight, limit)
+        return n
 
+    def _solve_max_layers(self, emb: bool, head: bool, in_flight: int, limit: int) -> int:
+        """The largest n with memory(n) <= capacity. Memory is bilinear in (layers >= 1, in-flight
+        micro-batches) and affine in in-flight at zero layers (predict/memory.py), so four coefficients
+        decide almost every query; predict's own stage_memory settles those within rounding of the
+        capacity, so the answer is the one stage_memory gives."""
+        coef = self._memory_coefficients(emb, head)
+        cap, f = self.capacity_bytes, in_flight
 
-@functools.lru_cache(maxsize=200_000)
-def _max_layers(sm: StageModel, emb: bool, head: bool, in_flight: int, limit: int) -> int:
-    cap = sm.capacity_bytes
-    if sm.memory_bytes(0, emb=emb, head=head, in_flight=in_flight) > cap:
-        return -1
-    m1 = sm.memory_bytes(1, emb=emb, head=head, in_flight=in_flight)
-    if m1 > cap:
-        return 0
-    slope = sm.memory_bytes(2, emb=emb, head=head, in_flight=in_flight) - m1
-    n = limit if slope <= 0 else min(limit, 1 + int((cap - m1) // slope))
-    # Float rounding may put the affine estimate one layer off the predictor's own check.
-    while n > 1 and sm.memory_bytes(n, emb=emb, head=head, in_flight=in_flight) > cap:
-        n -= 1
-    while n < limit and sm.memory_bytes(n + 1, emb=emb, head=head, in_flight=in_flight) <= cap:
-        n += 1
-    return n
+        def over(n: int) -> bool:
+            if coef is not None:
+                a0, c0, a, b, c, d = coef
+                m = a0 + f * c0 if n == 0 else a + b * n + f * (c + d * n)
+                if abs(m - cap) > 1e-9 * cap:
+                    return m > cap
+            return self.memory_bytes(n, emb=emb, head=head, in_flight=f) > cap
+
+        if over(0):
+            return -1
+        if over(1):
+            return 0
+        n = 1
+        if coef is not None:  # start at the closed-form answer; the loops below only confirm it
+            slope = coef[3] + f * coef[5]
+            n = limit if slope <= 0 else max(1, min(limit, 1 + int((cap - coef[2] - coef[3] - f * (coef[4] + coef[5]))
+                                                                   // slope)))
+        while n > 1 and over(n):
+            n -= 1
+        while n < limit and not over(n + 1):
+            n += 1
+        return n
+
+    def _memory_coefficients(self, emb: bool, head: bool) -> tuple[float, ...] | None:
+        """(a0, c0, a, b, c, d): memory(0, f) = a0 + c0 f and memory(n >= 1, f) = a + b n + f (c + d n),
+        fitted on predict's stage_memory and checked at two more points; None if it is not that shape."""
+        key = (emb, head)
+        if key not in self._coef:
+            def m(n: int, f: int) -> float:
+                return self.memory_bytes(n, emb=emb, head=head, in_flight=f)
+
+            c0 = m(0, 2) - m(0, 1)
+            g1, g2 = m(1, 2) - m(1, 1), m(2, 2) - m(2, 1)
+            d = g2 - g1
+            c = g1 - d
+            b = (m(2, 1) - c - 2 * d) - (m(1, 1) - c - d)
+            coef = (m(0, 1) - c0, c0, m(1, 1) - c - d - b, b, c, d)
+            ok = all(abs(coef[2] + coef[3] * n + f * (coef[4] + coef[5] * n) - m(n, f)) <= 1e-12 * m(n, f)
+                     for n, f in ((3, 3), (7, 5)))
+            self._coef[key] = coef if ok else None
+        return self._coef[key]
 
 
 class CostBook:
@@ -130,6 +167,8 @@ class CostBook:
         self.splits: dict[tuple, object] = {}
         self.options: dict[tuple, list] = {}
         self.capacity: dict[tuple, object] = {}  # bounds.Capacity by (kind, tp, micro-batch size)
+        self.floors: dict[tuple, tuple[float, float] | None] = {}  # bounds.py: kind-pure templates' time floors
+        self.stage_floors: dict[tuple, tuple[float, float]] = {}  # bounds.py: (per layer, base) of a stage
         self.solo: dict[tuple[int, int], tuple[object, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
 
     def stage(self, kind: str, *, tp: int, mbs: int, recompute: bool) -> StageModel:

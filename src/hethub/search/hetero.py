@@ -6,14 +6,18 @@ fill the leftover devices with the best smaller template of the same kind. Then,
 promising choices, hand leftover devices (and, optionally, one or two of a kind's pipelines, or a
 whole unused kind) to identical mixed-kind pipelines, over kind orders, TP degrees and replica
 counts. Every candidate is priced in closed form (combine.estimate); the planner re-scores the best
-with the full predictor.
+with the full predictor, so a candidate whose allocation alone (a lower bound of its step) is behind
+the current finalists is neither split nor synced: it could not become one.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 
-from hethub.search.combine import Estimate, Group
+from hethub.search.bounds import pipe_floor
+from hethub.search.combine import Estimate, Group, water_level
 from hethub.search.split import PipeCost
 from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
 
@@ -35,14 +39,25 @@ def _top_distinct(ranked: list[Ranked], n: int) -> list[Ranked]:
     return out
 
 
-def _fill(ranked: list[Ranked], left: int) -> tuple[list[Group], int]:
-    """Greedily give leftover devices of one kind to the best-rated template that still fits."""
-    groups = []
-    for r in ranked:
-        d = r.pipe.num_devices
-        if r.rate > 0 and d <= left:
-            groups.append(Group(r.pipe, left // d))
-            left -= (left // d) * d
+def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[list[Group], int]:
+    """Greedily give leftover devices of one kind to the best-rated template that still fits.
+
+    Templates the scan skipped (templates.Searcher.pure) are split first where their rate bound
+    beats the best fitting one, so the choice is the one among all scanned templates.
+    """
+    groups: list[Group] = []
+    while left > 0:
+        ranked = s.pure(kind, mbs, share=share)
+        best = next((r for r in ranked if r.rate > 0 and r.pipe.num_devices <= left), None)
+        floor = best.rate if best else 0.0
+        if s.complete(kind, mbs, share=share,
+                      want=lambda tp, p, bound, left=left, floor=floor: tp * p <= left and bound > floor):
+            continue
+        if best is None:
+            break
+        d = best.pipe.num_devices
+        groups.append(Group(best.pipe, left // d))
+        left -= (left // d) * d
     return groups, left
 
 
@@ -56,14 +71,17 @@ def _spread(lo: int, hi: int, n: int) -> list[int]:
     return sorted(vals)
 
 
-def mixed_options(s: Searcher, pool: dict[str, int], mbs: int, tp_hint: dict[str, int]) -> list[Group]:
-    """Identical mixed pipelines over subsets of the pooled devices (one group per candidate)."""
-    key = (tuple(sorted(pool.items())), tuple(sorted(tp_hint.items())), mbs)
+def mixed_options(s: Searcher, pool: dict[str, int], tp_hint: dict[str, int]) -> list[tuple[tuple, int]]:
+    """Identical mixed pipelines over subsets of the pooled devices: (kind segments, replicas) each.
+
+    Each segment list is split by `Searcher.mixed`; `_mixed_around` bounds it before paying for that.
+    """
+    key = (tuple(sorted(pool.items())), tuple(sorted(tp_hint.items())))
     if key in s.mixed_cache:
         return s.mixed_cache[key]
     kinds = [k for k, n in pool.items() if n > 0 and s.tps[k]]
     small = sum(pool[k] for k in kinds) <= SMALL_POOL
-    out: list[Group] = []
+    out: list[tuple[tuple, int]] = []
     s.mixed_cache[key] = out
     for size in range(2, len(kinds) + 1):
         for subset in itertools.combinations(kinds, size):
@@ -79,23 +97,21 @@ def mixed_options(s: Searcher, pool: dict[str, int], mbs: int, tp_hint: dict[str
                     counts = [range(1, slots[k] // c + 1) if small else [slots[k] // c] for k in subset]
                     for ns in itertools.product(*counts):
                         for order in itertools.permutations(range(size)):
-                            segs = [(subset[i], tps[i], ns[i]) for i in order]
-                            out.extend(Group(pipe, c) for pipe in s.mixed(segs, mbs))
+                            out.append((tuple((subset[i], tps[i], ns[i]) for i in order), c))
     return out
 
 
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
-    results: list[Estimate] = []
+    results = Results(s.config.finalists + s.config.top_k)
     kinds = list(s.counts)
     for mbs in _promising_mbs(s, kinds_alone=kinds_alone):
         if kinds_alone:
             for k in kinds:
-                ranked_k = s.pure(k, mbs, share=1.0)
-                for r in _top_distinct(ranked_k, TOP_PER_KIND):
+                for r in _top_distinct(s.pure(k, mbs, share=1.0), TOP_PER_KIND):
                     c = s.counts[k] // r.pipe.num_devices
-                    fill, _ = _fill(ranked_k, s.counts[k] - c * r.pipe.num_devices)
-                    _add(results, s.estimate([Group(r.pipe, c), *fill], mbs))
+                    fill, _ = _fill(s, k, mbs, 1.0, s.counts[k] - c * r.pipe.num_devices)
+                    results.add(s.estimate([Group(r.pipe, c), *fill], mbs))
             continue
         ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
         tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
@@ -105,17 +121,17 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
             for k, r in zip(kinds, choice, strict=True):
                 if r is not None:
                     c = s.counts[k] // r.pipe.num_devices
-                    fill, _ = _fill(ranked[k], s.counts[k] - c * r.pipe.num_devices)
+                    fill, _ = _fill(s, k, mbs, s.share[k], s.counts[k] - c * r.pipe.num_devices)
                     groups += [Group(r.pipe, c), *fill]
             est = s.estimate(groups, mbs) if groups else None
-            _add(results, est)
+            results.add(est)
             base.append((est.step_time_s if est else float("inf"), list(zip(kinds, choice, strict=True))))
         _aligned(s, results, ranked, mbs)
         base.sort(key=lambda x: x[0])
         for _, choice in base[:TOP_FOR_MIXED] + [b for b in base if all(r is None for _, r in b[1])]:
             _mixed_around(s, results, choice, mbs)
-    results.sort(key=lambda e: e.step_time_s)
-    return results
+    results.items.sort(key=lambda e: e.step_time_s)
+    return results.items
 
 
 def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
@@ -130,7 +146,7 @@ def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
     return [b for b in sizes if any(top[k] > 0 and best[(k, b)] >= MBS_KEEP * top[k] for k in s.counts)]
 
 
-def _mixed_around(s: Searcher, results: list[Estimate], choice: list[tuple[str, Ranked | None]], mbs: int) -> None:
+def _mixed_around(s: Searcher, results: Results, choice: list[tuple[str, Ranked | None]], mbs: int) -> None:
     """Variants of one pure choice whose leftover (or released) devices form mixed pipelines."""
     used = [(k, r) for k, r in choice if r is not None]
     releases = [0, 1] if used and sum(s.counts.values()) <= SMALL_POOL else [0]
@@ -144,11 +160,21 @@ def _mixed_around(s: Searcher, results: list[Estimate], choice: list[tuple[str, 
             pure.append(Group(pipe, c))
             pool[k] = s.counts[k] - c * pipe.num_devices
             hint[k] = pipe.slots[0].tp
-        for g in mixed_options(s, pool, mbs, hint):
-            _add(results, s.estimate([*pure, g], mbs))
+        pure = [g for g in pure if g.count > 0]
+        for segs, c in mixed_options(s, pool, hint):
+            # Only the planner's finalists are used: skip candidates whose allocation alone (a lower
+            # bound of the step: the syncs and updates come after it) cannot get among them, first
+            # with a bound on any split of the mixed pipeline (bounds.pipe_floor), then with its split.
+            floor = pipe_floor(s.book, s.links, s.mixed_slots(segs), mbs)
+            if floor is not None and not results.may_enter(water_level([*pure, Group(floor, c)], s.total_mb(mbs))):
+                continue
+            for pipe in s.mixed(segs, mbs):
+                groups = [*pure, Group(pipe, c)]
+                if results.may_enter(water_level(groups, s.total_mb(mbs))):
+                    results.add(s.estimate(groups, mbs))
 
 
-def _aligned(s: Searcher, results: list[Estimate], ranked: dict[str, list[Ranked]], mbs: int) -> None:
+def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs: int) -> None:
     """Kind-pure pipelines of every kind with the same stage count AND the same layer boundaries.
 
     Replicas whose stage boundaries differ chain their per-layer gradient syncs (a stage waits for
@@ -159,6 +185,10 @@ def _aligned(s: Searcher, results: list[Estimate], ranked: dict[str, list[Ranked
     kinds = sorted(s.counts, key=lambda k: -s.counts[k] * s.cluster.kinds[k].effective_flops)
     stage_counts = {len(r.pipe.slots) for k in kinds for r in _top_distinct(ranked[k], TOP_PER_KIND)}
     for p in sorted(stage_counts):
+        for k in kinds:  # the scan may have skipped templates of p stages that would be among the top 2
+            rates = [r.rate for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
+            bar = rates[1] if len(rates) == 2 else 0.0
+            s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, bound, p=p, bar=bar: p_ == p and bound > bar)
         per_kind = {k: [r for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2] for k in kinds}
         for choice in itertools.product(*[[None, *per_kind[k]] for k in kinds]):
             used = [(k, r) for k, r in zip(kinds, choice, strict=True) if r is not None]
@@ -172,9 +202,33 @@ def _aligned(s: Searcher, results: list[Estimate], ranked: dict[str, list[Ranked
                     break
                 groups.append(Group(pipe, s.counts[k] // pipe.num_devices))
             else:
-                _add(results, s.estimate(groups, mbs))
+                if results.may_enter(water_level(groups, s.total_mb(mbs))):
+                    results.add(s.estimate(groups, mbs))
 
 
-def _add(results: list[Estimate], est: Estimate | None) -> None:
-    if est is not None and est.step_time_s < float("inf"):
-        results.append(est)
+class Results:
+    """Every priced candidate, plus the `keep` best distinct ones (the planner builds only those)."""
+
+    def __init__(self, keep: int) -> None:
+        self.items: list[Estimate] = []
+        self.keep = keep
+        self._best: list[tuple[float, tuple]] = []  # (step, key) of the best distinct so far, sorted
+
+    def may_enter(self, step_lower_bound: float) -> bool:
+        """Whether a candidate whose step is at least this could still be among the kept ones."""
+        if len(self._best) < self.keep:
+            return True
+        return step_lower_bound < self._best[-1][0] * (1 + 1e-9)  # the margin covers allocate's bisection
+
+    def add(self, est: Estimate | None) -> None:
+        if est is None or est.step_time_s == math.inf:
+            return
+        self.items.append(est)
+        if len(self._best) == self.keep and est.step_time_s >= self._best[-1][0]:
+            return
+        # planner._plans's identity of a plan: identical candidates take one finalist place.
+        key = (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
+        if any(k == key for _, k in self._best):
+            return
+        bisect.insort(self._best, (est.step_time_s, key), key=lambda x: x[0])
+        del self._best[self.keep:]

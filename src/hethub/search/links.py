@@ -19,6 +19,7 @@ class LinkBook:
         self.cluster = cluster
         self.ring_cache: dict[tuple, dict] = {}  # all-reduce times by ring size, shared by a search's estimates
         self.node_size: dict[str, int] = {}
+        self._p2p: dict[tuple[str, int, str, int], Link] = {}
         self._nic: dict[str, float] = {}
         for g in cluster.groups:
             nic = g.inter_node_bw_bytes_per_s or cluster.inter_node.bw_bytes_per_s
@@ -39,9 +40,14 @@ class LinkBook:
         return Link(bw, lat)
 
     def p2p(self, a: Slot, b: Slot) -> Link:
-        if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind]:
-            return self.intra(a.kind)
-        return self.between(a.kind, b.kind)
+        key = (a.kind, a.tp, b.kind, b.tp)  # cached: every layer split prices its stage boundaries
+        link = self._p2p.get(key)
+        if link is None:
+            if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind]:
+                link = self._p2p[key] = self.intra(a.kind)
+            else:
+                link = self._p2p[key] = self.between(a.kind, b.kind)
+        return link
 
     def replicas(self, kinds: frozenset[str], *, devices: int) -> Link:
         """Slowest link of a data-parallel ring over pipelines made of these kinds."""

@@ -24,6 +24,8 @@ from hethub.search.templates import Searcher
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
+POLISH_MIN_S = 0.25
+
 
 @dataclass(frozen=True)
 class PlanResult:
@@ -58,8 +60,10 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     if not scored:
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
     if config.strategy == "hethub":
-        # A short local search with the predictor itself; bounded so it never dominates the search.
-        budget = max(0.05, 0.25 * (time.perf_counter() - t0))
+        # A short local search with the predictor itself, bounded so it never dominates the search,
+        # yet not starved where the search is fast: on large plans the budget, not a local optimum,
+        # usually ends it, and each of its steps is a prediction of the whole plan.
+        budget = max(POLISH_MIN_S, 0.25 * (time.perf_counter() - t0))
         best = polish(*scored[0], profiles=profiles, budget_s=budget, allow_recompute=config.allow_recompute)
         scored = sorted([best, *scored[1:]], key=lambda x: x[1].step_time_s)
     elapsed = time.perf_counter() - t0

@@ -20,16 +20,25 @@ from hethub.predict.result import Prediction
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_s: float,
            allow_recompute: bool) -> tuple[Plan, Prediction]:
+    """First-improvement local search. After a move is taken, the next round starts at that same
+    move (moving another layer the same way often helps again) and goes round the others from
+    there, instead of re-trying from the first ones, which just failed: fewer predictions per step,
+    which matters because the budget, not the local optimum, usually ends the search on large plans."""
     deadline = time.perf_counter() + budget_s
-    improved = True
+    start, improved = 0, True
     while improved and time.perf_counter() < deadline:
         improved = False
-        for cand in _neighbours(plan, allow_recompute=allow_recompute):
+        moves = _moves(plan)
+        for j in range(len(moves)):
             if time.perf_counter() >= deadline:
                 break
+            i = (start + j) % len(moves)
+            cand = _apply(plan, moves[i], allow_recompute=allow_recompute)
+            if cand is None:
+                continue
             p = predict(cand, profiles=profiles)
             if p.fits_memory and p.step_time_s < pred.step_time_s * (1 - 1e-9):
-                plan, pred, improved = cand, p, True
+                plan, pred, improved, start = cand, p, True, i
                 break
     return plan, pred
 
@@ -38,57 +47,68 @@ def _signature(p: Pipeline) -> tuple:
     return (p.micro_batch_size, tuple((s.kind, s.tp, s.layers) for s in p.stages))
 
 
-def _neighbours(plan: Plan, *, allow_recompute: bool):
-    sigs = list(dict.fromkeys(_signature(p) for p in plan.pipelines))
-    for sig in sigs:
-        ref = next(p for p in plan.pipelines if _signature(p) == sig)
-        counts = [s.num_layers for s in ref.stages]
-        n = len(counts)
-        for b in range(n - 1):
-            for src, dst in ((b, b + 1), (b + 1, b)):
-                low = 0 if src in (0, n - 1) else 1
-                if counts[src] - 1 < low:
-                    continue
-                new = list(counts)
-                new[src] -= 1
-                new[dst] += 1
-                pipes = []
-                for p in plan.pipelines:
-                    q = _resplit(plan, p, new, allow_recompute=allow_recompute) if _signature(p) == sig else p
-                    if q is None:
-                        break
-                    pipes.append(q)
-                else:
-                    yield replace(plan, pipelines=tuple(pipes))
-    # One micro-batch from one pipeline to another of a different kind of pipeline.
-    firsts = {}
+def _moves(plan: Plan) -> list[tuple]:
+    """One layer across a stage boundary of one kind of pipeline (all identical ones at once), then
+    one micro-batch from one kind of pipeline to another."""
+    firsts: dict[tuple, int] = {}
     for i, p in enumerate(plan.pipelines):
         firsts.setdefault(_signature(p), i)
+    out: list[tuple] = []
+    for sig, i in firsts.items():
+        n = len(plan.pipelines[i].stages)
+        out += [("layer", sig, i, src, dst) for b in range(n - 1) for src, dst in ((b, b + 1), (b + 1, b))]
     idx = list(firsts.values())
-    for a in idx:
-        for b in idx:
-            if a != b and plan.pipelines[a].num_micro_batches > 1:
-                pipes = list(plan.pipelines)
-                pipes[a] = replace(pipes[a], num_micro_batches=pipes[a].num_micro_batches - 1)
-                pipes[b] = replace(pipes[b], num_micro_batches=pipes[b].num_micro_batches + 1)
-                yield replace(plan, pipelines=tuple(pipes))
+    out += [("batch", a, b) for a in idx for b in idx if a != b]
+    return out
 
 
-def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: bool) -> Pipeline | None:
+def _apply(plan: Plan, move: tuple, *, allow_recompute: bool) -> Plan | None:
+    if move[0] == "batch":
+        _, a, b = move
+        if plan.pipelines[a].num_micro_batches <= 1:
+            return None
+        pipes = list(plan.pipelines)
+        pipes[a] = replace(pipes[a], num_micro_batches=pipes[a].num_micro_batches - 1)
+        pipes[b] = replace(pipes[b], num_micro_batches=pipes[b].num_micro_batches + 1)
+        return replace(plan, pipelines=tuple(pipes))
+    _, sig, ref, src, dst = move
+    counts = [s.num_layers for s in plan.pipelines[ref].stages]
+    low = 0 if src in (0, len(counts) - 1) else 1
+    if counts[src] - 1 < low:
+        return None
+    counts[src] -= 1
+    counts[dst] += 1
+    pipes, memo = [], {}
+    for p in plan.pipelines:
+        q = _resplit(plan, p, counts, allow_recompute=allow_recompute, memo=memo) if _signature(p) == sig else p
+        if q is None:
+            return None
+        pipes.append(q)
+    return replace(plan, pipelines=tuple(pipes))
+
+
+def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: bool,
+             memo: dict | None = None) -> Pipeline | None:
+    """p with these layer counts, recomputing exactly where a stage does not fit otherwise. `memo`
+    shares that decision among the identical pipelines a move changes together."""
+    memo = {} if memo is None else memo
     stages, start = [], 0
     for i, (s, k) in enumerate(zip(p.stages, counts, strict=True)):
         in_flight = in_flight_micro_batches(schedule=plan.schedule, stage_index=i, num_stages=len(counts),
                                             num_micro_batches=p.num_micro_batches)
-        cap = plan.cluster.kinds[s.kind].mem_bytes * USABLE_FRACTION
-        for rc in (False, True) if allow_recompute else (False,):
-            mem = stage_memory(plan.model, layers=k, embedding=s.embedding, head=s.head, tp=s.tp,
-                               mbs=p.micro_batch_size, seq_len=plan.seq_len, recompute=rc, precision=plan.precision,
-                               in_flight=in_flight)
-            if mem.total_bytes <= cap:
-                stages.append(replace(s, layers=(start, start + k), recompute=rc))
-                break
-        else:
+        key = (s.kind, s.tp, s.embedding, s.head, k, in_flight, p.micro_batch_size)
+        if key not in memo:
+            memo[key] = None
+            cap = plan.cluster.kinds[s.kind].mem_bytes * USABLE_FRACTION
+            for rc in (False, True) if allow_recompute else (False,):
+                mem = stage_memory(plan.model, layers=k, embedding=s.embedding, head=s.head, tp=s.tp,
+                                   mbs=p.micro_batch_size, seq_len=plan.seq_len, recompute=rc,
+                                   precision=plan.precision, in_flight=in_flight)
+                if mem.total_bytes <= cap:
+                    memo[key] = rc
+                    break
+        if memo[key] is None:
             return None
+        stages.append(replace(s, layers=(start, start + k), recompute=memo[key]))
         start += k
     return replace(p, stages=tuple(stages))
-

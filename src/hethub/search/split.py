@@ -15,6 +15,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hethub.predict.memory import act_bytes_for
 from hethub.search.costs import CostBook, StageModel
@@ -72,12 +73,11 @@ class PipeCost:
         return out
 
 
-@dataclass(frozen=True)
-class _Option:
-    sm: StageModel
-    per_layer: float
+class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
     base: float
+    per_layer: float
     max_layers: int
+    sm: StageModel
 
 
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
@@ -108,7 +108,7 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
 
     # Give layers one at a time to the stage whose cost grows least: each stage's cost (cheapest option
     # that still fits) is nondecreasing in its layer count, so this greedy minimises the bottleneck.
-    counts = _greedy(opts, lows, n_layers, key=lambda ops, k: (_cost(ops, k + 1), -_cost(ops, k)), cap=math.inf)
+    counts = _greedy(opts, lows, n_layers, marginal=False, cap=math.inf)
     if counts is None:
         return []
     bottleneck = max(_cost(ops, k) for ops, k in zip(opts, counts, strict=True))
@@ -116,8 +116,7 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
     # pipeline's fill and drain, which weighs as much as the bottleneck when micro-batches are few.
     out: list[PipeCost] = []
     for slack in slacks:
-        cand = _greedy(opts, lows, n_layers, key=lambda ops, k: (_cost(ops, k + 1) - _cost(ops, k), 0.0),
-                       cap=bottleneck * slack * (1 + 1e-12))
+        cand = _greedy(opts, lows, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
             pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, p2p_link=p2p_link,
                           schedule=job.schedule)
@@ -126,22 +125,37 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
     return out
 
 
-def _greedy(opts: list[list[_Option]], lows: list[int], n_layers: int, *,
-            key: Callable[[list[_Option], int], tuple[float, float]], cap: float) -> list[int] | None:
-    """Add layers one at a time to the stage with the smallest key whose cost stays within cap."""
+def _greedy(opts: list[list[_Option]], lows: list[int], n_layers: int, *, marginal: bool,
+            cap: float) -> list[int] | None:
+    """Add layers one at a time to the stage with the smallest key whose cost stays within cap.
+
+    The key of a stage at k layers is (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal`
+    (cost(k + 1) - cost(k), 0) (the sum). This is the search's hottest loop: heap entries carry
+    cost(k + 1), which is the next entry's cost(k), and the cost itself is inlined.
+    """
     counts = list(lows)
     heap = []
     for s, (ops, k) in enumerate(zip(opts, counts, strict=True)):
-        if _cost(ops, k + 1) <= cap:
-            heap.append((*key(ops, k), s))
+        nxt = _cost(ops, k + 1)
+        if nxt <= cap:
+            cur = _cost(ops, k)
+            heap.append((nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
     heapq.heapify(heap)
+    pop, push, inf = heapq.heappop, heapq.heappush, math.inf
     for _ in range(n_layers - sum(counts)):
         if not heap:
             return None
-        s = heapq.heappop(heap)[-1]
-        counts[s] += 1
-        if _cost(opts[s], counts[s] + 1) <= cap:
-            heapq.heappush(heap, (*key(opts[s], counts[s]), s))
+        _, _, s, cur = pop(heap)  # stages are unique in the heap: the 4th field never breaks a tie
+        k = counts[s] = counts[s] + 1
+        k += 1
+        nxt = inf
+        for base, per_layer, most, _sm in opts[s]:  # _cost(opts[s], k), inlined
+            if most >= k:
+                c = base + k * per_layer
+                if c < nxt:
+                    nxt = c
+        if nxt <= cap:
+            push(heap, (nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
     return counts
 
 
@@ -165,7 +179,7 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
 def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_flight: int, low: int,
              allow_recompute: bool) -> list[_Option]:
     """With and without recomputation, where each fits; cached (templates share stage positions)."""
-    key = (slot, mbs, emb, head, in_flight, low, allow_recompute)
+    key = (slot.kind, slot.tp, mbs, emb, head, in_flight, low, allow_recompute)
     here = book.options.get(key)
     if here is None:
         n_layers = book.job.model.num_layers
@@ -175,7 +189,7 @@ def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_
             u = sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
             if u >= low:
                 w = sm.work(emb=emb, head=head)
-                here.append(_Option(sm, w.per_layer, w.base, u))
+                here.append(_Option(w.base, w.per_layer, u, sm))
             if u >= n_layers:
                 break  # recomputation only adds time when everything already fits
     return here
@@ -183,9 +197,9 @@ def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_
 
 def _cost(ops: list[_Option], k: int) -> float:
     best = math.inf
-    for o in ops:  # at most two options: a plain loop is the hot path of the search
-        if o.max_layers >= k:
-            c = o.base + k * o.per_layer
+    for base, per_layer, most, _sm in ops:  # at most two options: a plain loop is the hot path of the search
+        if most >= k:
+            c = base + k * per_layer
             if c < best:
                 best = c
     return best
@@ -203,15 +217,18 @@ def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Op
 
 def price(models: list[StageModel], counts: list[int], *, model: ModelSpec, slots: tuple[Slot, ...], mbs: int,
           p2p_link: Callable[[Slot, Slot], Link], schedule: str) -> PipeCost:
-    """Closed-form costs of a pipeline whose stage models and layer counts are given."""
+    """Closed-form costs of a pipeline whose stage models and layer counts are given.
+
+    StageModel.fwd_s / bwd_s / update_s / params inlined (same arithmetic): this runs for every split.
+    """
     p = len(slots)
     fwd, bwd, upd, params = [], [], [], []
     for s, (sm, k) in enumerate(zip(models, counts, strict=True)):
         emb, head = s == 0, s == p - 1
-        fwd.append(sm.fwd_s(k, emb=emb, head=head))
-        bwd.append(sm.bwd_s(k, emb=emb, head=head))
-        upd.append(sm.update_s(k, emb=emb, head=head))
-        params.append(sm.params(k, emb=emb, head=head))
+        fwd.append(k * sm.fwd_per_layer_s + emb * sm.emb_fwd_s + head * sm.head_fwd_s)
+        bwd.append(k * sm.bwd_per_layer_s + emb * sm.emb_bwd_s + head * sm.head_bwd_s)
+        upd.append(k * sm.update_per_layer_s + emb * sm.emb_update_s + head * sm.head_update_s)
+        params.append(k * sm.params_per_layer + emb * sm.emb_params + head * sm.head_params)
     job = models[0].job
     act = mbs * job.seq_len * model.hidden_size * act_bytes_for(job.precision)
     p2p = tuple(_link_time(p2p_link(slots[s], slots[s + 1]), act) for s in range(p - 1))

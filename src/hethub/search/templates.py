@@ -10,6 +10,7 @@ recomputation: more stages then only add fill/drain time and point-to-point hops
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hethub.predict.profiles import ProfileSet
@@ -60,6 +61,7 @@ class Searcher:
         flops = {k: n * cluster.kinds[k].effective_flops for k, n in self.counts.items()}
         self.share = {k: f / sum(flops.values()) for k, f in flops.items()}
         self._pure: dict[tuple[str, int, float], list[Ranked]] = {}
+        self._skipped: dict[tuple[str, int, float], list[tuple[int, int, float]]] = {}  # (tp, stages, bound)
         self.mixed_cache: dict[tuple, list] = {}
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
@@ -122,15 +124,15 @@ class Searcher:
         """Scanned kind-pure templates of `kind`, best rate first.
 
         On clusters over SMALL_CLUSTER devices, a stage count whose closed-form rate bound
-        (bounds.py) is below the TOP_PER_KIND-th best distinct template found so far is not split:
-        it could not enter the kind's top templates. Such a count still extends the scan as if it
+        (bounds.py) is below the TOP_PER_KIND-th best distinct template found so far is not split
+        yet: it cannot enter the kind's top templates. Such a count still extends the scan as if it
         had been the best so far whenever its bound allows that, so every stage count the full
-        scan reaches is still reached.
+        scan reaches is still reached; `complete` splits skipped ones when another use needs them.
         """
         key = (kind, mbs, share)
         if key in self._pure:
             return self._pure[key]
-        n, out = self.counts[kind], []
+        n, out, skipped = self.counts[kind], [], []
         prune = self.cluster.num_devices > SMALL_CLUSTER
         top: list[tuple[float, tuple]] = []  # the best TOP_PER_KIND distinct (rate, key) so far
         # Largest TP first: on the models that need pruning it is usually best, which raises the bar early.
@@ -142,9 +144,10 @@ class Searcher:
             best_p, best_rate, p = 0, 0.0, 1
             while p <= p_max:
                 bar = top[-1][0] if len(top) == TOP_PER_KIND else 0.0
-                bound = rate_bound(self.book, self.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=n,
-                                   global_batch=self.config.global_batch, share=share) if prune and bar else 1.0
+                bound = self._bound(kind, tp, mbs, p, share) if prune and bar else 1.0
                 if bound * (1 + 1e-9) < bar:
+                    if bound > 0:
+                        skipped.append((tp, p, bound))
                     if bound > best_rate:
                         best_p = p
                 else:
@@ -162,13 +165,35 @@ class Searcher:
                 p += 1
         out.sort(key=lambda x: -x.rate)
         self._pure[key] = out
+        self._skipped[key] = skipped
         return out
+
+    def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float) -> float:
+        """bounds.rate_bound of p stages of (kind, tp) over all the kind's devices."""
+        if p > self.model.num_layers:
+            return 0.0
+        return rate_bound(self.book, self.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=self.counts[kind],
+                          global_batch=self.config.global_batch, share=share)
+
+    def complete(self, kind: str, mbs: int, *, share: float, want: Callable[[int, int, float], bool]) -> bool:
+        """Split and rate the templates `pure` skipped for which want(tp, stages, rate bound) holds,
+        adding them to its list in place (it stays sorted); whether there were any."""
+        ranked = self.pure(kind, mbs, share=share)
+        key = (kind, mbs, share)
+        take = [x for x in self._skipped[key] if want(*x)]
+        if not take:
+            return False
+        self._skipped[key] = [x for x in self._skipped[key] if x not in take]
+        for tp, p, _ in take:
+            for pipe in self.splits((Slot(kind, tp),) * p, mbs):
+                ranked.append(Ranked(pipe, self.rate(pipe, kind_devices=self.counts[kind], share=share)))
+        ranked.sort(key=lambda x: -x.rate)
+        return True
 
     def _first_without_recompute(self, kind: str, tp: int, mbs: int, p_max: int) -> int | None:
         """Smallest stage count whose stages can hold all layers without recomputation (1F1B memory)."""
         n_layers = self.model.num_layers
-
-        caps = capacity(self.book, kind, tp=tp, mbs=mbs)
+        caps = capacity(self.book, kind, tp=tp, mbs=mbs)  # shared with the rate bounds
 
         def fits(p: int) -> bool:
             return caps.total(p, variant=0) >= n_layers
@@ -184,10 +209,17 @@ class Searcher:
                 lo = mid + 1
         return lo
 
-    def mixed(self, segments: list[tuple[str, int, int]], mbs: int) -> list[PipeCost]:
+    def mixed(self, segments: tuple[tuple[str, int, int], ...], mbs: int) -> list[PipeCost]:
         """Pipelines of consecutive kind segments (kind, tp, stages), in the given order."""
-        slots = tuple(Slot(k, t) for k, t, n in segments for _ in range(n))
+        slots = self.mixed_slots(segments)
         return self.splits(slots, mbs) if slots else []
+
+    @staticmethod
+    def mixed_slots(segments: tuple[tuple[str, int, int], ...]) -> tuple[Slot, ...]:
+        return tuple(Slot(k, t) for k, t, n in segments for _ in range(n))
+
+    def total_mb(self, mbs: int) -> int:
+        return self.config.global_batch // mbs
 
 
 def _keep_top(top: list[tuple[float, tuple]], rate: float, key: tuple) -> None:

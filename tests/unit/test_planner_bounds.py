@@ -1,0 +1,117 @@
+"""The planner's pruning: every bound it skips work with must hold, and skipping must not change
+what the search keeps (its top templates, its finalists, the allocation it prices)."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hethub.search.templates as templates
+from hethub.search import PlannerConfig
+from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
+from hethub.search.combine import Group, allocate, water_level
+from hethub.search.costs import Job, StageModel
+from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
+from hethub.search.split import Slot
+from hethub.search.templates import Searcher
+from hethub.spec.cluster import parse_cluster
+from hethub.spec.model import get_model
+
+KINDS = ("h100-sxm", "a100-80gb", "v100-16gb")
+
+
+def _cluster(nodes: int = 4):
+    return parse_cluster({"name": "three", "group": [{"kind": k, "nodes": nodes, "devices_per_node": 8}
+                                                     for k in KINDS]}, where="test")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.floats(0.01, 3), st.integers(1, 40)), min_size=1, max_size=6),
+       st.integers(1, 3000))
+def test_water_level_is_the_allocation_makespan(specs, total):
+    groups = [Group(PipeFloor(a, b), c) for a, b, c in specs]
+    _, makespan = allocate(groups, total)
+    assert water_level(groups, total) == pytest.approx(makespan, rel=1e-9)
+
+
+def _scan_max_layers(sm: StageModel, emb: bool, head: bool, in_flight: int, limit: int) -> int:
+    fits = [n for n in range(limit + 1)
+            if sm.memory_bytes(n, emb=emb, head=head, in_flight=in_flight) <= sm.capacity_bytes]
+    return -1 if not fits else max(fits)
+
+
+def test_max_layers_is_what_a_scan_of_stage_memory_finds():
+    cluster = _cluster(1)
+    for model_name, precision in (("llama-2-13b", "bf16-mixed"), ("llama-2-70b", "fp32")):
+        model = get_model(model_name)
+        job = Job(model=model, seq_len=4096, precision=precision, schedule="1f1b")
+        for kind, tp, mbs, rc in itertools.product(KINDS, (1, 8), (1, 4), (False, True)):
+            sm = StageModel(job, cluster.kinds[kind], tp=tp, mbs=mbs, recompute=rc)
+            for emb, head, in_flight in itertools.product((False, True), (False, True), (1, 3, 17)):
+                assert sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=model.num_layers) == \
+                    _scan_max_layers(sm, emb, head, in_flight, model.num_layers)
+
+
+@pytest.mark.parametrize(("model_name", "mbs"), [("llama-2-13b", 2), ("llama-2-70b", 1)])
+def test_rate_bound_is_above_every_split_of_the_template(model_name, mbs):
+    cluster = _cluster()
+    s = Searcher(cluster=cluster, model=get_model(model_name), config=PlannerConfig(global_batch=256, seq_len=4096),
+                 profiles=None)
+    for kind, share in itertools.product(KINDS, (1.0, 0.3)):
+        n = s.counts[kind]
+        for tp in s.tps[kind]:
+            for p in range(1, min(n // tp, s.model.num_layers) + 1):
+                bound = rate_bound(s.book, s.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=n,
+                                   global_batch=256, share=share)
+                pipes = s.splits((Slot(kind, tp),) * p, mbs)
+                if bound == 0:
+                    assert not pipes
+                for pipe in pipes:
+                    assert s.rate(pipe, kind_devices=n, share=share) <= bound * (1 + 1e-9)
+
+
+def test_pipe_floor_is_below_every_split_of_a_mixed_pipeline():
+    cluster = _cluster()
+    s = Searcher(cluster=cluster, model=get_model("llama-2-13b"), config=PlannerConfig(global_batch=256, seq_len=2048),
+                 profiles=None)
+    for segs in ((("h100-sxm", 4, 2), ("a100-80gb", 4, 2)), (("v100-16gb", 8, 3), ("h100-sxm", 2, 1)),
+                 (("a100-80gb", 1, 5), ("v100-16gb", 4, 4), ("h100-sxm", 8, 1))):
+        floor = pipe_floor(s.book, s.links, s.mixed_slots(segs), 2)
+        pipes = s.mixed(segs, 2)
+        assert pipes and floor is not None
+        for pipe in pipes:
+            for m in (1, 2, 7, 64):
+                assert floor.time_s(m) <= pipe.time_s(m) * (1 + 1e-9)
+
+
+def test_pruned_scan_keeps_the_top_templates_and_their_rates(monkeypatch):
+    cluster = _cluster(6)  # 144 devices: the scan prunes
+    model = get_model("llama-2-13b")
+
+    def tops():
+        s = Searcher(cluster=cluster, model=model, config=PlannerConfig(global_batch=512, seq_len=4096),
+                     profiles=None)
+        return {(k, b): [(r.pipe.layers, r.pipe.recompute, r.rate)
+                         for r in _top_distinct(s.pure(k, b, share=s.share[k]), TOP_PER_KIND)]
+                for k in KINDS for b in (1, 2, 4)}
+
+    pruned = tops()
+    monkeypatch.setattr(templates, "SMALL_CLUSTER", 10**9)
+    assert tops() == pruned
+
+
+def test_results_track_the_best_distinct_candidates():
+    cluster = _cluster(1)
+    s = Searcher(cluster=cluster, model=get_model("llama-2-7b"), config=PlannerConfig(global_batch=64, seq_len=2048),
+                 profiles=None)
+    ests = []
+    for kind, tp, p in itertools.product(KINDS, (2, 4), (1, 2, 4)):
+        for pipe in s.splits((Slot(kind, tp),) * p, 2):
+            ests.append(s.estimate([Group(pipe, 8 // (tp * p) or 1)], 2))
+    results = Results(keep=5)
+    for est in ests + ests:  # duplicates take one place
+        results.add(est)
+    best = sorted({e.step_time_s for e in ests if e is not None})[:5]
+    assert [step for step, _ in results._best] == best
+    assert not results.may_enter(best[-1] * 1.001) and results.may_enter(best[-1] * 0.999)
