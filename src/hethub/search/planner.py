@@ -6,6 +6,7 @@ is made by the full predictor, so `hethub plan` and `hethub predict` agree exact
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass, replace
 
@@ -14,6 +15,7 @@ from hethub.plan import Plan
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.progress import progress
 from hethub.search.assemble import build_plan
 from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
@@ -25,6 +27,7 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 POLISH_MIN_S = 0.25
+PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,11 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     t0 = time.perf_counter()
     _check_job(model, config)
     books: dict = {}
+    # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
+    bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
+                   stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
     bound, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
+    bar.update()
     # The kind-alone plans were scored for the bound already; predict() is deterministic, so reuse it.
     if config.strategy == "homogeneous":
         scored = sorted(alone, key=lambda x: x[1].step_time_s)
@@ -57,7 +64,9 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
         scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles)
+    bar.update()
     if not scored:
+        bar.close()
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
     if config.strategy == "hethub":
         # A short local search with the predictor itself, bounded so it never dominates the search,
@@ -66,6 +75,8 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         budget = max(POLISH_MIN_S, 0.25 * (time.perf_counter() - t0))
         best = polish(*scored[0], profiles=profiles, budget_s=budget, allow_recompute=config.allow_recompute)
         scored = sorted([best, *scored[1:]], key=lambda x: x[1].step_time_s)
+    bar.update()
+    bar.close()
     elapsed = time.perf_counter() - t0
     top = []
     for plan, pred in scored[: config.top_k]:
