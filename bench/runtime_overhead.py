@@ -94,7 +94,7 @@ def measured_step_time_s(plan_path: str | Path, *, nproc: int, steps: int, warmu
         metrics = Path(d) / "metrics.jsonl"
         proc = launch_local(plan_path, nproc=nproc, steps=steps, metrics=metrics, capture=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
         recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     return statistics.median(r["step_time_s"] for r in recs[warmup:])
 

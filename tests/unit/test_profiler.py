@@ -115,6 +115,8 @@ def test_contention_applies_only_beyond_the_host_cores():
     plan = _plan()
     two = replace(plan, cluster=replace(plan.cluster, host_cores=2))
     one = replace(plan, cluster=replace(plan.cluster, host_cores=1))
-    assert predict(two).step_time_s == pytest.approx(predict(replace(plan, cluster=replace(
-        plan.cluster, host_cores=None))).step_time_s)
+    # Up to the runtime's two world barriers (loss and gradient-norm all-reduces), which only the
+    # local-emulation replay models: no stage updates before every stage has synced.
+    free = predict(replace(plan, cluster=replace(plan.cluster, host_cores=None))).step_time_s
+    assert free <= predict(two).step_time_s <= 1.1 * free
     assert predict(one).step_time_s > predict(two).step_time_s

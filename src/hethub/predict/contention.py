@@ -13,8 +13,9 @@ use a core does not slow anyone:
 So every stage's program is replayed as phases: CPU work (shared), sleep and waits (not shared),
 in the schedule's op order (1F1B or GPipe), with the same dependencies as
 :mod:`hethub.predict.schedule` (a forward needs the previous stage's forward plus the transfer, a
-backward the next stage's backward plus the transfer), then its gradient-sync groups in layer order
-(each starts once all its holders arrive) and its optimizer update (CPU work). A TP stage counts as
+backward the next stage's backward plus the transfer), then the world barrier of the loss
+all-reduce, its gradient-sync groups in layer order (each starts once all its holders arrive), the
+world barrier of the gradient-norm all-reduce and its optimizer update (CPU work). A TP stage counts as
 ``tp`` computing processes. With no more computing ranks than cores this reduces to the
 uncontended simulation.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from hethub.predict.schedule import op_order
 from hethub.predict.sync import SyncGroup
+from hethub.spec.cluster import Link
 
 StageId = tuple[int, int]
 _EPS = 1e-12
@@ -58,10 +60,17 @@ class _Stage:
 
 def simulate_shared_cores(
     *, stages: dict[StageId, StageWork], num_micro_batches: Sequence[int], schedule: str, cores: int,
-    groups: Sequence[SyncGroup], background_procs: float = 0.0,
+    groups: Sequence[SyncGroup], background_procs: float = 0.0, barrier_s: float = 0.0,
 ) -> tuple[float, list[float]]:
     """(step time, each pipeline's last-backward time) with `cores` shared by every rank of the plan
-    and by `background_procs` always-busy processes of other users (0 on a machine of one's own)."""
+    and by `background_procs` always-busy processes of other users (0 on a machine of one's own).
+
+    ``barrier_s``: the world all-reduces of the loss (after the schedule) and of the gradient norm
+    (before the update) are barriers of every stage lasting that long (see sync.simulate_sync)."""
+    everyone = tuple(stages)
+    loss_g, norm_g = len(groups), len(groups) + 1
+    groups = [*groups, SyncGroup("loss", everyone, 8.0, Link(float("inf"), 0.0), barrier_s),
+              SyncGroup("grad norm", everyone, 8.0, Link(float("inf"), 0.0), barrier_s)]
     n_stages = {pi: 1 + max(si for p, si in stages if p == pi) for pi, _ in stages}
     st: dict[StageId, _Stage] = {}
     my_groups: dict[StageId, list[int]] = {sid: [] for sid in stages}
@@ -72,7 +81,8 @@ def simulate_shared_cores(
     for sid, w in stages.items():
         pi, si = sid
         ops = op_order(num_stages=n_stages[pi], stage=si, num_micro_batches=num_micro_batches[pi], schedule=schedule)
-        tasks = [(k, i) for k, i in ops] + [("S", gi) for gi in my_groups[sid]] + [("U", 0)]
+        tasks = ([(k, i) for k, i in ops] + [("S", loss_g)] + [("S", gi) for gi in my_groups[sid]]
+                 + [("S", norm_g)] + [("U", 0)])
         st[sid] = _Stage(sid, w, tasks, max(1, w.ranks))
     f_end: dict[tuple[int, int, int], float] = {}
     b_end: dict[tuple[int, int, int], float] = {}

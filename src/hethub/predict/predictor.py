@@ -34,7 +34,7 @@ from hethub.predict.memory import (
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.schedule import StageSchedule, simulate_pipeline, simulate_pipeline_time
-from hethub.predict.sync import SyncResult, simulate_sync, sync_groups
+from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_barrier_s
 from hethub.spec.cluster import Link
 
 
@@ -152,12 +152,15 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
     cores = cluster.host_cores
-    if cores is not None and (plan.world_size > cores or host_background_procs > 0):
-        # More ranks than cores on the one emulation host: they share the cores (contention.py).
+    if cores is not None:
+        # Local emulation: every rank is a process of hethub's runtime on one host. Replay the step
+        # with its world barriers (loss and gradient-norm all-reduces) and, with more ranks than
+        # cores, cores shared among them (contention.py).
         work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send) for pi, si, cost, _, send in partial}
         step, pipes = simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
                                             num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
-                                            background_procs=host_background_procs)
+                                            background_procs=host_background_procs,
+                                            barrier_s=world_barrier_s(plan))
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
     events: tuple[Event, ...] = ()

@@ -109,6 +109,15 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     return groups
 
 
+def world_barrier_s(plan: Plan) -> float:
+    """One tiny all-reduce over every stage (the runtime's loss and gradient-norm all-reduces): the
+    ring's latency. Used by the shared-core replay (contention.py), where they act as world barriers."""
+    firsts = [s.devices[0] for p in plan.pipelines for s in p.stages]
+    if len(firsts) < 2:
+        return 0.0
+    return allreduce_time_s(nbytes=8.0, participants=len(firsts), link=slowest_link(plan.cluster, firsts))
+
+
 def simulate_sync(
     plan: Plan, *, finish_s: Sequence[Sequence[float]], update_s: Sequence[Sequence[float]], record: bool = False,
     groups: Sequence[SyncGroup] | None = None,
