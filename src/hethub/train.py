@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> None:
         bar.close()
         if args.checkpoint_dir and start < args.steps:
             save_checkpoint(trainer, root=args.checkpoint_dir, step=args.steps, keep=args.keep_checkpoints)
+        # Tear down only once every rank is done: a rank leaving while a peer's last gloo transfer
+        # is in flight can abort that peer (seen rarely as "terminate called without an active
+        # exception").
+        comm.barrier()
     finally:
         dist.destroy_process_group()
 
