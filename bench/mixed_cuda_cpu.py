@@ -29,8 +29,8 @@ import torch
 from hethub.comm.factory import make_communicator
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.runtime.local_ranks import run_local_ranks
-from hethub.runtime.model import StageModel
-from hethub.runtime.optim import OptimConfig, build_optimizer
+from hethub.runtime.optim import OptimConfig
+from hethub.runtime.reference import train_single_device
 from hethub.runtime.trainer import Trainer, TrainerConfig
 from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
 from hethub.spec.model import ModelSpec
@@ -59,21 +59,7 @@ def mixed_plan() -> Plan:
 
 def reference(plan: Plan, data: list[torch.Tensor]) -> dict[str, Any]:
     """The whole model on one CPU device: loss and gradients of step 0, parameters after all steps."""
-    model = StageModel(plan.model, layers=(0, plan.model.num_layers), embedding=True, head=True, seed=0)
-    opt, sched = build_optimizer(model, OPTIM)
-    out: dict[str, Any] = {}
-    for step, batch in enumerate(data):
-        loss = model(batch[:, :-1], batch[:, 1:]) / batch.shape[0]
-        loss.backward()
-        if step == 0:
-            out["loss"] = float(loss.detach())
-            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return train_single_device(plan.model, data, optim=OPTIM)
 
 
 def worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any], cpu_only: bool) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import torch
 
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.runtime.local_ranks import run_local_ranks
-from hethub.runtime.model import StageModel
-from hethub.runtime.optim import OptimConfig, build_optimizer
+from hethub.runtime.optim import OptimConfig
+from hethub.runtime.reference import train_single_device
 from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
 from hethub.spec.model import ModelSpec
 
@@ -64,22 +64,7 @@ def batches(plan: Plan, *, steps: int, seed: int = 1234) -> list[torch.Tensor]:
 def reference(spec: ModelSpec, data: list[torch.Tensor], *, optim: OptimConfig = OPTIM,
               seed: int = 0) -> dict[str, Any]:
     """Plain single-process training on the whole global batch: loss/grads of step 0, params after all."""
-    model = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=seed)
-    opt, sched = build_optimizer(model, optim)
-    out: dict[str, Any] = {}
-    for step, batch in enumerate(data):
-        loss = model(batch[:, :-1], batch[:, 1:]) / batch.shape[0]
-        loss.backward()
-        if step == 0:
-            out["loss"] = float(loss.detach())
-            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-        out.setdefault("norms", []).append(float(norm))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return train_single_device(spec, data, optim=optim, seed=seed)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import SpecError
+from hethub.errors import SpecError, field_error
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.spec.model import ModelSpec
 
@@ -171,7 +171,7 @@ def _pos_int(v: Any, where: str, f: str) -> int:
 
 
 def _err(where: str, f: str, problem: str, fix: str) -> SpecError:
-    return SpecError(f"{where}: field '{f}' {problem}. Fix: {fix}.")
+    return field_error(where, f, problem, fix, cls=SpecError)
 
 
 def read_json_file(p: Path) -> Any:

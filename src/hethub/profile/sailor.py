@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import PlanError, SpecError
+from hethub.errors import PlanError, SpecError, field_error
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry
 from hethub.profile.format import ProfileFile, read_json_file
@@ -284,4 +284,4 @@ def _pint(v: Any, where: str, f: str) -> int:
 
 
 def _perr(where: str, f: str, problem: str, fix: str) -> PlanError:
-    return PlanError(f"{where}: field '{f}' {problem}. Fix: {fix}.")
+    return field_error(where, f, problem, fix, cls=PlanError)

@@ -1,0 +1,35 @@
+"""The single-device baseline every plan must match: the whole model, the whole global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hethub.runtime.model import StageModel
+from hethub.runtime.optim import OptimConfig, build_optimizer
+from hethub.spec.model import ModelSpec
+
+
+def train_single_device(spec: ModelSpec, data: list[torch.Tensor], *, optim: OptimConfig,
+                        seed: int = 0) -> dict[str, Any]:
+    """Plain training on one device: loss and gradients of step 0, the clipped norms, final params.
+
+    Each batch is [global_batch, seq_len + 1] tokens; the loss is the mean over sequences of each
+    sequence's mean token loss, as the runtime's sample-weighted sync computes it.
+    """
+    model = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=seed)
+    opt, sched = build_optimizer(model, optim)
+    out: dict[str, Any] = {"norms": []}
+    for step, batch in enumerate(data):
+        loss = model(batch[:, :-1], batch[:, 1:]) / batch.shape[0]
+        loss.backward()
+        if step == 0:
+            out["loss"] = float(loss.detach())
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
