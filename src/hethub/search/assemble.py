@@ -48,15 +48,19 @@ def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batc
             pipes.append(g.pipe)
             counts.append(m)
     devices = allocate_devices(cluster, pipes)
-    pipelines = []
-    for pc, m, devs in zip(pipes, counts, devices, strict=True):
-        stages, start = [], 0
-        for s, (slot, n) in enumerate(zip(pc.slots, pc.layers, strict=True)):
-            stages.append(Stage(kind=slot.kind, devices=devs[s], layers=(start, start + n), embedding=s == 0,
-                                head=s == len(pc.slots) - 1, recompute=pc.recompute[s]))
-            start += n
-        pipelines.append(Pipeline(micro_batch_size=pc.mbs, num_micro_batches=m, stages=tuple(stages)))
+    pipelines = [to_pipeline(pc, devs, num_micro_batches=m, mbs=pc.mbs)
+                 for pc, m, devs in zip(pipes, counts, devices, strict=True)]
     # Order replicas by their first device so the plan reads like the cluster file.
     pipelines.sort(key=lambda p: p.stages[0].devices[0])
     return Plan(model=model, cluster=cluster, global_batch=global_batch, seq_len=seq_len,
                 pipelines=tuple(pipelines), schedule=schedule, precision=precision, strategy=strategy).validate()
+
+
+def to_pipeline(pc: PipeCost, devices: list[tuple[int, ...]], *, num_micro_batches: int, mbs: int) -> Pipeline:
+    """A priced pipeline template on concrete devices: contiguous layers, embedding first, head last."""
+    stages, start = [], 0
+    for s, (slot, n) in enumerate(zip(pc.slots, pc.layers, strict=True)):
+        stages.append(Stage(kind=slot.kind, devices=devices[s], layers=(start, start + n), embedding=s == 0,
+                            head=s == len(pc.slots) - 1, recompute=pc.recompute[s]))
+        start += n
+    return Pipeline(micro_batch_size=mbs, num_micro_batches=num_micro_batches, stages=tuple(stages))

@@ -21,11 +21,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from hethub.plan import Pipeline, Plan, Stage
+from hethub.plan import Plan
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.search.assemble import allocate_devices
+from hethub.search.assemble import allocate_devices, to_pipeline
 from hethub.search.config import PlannerConfig
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
@@ -121,14 +121,8 @@ def _multisets(options: list[int], shapes: list[tuple[Slot, ...]], free: dict[st
 
 
 def _plan(s: Searcher, pipes: list, devices: list, ms: tuple[int, ...], mbs: int) -> Plan:
-    pipelines = []
-    for pc, devs, m in zip(pipes, devices, ms, strict=True):
-        stages, start = [], 0
-        for i, (slot, n) in enumerate(zip(pc.slots, pc.layers, strict=True)):
-            stages.append(Stage(kind=slot.kind, devices=devs[i], layers=(start, start + n), embedding=i == 0,
-                                head=i == len(pc.slots) - 1, recompute=pc.recompute[i]))
-            start += n
-        pipelines.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(stages)))
+    pipelines = [to_pipeline(pc, devs, num_micro_batches=m, mbs=mbs)
+                 for pc, devs, m in zip(pipes, devices, ms, strict=True)]
     cfg = s.config
     return Plan(model=s.model, cluster=s.cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                 pipelines=tuple(pipelines), schedule=cfg.schedule, precision=cfg.precision, strategy="exhaustive")
