@@ -1,13 +1,18 @@
 """How close the predictor is to real runs: step time and per-rank memory, on this machine.
 
-    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 8] [--warmup 3]
-                                       [--sets tuning,held-out] [--json OUT]
+    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 6] [--warmup 2] [--reps 3]
+                                       [--profiles 1] [--sets tuning,held-out] [--json OUT]
 
-1. Profiles this machine (``hethub profile``'s code: mbs 1,2,4, TP 1,2) for cpu-fast; cpu-slow gets
-   the same profile, the predictor multiplies it by the kind's emulated slowdown.
+1. Profiles this machine (``hethub profile``'s code: mbs 1,2,4, TP 1,2, decoder stacks of 1/2/4/8
+   layers) for cpu-fast; cpu-slow gets the same profile, the predictor multiplies it by the kind's
+   emulated slowdown. With ``--profiles P`` > 1 it profiles again between repetitions (P times in
+   all) and predicts with the median profile, time by time.
 2. For every plan of bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set
    to this machine's usable cores): predicts the step time with the profile, runs the plan through
-   torchrun (``launch_local``) and takes the median measured step time after warm-up steps.
+   torchrun (``launch_local``) ``--reps`` times and takes the median over runs of each run's median
+   step time after warm-up steps. Repetitions go round-robin over all plans (every plan once, then
+   every plan again), so slow drift of the machine hits all plans alike; the spread (min-max of
+   the runs) is printed per plan.
 3. Compares each stage's predicted memory (weights + grads + optimizer state, activations) with
    storage accounting of the runtime's own modules (hethub.profile.stage_memory).
 
@@ -31,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _accuracy_plans import HELD_OUT, TUNING, PlanDef, build_plan
 from hethub.plan import Plan
 from hethub.predict.predictor import predict
-from hethub.predict.profiles import ProfileSet
+from hethub.predict.profiles import LayerTimes, ProfileSet
 from hethub.profile.layers import Repetitions
 from hethub.profile.runner import profile_for_kinds
 from hethub.profile.stage_memory import measure_stage_memory
@@ -50,6 +55,27 @@ def usable_cores() -> int:
 def profile_machine(model_name: str, *, seq_len: int) -> ProfileSet:
     return profile_for_kinds(model=get_model(model_name), kinds=("cpu-fast", "cpu-slow"), seq_len=seq_len,
                              mbs=(1, 2, 4), tp=(1, 2), reps=Repetitions(warmup=3, repeats=15))
+
+
+def median_profiles(sets: list[ProfileSet]) -> ProfileSet:
+    """Entry by entry, part by part, the median of each time over several profiles of the same shape."""
+    if len(sets) == 1:
+        return sets[0]
+
+    def med(ts: list[LayerTimes]) -> LayerTimes:
+        return LayerTimes(*(statistics.median(getattr(t, a) for t in ts) for a in ("fwd_s", "bwd_s", "update_s")))
+
+    by_kind = {}
+    for kind, first in sets[0].by_kind.items():
+        profs = [s.by_kind[kind] for s in sets]
+        entries = {}
+        for key, e0 in first.entries.items():
+            es = [p.entries[key] for p in profs]
+            depths = tuple((k, med([dict(e.layer_by_depth)[k] for e in es])) for k, _ in e0.layer_by_depth)
+            entries[key] = replace(e0, embedding=med([e.embedding for e in es]), layer=med([e.layer for e in es]),
+                                   head=med([e.head for e in es]), layer_by_depth=depths)
+        by_kind[kind] = replace(first, entries=entries, source=f"median of {len(sets)} profiles")
+    return ProfileSet(by_kind=by_kind)
 
 
 def _cpu_busy_s() -> float:
@@ -75,8 +101,8 @@ def wait_for_quiet(*, max_wait_s: float, busy_cores_below: float = 0.3) -> float
             return busy
 
 
-def time_row(plan: Plan, *, profiles: ProfileSet, steps: int, warmup: int, workdir: Path) -> dict:
-    pred = predict(plan, profiles=profiles)
+def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path) -> tuple[float, float]:
+    """One run of the plan: (median step time s, foreign load in cores during the run)."""
     path = workdir / "plan.json"
     plan.save(path)
     wait_for_quiet(max_wait_s=10.0)
@@ -84,10 +110,19 @@ def time_row(plan: Plan, *, profiles: ProfileSet, steps: int, warmup: int, workd
     measured = measured_step_time_s(path, nproc=plan.world_size, steps=steps, warmup=warmup)
     wall = time.monotonic() - t0
     foreign = max(0.0, (_cpu_busy_s() - busy0) - (_children_cpu_s() - own0)) / wall
-    # The same prediction told about the foreign load measured during the run (an oracle input,
+    return measured, foreign
+
+
+def time_row(plan: Plan, *, profiles: ProfileSet, runs: list[tuple[float, float]]) -> dict:
+    pred = predict(plan, profiles=profiles)
+    times = [m for m, _ in runs]
+    measured = statistics.median(times)
+    foreign = statistics.median(f for _, f in runs)
+    # The same prediction told about the foreign load measured during the runs (an oracle input,
     # reported separately): what the contention model makes of other users' processes.
     aware = predict(plan, profiles=profiles, host_background_procs=foreign).step_time_s
-    return {"predicted_s": pred.step_time_s, "measured_s": measured, "foreign_load_cores": foreign,
+    return {"predicted_s": pred.step_time_s, "measured_s": measured, "runs_s": times,
+            "spread": (max(times) - min(times)) / measured, "foreign_load_cores": foreign,
             "error": (pred.step_time_s - measured) / measured, "sources": pred.compute_sources,
             "load_aware_s": aware, "load_aware_error": (aware - measured) / measured}
 
@@ -118,8 +153,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=9)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps at the start of each run (default 2)")
+    ap.add_argument("--reps", type=int, default=3, help="runs per plan, round-robin over plans (default 3)")
+    ap.add_argument("--profiles", type=int, default=1,
+                    help="profiles taken, between repetitions; the median is used (default 1)")
     ap.add_argument("--sets", default="tuning,held-out")
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
@@ -128,28 +166,45 @@ def main() -> None:
     cluster = replace(load_cluster(CLUSTER), host_cores=usable_cores())
     print(f"machine: {usable_cores()} usable cores, load average {os.getloadavg()[0]:.2f}; model {model.name} "
           f"({model.num_params / 1e6:.2f} M params), seq_len {args.seq_len}", flush=True)
-    profiles = profile_machine(args.model, seq_len=args.seq_len)
+    if args.steps - args.warmup < 1 or args.reps < 1 or args.profiles < 1:
+        ap.error("need --steps > --warmup, --reps >= 1 and --profiles >= 1")
     sets: dict[str, tuple[PlanDef, ...]] = {"tuning": TUNING, "held-out": HELD_OUT}
     chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
-    out: dict[str, list[dict]] = {}
-    print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'error':>7} "
-          f"{'mem error':>9} {'foreign load':>12} {'load-aware':>10}", flush=True)
+    plans = [(name, pd, build_plan(pd, cluster=cluster, model=model, seq_len=args.seq_len))
+             for name in chosen for pd in sets[name]]
+    # One profile before each of the first `--profiles` repetitions (the rest, if any, after the last).
+    taken: list[ProfileSet] = []
+    runs: list[list[tuple[float, float]]] = [[] for _ in plans]
     with tempfile.TemporaryDirectory() as d:
-        for name in chosen:
-            rows = out.setdefault(name, [])
-            for pd in sets[name]:
-                plan = build_plan(pd, cluster=cluster, model=model, seq_len=args.seq_len)
-                row = {"plan": pd.name, "ranks": plan.world_size,
-                       **time_row(plan, profiles=profiles, steps=args.steps, warmup=args.warmup, workdir=Path(d)),
-                       "memory": memory_rows(plan)}
-                mem = max(abs(m["total_error"]) for m in row["memory"])
-                rows.append(row)
-                print(f"{name:<9} {pd.name:<34} {plan.world_size:>5} {row['predicted_s'] * 1e3:>8.1f}ms "
-                      f"{row['measured_s'] * 1e3:>8.1f}ms {row['error']:>+7.1%} {mem:>9.1%} "
-                      f"{row['foreign_load_cores']:>7.2f} cores {row['load_aware_error']:>+10.1%}", flush=True)
+        for rep in range(args.reps):
+            if len(taken) < args.profiles:
+                taken.append(profile_machine(args.model, seq_len=args.seq_len))
+            t_rep = time.monotonic()
+            for i, (_, _, plan) in enumerate(plans):
+                runs[i].append(measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d)))
+            print(f"repetition {rep + 1}/{args.reps}: {len(plans)} plans in {time.monotonic() - t_rep:.0f} s",
+                  flush=True)
+        while len(taken) < args.profiles:
+            taken.append(profile_machine(args.model, seq_len=args.seq_len))
+    profiles = median_profiles(taken)
+    out: dict[str, list[dict]] = {}
+    print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'spread':>17} "
+          f"{'error':>7} {'mem error':>9} {'foreign load':>12} {'load-aware':>10}", flush=True)
+    for (name, pd, plan), plan_runs in zip(plans, runs, strict=True):
+        row = {"plan": pd.name, "ranks": plan.world_size, **time_row(plan, profiles=profiles, runs=plan_runs),
+               "memory": memory_rows(plan)}
+        mem = max(abs(m["total_error"]) for m in row["memory"])
+        out.setdefault(name, []).append(row)
+        lo, hi = min(row["runs_s"]) * 1e3, max(row["runs_s"]) * 1e3
+        print(f"{name:<9} {pd.name:<34} {plan.world_size:>5} {row['predicted_s'] * 1e3:>8.1f}ms "
+              f"{row['measured_s'] * 1e3:>8.1f}ms {lo:>6.1f}-{hi:>6.1f}ms {row['error']:>+7.1%} {mem:>9.1%} "
+              f"{row['foreign_load_cores']:>7.2f} cores {row['load_aware_error']:>+10.1%}", flush=True)
     print()
     for name, rows in out.items():
-        print(_summary(f"step time, {name:<8}", [r["error"] for r in rows]))
+        spreads = [r["spread"] for r in rows]
+        print(_summary(f"step time, {name:<8}", [r["error"] for r in rows])
+              + f"; run-to-run spread (max-min)/median: median {statistics.median(spreads):.1%}, "
+                f"max {max(spreads):.1%}")
         print(_summary(f"  load-aware, {name:<8}", [r["load_aware_error"] for r in rows]))
     for name, rows in out.items():
         mems = [m for r in rows for m in r["memory"]]

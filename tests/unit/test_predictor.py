@@ -197,3 +197,19 @@ def test_predict_4096_devices_is_fast():
     assert elapsed < 2.0
     assert len(pred.stages) == 4096 and len(set(pred.pipeline_times_s)) == 1
     assert pred.step_time_s > pred.pipeline_times_s[0]
+
+
+def test_layer_time_is_interpolated_at_the_stage_depth():
+    one, four, eight = LayerTimes(0.010, 0.020, 0.001), LayerTimes(0.008, 0.016, 0.0008), LayerTimes(0.012, 0.024)
+    entry = ProfileEntry(embedding=LayerTimes(0.0, 0.0), layer=one, head=LayerTimes(0.0, 0.0),
+                         layer_by_depth=((4, four), (8, eight)))
+    assert entry.layer_at(1) == one
+    assert entry.layer_at(4) == four
+    assert entry.layer_at(2).fwd_s == pytest.approx(0.010 + (0.008 - 0.010) / 3)
+    assert entry.layer_at(6).bwd_s == pytest.approx(0.020)
+    assert entry.layer_at(12) == eight  # nearest beyond the deepest measured stack
+    assert ProfileEntry(LayerTimes(0, 0), one, LayerTimes(0, 0)).layer_at(8) == one  # no depths: as before
+    c = cluster((kind("a"), 1, 1))
+    pl = plan(c, [Pipeline(2, 1, stages("a", [(0, 6)], [(0,)]))])
+    prof = ProfileSet({"a": KindProfile(kind="a", model="tiny", seq_len=SEQ, entries={(2, 1): entry})})
+    assert predict(pl, profiles=prof).stages[0].fwd_s == pytest.approx(6 * 0.010)

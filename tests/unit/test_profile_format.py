@@ -134,3 +134,24 @@ def test_not_json_or_missing(tmp_path):
     (tmp_path / "x.json").write_text("[1, 2]")
     with pytest.raises(SpecError, match="not a profile"):
         read_profile(tmp_path / "x.json")
+
+
+def test_layer_depths_round_trip_and_are_optional(tmp_path):
+    prof = _profile(entries=((1, 1),))
+    e = prof.entries[(1, 1)]
+    deep = ((2, LayerTimes(0.9e-3, 1.8e-3, 1e-4)), (8, LayerTimes(1.5e-3, 3e-3, 0.8e-4)))
+    prof = KindProfile(kind="fast", model="t", seq_len=32, entries={(1, 1): ProfileEntry(
+        e.embedding, e.layer, e.head, peak_mem_bytes=e.peak_mem_bytes, layer_by_depth=deep)})
+    path = tmp_path / "deep.json"
+    write_profile(path, prof, model=tiny_model(), device="x")
+    data = json.loads(path.read_text())
+    assert [d["layers"] for d in data["entries"][0]["layer_depths"]] == [2, 8]
+    assert read_profile(path).entries == prof.entries
+    # A file without the field (older files) reads as depth-independent.
+    del data["entries"][0]["layer_depths"]
+    path.write_text(json.dumps(data))
+    assert read_profile(path).entries[(1, 1)].layer_by_depth == ()
+    data["entries"][0]["layer_depths"] = [{"layers": 1, "fwd_s": 1.0, "bwd_s": 1.0, "update_s": 0.0}]
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match=r"entries\[0\]\.layer_depths\[0\]\.layers"):
+        read_profile(path)

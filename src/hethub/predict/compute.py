@@ -31,14 +31,17 @@ def stage_times(
 ) -> StageTimes:
     entry = profile.lookup(mbs=mbs, tp=tp) if profile is not None else None
     if entry is not None:
-        fwd = layers * entry.layer.fwd_s
-        bwd = layers * entry.layer.bwd_s
-        upd = layers * entry.layer.update_s
+        # Per-layer time at this stage's depth: a deep stack costs more per layer (what it keeps for
+        # backward outgrows the caches) where the profile measured stacks of several layers.
+        per_layer = entry.layer_at(layers)
+        fwd = layers * per_layer.fwd_s
+        bwd = layers * per_layer.bwd_s
+        upd = layers * per_layer.update_s
         for part, present in ((entry.embedding, embedding), (entry.head, head)):
             if present:
                 fwd, bwd, upd = fwd + part.fwd_s, bwd + part.bwd_s, upd + part.update_s
         if recompute:
-            bwd += layers * entry.layer.fwd_s
+            bwd += layers * per_layer.fwd_s
         # A profile measures real speed; an emulated kind is slowed on top of it, in its forward and
         # backward chunks only (the runtime's emulation sleeps there, not in the optimizer step).
         k = kind.emulated_slowdown

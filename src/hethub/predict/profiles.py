@@ -8,6 +8,7 @@ module is the in-memory form the predictor consumes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -30,6 +31,23 @@ class ProfileEntry:
     # False when a TP>1 entry was measured as the sharded layer alone (no TP group at hand): the
     # predictor then adds its modelled TP all-reduces. True for real TP groups and Sailor's data.
     tp_comm_included: bool = True
+    # Optional: per-layer times measured on a stack of k > 1 decoder layers, as ((k, times per layer), ..)
+    # sorted by k. `layer` is the k = 1 measurement. Empty (old files, Sailor): depth-independent.
+    layer_by_depth: tuple[tuple[int, LayerTimes], ...] = ()
+
+    def layer_at(self, depth: int) -> LayerTimes:
+        """Per-layer times for a stage of `depth` decoder layers: linear in the depth between measured
+        stack depths, the nearest measured one beyond them."""
+        points = [(1, self.layer), *((k, t) for k, t in self.layer_by_depth if k > 1)]
+        if len(points) == 1 or depth <= points[0][0]:
+            return points[0][1]
+        for (k0, t0), (k1, t1) in itertools.pairwise(points):
+            if depth <= k1:
+                w = (depth - k0) / (k1 - k0)
+                return LayerTimes(*((1 - w) * a + w * b for a, b in
+                                    zip((t0.fwd_s, t0.bwd_s, t0.update_s), (t1.fwd_s, t1.bwd_s, t1.update_s),
+                                        strict=True)))
+        return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -49,7 +67,8 @@ class KindProfile:
             return None
         near = min(same_tp, key=lambda m: abs(m - mbs))
         e, f = self.entries[(near, tp)], mbs / near
-        return ProfileEntry(e.embedding.scaled(f), e.layer.scaled(f), e.head.scaled(f), None, e.tp_comm_included)
+        return ProfileEntry(e.embedding.scaled(f), e.layer.scaled(f), e.head.scaled(f), None, e.tp_comm_included,
+                            tuple((k, t.scaled(f)) for k, t in e.layer_by_depth))
 
 
 @dataclass(frozen=True)

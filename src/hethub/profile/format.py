@@ -64,7 +64,9 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
             {"mbs": mbs, "tp": tp,
              **{part: _times_dict(getattr(e, part)) for part in _PARTS},
              "peak_mem_bytes": e.peak_mem_bytes,
-             **({} if e.tp_comm_included else {"tp_comm_included": False})}
+             **({} if e.tp_comm_included else {"tp_comm_included": False}),
+             **({"layer_depths": [{"layers": k, **_times_dict(t)} for k, t in e.layer_by_depth]}
+                if e.layer_by_depth else {})}
             for (mbs, tp), e in sorted(profile.entries.items())
         ],
     }
@@ -146,7 +148,8 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
             raise _err(where, f"{f}.tp_comm_included", f"must be true or false, got {included!r}",
                        "write true if the TP all-reduces are inside the times")
         entries[(mbs, tp)] = ProfileEntry(*(_times(e[part], where, f"{f}.{part}") for part in _PARTS),
-                                          peak_mem_bytes=mem, tp_comm_included=included)
+                                          peak_mem_bytes=mem, tp_comm_included=included,
+                                          layer_by_depth=_depths(e.get("layer_depths", []), where, f"{f}.layer_depths"))
     prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where)
     return ProfileFile(profile=prof, model_shape=shape, device=data["device"])
 
@@ -162,6 +165,23 @@ def _times(t: Any, where: str, f: str) -> LayerTimes:
                        "write the measured time in seconds")
         vals.append(float(v))
     return LayerTimes(*vals)
+
+
+def _depths(v: Any, where: str, f: str) -> tuple[tuple[int, LayerTimes], ...]:
+    """Optional (absent in older files): per-layer times measured on stacks of k > 1 decoder layers."""
+    if not isinstance(v, list):
+        raise _err(where, f, "must be a list", 'write [{"layers": k, "fwd_s": .., "bwd_s": .., "update_s": ..}, ..]')
+    out: dict[int, LayerTimes] = {}
+    for i, d in enumerate(v):
+        if not isinstance(d, dict):
+            raise _err(where, f"{f}[{i}]", "must be an object",
+                       'write {"layers": k, "fwd_s": .., "bwd_s": .., "update_s": ..}')
+        k = _pos_int(d.get("layers"), where, f"{f}[{i}].layers")
+        if k < 2 or k in out:
+            raise _err(where, f"{f}[{i}].layers", f"is {k}: must be >= 2 and appear once",
+                       "list each stack depth above 1 once (depth 1 is field 'layer')")
+        out[k] = _times(d, where, f"{f}[{i}]")
+    return tuple(sorted(out.items()))
 
 
 def _pos_int(v: Any, where: str, f: str) -> int:

@@ -47,6 +47,8 @@ class EntryResult:
     layer: PartResult
     head: PartResult
     peak_mem_bytes: int
+    # Per-layer times of stacks of k > 1 decoder layers ((k, times / k), ..), where measured.
+    layer_by_depth: tuple[tuple[int, LayerTimes], ...] = ()
 
 
 def _sync(device: torch.device) -> None:
@@ -117,9 +119,18 @@ def _update(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, sched:
     # references, which costs microseconds.
 
 
+def stack_depths(spec: ModelSpec, wanted: tuple[int, ...] = (2, 4, 8)) -> tuple[int, ...]:
+    """Stack depths above 1 to measure for `spec`: `wanted` capped at the model's layer count."""
+    return tuple(sorted({min(k, spec.num_layers) for k in wanted} - {1}))
+
+
 def measure_entry(spec: ModelSpec, *, mbs: int, seq_len: int, tp: TPContext, device: torch.device,
-                  reps: Repetitions, seed: int = 0) -> EntryResult:
-    """All three parts at one micro-batch size on this rank of a TP group (size 1: no group)."""
+                  reps: Repetitions, seed: int = 0, depths: tuple[int, ...] = ()) -> EntryResult:
+    """All three parts at one micro-batch size on this rank of a TP group (size 1: no group).
+
+    ``depths``: also time stacks of k decoder layers (k > 1) and keep their per-layer times, because
+    a stage of many layers costs more per layer than one layer alone (its saved activations outgrow
+    the caches)."""
     barrier: Callable[[], None] = (lambda: tp.comm.barrier()) if tp.comm is not None else (lambda: None)
     # One CPU thread and no TP group: the part's time is its thread's CPU time, which other load on a
     # shared machine does not inflate (the emulation sleeps by the same clock). Otherwise wall time:
@@ -145,10 +156,15 @@ def measure_entry(spec: ModelSpec, *, mbs: int, seq_len: int, tp: TPContext, dev
                          device=device, reps=reps, barrier=barrier, clock=clock)
     head = measure_part(part((0, 0), embedding=False, head=True), make_input=lambda: (hidden(), tokens()),
                         device=device, reps=reps, barrier=barrier, clock=clock)
+    by_depth = []
+    for k in sorted(set(depths) - {1}):
+        t = measure_part(part((0, k), embedding=False, head=False), make_input=lambda: (hidden(), None),
+                         device=device, reps=reps, barrier=barrier, clock=clock).times
+        by_depth.append((k, LayerTimes(t.fwd_s / k, t.bwd_s / k, t.update_s / k)))
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device))
     else:
         # No allocator statistics on CPU: the largest part's training state plus what its forward
         # keeps for backward, by storage accounting.
         peak = max(p.state_bytes + p.saved_bytes for p in (emb, layer, head))
-    return EntryResult(emb, layer, head, peak)
+    return EntryResult(emb, layer, head, peak, tuple(by_depth))

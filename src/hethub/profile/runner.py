@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from hethub.predict.profiles import KindProfile, ProfileEntry, ProfileSet
+from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.profile.format import merge_profiles
-from hethub.profile.layers import EntryResult, Repetitions, measure_entry
+from hethub.profile.layers import EntryResult, Repetitions, measure_entry, stack_depths
 from hethub.progress import progress
 from hethub.runtime.tensor_parallel import TPContext
 from hethub.spec.model import ModelSpec
@@ -40,6 +40,8 @@ class ProfileRequest:
     device: str = "cpu"
     threads: int = 1
     reps: Repetitions = field(default_factory=Repetitions)
+    # Decoder-layer stack depths (> 1, capped at the model's layer count) also measured per entry.
+    depths: tuple[int, ...] = (2, 4, 8)
 
 
 def device_description(device: str) -> str:
@@ -60,13 +62,14 @@ def run_profile(req: ProfileRequest) -> KindProfile:
             _check_tp(req.model, tp)
             if tp == 1:
                 res, included = measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=TPContext(), device=dev,
-                                              reps=req.reps), True
+                                              reps=req.reps, depths=stack_depths(req.model, req.depths)), True
             elif dev.type == "cpu":
                 res, included = _slowest(_run_tp_ranks(req, mbs=mbs, tp=tp)), True
             else:
                 res, included = _measure_sharded_alone(req, mbs=mbs, tp=tp, dev=dev), False
             entries[(mbs, tp)] = ProfileEntry(res.embedding.times, res.layer.times, res.head.times,
-                                              peak_mem_bytes=res.peak_mem_bytes, tp_comm_included=included)
+                                              peak_mem_bytes=res.peak_mem_bytes, tp_comm_included=included,
+                                              layer_by_depth=res.layer_by_depth)
             bar.update()
     return KindProfile(kind=req.kind, model=req.model.name, seq_len=req.seq_len, entries=entries,
                        source=f"hethub profile on {device_description(req.device)}")
@@ -85,7 +88,13 @@ def _slowest(results: list[EntryResult]) -> EntryResult:
     def pick(attr: str):
         return max((getattr(r, attr) for r in results), key=lambda p: p.times.fwd_s + p.times.bwd_s)
 
-    return EntryResult(pick("embedding"), pick("layer"), pick("head"), max(r.peak_mem_bytes for r in results))
+    def depths() -> tuple[tuple[int, LayerTimes], ...]:
+        ks = [k for k, _ in results[0].layer_by_depth]
+        return tuple((k, max((dict(r.layer_by_depth)[k] for r in results), key=lambda t: t.fwd_s + t.bwd_s))
+                     for k in ks)
+
+    return EntryResult(pick("embedding"), pick("layer"), pick("head"), max(r.peak_mem_bytes for r in results),
+                       depths())
 
 
 class _NoCollectives:
@@ -100,7 +109,8 @@ class _NoCollectives:
 
 def _measure_sharded_alone(req: ProfileRequest, *, mbs: int, tp: int, dev: torch.device) -> EntryResult:
     ctx = TPContext(size=tp, rank=0, group=tuple(range(tp)), comm=_NoCollectives())  # type: ignore[arg-type]
-    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx, device=dev, reps=req.reps)
+    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx, device=dev, reps=req.reps,
+                         depths=stack_depths(req.model, req.depths))
 
 
 # ---- forked TP ranks (CPU, gloo) --------------------------------------------------------------------
@@ -108,7 +118,8 @@ def _tp_worker(rank: int, req: ProfileRequest, mbs: int, tp: int) -> EntryResult
     from hethub.comm.communicator import Communicator
 
     ctx = TPContext(size=tp, rank=rank, group=tuple(range(tp)), comm=Communicator())
-    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx, device=torch.device("cpu"), reps=req.reps)
+    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx, device=torch.device("cpu"), reps=req.reps,
+                         depths=stack_depths(req.model, req.depths))
 
 
 def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult]:
