@@ -51,3 +51,11 @@ class CheckpointError(HethubError):
 def field_error(where: str, field: str, problem: str, fix: str, *, cls: type[HethubError] = SpecError):
     """Build an error that names the offending field and how to fix it."""
     return cls(f"{where}: field '{field}' {problem}. Fix: {fix}.")
+
+
+def positive_int(value: object, *, where: str, field: str, cls: type[HethubError] = SpecError) -> int:
+    """`value` if it is an integer >= 1 (booleans excluded), else an error naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise field_error(where, field, f"must be a positive integer, got {value!r}", "write a positive integer",
+                          cls=cls)
+    return value

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import SpecError, field_error
+from hethub.errors import SpecError, field_error, positive_int
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.spec.model import ModelSpec
 
@@ -185,9 +185,7 @@ def _depths(v: Any, where: str, f: str) -> tuple[tuple[int, LayerTimes], ...]:
 
 
 def _pos_int(v: Any, where: str, f: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise _err(where, f, f"must be a positive integer, got {v!r}", "write a positive integer")
-    return v
+    return positive_int(v, where=where, field=f, cls=SpecError)
 
 
 def _err(where: str, f: str, problem: str, fix: str) -> SpecError:

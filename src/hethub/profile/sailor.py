@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import PlanError, SpecError, field_error
+from hethub.errors import PlanError, SpecError, field_error, positive_int
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry
 from hethub.profile.format import ProfileFile, read_json_file
@@ -278,9 +278,7 @@ def _nope(why: str) -> None:
 
 
 def _pint(v: Any, where: str, f: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise _perr(where, f, f"must be a positive integer, got {v!r}", "write a positive integer")
-    return v
+    return positive_int(v, where=where, field=f, cls=PlanError)
 
 
 def _perr(where: str, f: str, problem: str, fix: str) -> PlanError:

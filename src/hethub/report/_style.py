@@ -57,3 +57,14 @@ def fmt_time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} µs"
+
+
+def colour_row_labels(ax: Any, rows: Any, *, total: int, texts: list[str], fontsize: float, pad: float) -> None:
+    """Y tick labels on a stage row's colour, in a text colour readable on it."""
+    ax.set_yticks(range(len(texts)))
+    labels = ax.set_yticklabels(texts, fontsize=fontsize)
+    for r, lab in zip(rows, labels, strict=True):
+        colour = row_colour(r.index, total)
+        lab.set_bbox({"facecolor": colour, "edgecolor": "none", "pad": pad})
+        lab.set_color(text_colour_on(colour))
+    ax.tick_params(axis="y", length=0)

@@ -16,7 +16,14 @@ from typing import Any
 
 from hethub.plan import Plan
 from hethub.predict.result import Prediction, StagePrediction
-from hethub.report._style import MEMORY_COLOURS, OVER_CAPACITY, new_figure, row_colour, text_colour_on
+from hethub.report._style import (
+    MEMORY_COLOURS,
+    OVER_CAPACITY,
+    colour_row_labels,
+    new_figure,
+    row_colour,
+    text_colour_on,
+)
 from hethub.report.groups import StageRow, row_of_stage, stage_predictions, stage_rows
 
 DETAILED_MAX_DEVICES = 64
@@ -207,13 +214,8 @@ def _draw_table(ax: Any, rows: list[StageRow], *, preds: dict[tuple[int, int], S
     ax.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, max_frac * 1.25)
     ax.set_ylim(n - 0.5, -0.5)
-    ax.set_yticks(range(n))
-    labels = ax.set_yticklabels([f"{r.label}  |  {r.detail}" for r in rows], fontsize=7.5)
-    for r, lab in zip(rows, labels, strict=True):
-        colour = row_colour(r.index, total)
-        lab.set_bbox({"facecolor": colour, "edgecolor": "none", "pad": 1.2})
-        lab.set_color(text_colour_on(colour))
-    ax.tick_params(axis="y", length=0)
+    colour_row_labels(ax, rows, total=total, texts=[f"{r.label}  |  {r.detail}" for r in rows], fontsize=7.5,
+                      pad=1.2)
     ax.xaxis.set_major_formatter(_percent())
     more = f" (first {n} of {total} stage rows)" if total > n else ""
     ax.set_xlabel(f"peak memory per device, share of usable capacity (dashed line){more}", fontsize=8.5)

@@ -15,7 +15,14 @@ from typing import Any
 
 from hethub.plan import Plan
 from hethub.predict.result import Event
-from hethub.report._style import CATEGORY_COLOURS, IDLE_COLOUR, fmt_time, new_figure, row_colour, text_colour_on
+from hethub.report._style import (
+    CATEGORY_COLOURS,
+    IDLE_COLOUR,
+    colour_row_labels,
+    fmt_time,
+    new_figure,
+    text_colour_on,
+)
 from hethub.report.analysis import COMPUTE_CATEGORIES, compute_busy_s
 from hethub.report.groups import StageRow, representative_events, stage_rows
 
@@ -106,13 +113,8 @@ def _draw_panel(ax: Any, rows: list[StageRow], events: dict[int, list[Event]], *
         ax.text(step_s * scale, y, f" idle {idle:.0%}", fontsize=7, va="center", ha="left")
     ax.set_xlim(0, x_max * scale * 1.08)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_yticks(range(len(rows)))
-    labels = ax.set_yticklabels([f"{r.label}\n{r.detail}" for r in rows], fontsize=7)
-    for r, lab in zip(rows, labels, strict=True):
-        colour = row_colour(r.index, total_rows)
-        lab.set_bbox({"facecolor": colour, "edgecolor": "none", "pad": 1.0})
-        lab.set_color(text_colour_on(colour))
-    ax.tick_params(axis="y", length=0)
+    colour_row_labels(ax, rows, total=total_rows, texts=[f"{r.label}\n{r.detail}" for r in rows], fontsize=7,
+                      pad=1.0)
     ax.tick_params(axis="x", labelsize=8)
     ax.set_xlabel(f"time since step start ({unit})", fontsize=8.5)
     ax.grid(axis="x", color="#DDDDDD", linewidth=0.5)
