@@ -1,20 +1,25 @@
 """How close the predictor is to real runs: step time and per-rank memory, on this machine.
 
-    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 6] [--warmup 2] [--reps 3]
-                                       [--profiles 1] [--sets tuning,held-out] [--json OUT]
+    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 10] [--warmup 2] [--reps 4]
+                                       [--profile-repeats 4] [--launcher fork|torchrun] [--sets tuning,held-out]
+                                       [--json OUT]
 
-1. Profiles this machine (``hethub profile``'s code: mbs 1,2,4, TP 1,2, decoder stacks of 1/2/4/8
-   layers) for cpu-fast; cpu-slow gets the same profile, the predictor multiplies it by the kind's
-   emulated slowdown. With ``--profiles P`` > 1 it profiles again between repetitions (P times in
-   all) and predicts with the median profile, time by time.
-2. For every plan of bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set
-   to this machine's usable cores): predicts the step time with the profile, runs the plan through
-   torchrun (``launch_local``) ``--reps`` times and takes the median over runs of each run's median
-   step time after warm-up steps. Repetitions go round-robin over all plans (every plan once, then
-   every plan again), so slow drift of the machine hits all plans alike; the spread (min-max of
-   the runs) is printed per plan.
-3. Compares each stage's predicted memory (weights + grads + optimizer state, activations) with
-   storage accounting of the runtime's own modules (hethub.profile.stage_memory).
+For every plan of bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set to
+this machine's usable cores), ``--reps`` times, round-robin over all plans:
+
+1. profiles this machine (``hethub profile``'s code, ``--profile-repeats`` timed repetitions per
+   part, decoder stacks of 1/2/4/8 layers) for exactly the (micro-batch size, TP degree) entries
+   the plan uses, and predicts the plan's step time from that profile (cpu-slow gets the same
+   profile; the predictor multiplies it by the kind's emulated slowdown);
+2. runs the plan through the runtime (``hethub.train`` ranks, forked from this process, or under
+   torchrun with ``--launcher torchrun``) and takes the median step time after warm-up steps.
+
+A plan's error is the median over its runs of (predicted - measured) / measured, each run against
+the profile taken just before it. The "pooled" error predicts once from the median of all profiles
+and compares with the median run: how much a single profile of a drifting machine costs.
+
+Then compares each stage's predicted memory (weights + grads + optimizer state, activations) with
+storage accounting of the runtime's own modules (hethub.profile.stage_memory).
 
 Prints one row per plan, then the median and maximum relative errors of each set, separately.
 """
@@ -34,15 +39,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _accuracy_plans import HELD_OUT, TUNING, PlanDef, build_plan
+from hethub.comm.collbench import measure_host_allreduce
+from hethub.comm.linkbench import measure_links
 from hethub.plan import Plan
+from hethub.predict.links import LinksProfile, plan_with_links
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import LayerTimes, ProfileSet
+from hethub.profile.format import merge_profiles
 from hethub.profile.layers import Repetitions
 from hethub.profile.runner import profile_for_kinds
 from hethub.profile.stage_memory import measure_stage_memory
-from hethub.spec.cluster import load_cluster
+from hethub.spec.cluster import Cluster, load_cluster
 from hethub.spec.model import get_model
-from runtime_overhead import measured_step_time_s
+from runtime_overhead import step_records
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "examples" / "clusters" / "local-cpu.toml"
@@ -52,29 +61,41 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def profile_machine(model_name: str, *, seq_len: int) -> ProfileSet:
-    return profile_for_kinds(model=get_model(model_name), kinds=("cpu-fast", "cpu-slow"), seq_len=seq_len,
-                             mbs=(1, 2, 4), tp=(1, 2), reps=Repetitions(warmup=3, repeats=15))
+def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
+    """Profile this machine for the (micro-batch size, TP degree) entries `plan` uses, nothing else.
+
+    cpu-slow gets the same profile; the predictor multiplies it by the kind's emulated slowdown."""
+    by_tp: dict[int, set[int]] = {}
+    for p in plan.pipelines:
+        for s in p.stages:
+            by_tp.setdefault(s.tp, set()).add(p.micro_batch_size)
+    return merge_profiles(profile_for_kinds(model=plan.model, kinds=("cpu-fast", "cpu-slow"), seq_len=plan.seq_len,
+                                            mbs=tuple(sorted(mbs)), tp=(tp,), reps=reps, show=False)
+                          for tp, mbs in sorted(by_tp.items()))
+
+
+def measure_host_links(cluster: Cluster) -> LinksProfile:
+    """This host's point-to-point links and its all-reduce among 2..N local ranks (``hethub bench comm``)."""
+    links = measure_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
+    return replace(links, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1)))
 
 
 def median_profiles(sets: list[ProfileSet]) -> ProfileSet:
-    """Entry by entry, part by part, the median of each time over several profiles of the same shape."""
-    if len(sets) == 1:
-        return sets[0]
-
+    """Entry by entry, part by part, the median of each time over every profile that has the entry."""
     def med(ts: list[LayerTimes]) -> LayerTimes:
         return LayerTimes(*(statistics.median(getattr(t, a) for t in ts) for a in ("fwd_s", "bwd_s", "update_s")))
 
     by_kind = {}
-    for kind, first in sets[0].by_kind.items():
+    for kind in sets[0].by_kind:
         profs = [s.by_kind[kind] for s in sets]
+        keys = sorted({k for prof in profs for k in prof.entries})
         entries = {}
-        for key, e0 in first.entries.items():
-            es = [p.entries[key] for p in profs]
-            depths = tuple((k, med([dict(e.layer_by_depth)[k] for e in es])) for k, _ in e0.layer_by_depth)
-            entries[key] = replace(e0, embedding=med([e.embedding for e in es]), layer=med([e.layer for e in es]),
+        for key in keys:
+            es = [prof.entries[key] for prof in profs if key in prof.entries]
+            depths = tuple((k, med([dict(e.layer_by_depth)[k] for e in es])) for k, _ in es[0].layer_by_depth)
+            entries[key] = replace(es[0], embedding=med([e.embedding for e in es]), layer=med([e.layer for e in es]),
                                    head=med([e.head for e in es]), layer_by_depth=depths)
-        by_kind[kind] = replace(first, entries=entries, source=f"median of {len(sets)} profiles")
+        by_kind[kind] = replace(profs[0], entries=entries, source=f"median of {len(sets)} profiles")
     return ProfileSet(by_kind=by_kind)
 
 
@@ -101,30 +122,38 @@ def wait_for_quiet(*, max_wait_s: float, busy_cores_below: float = 0.3) -> float
             return busy
 
 
-def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path) -> tuple[float, float]:
-    """One run of the plan: (median step time s, foreign load in cores during the run)."""
+def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher: str) -> dict:
+    """One run of the plan: its median step time, the foreign load (cores) during it, and per-rank
+    medians of the runtime's own step breakdown (busy, waits, sync, optimizer) for diagnosis."""
     path = workdir / "plan.json"
     plan.save(path)
     wait_for_quiet(max_wait_s=10.0)
     own0, busy0, t0 = _children_cpu_s(), _cpu_busy_s(), time.monotonic()
-    measured = measured_step_time_s(path, nproc=plan.world_size, steps=steps, warmup=warmup)
+    recs = step_records(path, nproc=plan.world_size, steps=steps, launcher=launcher)[warmup:]
     wall = time.monotonic() - t0
     foreign = max(0.0, (_cpu_busy_s() - busy0) - (_children_cpu_s() - own0)) / wall
-    return measured, foreign
+    parts = ("step_s", "busy_s", "recv_wait_s", "send_wait_s", "sync_s", "optim_s", "emulated_sleep_s")
+    ranks = [{k: statistics.median(r["ranks"][i][k] for r in recs) for k in parts}
+             for i in range(len(recs[0]["ranks"]))]
+    return {"step_s": statistics.median(r["step_time_s"] for r in recs), "foreign": foreign, "ranks": ranks}
 
 
-def time_row(plan: Plan, *, profiles: ProfileSet, runs: list[tuple[float, float]]) -> dict:
-    pred = predict(plan, profiles=profiles)
-    times = [m for m, _ in runs]
+def time_row(plan: Plan, *, pooled: ProfileSet, runs: list[dict]) -> dict:
+    """Errors of one plan: paired (each run against the prediction from the profile taken just before
+    it; the median over runs) and pooled (one prediction from the median of all profiles, against
+    the median run)."""
+    times = [r["step_s"] for r in runs]
     measured = statistics.median(times)
-    foreign = statistics.median(f for _, f in runs)
-    # The same prediction told about the foreign load measured during the runs (an oracle input,
-    # reported separately): what the contention model makes of other users' processes.
-    aware = predict(plan, profiles=profiles, host_background_procs=foreign).step_time_s
-    return {"predicted_s": pred.step_time_s, "measured_s": measured, "runs_s": times,
-            "spread": (max(times) - min(times)) / measured, "foreign_load_cores": foreign,
-            "error": (pred.step_time_s - measured) / measured, "sources": pred.compute_sources,
-            "load_aware_s": aware, "load_aware_error": (aware - measured) / measured}
+    paired = statistics.median(r["predicted_s"] / r["step_s"] - 1 for r in runs)
+    pred = predict(plan, profiles=pooled)
+    ranks = [{k: statistics.median(r["ranks"][i][k] for r in runs) for k in runs[0]["ranks"][i]}
+             for i in range(len(runs[0]["ranks"]))]
+    return {"predicted_s": statistics.median(r["predicted_s"] for r in runs), "measured_s": measured,
+            "runs_s": times, "runs_predicted_s": [r["predicted_s"] for r in runs],
+            "spread": (max(times) - min(times)) / measured, "error": paired,
+            "foreign_load_cores": statistics.median(r["foreign"] for r in runs),
+            "pooled_predicted_s": pred.step_time_s, "pooled_error": (pred.step_time_s - measured) / measured,
+            "sources": pred.compute_sources, "measured_ranks": ranks, "predicted_stages": pred.to_dict()["stages"]}
 
 
 def _children_cpu_s() -> float:
@@ -153,11 +182,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
+    ap.add_argument("--steps", type=int, default=10, help="steps per run (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps at the start of each run (default 2)")
-    ap.add_argument("--reps", type=int, default=3, help="runs per plan, round-robin over plans (default 3)")
-    ap.add_argument("--profiles", type=int, default=1,
-                    help="profiles taken, between repetitions; the median is used (default 1)")
+    ap.add_argument("--reps", type=int, default=4, help="runs per plan, round-robin over plans (default 4)")
+    ap.add_argument("--profile-repeats", type=int, default=4,
+                    help="timed repetitions per part in the profile taken before each run (default 4)")
+    ap.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
+                    help="fork: hethub.train ranks forked from this process (fast start); torchrun: as users run")
     ap.add_argument("--sets", default="tuning,held-out")
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
@@ -166,46 +197,57 @@ def main() -> None:
     cluster = replace(load_cluster(CLUSTER), host_cores=usable_cores())
     print(f"machine: {usable_cores()} usable cores, load average {os.getloadavg()[0]:.2f}; model {model.name} "
           f"({model.num_params / 1e6:.2f} M params), seq_len {args.seq_len}", flush=True)
-    if args.steps - args.warmup < 1 or args.reps < 1 or args.profiles < 1:
-        ap.error("need --steps > --warmup, --reps >= 1 and --profiles >= 1")
+    if args.steps - args.warmup < 1 or args.reps < 1 or args.profile_repeats < 1:
+        ap.error("need --steps > --warmup, --reps >= 1 and --profile-repeats >= 1")
     sets: dict[str, tuple[PlanDef, ...]] = {"tuning": TUNING, "held-out": HELD_OUT}
     chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
     plans = [(name, pd, build_plan(pd, cluster=cluster, model=model, seq_len=args.seq_len))
              for name in chosen for pd in sets[name]]
-    # One profile before each of the first `--profiles` repetitions (the rest, if any, after the last).
+    # This machine's speed drifts by up to +-15% over seconds to minutes (other tenants of the host;
+    # it shows in thread CPU time too, so it is not steal), so a profile taken at one moment is
+    # biased against runs taken at others. Before each run the entries that plan uses are profiled
+    # afresh and the run is predicted from that profile: a prediction and its run see the same
+    # machine, as when a user profiles and then trains.
+    reps = Repetitions(warmup=1, repeats=args.profile_repeats)
+    runs: list[list[dict]] = [[] for _ in plans]
     taken: list[ProfileSet] = []
-    runs: list[list[tuple[float, float]]] = [[] for _ in plans]
+    links: list[LinksProfile] = []
     with tempfile.TemporaryDirectory() as d:
-        for rep in range(args.reps):
-            if len(taken) < args.profiles:
-                taken.append(profile_machine(args.model, seq_len=args.seq_len))
-            t_rep = time.monotonic()
-            for i, (_, _, plan) in enumerate(plans):
-                runs[i].append(measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d)))
-            print(f"repetition {rep + 1}/{args.reps}: {len(plans)} plans in {time.monotonic() - t_rep:.0f} s",
-                  flush=True)
-        while len(taken) < args.profiles:
-            taken.append(profile_machine(args.model, seq_len=args.seq_len))
-    profiles = median_profiles(taken)
+        t_rep = time.monotonic()
+        for n in range(args.reps * len(plans)):
+            i = n % len(plans)
+            if i == 0:  # links and collectives drift too: re-measured once per repetition
+                links.append(measure_host_links(cluster))
+            plan = plans[i][2]
+            taken.append(profile_for_plan(plan, reps=reps))
+            run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d), launcher=args.launcher)
+            run["predicted_s"] = predict(plan_with_links(plan, links[-1]), profiles=taken[-1]).step_time_s
+            runs[i].append(run)
+            if i == len(plans) - 1:
+                print(f"repetition {n // len(plans) + 1}/{args.reps}: {len(plans)} plans in "
+                      f"{time.monotonic() - t_rep:.0f} s", flush=True)
+                t_rep = time.monotonic()
+    pooled = median_profiles(taken)
     out: dict[str, list[dict]] = {}
-    print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'spread':>17} "
-          f"{'error':>7} {'mem error':>9} {'foreign load':>12} {'load-aware':>10}", flush=True)
+    print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
+          f"{'error':>7} {'pooled':>7} {'mem error':>9} {'foreign':>7}", flush=True)
     for (name, pd, plan), plan_runs in zip(plans, runs, strict=True):
-        row = {"plan": pd.name, "ranks": plan.world_size, **time_row(plan, profiles=profiles, runs=plan_runs),
+        row = {"plan": pd.name, "ranks": plan.world_size, **time_row(plan_with_links(plan, links[-1]), pooled=pooled,
+                                                                     runs=plan_runs),
                "memory": memory_rows(plan)}
         mem = max(abs(m["total_error"]) for m in row["memory"])
         out.setdefault(name, []).append(row)
         lo, hi = min(row["runs_s"]) * 1e3, max(row["runs_s"]) * 1e3
         print(f"{name:<9} {pd.name:<34} {plan.world_size:>5} {row['predicted_s'] * 1e3:>8.1f}ms "
-              f"{row['measured_s'] * 1e3:>8.1f}ms {lo:>6.1f}-{hi:>6.1f}ms {row['error']:>+7.1%} {mem:>9.1%} "
-              f"{row['foreign_load_cores']:>7.2f} cores {row['load_aware_error']:>+10.1%}", flush=True)
+              f"{row['measured_s'] * 1e3:>8.1f}ms {lo:>6.1f}-{hi:>6.1f}ms {row['error']:>+7.1%} "
+              f"{row['pooled_error']:>+7.1%} {mem:>9.1%} {row['foreign_load_cores']:>7.2f}", flush=True)
     print()
     for name, rows in out.items():
         spreads = [r["spread"] for r in rows]
         print(_summary(f"step time, {name:<8}", [r["error"] for r in rows])
               + f"; run-to-run spread (max-min)/median: median {statistics.median(spreads):.1%}, "
                 f"max {max(spreads):.1%}")
-        print(_summary(f"  load-aware, {name:<8}", [r["load_aware_error"] for r in rows]))
+        print(_summary(f"  pooled profile, {name:<8}", [r["pooled_error"] for r in rows]))
     for name, rows in out.items():
         mems = [m for r in rows for m in r["memory"]]
         exact = all(m["state_pred"] == m["state_meas"] for m in mems)

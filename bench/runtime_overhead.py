@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from hethub.comm.communicator import Communicator
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.runtime.launch import launch_local
+from hethub.runtime.launch import launch_forked, launch_local
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.trainer import Trainer, TrainerConfig
@@ -88,14 +88,27 @@ def runtime_step_times_s(plan: Plan, *, steps: int, optim: OptimConfig) -> list[
             dist.destroy_process_group()
 
 
-def measured_step_time_s(plan_path: str | Path, *, nproc: int, steps: int, warmup: int = 2) -> float:
-    """Median measured step time (s) of a plan run locally through torchrun, after ``warmup`` steps."""
+def step_records(plan_path: str | Path, *, nproc: int, steps: int, launcher: str = "torchrun",
+                 extra_args: tuple[str, ...] = ()) -> list[dict]:
+    """The metrics records of a local run of the plan: under torchrun, or ``fork``ed hethub.train ranks."""
     with tempfile.TemporaryDirectory() as d:
         metrics = Path(d) / "metrics.jsonl"
-        proc = launch_local(plan_path, nproc=nproc, steps=steps, metrics=metrics, capture=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
-        recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+        if launcher == "fork":
+            codes = launch_forked(plan_path, nproc=nproc, steps=steps, metrics=metrics, extra_args=extra_args)
+            if any(codes):
+                raise RuntimeError(f"forked ranks failed, exit codes {codes}")
+        else:
+            proc = launch_local(plan_path, nproc=nproc, steps=steps, metrics=metrics, capture=True,
+                                extra_args=extra_args)
+            if proc.returncode != 0:
+                raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def measured_step_time_s(plan_path: str | Path, *, nproc: int, steps: int, warmup: int = 2,
+                         launcher: str = "torchrun") -> float:
+    """Median measured step time (s) of a plan run locally, after ``warmup`` steps."""
+    recs = step_records(plan_path, nproc=nproc, steps=steps, launcher=launcher)
     return statistics.median(r["step_time_s"] for r in recs[warmup:])
 
 

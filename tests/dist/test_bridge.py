@@ -24,6 +24,7 @@ from hethub.errors import RuntimeSetupError
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.links import plan_with_links, read_links_profile
 from hethub.predict.predictor import predict
+from hethub.predict.sync import sync_groups
 from hethub.runtime.tensor_parallel import TPContext, shard
 from hethub.runtime.trainer import Trainer, TrainerConfig
 from hethub.spec.cluster import catalog, load_cluster
@@ -241,6 +242,14 @@ def test_bench_comm_writes_a_profile_the_predictor_reads(tmp_path, capsys: pytes
     measured = plan_with_links(plan, profile)
     assert measured.cluster.cross_kind.bw_bytes_per_s == profile.links["cross_kind"].bw_bytes_per_s
     assert predict(measured).stages[0].p2p_s != predict(plan).stages[0].p2p_s
+    # An emulation host: its all-reduce among 2, 3 and 4 local ranks is measured too and drives the sync.
+    assert sorted(profile.host_allreduce) == [2, 3, 4]
+    assert all(len(f.samples) == 3 for f in profile.host_allreduce.values())
+    replicas = Plan(model=PRESETS["tiny"], cluster=cluster, global_batch=8, seq_len=64,
+                    pipelines=tuple(Pipeline(2, 2, (Stage("cpu-fast", (d,), (0, 6), embedding=True, head=True),))
+                                    for d in (0, 1))).validate()
+    (group,) = sync_groups(plan_with_links(replicas, profile))
+    assert group.time_s == pytest.approx(profile.host_allreduce[2].link.time_s(group.nbytes))
 
 
 def test_parse_bytes() -> None:

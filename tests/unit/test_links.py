@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from hethub.predict.links import (
     write_links_profile,
 )
 from hethub.predict.predictor import predict
+from hethub.spec.cluster import Cluster, Link
 
 SIZES = [4 * 1024 * 4**i for i in range(9)]  # 4 KiB .. 256 MiB
 
@@ -60,6 +62,29 @@ def test_profile_round_trip_and_errors(tmp_path) -> None:
         links_profile_from_dict({**data, "links": {"sideways": data["links"][CROSS_KIND]}})
     with pytest.raises(SpecError, match="does not exist"):
         read_links_profile(tmp_path / "missing.json")
+
+
+def test_host_allreduce_round_trips_and_applies_to_emulation_hosts_only(tmp_path) -> None:
+    prof = replace(_profile(cross_kind=(80e-6, 1e9)),
+                   host_allreduce={2: LinkFit(5e-4, 4e8, _samples(5e-4, 4e8)), 4: LinkFit(6e-3, 3e8)})
+    path = tmp_path / "links.json"
+    write_links_profile(prof, path)
+    assert read_links_profile(path) == prof
+    data = json.loads(path.read_text())
+    with pytest.raises(SpecError, match="participant count"):
+        links_profile_from_dict({**data, "host_allreduce": {"1": data["host_allreduce"]["2"]}})
+    with pytest.raises(SpecError, match=r"host_allreduce\.2 has"):
+        links_profile_from_dict({**data, "host_allreduce": {"2": {"latency_s": -1, "bw_bytes_per_s": 1e9}}})
+    c = small_cluster()
+    assert apply_links_profile(c, prof).host_allreduce == ()  # a real cluster: measured on another host
+    host = apply_links_profile(replace(c, host_cores=2), prof)
+    assert host.measured_allreduce(2) == Link(4e8, 5e-4) and host.measured_allreduce(3) is None
+    # Plans embed the cluster: the measurement survives a save and load.
+    again = Cluster.from_dict(json.loads(json.dumps(host.to_dict())))
+    assert again.host_allreduce == host.host_allreduce
+    with pytest.raises(SpecError, match="participants"):
+        Cluster.from_dict({**host.to_dict(), "host_allreduce": [{"participants": 1, "latency_s": 0.0,
+                                                                  "bw_bytes_per_s": 1e9}]})
 
 
 def test_apply_replaces_each_link_class() -> None:

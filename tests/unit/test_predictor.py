@@ -137,7 +137,7 @@ def test_replicas_that_split_layers_differently():
     p0 = Pipeline(1, 2, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))
     p1 = Pipeline(1, 2, stages("a", [(0, 2), (2, 4), (4, 6)], [(2,), (3,), (4,)]))
     pl = plan(c, [p0, p1])
-    groups = {g.name: g for g in sync_groups(pl)}
+    groups = _by_member(sync_groups(pl))
     assert groups["layer 2"].holders == ((0, 0), (1, 1))
     assert groups["layer 3"].holders == ((0, 1), (1, 1))
     assert groups["embedding"].holders == ((0, 0), (1, 0))
@@ -157,9 +157,38 @@ def test_tied_embedding_on_another_stage_joins_the_embedding_group():
     c = cluster((kind("a"), 1, 3))
     pl = plan(c, [Pipeline(1, 1, stages("a", [(0, 2), (2, 4)], [(0,), (1,)])),
                   Pipeline(1, 1, stages("a", [(0, 4)], [(2,)]))], model=gpt)
-    groups = {g.name: g for g in sync_groups(pl)}
+    groups = _by_member(sync_groups(pl))
     assert groups["embedding"].holders == ((0, 0), (1, 0), (0, 1))
-    assert groups["head"].nbytes == gpt.final_norm_params * 2
+    # The head keeps only the final norm; layers 2-3 have the same holders, so they share its all-reduce.
+    assert groups["head"] is groups["layer 2"] is groups["layer 3"]
+    assert groups["head"].nbytes == (gpt.final_norm_params + 2 * gpt.layer_params) * 2
+
+
+def _by_member(groups):
+    """Fused sync groups by each parameter group they contain ("embedding", "layer 3", "head")."""
+    return {name: g for g in groups for name in g.name.split(", ")}
+
+
+def test_replicas_sync_with_one_all_reduce_like_the_runtime():
+    c = cluster((kind("a"), 1, 3))
+    pl = plan(c, [Pipeline(1, 2, stages("a", [(0, 6)], [(d,)])) for d in range(3)])
+    (only,) = sync_groups(pl)
+    assert only.holders == ((0, 0), (1, 0), (2, 0))
+    assert only.nbytes == pl.model.num_params * 2  # bf16 gradients of every parameter
+    assert only.name == ", ".join(["embedding", *(f"layer {i}" for i in range(pl.model.num_layers)), "head"])
+
+
+def test_measured_host_allreduce_replaces_the_ring_model_on_emulation_hosts():
+    c = cluster((kind("a"), 1, 2))
+    pl = plan(c, [Pipeline(1, 2, stages("a", [(0, 6)], [(d,)])) for d in range(2)])
+    measured = Link(bw_bytes_per_s=1e8, latency_s=2e-3)
+    nbytes = pl.model.num_params * 2
+    host = replace(pl, cluster=replace(c, host_cores=2, host_allreduce=((2, measured),)))
+    assert sync_groups(host)[0].time_s == pytest.approx(measured.time_s(nbytes))
+    # Not an emulation host: the measured numbers do not apply, the ring model does.
+    not_host = replace(pl, cluster=replace(c, host_allreduce=((2, measured),)))
+    assert sync_groups(not_host)[0].time_s == pytest.approx(sync_groups(pl)[0].time_s)
+    assert sync_groups(pl)[0].time_s != pytest.approx(measured.time_s(nbytes))
 
 
 def test_timeline_compute_events_do_not_overlap():

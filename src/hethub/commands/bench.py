@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
@@ -46,6 +47,13 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
                                 show_progress=not args.json)
     except ValueError as err:
         raise SpecError(f"{args.cluster}: {err}. Fix: describe at least two devices.") from None
+    if cluster.host_cores is not None:
+        # Local emulation: every rank is a process here, so the host's all-reduce is measurable as is.
+        from hethub.comm.collbench import HOST_ALLREDUCE_SIZES, measure_host_allreduce
+
+        sizes = [n for n in HOST_ALLREDUCE_SIZES if args.min_bytes <= n <= args.max_bytes] or [args.min_bytes]
+        profile = replace(profile, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1),
+                                                                         sizes=sizes))
     out = Path(args.out)
     write_links_profile(profile, out)
     if args.json:
@@ -58,6 +66,10 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
     for name, fit in profile.links.items():
         times = "  ".join(f"{_fmt_bytes(n)}:{t * 1e3:.3g}ms" for n, t in fit.samples)
         print(f"{name:<28} {fit.latency_s * 1e6:>8.1f}us {fit.bw_bytes_per_s / 1e9:>8.3f} GB/s   {times}")
+    for p, fit in sorted(profile.host_allreduce.items()):
+        times = "  ".join(f"{_fmt_bytes(n)}:{t * 1e3:.3g}ms" for n, t in fit.samples)
+        label = f"host all-reduce, {p} ranks"
+        print(f"{label:<28} {fit.latency_s * 1e6:>8.1f}us {fit.bw_bytes_per_s / 1e9:>8.3f} GB/s   {times}")
     print(f"\nlinks profile written to {out} (use it: hethub plan|predict ... --links {out})")
     return 0
 

@@ -20,6 +20,18 @@ def allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> float:
     return 2 * (p - 1) * link.latency_s + 2 * (p - 1) / p * nbytes / link.bw_bytes_per_s
 
 
+def group_allreduce_time_s(cluster: Cluster, *, nbytes: float, devices: list[int] | tuple[int, ...]) -> float:
+    """All-reduce of `nbytes` among `devices`: the host's measured all-reduce for that many ranks where
+    the cluster has one (local emulation), else the ring over the slowest link of the ring."""
+    p = len(devices)
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    measured = cluster.measured_allreduce(p)
+    if measured is not None:
+        return measured.time_s(nbytes)
+    return allreduce_time_s(nbytes=nbytes, participants=p, link=slowest_link(cluster, devices))
+
+
 def slowest_link(cluster: Cluster, devices: list[int] | tuple[int, ...]) -> Link:
     """The bottleneck link of a ring over `devices` in the given order."""
     if len(devices) < 2:

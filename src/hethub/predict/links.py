@@ -7,11 +7,14 @@ A links profile replaces the catalog's nominal link numbers with measured ones, 
 - ``cross_kind``: two devices of different kinds (through the bridge).
 
 Each class holds the fitted model ``time = latency_s + bytes / bw_bytes_per_s`` and the samples it was
-fitted to. Format (JSON)::
+fitted to. For a local emulation cluster (``host_cores`` set) the profile may also hold the host's
+measured all-reduce, by number of participating ranks, fitted the same way to the bytes each rank
+contributes (``host_allreduce``; optional, version 1 files without it stay valid). Format (JSON)::
 
     {"format": "hethub-links", "version": 1, "cluster": "local-cpu", "note": "...",
      "links": {"intra_node:cpu-fast": {"latency_s": 6.1e-05, "bw_bytes_per_s": 1.9e9,
-                                        "samples": [[4096, 6.3e-05], ...]}, ...}}
+                                        "samples": [[4096, 6.3e-05], ...]}, ...},
+     "host_allreduce": {"2": {"latency_s": 1.2e-04, "bw_bytes_per_s": 6.0e8, "samples": [...]}, ...}}
 
 Pure Python: the predictor reads profiles without torch.
 """
@@ -51,12 +54,18 @@ class LinksProfile:
     links: dict[str, LinkFit]
     note: str = ""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    host_allreduce: dict[int, LinkFit] = field(default_factory=dict)  # participants -> fit
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": LINKS_FORMAT, "version": LINKS_VERSION, "cluster": self.cluster, "note": self.note,
-                "meta": self.meta,
-                "links": {name: {"latency_s": f.latency_s, "bw_bytes_per_s": f.bw_bytes_per_s,
-                                 "samples": [list(s) for s in f.samples]} for name, f in self.links.items()}}
+        out = {"format": LINKS_FORMAT, "version": LINKS_VERSION, "cluster": self.cluster, "note": self.note,
+               "meta": self.meta, "links": {name: _fit_dict(f) for name, f in self.links.items()}}
+        if self.host_allreduce:
+            out["host_allreduce"] = {str(p): _fit_dict(f) for p, f in sorted(self.host_allreduce.items())}
+        return out
+
+
+def _fit_dict(f: LinkFit) -> dict[str, Any]:
+    return {"latency_s": f.latency_s, "bw_bytes_per_s": f.bw_bytes_per_s, "samples": [list(s) for s in f.samples]}
 
 
 def fit_alpha_beta(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -104,16 +113,30 @@ def links_profile_from_dict(data: Any, *, where: str = "links profile") -> Links
     for name, entry in links.items():
         if not (name == CROSS_KIND or name.startswith(("intra_node:", "inter_node:"))):
             raise _bad(where, f"link class {name!r} is not cross_kind, intra_node:<kind> or inter_node:<kind>")
-        try:
-            lat, bw = float(entry["latency_s"]), float(entry["bw_bytes_per_s"])
-            samples = tuple((int(n), float(t)) for n, t in entry.get("samples", []))
-        except (TypeError, KeyError, ValueError):
-            raise _bad(where, f"links.{name} needs numbers latency_s and bw_bytes_per_s") from None
-        if lat < 0 or bw <= 0:
-            raise _bad(where, f"links.{name} has latency_s={lat}, bw_bytes_per_s={bw} (need >= 0 and > 0)")
-        fits[name] = LinkFit(latency_s=lat, bw_bytes_per_s=bw, samples=samples)
+        fits[name] = _parse_fit(entry, where=where, key=f"links.{name}")
+    host = data.get("host_allreduce", {})
+    if not isinstance(host, dict):
+        raise _bad(where, "field 'host_allreduce' must be an object of participants -> fit")
+    allreduce = {}
+    for p, entry in host.items():
+        if not (isinstance(p, str) and p.isdigit() and int(p) >= 2):
+            raise _bad(where, f"host_allreduce key {p!r} is not a participant count >= 2")
+        allreduce[int(p)] = _parse_fit(entry, where=where, key=f"host_allreduce.{p}")
     meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
-    return LinksProfile(cluster=str(data.get("cluster", "")), links=fits, note=str(data.get("note", "")), meta=meta)
+    return LinksProfile(cluster=str(data.get("cluster", "")), links=fits, note=str(data.get("note", "")), meta=meta,
+                        host_allreduce=allreduce)
+
+
+def _parse_fit(entry: Any, *, where: str, key: str) -> LinkFit:
+    try:
+        lat, bw = float(entry["latency_s"]), float(entry["bw_bytes_per_s"])
+        samples = tuple((int(n), float(t)) for n, t in entry.get("samples", []))
+    except (TypeError, KeyError, ValueError):
+        raise _bad(where, f"{key} needs numbers latency_s and bw_bytes_per_s") from None
+    if not (lat >= 0 and bw > 0 and math.isfinite(lat)):
+        raise _bad(where, f"{key} has latency_s={lat}, bw_bytes_per_s={bw} (need latency_s >= 0, finite, and "
+                          "bw_bytes_per_s > 0)")
+    return LinkFit(latency_s=lat, bw_bytes_per_s=bw, samples=samples)
 
 
 def read_links_profile(path: str | Path) -> LinksProfile:
@@ -140,6 +163,7 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
     kind's node groups, and the network's inter-node latency (one number for the cluster: the largest
     measured); cross_kind -> the cluster's cross-kind link. Classes the profile lacks keep the file's
     numbers. A class naming a kind the cluster lacks is an error (the profile is for another cluster).
+    The host all-reduce applies to local emulation clusters (``host_cores`` set) only.
     """
     kinds = dict(cluster.kinds)
     groups = list(cluster.groups)
@@ -163,7 +187,11 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
     inter = cluster.inter_node
     if inter_latencies:
         inter = Link(inter.bw_bytes_per_s, max(inter_latencies))
-    return replace(cluster, kinds=kinds, groups=tuple(groups), inter_node=inter, cross_kind=cross)
+    host_allreduce = cluster.host_allreduce
+    if profile.host_allreduce and cluster.host_cores is not None:
+        host_allreduce = tuple((p, f.link) for p, f in sorted(profile.host_allreduce.items()))
+    return replace(cluster, kinds=kinds, groups=tuple(groups), inter_node=inter, cross_kind=cross,
+                   host_allreduce=host_allreduce)
 
 
 def plan_with_links(plan: Plan, profile: LinksProfile) -> Plan:

@@ -6,7 +6,8 @@ differently still sync layer by layer. With tied embeddings, a pipeline whose em
 sit on different stages holds the shared matrix twice: both stages join the embedding group (as
 Megatron's embedding group does), and the head group keeps only the final norm.
 
-Each group is one ring all-reduce (:func:`hethub.predict.comm.allreduce_time_s`):
+Each group is one ring all-reduce (:func:`hethub.predict.comm.allreduce_time_s`), or, on a local
+emulation host with a measured all-reduce for that many ranks, the measured cost:
 
 * participants: the number of holder stages;
 * bytes per participant: the group's parameters on one device of a holder x grad bytes, taking
@@ -14,10 +15,13 @@ Each group is one ring all-reduce (:func:`hethub.predict.comm.allreduce_time_s`)
 * link: :func:`hethub.predict.comm.slowest_link` over the first device of each holder, in pipeline
   order, so a ring that crosses kinds pays the cross-kind link.
 
-Timing: a group's all-reduce starts once every holder has finished its last backward and its
-previous syncs; each stage runs its groups' all-reduces one after another in layer order
-(embedding, layers 0..L-1, head). A stage ends at its last sync's end plus its optimizer update;
-the step ends when the last stage does.
+Groups with the same holders are fused into one all-reduce of their summed bytes, as the runtime
+flattens them into one buffer (so a plan of plain replicas syncs with a single collective).
+
+Timing: a fused group's all-reduce starts once every holder has finished its last backward and its
+previous syncs; each stage runs its all-reduces one after another in the runtime's order
+(parameters sorted by name: embedding, head, then "layers.0", "layers.1", "layers.10", ..). A stage
+ends at its last sync's end plus its optimizer update; the step ends when the last stage does.
 
 Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
 backward still runs, so this overestimates a little); TP ranks of a stage are assumed to run their
@@ -31,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hethub.plan import Plan
-from hethub.predict.comm import allreduce_time_s, slowest_link
-from hethub.spec.cluster import Link
+from hethub.predict.comm import group_allreduce_time_s, slowest_link
+from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
 StageId = tuple[int, int]  # (pipeline index, stage index)
@@ -61,7 +65,7 @@ class SyncResult:
 
 
 def sync_groups(plan: Plan) -> list[SyncGroup]:
-    """The plan's parameter groups in layer order, with their all-reduce cost."""
+    """The plan's all-reduces: parameter groups fused by holders, in the runtime's order, with their cost."""
     model, cluster = plan.model, plan.cluster
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
     emb: list[StageId] = []
@@ -91,11 +95,12 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
 
     def group(name: str, holders: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
         hs = tuple(holders)
+        devices = [first_dev[x] for x in hs]
         link = links.get(hs)
         if link is None:
-            link = links[hs] = slowest_link(cluster, [first_dev[x] for x in hs])
+            link = links[hs] = slowest_link(cluster, devices)
         nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
-        return SyncGroup(name, hs, nbytes, link, allreduce_time_s(nbytes=nbytes, participants=len(hs), link=link))
+        return SyncGroup(name, hs, nbytes, link, group_allreduce_time_s(cluster, nbytes=nbytes, devices=devices))
 
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
@@ -106,16 +111,41 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     # A tied head's matrix is synced with the embedding; only the final norm is left here.
     head_matrix = 0 if model.tied_embeddings else v * h
     groups.append(group("head", head, {t: head_matrix / t + model.final_norm_params for t in tps}))
-    return groups
+    return _buckets(groups, cluster=cluster, first_dev=first_dev)
+
+
+def _runtime_name(group: str) -> str:
+    """The first parameter name of a group in the runtime's module ("layer 3" -> "layers.3")."""
+    return {"embedding": "embed", "head": "head"}.get(group, group.replace("layer ", "layers."))
+
+
+def _buckets(groups: list[SyncGroup], *, cluster: Cluster, first_dev: dict[StageId, int]) -> list[SyncGroup]:
+    """Groups with the same holders fused into one all-reduce, in the runtime's order.
+
+    The runtime's GradSync flattens every parameter with the same holders into one buffer and
+    all-reduces each buffer once, walking parameters sorted by name; one collective instead of one
+    per layer saves a latency per layer (and on a CPU host most of the cost is per collective).
+    """
+    by_holders: dict[tuple[StageId, ...], list[SyncGroup]] = {}
+    for g in sorted(groups, key=lambda g: _runtime_name(g.name)):
+        by_holders.setdefault(g.holders, []).append(g)
+    out = []
+    for hs, gs in by_holders.items():
+        if len(gs) == 1:
+            out.append(gs[0])
+            continue
+        nbytes = sum(g.nbytes for g in gs)
+        name = ", ".join(g.name for g in sorted(gs, key=lambda g: groups.index(g)))
+        out.append(SyncGroup(name, hs, nbytes, gs[0].link,
+                             group_allreduce_time_s(cluster, nbytes=nbytes, devices=[first_dev[x] for x in hs])))
+    return out
 
 
 def world_barrier_s(plan: Plan) -> float:
     """One tiny all-reduce over every stage (the runtime's loss and gradient-norm all-reduces): the
     ring's latency. Used by the shared-core replay (contention.py), where they act as world barriers."""
     firsts = [s.devices[0] for p in plan.pipelines for s in p.stages]
-    if len(firsts) < 2:
-        return 0.0
-    return allreduce_time_s(nbytes=8.0, participants=len(firsts), link=slowest_link(plan.cluster, firsts))
+    return group_allreduce_time_s(plan.cluster, nbytes=8.0, devices=firsts)
 
 
 def simulate_sync(

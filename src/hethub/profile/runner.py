@@ -13,6 +13,7 @@ profiles default to one thread too; a profile is only as good as its match with 
 
 from __future__ import annotations
 
+import io
 import os
 import platform
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,7 @@ class ProfileRequest:
     reps: Repetitions = field(default_factory=Repetitions)
     # Decoder-layer stack depths (> 1, capped at the model's layer count) also measured per entry.
     depths: tuple[int, ...] = (2, 4, 8)
+    show_progress: bool = True  # on stderr
 
 
 def device_description(device: str) -> str:
@@ -57,7 +59,8 @@ def run_profile(req: ProfileRequest) -> KindProfile:
     entries: dict[tuple[int, int], ProfileEntry] = {}
     dev = torch.device(req.device)
     combos = [(m, t) for t in req.tp for m in req.mbs]
-    with progress(len(combos), desc=f"profile {req.model.name} on {req.device}", unit="entries") as bar:
+    with progress(len(combos), desc=f"profile {req.model.name} on {req.device}", unit="entries",
+                  stream=None if req.show_progress else io.StringIO()) as bar:
         for mbs, tp in combos:
             _check_tp(req.model, tp)
             if tp == 1:
@@ -129,12 +132,13 @@ def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult
 
 
 def profile_for_kinds(*, model: ModelSpec, kinds: tuple[str, ...], seq_len: int, mbs: tuple[int, ...],
-                      tp: tuple[int, ...] = (1, 2), reps: Repetitions | None = None) -> ProfileSet:
+                      tp: tuple[int, ...] = (1, 2), reps: Repetitions | None = None,
+                      show: bool = True) -> ProfileSet:
     """Profile this host once and hand the result to every kind running on it.
 
     For local emulation all kinds are the same CPU; the predictor slows the emulated ones itself.
     """
     req = ProfileRequest(model=model, kind=kinds[0], seq_len=seq_len, mbs=mbs, tp=tp,
-                         reps=reps or Repetitions())
+                         reps=reps or Repetitions(), show_progress=show)
     base = run_profile(req)
     return merge_profiles([replace(base, kind=k) for k in kinds])

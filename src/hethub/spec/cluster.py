@@ -99,6 +99,10 @@ class Cluster:
     # beyond the core count share them (the predictor's contention model). None: each device
     # computes on its own hardware, as on any real cluster.
     host_cores: int | None = None
+    # Local emulation only: all-reduce among p ranks of that host as measured ('hethub bench comm'),
+    # ((p, fitted link), ...). On one host gloo's all-reduce is bound by CPU copies and reductions,
+    # not by the loopback "link", so the ring model over the p2p link misses it by ~3x here.
+    host_allreduce: tuple[tuple[int, Link], ...] = ()
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +145,12 @@ class Cluster:
             lat = max(lat, self.cross_kind.latency_s)
         return Link(bw, lat)
 
+    def measured_allreduce(self, participants: int) -> Link | None:
+        """The measured host all-reduce among `participants` ranks, if this is an emulation host that has one."""
+        if self.host_cores is None:
+            return None
+        return dict(self.host_allreduce).get(participants)
+
     def _nic_bw(self, group: int) -> float:
         return self.groups[group].inter_node_bw_bytes_per_s or self.inter_node.bw_bytes_per_s
 
@@ -149,6 +159,7 @@ class Cluster:
             "name": self.name,
             "description": self.description,
             **({"host_cores": self.host_cores} if self.host_cores is not None else {}),
+            **({"host_allreduce": _host_allreduce_rows(self.host_allreduce)} if self.host_allreduce else {}),
             "kinds": {n: asdict(k) for n, k in self.kinds.items()},
             "groups": [asdict(g) for g in self.groups],
             "network": {
@@ -181,7 +192,7 @@ class Cluster:
                 {("nodes" if k == "num_nodes" else k): v for k, v in g.items() if v is not None} for g in groups
             ],
             "network": net,
-            **({"host_cores": data["host_cores"]} if "host_cores" in data else {}),
+            **({k: data[k] for k in ("host_cores", "host_allreduce") if k in data}),
         }
         return parse_cluster(toml_like, where=where)
 
@@ -263,7 +274,8 @@ def resolve_kind(name: str, *, where: str, local: dict[str, Any] | None = None) 
 
 
 def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
-    check_keys(data, allowed={"name", "description", "kinds", "group", "network", "host_cores"}, where=where)
+    check_keys(data, allowed={"name", "description", "kinds", "group", "network", "host_cores", "host_allreduce"},
+               where=where)
     local = data.get("kinds", {})
     check_keys(local, allowed=set(local) if isinstance(local, dict) else set(), where=f"{where}: kinds")
     raw_groups = data.get("group")
@@ -295,7 +307,29 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         raise field_error(where, "name", "must be a string", 'write name = "my-cluster"')
     desc = data.get("description", "")
     return Cluster(name=name, description=desc if isinstance(desc, str) else "", kinds=kinds,
-                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host_cores=_host_cores(data, where))
+                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host_cores=_host_cores(data, where),
+                   host_allreduce=_parse_host_allreduce(data, where))
+
+
+def _host_allreduce_rows(fits: tuple[tuple[int, Link], ...]) -> list[dict[str, float]]:
+    return [{"participants": p, "latency_s": lk.latency_s, "bw_bytes_per_s": lk.bw_bytes_per_s} for p, lk in fits]
+
+
+def _parse_host_allreduce(data: dict[str, Any], where: str) -> tuple[tuple[int, Link], ...]:
+    """``[[host_allreduce]]`` tables of participants, latency_s, bw_bytes_per_s (what 'hethub bench comm' measures)."""
+    rows = data.get("host_allreduce", [])
+    fix = "measure them with 'hethub bench comm --cluster FILE' and apply the links profile"
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise field_error(where, "host_allreduce", "must be a list of tables", fix)
+    out: dict[int, Link] = {}
+    for i, r in enumerate(rows):
+        rw = f"{where}: host_allreduce[{i}]"
+        check_keys(r, allowed={"participants", "latency_s", "bw_bytes_per_s"}, where=rw)
+        p = get_int(r, "participants", where=rw)
+        if p < 2 or p in out:
+            raise field_error(rw, "participants", f"is {p}: need >= 2 and one row per count", fix)
+        out[p] = Link(get_number(r, "bw_bytes_per_s", where=rw), get_number(r, "latency_s", where=rw, positive=False))
+    return tuple(sorted(out.items()))
 
 
 def _host_cores(data: dict[str, Any], where: str) -> int | None:
