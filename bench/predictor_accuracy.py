@@ -4,8 +4,10 @@
                                        [--profile-repeats 4] [--launcher fork|torchrun] [--sets tuning,held-out]
                                        [--json OUT]
 
-For every plan of bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set to
-this machine's usable cores), ``--reps`` times, round-robin over all plans:
+Once per repetition it measures this host's links, its all-reduce among 2-4 local ranks (``hethub
+bench comm``) and its wake penalty (``hethub profile --wake-penalty``). Then for every plan of
+bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set to this machine's
+usable cores), ``--reps`` times, round-robin over all plans:
 
 1. profiles this machine (``hethub profile``'s code, ``--profile-repeats`` timed repetitions per
    part, decoder stacks of 1/2/4/8 layers) for exactly the (micro-batch size, TP degree) entries
@@ -14,9 +16,12 @@ this machine's usable cores), ``--reps`` times, round-robin over all plans:
 2. runs the plan through the runtime (``hethub.train`` ranks, forked from this process, or under
    torchrun with ``--launcher torchrun``) and takes the median step time after warm-up steps.
 
-A plan's error is the median over its runs of (predicted - measured) / measured, each run against
-the profile taken just before it. The "pooled" error predicts once from the median of all profiles
-and compares with the median run: how much a single profile of a drifting machine costs.
+A plan's error compares the prediction from the session's profile, the median of all those short
+profiles (and of the links, all-reduce and wake-penalty measurements, taken once per repetition),
+with the median run: this machine's speed drifts by up to +-15% over seconds to minutes, and a
+profile spread over the session sees the same drift as the runs. The "paired" error (secondary)
+predicts each run from the one short profile taken just before it and takes the median over runs;
+it carries that one profile's noise.
 
 Then compares each stage's predicted memory (weights + grads + optimizer state, activations) with
 storage accounting of the runtime's own modules (hethub.profile.stage_memory).
@@ -37,18 +42,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _accuracy_plans import HELD_OUT, TUNING, PlanDef, build_plan
 from hethub.comm.collbench import measure_host_allreduce
 from hethub.comm.linkbench import measure_links
 from hethub.plan import Plan
-from hethub.predict.links import LinksProfile, plan_with_links
+from hethub.predict.links import LinkFit, LinksProfile, plan_with_links
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import LayerTimes, ProfileSet
 from hethub.profile.format import merge_profiles
 from hethub.profile.layers import Repetitions
 from hethub.profile.runner import profile_for_kinds
 from hethub.profile.stage_memory import measure_stage_memory
+from hethub.profile.wake import measure_wake_penalty
 from hethub.spec.cluster import Cluster, load_cluster
 from hethub.spec.model import get_model
 from runtime_overhead import step_records
@@ -78,6 +86,24 @@ def measure_host_links(cluster: Cluster) -> LinksProfile:
     """This host's point-to-point links and its all-reduce among 2..N local ranks (``hethub bench comm``)."""
     links = measure_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
     return replace(links, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1)))
+
+
+def with_wake(profiles: ProfileSet, wake: tuple[tuple[float, float], ...]) -> ProfileSet:
+    return ProfileSet(by_kind={k: replace(p, wake_penalty=wake) for k, p in profiles.by_kind.items()})
+
+
+def median_wake(wakes: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
+    return tuple((g, statistics.median(w[i][1] for w in wakes)) for i, (g, _) in enumerate(wakes[0]))
+
+
+def median_links(profiles: list[LinksProfile]) -> LinksProfile:
+    """Class by class, the median latency and bandwidth over several measurements."""
+    def med(fits: list[LinkFit]) -> LinkFit:
+        return LinkFit(statistics.median(f.latency_s for f in fits), statistics.median(f.bw_bytes_per_s for f in fits))
+
+    first = profiles[0]
+    return replace(first, links={k: med([p.links[k] for p in profiles]) for k in first.links},
+                   host_allreduce={n: med([p.host_allreduce[n] for p in profiles]) for n in first.host_allreduce})
 
 
 def median_profiles(sets: list[ProfileSet]) -> ProfileSet:
@@ -138,21 +164,20 @@ def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher
     return {"step_s": statistics.median(r["step_time_s"] for r in recs), "foreign": foreign, "ranks": ranks}
 
 
-def time_row(plan: Plan, *, pooled: ProfileSet, runs: list[dict]) -> dict:
-    """Errors of one plan: paired (each run against the prediction from the profile taken just before
-    it; the median over runs) and pooled (one prediction from the median of all profiles, against
-    the median run)."""
+def time_row(plan: Plan, *, profiles: ProfileSet, runs: list[dict]) -> dict:
+    """Errors of one plan: the prediction from the session's profile (the median of all short
+    profiles) against the median run, and, secondary, "paired": each run against the prediction from
+    the one short profile taken just before it, the median over runs."""
     times = [r["step_s"] for r in runs]
     measured = statistics.median(times)
-    paired = statistics.median(r["predicted_s"] / r["step_s"] - 1 for r in runs)
-    pred = predict(plan, profiles=pooled)
+    pred = predict(plan, profiles=profiles)
     ranks = [{k: statistics.median(r["ranks"][i][k] for r in runs) for k in runs[0]["ranks"][i]}
              for i in range(len(runs[0]["ranks"]))]
-    return {"predicted_s": statistics.median(r["predicted_s"] for r in runs), "measured_s": measured,
-            "runs_s": times, "runs_predicted_s": [r["predicted_s"] for r in runs],
-            "spread": (max(times) - min(times)) / measured, "error": paired,
+    return {"predicted_s": pred.step_time_s, "measured_s": measured, "runs_s": times,
+            "spread": (max(times) - min(times)) / measured, "error": (pred.step_time_s - measured) / measured,
+            "paired_predicted_s": [r["predicted_s"] for r in runs],
+            "paired_error": statistics.median(r["predicted_s"] / r["step_s"] - 1 for r in runs),
             "foreign_load_cores": statistics.median(r["foreign"] for r in runs),
-            "pooled_predicted_s": pred.step_time_s, "pooled_error": (pred.step_time_s - measured) / measured,
             "sources": pred.compute_sources, "measured_ranks": ranks, "predicted_stages": pred.to_dict()["stages"]}
 
 
@@ -192,6 +217,8 @@ def main() -> None:
     ap.add_argument("--sets", default="tuning,held-out")
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
+    # One thread, as every rank runs; also before forking ranks, which must not inherit a used pool.
+    torch.set_num_threads(1)
     t_start = time.monotonic()
     model = get_model(args.model)
     cluster = replace(load_cluster(CLUSTER), host_cores=usable_cores())
@@ -212,14 +239,16 @@ def main() -> None:
     runs: list[list[dict]] = [[] for _ in plans]
     taken: list[ProfileSet] = []
     links: list[LinksProfile] = []
+    wakes: list[tuple[tuple[float, float], ...]] = []
     with tempfile.TemporaryDirectory() as d:
         t_rep = time.monotonic()
         for n in range(args.reps * len(plans)):
             i = n % len(plans)
-            if i == 0:  # links and collectives drift too: re-measured once per repetition
+            if i == 0:  # links, collectives and the wake penalty drift too: re-measured once per repetition
                 links.append(measure_host_links(cluster))
+                wakes.append(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len))
             plan = plans[i][2]
-            taken.append(profile_for_plan(plan, reps=reps))
+            taken.append(with_wake(profile_for_plan(plan, reps=reps), wakes[-1]))
             run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d), launcher=args.launcher)
             run["predicted_s"] = predict(plan_with_links(plan, links[-1]), profiles=taken[-1]).step_time_s
             runs[i].append(run)
@@ -227,27 +256,28 @@ def main() -> None:
                 print(f"repetition {n // len(plans) + 1}/{args.reps}: {len(plans)} plans in "
                       f"{time.monotonic() - t_rep:.0f} s", flush=True)
                 t_rep = time.monotonic()
-    pooled = median_profiles(taken)
+    session = with_wake(median_profiles(taken), median_wake(wakes))
+    session_links = median_links(links)
     out: dict[str, list[dict]] = {}
     print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
-          f"{'error':>7} {'pooled':>7} {'mem error':>9} {'foreign':>7}", flush=True)
+          f"{'error':>7} {'paired':>7} {'mem error':>9} {'foreign':>7}", flush=True)
     for (name, pd, plan), plan_runs in zip(plans, runs, strict=True):
-        row = {"plan": pd.name, "ranks": plan.world_size, **time_row(plan_with_links(plan, links[-1]), pooled=pooled,
-                                                                     runs=plan_runs),
+        row = {"plan": pd.name, "ranks": plan.world_size,
+               **time_row(plan_with_links(plan, session_links), profiles=session, runs=plan_runs),
                "memory": memory_rows(plan)}
         mem = max(abs(m["total_error"]) for m in row["memory"])
         out.setdefault(name, []).append(row)
         lo, hi = min(row["runs_s"]) * 1e3, max(row["runs_s"]) * 1e3
         print(f"{name:<9} {pd.name:<34} {plan.world_size:>5} {row['predicted_s'] * 1e3:>8.1f}ms "
               f"{row['measured_s'] * 1e3:>8.1f}ms {lo:>6.1f}-{hi:>6.1f}ms {row['error']:>+7.1%} "
-              f"{row['pooled_error']:>+7.1%} {mem:>9.1%} {row['foreign_load_cores']:>7.2f}", flush=True)
+              f"{row['paired_error']:>+7.1%} {mem:>9.1%} {row['foreign_load_cores']:>7.2f}", flush=True)
     print()
     for name, rows in out.items():
         spreads = [r["spread"] for r in rows]
         print(_summary(f"step time, {name:<8}", [r["error"] for r in rows])
               + f"; run-to-run spread (max-min)/median: median {statistics.median(spreads):.1%}, "
                 f"max {max(spreads):.1%}")
-        print(_summary(f"  pooled profile, {name:<8}", [r["pooled_error"] for r in rows]))
+        print(_summary(f"  paired (one short profile per run), {name:<8}", [r["paired_error"] for r in rows]))
     for name, rows in out.items():
         mems = [m for r in rows for m in r["memory"]]
         exact = all(m["state_pred"] == m["state_meas"] for m in mems)

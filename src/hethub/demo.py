@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -52,10 +52,24 @@ def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> Profil
     from hethub.profile.runner import device_description, profile_for_kinds
 
     model = PRESETS[cfg.model]
-    profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=(1, 2, 4))
+    profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=(1, 2, 4),
+                                 wake_penalty=cluster.host_cores is not None)
     for kind, prof in profiles.by_kind.items():
         write_profile(out_dir / f"profile-{kind}.json", prof, model=model, device=device_description("cpu"))
     return profiles
+
+
+def measure_host(cluster: Cluster, out_dir: Path) -> Cluster:
+    """This host's links and all-reduce (what 'hethub bench comm' measures), applied to the cluster."""
+    from hethub.comm.collbench import measure_host_allreduce
+    from hethub.comm.linkbench import measure_links
+    from hethub.predict.links import apply_links_profile, write_links_profile
+
+    links = measure_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
+    if cluster.host_cores is not None:
+        links = replace(links, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1)))
+    write_links_profile(links, out_dir / "links.json")
+    return apply_links_profile(cluster, links)
 
 
 def _train(plan_path: Path, plan: Plan, *, steps: int, metrics: Path) -> list[dict]:
@@ -89,8 +103,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, dict]:
     emulated = [f"{k.name} {k.emulated_slowdown:g}x slower" for k in cluster.kinds.values() if k.emulated]
     if emulated:
         print(f"EMULATION: {', '.join(emulated)} (ranks sleep after each compute chunk); not real hardware.")
-    print("measuring this CPU's layer times for the predictor ...", flush=True)
+    print("measuring this CPU's layer times, links and all-reduce for the predictor ...", flush=True)
     profiles = measure_profiles(cluster, cfg, out)
+    if cluster.num_devices > 1:
+        cluster = measure_host(cluster, out)
     results: dict[str, dict] = {}
     for strategy in ("uniform", "hethub"):
         pc = PlannerConfig(global_batch=cfg.global_batch, seq_len=cfg.seq_len, strategy=strategy,

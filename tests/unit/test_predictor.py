@@ -242,3 +242,23 @@ def test_layer_time_is_interpolated_at_the_stage_depth():
     pl = plan(c, [Pipeline(2, 1, stages("a", [(0, 6)], [(0,)]))])
     prof = ProfileSet({"a": KindProfile(kind="a", model="tiny", seq_len=SEQ, entries={(2, 1): entry})})
     assert predict(pl, profiles=prof).stages[0].fwd_s == pytest.approx(6 * 0.010)
+
+
+def test_wake_penalty_slows_work_after_idle_gaps_on_emulation_hosts():
+    c = cluster((kind("a"), 1, 2))
+    entry = ProfileEntry(embedding=LayerTimes(0.001, 0.002), layer=LayerTimes(0.01, 0.02),
+                         head=LayerTimes(0.005, 0.01))
+    base = KindProfile(kind="a", model="tiny", seq_len=SEQ, entries={(1, 1): entry})
+    woken = ProfileSet({"a": replace(base, wake_penalty=((0.001, 0.004),))})
+    plain = ProfileSet({"a": base})
+    host = replace(c, host_cores=2)
+    one = plan(host, [Pipeline(1, 4, stages("a", [(0, 6)], [(0,)]))])
+    # One rank computes back to back: never idle, no penalty.
+    assert predict(one, profiles=woken).step_time_s == pytest.approx(predict(one, profiles=plain).step_time_s)
+    # Two stages wait for each other: each chunk after a wait pays up to 4 ms.
+    two = plan(host, [Pipeline(1, 4, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))])
+    slower = predict(two, profiles=woken).step_time_s - predict(two, profiles=plain).step_time_s
+    assert 0.004 < slower < 16 * 0.004
+    # Not an emulation host: no shared-core replay, no penalty.
+    real = plan(c, [Pipeline(1, 4, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))])
+    assert predict(real, profiles=woken).step_time_s == pytest.approx(predict(real, profiles=plain).step_time_s)

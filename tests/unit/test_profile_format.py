@@ -1,6 +1,7 @@
 """hethub's profile file: round trip, merging, loading directories, and errors that name the field."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -109,6 +110,9 @@ def _write(tmp_path, mutate) -> str:
     (lambda d: d["model_shape"].update(hidden_size=-4), "hidden_size"),
     (lambda d: d.update(model="other"), "'model_shape.name'"),
     (lambda d: d.update(format="sailor"), "'format'"),
+    (lambda d: d.update(wake_penalty=[{"gap_s": 0.02, "extra_s": 1e-3}, {"gap_s": 0.01, "extra_s": 2e-3}]),
+     "'wake_penalty[1]'"),
+    (lambda d: d.update(wake_penalty=[{"gap_s": 0.02, "extra_s": -1}]), "'wake_penalty[0]'"),
 ])
 def test_malformed_file_names_the_field(tmp_path, mutate, field):
     path = _write(tmp_path, mutate)
@@ -155,3 +159,18 @@ def test_layer_depths_round_trip_and_are_optional(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(SpecError, match=r"entries\[0\]\.layer_depths\[0\]\.layers"):
         read_profile(path)
+
+
+def test_wake_penalty_round_trips_interpolates_and_is_optional(tmp_path):
+    prof = replace(_profile(), wake_penalty=((0.01, 1e-3), (0.05, 3e-3)))
+    path = tmp_path / "fast.json"
+    write_profile(path, prof, model=tiny_model(), device="cpu: test")
+    assert read_profile(path).wake_penalty == prof.wake_penalty
+    assert prof.wake_extra_s(0.0) == 0.0
+    assert prof.wake_extra_s(0.005) == pytest.approx(0.5e-3)
+    assert prof.wake_extra_s(0.03) == pytest.approx(2e-3)
+    assert prof.wake_extra_s(1.0) == pytest.approx(3e-3)  # flat beyond the longest measured gap
+    write_profile(path, _profile(), model=tiny_model(), device="cpu: test")
+    assert "wake_penalty" not in json.loads(path.read_text()) and read_profile(path).wake_penalty == ()
+    # Merging keeps a measured penalty when the later profile has none.
+    assert merge_profiles([prof, _profile(entries=((4, 1),))]).by_kind["fast"].wake_penalty == prof.wake_penalty

@@ -120,3 +120,13 @@ def test_contention_applies_only_beyond_the_host_cores():
     free = predict(replace(plan, cluster=replace(plan.cluster, host_cores=None))).step_time_s
     assert free <= predict(two).step_time_s <= 1.1 * free
     assert predict(one).step_time_s > predict(two).step_time_s
+
+
+def test_wake_penalty_is_measured_on_request(tmp_path):
+    out = tmp_path / "woken.json"
+    assert main(["profile", "--model", "tiny", "--mbs", "1", "--seq-len", "32", "--kind", "cpu-fast",
+                 "--warmup", "1", "--repeats", "2", "--wake-penalty", "--out", str(out)]) == 0
+    prof = read_profile(out)
+    gaps = [g for g, _ in prof.wake_penalty]
+    assert gaps == sorted(gaps) and len(gaps) >= 2 and gaps[0] > 0
+    assert all(extra >= 0 for _, extra in prof.wake_penalty)

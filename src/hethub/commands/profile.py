@@ -29,13 +29,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
                         "Fix: use a shorter sequence length.")
     _check_device(args.device)
     req = ProfileRequest(model=model, kind=args.kind, seq_len=seq_len, mbs=args.mbs, tp=args.tp, device=args.device,
-                         threads=args.threads, reps=Repetitions(warmup=args.warmup, repeats=args.repeats))
+                         threads=args.threads, reps=Repetitions(warmup=args.warmup, repeats=args.repeats),
+                         wake_penalty=args.wake_penalty)
     prof = run_profile(req)
     write_profile(args.out, prof, model=model, device=device_description(args.device))
     print(f"profile of {model.name} (kind {args.kind}, seq_len {seq_len}) written to {args.out}")
     for (mbs, tp), e in sorted(prof.entries.items()):
         print(f"  mbs {mbs} tp {tp}: layer fwd {e.layer.fwd_s * 1e3:.2f} ms  bwd {e.layer.bwd_s * 1e3:.2f} ms  "
               f"update {e.layer.update_s * 1e3:.2f} ms  head fwd+bwd {(e.head.fwd_s + e.head.bwd_s) * 1e3:.2f} ms")
+    if prof.wake_penalty:
+        print("  wake penalty (extra CPU time after idle): "
+              + ", ".join(f"{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in prof.wake_penalty))
     return 0
 
 
@@ -64,4 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--warmup", type=int, default=3, help="unmeasured repetitions per part")
     sp.add_argument("--repeats", type=int, default=10, help="measured repetitions (median) per part")
     sp.add_argument("--out", required=True, help="profile JSON file to write")
+    sp.add_argument("--wake-penalty", action="store_true",
+                    help="local emulation hosts: also measure the extra CPU time of work after idle gaps "
+                         "(docs/profiles.md); ~4 s")
     sp.set_defaults(func=cmd_profile)

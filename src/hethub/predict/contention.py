@@ -10,6 +10,10 @@ use a core does not slow anyone:
 * waiting for a transfer, and the gradient all-reduces (loopback, tiny next to compute here), are
   timed waits.
 
+Work that starts after its rank sat idle (waiting or sleeping) runs slower than back-to-back work
+(cold caches, core power states): where the profile measured it (``KindProfile.wake_penalty``) each
+chunk of CPU work gets the extra CPU time of the idle gap before it.
+
 So every stage's program is replayed as phases: CPU work (shared), sleep and waits (not shared),
 in the schedule's op order (1F1B or GPipe), with the same dependencies as
 :mod:`hethub.predict.schedule` (a forward needs the previous stage's forward plus the transfer, a
@@ -22,7 +26,7 @@ uncontended simulation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hethub.predict.schedule import op_order
@@ -44,6 +48,9 @@ class StageWork:
     p2p_s: float  # transfer to the next stage (and of gradients back from it)
     update_cpu_s: float
     ranks: int  # processes computing together (the TP degree)
+    # Extra CPU seconds of a chunk after an idle gap (KindProfile.wake_extra_s); None: no such effect.
+    wake_extra_s: Callable[[float], float] | None = None
+    slowdown: float = 1.0  # emulated kinds sleep (k-1) x a chunk's CPU time, wake penalty included
 
 
 @dataclass
@@ -56,6 +63,7 @@ class _Stage:
     # ("until", absolute time) | ("cpu", work left at full speed) | ("sleep", seconds, once CPU work is done)
     phases: list[tuple[str, float]] = field(default_factory=list)
     done_s: float | None = None
+    cpu_end_s: float = 0.0  # when its last chunk of CPU work ended (the step starts warm)
 
 
 def simulate_shared_cores(
@@ -124,8 +132,12 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
         if not ((kind == "cpu" and v <= _EPS) or (kind == "until" and v <= now + _EPS)):
             return False
         s.phases.pop(0)
+        if kind == "cpu":
+            s.cpu_end_s = now
         if s.phases and s.phases[0][0] == "sleep":  # a sleep starts when the CPU work before it ends
             s.phases[0] = ("until", now + s.phases[0][1])
+        elif s.phases and s.phases[0][0] == "cpu":
+            _wake(s, now=now)
         if not s.phases:
             _finish_task(s, now=now, f_end=f_end, b_end=b_end, bwd_done=bwd_done)
         return True
@@ -162,7 +174,21 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
         arrived[i] = set()
     else:
         s.phases = [("cpu", w.update_cpu_s)]
+        _wake(s, now=now)
     return True
+
+
+def _wake(s: _Stage, *, now: float) -> None:
+    """A chunk of CPU work starts at `now`: add the wake penalty of the idle time before it (and the
+    emulation's sleep on that extra CPU time)."""
+    w = s.work
+    gap = now - s.cpu_end_s
+    if w.wake_extra_s is None or gap <= _EPS:
+        return
+    extra = w.wake_extra_s(gap)
+    s.phases[0] = ("cpu", s.phases[0][1] + extra)
+    if len(s.phases) > 1 and s.phases[1][0] == "sleep":
+        s.phases[1] = ("sleep", s.phases[1][1] + (w.slowdown - 1.0) * extra)
 
 
 def _finish_task(s: _Stage, *, now: float, f_end: dict, b_end: dict, bwd_done: dict[int, float]) -> None:

@@ -57,7 +57,7 @@ class _Costs:
         self.finish: dict[tuple, list[float]] = {}
         self.schedules: dict[tuple, list[StageSchedule]] = {}
 
-    def _profile(self, kind: str) -> KindProfile | None:
+    def profile(self, kind: str) -> KindProfile | None:
         prof = self.profiles.get(kind) if self.profiles is not None else None
         # Attention cost grows faster than linearly with sequence length, so a profile measured at
         # another length is not rescaled: the roofline is used instead (visible in compute_source).
@@ -72,7 +72,7 @@ class _Costs:
             k = plan.cluster.kinds[kind]
             times = stage_times(plan.model, k, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
                                 seq_len=plan.seq_len, recompute=recompute, precision=plan.precision,
-                                profile=self._profile(kind))
+                                profile=self.profile(kind))
             act = mbs * plan.seq_len * plan.model.hidden_size * self.act_bytes
             intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
             tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
@@ -156,7 +156,9 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         # Local emulation: every rank is a process of hethub's runtime on one host. Replay the step
         # with its world barriers (loss and gradient-norm all-reduces) and, with more ranks than
         # cores, cores shared among them (contention.py).
-        work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send) for pi, si, cost, _, send in partial}
+        work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send, profile=costs.profile(plan.pipelines[pi]
+                                                                                          .stages[si].kind))
+                for pi, si, cost, _, send in partial}
         step, pipes = simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
                                             num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
                                             background_procs=host_background_procs,
@@ -176,14 +178,16 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     )
 
 
-def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float) -> StageWork:
+def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float,
+                profile: KindProfile | None) -> StageWork:
     """Split a stage's times into CPU work and emulation sleep (the part no core is needed for)."""
     s = plan.pipelines[pi].stages[si]
     k = plan.cluster.kinds[s.kind].emulated_slowdown
     t = cost.times
     return StageWork(fwd_cpu_s=cost.fwd_s - t.fwd_s * (1 - 1 / k), fwd_idle_s=t.fwd_s * (1 - 1 / k),
                      bwd_cpu_s=cost.bwd_s - t.bwd_s * (1 - 1 / k), bwd_idle_s=t.bwd_s * (1 - 1 / k),
-                     p2p_s=send, update_cpu_s=t.update_s, ranks=s.tp)
+                     p2p_s=send, update_cpu_s=t.update_s, ranks=s.tp, slowdown=k,
+                     wake_extra_s=profile.wake_extra_s if profile is not None and profile.wake_penalty else None)
 
 
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: StageMemory, send: float,

@@ -57,6 +57,17 @@ class KindProfile:
     seq_len: int
     entries: dict[tuple[int, int], ProfileEntry] = field(default_factory=dict)  # (mbs, tp) -> times
     source: str = ""
+    # Local emulation hosts: extra CPU seconds of a chunk of work after the rank sat idle for gap_s,
+    # ((gap_s, extra_s), ..) by gap (hethub.profile.wake). Empty: not measured.
+    wake_penalty: tuple[tuple[float, float], ...] = ()
+
+    def wake_extra_s(self, gap_s: float) -> float:
+        """The wake penalty after an idle gap: linear between measured gaps (from 0 at 0), flat beyond."""
+        points = [(0.0, 0.0), *self.wake_penalty]
+        for (g0, e0), (g1, e1) in itertools.pairwise(points):
+            if gap_s <= g1:
+                return e0 + (e1 - e0) * max(0.0, gap_s - g0) / (g1 - g0)
+        return points[-1][1]
 
     def lookup(self, *, mbs: int, tp: int) -> ProfileEntry | None:
         """Times for (mbs, tp); a missing mbs is scaled linearly from the nearest measured one."""

@@ -69,6 +69,8 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
                 if e.layer_by_depth else {})}
             for (mbs, tp), e in sorted(profile.entries.items())
         ],
+        **({"wake_penalty": [{"gap_s": g, "extra_s": x} for g, x in profile.wake_penalty]}
+           if profile.wake_penalty else {}),
     }
 
 
@@ -150,7 +152,8 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
         entries[(mbs, tp)] = ProfileEntry(*(_times(e[part], where, f"{f}.{part}") for part in _PARTS),
                                           peak_mem_bytes=mem, tp_comm_included=included,
                                           layer_by_depth=_depths(e.get("layer_depths", []), where, f"{f}.layer_depths"))
-    prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where)
+    prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where,
+                       wake_penalty=_wake(data.get("wake_penalty", []), where))
     return ProfileFile(profile=prof, model_shape=shape, device=data["device"])
 
 
@@ -182,6 +185,22 @@ def _depths(v: Any, where: str, f: str) -> tuple[tuple[int, LayerTimes], ...]:
                        "list each stack depth above 1 once (depth 1 is field 'layer')")
         out[k] = _times(d, where, f"{f}[{i}]")
     return tuple(sorted(out.items()))
+
+
+def _wake(v: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """Optional ``wake_penalty``: [{"gap_s": .., "extra_s": ..}, ..] with increasing positive gaps."""
+    fix = "re-measure with 'hethub profile --wake-penalty' or leave it out"
+    if not isinstance(v, list):
+        raise _err(where, "wake_penalty", "must be a list", fix)
+    out: list[tuple[float, float]] = []
+    for i, row in enumerate(v):
+        ok = isinstance(row, dict) and all(isinstance(row.get(k), int | float) and not isinstance(row.get(k), bool)
+                                           for k in ("gap_s", "extra_s"))
+        if not ok or row["gap_s"] <= (out[-1][0] if out else 0.0) or row["extra_s"] < 0:
+            raise _err(where, f"wake_penalty[{i}]", f"must be {{\"gap_s\": > previous gap, \"extra_s\": >= 0}}, "
+                       f"got {row!r}", fix)
+        out.append((float(row["gap_s"]), float(row["extra_s"])))
+    return tuple(out)
 
 
 def _pos_int(v: Any, where: str, f: str) -> int:
@@ -279,5 +298,6 @@ def merge_profiles(profiles: Iterable[KindProfile | ProfileSet]) -> ProfileSet:
                                 f"{old.seq_len}. Fix: load one model's profiles at one sequence length at a time.")
             by_kind[prof.kind] = KindProfile(kind=prof.kind, model=prof.model, seq_len=prof.seq_len,
                                              entries={**old.entries, **prof.entries},
-                                             source=f"{old.source}; {prof.source}")
+                                             source=f"{old.source}; {prof.source}",
+                                             wake_penalty=prof.wake_penalty or old.wake_penalty)
     return ProfileSet(by_kind=by_kind)

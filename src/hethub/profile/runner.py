@@ -44,6 +44,7 @@ class ProfileRequest:
     # Decoder-layer stack depths (> 1, capped at the model's layer count) also measured per entry.
     depths: tuple[int, ...] = (2, 4, 8)
     show_progress: bool = True  # on stderr
+    wake_penalty: bool = False  # also measure hethub.profile.wake's penalty (CPU hosts of local emulation)
 
 
 def device_description(device: str) -> str:
@@ -74,8 +75,13 @@ def run_profile(req: ProfileRequest) -> KindProfile:
                                               peak_mem_bytes=res.peak_mem_bytes, tp_comm_included=included,
                                               layer_by_depth=res.layer_by_depth)
             bar.update()
+    wake: tuple[tuple[float, float], ...] = ()
+    if req.wake_penalty and dev.type == "cpu":
+        from hethub.profile.wake import measure_wake_penalty
+
+        wake = measure_wake_penalty(req.model, mbs=sorted(req.mbs)[len(req.mbs) // 2], seq_len=req.seq_len)
     return KindProfile(kind=req.kind, model=req.model.name, seq_len=req.seq_len, entries=entries,
-                       source=f"hethub profile on {device_description(req.device)}")
+                       source=f"hethub profile on {device_description(req.device)}", wake_penalty=wake)
 
 
 def _check_tp(model: ModelSpec, tp: int) -> None:
@@ -133,12 +139,12 @@ def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult
 
 def profile_for_kinds(*, model: ModelSpec, kinds: tuple[str, ...], seq_len: int, mbs: tuple[int, ...],
                       tp: tuple[int, ...] = (1, 2), reps: Repetitions | None = None,
-                      show: bool = True) -> ProfileSet:
+                      show: bool = True, wake_penalty: bool = False) -> ProfileSet:
     """Profile this host once and hand the result to every kind running on it.
 
     For local emulation all kinds are the same CPU; the predictor slows the emulated ones itself.
     """
     req = ProfileRequest(model=model, kind=kinds[0], seq_len=seq_len, mbs=mbs, tp=tp,
-                         reps=reps or Repetitions(), show_progress=show)
+                         reps=reps or Repetitions(), show_progress=show, wake_penalty=wake_penalty)
     base = run_profile(req)
     return merge_profiles([replace(base, kind=k) for k in kinds])

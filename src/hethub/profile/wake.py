@@ -1,0 +1,58 @@
+"""Wake penalty: the extra CPU time of work that starts after its rank sat idle.
+
+On a local emulation host a rank is idle a lot: a pipeline stage waits for activations, an emulated
+slow kind sleeps after every chunk, replicas wait in all-reduces. Work that starts after an idle
+gap runs slower than the same work back to back: the core's caches were refilled by someone else
+meanwhile (other tenants of a virtual machine's host, too) and the core may have dropped to a
+lower power state. Measured on this 2-core VM with a stack of three decoder layers (~21 ms): +1%
+after 2 ms idle, +4-7% after 10 ms, +10-20% after 30 ms. A profile measured back to back misses it.
+
+Measurement, per micro-batch size, in this process (one thread): pairs of (a forward + backward of
+a stack of the runtime's decoder layers straight after another, then the same after sleeping
+``gap`` seconds), timed by the thread's CPU time; the penalty at that gap is the median over pairs
+of the difference (a pair's two halves see nearly the same machine). Stored in the profile entry;
+the predictor's shared-core replay (:mod:`hethub.predict.contention`) adds it to each chunk of CPU
+work by the idle time before it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hethub.runtime.model import StageModel
+from hethub.runtime.tensor_parallel import TPContext
+from hethub.spec.model import ModelSpec
+
+WAKE_GAPS_S = (0.005, 0.02, 0.06)
+
+
+def measure_wake_penalty(spec: ModelSpec, *, mbs: int, seq_len: int, gaps_s: Sequence[float] = WAKE_GAPS_S,
+                         pairs: int = 16, device: torch.device | None = None) -> tuple[tuple[float, float], ...]:
+    """((gap_s, extra CPU seconds of the chunk after it), ...) for a stack of up to 4 decoder layers."""
+    model = StageModel(spec, layers=(0, min(4, spec.num_layers)), embedding=False, head=False, tp=TPContext())
+    x = torch.randn(mbs, seq_len, spec.hidden_size)
+    if device is not None:
+        model, x = model.to(device), x.to(device)
+
+    def chunk_cpu_s() -> float:
+        start = time.thread_time()
+        out = model(x.detach().requires_grad_(True), None)
+        out.backward(torch.ones_like(out))
+        model.zero_grad(set_to_none=False)
+        return time.thread_time() - start
+
+    for _ in range(2):
+        chunk_cpu_s()  # warm-up: allocator, first-call costs
+    out = []
+    for gap in gaps_s:
+        extra = []
+        for _ in range(pairs):
+            warm = chunk_cpu_s()
+            time.sleep(gap)
+            extra.append(chunk_cpu_s() - warm)
+        out.append((float(gap), max(0.0, statistics.median(extra))))
+    return tuple(out)
