@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy_plans import HELD_OUT, TUNING, PlanDef, build_plan
+from _accuracy_plans import HELD_OUT, SEEN, TUNING, PlanDef, build_plan
 from hethub.comm.collbench import measure_host_allreduce
 from hethub.comm.linkbench import measure_links
 from hethub.plan import Plan
@@ -214,7 +214,8 @@ def main() -> None:
                     help="timed repetitions per part in the profile taken before each run (default 4)")
     ap.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
                     help="fork: hethub.train ranks forked from this process (fast start); torchrun: as users run")
-    ap.add_argument("--sets", default="tuning,held-out")
+    ap.add_argument("--sets", default="tuning,held-out",
+                    help="comma-separated: tuning, held-out, seen (the held-out set before 2026-11-30 14:25)")
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
     # One thread, as every rank runs; also before forking ranks, which must not inherit a used pool.
@@ -226,7 +227,7 @@ def main() -> None:
           f"({model.num_params / 1e6:.2f} M params), seq_len {args.seq_len}", flush=True)
     if args.steps - args.warmup < 1 or args.reps < 1 or args.profile_repeats < 1:
         ap.error("need --steps > --warmup, --reps >= 1 and --profile-repeats >= 1")
-    sets: dict[str, tuple[PlanDef, ...]] = {"tuning": TUNING, "held-out": HELD_OUT}
+    sets: dict[str, tuple[PlanDef, ...]] = {"tuning": TUNING, "held-out": HELD_OUT, "seen": SEEN}
     chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
     plans = [(name, pd, build_plan(pd, cluster=cluster, model=model, seq_len=args.seq_len))
              for name in chosen for pd in sets[name]]
