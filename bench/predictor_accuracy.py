@@ -120,7 +120,8 @@ def median_profiles(sets: list[ProfileSet]) -> ProfileSet:
             es = [prof.entries[key] for prof in profs if key in prof.entries]
             depths = tuple((k, med([dict(e.layer_by_depth)[k] for e in es])) for k, _ in es[0].layer_by_depth)
             entries[key] = replace(es[0], embedding=med([e.embedding for e in es]), layer=med([e.layer for e in es]),
-                                   head=med([e.head for e in es]), layer_by_depth=depths)
+                                   head=med([e.head for e in es]), layer_by_depth=depths,
+                                   cpu_fraction=statistics.median(e.cpu_fraction for e in es))
         by_kind[kind] = replace(profs[0], entries=entries, source=f"median of {len(sets)} profiles")
     return ProfileSet(by_kind=by_kind)
 
@@ -215,7 +216,7 @@ def main() -> None:
     ap.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
                     help="fork: hethub.train ranks forked from this process (fast start); torchrun: as users run")
     ap.add_argument("--sets", default="tuning,held-out",
-                    help="comma-separated: tuning, held-out, seen (the held-out set before 2026-11-30 14:25)")
+                    help="comma-separated: tuning, held-out, seen (former held-out sets, see _accuracy_plans.py)")
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
     # One thread, as every rank runs; also before forking ranks, which must not inherit a used pool.

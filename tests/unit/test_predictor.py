@@ -262,3 +262,17 @@ def test_wake_penalty_slows_work_after_idle_gaps_on_emulation_hosts():
     # Not an emulation host: no shared-core replay, no penalty.
     real = plan(c, [Pipeline(1, 4, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))])
     assert predict(real, profiles=woken).step_time_s == pytest.approx(predict(real, profiles=plain).step_time_s)
+
+
+def test_emulated_kind_stretches_only_the_cpu_share_of_a_profile():
+    c = cluster((kind("a"), 1, 1), (replace(kind("s"), emulated_slowdown=3.0), 1, 1))
+    entry = ProfileEntry(embedding=LayerTimes(0.0, 0.0), layer=LayerTimes(0.01, 0.02), head=LayerTimes(0.0, 0.0))
+    half = replace(entry, cpu_fraction=0.5)  # half of each chunk waits in TP collectives
+    pl = plan(c, [Pipeline(1, 1, stages("s", [(0, 6)], [(1,)]))])
+
+    def fwd(e: ProfileEntry) -> float:
+        return predict(pl, profiles=ProfileSet({"s": KindProfile(kind="s", model="tiny", seq_len=SEQ,
+                                                                  entries={(1, 1): e})})).stages[0].fwd_s
+
+    assert fwd(entry) == pytest.approx(6 * 0.01 * 3.0)
+    assert fwd(half) == pytest.approx(6 * 0.01 * (1 + 2.0 * 0.5))

@@ -113,6 +113,7 @@ def _write(tmp_path, mutate) -> str:
     (lambda d: d.update(wake_penalty=[{"gap_s": 0.02, "extra_s": 1e-3}, {"gap_s": 0.01, "extra_s": 2e-3}]),
      "'wake_penalty[1]'"),
     (lambda d: d.update(wake_penalty=[{"gap_s": 0.02, "extra_s": -1}]), "'wake_penalty[0]'"),
+    (lambda d: d["entries"][2].update(cpu_fraction=1.5), "'entries[2].cpu_fraction'"),
 ])
 def test_malformed_file_names_the_field(tmp_path, mutate, field):
     path = _write(tmp_path, mutate)
@@ -174,3 +175,13 @@ def test_wake_penalty_round_trips_interpolates_and_is_optional(tmp_path):
     assert "wake_penalty" not in json.loads(path.read_text()) and read_profile(path).wake_penalty == ()
     # Merging keeps a measured penalty when the later profile has none.
     assert merge_profiles([prof, _profile(entries=((4, 1),))]).by_kind["fast"].wake_penalty == prof.wake_penalty
+
+
+def test_cpu_fraction_round_trips_and_defaults_to_one(tmp_path):
+    base = _profile()
+    prof = replace(base, entries={**base.entries, (1, 2): replace(base.entries[(1, 2)], cpu_fraction=0.6)})
+    path = tmp_path / "fast.json"
+    write_profile(path, prof, model=tiny_model(), device="cpu: test")
+    again = read_profile(path)
+    assert again.entries[(1, 2)].cpu_fraction == 0.6 and again.entries[(1, 1)].cpu_fraction == 1.0
+    assert "cpu_fraction" not in json.loads(path.read_text())["entries"][0]

@@ -23,6 +23,9 @@ class StageTimes:
     source: str  # "profile" or "analytic"
     # Whether fwd/bwd already contain the TP all-reduces (profiles measured on a real TP group).
     tp_comm_included: bool = False
+    # Of fwd_s / bwd_s, the emulation's sleep on an emulated kind (no core needed; contention.py).
+    fwd_idle_s: float = 0.0
+    bwd_idle_s: float = 0.0
 
 
 def stage_times(
@@ -43,9 +46,12 @@ def stage_times(
         if recompute:
             bwd += layers * per_layer.fwd_s
         # A profile measures real speed; an emulated kind is slowed on top of it, in its forward and
-        # backward chunks only (the runtime's emulation sleeps there, not in the optimizer step).
-        k = kind.emulated_slowdown
-        return StageTimes(fwd * k, bwd * k, upd, "profile", entry.tp_comm_included)
+        # backward chunks only (the runtime's emulation sleeps there, not in the optimizer step), and
+        # only their CPU share: the runtime sleeps (k-1) x a chunk's thread CPU time, so time spent
+        # waiting in TP collectives is not stretched.
+        stretch = (kind.emulated_slowdown - 1.0) * entry.cpu_fraction
+        return StageTimes(fwd * (1 + stretch), bwd * (1 + stretch), upd, "profile", entry.tp_comm_included,
+                          fwd * stretch, bwd * stretch)
     tokens = mbs * seq_len
     flops = layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len)
     if head:
@@ -58,4 +64,6 @@ def stage_times(
         state = sum(ModelSpec.state_bytes_per_param(precision).values())
         params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp)
         upd = 2 * params * state / kind.mem_bw_bytes_per_s
-    return StageTimes(fwd, bwd, upd, "analytic")
+    # An emulated kind's analytic speed already includes its slowdown; the share it would sleep:
+    idle = 1.0 - 1.0 / kind.emulated_slowdown
+    return StageTimes(fwd, bwd, upd, "analytic", fwd_idle_s=fwd * idle, bwd_idle_s=bwd * idle)

@@ -184,8 +184,8 @@ def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float,
     s = plan.pipelines[pi].stages[si]
     k = plan.cluster.kinds[s.kind].emulated_slowdown
     t = cost.times
-    return StageWork(fwd_cpu_s=cost.fwd_s - t.fwd_s * (1 - 1 / k), fwd_idle_s=t.fwd_s * (1 - 1 / k),
-                     bwd_cpu_s=cost.bwd_s - t.bwd_s * (1 - 1 / k), bwd_idle_s=t.bwd_s * (1 - 1 / k),
+    return StageWork(fwd_cpu_s=cost.fwd_s - t.fwd_idle_s, fwd_idle_s=t.fwd_idle_s,
+                     bwd_cpu_s=cost.bwd_s - t.bwd_idle_s, bwd_idle_s=t.bwd_idle_s,
                      p2p_s=send, update_cpu_s=t.update_s, ranks=s.tp, slowdown=k,
                      wake_extra_s=profile.wake_extra_s if profile is not None and profile.wake_penalty else None)
 

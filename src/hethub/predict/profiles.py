@@ -34,6 +34,10 @@ class ProfileEntry:
     # Optional: per-layer times measured on a stack of k > 1 decoder layers, as ((k, times per layer), ..)
     # sorted by k. `layer` is the k = 1 measurement. Empty (old files, Sailor): depth-independent.
     layer_by_depth: tuple[tuple[int, LayerTimes], ...] = ()
+    # Of forward + backward, the share a rank spends on its CPU rather than waiting in TP collectives
+    # (wall-clock TP entries on CPU); an emulated slower kind slows only that share, as the runtime's
+    # emulation does (it sleeps in proportion to the chunk's thread CPU time). 1.0: all of it.
+    cpu_fraction: float = 1.0
 
     def layer_at(self, depth: int) -> LayerTimes:
         """Per-layer times for a stage of `depth` decoder layers: linear in the depth between measured
@@ -79,7 +83,7 @@ class KindProfile:
         near = min(same_tp, key=lambda m: abs(m - mbs))
         e, f = self.entries[(near, tp)], mbs / near
         return ProfileEntry(e.embedding.scaled(f), e.layer.scaled(f), e.head.scaled(f), None, e.tp_comm_included,
-                            tuple((k, t.scaled(f)) for k, t in e.layer_by_depth))
+                            tuple((k, t.scaled(f)) for k, t in e.layer_by_depth), e.cpu_fraction)
 
 
 @dataclass(frozen=True)

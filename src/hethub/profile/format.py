@@ -66,7 +66,8 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
              "peak_mem_bytes": e.peak_mem_bytes,
              **({} if e.tp_comm_included else {"tp_comm_included": False}),
              **({"layer_depths": [{"layers": k, **_times_dict(t)} for k, t in e.layer_by_depth]}
-                if e.layer_by_depth else {})}
+                if e.layer_by_depth else {}),
+             **({"cpu_fraction": e.cpu_fraction} if e.cpu_fraction != 1.0 else {})}
             for (mbs, tp), e in sorted(profile.entries.items())
         ],
         **({"wake_penalty": [{"gap_s": g, "extra_s": x} for g, x in profile.wake_penalty]}
@@ -149,9 +150,14 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
         if not isinstance(included, bool):
             raise _err(where, f"{f}.tp_comm_included", f"must be true or false, got {included!r}",
                        "write true if the TP all-reduces are inside the times")
+        cpu_fraction = e.get("cpu_fraction", 1.0)  # optional: wall-clock TP entries on CPU
+        if isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, int | float) or not 0 < cpu_fraction <= 1:
+            raise _err(where, f"{f}.cpu_fraction", f"must be a number in (0, 1], got {cpu_fraction!r}",
+                       "re-measure with 'hethub profile' or leave it out")
         entries[(mbs, tp)] = ProfileEntry(*(_times(e[part], where, f"{f}.{part}") for part in _PARTS),
                                           peak_mem_bytes=mem, tp_comm_included=included,
-                                          layer_by_depth=_depths(e.get("layer_depths", []), where, f"{f}.layer_depths"))
+                                          layer_by_depth=_depths(e.get("layer_depths", []), where, f"{f}.layer_depths"),
+                                          cpu_fraction=float(cpu_fraction))
     prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where,
                        wake_penalty=_wake(data.get("wake_penalty", []), where))
     return ProfileFile(profile=prof, model_shape=shape, device=data["device"])

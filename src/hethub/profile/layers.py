@@ -40,6 +40,9 @@ class PartResult:
     times: LayerTimes
     state_bytes: int  # weights + grads + optimizer state of the part
     saved_bytes: int  # activations autograd keeps for backward, one micro-batch
+    # Of forward + backward time, the share this thread spent on a CPU (the rest: waiting in TP
+    # collectives). The runtime's emulation of a slower kind slows exactly that share.
+    cpu_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,14 @@ def measure_part(model: StageModel, *, make_input: Callable[[], tuple[torch.Tens
     fwd: list[float] = []
     bwd: list[float] = []
     upd: list[float] = []
+    cpu: list[float] = []  # thread CPU seconds of forward + backward
     saved = state = 0
     # Pass 0 only counts what autograd saves: its hooks cost ~10% of a forward, so it is never timed.
     for i in range(1 + reps.warmup + reps.repeats):
         x, targets = make_input()
         barrier()  # TP ranks start together, as they do inside a pipeline
         _sync(device)
+        c0 = time.thread_time()
         t0 = clock()
         with saved_for_backward(exclude=params) if i == 0 else contextlib.nullcontext() as rec:
             out = model(x, targets)
@@ -84,13 +89,16 @@ def measure_part(model: StageModel, *, make_input: Callable[[], tuple[torch.Tens
                 float(out.detach())  # the executor reads the loss: a host sync it pays per micro-batch
         _sync(device)
         t1 = clock()
+        c1 = time.thread_time()
         grad = None if targets is not None else torch.randn_like(out)
         barrier()
         _sync(device)
+        c2 = time.thread_time()
         t2 = clock()
         torch.autograd.backward(out, grad_tensors=grad)
         _sync(device)
         t3 = clock()
+        c3 = time.thread_time()
         if i == 0:
             saved = rec.nbytes
         del out, x, grad
@@ -102,12 +110,17 @@ def measure_part(model: StageModel, *, make_input: Callable[[], tuple[torch.Tens
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
             upd.append(t5 - t4)
+            cpu.append((c1 - c0) + (c3 - c2))
         if i == 0:
             state = training_state_bytes(model, opt).total_bytes  # grads still allocated here
         # Zeroed in place, not dropped: the next backward then accumulates into existing gradients, as
         # every micro-batch after a step's first does in the runtime (~2% more than assigning them).
         opt.zero_grad(set_to_none=False)
-    return PartResult(LayerTimes(_median_s(fwd), _median_s(bwd), _median_s(upd)), state, saved)
+    times = LayerTimes(_median_s(fwd), _median_s(bwd), _median_s(upd))
+    fraction = 1.0
+    if device.type == "cpu" and clock is not time.thread_time and times.fwd_s + times.bwd_s > 0:
+        fraction = min(1.0, _median_s(cpu) / (times.fwd_s + times.bwd_s))
+    return PartResult(times, state, saved, fraction)
 
 
 def _update(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, sched: object, *, grad_clip: float) -> None:

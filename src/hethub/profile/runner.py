@@ -73,7 +73,8 @@ def run_profile(req: ProfileRequest) -> KindProfile:
                 res, included = _measure_sharded_alone(req, mbs=mbs, tp=tp, dev=dev), False
             entries[(mbs, tp)] = ProfileEntry(res.embedding.times, res.layer.times, res.head.times,
                                               peak_mem_bytes=res.peak_mem_bytes, tp_comm_included=included,
-                                              layer_by_depth=res.layer_by_depth)
+                                              layer_by_depth=res.layer_by_depth,
+                                              cpu_fraction=res.layer.cpu_fraction)
             bar.update()
     wake: tuple[tuple[float, float], ...] = ()
     if req.wake_penalty and dev.type == "cpu":
