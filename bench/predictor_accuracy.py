@@ -46,8 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _accuracy_plans import HELD_OUT, SEEN, TUNING, PlanDef, build_plan
-from hethub.comm.collbench import measure_host_allreduce
-from hethub.comm.linkbench import measure_links
+from hethub.comm.collbench import measure_host_links
 from hethub.plan import Plan
 from hethub.predict.links import LinkFit, LinksProfile, plan_with_links
 from hethub.predict.predictor import predict
@@ -57,7 +56,7 @@ from hethub.profile.layers import Repetitions
 from hethub.profile.runner import profile_for_kinds
 from hethub.profile.stage_memory import measure_stage_memory
 from hethub.profile.wake import measure_wake_penalty
-from hethub.spec.cluster import Cluster, load_cluster
+from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 from runtime_overhead import step_records
 
@@ -80,12 +79,6 @@ def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
     return merge_profiles(profile_for_kinds(model=plan.model, kinds=("cpu-fast", "cpu-slow"), seq_len=plan.seq_len,
                                             mbs=tuple(sorted(mbs)), tp=(tp,), reps=reps, show=False)
                           for tp, mbs in sorted(by_tp.items()))
-
-
-def measure_host_links(cluster: Cluster) -> LinksProfile:
-    """This host's point-to-point links and its all-reduce among 2..N local ranks (``hethub bench comm``)."""
-    links = measure_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
-    return replace(links, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1)))
 
 
 def with_wake(profiles: ProfileSet, wake: tuple[tuple[float, float], ...]) -> ProfileSet:
@@ -247,7 +240,7 @@ def main() -> None:
         for n in range(args.reps * len(plans)):
             i = n % len(plans)
             if i == 0:  # links, collectives and the wake penalty drift too: re-measured once per repetition
-                links.append(measure_host_links(cluster))
+                links.append(measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False))
                 wakes.append(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len))
             plan = plans[i][2]
             taken.append(with_wake(profile_for_plan(plan, reps=reps), wakes[-1]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -61,13 +61,10 @@ def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> Profil
 
 def measure_host(cluster: Cluster, out_dir: Path) -> Cluster:
     """This host's links and all-reduce (what 'hethub bench comm' measures), applied to the cluster."""
-    from hethub.comm.collbench import measure_host_allreduce
-    from hethub.comm.linkbench import measure_links
+    from hethub.comm.collbench import measure_host_links
     from hethub.predict.links import apply_links_profile, write_links_profile
 
-    links = measure_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
-    if cluster.host_cores is not None:
-        links = replace(links, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1)))
+    links = measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
     write_links_profile(links, out_dir / "links.json")
     return apply_links_profile(cluster, links)
 

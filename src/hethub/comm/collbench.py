@@ -19,16 +19,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from hethub.comm.communicator import Communicator
-from hethub.comm.linkbench import TIMEOUT, repetitions
-from hethub.predict.links import LinkFit, fit_alpha_beta
+from hethub.comm.linkbench import MAX_BYTES, MIB, MIN_BYTES, TIMEOUT, measure_links, message_sizes, repetitions
+from hethub.predict.links import LinkFit, LinksProfile, fit_alpha_beta
+from hethub.runtime.data_parallel import unflatten_into
 from hethub.runtime.local_ranks import run_local_ranks
+from hethub.spec.cluster import Cluster
 
-KIB, MIB = 1024, 1024 * 1024
-HOST_ALLREDUCE_SIZES = tuple(4 * KIB * 4**i for i in range(7))  # 4 KiB .. 16 MiB per rank
+HOST_ALLREDUCE_SIZES = tuple(message_sizes(max_bytes=16 * MIB))  # 4 KiB .. 16 MiB per rank
 
 
 def allreduce_once_s(comm: Communicator, halves: list[torch.Tensor]) -> float:
@@ -36,10 +38,7 @@ def allreduce_once_s(comm: Communicator, halves: list[torch.Tensor]) -> float:
     start = time.perf_counter()
     flat = torch.cat([h.reshape(-1) for h in halves])
     comm.all_reduce(flat)
-    offset = 0
-    for h in halves:
-        h.copy_(flat[offset:offset + h.numel()].view_as(h))
-        offset += h.numel()
+    unflatten_into(flat, halves)
     return time.perf_counter() - start
 
 
@@ -68,3 +67,15 @@ def measure_host_allreduce(participants: Sequence[int], *,
         # No measurable per-byte cost gives an infinite fit; plans embed the cluster as plain JSON.
         fits[p] = LinkFit(latency_s=latency_s, bw_bytes_per_s=min(bw, 1e15), samples=tuple(samples))
     return fits
+
+
+def measure_host_links(cluster: Cluster, *, min_bytes: int = MIN_BYTES, max_bytes: int = MAX_BYTES,
+                       show_progress: bool = True) -> LinksProfile:
+    """What ``hethub bench comm`` measures: every link class of `cluster` and, on a local emulation
+    cluster (``host_cores`` set, every rank a process here), the host's all-reduce among 2..N ranks
+    at the sizes of HOST_ALLREDUCE_SIZES within [min_bytes, max_bytes]."""
+    profile = measure_links(cluster, max_bytes=max_bytes, min_bytes=min_bytes, show_progress=show_progress)
+    if cluster.host_cores is None:
+        return profile
+    sizes = [n for n in HOST_ALLREDUCE_SIZES if min_bytes <= n <= max_bytes] or [min_bytes]
+    return replace(profile, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1), sizes=sizes))

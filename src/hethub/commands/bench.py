@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import replace
 from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
@@ -34,7 +33,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> int:
-    from hethub.comm.linkbench import measure_links
+    from hethub.comm.collbench import measure_host_links
     from hethub.errors import SpecError
     from hethub.predict.links import write_links_profile
     from hethub.spec.cluster import load_cluster
@@ -43,17 +42,10 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
     if args.min_bytes > args.max_bytes:
         raise SpecError(f"--min-bytes {args.min_bytes} exceeds --max-bytes {args.max_bytes}. Fix: swap them.")
     try:
-        profile = measure_links(cluster, max_bytes=args.max_bytes, min_bytes=args.min_bytes,
-                                show_progress=not args.json)
+        profile = measure_host_links(cluster, max_bytes=args.max_bytes, min_bytes=args.min_bytes,
+                                     show_progress=not args.json)
     except ValueError as err:
         raise SpecError(f"{args.cluster}: {err}. Fix: describe at least two devices.") from None
-    if cluster.host_cores is not None:
-        # Local emulation: every rank is a process here, so the host's all-reduce is measurable as is.
-        from hethub.comm.collbench import HOST_ALLREDUCE_SIZES, measure_host_allreduce
-
-        sizes = [n for n in HOST_ALLREDUCE_SIZES if args.min_bytes <= n <= args.max_bytes] or [args.min_bytes]
-        profile = replace(profile, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1),
-                                                                         sizes=sizes))
     out = Path(args.out)
     write_links_profile(profile, out)
     if args.json:

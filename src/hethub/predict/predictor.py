@@ -156,8 +156,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         # Local emulation: every rank is a process of hethub's runtime on one host. Replay the step
         # with its world barriers (loss and gradient-norm all-reduces) and, with more ranks than
         # cores, cores shared among them (contention.py).
-        work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send, profile=costs.profile(plan.pipelines[pi]
-                                                                                          .stages[si].kind))
+        work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send, costs=costs)
                 for pi, si, cost, _, send in partial}
         step, pipes = simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
                                             num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
@@ -178,12 +177,12 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     )
 
 
-def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float,
-                profile: KindProfile | None) -> StageWork:
+def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float, costs: _Costs) -> StageWork:
     """Split a stage's times into CPU work and emulation sleep (the part no core is needed for)."""
     s = plan.pipelines[pi].stages[si]
     k = plan.cluster.kinds[s.kind].emulated_slowdown
     t = cost.times
+    profile = costs.profile(s.kind)
     return StageWork(fwd_cpu_s=cost.fwd_s - t.fwd_idle_s, fwd_idle_s=t.fwd_idle_s,
                      bwd_cpu_s=cost.bwd_s - t.bwd_idle_s, bwd_idle_s=t.bwd_idle_s,
                      p2p_s=send, update_cpu_s=t.update_s, ranks=s.tp, slowdown=k,

@@ -127,16 +127,16 @@ def _buckets(groups: list[SyncGroup], *, cluster: Cluster, first_dev: dict[Stage
     per layer saves a latency per layer (and on a CPU host most of the cost is per collective).
     """
     by_holders: dict[tuple[StageId, ...], list[SyncGroup]] = {}
-    for g in sorted(groups, key=lambda g: _runtime_name(g.name)):
+    for g in groups:  # members stay in layer order
         by_holders.setdefault(g.holders, []).append(g)
     out = []
-    for hs, gs in by_holders.items():
+    # A bucket's collective comes where the runtime meets its first parameter name.
+    for gs in sorted(by_holders.values(), key=lambda gs: min(_runtime_name(g.name) for g in gs)):
         if len(gs) == 1:
             out.append(gs[0])
             continue
-        nbytes = sum(g.nbytes for g in gs)
-        name = ", ".join(g.name for g in sorted(gs, key=lambda g: groups.index(g)))
-        out.append(SyncGroup(name, hs, nbytes, gs[0].link,
+        hs, nbytes = gs[0].holders, sum(g.nbytes for g in gs)
+        out.append(SyncGroup(", ".join(g.name for g in gs), hs, nbytes, gs[0].link,
                              group_allreduce_time_s(cluster, nbytes=nbytes, devices=[first_dev[x] for x in hs])))
     return out
 

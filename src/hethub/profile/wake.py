@@ -7,12 +7,12 @@ meanwhile (other tenants of a virtual machine's host, too) and the core may have
 lower power state. Measured on this 2-core VM with a stack of three decoder layers (~21 ms): +1%
 after 2 ms idle, +4-7% after 10 ms, +10-20% after 30 ms. A profile measured back to back misses it.
 
-Measurement, per micro-batch size, in this process (one thread): pairs of (a forward + backward of
-a stack of the runtime's decoder layers straight after another, then the same after sleeping
-``gap`` seconds), timed by the thread's CPU time; the penalty at that gap is the median over pairs
-of the difference (a pair's two halves see nearly the same machine). Stored in the profile entry;
-the predictor's shared-core replay (:mod:`hethub.predict.contention`) adds it to each chunk of CPU
-work by the idle time before it.
+Measurement, at one micro-batch size (the profile's middle one), in this process (one thread):
+pairs of (a forward + backward of a stack of the runtime's decoder layers straight after another,
+then the same after sleeping ``gap`` seconds), timed by the thread's CPU time; the penalty at that
+gap is the median over pairs of the difference (a pair's two halves see nearly the same machine).
+Stored once per profile (``KindProfile.wake_penalty``); the predictor's shared-core replay
+(:mod:`hethub.predict.contention`) adds it to each chunk of CPU work by the idle time before it.
 """
 
 from __future__ import annotations

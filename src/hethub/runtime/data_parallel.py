@@ -58,7 +58,7 @@ class GradSync:
             elif len(b.group.ranks) > 1:
                 flat = torch.cat([p.grad.reshape(-1) for _, p, _ in b.params])
                 self.comm.all_reduce(flat, group=b.group.ranks)
-                _unflatten(flat, [p.grad for _, p, _ in b.params])
+                unflatten_into(flat, [p.grad for _, p, _ in b.params])
         torch._foreach_div_([p.grad for p in self.params], float(global_samples))
 
     def _sync_mixed(self, b: _Bucket) -> None:
@@ -98,7 +98,8 @@ class GradSync:
         return norm
 
 
-def _unflatten(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+def unflatten_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of `flat` back into `outs` (the inverse of cat of their flattened views)."""
     offset = 0
     for t in outs:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
