@@ -5,6 +5,12 @@ these. The CLI prints ``str(err)`` as one paragraph and exits with ``err.exit_co
 ever reaches the user as a traceback.
 """
 
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
 
 class HethubError(Exception):
     """Base class for errors caused by user input or the environment, not by a bug."""
@@ -59,3 +65,14 @@ def positive_int(value: object, *, where: str, field: str, cls: type[HethubError
         raise field_error(where, field, f"must be a positive integer, got {value!r}", "write a positive integer",
                           cls=cls)
     return value
+
+
+def load_json(path: Path, *, missing: str, invalid_fix: str, cls: type[HethubError] = SpecError) -> Any:
+    """The parsed content of the JSON file `path`: a missing file raises ``cls(missing)``, text that
+    is not JSON raises ``cls("<path>: not valid JSON (<why>). Fix: <invalid_fix>.")``."""
+    if not path.is_file():
+        raise cls(missing)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise cls(f"{path}: not valid JSON ({err}). Fix: {invalid_fix}.") from None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import PlanError, SpecError
+from hethub.errors import PlanError, SpecError, load_json
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import PRECISIONS, ModelSpec
 
@@ -195,12 +195,8 @@ class Plan:
     @staticmethod
     def load(path: str | Path) -> Plan:
         p = Path(path)
-        if not p.is_file():
-            raise PlanError(f"plan file '{p}' does not exist. Fix: create one with 'hethub plan --out {p}'.")
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise PlanError(f"{p}: not valid JSON ({err}). Fix: re-create it with 'hethub plan'.") from None
+        data = load_json(p, missing=f"plan file '{p}' does not exist. Fix: create one with 'hethub plan --out {p}'.",
+                         invalid_fix="re-create it with 'hethub plan'", cls=PlanError)
         try:
             return Plan.from_dict(data)
         except PlanError as err:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import SpecError
+from hethub.errors import SpecError, load_json
 from hethub.plan import Plan
 from hethub.spec.cluster import Cluster, Link
 
@@ -141,13 +141,9 @@ def _parse_fit(entry: Any, *, where: str, key: str) -> LinkFit:
 
 def read_links_profile(path: str | Path) -> LinksProfile:
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"links profile '{p}' does not exist. Fix: write it with "
-                        f"'hethub bench comm --cluster FILE --out {p}'.")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise _bad(str(p), f"not valid JSON ({err})") from None
+    remeasure = f"'hethub bench comm --cluster FILE --out {p}'"
+    data = load_json(p, missing=f"links profile '{p}' does not exist. Fix: write it with {remeasure}.",
+                     invalid_fix=f"re-measure with {remeasure}")
     return links_profile_from_dict(data, where=str(p))
 
 

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import SpecError, field_error, positive_int
+from hethub.errors import SpecError, field_error, load_json, positive_int
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.spec.model import ModelSpec
 
@@ -218,12 +218,8 @@ def _err(where: str, f: str, problem: str, fix: str) -> SpecError:
 
 
 def read_json_file(p: Path) -> Any:
-    if not p.is_file():
-        raise SpecError(f"profile file '{p}' does not exist. Fix: pass an existing profile file or directory.")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SpecError(f"{p}: not valid JSON ({err}). Fix: re-measure or restore the file.") from None
+    return load_json(p, missing=f"profile file '{p}' does not exist. Fix: pass an existing profile file or directory.",
+                     invalid_fix="re-measure or restore the file")
 
 
 # ---- loading many --------------------------------------------------------------------------------

@@ -7,12 +7,11 @@ All arithmetic is per token or per layer so the predictor can cut a model anywhe
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import SpecError, field_error
+from hethub.errors import SpecError, field_error, load_json
 
 ARCHS = ("llama", "gpt")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
@@ -258,13 +257,9 @@ def get_model(name_or_path: str) -> ModelSpec:
         return PRESETS[name_or_path]
     p = Path(name_or_path)
     if p.suffix == ".json" or p.is_file():
-        if not p.is_file():
-            raise SpecError(f"model config '{p}' does not exist. Fix: pass a preset name "
-                            f"({', '.join(PRESETS)}) or the path of a Hugging Face config.json.")
-        try:
-            cfg = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise SpecError(f"{p}: not valid JSON ({err}). Fix: pass a Hugging Face config.json.") from None
+        cfg = load_json(p, missing=f"model config '{p}' does not exist. Fix: pass a preset name "
+                                   f"({', '.join(PRESETS)}) or the path of a Hugging Face config.json.",
+                        invalid_fix="pass a Hugging Face config.json")
         if not isinstance(cfg, dict):
             raise SpecError(f"{p}: expected a JSON object. Fix: pass a Hugging Face config.json.")
         return _from_hf(cfg, name=p.parent.name or p.stem)
