@@ -77,16 +77,21 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
             assert np.array_equal(p, b["params"][n]), n
 
 
-def test_resume_under_another_plan(tmp_path: Path) -> None:
-    # Saved by 2 stages (4/2) on one kind; resumed by 3 stages (2/3/1) over two kinds with a TP=2 middle.
-    p = make_plan([(2, 4, [(F, 1, 4), (F, 1, 2)])])
-    q = make_plan([(2, 4, [(S, 1, 2), (F, 2, 3), (S, 1, 1)])])
+def _assert_resumes_like_uninterrupted(p: Plan, q: Plan, tmp_path: Path) -> None:
+    """Saved by `p` after 3 of 4 steps, resumed under `q`: step 4's loss matches `p` running all 4."""
     data = batches(p, steps=4)
     whole = _run(p, data, stop=4)
     _run(p, data, stop=3, save=str(tmp_path))
     after = _run(q, data, start=3, stop=4, resume=str(tmp_path))
     for r in after:
         assert abs(r["losses"][0] - whole[0]["losses"][3]) <= 1e-6
+
+
+def test_resume_under_another_plan(tmp_path: Path) -> None:
+    # Saved by 2 stages (4/2) on one kind; resumed by 3 stages (2/3/1) over two kinds with a TP=2 middle.
+    p = make_plan([(2, 4, [(F, 1, 4), (F, 1, 2)])])
+    q = make_plan([(2, 4, [(S, 1, 2), (F, 2, 3), (S, 1, 1)])])
+    _assert_resumes_like_uninterrupted(p, q, tmp_path)
 
 
 def test_resume_vocab_split_under_another_plan(tmp_path: Path) -> None:
@@ -95,12 +100,7 @@ def test_resume_vocab_split_under_another_plan(tmp_path: Path) -> None:
     spec = replace(SPEC, name="t6-tied", tied_embeddings=True)
     p = make_plan([(2, 4, [(F, 2, 3), (S, 2, 3)])], spec=spec)
     q = make_plan([(2, 4, [(S, 1, 2), (F, 2, 4)])], spec=spec)
-    data = batches(p, steps=4)
-    whole = _run(p, data, stop=4)
-    _run(p, data, stop=3, save=str(tmp_path))
-    after = _run(q, data, start=3, stop=4, resume=str(tmp_path))
-    for r in after:
-        assert abs(r["losses"][0] - whole[0]["losses"][3]) <= 1e-6
+    _assert_resumes_like_uninterrupted(p, q, tmp_path)
 
 
 def _load_error(rank: int, plan: Plan, root: str) -> str:
