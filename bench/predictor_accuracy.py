@@ -51,21 +51,19 @@ from hethub.plan import Plan
 from hethub.predict.links import LinkFit, LinksProfile, plan_with_links
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import LayerTimes, ProfileSet
+from hethub.predict.stragglers import SpeedSpread
 from hethub.profile.format import merge_profiles
 from hethub.profile.layers import Repetitions
 from hethub.profile.runner import profile_for_kinds
+from hethub.profile.spread import measure_speed_spread
 from hethub.profile.stage_memory import measure_stage_memory
 from hethub.profile.wake import measure_wake_penalty
-from hethub.spec.cluster import load_cluster
+from hethub.spec.cluster import load_cluster, usable_cores
 from hethub.spec.model import get_model
 from runtime_overhead import step_records
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "examples" / "clusters" / "local-cpu.toml"
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
@@ -81,8 +79,15 @@ def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
                           for tp, mbs in sorted(by_tp.items()))
 
 
-def with_wake(profiles: ProfileSet, wake: tuple[tuple[float, float], ...]) -> ProfileSet:
-    return ProfileSet(by_kind={k: replace(p, wake_penalty=wake) for k, p in profiles.by_kind.items()})
+def with_host(profiles: ProfileSet, wake: tuple[tuple[float, float], ...], spread: SpeedSpread | None) -> ProfileSet:
+    """The profiles with this host's measured wake penalty and core speed spread."""
+    return ProfileSet(by_kind={k: replace(p, wake_penalty=wake, speed_spread=spread)
+                               for k, p in profiles.by_kind.items()})
+
+
+def median_spread(spreads: list[SpeedSpread | None]) -> SpeedSpread | None:
+    got = [s for s in spreads if s is not None]
+    return SpeedSpread(statistics.median(s.sigma for s in got), got[0].window_s) if got else None
 
 
 def median_wake(wakes: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
@@ -152,7 +157,7 @@ def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher
     recs = step_records(path, nproc=plan.world_size, steps=steps, launcher=launcher)[warmup:]
     wall = time.monotonic() - t0
     foreign = max(0.0, (_cpu_busy_s() - busy0) - (_children_cpu_s() - own0)) / wall
-    parts = ("step_s", "busy_s", "recv_wait_s", "send_wait_s", "sync_s", "optim_s", "emulated_sleep_s")
+    parts = ("step_s", "busy_s", "recv_wait_s", "send_wait_s", "sync_s", "optim_s", "emulated_sleep_s", "compute_cpu_s")
     ranks = [{k: statistics.median(r["ranks"][i][k] for r in recs) for k in parts}
              for i in range(len(recs[0]["ranks"]))]
     return {"step_s": statistics.median(r["step_time_s"] for r in recs), "foreign": foreign, "ranks": ranks}
@@ -167,7 +172,9 @@ def time_row(plan: Plan, *, profiles: ProfileSet, runs: list[dict]) -> dict:
     pred = predict(plan, profiles=profiles)
     ranks = [{k: statistics.median(r["ranks"][i][k] for r in runs) for k in runs[0]["ranks"][i]}
              for i in range(len(runs[0]["ranks"]))]
-    return {"predicted_s": pred.step_time_s, "measured_s": measured, "runs_s": times,
+    # The measurement's own repeatability: the median of the odd runs against that of the even ones.
+    halves = abs(statistics.median(times[0::2]) - statistics.median(times[1::2])) / measured if len(times) > 1 else 0.0
+    return {"predicted_s": pred.step_time_s, "measured_s": measured, "runs_s": times, "halves": halves,
             "spread": (max(times) - min(times)) / measured, "error": (pred.step_time_s - measured) / measured,
             "paired_predicted_s": [r["predicted_s"] for r in runs],
             "paired_error": statistics.median(r["predicted_s"] / r["step_s"] - 1 for r in runs),
@@ -235,15 +242,17 @@ def main() -> None:
     taken: list[ProfileSet] = []
     links: list[LinksProfile] = []
     wakes: list[tuple[tuple[float, float], ...]] = []
+    spreads: list[SpeedSpread | None] = []
     with tempfile.TemporaryDirectory() as d:
         t_rep = time.monotonic()
         for n in range(args.reps * len(plans)):
             i = n % len(plans)
-            if i == 0:  # links, collectives and the wake penalty drift too: re-measured once per repetition
+            if i == 0:  # links, collectives, wake penalty and speed spread drift too: once per repetition
                 links.append(measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False))
                 wakes.append(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len))
+                spreads.append(measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
             plan = plans[i][2]
-            taken.append(with_wake(profile_for_plan(plan, reps=reps), wakes[-1]))
+            taken.append(with_host(profile_for_plan(plan, reps=reps), wakes[-1], spreads[-1]))
             run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d), launcher=args.launcher)
             run["predicted_s"] = predict(plan_with_links(plan, links[-1]), profiles=taken[-1]).step_time_s
             runs[i].append(run)
@@ -251,7 +260,7 @@ def main() -> None:
                 print(f"repetition {n // len(plans) + 1}/{args.reps}: {len(plans)} plans in "
                       f"{time.monotonic() - t_rep:.0f} s", flush=True)
                 t_rep = time.monotonic()
-    session = with_wake(median_profiles(taken), median_wake(wakes))
+    session = with_host(median_profiles(taken), median_wake(wakes), median_spread(spreads))
     session_links = median_links(links)
     out: dict[str, list[dict]] = {}
     print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
@@ -273,6 +282,9 @@ def main() -> None:
               + f"; run-to-run spread (max-min)/median: median {statistics.median(spreads):.1%}, "
                 f"max {max(spreads):.1%}")
         print(_summary(f"  paired (one short profile per run), {name:<8}", [r["paired_error"] for r in rows]))
+        halves = [r["halves"] for r in rows]
+        print(f"  repeatability of the measurement itself, {name:<8}: odd vs even runs differ by median "
+              f"{statistics.median(halves):.1%}, max {max(halves):.1%}")
     for name, rows in out.items():
         mems = [m for r in rows for m in r["memory"]]
         exact = all(m["state_pred"] == m["state_meas"] for m in mems)
@@ -280,6 +292,9 @@ def main() -> None:
         print(f"memory, {name:<8}: weights+grads+optimizer {'exact' if exact else 'NOT exact'} on {len(mems)} "
               f"stages; activations error median {statistics.median(abs(a) for a in acts):.1%}, max "
               f"{max(abs(a) for a in acts):.1%}; total max {max(abs(m['total_error']) for m in mems):.1%}")
+    sp = median_spread(spreads)
+    print(f"host (session medians): core speed spread sigma {sp.sigma if sp else 0.0:.3f}; wake penalty "
+          + ", ".join(f"+{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in median_wake(wakes)))
     print(f"load average at the end {os.getloadavg()[0]:.2f}; total {time.monotonic() - t_start:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")

@@ -53,7 +53,8 @@ def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> Profil
 
     model = PRESETS[cfg.model]
     profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=(1, 2, 4),
-                                 wake_penalty=cluster.host_cores is not None)
+                                 wake_penalty=cluster.host_cores is not None,
+                                 speed_spread=cluster.host_cores is not None)
     for kind, prof in profiles.by_kind.items():
         write_profile(out_dir / f"profile-{kind}.json", prof, model=model, device=device_description("cpu"))
     return profiles

@@ -75,6 +75,30 @@ def test_p2p_across_kinds_all_shapes_and_dtypes() -> None:
     assert res[1]["checked"] == 2 * n and res[2]["checked"] == n
 
 
+def _irecv_worker(rank: int) -> list[bool]:
+    """Receives posted before the sends, several outstanding, waited on out of order."""
+    comm = _bridge(["a", "b"])  # force_bridge stages host copies: the StagedRecv path
+    payloads = [_payload(torch.float32, (3, 4), seed=i) for i in range(3)]
+    ok = []
+    if rank == 1:
+        bufs = [torch.empty(3, 4) for _ in payloads]
+        works = [comm.irecv(b, src=0, tag=i) for i, b in enumerate(bufs)]
+        comm.barrier()  # the sender starts only now
+        for i in (2, 0, 1):
+            works[i].wait()
+            ok.append(torch.equal(bufs[i], payloads[i]))
+    else:
+        comm.barrier()
+        for w in [comm.isend(x, dst=1, tag=i) for i, x in enumerate(payloads)]:
+            w.wait()
+    comm.barrier()
+    return ok
+
+
+def test_irecv_posted_ahead_through_the_bridge() -> None:
+    assert run_ranks(2, _irecv_worker)[1] == [True, True, True]
+
+
 # ---- all-reduce ------------------------------------------------------------------------------------
 def _data(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     # Integer-valued, large enough that a wrong partial sum would show, small enough to stay exact.

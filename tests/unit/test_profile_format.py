@@ -8,6 +8,7 @@ import pytest
 from conftest import tiny_model
 from hethub.errors import SpecError
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
+from hethub.predict.stragglers import SpeedSpread
 from hethub.profile import (
     load_profiles,
     merge_profiles,
@@ -114,6 +115,9 @@ def _write(tmp_path, mutate) -> str:
      "'wake_penalty[1]'"),
     (lambda d: d.update(wake_penalty=[{"gap_s": 0.02, "extra_s": -1}]), "'wake_penalty[0]'"),
     (lambda d: d["entries"][2].update(cpu_fraction=1.5), "'entries[2].cpu_fraction'"),
+    (lambda d: d.update(speed_spread={"sigma": 0.1}), "'speed_spread'"),
+    (lambda d: d.update(speed_spread={"sigma": -0.1, "window_s": 0.1}), "'speed_spread'"),
+    (lambda d: d.update(speed_spread={"sigma": 0.1, "window_s": 0}), "'speed_spread'"),
 ])
 def test_malformed_file_names_the_field(tmp_path, mutate, field):
     path = _write(tmp_path, mutate)
@@ -175,6 +179,16 @@ def test_wake_penalty_round_trips_interpolates_and_is_optional(tmp_path):
     assert "wake_penalty" not in json.loads(path.read_text()) and read_profile(path).wake_penalty == ()
     # Merging keeps a measured penalty when the later profile has none.
     assert merge_profiles([prof, _profile(entries=((4, 1),))]).by_kind["fast"].wake_penalty == prof.wake_penalty
+
+
+def test_speed_spread_round_trips_and_is_optional(tmp_path):
+    prof = replace(_profile(), speed_spread=SpeedSpread(sigma=0.08, window_s=0.1))
+    path = tmp_path / "fast.json"
+    write_profile(path, prof, model=tiny_model(), device="cpu: test")
+    assert read_profile(path).speed_spread == prof.speed_spread
+    write_profile(path, _profile(), model=tiny_model(), device="cpu: test")
+    assert "speed_spread" not in json.loads(path.read_text()) and read_profile(path).speed_spread is None
+    assert merge_profiles([prof, _profile(entries=((4, 1),))]).by_kind["fast"].speed_spread == prof.speed_spread
 
 
 def test_cpu_fraction_round_trips_and_defaults_to_one(tmp_path):

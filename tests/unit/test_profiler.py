@@ -4,6 +4,7 @@ model against storage accounting of the runtime's own modules."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,17 @@ def test_contention_applies_only_beyond_the_host_cores():
     free = predict(replace(plan, cluster=replace(plan.cluster, host_cores=None))).step_time_s
     assert free <= predict(two).step_time_s <= 1.1 * free
     assert predict(one).step_time_s > predict(two).step_time_s
+
+
+def test_speed_spread_is_measured_on_request(tmp_path):
+    out = tmp_path / "spread.json"
+    assert main(["profile", "--model", "tiny", "--mbs", "1", "--seq-len", "32", "--kind", "cpu-fast",
+                 "--warmup", "1", "--repeats", "2", "--speed-spread", "--out", str(out)]) == 0
+    spread = read_profile(out).speed_spread
+    if spread is None:  # one usable core: no second core to wander against
+        assert len(os.sched_getaffinity(0)) < 2
+        return
+    assert spread.window_s == pytest.approx(0.1) and 0.0 <= spread.sigma < 1.0
 
 
 def test_wake_penalty_is_measured_on_request(tmp_path):

@@ -64,6 +64,28 @@ class StagedWork:
         return self.work.is_completed()
 
 
+@dataclass
+class StagedRecv:
+    """An irecv through the bridge: on wait, the host copy lands in the caller's tensor and goes
+    back to the pool."""
+
+    work: Any
+    host: torch.Tensor | None
+    tensor: torch.Tensor
+    pool: HostPool
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if self.host is not None:
+            self.tensor.copy_(self.host.view(self.tensor.shape))
+            self.pool.give(self.host, like=self.tensor)  # a default (blocking) copy_ has finished reading it
+            self.host = None
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 def island_of_kind(kind: str, *, backend: str, vendor: str | None, force_bridge: bool) -> str:
     """The island a kind's ranks belong to (kinds with equal names share one native group)."""
     if force_bridge:
@@ -168,17 +190,16 @@ class BridgedCommunicator(Communicator):
         return StagedWork(dist.isend(host, dst=dst, tag=tag, group=self._bridge_pg), host, data, self._pool)
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
-        if self._same_island(src):
-            dist.recv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor))
-            return tensor
-        if not self._staged(tensor):
-            dist.recv(tensor, src=src, tag=tag, group=self._bridge_pg)
-            return tensor
-        host = self._pool.take(tensor)
-        dist.recv(host, src=src, tag=tag, group=self._bridge_pg)
-        tensor.copy_(host.view(tensor.shape))
-        self._pool.give(host, like=tensor)  # a default (blocking) copy_ has finished reading host
+        self.irecv(tensor, src=src, tag=tag).wait()
         return tensor
+
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
+        if self._same_island(src):
+            return dist.irecv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor))
+        if not self._staged(tensor):
+            return dist.irecv(tensor, src=src, tag=tag, group=self._bridge_pg)
+        host = self._pool.take(tensor)
+        return StagedRecv(dist.irecv(host, src=src, tag=tag, group=self._bridge_pg), host, tensor, self._pool)
 
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,

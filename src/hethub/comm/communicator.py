@@ -63,6 +63,11 @@ class Communicator:
         dist.recv(tensor, src=src, tag=tag)
         return tensor
 
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
+        """Non-blocking receive into ``tensor``: posted early, the transfer overlaps the caller's work
+        (a late blocking recv waits for a handshake with a sender that may be busy computing)."""
+        return dist.irecv(tensor, src=src, tag=tag)
+
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,
                    op: str = "sum") -> torch.Tensor:

@@ -30,7 +30,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _check_device(args.device)
     req = ProfileRequest(model=model, kind=args.kind, seq_len=seq_len, mbs=args.mbs, tp=args.tp, device=args.device,
                          threads=args.threads, reps=Repetitions(warmup=args.warmup, repeats=args.repeats),
-                         wake_penalty=args.wake_penalty)
+                         wake_penalty=args.wake_penalty, speed_spread=args.speed_spread)
     prof = run_profile(req)
     write_profile(args.out, prof, model=model, device=device_description(args.device))
     print(f"profile of {model.name} (kind {args.kind}, seq_len {seq_len}) written to {args.out}")
@@ -40,6 +40,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if prof.wake_penalty:
         print("  wake penalty (extra CPU time after idle): "
               + ", ".join(f"{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in prof.wake_penalty))
+    if prof.speed_spread:
+        print(f"  core speed spread: sigma {prof.speed_spread.sigma:.3f} over {prof.speed_spread.window_s:g} s windows")
     return 0
 
 
@@ -71,4 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--wake-penalty", action="store_true",
                     help="local emulation hosts: also measure the extra CPU time of work after idle gaps "
                          "(docs/profiles.md); ~4 s")
+    sp.add_argument("--speed-spread", action="store_true",
+                    help="local emulation hosts: also measure how much each core's speed wanders against the "
+                         "others' (stragglers; docs/profiles.md); ~5 s")
     sp.set_defaults(func=cmd_profile)

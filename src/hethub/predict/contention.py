@@ -22,6 +22,12 @@ all-reduce, its gradient-sync groups in layer order (each starts once all its ho
 world barrier of the gradient-norm all-reduce and its optimizer update (CPU work). A TP stage counts as
 ``tp`` computing processes. With no more computing ranks than cores this reduces to the
 uncontended simulation.
+
+Cores do not run at one steady speed: on a shared host each core's speed wanders (other tenants,
+power states) independently of the others'. Where the profile measured that spread, the predictor
+replays the step several times with drawn speeds (:mod:`hethub.predict.stragglers`): replicas and TP
+ranks that meet at a collective wait for the slowest, so the typical step is slower than one at
+mean speed, while a pipeline's hand-offs mostly average the stages' speeds out.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hethub.predict.schedule import op_order
+from hethub.predict.stragglers import SpeedDraws
 from hethub.predict.sync import SyncGroup
 from hethub.spec.cluster import Link
 
@@ -69,12 +76,15 @@ class _Stage:
 def simulate_shared_cores(
     *, stages: dict[StageId, StageWork], num_micro_batches: Sequence[int], schedule: str, cores: int,
     groups: Sequence[SyncGroup], background_procs: float = 0.0, barrier_s: float = 0.0,
+    speeds: SpeedDraws | None = None,
 ) -> tuple[float, list[float]]:
     """(step time, each pipeline's last-backward time) with `cores` shared by every rank of the plan
     and by `background_procs` always-busy processes of other users (0 on a machine of one's own).
 
     ``barrier_s``: the world all-reduces of the loss (after the schedule) and of the gradient norm
-    (before the update) are barriers of every stage lasting that long (see sync.simulate_sync)."""
+    (before the update) are barriers of every stage lasting that long (see sync.simulate_sync).
+
+    ``speeds``: one draw of the cores' varying speeds (stragglers.py); None: every core at its mean."""
     everyone = tuple(stages)
     loss_g, norm_g = len(groups), len(groups) + 1
     groups = [*groups, SyncGroup("loss", everyone, 8.0, Link(float("inf"), 0.0), barrier_s),
@@ -108,14 +118,24 @@ def simulate_shared_cores(
             break
         busy = [s for s in st.values() if s.phases and s.phases[0][0] == "cpu"]
         n = sum(s.weight for s in busy)
-        rate = min(1.0, cores / (n + background_procs)) if n else 1.0
-        nxt = [now + s.phases[0][1] / rate for s in busy]
+        share = min(1.0, cores / (n + background_procs)) if n else 1.0
+        rates = {s.sid: share for s in busy}
+        nxt = []
+        if speeds is not None and busy:
+            k = speeds.window(now)
+            if share < 1.0:  # the OS spreads every busy rank over every core: all get the cores' mean speed
+                mean = sum(speeds.speed(("core", c), k) for c in range(cores)) / cores
+                rates = dict.fromkeys(rates, share * mean)
+            else:  # a rank per core; a TP stage waits for its slowest rank at every collective
+                rates = {s.sid: min(speeds.speed((s.sid, r), k) for r in range(s.weight)) for s in busy}
+            nxt.append(speeds.window_end(k))
+        nxt += [now + s.phases[0][1] / rates[s.sid] for s in busy]
         nxt += [s.phases[0][1] for s in st.values() if s.phases and s.phases[0][0] == "until"]
         if not nxt:
             raise RuntimeError("shared-core simulation deadlocked; this is a bug in the op order")
         t = min(nxt)
         for s in busy:
-            s.phases[0] = ("cpu", max(0.0, s.phases[0][1] - (t - now) * rate))
+            s.phases[0] = ("cpu", max(0.0, s.phases[0][1] - (t - now) * rates[s.sid]))
         now = t
     step = max(s.done_s or 0.0 for s in st.values())
     pipes = [bwd_done.get(pi, 0.0) for pi in sorted(n_stages)]

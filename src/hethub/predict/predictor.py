@@ -34,6 +34,7 @@ from hethub.predict.memory import (
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.schedule import StageSchedule, simulate_pipeline, simulate_pipeline_time
+from hethub.predict.stragglers import SpeedDraws, SpeedSpread, median_over_draws
 from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_barrier_s
 from hethub.spec.cluster import Link
 
@@ -158,10 +159,15 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         # cores, cores shared among them (contention.py).
         work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send, costs=costs)
                 for pi, si, cost, _, send in partial}
-        step, pipes = simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
-                                            num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
-                                            background_procs=host_background_procs,
-                                            barrier_s=world_barrier_s(plan))
+        barrier_s = world_barrier_s(plan)
+
+        def replay(speeds: SpeedDraws | None) -> tuple[float, list[float]]:
+            return simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
+                                         num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
+                                         background_procs=host_background_procs, barrier_s=barrier_s,
+                                         speeds=speeds)
+
+        step, pipes = median_over_draws(replay, spread=_speed_spread(plan, costs) if plan.world_size > 1 else None)
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
     events: tuple[Event, ...] = ()
@@ -175,6 +181,13 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         timeline=events,
         model_flops_per_step=model.train_flops_per_token(seq_len=plan.seq_len) * tokens,
     )
+
+
+def _speed_spread(plan: Plan, costs: _Costs) -> SpeedSpread | None:
+    """The host's measured speed spread: one host, so the largest any of the plan's kinds' profiles has."""
+    spreads = [prof.speed_spread for kind in plan.cluster.kind_names
+               if (prof := costs.profile(kind)) is not None and prof.speed_spread is not None]
+    return max(spreads, key=lambda sp: sp.sigma) if spreads else None
 
 
 def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float, costs: _Costs) -> StageWork:

@@ -22,6 +22,7 @@ from typing import Any
 
 from hethub.errors import SpecError, field_error, load_json, positive_int
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
+from hethub.predict.stragglers import SpeedSpread
 from hethub.spec.model import ModelSpec
 
 PROFILE_FORMAT = "hethub-profile"
@@ -72,6 +73,8 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
         ],
         **({"wake_penalty": [{"gap_s": g, "extra_s": x} for g, x in profile.wake_penalty]}
            if profile.wake_penalty else {}),
+        **({"speed_spread": {"sigma": profile.speed_spread.sigma, "window_s": profile.speed_spread.window_s}}
+           if profile.speed_spread else {}),
     }
 
 
@@ -159,7 +162,8 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
                                           layer_by_depth=_depths(e.get("layer_depths", []), where, f"{f}.layer_depths"),
                                           cpu_fraction=float(cpu_fraction))
     prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where,
-                       wake_penalty=_wake(data.get("wake_penalty", []), where))
+                       wake_penalty=_wake(data.get("wake_penalty", []), where),
+                       speed_spread=_spread(data.get("speed_spread"), where))
     return ProfileFile(profile=prof, model_shape=shape, device=data["device"])
 
 
@@ -207,6 +211,21 @@ def _wake(v: Any, where: str) -> tuple[tuple[float, float], ...]:
                        f"got {row!r}", fix)
         out.append((float(row["gap_s"]), float(row["extra_s"])))
     return tuple(out)
+
+
+def _spread(v: Any, where: str) -> SpeedSpread | None:
+    """Optional ``speed_spread``: {"sigma": >= 0, "window_s": > 0}."""
+    if v is None:
+        return None
+    fix = "re-measure with 'hethub profile --speed-spread' or leave it out"
+    ok = isinstance(v, dict) and all(isinstance(v.get(k), int | float) and not isinstance(v.get(k), bool)
+                                     for k in ("sigma", "window_s"))
+    if not ok:
+        raise _err(where, "speed_spread", f'must be {{"sigma": >= 0, "window_s": > 0}}, got {v!r}', fix)
+    try:
+        return SpeedSpread(sigma=float(v["sigma"]), window_s=float(v["window_s"]))
+    except ValueError as e:
+        raise _err(where, "speed_spread", str(e), fix) from None
 
 
 def _pos_int(v: Any, where: str, f: str) -> int:
@@ -301,5 +320,6 @@ def merge_profiles(profiles: Iterable[KindProfile | ProfileSet]) -> ProfileSet:
             by_kind[prof.kind] = KindProfile(kind=prof.kind, model=prof.model, seq_len=prof.seq_len,
                                              entries={**old.entries, **prof.entries},
                                              source=f"{old.source}; {prof.source}",
-                                             wake_penalty=prof.wake_penalty or old.wake_penalty)
+                                             wake_penalty=prof.wake_penalty or old.wake_penalty,
+                                             speed_spread=prof.speed_spread or old.speed_spread)
     return ProfileSet(by_kind=by_kind)

@@ -14,7 +14,6 @@ profiles default to one thread too; a profile is only as good as its match with 
 from __future__ import annotations
 
 import io
-import os
 import platform
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,6 +25,7 @@ from hethub.profile.format import merge_profiles
 from hethub.profile.layers import EntryResult, Repetitions, measure_entry, stack_depths
 from hethub.progress import progress
 from hethub.runtime.tensor_parallel import TPContext
+from hethub.spec.cluster import usable_cores
 from hethub.spec.model import ModelSpec
 
 _JOIN_TIMEOUT_S = 600.0
@@ -45,13 +45,13 @@ class ProfileRequest:
     depths: tuple[int, ...] = (2, 4, 8)
     show_progress: bool = True  # on stderr
     wake_penalty: bool = False  # also measure hethub.profile.wake's penalty (CPU hosts of local emulation)
+    speed_spread: bool = False  # also measure hethub.profile.spread's core speed spread (same hosts)
 
 
 def device_description(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{device}: {torch.cuda.get_device_name(torch.device(device))}"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"cpu: {platform.processor() or platform.machine()}, {cores} cores usable"
+    return f"cpu: {platform.processor() or platform.machine()}, {usable_cores()} cores usable"
 
 
 def run_profile(req: ProfileRequest) -> KindProfile:
@@ -80,9 +80,19 @@ def run_profile(req: ProfileRequest) -> KindProfile:
     if req.wake_penalty and dev.type == "cpu":
         from hethub.profile.wake import measure_wake_penalty
 
-        wake = measure_wake_penalty(req.model, mbs=sorted(req.mbs)[len(req.mbs) // 2], seq_len=req.seq_len)
+        wake = measure_wake_penalty(req.model, mbs=_middle(req.mbs), seq_len=req.seq_len)
+    spread = None
+    if req.speed_spread and dev.type == "cpu":
+        from hethub.profile.spread import measure_speed_spread
+
+        spread = measure_speed_spread(req.model, mbs=_middle(req.mbs), seq_len=req.seq_len)
     return KindProfile(kind=req.kind, model=req.model.name, seq_len=req.seq_len, entries=entries,
-                       source=f"hethub profile on {device_description(req.device)}", wake_penalty=wake)
+                       source=f"hethub profile on {device_description(req.device)}", wake_penalty=wake,
+                       speed_spread=spread)
+
+
+def _middle(mbs: tuple[int, ...]) -> int:
+    return sorted(mbs)[len(mbs) // 2]
 
 
 def _check_tp(model: ModelSpec, tp: int) -> None:
@@ -140,12 +150,13 @@ def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult
 
 def profile_for_kinds(*, model: ModelSpec, kinds: tuple[str, ...], seq_len: int, mbs: tuple[int, ...],
                       tp: tuple[int, ...] = (1, 2), reps: Repetitions | None = None,
-                      show: bool = True, wake_penalty: bool = False) -> ProfileSet:
+                      show: bool = True, wake_penalty: bool = False, speed_spread: bool = False) -> ProfileSet:
     """Profile this host once and hand the result to every kind running on it.
 
     For local emulation all kinds are the same CPU; the predictor slows the emulated ones itself.
     """
     req = ProfileRequest(model=model, kind=kinds[0], seq_len=seq_len, mbs=mbs, tp=tp,
-                         reps=reps or Repetitions(), show_progress=show, wake_penalty=wake_penalty)
+                         reps=reps or Repetitions(), show_progress=show, wake_penalty=wake_penalty,
+                         speed_spread=speed_spread)
     base = run_profile(req)
     return merge_profiles([replace(base, kind=k) for k in kinds])

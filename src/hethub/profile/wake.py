@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,9 +30,10 @@ from hethub.spec.model import ModelSpec
 WAKE_GAPS_S = (0.005, 0.02, 0.06)
 
 
-def measure_wake_penalty(spec: ModelSpec, *, mbs: int, seq_len: int, gaps_s: Sequence[float] = WAKE_GAPS_S,
-                         pairs: int = 16, device: torch.device | None = None) -> tuple[tuple[float, float], ...]:
-    """((gap_s, extra CPU seconds of the chunk after it), ...) for a stack of up to 4 decoder layers."""
+def stack_chunk(spec: ModelSpec, *, mbs: int, seq_len: int, device: torch.device | None = None,
+                ) -> Callable[[], float]:
+    """A function running one forward + backward of a stack of up to 4 of the runtime's decoder layers
+    (gradients accumulating, as micro-batches do) and returning the thread CPU seconds it took."""
     model = StageModel(spec, layers=(0, min(4, spec.num_layers)), embedding=False, head=False, tp=TPContext())
     x = torch.randn(mbs, seq_len, spec.hidden_size)
     if device is not None:
@@ -45,6 +46,13 @@ def measure_wake_penalty(spec: ModelSpec, *, mbs: int, seq_len: int, gaps_s: Seq
         model.zero_grad(set_to_none=False)
         return time.thread_time() - start
 
+    return chunk_cpu_s
+
+
+def measure_wake_penalty(spec: ModelSpec, *, mbs: int, seq_len: int, gaps_s: Sequence[float] = WAKE_GAPS_S,
+                         pairs: int = 16, device: torch.device | None = None) -> tuple[tuple[float, float], ...]:
+    """((gap_s, extra CPU seconds of the chunk after it), ...) for a stack of up to 4 decoder layers."""
+    chunk_cpu_s = stack_chunk(spec, mbs=mbs, seq_len=seq_len, device=device)
     for _ in range(2):
         chunk_cpu_s()  # warm-up: allocator, first-call costs
     out = []

@@ -20,6 +20,7 @@ class Emulator:
             raise ValueError(f"emulated slowdown must be >= 1, got {slowdown}")
         self.slowdown = slowdown
         self.slept_s = 0.0
+        self.cpu_s = 0.0  # CPU time of all chunks: against their wall time, it shows descheduling
 
     @property
     def active(self) -> bool:
@@ -29,7 +30,9 @@ class Emulator:
     def chunk(self) -> Iterator[None]:
         t0 = time.thread_time()
         yield
+        cpu = time.thread_time() - t0
+        self.cpu_s += cpu
         if self.active:
-            pause = (self.slowdown - 1.0) * (time.thread_time() - t0)
+            pause = (self.slowdown - 1.0) * cpu
             time.sleep(pause)
             self.slept_s += pause

@@ -7,7 +7,7 @@ Schema of one record::
     kinds: {kind: {devices, flops, achieved_flops_per_s (per device, over the step time),
                    busy_flops_per_s (over time spent computing), emulated, emulated_slowdown}},
     ranks: [{rank, kind, pipeline, stage, tp_rank, step_s, busy_s, recv_wait_s, send_wait_s, sync_s,
-             optim_s, emulated_sleep_s, events: [{op: "F"|"B"|"sync"|"optim", mb, start_s, end_s}]}]
+             optim_s, emulated_sleep_s, compute_cpu_s, events: [{op: "F"|"B"|"sync"|"optim", mb, start_s, end_s}]}]
 
 FLOPs are model FLOPs (forward + backward = 3x forward, no recomputation), a rank's share being its
 stage's FLOPs over its TP degree. Times of an emulated kind include its emulation sleep: they are
@@ -34,7 +34,7 @@ def stage_flops_per_step(plan: Plan, stage: StagePlace, *, samples: int) -> floa
 
 
 def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float, optim_s: float, step_s: float,
-                emulated_sleep_s: float, detail: bool = True) -> dict[str, Any]:
+                emulated_sleep_s: float, compute_cpu_s: float = 0.0, detail: bool = True) -> dict[str, Any]:
     """One rank's step timings. Without `detail` (hethub.train's default) the per-micro-batch
     events are dropped: the totals are enough for per-step metrics and keep the gather small."""
     st = place.stage
@@ -45,7 +45,8 @@ def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float,
     return {"rank": rank, "kind": st.kind, "pipeline": st.pipeline, "stage": st.stage, "tp_rank": place.tp_rank,
             "step_s": round(step_s, 6), "busy_s": round(trace.busy_s, 6), "recv_wait_s": round(trace.recv_wait_s, 6),
             "send_wait_s": round(trace.send_wait_s, 6), "sync_s": round(sync_s, 6), "optim_s": round(optim_s, 6),
-            "emulated_sleep_s": round(emulated_sleep_s, 6), "events": [*(trace.events if detail else ()), *tail]}
+            "emulated_sleep_s": round(emulated_sleep_s, 6),
+            "compute_cpu_s": round(compute_cpu_s, 6), "events": [*(trace.events if detail else ()), *tail]}
 
 
 def step_record(*, plan: Plan, topo: Topology, step: int, loss: float, lr: float, grad_norm: float,

@@ -86,7 +86,7 @@ class Trainer:
         """One optimizer step; returns the step's metrics record on the log rank, None elsewhere."""
         lr = self.optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
-        slept0 = self.emulator.slept_s
+        slept0, cpu0 = self.emulator.slept_s, self.emulator.cpu_s
         loss, trace = self.forward_backward(batch, t0=t0)
         t_sync = time.perf_counter()
         self.sync_grads()
@@ -94,7 +94,8 @@ class Trainer:
         norm = self.clip_and_update()
         end = time.perf_counter()
         rec = rank_record(rank=self.rank, place=self.place, trace=trace, sync_s=t_opt - t_sync, optim_s=end - t_opt,
-                          step_s=end - t0, emulated_sleep_s=self.emulator.slept_s - slept0, detail=self.cfg.trace)
+                          step_s=end - t0, emulated_sleep_s=self.emulator.slept_s - slept0,
+                          compute_cpu_s=self.emulator.cpu_s - cpu0, detail=self.cfg.trace)
         gathered = self.comm.gather_objects(rec, dst=self.topo.log_rank)
         if gathered is None:
             return None

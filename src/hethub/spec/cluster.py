@@ -332,15 +332,20 @@ def _parse_host_allreduce(data: dict[str, Any], where: str) -> tuple[tuple[int, 
     return tuple(sorted(out.items()))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _host_cores(data: dict[str, Any], where: str) -> int | None:
     """``host_cores = N`` or ``"auto"`` (the cores this process may use, read when the file is loaded)."""
     v = data.get("host_cores")
     if v is None:
         return None
     if v == "auto":
-        import os
-
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return usable_cores()
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise field_error(where, "host_cores", f"must be a positive integer or \"auto\", got {v!r}",
                           'write host_cores = "auto" for local emulation, or leave it out')
