@@ -242,7 +242,7 @@ def main() -> None:
     taken: list[ProfileSet] = []
     links: list[LinksProfile] = []
     wakes: list[tuple[tuple[float, float], ...]] = []
-    spreads: list[SpeedSpread | None] = []
+    speed_spreads: list[SpeedSpread | None] = []
     with tempfile.TemporaryDirectory() as d:
         t_rep = time.monotonic()
         for n in range(args.reps * len(plans)):
@@ -250,9 +250,9 @@ def main() -> None:
             if i == 0:  # links, collectives, wake penalty and speed spread drift too: once per repetition
                 links.append(measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False))
                 wakes.append(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len))
-                spreads.append(measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
+                speed_spreads.append(measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
             plan = plans[i][2]
-            taken.append(with_host(profile_for_plan(plan, reps=reps), wakes[-1], spreads[-1]))
+            taken.append(with_host(profile_for_plan(plan, reps=reps), wakes[-1], speed_spreads[-1]))
             run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d), launcher=args.launcher)
             run["predicted_s"] = predict(plan_with_links(plan, links[-1]), profiles=taken[-1]).step_time_s
             runs[i].append(run)
@@ -260,7 +260,7 @@ def main() -> None:
                 print(f"repetition {n // len(plans) + 1}/{args.reps}: {len(plans)} plans in "
                       f"{time.monotonic() - t_rep:.0f} s", flush=True)
                 t_rep = time.monotonic()
-    session = with_host(median_profiles(taken), median_wake(wakes), median_spread(spreads))
+    session = with_host(median_profiles(taken), median_wake(wakes), median_spread(speed_spreads))
     session_links = median_links(links)
     out: dict[str, list[dict]] = {}
     print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
@@ -292,7 +292,7 @@ def main() -> None:
         print(f"memory, {name:<8}: weights+grads+optimizer {'exact' if exact else 'NOT exact'} on {len(mems)} "
               f"stages; activations error median {statistics.median(abs(a) for a in acts):.1%}, max "
               f"{max(abs(a) for a in acts):.1%}; total max {max(abs(m['total_error']) for m in mems):.1%}")
-    sp = median_spread(spreads)
+    sp = median_spread(speed_spreads)
     print(f"host (session medians): core speed spread sigma {sp.sigma if sp else 0.0:.3f}; wake penalty "
           + ", ".join(f"+{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in median_wake(wakes)))
     print(f"load average at the end {os.getloadavg()[0]:.2f}; total {time.monotonic() - t_start:.0f} s")
