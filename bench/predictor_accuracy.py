@@ -1,7 +1,7 @@
 """How close the predictor is to real runs: step time and per-rank memory, on this machine.
 
-    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 10] [--warmup 2] [--reps 4]
-                                       [--profile-repeats 4] [--launcher fork|torchrun] [--sets tuning,held-out]
+    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 8] [--warmup 2] [--reps 5]
+                                       [--profile-repeats 3] [--launcher fork|torchrun] [--sets tuning,held-out]
                                        [--json OUT]
 
 Once per repetition it measures this host's links, its all-reduce among 2-4 local ranks (``hethub
@@ -141,7 +141,7 @@ def wait_for_quiet(*, max_wait_s: float, busy_cores_below: float = 0.3) -> float
     t_end = time.monotonic() + max_wait_s
     while True:
         b0, t0 = _cpu_busy_s(), time.monotonic()
-        time.sleep(0.5)
+        time.sleep(0.25)
         busy = (_cpu_busy_s() - b0) / (time.monotonic() - t0)
         if busy < busy_cores_below or time.monotonic() > t_end:
             return busy
@@ -208,11 +208,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=10, help="steps per run (default 10)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps at the start of each run (default 2)")
-    ap.add_argument("--reps", type=int, default=4, help="runs per plan, round-robin over plans (default 4)")
-    ap.add_argument("--profile-repeats", type=int, default=4,
-                    help="timed repetitions per part in the profile taken before each run (default 4)")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="runs per plan, round-robin over plans (default 5): more runs spread over the session "
+                         "beat longer runs, as this machine's speed drifts over seconds")
+    ap.add_argument("--profile-repeats", type=int, default=3,
+                    help="timed repetitions per part in the profile taken before each run (default 3)")
     ap.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
                     help="fork: hethub.train ranks forked from this process (fast start); torchrun: as users run")
     ap.add_argument("--sets", default="tuning,held-out",
