@@ -79,15 +79,17 @@ def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
                           for tp, mbs in sorted(by_tp.items()))
 
 
-def with_host(profiles: ProfileSet, wake: tuple[tuple[float, float], ...], spread: SpeedSpread | None) -> ProfileSet:
+def with_host(profiles: ProfileSet, wake: tuple[tuple[float, float], ...],
+              spread: tuple[SpeedSpread, ...]) -> ProfileSet:
     """The profiles with this host's measured wake penalty and core speed spread."""
     return ProfileSet(by_kind={k: replace(p, wake_penalty=wake, speed_spread=spread)
                                for k, p in profiles.by_kind.items()})
 
 
-def median_spread(spreads: list[SpeedSpread | None]) -> SpeedSpread | None:
-    got = [s for s in spreads if s is not None]
-    return SpeedSpread(statistics.median(s.sigma for s in got), got[0].window_s) if got else None
+def median_spread(spreads: list[tuple[SpeedSpread, ...]]) -> tuple[SpeedSpread, ...]:
+    """Window by window, the median sigma over several measurements."""
+    return tuple(SpeedSpread(statistics.median(s[i].sigma for s in spreads), sp.window_s)
+                 for i, sp in enumerate(spreads[0]))
 
 
 def median_wake(wakes: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
@@ -244,7 +246,7 @@ def main() -> None:
     taken: list[ProfileSet] = []
     links: list[LinksProfile] = []
     wakes: list[tuple[tuple[float, float], ...]] = []
-    speed_spreads: list[SpeedSpread | None] = []
+    speed_spreads: list[tuple[SpeedSpread, ...]] = []
     with tempfile.TemporaryDirectory() as d:
         t_rep = time.monotonic()
         for n in range(args.reps * len(plans)):
@@ -294,8 +296,9 @@ def main() -> None:
         print(f"memory, {name:<8}: weights+grads+optimizer {'exact' if exact else 'NOT exact'} on {len(mems)} "
               f"stages; activations error median {statistics.median(abs(a) for a in acts):.1%}, max "
               f"{max(abs(a) for a in acts):.1%}; total max {max(abs(m['total_error']) for m in mems):.1%}")
-    sp = median_spread(speed_spreads)
-    print(f"host (session medians): core speed spread sigma {sp.sigma if sp else 0.0:.3f}; wake penalty "
+    print("host (session medians): core speed spread sigma "
+          + ", ".join(f"{sp.sigma:.3f} over {sp.window_s:g} s" for sp in median_spread(speed_spreads))
+          + "; wake penalty "
           + ", ".join(f"+{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in median_wake(wakes)))
     print(f"load average at the end {os.getloadavg()[0]:.2f}; total {time.monotonic() - t_start:.0f} s")
     if args.json:

@@ -115,9 +115,11 @@ def _write(tmp_path, mutate) -> str:
      "'wake_penalty[1]'"),
     (lambda d: d.update(wake_penalty=[{"gap_s": 0.02, "extra_s": -1}]), "'wake_penalty[0]'"),
     (lambda d: d["entries"][2].update(cpu_fraction=1.5), "'entries[2].cpu_fraction'"),
-    (lambda d: d.update(speed_spread={"sigma": 0.1}), "'speed_spread'"),
-    (lambda d: d.update(speed_spread={"sigma": -0.1, "window_s": 0.1}), "'speed_spread'"),
-    (lambda d: d.update(speed_spread={"sigma": 0.1, "window_s": 0}), "'speed_spread'"),
+    (lambda d: d.update(speed_spread={"sigma": 0.1, "window_s": 0.1}), "'speed_spread'"),
+    (lambda d: d.update(speed_spread=[{"sigma": 0.1}]), "'speed_spread[0]'"),
+    (lambda d: d.update(speed_spread=[{"sigma": -0.1, "window_s": 0.1}]), "'speed_spread[0]'"),
+    (lambda d: d.update(speed_spread=[{"sigma": 0.1, "window_s": 0.2}, {"sigma": 0.1, "window_s": 0.1}]),
+     "'speed_spread[1]'"),
 ])
 def test_malformed_file_names_the_field(tmp_path, mutate, field):
     path = _write(tmp_path, mutate)
@@ -182,12 +184,12 @@ def test_wake_penalty_round_trips_interpolates_and_is_optional(tmp_path):
 
 
 def test_speed_spread_round_trips_and_is_optional(tmp_path):
-    prof = replace(_profile(), speed_spread=SpeedSpread(sigma=0.08, window_s=0.1))
+    prof = replace(_profile(), speed_spread=(SpeedSpread(sigma=0.1, window_s=0.1), SpeedSpread(0.08, 0.4)))
     path = tmp_path / "fast.json"
     write_profile(path, prof, model=tiny_model(), device="cpu: test")
     assert read_profile(path).speed_spread == prof.speed_spread
     write_profile(path, _profile(), model=tiny_model(), device="cpu: test")
-    assert "speed_spread" not in json.loads(path.read_text()) and read_profile(path).speed_spread is None
+    assert "speed_spread" not in json.loads(path.read_text()) and read_profile(path).speed_spread == ()
     assert merge_profiles([prof, _profile(entries=((4, 1),))]).by_kind["fast"].speed_spread == prof.speed_spread
 
 

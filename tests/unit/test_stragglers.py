@@ -89,7 +89,9 @@ def test_predict_applies_a_profiled_spread_only_on_emulation_hosts_with_several_
                          head=LayerTimes(0.002, 0.004, 0.0))
     base = KindProfile(kind="cpu-fast", model="tiny", seq_len=64, entries={(2, 1): entry})
     plain = ProfileSet({"cpu-fast": base})
-    spread = ProfileSet({"cpu-fast": replace(base, speed_spread=SpeedSpread(sigma=0.15, window_s=0.1))})
+    # Ranks meet once a step: the spread over the window nearest the step (~0.2 s here) applies.
+    curve = (SpeedSpread(sigma=0.0, window_s=0.01), SpeedSpread(sigma=0.15, window_s=0.2), SpeedSpread(0.0, 10.0))
+    spread = ProfileSet({"cpu-fast": replace(base, speed_spread=curve)})
     n = model.num_layers
 
     def plan(pipes: list[Pipeline], *, host_cores: int | None = 2) -> Plan:

@@ -41,7 +41,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print("  wake penalty (extra CPU time after idle): "
               + ", ".join(f"{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in prof.wake_penalty))
     if prof.speed_spread:
-        print(f"  core speed spread: sigma {prof.speed_spread.sigma:.3f} over {prof.speed_spread.window_s:g} s windows")
+        print("  core speed spread (sigma per window): "
+              + ", ".join(f"{sp.sigma:.3f} over {sp.window_s:g} s" for sp in prof.speed_spread))
     return 0
 
 

@@ -17,6 +17,7 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hethub.plan import Pipeline, Plan
@@ -167,7 +168,10 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
                                          background_procs=host_background_procs, barrier_s=barrier_s,
                                          speeds=speeds)
 
-        step, pipes = median_over_draws(replay, spread=_speed_spread(plan, costs) if plan.world_size > 1 else None)
+        step, pipes = replay(None)
+        spread = _speed_spread(plan, costs, step_s=step) if plan.world_size > 1 else None
+        if spread is not None:
+            step, pipes = median_over_draws(replay, spread=spread)
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
     events: tuple[Event, ...] = ()
@@ -183,11 +187,15 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     )
 
 
-def _speed_spread(plan: Plan, costs: _Costs) -> SpeedSpread | None:
-    """The host's measured speed spread: one host, so the largest any of the plan's kinds' profiles has."""
-    spreads = [prof.speed_spread for kind in plan.cluster.kind_names
-               if (prof := costs.profile(kind)) is not None and prof.speed_spread is not None]
-    return max(spreads, key=lambda sp: sp.sigma) if spreads else None
+def _speed_spread(plan: Plan, costs: _Costs, *, step_s: float) -> SpeedSpread | None:
+    """The host's measured speed spread (one host: the first of the plan's kinds' profiles that has
+    one) over the window nearest the step: ranks meet at least once a step, so speed differences
+    that last about a step are what make them wait."""
+    for kind in plan.cluster.kind_names:
+        prof = costs.profile(kind)
+        if prof is not None and prof.speed_spread:
+            return min(prof.speed_spread, key=lambda sp: abs(math.log(sp.window_s / max(step_s, 1e-9))))
+    return None
 
 
 def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float, costs: _Costs) -> StageWork:

@@ -66,8 +66,9 @@ class KindProfile:
     # Local emulation hosts: extra CPU seconds of a chunk of work after the rank sat idle for gap_s,
     # ((gap_s, extra_s), ..) by gap (hethub.profile.wake). Empty: not measured.
     wake_penalty: tuple[tuple[float, float], ...] = ()
-    # Local emulation hosts: how much a core's speed wanders against another's (hethub.profile.spread).
-    speed_spread: SpeedSpread | None = None
+    # Local emulation hosts: how much a core's speed wanders against another's, by window length,
+    # shortest first (hethub.profile.spread). Empty: not measured.
+    speed_spread: tuple[SpeedSpread, ...] = ()
 
     def wake_extra_s(self, gap_s: float) -> float:
         """The wake penalty after an idle gap: linear between measured gaps (from 0 at 0), flat beyond."""

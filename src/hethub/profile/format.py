@@ -73,7 +73,7 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
         ],
         **({"wake_penalty": [{"gap_s": g, "extra_s": x} for g, x in profile.wake_penalty]}
            if profile.wake_penalty else {}),
-        **({"speed_spread": {"sigma": profile.speed_spread.sigma, "window_s": profile.speed_spread.window_s}}
+        **({"speed_spread": [{"window_s": sp.window_s, "sigma": sp.sigma} for sp in profile.speed_spread]}
            if profile.speed_spread else {}),
     }
 
@@ -163,7 +163,7 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
                                           cpu_fraction=float(cpu_fraction))
     prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where,
                        wake_penalty=_wake(data.get("wake_penalty", []), where),
-                       speed_spread=_spread(data.get("speed_spread"), where))
+                       speed_spread=_spread(data.get("speed_spread", []), where))
     return ProfileFile(profile=prof, model_shape=shape, device=data["device"])
 
 
@@ -213,19 +213,23 @@ def _wake(v: Any, where: str) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
-def _spread(v: Any, where: str) -> SpeedSpread | None:
-    """Optional ``speed_spread``: {"sigma": >= 0, "window_s": > 0}."""
-    if v is None:
-        return None
+def _spread(v: Any, where: str) -> tuple[SpeedSpread, ...]:
+    """Optional ``speed_spread``: [{"window_s": > previous window, "sigma": >= 0}, ..]."""
     fix = "re-measure with 'hethub profile --speed-spread' or leave it out"
-    ok = isinstance(v, dict) and all(isinstance(v.get(k), int | float) and not isinstance(v.get(k), bool)
-                                     for k in ("sigma", "window_s"))
-    if not ok:
-        raise _err(where, "speed_spread", f'must be {{"sigma": >= 0, "window_s": > 0}}, got {v!r}', fix)
-    try:
-        return SpeedSpread(sigma=float(v["sigma"]), window_s=float(v["window_s"]))
-    except ValueError as e:
-        raise _err(where, "speed_spread", str(e), fix) from None
+    if not isinstance(v, list):
+        raise _err(where, "speed_spread", "must be a list", fix)
+    out: list[SpeedSpread] = []
+    for i, row in enumerate(v):
+        shape = '{"window_s": > previous window, "sigma": >= 0}'
+        ok = isinstance(row, dict) and all(isinstance(row.get(k), int | float) and not isinstance(row.get(k), bool)
+                                           for k in ("sigma", "window_s"))
+        if not ok or (out and row["window_s"] <= out[-1].window_s):
+            raise _err(where, f"speed_spread[{i}]", f"must be {shape}, got {row!r}", fix)
+        try:
+            out.append(SpeedSpread(sigma=float(row["sigma"]), window_s=float(row["window_s"])))
+        except ValueError as e:
+            raise _err(where, f"speed_spread[{i}]", str(e), fix) from None
+    return tuple(out)
 
 
 def _pos_int(v: Any, where: str, f: str) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
+from hethub.predict.stragglers import SpeedSpread
 from hethub.profile.format import merge_profiles
 from hethub.profile.layers import EntryResult, Repetitions, measure_entry, stack_depths
 from hethub.progress import progress
@@ -81,7 +82,7 @@ def run_profile(req: ProfileRequest) -> KindProfile:
         from hethub.profile.wake import measure_wake_penalty
 
         wake = measure_wake_penalty(req.model, mbs=_middle(req.mbs), seq_len=req.seq_len)
-    spread = None
+    spread: tuple[SpeedSpread, ...] = ()
     if req.speed_spread and dev.type == "cpu":
         from hethub.profile.spread import measure_speed_spread
 

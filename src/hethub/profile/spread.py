@@ -29,12 +29,12 @@ from hethub.runtime.local_ranks import run_local_ranks
 from hethub.spec.cluster import usable_cores
 from hethub.spec.model import ModelSpec
 
-WINDOW_S = 0.1
+WINDOWS_S = (0.1, 0.2, 0.4)
 
 
-def _windows(rank: int, spec: ModelSpec, mbs: int, seq_len: int, duration_s: float,
-             window_s: float) -> dict[int, float]:
-    """Mean chunk CPU seconds per window of a run that starts at the same instant on every rank."""
+def _chunks(rank: int, spec: ModelSpec, mbs: int, seq_len: int, duration_s: float) -> list[tuple[float, float]]:
+    """(start time from the common start, CPU seconds) of every chunk of a run that starts at the
+    same instant on every rank."""
     del rank
     chunk = stack_chunk(spec, mbs=mbs, seq_len=seq_len)
     for _ in range(3):
@@ -44,24 +44,39 @@ def _windows(rank: int, spec: ModelSpec, mbs: int, seq_len: int, duration_s: flo
     t0 = float(start)
     while time.monotonic() < t0:
         pass
-    cpu: dict[int, list[float]] = {}
+    out = []
     while (now := time.monotonic()) < t0 + duration_s:
-        cpu.setdefault(int((now - t0) / window_s), []).append(chunk())
-    return {k: statistics.fmean(v) for k, v in cpu.items()}
+        out.append((now - t0, chunk()))
+    return out
 
 
-def measure_speed_spread(spec: ModelSpec, *, mbs: int, seq_len: int, duration_s: float = 4.0,
-                         window_s: float = WINDOW_S) -> SpeedSpread | None:
-    """The independent log-normal spread of a core's speed over windows of `window_s`; None on one core."""
-    procs = min(usable_cores(), 4)
-    if procs < 2:
-        return None
-    per_rank = run_local_ranks(procs, _windows, spec, mbs, seq_len, duration_s, window_s)
+def _sigma(per_rank: list[list[tuple[float, float]]], *, window_s: float, duration_s: float) -> float:
+    """The independent spread over windows of `window_s`: from the log ratios of every pair of ranks'
+    mean chunk times in the same window (variance 2 sigma^2)."""
+    n = int(duration_s / window_s)  # whole windows only
+    means = []
+    for chunks in per_rank:
+        by: dict[int, list[float]] = {}
+        for t, cpu in chunks:
+            if int(t / window_s) < n:
+                by.setdefault(int(t / window_s), []).append(cpu)
+        means.append({k: statistics.fmean(v) for k, v in by.items()})
     variances = []
-    for a, b in combinations(per_rank, 2):
-        common = sorted(set(a) & set(b))[:-1]  # the last window is cut short
+    for a, b in combinations(means, 2):
+        common = sorted(set(a) & set(b))
         if len(common) < 3:
             raise RuntimeError(f"speed spread: only {len(common)} windows of {window_s} s in {duration_s} s; "
-                               "a chunk of work takes longer than a window (use a longer duration or window)")
+                               "a chunk of work takes longer than a window (use a longer duration)")
         variances.append(statistics.variance([math.log(a[k] / b[k]) for k in common]) / 2)
-    return SpeedSpread(sigma=math.sqrt(statistics.fmean(variances)), window_s=window_s)
+    return math.sqrt(statistics.fmean(variances))
+
+
+def measure_speed_spread(spec: ModelSpec, *, mbs: int, seq_len: int, duration_s: float = 6.0,
+                         windows_s: tuple[float, ...] = WINDOWS_S) -> tuple[SpeedSpread, ...]:
+    """The independent log-normal spread of a core's speed, one per window length; () on one core."""
+    procs = min(usable_cores(), 4)
+    if procs < 2:
+        return ()
+    per_rank = run_local_ranks(procs, _chunks, spec, mbs, seq_len, duration_s)
+    return tuple(SpeedSpread(sigma=_sigma(per_rank, window_s=w, duration_s=duration_s), window_s=w)
+                 for w in windows_s)
