@@ -1,18 +1,20 @@
 """Stragglers on a shared host: each core's speed wanders, independently of the others'.
 
 Measured by :mod:`hethub.profile.spread`: over windows of ``window_s`` a core's speed relative to
-another core's has a log-normal spread ``sigma`` (10-15 % over 0.1 s windows on the 2-core VM this
-was built on, with the two cores' speeds barely correlated). Averaged over a step that spread
-cancels for one rank, and nearly so along a pipeline, whose hand-offs pass time from stage to
-stage. It does not cancel where ranks meet: data-parallel replicas at their all-reduce and the ranks
-of a TP stage at every collective wait for the slowest, so the typical step is slower than one at
-mean speed (for two ranks about 0.56 sigma: the expected maximum of two).
+another core's has a log-normal spread ``sigma`` (9-12 % on the 2-core VM this was built on, the
+two cores' speeds barely correlated, and hardly less over 0.4 s windows than over 0.1 s: the
+cores stay apart for a step and longer). For one rank that spread is no bias, and along a
+pipeline little, as hand-offs pass time from stage to stage. It does not cancel where ranks meet:
+data-parallel replicas at their all-reduce and the ranks of a TP stage at every collective wait
+for the slowest, so the typical step is slower than one at mean speed (for two ranks about
+0.56 sigma: the expected maximum of two).
 
 The shared-core replay (:mod:`hethub.predict.contention`) is run ``draws`` times, each with its own
-speeds: per window, a median-1 log-normal factor per rank (per core when ranks outnumber cores). The
-prediction is the median step over the draws, as the runtime reports the median step. Draw ``d``'s
-factor for (rank, window) is a pure function of the three, so predictions are reproducible and two
-plans meet the same luck (common random numbers, a fair comparison for the planner).
+speeds: per window, a median-1 log-normal factor per rank (per core when ranks outnumber cores),
+with the measured window nearest the step (the predictor picks it). The prediction is the median
+step over the draws, as the runtime reports the median step. Draw ``d``'s factor for (rank,
+window) is a pure function of the three, so predictions are reproducible and two plans meet the
+same luck (common random numbers, a fair comparison for the planner).
 """
 
 from __future__ import annotations

@@ -1,16 +1,19 @@
 """Speed spread: how much one core's speed wanders against another's (local emulation hosts).
 
 On a shared virtual machine a core's speed is not steady: over 0.1 s windows a fixed chunk of work
-took 10-15 % more or less CPU time from window to window here, and two cores wander almost
-independently (correlation 0.2-0.4). One rank averages that out over a step; ranks that meet at a
-collective (data-parallel replicas, the ranks of a TP stage) wait for the slowest of them, which a
-prediction at mean speed misses. :mod:`hethub.predict.stragglers` replays a step with drawn speeds.
+took 10-15 % more or less CPU time from window to window here, two cores wander almost
+independently (correlation 0.2-0.4), and over 0.4 s windows the spread is barely smaller (the
+cores stay apart for a step and longer; it is not chunk-to-chunk noise). One rank averages that
+out; ranks that meet at a collective (data-parallel replicas, the ranks of a TP stage) wait for
+the slowest of them, which a prediction at mean speed misses. :mod:`hethub.predict.stragglers`
+replays a step with drawn speeds.
 
 Measurement: one forked process per usable core (2 to 4) runs the same chunk of work (a forward +
 backward of a stack of decoder layers, :func:`hethub.profile.wake.stack_chunk`) back to back for
 ``duration_s``, timed by thread CPU time; each window's mean chunk time gives that core's speed in
-the window. Drift common to all cores cancels in the log ratio of two processes' speeds in the same
-window: its variance is twice the independent part's, ``sigma**2``.
+the window, for each window length of ``windows_s`` from the same chunks. Drift common to all
+cores cancels in the log ratio of two processes' speeds in the same window: its variance is twice
+the independent part's, ``sigma**2``.
 """
 
 from __future__ import annotations
