@@ -77,12 +77,13 @@ def test_p2p_across_kinds_all_shapes_and_dtypes() -> None:
 
 def _irecv_worker(rank: int) -> list[bool]:
     """Receives posted before the sends, several outstanding, waited on out of order."""
-    comm = _bridge(["a", "b"])  # force_bridge stages host copies: the StagedRecv path
+    comm = _bridge(["a", "b"])  # force_bridge stages host copies: StagedWork's receive path
     payloads = [_payload(torch.float32, (3, 4), seed=i) for i in range(3)]
     ok = []
     if rank == 1:
         bufs = [torch.empty(3, 4) for _ in payloads]
         works = [comm.irecv(b, src=0, tag=i) for i, b in enumerate(bufs)]
+        ok.append(all(isinstance(w, StagedWork) for w in works))
         comm.barrier()  # the sender starts only now
         for i in (2, 0, 1):
             works[i].wait()
@@ -96,7 +97,7 @@ def _irecv_worker(rank: int) -> list[bool]:
 
 
 def test_irecv_posted_ahead_through_the_bridge() -> None:
-    assert run_ranks(2, _irecv_worker)[1] == [True, True, True]
+    assert run_ranks(2, _irecv_worker)[1] == [True] * 4
 
 
 # ---- all-reduce ------------------------------------------------------------------------------------

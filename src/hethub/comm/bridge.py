@@ -45,40 +45,22 @@ _HOST_BACKENDS = ("gloo", "mpi")  # host memory: any two CPUs interoperate whate
 
 @dataclass
 class StagedWork:
-    """An isend through the bridge. Holds the host copy until the send is waited on, then returns
-    it to the pool."""
+    """An isend or irecv through the bridge, holding a host copy from the pool until waited on. A
+    receive (``recv_into`` set) then copies the host copy into the caller's tensor; either way the
+    host copy goes back to the pool."""
 
     work: Any
     host: torch.Tensor | None
     like: torch.Tensor
     pool: HostPool
+    recv_into: torch.Tensor | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         done = self.work.wait(timeout) if timeout is not None else self.work.wait()
         if self.host is not None:
+            if self.recv_into is not None:
+                self.recv_into.copy_(self.host.view(self.recv_into.shape))  # blocking: done reading host
             self.pool.give(self.host, like=self.like)
-            self.host = None
-        return done
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-@dataclass
-class StagedRecv:
-    """An irecv through the bridge: on wait, the host copy lands in the caller's tensor and goes
-    back to the pool."""
-
-    work: Any
-    host: torch.Tensor | None
-    tensor: torch.Tensor
-    pool: HostPool
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
-        if self.host is not None:
-            self.tensor.copy_(self.host.view(self.tensor.shape))
-            self.pool.give(self.host, like=self.tensor)  # a default (blocking) copy_ has finished reading it
             self.host = None
         return done
 
@@ -199,7 +181,8 @@ class BridgedCommunicator(Communicator):
         if not self._staged(tensor):
             return dist.irecv(tensor, src=src, tag=tag, group=self._bridge_pg)
         host = self._pool.take(tensor)
-        return StagedRecv(dist.irecv(host, src=src, tag=tag, group=self._bridge_pg), host, tensor, self._pool)
+        return StagedWork(dist.irecv(host, src=src, tag=tag, group=self._bridge_pg), host, tensor, self._pool,
+                          recv_into=tensor)
 
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,
