@@ -5,8 +5,8 @@ sends straight over c10d. Here adjacent stages may have different TP degrees (re
 stage reads from sender q % a of the TP-a stage before it; sender j gets its output gradient from
 receiver j % b), and every message must go through our Communicator so a later bridge can route
 it across device kinds. What is left is small: the op order (shared with the predictor, see
-``topology.schedule_ops``), isend + blocking recv with a tag per micro-batch and direction, and
-waiting on all sends before the step ends.
+``topology.schedule_ops``), isend, and irecv posted two ops ahead, with a tag per micro-batch
+and direction, and waiting on all sends before the step ends.
 """
 
 from __future__ import annotations
