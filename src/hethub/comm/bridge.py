@@ -175,6 +175,12 @@ class BridgedCommunicator(Communicator):
         self.irecv(tensor, src=src, tag=tag).wait()
         return tensor
 
+    def p2p_in_issue_order(self, peer: int, *, device: torch.device) -> bool:
+        if not self._same_island(peer):
+            return False  # across islands: gloo
+        backend = self.backend_of_island[self.island_of_rank[self.rank]]
+        return backend not in _HOST_BACKENDS and device.type == DEVICE_OF_BACKEND.get(backend)
+
     def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
         if self._same_island(src):
             return dist.irecv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor))

@@ -63,6 +63,13 @@ class Communicator:
         dist.recv(tensor, src=src, tag=tag)
         return tensor
 
+    def p2p_in_issue_order(self, peer: int, *, device: torch.device) -> bool:
+        """Whether messages with `peer` run in the order they were posted whatever their tags (NCCL:
+        one stream per pair of ranks), so that a receive posted early holds back later sends to that
+        peer. gloo and MPI match by tag."""
+        del peer, device
+        return str(dist.get_backend()) not in ("gloo", "mpi")
+
     def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
         """Non-blocking receive into ``tensor``: posted early, the transfer overlaps the caller's work
         (a late blocking recv waits for a handshake with a sender that may be busy computing)."""

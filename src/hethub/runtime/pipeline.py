@@ -121,6 +121,10 @@ def _let_sends_start() -> None:
 # waits for a handshake with the sender, whose progress thread competes with its busy compute:
 # measured 1-7 ms per hand-off on a 2-core host, where a pre-posted irecv has the data waiting.
 # Two ops ahead covers 1F1B's alternation and GPipe's runs; each posted receive holds one buffer.
+# Where a pair of ranks runs its messages in the order posted (NCCL), a receive is never posted
+# ahead of a send to the same peer that an earlier op makes: the peer may need that send before it
+# can send what we wait for (stage s+1 needs F(i+1) before it sends B(i)'s gradient), which would
+# deadlock; the per-peer order then stays exactly that of receiving at each op's start.
 RECV_LOOKAHEAD = 2
 
 
@@ -132,21 +136,40 @@ class _Receives:
         self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
         self.next = 0
 
-    def _post(self, i: int) -> None:
+    def _source(self, j: int) -> tuple[int, int] | None:
+        """(peer, tag) op j receives from, or None."""
         ex = self.ex
-        op, mb = ex.ops[i]
+        op, mb = ex.ops[j]
         if op == "F" and not ex.first:
-            src, tag = ex.place.fwd_recv_from, fwd_tag(mb)
-        elif op == "B" and not ex.last:
-            src, tag = ex.place.bwd_recv_from, bwd_tag(mb)
-        else:
+            return ex.place.fwd_recv_from, fwd_tag(mb)  # type: ignore[return-value]
+        if op == "B" and not ex.last:
+            return ex.place.bwd_recv_from, bwd_tag(mb)  # type: ignore[return-value]
+        return None
+
+    def _sends_to(self, k: int) -> tuple[int, ...]:
+        ex = self.ex
+        op = ex.ops[k][0]
+        if op == "F":
+            return () if ex.last else ex.place.fwd_send_to
+        return () if ex.first else ex.place.bwd_send_to
+
+    def _may_post(self, j: int, *, now: int) -> bool:
+        src = self._source(j)
+        if src is None or not self.ex.comm.p2p_in_issue_order(src[0], device=self.ex.device):
+            return True
+        return all(src[0] not in self._sends_to(k) for k in range(now, j))
+
+    def _post(self, j: int) -> None:
+        src = self._source(j)
+        if src is None:
             return
+        ex = self.ex
         buf = torch.empty(ex.act_shape, dtype=ex.act_dtype, device=ex.device)
-        self.posted[i] = (ex.comm.irecv(buf, src=src, tag=tag), buf)  # type: ignore[arg-type]
+        self.posted[j] = (ex.comm.irecv(buf, src=src[0], tag=src[1]), buf)
 
     def take(self, i: int, trace: StepTrace) -> torch.Tensor | None:
         """Op i's received tensor (None if it receives nothing), waiting for it if it has not arrived."""
-        while self.next < min(len(self.ex.ops), i + 1 + self.lookahead):
+        while self.next < min(len(self.ex.ops), i + 1 + self.lookahead) and self._may_post(self.next, now=i):
             self._post(self.next)
             self.next += 1
         if i not in self.posted:
