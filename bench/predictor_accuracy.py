@@ -5,7 +5,8 @@
                                        [--json OUT]
 
 Once per repetition it measures this host's links, its all-reduce among 2-4 local ranks (``hethub
-bench comm``) and its wake penalty (``hethub profile --wake-penalty``). Then for every plan of
+bench comm``), its wake penalty (``hethub profile --wake-penalty``) and its cores' speed spread
+(``--speed-spread``). Then for every plan of
 bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set to this machine's
 usable cores), ``--reps`` times, round-robin over all plans:
 
@@ -17,7 +18,8 @@ usable cores), ``--reps`` times, round-robin over all plans:
    torchrun with ``--launcher torchrun``) and takes the median step time after warm-up steps.
 
 A plan's error compares the prediction from the session's profile, the median of all those short
-profiles (and of the links, all-reduce and wake-penalty measurements, taken once per repetition),
+profiles (and of the links, all-reduce, wake-penalty and speed-spread measurements, taken once per
+repetition),
 with the median run: this machine's speed drifts by up to +-15% over seconds to minutes, and a
 profile spread over the session sees the same drift as the runs. The "paired" error (secondary)
 predicts each run from the one short profile taken just before it and takes the median over runs;

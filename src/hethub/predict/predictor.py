@@ -170,7 +170,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
 
         step, pipes = replay(None)
         spread = _speed_spread(plan, costs, step_s=step) if plan.world_size > 1 else None
-        if spread is not None:
+        if spread is not None and spread.sigma > 0:  # sigma 0: the plain replay above is the answer
             step, pipes = median_over_draws(replay, spread=spread)
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step

@@ -197,6 +197,12 @@ def _depths(v: Any, where: str, f: str) -> tuple[tuple[int, LayerTimes], ...]:
     return tuple(sorted(out.items()))
 
 
+def _numbers(row: Any, *keys: str) -> bool:
+    """Whether `row` is an object whose `keys` all hold numbers (booleans excluded)."""
+    return isinstance(row, dict) and all(isinstance(row.get(k), int | float) and not isinstance(row.get(k), bool)
+                                         for k in keys)
+
+
 def _wake(v: Any, where: str) -> tuple[tuple[float, float], ...]:
     """Optional ``wake_penalty``: [{"gap_s": .., "extra_s": ..}, ..] with increasing positive gaps."""
     fix = "re-measure with 'hethub profile --wake-penalty' or leave it out"
@@ -204,9 +210,7 @@ def _wake(v: Any, where: str) -> tuple[tuple[float, float], ...]:
         raise _err(where, "wake_penalty", "must be a list", fix)
     out: list[tuple[float, float]] = []
     for i, row in enumerate(v):
-        ok = isinstance(row, dict) and all(isinstance(row.get(k), int | float) and not isinstance(row.get(k), bool)
-                                           for k in ("gap_s", "extra_s"))
-        if not ok or row["gap_s"] <= (out[-1][0] if out else 0.0) or row["extra_s"] < 0:
+        if not _numbers(row, "gap_s", "extra_s") or row["gap_s"] <= (out[-1][0] if out else 0.0) or row["extra_s"] < 0:
             raise _err(where, f"wake_penalty[{i}]", f"must be {{\"gap_s\": > previous gap, \"extra_s\": >= 0}}, "
                        f"got {row!r}", fix)
         out.append((float(row["gap_s"]), float(row["extra_s"])))
@@ -221,9 +225,7 @@ def _spread(v: Any, where: str) -> tuple[SpeedSpread, ...]:
     out: list[SpeedSpread] = []
     for i, row in enumerate(v):
         shape = '{"window_s": > previous window, "sigma": >= 0}'
-        ok = isinstance(row, dict) and all(isinstance(row.get(k), int | float) and not isinstance(row.get(k), bool)
-                                           for k in ("sigma", "window_s"))
-        if not ok or (out and row["window_s"] <= out[-1].window_s):
+        if not _numbers(row, "sigma", "window_s") or (out and row["window_s"] <= out[-1].window_s):
             raise _err(where, f"speed_spread[{i}]", f"must be {shape}, got {row!r}", fix)
         try:
             out.append(SpeedSpread(sigma=float(row["sigma"]), window_s=float(row["window_s"])))
