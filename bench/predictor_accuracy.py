@@ -19,8 +19,7 @@ usable cores), ``--reps`` times, round-robin over all plans:
 
 A plan's error compares the prediction from the session's profile, the median of all those short
 profiles (and of the links, all-reduce, wake-penalty and speed-spread measurements, taken once per
-repetition),
-with the median run: this machine's speed drifts by up to +-15% over seconds to minutes, and a
+repetition), with the median run: this machine's speed drifts by up to +-15% over seconds to minutes, and a
 profile spread over the session sees the same drift as the runs. The "paired" error (secondary)
 predicts each run from the one short profile taken just before it and takes the median over runs;
 it carries that one profile's noise.
