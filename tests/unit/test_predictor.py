@@ -209,6 +209,35 @@ def test_timeline_compute_events_do_not_overlap():
         assert predict(plan(c, [p0, p1], schedule=schedule)).step_time_s == pred.step_time_s
 
 
+def test_timeline_on_an_emulation_host_is_the_shared_core_replay():
+    c = cluster((kind("a"), 1, 4))
+    entry = ProfileEntry(embedding=LayerTimes(0.001, 0.002), layer=LayerTimes(0.01, 0.02, 0.001),
+                         head=LayerTimes(0.005, 0.01))
+    prof = ProfileSet({"a": KindProfile(kind="a", model="tiny", seq_len=SEQ, entries={(1, 1): entry})})
+    pipes = [Pipeline(1, 4, stages("a", [(0, 2), (2, 4), (4, 6)], [(0,), (1,), (2,)]))]
+    for schedule in ("1f1b", "gpipe"):
+        own = predict(plan(c, pipes, schedule=schedule), profiles=prof, timeline=True)
+        shared = predict(plan(replace(c, host_cores=1), pipes, schedule=schedule), profiles=prof, timeline=True)
+        # Three ranks on one core: each chunk runs slower whenever others compute at the same time.
+        assert shared.step_time_s > own.step_time_s * 1.2
+        assert max(e.end_s for e in shared.timeline) == pytest.approx(shared.step_time_s)
+        chunks = {d: sorted((e.start_s, e.end_s, e.name) for e in shared.timeline
+                            if e.device == d and e.category in ("forward", "backward")) for d in range(3)}
+        for busy in chunks.values():
+            assert [n for *_, n in sorted(busy, key=lambda b: b[2])] == [*(f"B{i}" for i in range(4)),
+                                                                        *(f"F{i}" for i in range(4))]
+            for (_, e0, _), (s1, _, _) in itertools.pairwise(busy):
+                assert s1 >= e0 - 1e-12
+        # A stage's forward starts only once the previous stage's forward of that micro-batch ended.
+        ends = {(e.stage, e.name): e.end_s for e in shared.timeline if e.category == "forward"}
+        for e in shared.timeline:
+            if e.category == "forward" and e.stage > 0:
+                assert e.start_s >= ends[(e.stage - 1, e.name)] - 1e-12
+        stretched = [e.dur_s for e in shared.timeline if e.category == "forward" and e.stage == 1]
+        assert max(stretched) > shared.stages[1].fwd_s * 1.5  # shared with the other two ranks
+        assert {e.category for e in shared.timeline} >= {"forward", "backward", "p2p", "allreduce", "optimizer"}
+
+
 def test_predict_4096_devices_is_fast():
     model = PRESETS["llama-2-70b"]
     k = DeviceKind(name="h", vendor="t", mem_bytes=80 * 10**9, peak_flops=989e12, intra_node_bw_bytes_per_s=450e9,

@@ -103,5 +103,8 @@ def test_predict_applies_a_profiled_spread_only_on_emulation_hosts_with_several_
     dp = plan([Pipeline(2, 2, (Stage("cpu-fast", (d,), (0, n), embedding=True, head=True),)) for d in (0, 1)])
     assert predict(one, profiles=spread).step_time_s == predict(one, profiles=plain).step_time_s
     assert predict(dp, profiles=spread).step_time_s > 1.03 * predict(dp, profiles=plain).step_time_s
+    # The timeline is the median draw's: it ends at that draw's step, at most the median of the draws.
+    drawn = predict(dp, profiles=spread, timeline=True)
+    assert drawn.step_time_s * 0.97 < max(e.end_s for e in drawn.timeline) <= drawn.step_time_s + 1e-12
     real = replace(dp, cluster=replace(dp.cluster, host_cores=None))
     assert predict(real, profiles=spread).step_time_s == predict(real, profiles=plain).step_time_s

@@ -21,7 +21,9 @@ backward the next stage's backward plus the transfer), then the world barrier of
 all-reduce, its gradient-sync groups in layer order (each starts once all its holders arrive), the
 world barrier of the gradient-norm all-reduce and its optimizer update (CPU work). A TP stage counts as
 ``tp`` computing processes. With no more computing ranks than cores this reduces to the
-uncontended simulation.
+uncontended simulation. On request it records what each stage did when (``record``): the
+predicted timeline of such a host, which the plain schedule (no sharing, no barriers) would not
+match.
 
 Cores do not run at one steady speed: on a shared host each core's speed wanders (other tenants,
 power states) independently of the others'. Where the profile measured that spread, the predictor
@@ -60,6 +62,21 @@ class StageWork:
     slowdown: float = 1.0  # emulated kinds sleep (k-1) x a chunk's CPU time, wake penalty included
 
 
+@dataclass(frozen=True)
+class ReplayEvent:
+    """One interval of one stage in the replay: ``category`` forward, backward, allreduce or optimizer."""
+
+    stage: StageId
+    category: str
+    name: str
+    start_s: float
+    end_s: float
+    micro_batch: int | None = None
+
+
+_CATEGORY = {"F": "forward", "B": "backward", "U": "optimizer"}
+
+
 @dataclass
 class _Stage:
     sid: StageId
@@ -71,12 +88,13 @@ class _Stage:
     phases: list[tuple[str, float]] = field(default_factory=list)
     done_s: float | None = None
     cpu_end_s: float = 0.0  # when its last chunk of CPU work ended (the step starts warm)
+    op_start_s: float = 0.0  # when the current task's work began (its inputs had arrived)
 
 
 def simulate_shared_cores(
     *, stages: dict[StageId, StageWork], num_micro_batches: Sequence[int], schedule: str, cores: int,
     groups: Sequence[SyncGroup], background_procs: float = 0.0, barrier_s: float = 0.0,
-    speeds: SpeedDraws | None = None,
+    speeds: SpeedDraws | None = None, record: list[ReplayEvent] | None = None,
 ) -> tuple[float, list[float]]:
     """(step time, each pipeline's last-backward time) with `cores` shared by every rank of the plan
     and by `background_procs` always-busy processes of other users (0 on a machine of one's own).
@@ -84,7 +102,8 @@ def simulate_shared_cores(
     ``barrier_s``: the world all-reduces of the loss (after the schedule) and of the gradient norm
     (before the update) are barriers of every stage lasting that long (see sync.simulate_sync).
 
-    ``speeds``: one draw of the cores' varying speeds (stragglers.py); None: every core at its mean."""
+    ``speeds``: one draw of the cores' varying speeds (stragglers.py); None: every core at its mean.
+    ``record``: if given, every stage's forwards, backwards, all-reduces and update are appended."""
     everyone = tuple(stages)
     loss_g, norm_g = len(groups), len(groups) + 1
     groups = [*groups, SyncGroup("loss", everyone, 8.0, Link(float("inf"), 0.0), barrier_s),
@@ -113,7 +132,7 @@ def simulate_shared_cores(
             moved = False
             for s in st.values():
                 moved |= _step(s, st, now=now, f_end=f_end, b_end=b_end, arrived=arrived, groups=groups,
-                               bwd_done=bwd_done)
+                               bwd_done=bwd_done, record=record)
         if all(s.done_s is not None for s in st.values()):
             break
         busy = [s for s in st.values() if s.phases and s.phases[0][0] == "cpu"]
@@ -143,7 +162,8 @@ def simulate_shared_cores(
 
 
 def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_end: dict,
-          arrived: dict[int, set[StageId]], groups: Sequence[SyncGroup], bwd_done: dict[int, float]) -> bool:
+          arrived: dict[int, set[StageId]], groups: Sequence[SyncGroup], bwd_done: dict[int, float],
+          record: list[ReplayEvent] | None) -> bool:
     """Advance stage `s` through whatever completes or starts at `now`; True if anything did."""
     if s.done_s is not None:
         return False
@@ -154,12 +174,14 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
         s.phases.pop(0)
         if kind == "cpu":
             s.cpu_end_s = now
+        elif kind == "until" and s.phases:  # its inputs are here: the op's work starts
+            s.op_start_s = now
         if s.phases and s.phases[0][0] == "sleep":  # a sleep starts when the CPU work before it ends
             s.phases[0] = ("until", now + s.phases[0][1])
         elif s.phases and s.phases[0][0] == "cpu":
             _wake(s, now=now)
         if not s.phases:
-            _finish_task(s, now=now, f_end=f_end, b_end=b_end, bwd_done=bwd_done)
+            _finish_task(s, now=now, f_end=f_end, b_end=b_end, bwd_done=bwd_done, record=record)
         return True
     if s.ptr >= len(s.tasks):
         s.done_s = now
@@ -191,9 +213,12 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
         # The last holder arrived: the all-reduce runs for all of them from now.
         for h in groups[i].holders:
             st[h].phases = [("until", now + groups[i].time_s)]
+            if record is not None and groups[i].time_s > 0:
+                record.append(ReplayEvent(h, "allreduce", groups[i].name, now, now + groups[i].time_s))
         arrived[i] = set()
     else:
         s.phases = [("cpu", w.update_cpu_s)]
+        s.op_start_s = now
         _wake(s, now=now)
     return True
 
@@ -211,9 +236,13 @@ def _wake(s: _Stage, *, now: float) -> None:
         s.phases[1] = ("sleep", s.phases[1][1] + (w.slowdown - 1.0) * extra)
 
 
-def _finish_task(s: _Stage, *, now: float, f_end: dict, b_end: dict, bwd_done: dict[int, float]) -> None:
+def _finish_task(s: _Stage, *, now: float, f_end: dict, b_end: dict, bwd_done: dict[int, float],
+                 record: list[ReplayEvent] | None) -> None:
     kind, i = s.tasks[s.ptr]
     pi, si = s.sid
+    if record is not None and kind in _CATEGORY:
+        name = "optimizer" if kind == "U" else f"{kind}{i}"
+        record.append(ReplayEvent(s.sid, _CATEGORY[kind], name, s.op_start_s, now, None if kind == "U" else i))
     if kind == "F":
         f_end[(pi, si, i)] = now
     elif kind == "B":

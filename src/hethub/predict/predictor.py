@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from hethub.plan import Pipeline, Plan
 from hethub.predict.comm import p2p_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
-from hethub.predict.contention import StageWork, simulate_shared_cores
+from hethub.predict.contention import ReplayEvent, StageWork, simulate_shared_cores
 from hethub.predict.memory import (
     USABLE_FRACTION,
     StageMemory,
@@ -162,20 +162,27 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
                 for pi, si, cost, _, send in partial}
         barrier_s = world_barrier_s(plan)
 
-        def replay(speeds: SpeedDraws | None) -> tuple[float, list[float]]:
+        def replay(speeds: SpeedDraws | None, record: list[ReplayEvent] | None = None) -> tuple[float, list[float]]:
             return simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
                                          num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
                                          background_procs=host_background_procs, barrier_s=barrier_s,
-                                         speeds=speeds)
+                                         speeds=speeds, record=record)
 
         step, pipes = replay(None)
+        draw = None
         spread = _speed_spread(plan, costs, step_s=step) if plan.world_size > 1 else None
         if spread is not None and spread.sigma > 0:  # sigma 0: the plain replay above is the answer
-            step, pipes = median_over_draws(replay, spread=spread)
+            step, pipes, draw = median_over_draws(replay, spread=spread)
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
     events: tuple[Event, ...] = ()
-    if timeline:
+    if timeline and cores is not None:
+        # The replay's own intervals (of the median draw), so the timeline shows the shared cores and
+        # barriers the step time includes.
+        recorded: list[ReplayEvent] = []
+        replay(draw, record=recorded)
+        events = _replay_timeline(plan, recorded, stages)
+    elif timeline:
         events = _timeline(plan, [costs.schedules[sig] for sig in sigs], stages, sync)
     return Prediction(
         step_time_s=step,
@@ -238,6 +245,31 @@ def _timeline(plan: Plan, schedules: list[list[StageSchedule]], stages: tuple[St
                 end = sync.stage_end_s[(pi, si)]
                 if sp.update_s > 0:
                     events.append(Event(d, "optimizer", "optimizer", end - sp.update_s, end, pi, si))
+    events.sort(key=lambda e: (e.start_s, e.device))
+    return tuple(events)
+
+
+def _replay_timeline(plan: Plan, recorded: list[ReplayEvent], stages: tuple[StagePrediction, ...],
+                     ) -> tuple[Event, ...]:
+    """The shared-core replay's intervals on every device of their stage, with the transfers after
+    each forward (to the next stage) and backward (to the previous one)."""
+    by_id = {(sp.pipeline, sp.stage): sp for sp in stages}
+    events: list[Event] = []
+    for r in recorded:
+        (pi, si), sp = r.stage, by_id[r.stage]
+        if r.end_s <= r.start_s and r.category == "optimizer":
+            continue
+        last = si == len(plan.pipelines[pi].stages) - 1
+        name = f"allreduce {r.name}" if r.category == "allreduce" else r.name
+        for d in sp.devices:
+            events.append(Event(d, r.category, name, r.start_s, r.end_s, pi, si, r.micro_batch))
+            if r.category == "forward" and not last:
+                events.append(Event(d, "p2p", f"send act {r.micro_batch}", r.end_s, r.end_s + sp.p2p_s, pi, si,
+                                    r.micro_batch))
+            elif r.category == "backward" and si > 0:
+                back = by_id[(pi, si - 1)].p2p_s
+                events.append(Event(d, "p2p", f"send grad {r.micro_batch}", r.end_s, r.end_s + back, pi, si,
+                                    r.micro_batch))
     events.sort(key=lambda e: (e.start_s, e.device))
     return tuple(events)
 

@@ -63,10 +63,14 @@ class SpeedDraws:
 
 
 def median_over_draws(replay: Callable[[SpeedDraws | None], tuple[float, list[float]]], *,
-                      spread: SpeedSpread | None, draws: int = DRAWS) -> tuple[float, list[float]]:
-    """(step time, per-pipeline times) of the median draw; one plain replay without a spread."""
+                      spread: SpeedSpread | None, draws: int = DRAWS,
+                      ) -> tuple[float, list[float], SpeedDraws | None]:
+    """(median step time, per-pipeline times of the median draw, that draw) over the draws; one plain
+    replay (and None) without a spread. With an even number of draws the median draw is the lower of
+    the middle two, whose step is at most the median."""
     if spread is None or spread.sigma == 0.0:
-        return replay(None)
-    runs = sorted((replay(SpeedDraws(spread, draw=d)) for d in range(draws)), key=lambda r: r[0])
-    step = statistics.median(r[0] for r in runs)
-    return step, runs[(len(runs) - 1) // 2][1]
+        return (*replay(None), None)
+    runs = sorted(((replay(SpeedDraws(spread, draw=d)), d) for d in range(draws)), key=lambda r: r[0][0])
+    step = statistics.median(r[0][0] for r in runs)
+    (_, pipes), d = runs[(len(runs) - 1) // 2]
+    return step, pipes, SpeedDraws(spread, draw=d)
