@@ -8,7 +8,7 @@ Once per repetition it measures this host's links, its all-reduce among 2-4 loca
 bench comm``), its wake penalty (``hethub profile --wake-penalty``) and its cores' speed spread
 (``--speed-spread``). Then for every plan of
 bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set to this machine's
-usable cores), ``--reps`` times, round-robin over all plans:
+usable cores), ``--reps`` times, all plans in a freshly shuffled order each time:
 
 1. profiles this machine (``hethub profile``'s code, ``--profile-repeats`` timed repetitions per
    part, decoder stacks of 1/2/4/8 layers) for exactly the (micro-batch size, TP degree) entries
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import statistics
 import sys
@@ -125,6 +126,17 @@ def median_profiles(sets: list[ProfileSet]) -> ProfileSet:
                                    cpu_fraction=statistics.median(e.cpu_fraction for e in es))
         by_kind[kind] = replace(profs[0], entries=entries, source=f"median of {len(sets)} profiles")
     return ProfileSet(by_kind=by_kind)
+
+
+def run_order(n: int, *, rep: int) -> list[int]:
+    """The order of the plans in repetition `rep`: a fresh shuffle each time (seeded, so reproducible).
+
+    A fixed order would tie each plan to one slot: the same neighbours before it and, for the first,
+    the host measurements just before; whatever those leave behind (a busy helper thread, a cold
+    cache, the host's scheduler reacting to a burst) would read as that plan's error every time."""
+    order = list(range(n))
+    random.Random(rep).shuffle(order)
+    return order
 
 
 def _cpu_busy_s() -> float:
@@ -219,8 +231,8 @@ def main() -> None:
                     help="unmeasured steps at the start of each run (default 5: a fresh rank's first 4-5 steps "
                          "ran 5-7%% slower than its later ones here; the predictor predicts the steady state)")
     ap.add_argument("--reps", type=int, default=5,
-                    help="runs per plan, round-robin over plans (default 5): more runs spread over the session "
-                         "beat longer runs, as this machine's speed drifts over seconds")
+                    help="runs per plan, one per repetition over all plans (default 5): more runs spread over the "
+                         "session beat longer runs, as this machine's speed drifts over seconds")
     ap.add_argument("--profile-repeats", type=int, default=3,
                     help="timed repetitions per part in the profile taken before each run (default 3)")
     ap.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
@@ -254,22 +266,21 @@ def main() -> None:
     wakes: list[tuple[tuple[float, float], ...]] = []
     speed_spreads: list[tuple[SpeedSpread, ...]] = []
     with tempfile.TemporaryDirectory() as d:
-        t_rep = time.monotonic()
-        for n in range(args.reps * len(plans)):
-            i = n % len(plans)
-            if i == 0:  # links, collectives, wake penalty and speed spread drift too: once per repetition
-                links.append(measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False))
-                wakes.append(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len))
-                speed_spreads.append(measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
-            plan = plans[i][2]
-            taken.append(with_host(profile_for_plan(plan, reps=reps), wakes[-1], speed_spreads[-1]))
-            run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d), launcher=args.launcher)
-            run["predicted_s"] = predict(plan_with_links(plan, links[-1]), profiles=taken[-1]).step_time_s
-            runs[i].append(run)
-            if i == len(plans) - 1:
-                print(f"repetition {n // len(plans) + 1}/{args.reps}: {len(plans)} plans in "
-                      f"{time.monotonic() - t_rep:.0f} s", flush=True)
-                t_rep = time.monotonic()
+        for rep in range(args.reps):
+            t_rep = time.monotonic()
+            # Links, collectives, wake penalty and speed spread drift too: measured once per repetition.
+            links.append(measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False))
+            wakes.append(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len))
+            speed_spreads.append(measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
+            for i in run_order(len(plans), rep=rep):
+                plan = plans[i][2]
+                taken.append(with_host(profile_for_plan(plan, reps=reps), wakes[-1], speed_spreads[-1]))
+                run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d),
+                                   launcher=args.launcher)
+                run["predicted_s"] = predict(plan_with_links(plan, links[-1]), profiles=taken[-1]).step_time_s
+                runs[i].append(run)
+            print(f"repetition {rep + 1}/{args.reps}: {len(plans)} plans in {time.monotonic() - t_rep:.0f} s",
+                  flush=True)
     session = with_host(median_profiles(taken), median_wake(wakes), median_spread(speed_spreads))
     session_links = median_links(links)
     out: dict[str, list[dict]] = {}
