@@ -154,6 +154,9 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
     cores = cluster.host_cores
+    # On an emulation host the timeline is the replay's own intervals (of the median draw), so it
+    # shows the shared cores and barriers the step time includes.
+    recorded: list[ReplayEvent] | None = [] if timeline and cores is not None else None
     if cores is not None:
         # Local emulation: every rank is a process of hethub's runtime on one host. Replay the step
         # with its world barriers (loss and gradient-norm all-reduces) and, with more ranks than
@@ -168,19 +171,17 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
                                          background_procs=host_background_procs, barrier_s=barrier_s,
                                          speeds=speeds, record=record)
 
-        step, pipes = replay(None)
-        draw = None
+        step, pipes = replay(None, recorded)
         spread = _speed_spread(plan, costs, step_s=step) if plan.world_size > 1 else None
         if spread is not None and spread.sigma > 0:  # sigma 0: the plain replay above is the answer
             step, pipes, draw = median_over_draws(replay, spread=spread)
+            if recorded is not None:
+                recorded = []
+                replay(draw, recorded)
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
     events: tuple[Event, ...] = ()
-    if timeline and cores is not None:
-        # The replay's own intervals (of the median draw), so the timeline shows the shared cores and
-        # barriers the step time includes.
-        recorded: list[ReplayEvent] = []
-        replay(draw, record=recorded)
+    if recorded is not None:
         events = _replay_timeline(plan, recorded, stages)
     elif timeline:
         events = _timeline(plan, [costs.schedules[sig] for sig in sigs], stages, sync)
@@ -259,33 +260,36 @@ def _replay_timeline(plan: Plan, recorded: list[ReplayEvent], stages: tuple[Stag
         (pi, si), sp = r.stage, by_id[r.stage]
         if r.end_s <= r.start_s and r.category == "optimizer":
             continue
-        last = si == len(plan.pipelines[pi].stages) - 1
-        name = f"allreduce {r.name}" if r.category == "allreduce" else r.name
         for d in sp.devices:
-            events.append(Event(d, r.category, name, r.start_s, r.end_s, pi, si, r.micro_batch))
-            if r.category == "forward" and not last:
-                events.append(Event(d, "p2p", f"send act {r.micro_batch}", r.end_s, r.end_s + sp.p2p_s, pi, si,
-                                    r.micro_batch))
-            elif r.category == "backward" and si > 0:
-                back = by_id[(pi, si - 1)].p2p_s
-                events.append(Event(d, "p2p", f"send grad {r.micro_batch}", r.end_s, r.end_s + back, pi, si,
-                                    r.micro_batch))
+            if r.category in ("forward", "backward"):
+                events.extend(_chunk_events(plan.pipelines[pi], forward=r.category == "forward", mb=r.micro_batch,
+                                            start_s=r.start_s, end_s=r.end_s, pi=pi, si=si, device=d,
+                                            send_fwd=sp.p2p_s, send_bwd=by_id[(pi, si - 1)].p2p_s if si > 0 else 0.0))
+            else:
+                name = f"allreduce {r.name}" if r.category == "allreduce" else r.name
+                events.append(Event(d, r.category, name, r.start_s, r.end_s, pi, si, r.micro_batch))
     events.sort(key=lambda e: (e.start_s, e.device))
     return tuple(events)
 
 
 def _stage_events(p: Pipeline, pi: int, si: int, device: int, st: StageSchedule, *, send_fwd: float,
                   send_bwd: float) -> list[Event]:
-    last = si == len(p.stages) - 1
-    out = []
-    for op in st.ops:
-        i = op.micro_batch
-        if op.kind == "F":
-            out.append(Event(device, "forward", f"F{i}", op.start_s, op.end_s, pi, si, i))
-            if not last:
-                out.append(Event(device, "p2p", f"send act {i}", op.end_s, op.end_s + send_fwd, pi, si, i))
-        else:
-            out.append(Event(device, "backward", f"B{i}", op.start_s, op.end_s, pi, si, i))
-            if si > 0:
-                out.append(Event(device, "p2p", f"send grad {i}", op.end_s, op.end_s + send_bwd, pi, si, i))
+    return [e for op in st.ops
+            for e in _chunk_events(p, forward=op.kind == "F", mb=op.micro_batch, start_s=op.start_s, end_s=op.end_s,
+                                   pi=pi, si=si, device=device, send_fwd=send_fwd, send_bwd=send_bwd)]
+
+
+def _chunk_events(p: Pipeline, *, forward: bool, mb: int, start_s: float, end_s: float, pi: int, si: int,
+                  device: int, send_fwd: float, send_bwd: float) -> list[Event]:
+    """A forward or backward of micro-batch `mb` on stage `si` of pipeline `p` and the transfer after
+    it (activations to the next stage, gradients to the previous one), where there is one."""
+    i = mb
+    if forward:
+        out = [Event(device, "forward", f"F{i}", start_s, end_s, pi, si, i)]
+        if si < len(p.stages) - 1:
+            out.append(Event(device, "p2p", f"send act {i}", end_s, end_s + send_fwd, pi, si, i))
+        return out
+    out = [Event(device, "backward", f"B{i}", start_s, end_s, pi, si, i)]
+    if si > 0:
+        out.append(Event(device, "p2p", f"send grad {i}", end_s, end_s + send_bwd, pi, si, i))
     return out
