@@ -111,8 +111,8 @@ def test_example_plan_imports_and_exports_back():
 def test_example_plan_needs_enough_devices():
     cluster = load_cluster(EXAMPLES / "a100-v100-32.toml")
     data = _example()
-    data["pipeline_list"][0]["tmp_per_stage"][0][0][0][0][1] = 24  # 12 V100 replicas of 2
-    data["pipeline_list"][0]["tmp_per_stage"][1][0][0][0][1] = 24
+    for stage in data["pipeline_list"][0]["tmp_per_stage"]:  # 12 replicas of 2 per stage
+        stage.extend(stage[:4])
     data["pipeline_list"][0]["dp"] = [12, 12]
     data["gbs"] = 2 * 12 * 8
     with pytest.raises(PlanError, match=r"'v100-16gb'.*Fix"):
@@ -136,7 +136,13 @@ def test_mixed_replicas_round_trip_without_shared_data():
         [("fast", 1), ("slow", 1)], [("fast", 1), ("slow", 1)], [("slow", 2), ("fast", 2)]]
     assert plan.pipelines[0].stages[0].layers == (0, 3) and plan.pipelines[0].num_micro_batches == 2
     out = export_sailor_plan(plan)
-    assert out == data
+    # Export writes Sailor's own form: one entry per replica (3 here), device_count = tp.
+    per_replica = _sailor([([0, 1, 2, 3], [[[["fast", 1, "z"]], 1], [[["fast", 1, "z"]], 1], [[["slow", 2, "z"]], 2]]),
+                           ([4, 5, 6, 7], [[[["slow", 1, "z"]], 1], [[["slow", 1, "z"]], 1], [[["fast", 2, "z"]], 2]])],
+                          dp=3, mbs=2, gbs=12)
+    assert out == per_replica
+    assert all(len(t) == 3 for t in out["pipeline_list"][0]["tmp_per_stage"])
+    assert export_sailor_plan(import_sailor_plan(out, cluster=plan.cluster, model=plan.model, seq_len=32)) == out
     assert _shape(import_sailor_plan(out, cluster=plan.cluster, model=plan.model, seq_len=32)) == _shape(plan)
 
 

@@ -2,10 +2,11 @@
 
 Sailor indexes a model's "layers" as 0 = embedding, 1..L = decoder blocks, then the head; its Llama
 profiles carry the final norm as a separate entry before the head, which we fold into the head.
-Plans: each stage has ``dp`` replicas, listed in ``tmp_per_stage`` as groups
-``[[[sailor_gpu, device_count, zone], ...], tp]`` of ``device_count / tp`` replicas each. Replica r of
-every stage forms hethub pipeline r. Sailor's own planners also write one entry per replica with
-``device_count`` = GPUs per VM; we read that form too. Details and caveats: docs/profiles.md.
+Plans: each stage has ``dp`` replicas, listed in ``tmp_per_stage`` one entry per replica,
+``[[[sailor_gpu, device_count, zone]], tp]`` (Sailor's simulator indexes the entries replica by replica;
+its planners write ``device_count`` = GPUs per VM). Replica r of every stage forms hethub pipeline r.
+We write that form (``device_count`` = tp) and also read older grouped entries of ``device_count / tp``
+replicas each. Details and caveats: docs/profiles.md.
 """
 
 from __future__ import annotations
@@ -257,15 +258,10 @@ def export_sailor_plan(plan: Plan) -> dict[str, Any]:
         idx = ([0] if first else []) + [i + 1 for i in range(start, end)]
         idx += ([L + 1, L + 2] if apart else [L + 1]) if last else []
         layers_ps.append(idx)
-        groups: list[list[Any]] = []  # runs of consecutive replicas with the same kind and TP
-        for p in ps:
-            s = p.stages[si]
-            name = names.get(s.kind, s.kind)
-            if groups and groups[-1][0][0][0] == name and groups[-1][1] == s.tp:
-                groups[-1][0][0][1] += s.tp
-            else:
-                groups.append([[[name, s.tp, zone]], s.tp])
-        tmps.append(groups)
+        # One entry per data-parallel replica, as Sailor's planners write it: its simulator indexes
+        # tmp_per_stage[stage][replica] and fails on grouped entries.
+        tmps.append([[[[names.get(p.stages[si].kind, p.stages[si].kind), p.stages[si].tp, zone]],
+                      p.stages[si].tp] for p in ps])
     n = len(layers_ps)
     return {"pipeline_list": [{"num_stages": n, "layers_per_stage": layers_ps, "tmp_per_stage": tmps,
                                "dp": [len(ps)] * n}],
