@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hethub.errors import RuntimeSetupError
 from hethub.runtime.tensor_parallel import (
     TPContext,
     copy_to_tp,
@@ -48,7 +50,8 @@ def shard_dim_of(name: str, *, vocab_parallel: bool) -> int | None:
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
-    return nn.LayerNorm(spec.hidden_size, eps=1e-5) if spec.arch == "gpt" else RMSNorm(spec.hidden_size)
+    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps) if spec.arch == "gpt" else \
+        RMSNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
 class RMSNorm(nn.Module):
@@ -61,11 +64,37 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_tables(*, head_dim: int, seq_len: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+def rope_tables(*, head_dim: int, seq_len: int, base: float = 10000.0,
+                scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of every position's rotary angles, [seq_len, head_dim]. ``scaling``: Hugging Face's
+    rope_scaling (``rope_type`` linear or llama3, formulas as in Transformers' modeling_rope_utils)."""
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling:
+        inv = _scaled_inv_freq(inv, dict(scaling))
     ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
+
+
+def _scaled_inv_freq(inv: torch.Tensor, sc: dict[str, Any]) -> torch.Tensor:
+    kind = sc.get("rope_type")
+    if kind not in ROPE_SCALINGS:
+        raise RuntimeSetupError(f"the model's field 'rope_scaling.rope_type' is {kind!r}, which the runtime does not "
+                                f"implement. Fix: use a model with rope type default, {' or '.join(ROPE_SCALINGS)}.")
+    factor = float(sc["factor"])
+    if kind == "linear":
+        return inv / factor
+    # Llama 3.1: long wavelengths divided by the factor, short ones kept, a smooth blend between.
+    low, high, old = float(sc["low_freq_factor"]), float(sc["high_freq_factor"]), sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, blended, out)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,9 +109,10 @@ class Attention(nn.Module):
         self.heads, self.kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
         self.head_dim = spec.head_dim
         h, bias = spec.hidden_size, spec.has_bias
-        self.wq = nn.Linear(h, self.heads * self.head_dim, bias=bias)
-        self.wk = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.wv = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        qkv_bias = bias or spec.qkv_bias
+        self.wq = nn.Linear(h, self.heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(h, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(h, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.heads * self.head_dim, h, bias=False)
         # Row-parallel bias is added once, after the reduction, so it stays replicated.
         self.wo_bias = nn.Parameter(torch.zeros(h)) if bias else None
@@ -161,7 +191,8 @@ class StageModel(nn.Module):
             if not spec.tied_embeddings:
                 self.head = nn.Linear(spec.hidden_size, vocab, bias=False)
         if spec.arch == "llama":
-            cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=spec.max_seq_len)
+            cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=spec.max_seq_len, base=spec.rope_theta,
+                                   scaling=dict(spec.rope_scaling))
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         init_parameters(self, seed=seed, tp=self.tp, num_layers=spec.num_layers)

@@ -1,13 +1,15 @@
 """Decoder-only transformer shapes: presets, Hugging Face import, parameter/FLOP/memory arithmetic.
 
 Two families share one description: Llama-style (RMSNorm, rotary positions, grouped-query attention,
-SwiGLU MLP, no biases) and GPT/OPT-style (LayerNorm, learned positions, GeLU/ReLU MLP, biases).
-All arithmetic is per token or per layer so the predictor can cut a model anywhere.
+SwiGLU MLP, no biases; Qwen2-style q/k/v biases with ``qkv_bias``) and GPT/OPT-style (LayerNorm,
+learned positions, GeLU/ReLU MLP, biases). All arithmetic is per token or per layer so the predictor
+can cut a model anywhere. The numeric details that change no shape (RoPE base and scaling, the norm's
+epsilon) are carried for the runtime, which must reproduce a loaded model's forward exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from hethub.errors import SpecError, field_error, load_json
 ARCHS = ("llama", "gpt")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 PRECISIONS = ("bf16-mixed", "fp32")
+_DETAILS = ("qkv_bias", "rope_theta", "rope_scaling", "norm_eps")
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,21 @@ class ModelSpec:
     arch: str = "llama"
     activation: str = "swiglu"
     tied_embeddings: bool = False
+    qkv_bias: bool = False  # biases on q/k/v only (Qwen2); the gpt family has every bias anyway
+    rope_theta: float = 10000.0
+    # RoPE frequency scaling as sorted (key, value) pairs of Hugging Face's rope_scaling, () for none.
+    # A tuple, not a dict, so the spec stays hashable; to_dict/from_dict convert.
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        for f in ("rope_theta", "norm_eps"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise field_error(where, f, f"must be a positive number, got {v!r}", "give a positive number")
         for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
                   "max_seq_len"):
             v = getattr(self, f)
@@ -80,7 +95,7 @@ class ModelSpec:
     def layer_params(self) -> int:
         h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
         norms = 2 * h if self.arch == "llama" else 4 * h  # LayerNorm has a bias
-        bias = (h + 2 * kv + h + f + h) if self.has_bias else 0
+        bias = (h + 2 * kv + h + f + h) if self.has_bias else (h + 2 * kv) if self.qkv_bias else 0
         return self.layer_matmul_params + norms + bias
 
     @property
@@ -159,7 +174,14 @@ class ModelSpec:
 
     # ---- io ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, except the numeric details (qkv_bias ... norm_eps) left at their defaults, so
+        plans, profiles and checkpoints written before those fields existed read back equal."""
+        d = asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling)
+        for f in fields(ModelSpec):
+            if f.name in _DETAILS and d[f.name] == (f.default if f.name != "rope_scaling" else {}):
+                del d[f.name]
+        return d
 
     @staticmethod
     def from_dict(data: dict[str, Any], *, where: str = "model") -> ModelSpec:
@@ -233,8 +255,15 @@ def _from_hf(cfg: dict[str, Any], *, name: str) -> ModelSpec:
         if not isinstance(tied, bool):
             raise field_error(f"{name}: config.json", "tie_word_embeddings", f"must be true or false, got {tied!r}",
                               "use the model's original config.json")
-        return _llama(name, i("num_hidden_layers"), i("hidden_size"), heads, i("num_key_value_heads", heads),
+        base = _llama(name, i("num_hidden_layers"), i("hidden_size"), heads, i("num_key_value_heads", heads),
                       i("intermediate_size"), i("vocab_size"), i("max_position_embeddings", 4096), tied)
+        theta, scaling = hf_rope(cfg, name=name)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
+            raise field_error(f"{name}: config.json", "rms_norm_eps", f"must be a positive number, got {eps!r}",
+                              "use the model's original config.json")
+        return replace(base, qkv_bias=mt == "qwen2", rope_theta=float(theta), rope_scaling=scaling,
+                       norm_eps=float(eps))
     if mt == "opt":
         act = "relu" if cfg.get("activation_function", "relu") == "relu" else "gelu"
         return _gpt(name, i("num_hidden_layers"), i("hidden_size"), i("num_attention_heads"), i("ffn_dim"),
@@ -249,6 +278,26 @@ def _from_hf(cfg: dict[str, Any], *, name: str) -> ModelSpec:
                     i("vocab_size"), i("n_positions"), "gelu")
     raise SpecError(f"{name}: config.json field 'model_type' is {mt!r}, which hethub does not know. Fix: use a "
                     "llama/mistral/qwen2/opt/gpt_neo/gpt2 config, or a preset.")
+
+
+def hf_rope(cfg: dict[str, Any], *, name: str) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """(rope_theta, scaling pairs) from a config.json in either layout: ``rope_parameters`` (Transformers
+    5) or ``rope_theta`` + ``rope_scaling`` (earlier). The 'default' type means no scaling."""
+    where = f"{name}: config.json"
+    params = cfg.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise field_error(where, "rope_parameters", f"must be an object, got {params!r}",
+                          "use the model's original config.json")
+    scaling = dict(params or cfg.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise field_error(where, "rope_theta", f"must be a positive number, got {theta!r}",
+                          "use the model's original config.json")
+    kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if kind == "default":
+        return float(theta), ()
+    return float(theta), tuple(sorted({**scaling, "rope_type": kind}.items()))
 
 
 def get_model(name_or_path: str) -> ModelSpec:
