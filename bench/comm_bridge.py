@@ -27,8 +27,8 @@ import torch.distributed as dist
 from hethub.comm.bridge import BridgedCommunicator
 from hethub.comm.communicator import Communicator
 from hethub.comm.linkbench import message_sizes, ping_pong_s, repetitions
+from hethub.comm.local_ranks import run_local_ranks
 from hethub.commands.bench import parse_bytes
-from hethub.runtime.local_ranks import run_local_ranks
 
 TIMEOUT = timedelta(seconds=120)
 MODES = ("direct", "bridge", "bridge-0copy")

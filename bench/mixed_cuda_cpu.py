@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from hethub.comm.factory import make_communicator
+from hethub.comm.local_ranks import run_local_ranks
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.runtime.local_ranks import run_local_ranks
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.reference import train_single_device
 from hethub.runtime.trainer import Trainer, TrainerConfig

@@ -25,7 +25,7 @@ predicts each run from the one short profile taken just before it and takes the 
 it carries that one profile's noise.
 
 Then compares each stage's predicted memory (weights + grads + optimizer state, activations) with
-storage accounting of the runtime's own modules (hethub.profile.stage_memory).
+storage accounting of the runtime's own modules (hethub.profiler.stage_memory).
 
 Prints one row per plan, then the median and maximum relative errors of each set, separately.
 """
@@ -48,18 +48,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _accuracy_plans import HELD_OUT, SEEN, TUNING, PlanDef, build_plan
-from hethub.comm.collbench import measure_host_links
+from hethub.emulation.measure.collbench import measure_host_links
+from hethub.emulation.measure.spread import measure_speed_spread
+from hethub.emulation.measure.wake import measure_wake_penalty
 from hethub.plan import Plan
 from hethub.predict.links import LinkFit, LinksProfile, plan_with_links
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import LayerTimes, ProfileSet
 from hethub.predict.stragglers import SpeedSpread
 from hethub.profile.format import merge_profiles
-from hethub.profile.layers import Repetitions
-from hethub.profile.runner import profile_for_kinds
-from hethub.profile.spread import measure_speed_spread
-from hethub.profile.stage_memory import measure_stage_memory
-from hethub.profile.wake import measure_wake_penalty
+from hethub.profiler.layers import Repetitions
+from hethub.profiler.runner import profile_for_kinds
+from hethub.profiler.stage_memory import measure_stage_memory
 from hethub.spec.cluster import load_cluster, usable_cores
 from hethub.spec.model import get_model
 from runtime_overhead import step_records

@@ -115,7 +115,7 @@ def measured_step_time_s(plan_path: str | Path, *, nproc: int, steps: int, warmu
 def demo_plans_rows(*, steps: int, warmup: int, workdir: Path) -> list[tuple[str, float, float]]:
     """(strategy, measured, predicted step time) of the demo's two plans, profiled on this machine."""
     from hethub.demo import DemoConfig, default_cluster_path
-    from hethub.profile.runner import profile_for_kinds
+    from hethub.profiler.runner import profile_for_kinds
     from hethub.search.config import PlannerConfig
     from hethub.search.planner import make_plan
     from hethub.spec.cluster import load_cluster

@@ -49,7 +49,7 @@ def sparkline(values: list[float]) -> str:
 def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> ProfileSet | None:
     """Profile this CPU once and use it for every kind (emulated kinds are slowed by the predictor)."""
     from hethub.profile.format import write_profile
-    from hethub.profile.runner import device_description, profile_for_kinds
+    from hethub.profiler.runner import device_description, profile_for_kinds
 
     model = PRESETS[cfg.model]
     profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=(1, 2, 4),
@@ -62,7 +62,7 @@ def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> Profil
 
 def measure_host(cluster: Cluster, out_dir: Path) -> Cluster:
     """This host's links and all-reduce (what 'hethub bench comm' measures), applied to the cluster."""
-    from hethub.comm.collbench import measure_host_links
+    from hethub.emulation.measure.collbench import measure_host_links
     from hethub.predict.links import apply_links_profile, write_links_profile
 
     links = measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False)

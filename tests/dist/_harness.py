@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from hethub.comm.local_ranks import run_local_ranks
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.runtime.local_ranks import run_local_ranks
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.reference import train_single_device
 from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup

@@ -10,8 +10,9 @@ import pytest
 from _harness import CLUSTER, F, S, make_plan
 
 from hethub.errors import RuntimeSetupError
-from hethub.runtime.elastic import Fault, maybe_inject_fault, parse_fault, replan, restrict_cluster
+from hethub.runtime.elastic import Fault, maybe_inject_fault, parse_fault
 from hethub.runtime.launch import torchrun_command
+from hethub.search.replan import replan, restrict_cluster
 
 TIMEOUT_S = 120
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hethub.runtime.emulation import Emulator
+from hethub.emulation.slowdown import Emulator
 
 
 def _spin(cpu_s: float) -> None:

@@ -15,7 +15,7 @@ from hethub.predict.contention import StageWork, simulate_shared_cores
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.profile.format import load_profiles, read_profile, write_profile
-from hethub.profile.stage_memory import measure_stage_memory
+from hethub.profiler.stage_memory import measure_stage_memory
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import PRESETS
 

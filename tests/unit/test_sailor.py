@@ -6,8 +6,9 @@ import pytest
 
 from conftest import EXAMPLES, SHARED, small_cluster, tiny_model
 from hethub.errors import PlanError, SpecError
+from hethub.interop import export_sailor_plan, import_sailor_plan, sailor_plan_model
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.profile import export_sailor_plan, import_sailor_plan, load_profiles, read_profile, sailor_plan_model
+from hethub.profile import load_profiles, read_profile
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import PRESETS
 

@@ -25,8 +25,8 @@ import torch
 
 from hethub.comm.bridge import BridgedCommunicator
 from hethub.comm.communicator import Communicator
+from hethub.comm.local_ranks import run_local_ranks
 from hethub.predict.links import CROSS_KIND, LinkFit, LinksProfile, fit_alpha_beta
-from hethub.runtime.local_ranks import run_local_ranks
 from hethub.spec.cluster import Cluster
 
 KIB, MIB = 1024, 1024 * 1024

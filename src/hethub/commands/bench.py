@@ -33,7 +33,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> int:
-    from hethub.comm.collbench import measure_host_links
+    from hethub.emulation.measure.collbench import measure_host_links
     from hethub.errors import SpecError
     from hethub.predict.links import write_links_profile
     from hethub.spec.cluster import load_cluster

@@ -10,8 +10,8 @@ from hethub.errors import PlanError
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from hethub.interop.sailor import import_sailor_plan, sailor_plan_model
     from hethub.profile.format import read_json_file
-    from hethub.profile.sailor import import_sailor_plan, sailor_plan_model
     from hethub.spec.cluster import load_cluster
     from hethub.spec.model import get_model
 
@@ -31,8 +31,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from hethub.interop.sailor import export_sailor_plan
     from hethub.plan import Plan
-    from hethub.profile.sailor import export_sailor_plan
 
     plan = Plan.load(args.plan)
     text = json.dumps(export_sailor_plan(plan), indent=2) + "\n"

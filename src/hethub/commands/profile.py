@@ -18,8 +18,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 def cmd_profile(args: argparse.Namespace) -> int:
     from hethub.errors import SpecError
     from hethub.profile.format import write_profile
-    from hethub.profile.layers import Repetitions
-    from hethub.profile.runner import ProfileRequest, device_description, run_profile
+    from hethub.profiler.layers import Repetitions
+    from hethub.profiler.runner import ProfileRequest, device_description, run_profile
     from hethub.spec.model import get_model
 
     model = get_model(args.model)

@@ -64,10 +64,10 @@ class KindProfile:
     entries: dict[tuple[int, int], ProfileEntry] = field(default_factory=dict)  # (mbs, tp) -> times
     source: str = ""
     # Local emulation hosts: extra CPU seconds of a chunk of work after the rank sat idle for gap_s,
-    # ((gap_s, extra_s), ..) by gap (hethub.profile.wake). Empty: not measured.
+    # ((gap_s, extra_s), ..) by gap (hethub.emulation.measure.wake). Empty: not measured.
     wake_penalty: tuple[tuple[float, float], ...] = ()
     # Local emulation hosts: how much a core's speed wanders against another's, by window length,
-    # shortest first (hethub.profile.spread). Empty: not measured.
+    # shortest first (hethub.emulation.measure.spread). Empty: not measured.
     speed_spread: tuple[SpeedSpread, ...] = ()
 
     def wake_extra_s(self, gap_s: float) -> float:

@@ -1,6 +1,6 @@
 """Stragglers on a shared host: each core's speed wanders, independently of the others'.
 
-Measured by :mod:`hethub.profile.spread`: over windows of ``window_s`` a core's speed relative to
+Measured by :mod:`hethub.emulation.measure.spread`: over windows of ``window_s`` a core's speed relative to
 another core's has a log-normal spread ``sigma`` (9-12 % on the 2-core VM this was built on, the
 two cores' speeds barely correlated, and hardly less over 0.4 s windows than over 0.1 s: the
 cores stay apart for a step and longer). For one rank that spread is no bias, and along a

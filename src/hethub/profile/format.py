@@ -5,7 +5,7 @@ and optimizer-update seconds of the embedding, of one decoder layer and of the h
 shape travels with it so that a profile is never silently applied to a different model. The field
 by field description is in docs/profiles.md.
 
-:func:`load_profiles` also reads Sailor's ``profile.json`` files (see :mod:`hethub.profile.sailor`),
+:func:`load_profiles` also reads Sailor's ``profile.json`` files (through :mod:`hethub.interop.sailor`),
 so a directory may mix both.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hethub.errors import SpecError, field_error, load_json, positive_int
+from hethub.interop.sailor import is_sailor_profile, read_sailor_profile
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.predict.stragglers import SpeedSpread
 from hethub.spec.model import ModelSpec
@@ -99,10 +100,9 @@ def read_profile_file(path: str | Path) -> ProfileFile:
     data = read_json_file(p)
     if isinstance(data, dict) and "format" in data:
         return profile_from_dict(data, where=str(p), source=str(p))
-    from hethub.profile.sailor import is_sailor_profile, read_sailor_profile  # sailor imports this module
-
     if is_sailor_profile(data):
-        return read_sailor_profile(p, data=data)
+        sp = read_sailor_profile(p, data=data)
+        return ProfileFile(profile=sp.profile, model_shape=sp.model_shape, device=sp.device)
     raise SpecError(f"{p}: not a profile: field 'format' is missing. Fix: pass a file written by 'hethub profile' "
                     f"(format {PROFILE_FORMAT!r}) or a Sailor profile.json.")
 

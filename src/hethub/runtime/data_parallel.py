@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hethub.comm.buffers import unflatten_into
 from hethub.comm.communicator import Communicator
 from hethub.runtime.model import StageModel
 from hethub.runtime.topology import SyncGroup, Topology, unit_of
@@ -97,10 +98,3 @@ class GradSync:
             torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total.float().reshape(()))
         return norm
 
-
-def unflatten_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    """Copy consecutive slices of `flat` back into `outs` (the inverse of cat of their flattened views)."""
-    offset = 0
-    for t in outs:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()

@@ -47,7 +47,7 @@ def _forked_rank(rank: int, world: int, port: int, argv: list[str], quiet: bool)
     if quiet:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
-    from hethub.train import main
+    from hethub.runtime.train import main
 
     code = 1
     try:
@@ -68,7 +68,7 @@ def launch_forked(plan_path: str | Path, *, nproc: int, steps: int, metrics: str
     """
     import multiprocessing as mp
 
-    from hethub.runtime.local_ranks import free_port
+    from hethub.comm.local_ranks import free_port
 
     argv = torchrun_command(plan_path, nproc=nproc, steps=steps, metrics=metrics, extra_args=extra_args)
     argv = argv[argv.index("hethub.train") + 1:]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from hethub.comm.communicator import Communicator
-from hethub.runtime.emulation import Emulator
+from hethub.emulation.slowdown import Emulator
 from hethub.runtime.model import StageModel
 from hethub.runtime.topology import RankPlace, schedule_ops
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from hethub.comm.communicator import Communicator
+from hethub.emulation.slowdown import Emulator
 from hethub.plan import Plan
 from hethub.runtime.data import Share, micro_batches
 from hethub.runtime.data_parallel import GradSync
-from hethub.runtime.emulation import Emulator
 from hethub.runtime.metrics import rank_record, step_record
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer

@@ -7,7 +7,7 @@ sequence (gradient division, global-norm clipping, AdamW step, zero_grad). Times
 ``repeats`` after ``warmup`` unmeasured repetitions, so first-call allocation and lazy
 initialisation are excluded; the device is synchronised around every timed region.
 
-With ``tp > 1`` this runs on every rank of a real TP group (see :mod:`hethub.profile.runner`), so
+With ``tp > 1`` this runs on every rank of a real TP group (see :mod:`hethub.profiler.runner`), so
 the measured times contain the TP all-reduces, as the predictor expects of profiles.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hethub.predict.profiles import LayerTimes
-from hethub.profile.tensor_memory import saved_for_backward, training_state_bytes
+from hethub.profiler.tensor_memory import saved_for_backward, training_state_bytes
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.tensor_parallel import TPContext

@@ -16,7 +16,7 @@ import torch
 
 from hethub.plan import Plan
 from hethub.predict.memory import in_flight_micro_batches
-from hethub.profile.tensor_memory import StateBytes, saved_for_backward, training_state_bytes
+from hethub.profiler.tensor_memory import StateBytes, saved_for_backward, training_state_bytes
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.tensor_parallel import TPContext

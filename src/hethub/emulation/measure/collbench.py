@@ -23,11 +23,11 @@ from dataclasses import replace
 
 import torch
 
+from hethub.comm.buffers import unflatten_into
 from hethub.comm.communicator import Communicator
 from hethub.comm.linkbench import MAX_BYTES, MIB, MIN_BYTES, TIMEOUT, measure_links, message_sizes, repetitions
+from hethub.comm.local_ranks import run_local_ranks
 from hethub.predict.links import LinkFit, LinksProfile, fit_alpha_beta
-from hethub.runtime.data_parallel import unflatten_into
-from hethub.runtime.local_ranks import run_local_ranks
 from hethub.spec.cluster import Cluster
 
 HOST_ALLREDUCE_SIZES = tuple(message_sizes(max_bytes=16 * MIB))  # 4 KiB .. 16 MiB per rank

@@ -1,5 +1,8 @@
 """Sailor's formats (eth-easl/sailor): per-layer profiles in, plans in and out.
 
+Pure (no torch). It imports only the core (spec, plan, the predictor's profile types); hethub's own
+profile loader (:mod:`hethub.profile.format`) reads Sailor's profile files through this module.
+
 Sailor indexes a model's "layers" as 0 = embedding, 1..L = decoder blocks, then the head; its Llama
 profiles carry the final norm as a separate entry before the head, which we fold into the head.
 Plans: each stage has ``dp`` replicas, listed in ``tmp_per_stage`` one entry per replica,
@@ -11,13 +14,13 @@ replicas each. Details and caveats: docs/profiles.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import PlanError, SpecError, field_error, positive_int
+from hethub.errors import PlanError, SpecError, field_error, load_json, positive_int
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry
-from hethub.profile.format import ProfileFile, read_json_file
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import PRESETS, ModelSpec
 
@@ -31,6 +34,16 @@ SAILOR_MODELS = {"OPT-350": ("opt-350m", 2048), "GPT-Neo-2.7": ("gpt-neo-2.7b", 
 DEFAULT_ZONE = "us-central1-a"
 
 
+@dataclass(frozen=True)
+class SailorProfile:
+    """One Sailor profile.json as read: the per-layer times, the model it was measured for (Sailor
+    names a preset rather than carrying a shape) and a device description."""
+
+    profile: KindProfile
+    model_shape: ModelSpec
+    device: str
+
+
 # ---- profiles ---------------------------------------------------------------------------------------
 def is_sailor_profile(data: Any) -> bool:
     return (isinstance(data, dict) and bool(data) and all(isinstance(k, str) and k.isdigit() for k in data)
@@ -38,12 +51,14 @@ def is_sailor_profile(data: Any) -> bool:
 
 
 def read_sailor_profile(path: str | Path, *, data: Any = None, model: ModelSpec | None = None,
-                        kind: str | None = None, seq_len: int | None = None) -> ProfileFile:
+                        kind: str | None = None, seq_len: int | None = None) -> SailorProfile:
     """Read ``<MODEL>/<GPU>/profile.json``; model, kind and seq_len default to what the two directory
     names map to (SAILOR_MODELS, SAILOR_KINDS)."""
     p = Path(path)
     where = str(p)
-    data = read_json_file(p) if data is None else data
+    if data is None:
+        data = load_json(p, missing=f"profile file '{p}' does not exist. Fix: pass an existing Sailor profile.json.",
+                         invalid_fix="restore Sailor's file")
     if model is None or seq_len is None:
         mdir = p.parent.parent.name
         if mdir not in SAILOR_MODELS:
@@ -69,7 +84,7 @@ def read_sailor_profile(path: str | Path, *, data: Any = None, model: ModelSpec 
                 raise SpecError(f"{where}: field '{f}' must map layer indices to times. Fix: restore the file.")
             entries[(int(mbs_key), int(tp_key))] = _entry(layers, where=where, f=f, model=model)
     prof = KindProfile(kind=kind, model=model.name, seq_len=seq_len, entries=entries, source=f"sailor:{where}")
-    return ProfileFile(profile=prof, model_shape=model, device=f"sailor: {p.parent.name}")
+    return SailorProfile(profile=prof, model_shape=model, device=f"sailor: {p.parent.name}")
 
 
 def _entry(layers: dict[str, Any], *, where: str, f: str, model: ModelSpec) -> ProfileEntry:

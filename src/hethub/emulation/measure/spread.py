@@ -9,7 +9,7 @@ the slowest of them, which a prediction at mean speed misses. :mod:`hethub.predi
 replays a step with drawn speeds.
 
 Measurement: one forked process per usable core (2 to 4) runs the same chunk of work (a forward +
-backward of a stack of decoder layers, :func:`hethub.profile.wake.stack_chunk`) back to back for
+backward of a stack of decoder layers, :func:`hethub.emulation.measure.wake.stack_chunk`) back to back for
 ``duration_s``, timed by thread CPU time; each window's mean chunk time gives that core's speed in
 the window, for each window length of ``windows_s`` from the same chunks. Drift common to all
 cores cancels in the log ratio of two processes' speeds in the same window: its variance is twice
@@ -26,9 +26,9 @@ from itertools import combinations
 import torch
 import torch.distributed as dist
 
+from hethub.comm.local_ranks import run_local_ranks
+from hethub.emulation.measure.wake import stack_chunk
 from hethub.predict.stragglers import SpeedSpread
-from hethub.profile.wake import stack_chunk
-from hethub.runtime.local_ranks import run_local_ranks
 from hethub.spec.cluster import usable_cores
 from hethub.spec.model import ModelSpec
 

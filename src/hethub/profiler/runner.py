@@ -23,7 +23,7 @@ import torch
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.predict.stragglers import SpeedSpread
 from hethub.profile.format import merge_profiles
-from hethub.profile.layers import EntryResult, Repetitions, measure_entry, stack_depths
+from hethub.profiler.layers import EntryResult, Repetitions, measure_entry, stack_depths
 from hethub.progress import progress
 from hethub.runtime.tensor_parallel import TPContext
 from hethub.spec.cluster import usable_cores
@@ -45,8 +45,8 @@ class ProfileRequest:
     # Decoder-layer stack depths (> 1, capped at the model's layer count) also measured per entry.
     depths: tuple[int, ...] = (2, 4, 8)
     show_progress: bool = True  # on stderr
-    wake_penalty: bool = False  # also measure hethub.profile.wake's penalty (CPU hosts of local emulation)
-    speed_spread: bool = False  # also measure hethub.profile.spread's core speed spread (same hosts)
+    wake_penalty: bool = False  # also measure hethub.emulation.measure.wake's penalty (CPU hosts of local emulation)
+    speed_spread: bool = False  # also measure hethub.emulation.measure.spread's core speed spread (same hosts)
 
 
 def device_description(device: str) -> str:
@@ -79,12 +79,12 @@ def run_profile(req: ProfileRequest) -> KindProfile:
             bar.update()
     wake: tuple[tuple[float, float], ...] = ()
     if req.wake_penalty and dev.type == "cpu":
-        from hethub.profile.wake import measure_wake_penalty
+        from hethub.emulation.measure.wake import measure_wake_penalty
 
         wake = measure_wake_penalty(req.model, mbs=_middle(req.mbs), seq_len=req.seq_len)
     spread: tuple[SpeedSpread, ...] = ()
     if req.speed_spread and dev.type == "cpu":
-        from hethub.profile.spread import measure_speed_spread
+        from hethub.emulation.measure.spread import measure_speed_spread
 
         spread = measure_speed_spread(req.model, mbs=_middle(req.mbs), seq_len=req.seq_len)
     return KindProfile(kind=req.kind, model=req.model.name, seq_len=req.seq_len, entries=entries,
@@ -144,7 +144,7 @@ def _tp_worker(rank: int, req: ProfileRequest, mbs: int, tp: int) -> EntryResult
 
 
 def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult]:
-    from hethub.runtime.local_ranks import run_local_ranks
+    from hethub.comm.local_ranks import run_local_ranks
 
     return run_local_ranks(tp, _tp_worker, req, mbs, tp, timeout_s=_JOIN_TIMEOUT_S, threads=req.threads)
 

@@ -1,0 +1,194 @@
+"""Entry point of one training rank: ``torchrun --nproc-per-node N -m hethub.train --plan plan.json ...``
+(``hethub.train`` delegates here).
+
+Reads the plan, checks the launch matches it (WORLD_SIZE == plan.world_size), initialises
+torch.distributed, builds this rank's stage and trains. The last stage's TP-rank-0 of pipeline 0
+prints one line per step and, with ``--metrics FILE``, appends one JSON object per step (schema in
+``hethub.runtime.metrics``). Checkpoints, ``--resume`` and elastic restarts: docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hethub.comm.communicator import Communicator
+from hethub.comm.factory import make_communicator
+from hethub.errors import HethubError, RuntimeSetupError
+from hethub.plan import Plan
+from hethub.progress import progress
+from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
+from hethub.runtime.checkpoint_io import latest_dir
+from hethub.runtime.data import BatchSource, byte_tokenize, hf_tokenizer, load_tokens
+from hethub.runtime.elastic import init_process_group, maybe_inject_fault, replan_path, shrunk_plan
+from hethub.runtime.optim import OptimConfig
+from hethub.runtime.trainer import Trainer, TrainerConfig
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hethub.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--plan", required=True, help="plan JSON written by 'hethub plan'")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--metrics", help="append one JSON line per step to this file")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm limit; 0 disables")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", action="store_true",
+                    help="log every micro-batch's forward/backward interval per rank (for timeline reports)")
+    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer available locally (default: bytes)")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
+    ck = ap.add_argument_group("checkpoints and restarts (docs/reliability.md)")
+    ck.add_argument("--checkpoint-dir", help="save checkpoints here (always at the end of the run)")
+    ck.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
+    ck.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="keep the newest K (0: all)")
+    ck.add_argument("--resume", metavar="DIR|auto",
+                    help="continue from a checkpoint; auto: the newest in --checkpoint-dir if there is one")
+    ck.add_argument("--replan-on-shrink", action="store_true",
+                    help="if fewer processes than the plan's devices start, plan for them and resume under it")
+    args = ap.parse_args(argv)
+    if (args.resume == "auto" or args.checkpoint_every or args.replan_on_shrink) and not args.checkpoint_dir:
+        ap.error("--resume auto, --checkpoint-every and --replan-on-shrink need --checkpoint-dir")
+    return args
+
+
+def _env_int(name: str) -> int:
+    v = os.environ.get(name)
+    if v is None:
+        raise RuntimeSetupError(f"environment variable {name} is not set: this module runs under torchrun. Fix: "
+                                "torchrun --nproc-per-node N -m hethub.train --plan plan.json")
+    return int(v)
+
+
+def select_device(plan: Plan) -> tuple[str, str]:
+    """(backend, device type). NCCL on GPUs only when every kind asks for it; otherwise gloo on CPU
+    (the cross-kind bridge of a later issue lifts that restriction)."""
+    if torch.cuda.is_available() and dist.is_nccl_available() and all(
+            k.backend == "nccl" for k in plan.cluster.kinds.values()):
+        return "nccl", "cuda"
+    return "gloo", "cpu"
+
+
+def run(args: argparse.Namespace) -> None:
+    plan = Plan.load(args.plan)
+    world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    shrunk = args.replan_on_shrink and world < plan.world_size
+    if world != plan.world_size and not shrunk:
+        raise RuntimeSetupError(f"the job has WORLD_SIZE={world} processes but plan {args.plan} needs "
+                                f"{plan.world_size} (one per device). Fix: launch with --nproc-per-node "
+                                f"{plan.world_size} (or nodes x nproc = {plan.world_size}).")
+    backend, device = select_device(plan)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local)
+    init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    try:
+        timeout = timedelta(seconds=args.timeout_s)
+        if shrunk:
+            # The old plan no longer matches the world: agree on a new one over plain world groups first.
+            plan = shrunk_plan(plan, world_size=world, comm=Communicator(timeout=timeout),
+                               root=Path(args.checkpoint_dir))
+            if rank == 0:
+                print(f"hethub.train: {world} of {plan.meta.get('replanned_from_world_size')} devices: re-planned, "
+                      f"running {replan_path(Path(args.checkpoint_dir), world)}", flush=True)
+        comm = make_communicator(plan=plan, rank=rank, timeout=timeout)
+        warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
+        optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup,
+                            total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+        cfg = TrainerConfig(optim=optim, seed=args.seed, device=f"cuda:{local}" if device == "cuda" else "cpu",
+                            autocast_bf16=device == "cuda" and plan.precision == "bf16-mixed", trace=args.trace)
+        trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
+        tokenize = hf_tokenizer(args.tokenizer, vocab_size=plan.model.vocab_size) if args.tokenizer else byte_tokenize
+        source = BatchSource(load_tokens(num_tokens=args.steps * plan.global_batch * (plan.seq_len + 1),
+                                         tokenize=tokenize), global_batch=plan.global_batch, seq_len=plan.seq_len)
+        start = _resume(args, trainer)
+        out = Path(args.metrics) if args.metrics else None
+        if out is not None and rank == trainer.topo.log_rank:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _keep_records_before(out, start)
+        logs = rank == trainer.topo.log_rank
+        # A bar on a terminal; elsewhere the per-step lines below are the log (with rate), so the
+        # bar's own periodic lines go to a sink.
+        bar = progress(args.steps - start, desc="train", unit="steps",
+                       stream=sys.stderr if logs and sys.stderr.isatty() else io.StringIO())
+        for step in range(start, args.steps):
+            maybe_inject_fault(rank=rank, step=step)
+            rec = trainer.train_step(source.global_batch_at(step), step=step)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+                save_checkpoint(trainer, root=args.checkpoint_dir, step=step + 1, keep=args.keep_checkpoints)
+            if rec is None:
+                continue
+            emu = " (emulated kinds: " + ", ".join(k for k, v in rec["kinds"].items() if v["emulated"]) + ")" \
+                if rec["emulated"] else ""
+            bar.update()
+            bar.note(f"loss {rec['loss']:.4f}, {rec['tokens_per_s']:,.0f} tok/s")
+            if not bar.is_bar:
+                print(f"step {step:5d}  loss {rec['loss']:.4f}  step {rec['step_time_s'] * 1e3:8.1f} ms  "
+                      f"{rec['tokens_per_s']:10.0f} tok/s{emu}", flush=True)
+            if out is not None:
+                with out.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+        bar.close()
+        if args.checkpoint_dir and start < args.steps:
+            save_checkpoint(trainer, root=args.checkpoint_dir, step=args.steps, keep=args.keep_checkpoints)
+        # Tear down only once every rank is done: a rank leaving while a peer's last gloo transfer
+        # is in flight can abort that peer (seen rarely as "terminate called without an active
+        # exception").
+        comm.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _resume(args: argparse.Namespace, trainer: Trainer) -> int:
+    """The step to start from: 0, or the restored checkpoint's step."""
+    if not args.resume:
+        return 0
+    if args.resume == "auto":
+        if latest_dir(Path(args.checkpoint_dir)) is None:
+            return 0  # the first attempt of an elastic job: nothing saved yet
+        src = args.checkpoint_dir
+    else:
+        src = args.resume
+    got = load_checkpoint(trainer, src)
+    if trainer.rank == trainer.topo.log_rank:
+        how = " (saved under another plan: resharded)" if got.resharded else ""
+        print(f"hethub.train: resumed from {got.path} at step {got.step}{how}", flush=True)
+    return got.step
+
+
+def _keep_records_before(path: Path, step: int) -> None:
+    """Drop metrics of steps >= ``step`` (a resumed run redoes them); start the file anew at step 0."""
+    keep = []
+    if step > 0 and path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", step) < step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                pass  # a line cut short by the failure that made us resume
+    path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        run(args)
+    except HethubError as err:
+        print(f"hethub.train: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
