@@ -183,9 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Commands defined in hethub.commands (keeps this file about the core commands)."""
-    from hethub.commands import bench, interop, profile, report, run
+    from hethub.commands import bench, interop, launch, profile, report, run
 
-    return [run.register, report.register, interop.register, profile.register, bench.register]
+    return [run.register, launch.register, report.register, interop.register, profile.register, bench.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,10 +17,11 @@ from collections.abc import Iterable
 import torch.distributed as dist
 
 from hethub.errors import RuntimeSetupError
-from hethub.spec.cluster import DeviceKind
+from hethub.spec.cluster import DEVICE_TYPE_OF_BACKEND, DeviceKind
 
-# The torch device type each backend moves tensors of. Host memory is served by gloo (and mpi).
-DEVICE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu", "xccl": "xpu", "gloo": "cpu", "mpi": "cpu"}
+# The torch device type each backend moves tensors of (host memory: gloo and mpi). Its home is the
+# pure spec, beside the kinds that name the backends.
+DEVICE_OF_BACKEND = DEVICE_TYPE_OF_BACKEND
 
 # Names torch itself lists in Backend.backend_list; anything else there was registered by a plug-in.
 _BUILT_IN = {"undefined", "gloo", "nccl", "xccl", "ucc", "mpi", "fake"}
@@ -29,6 +30,7 @@ _INSTALL_HINT = {
     "nccl": "install a CUDA build of torch (or a ROCm build for AMD GPUs, whose RCCL torch calls 'nccl')",
     "hccl": "install torch_npu (Ascend) and import it before hethub creates its groups: it registers 'hccl'",
     "xccl": "install a torch build with XPU support (Intel GPUs)",
+    "mccl": "install torch_musa (Moore Threads) and import it before hethub creates its groups: it registers 'mccl'",
     "mpi": "build torch from source against an MPI library",
     "gloo": "install a standard torch build (every official wheel has gloo)",
 }
@@ -53,7 +55,7 @@ def available_backends() -> tuple[str, ...]:
 
 def native_device_type(kind: DeviceKind) -> str:
     """The torch device type a kind's ranks use when they run on the real hardware."""
-    return DEVICE_OF_BACKEND.get(kind.backend, "cpu")
+    return kind.device_type
 
 
 def backend_for_kind(kind: DeviceKind, *, device_type: str, available: Iterable[str] | None = None) -> str:

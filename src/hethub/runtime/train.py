@@ -28,6 +28,13 @@ from hethub.progress import progress
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
 from hethub.runtime.checkpoint_io import latest_dir
 from hethub.runtime.data import BatchSource, byte_tokenize, hf_tokenizer, load_tokens
+from hethub.runtime.devices import (
+    activate,
+    device_types_of_kinds,
+    placement_summary,
+    plan_placement,
+    world_backend,
+)
 from hethub.runtime.elastic import init_process_group, maybe_inject_fault, replan_path, shrunk_plan
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.trainer import Trainer, TrainerConfig
@@ -70,15 +77,6 @@ def _env_int(name: str) -> int:
     return int(v)
 
 
-def select_device(plan: Plan) -> tuple[str, str]:
-    """(backend, device type). NCCL on GPUs only when every kind asks for it; otherwise gloo on CPU
-    (the cross-kind bridge of a later issue lifts that restriction)."""
-    if torch.cuda.is_available() and dist.is_nccl_available() and all(
-            k.backend == "nccl" for k in plan.cluster.kinds.values()):
-        return "nccl", "cuda"
-    return "gloo", "cpu"
-
-
 def run(args: argparse.Namespace) -> None:
     plan = Plan.load(args.plan)
     world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
@@ -87,11 +85,11 @@ def run(args: argparse.Namespace) -> None:
         raise RuntimeSetupError(f"the job has WORLD_SIZE={world} processes but plan {args.plan} needs "
                                 f"{plan.world_size} (one per device). Fix: launch with --nproc-per-node "
                                 f"{plan.world_size} (or nodes x nproc = {plan.world_size}).")
-    backend, device = select_device(plan)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "cuda":
-        torch.cuda.set_device(local)
-    init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    # Each rank on its kind's device (catalog device_type, index from the node layout). A missing
+    # package or device stops here, before any process group, naming the rank and the kind.
+    placement = plan_placement(plan, rank)
+    activate(placement)
+    init_process_group(world_backend(plan), timeout=timedelta(seconds=args.timeout_s))
     try:
         timeout = timedelta(seconds=args.timeout_s)
         if shrunk:
@@ -101,12 +99,18 @@ def run(args: argparse.Namespace) -> None:
             if rank == 0:
                 print(f"hethub.train: {world} of {plan.meta.get('replanned_from_world_size')} devices: re-planned, "
                       f"running {replan_path(Path(args.checkpoint_dir), world)}", flush=True)
-        comm = make_communicator(plan=plan, rank=rank, timeout=timeout)
+            placement = plan_placement(plan, rank)
+            activate(placement)
+        comm = make_communicator(plan=plan, rank=rank, timeout=timeout, device_types=device_types_of_kinds(plan))
+        if rank == 0:
+            print("hethub.train: placement and groups\n" + placement_summary(plan, getattr(comm, "describe", None)
+                                                                              and comm.describe()), flush=True)
         warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
         optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup,
                             total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
-        cfg = TrainerConfig(optim=optim, seed=args.seed, device=f"cuda:{local}" if device == "cuda" else "cpu",
-                            autocast_bf16=device == "cuda" and plan.precision == "bf16-mixed", trace=args.trace)
+        device = placement.device
+        cfg = TrainerConfig(optim=optim, seed=args.seed, device=str(device),
+                            autocast_bf16=device.type != "cpu" and plan.precision == "bf16-mixed", trace=args.trace)
         trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
         tokenize = hf_tokenizer(args.tokenizer, vocab_size=plan.model.vocab_size) if args.tokenizer else byte_tokenize
         source = BatchSource(load_tokens(num_tokens=args.steps * plan.global_batch * (plan.seq_len + 1),

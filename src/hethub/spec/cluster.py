@@ -18,13 +18,18 @@ from hethub.errors import SpecError, field_error
 from hethub.spec._toml import check_keys, get_int, get_number, get_str, read_toml
 
 GIB = 1024**3
-BACKENDS = ("nccl", "gloo", "hccl", "xccl", "mpi")
+BACKENDS = ("nccl", "gloo", "hccl", "xccl", "mccl", "mpi")
+# The torch device type a backend moves tensors of, i.e. where a kind's ranks compute by default.
+# One home for this map: the runtime's device map and the communicator read it from here.
+DEVICE_TYPE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu", "xccl": "xpu", "mccl": "musa", "gloo": "cpu", "mpi": "cpu"}
+DEVICE_TYPES = ("cuda", "npu", "xpu", "musa", "cpu")
+
 _NETWORK_KEYS = {"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kind_bw_bytes_per_s",
                  "cross_kind_latency_s"}
 _KIND_KEYS = {
     "base", "vendor", "mem_bytes", "mem_gib", "peak_flops", "intra_node_bw_bytes_per_s",
     "intra_node_latency_s", "mem_bw_bytes_per_s", "backend", "efficiency", "emulated_slowdown",
-    "source", "notes",
+    "source", "notes", "device_type", "torch_package",
 }
 
 
@@ -46,6 +51,21 @@ class DeviceKind:
     emulated_slowdown: float = 1.0
     source: str = ""
     notes: str = ""
+    # Where the kind's ranks compute (torch device type) and what must be installed beside stock torch
+    # for it: an importable extension that registers the device and its backend ("torch_npu",
+    # "torch_musa"), or a vendor build of torch itself (text with a space, e.g. "torch (ROCm build)");
+    # "" when a stock CPU torch suffices. "" device_type: derived from the backend.
+    device_type: str = ""
+    torch_package: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.device_type:
+            object.__setattr__(self, "device_type", DEVICE_TYPE_OF_BACKEND.get(self.backend, "cpu"))
+
+    @property
+    def torch_extension(self) -> str:
+        """The module to import before using the kind's device ("" if none: a torch build or stock torch)."""
+        return self.torch_package if self.torch_package.isidentifier() else ""
 
     @property
     def effective_flops(self) -> float:
@@ -220,7 +240,7 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
     mem_bw = table.get("mem_bw_bytes_per_s", b.get("mem_bw_bytes_per_s"))
     if mem_bw is not None:
         mem_bw = get_number({"mem_bw_bytes_per_s": mem_bw}, "mem_bw_bytes_per_s", where=where)
-    return DeviceKind(
+    kind = DeviceKind(
         name=name,
         vendor=get_str(table, "vendor", where=where, default=b.get("vendor")),
         mem_bytes=mem_bytes,
@@ -233,7 +253,23 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
         emulated_slowdown=slowdown,
         source=_text(table, "source", where=where, default=b.get("source", "")),
         notes=_text(table, "notes", where=where, default=b.get("notes", "")),
+        device_type=_device_type(table, where=where, base=b),
+        torch_package=_text(table, "torch_package", where=where, default=b.get("torch_package", "")),
     )
+    moves = DEVICE_TYPE_OF_BACKEND[kind.backend]
+    if moves != "cpu" and moves != kind.device_type:
+        raise field_error(where, "device_type", f"is {kind.device_type!r} but backend {kind.backend!r} moves "
+                          f"{moves!r} tensors", f'write device_type = "{moves}" or correct the backend')
+    return kind
+
+
+def _device_type(table: dict[str, Any], *, where: str, base: dict[str, Any]) -> str:
+    """Explicit device_type; else the base's unless the table changes the backend; else the backend's."""
+    if "device_type" in table:
+        return get_str(table, "device_type", where=where, choices=DEVICE_TYPES)
+    if base and "backend" not in table:
+        return base.get("device_type", "")
+    return ""  # DeviceKind derives it from the backend
 
 
 def _text(table: dict[str, Any], key: str, *, where: str, default: str) -> str:

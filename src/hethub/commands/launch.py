@@ -1,0 +1,155 @@
+"""`hethub launch`: the torchrun command of every node of a multi-node plan, or a Slurm batch script.
+
+torchrun numbers ranks node by node (node K's ranks follow those of nodes 0..K-1), and a plan's
+ranks are its devices in ascending id order, which the cluster numbers node by node. So the nodes
+that hold the plan's devices, in the order of their first rank, are torchrun's node ranks 0, 1, ...,
+and each runs as many processes as the plan has devices on it (nodes of different kinds may run
+different counts; torch's elastic agent assigns global ranks from each node's local world size).
+Each rank then finds its own device from the node layout (docs/runtime.md, "Where each rank runs").
+
+Pure Python: no torch needed to print the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hethub.errors import PlanError
+from hethub.plan import Plan
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """One machine of the job: its torchrun node rank, host, processes and environment."""
+
+    node_rank: int
+    host: str
+    cluster_node: int  # the cluster file's node index
+    nproc: int
+    first_rank: int
+    kinds: tuple[str, ...]
+    needs: tuple[str, ...]  # what must be installed there (the kinds' torch packages)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def node_launches(plan: Plan, hosts: list[str], *, port: int = DEFAULT_PORT) -> list[NodeLaunch]:
+    """The plan's nodes in rank order, each given the next host of ``hosts``."""
+    by_node: dict[int, list[int]] = {}
+    for rank, dev in enumerate(plan.devices):
+        by_node.setdefault(plan.cluster.devices[dev].node, []).append(rank)
+    nodes = list(by_node)  # insertion order = order of first rank
+    if len(hosts) != len(nodes) or len(set(hosts)) != len(hosts) or not all(hosts):
+        raise PlanError(f"--hosts gives {len(hosts)} host(s) ({','.join(hosts)}) but the plan's {plan.world_size} "
+                        f"ranks sit on {len(nodes)} node(s) of cluster {plan.cluster.name!r} (nodes "
+                        f"{', '.join(map(str, nodes))}). Fix: pass exactly {len(nodes)} distinct host names, one per "
+                        "node, in that order (the first hosts rank 0).")
+    out = []
+    for k, (node, host) in enumerate(zip(nodes, hosts, strict=True)):
+        ranks = by_node[node]
+        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):  # cannot happen for plans of this format
+            raise PlanError(f"node {node}'s ranks {ranks} are not contiguous; torchrun cannot number them")
+        kinds = tuple(dict.fromkeys(plan.cluster.devices[plan.devices[r]].kind for r in ranks))
+        needs = tuple(dict.fromkeys(plan.cluster.kinds[k].torch_package for k in kinds
+                                    if plan.cluster.kinds[k].torch_package))
+        env = {"MASTER_ADDR": hosts[0], "MASTER_PORT": str(port), "NNODES": str(len(nodes)),
+               "NODE_RANK": str(k), "NPROC_PER_NODE": str(len(ranks)), "OMP_NUM_THREADS": "1"}
+        out.append(NodeLaunch(node_rank=k, host=host, cluster_node=node, nproc=len(ranks), first_rank=ranks[0],
+                              kinds=kinds, needs=needs, env=env))
+    return out
+
+
+def _train_args(plan_path: str, train_args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in ["-m", "hethub.train", "--plan", plan_path, *train_args])
+
+
+def torchrun_line(n: NodeLaunch, *, plan_path: str, train_args: list[str]) -> str:
+    """The command to run on node ``n`` (static rendezvous: honours --node-rank, docs/runtime.md)."""
+    return (f"OMP_NUM_THREADS={n.env['OMP_NUM_THREADS']} torchrun --nnodes {n.env['NNODES']} "
+            f"--node-rank {n.node_rank} --nproc-per-node {n.nproc} --master-addr {n.env['MASTER_ADDR']} "
+            f"--master-port {n.env['MASTER_PORT']} {_train_args(plan_path, train_args)}")
+
+
+def _dq(text: str) -> str:
+    """Double-quoted for bash (the body of the script's ``bash -c '...'`` holds no single quotes)."""
+    return '"' + "".join("\\" + c if c in '"$`\\' else c for c in text) + '"'
+
+
+def slurm_script(launches: list[NodeLaunch], *, plan_path: str, train_args: list[str], job_name: str) -> str:
+    """An sbatch script: one task per node; each node picks its node rank, process count and
+    environment by host name, so the plan's node order holds whatever order Slurm lists the nodes in."""
+    hosts = ",".join(n.host for n in launches)
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={len(launches)}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --nodelist={hosts}",
+        "#SBATCH --exclusive",
+        "# Written by 'hethub launch --slurm'. One torchrun per node; the case below gives each node",
+        "# the node rank, process count and environment the plan's rank order needs.",
+        "set -euo pipefail",
+        "srun --ntasks-per-node=1 bash -c '",
+        'case "$(hostname -s)" in',
+    ]
+    for n in launches:
+        env = " ".join(f"{k}={_dq(v)}" for k, v in n.env.items())
+        needs = f" needs {', '.join(n.needs)};" if n.needs else ""
+        lines.append(f"  {n.host})  # cluster node {n.cluster_node}: {n.nproc} x {'+'.join(n.kinds)};{needs} "
+                     f"ranks {n.first_rank}-{n.first_rank + n.nproc - 1}")
+        lines.append(f"    export {env} ;;")
+    args = " ".join(_dq(a) for a in ["-m", "hethub.train", "--plan", plan_path, *train_args])
+    lines += [
+        '  *) echo "hethub: host $(hostname -s) is not in the plan host list" >&2; exit 2 ;;',
+        "esac",
+        'exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" '
+        f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" {args}',
+        "'",
+        "",
+    ]
+    body = "\n".join(lines)
+    if "'" in body.split("bash -c '", 1)[1].rstrip().rstrip("'"):
+        raise PlanError("a host name, path or training argument contains a single quote. Fix: rename it.")
+    return body
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    hosts = [h.strip() for h in args.hosts.split(",")]
+    launches = node_launches(plan, hosts, port=args.port)
+    extra = list(args.train_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    train_args = ["--steps", str(args.steps), *extra]
+    if args.slurm:
+        out = Path(args.out or f"{Path(args.plan).stem}.sbatch")
+        out.write_text(slurm_script(launches, plan_path=args.plan, train_args=train_args,
+                                    job_name=f"hethub-{plan.cluster.name}"), encoding="utf-8")
+        print(f"wrote {out} ({len(launches)} nodes, {plan.world_size} ranks): sbatch {out}")
+        return 0
+    print(f"# {plan.world_size} ranks on {len(launches)} nodes; run each line on its host (node 0 first or in "
+          "any order: they wait for each other)")
+    for n in launches:
+        needs = f", needs {', '.join(n.needs)}" if n.needs else ""
+        print(f"# {n.host}: cluster node {n.cluster_node}, {n.nproc} x {'+'.join(n.kinds)}{needs}, ranks "
+              f"{n.first_rank}-{n.first_rank + n.nproc - 1}")
+        print(torchrun_line(n, plan_path=args.plan, train_args=train_args))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("launch", help="print the torchrun command of every node of a plan, or write an sbatch "
+                                       "script (--slurm)")
+    sp.add_argument("--plan", required=True)
+    sp.add_argument("--hosts", required=True, help="comma-separated host names, one per node, in rank order")
+    sp.add_argument("--slurm", action="store_true", help="write a Slurm batch script instead of printing commands")
+    sp.add_argument("--out", help="the sbatch script's path (default: PLAN.sbatch)")
+    sp.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on the first host")
+    sp.add_argument("--steps", type=int, default=100)
+    sp.add_argument("train_args", nargs=argparse.REMAINDER,
+                    help="after '--': options for 'python -m hethub.train' (e.g. -- --metrics run.jsonl)")
+    sp.set_defaults(func=cmd_launch)
