@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hethub.errors import HethubError
+from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
 
 EXIT_INTERRUPTED = 130
 
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seq-len", type=_positive_int, required=True)
     sp.add_argument("--strategy", default="hethub", choices=["hethub", "uniform", "flops-proportional",
                                                              "homogeneous"])
-    sp.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    sp.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES)
     sp.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
     sp.add_argument("--top-k", type=_positive_int, default=1, help="also show the k best plans")
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")

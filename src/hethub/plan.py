@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
+from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import PRECISIONS, ModelSpec
 
 PLAN_FORMAT = "hethub-plan"
 PLAN_VERSION = 1
-SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Plan:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     pipelines: tuple[Pipeline, ...]
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     precision: str = "bf16-mixed"
     strategy: str = "manual"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -185,7 +185,7 @@ class Plan:
             _fail("meta", "must be an object", "write {} or delete it")
         plan = Plan(model=model, cluster=cluster, global_batch=_get(t, "global_batch", "training", int),
                     seq_len=_get(t, "seq_len", "training", int), pipelines=pipelines,
-                    schedule=_get(t, "schedule", "training", str, default="1f1b"),
+                    schedule=_get(t, "schedule", "training", str, default=DEFAULT_SCHEDULE),
                     precision=_get(t, "precision", "training", str, default="bf16-mixed"),
                     strategy=str(data.get("strategy", "manual")), meta=dict(meta))
         plan.validate()

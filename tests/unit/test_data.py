@@ -6,14 +6,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hethub.layout import block_starts
 from hethub.runtime.data import BatchSource, Share, load_tokens, micro_batches, stdlib_files
-from hethub.runtime.topology import replica_offsets
 
 
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 5)), min_size=1, max_size=4))
 def test_replica_shares_cover_the_global_batch_without_overlap(reps: list[tuple[int, int]]) -> None:
     g = sum(b * m for b, m in reps)
-    offsets = replica_offsets([b * m for b, m in reps])
+    offsets = block_starts([b * m for b, m in reps])
     batch = torch.arange(g).unsqueeze(1).repeat(1, 5)  # row i holds sequence id i
     seen: list[int] = []
     for off, (b, m) in zip(offsets, reps, strict=True):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hethub.predict.memory import in_flight_micro_batches, stage_memory, stage_params
+from hethub.predict.memory import stage_memory, stage_params
 from hethub.spec.model import PRESETS, ModelSpec
 
 M = PRESETS["llama-2-7b"]
@@ -42,19 +42,6 @@ def test_tp_splits_matmuls_and_vocab_but_not_norms():
     assert emb == M.vocab_size * h / 2
     head = stage_params(M, layers=0, embedding=False, head=True, tp=2)
     assert head == M.vocab_size * h / 2 + M.final_norm_params
-
-
-def test_1f1b_in_flight_counts():
-    counts = [in_flight_micro_batches(schedule="1f1b", stage_index=s, num_stages=4, num_micro_batches=8)
-              for s in range(4)]
-    assert counts == [4, 3, 2, 1]
-    # Fewer micro-batches than stages: never more than m.
-    assert in_flight_micro_batches(schedule="1f1b", stage_index=0, num_stages=4, num_micro_batches=2) == 2
-
-
-def test_gpipe_holds_all_micro_batches():
-    for s in range(4):
-        assert in_flight_micro_batches(schedule="gpipe", stage_index=s, num_stages=4, num_micro_batches=8) == 8
 
 
 def test_activations_scale_with_in_flight():

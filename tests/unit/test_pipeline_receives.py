@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hethub.runtime.pipeline import StepTrace, _Receives, bwd_tag, fwd_tag
-from hethub.runtime.topology import schedule_ops
+from hethub.schedules import SCHEDULES, get_schedule
 
 STAGES, MICRO = 4, 6
 
@@ -31,7 +31,8 @@ class FakeComm:
 def _executor(stage: int, schedule: str, comm: FakeComm) -> SimpleNamespace:
     place = SimpleNamespace(fwd_recv_from=stage - 1, bwd_recv_from=stage + 1,
                             fwd_send_to=(stage + 1,), bwd_send_to=(stage - 1,))
-    return SimpleNamespace(ops=schedule_ops(schedule, stage=stage, num_stages=STAGES, num_micro_batches=MICRO),
+    ops = get_schedule(schedule).ops(stage=stage, num_stages=STAGES, num_micro_batches=MICRO)
+    return SimpleNamespace(ops=ops,
                            first=stage == 0, last=stage == STAGES - 1, place=place, comm=comm, act_shape=(1,),
                            act_dtype=torch.float32, device=torch.device("cpu"))
 
@@ -43,7 +44,7 @@ def _posts(stage: int, schedule: str, *, ordered: bool, lookahead: int) -> tuple
     ex = _executor(stage, schedule, comm)
     recvs = _Receives(ex, lookahead=lookahead)  # type: ignore[arg-type]
     ahead = []
-    for i, (op, mb) in enumerate(ex.ops):
+    for i, (op, mb, _chunk) in enumerate(ex.ops):
         before = recvs.next
         recvs.take(i, StepTrace())
         ahead.append(before)
@@ -53,7 +54,7 @@ def _posts(stage: int, schedule: str, *, ordered: bool, lookahead: int) -> tuple
     return comm.log, ahead
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stage", range(STAGES))
 def test_ordered_backends_keep_each_peers_order_exactly(schedule, stage):
     # NCCL runs a pair's messages in the order posted: posting a receive before a send the peer needs

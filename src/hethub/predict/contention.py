@@ -16,7 +16,7 @@ chunk of CPU work gets the extra CPU time of the idle gap before it.
 
 So every stage's program is replayed as phases: CPU work (shared), sleep and waits (not shared),
 in the schedule's op order (1F1B or GPipe), with the same dependencies as
-:mod:`hethub.predict.schedule` (a forward needs the previous stage's forward plus the transfer, a
+:mod:`hethub.schedules.simulate` (a forward needs the previous stage's forward plus the transfer, a
 backward the next stage's backward plus the transfer), then the world barrier of the loss
 all-reduce, its gradient-sync groups in layer order (each starts once all its holders arrive), the
 world barrier of the gradient-norm all-reduce and its optimizer update (CPU work). A TP stage counts as
@@ -37,9 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from hethub.predict.schedule import op_order
 from hethub.predict.stragglers import SpeedDraws
 from hethub.predict.sync import SyncGroup
+from hethub.schedules import get_schedule
 from hethub.spec.cluster import Link
 
 StageId = tuple[int, int]
@@ -117,8 +117,8 @@ def simulate_shared_cores(
                 my_groups[h].append(gi)
     for sid, w in stages.items():
         pi, si = sid
-        ops = op_order(num_stages=n_stages[pi], stage=si, num_micro_batches=num_micro_batches[pi], schedule=schedule)
-        tasks = ([(k, i) for k, i in ops] + [("S", loss_g)] + [("S", gi) for gi in my_groups[sid]]
+        ops = get_schedule(schedule).ops(stage=si, num_stages=n_stages[pi], num_micro_batches=num_micro_batches[pi])
+        tasks = ([(o.kind, o.micro_batch) for o in ops] + [("S", loss_g)] + [("S", gi) for gi in my_groups[sid]]
                  + [("S", norm_g)] + [("U", 0)])
         st[sid] = _Stage(sid, w, tasks, max(1, w.ranks))
     f_end: dict[tuple[int, int, int], float] = {}

@@ -1,4 +1,7 @@
-"""Per-device memory of a pipeline stage: weights, gradients, optimizer state, activations in flight."""
+"""Per-device memory of a pipeline stage: weights, gradients, optimizer state, activations in flight.
+
+How many micro-batches are in flight is the schedule's rule (:meth:`hethub.schedules.Schedule.in_flight`);
+callers pass its count as ``in_flight``."""
 
 from __future__ import annotations
 
@@ -49,13 +52,6 @@ def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, 
     if head:
         n += model.head_params / vtp + model.final_norm_params
     return n
-
-
-def in_flight_micro_batches(*, schedule: str, stage_index: int, num_stages: int, num_micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak under the schedule."""
-    if schedule == "gpipe":
-        return num_micro_batches
-    return min(num_micro_batches, num_stages - stage_index)
 
 
 def stage_memory(

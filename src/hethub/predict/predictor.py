@@ -5,7 +5,7 @@ Per stage: compute time (measured profile for its kind when one matches, else th
 send of one micro-batch's activations to the next stage over the link between the stage's last
 device and the next stage's first; memory from :mod:`hethub.predict.memory` with the schedule's
 in-flight micro-batches. Each pipeline's schedule is simulated event by event
-(:mod:`hethub.predict.schedule`), then the data-parallel gradient sync (:mod:`hethub.predict.sync`)
+(:mod:`hethub.schedules.simulate`), then the data-parallel gradient sync (:mod:`hethub.predict.sync`)
 and optimizer update give each stage's end; the step ends with the last one.
 
 Large plans are mostly identical replicas, so stage costs are cached by what determines them and
@@ -28,15 +28,15 @@ from hethub.predict.memory import (
     USABLE_FRACTION,
     StageMemory,
     act_bytes_for,
-    in_flight_micro_batches,
     runtime_vocab_parallel,
     stage_memory,
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.predict.schedule import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.predict.stragglers import SpeedDraws, SpeedSpread, median_over_draws
 from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_barrier_s
+from hethub.schedules import get_schedule
+from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.spec.cluster import Link
 
 
@@ -118,6 +118,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
     """
     model, cluster = plan.model, plan.cluster
     costs = _Costs(plan, profiles)
+    schedule = get_schedule(plan.schedule)
     p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
     partial: list[tuple[int, int, _StageCost, StageMemory, float]] = []
     finish: list[list[float]] = []
@@ -129,8 +130,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         for si, s in enumerate(p.stages):
             cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
                                     mbs=mbs, recompute=s.recompute)
-            in_flight = in_flight_micro_batches(schedule=plan.schedule, stage_index=si, num_stages=n,
-                                                num_micro_batches=m)
+            in_flight = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=m)
             mem = costs.stage_memory(layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp, mbs=mbs,
                                      recompute=s.recompute, in_flight=in_flight)
             send = 0.0

@@ -4,7 +4,8 @@ Parameter groups are the embedding, each decoder layer l, and the head with the 
 group's holders are the stages (one per pipeline) that contain it, so replicas that split layers
 differently still sync layer by layer. With tied embeddings, a pipeline whose embedding and head
 sit on different stages holds the shared matrix twice: both stages join the embedding group (as
-Megatron's embedding group does), and the head group keeps only the final norm.
+Megatron's embedding group does), and the head group keeps only the final norm. Holders come from
+the rank layout (:func:`hethub.layout.unit_holders`), the same the runtime syncs among.
 
 Each group is one ring all-reduce (:func:`hethub.predict.comm.allreduce_time_s`), or, on a local
 emulation host with a measured all-reduce for that many ranks, the measured cost:
@@ -20,7 +21,8 @@ flattens them into one buffer (so a plan of plain replicas syncs with a single c
 
 Timing: a fused group's all-reduce starts once every holder has finished its last backward and its
 previous syncs; each stage runs its all-reduces one after another in the runtime's order
-(parameters sorted by name: embedding, head, then "layers.0", "layers.1", "layers.10", ..). A stage
+(parameters sorted by name, :func:`hethub.layout.unit_param_prefix`: embedding, head, then
+"layers.0", "layers.1", "layers.10", .., and a tied head's final norm last). A stage
 ends at its last sync's end plus its optimizer update; the step ends when the last stage does.
 
 Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
@@ -34,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hethub.layout import stage_places, unit_holders, unit_param_prefix
 from hethub.plan import Plan
 from hethub.predict.comm import group_allreduce_time_s, slowest_link
 from hethub.spec.cluster import Cluster, Link
@@ -68,23 +71,7 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     """The plan's all-reduces: parameter groups fused by holders, in the runtime's order, with their cost."""
     model, cluster = plan.model, plan.cluster
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
-    emb: list[StageId] = []
-    head: list[StageId] = []
-    tied: list[StageId] = []
-    by_layer: list[list[StageId]] = [[] for _ in range(model.num_layers)]
-    for pi, p in enumerate(plan.pipelines):
-        emb_stage = head_stage = None
-        for si, s in enumerate(p.stages):
-            for layer in range(s.layers[0], s.layers[1]):
-                by_layer[layer].append((pi, si))
-            if s.embedding:
-                emb_stage = si
-                emb.append((pi, si))
-            if s.head:
-                head_stage = si
-                head.append((pi, si))
-        if model.tied_embeddings and head_stage is not None and emb_stage != head_stage:
-            tied.append((pi, head_stage))
+    holders = {u: [(st.pipeline, st.stage) for st in hs] for u, hs in unit_holders(plan, stage_places(plan)).items()}
 
     tp_of = {(pi, si): s.tp for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
     first_dev = {(pi, si): s.devices[0] for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
@@ -93,8 +80,8 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     pos = model.embedding_params - v * h
     links: dict[tuple[StageId, ...], Link] = {}
 
-    def group(name: str, holders: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
-        hs = tuple(holders)
+    def group(name: str, stages: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
+        hs = tuple(stages)
         devices = [first_dev[x] for x in hs]
         link = links.get(hs)
         if link is None:
@@ -105,21 +92,21 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
     # holders at the embedding stage's count keeps the max-over-holders rule simple and safe.
-    groups = [group("embedding", [*emb, *tied], {t: v * h / t + pos for t in tps})]
+    groups = [group("embedding", holders["embed"], {t: v * h / t + pos for t in tps})]
     layer_params = {t: model.layer_matmul_params / t + norm_layer for t in tps}
-    groups.extend(group(f"layer {layer}", hs, layer_params) for layer, hs in enumerate(by_layer))
+    groups.extend(group(f"layer {layer}", holders[f"layer.{layer}"], layer_params) for layer in range(model.num_layers))
     # A tied head's matrix is synced with the embedding; only the final norm is left here.
     head_matrix = 0 if model.tied_embeddings else v * h
-    groups.append(group("head", head, {t: head_matrix / t + model.final_norm_params for t in tps}))
-    return _buckets(groups, cluster=cluster, first_dev=first_dev)
+    groups.append(group("head", holders["final_norm"], {t: head_matrix / t + model.final_norm_params for t in tps}))
+    # Where the runtime meets each group's parameters: its units' name prefixes, the first of them.
+    head_units = ("head", "final_norm")
+    units = [("embed",), *((f"layer.{layer}",) for layer in range(model.num_layers)), head_units]
+    first_names = {g.name: min(unit_param_prefix(u) for u in us) for g, us in zip(groups, units, strict=True)}
+    return _buckets(groups, first_names=first_names, cluster=cluster, first_dev=first_dev)
 
 
-def _runtime_name(group: str) -> str:
-    """The first parameter name of a group in the runtime's module ("layer 3" -> "layers.3")."""
-    return {"embedding": "embed", "head": "head"}.get(group, group.replace("layer ", "layers."))
-
-
-def _buckets(groups: list[SyncGroup], *, cluster: Cluster, first_dev: dict[StageId, int]) -> list[SyncGroup]:
+def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: Cluster,
+             first_dev: dict[StageId, int]) -> list[SyncGroup]:
     """Groups with the same holders fused into one all-reduce, in the runtime's order.
 
     The runtime's GradSync flattens every parameter with the same holders into one buffer and
@@ -131,7 +118,7 @@ def _buckets(groups: list[SyncGroup], *, cluster: Cluster, first_dev: dict[Stage
         by_holders.setdefault(g.holders, []).append(g)
     out = []
     # A bucket's collective comes where the runtime meets its first parameter name.
-    for gs in sorted(by_holders.values(), key=lambda gs: min(_runtime_name(g.name) for g in gs)):
+    for gs in sorted(by_holders.values(), key=lambda gs: min(first_names[g.name] for g in gs)):
         if len(gs) == 1:
             out.append(gs[0])
             continue

@@ -2,7 +2,7 @@
 
 The rank's module is the runtime's (:class:`StageModel`, with its TP shard); training state is read
 after one AdamW step; activations are the storages autograd saves for backward while the stage
-holds the schedule's peak number of micro-batches in flight (1F1B: min(m, p - s); GPipe: m), each
+holds the schedule's peak number of micro-batches in flight (``Schedule.in_flight``), each
 forwarded as the pipeline executor does. TP collectives are skipped (they do not change what is
 saved: the all-reduce's output is a fresh tensor either way).
 """
@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from hethub.plan import Plan
-from hethub.predict.memory import in_flight_micro_batches
 from hethub.profiler.tensor_memory import StateBytes, saved_for_backward, training_state_bytes
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.tensor_parallel import TPContext
+from hethub.schedules import get_schedule
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int 
     model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
                        recompute=st.recompute, seed=seed)
     opt, _ = build_optimizer(model, OptimConfig())
-    in_flight = in_flight_micro_batches(schedule=plan.schedule, stage_index=stage, num_stages=len(pipe.stages),
-                                        num_micro_batches=pipe.num_micro_batches)
+    in_flight = get_schedule(plan.schedule).in_flight(stage=stage, num_stages=len(pipe.stages),
+                                                      num_micro_batches=pipe.num_micro_batches)
     mbs, s, v = pipe.micro_batch_size, plan.seq_len, plan.model.vocab_size
     # Model state (parameters, RoPE tables) is not activation memory.
     exclude = [*model.parameters(), *model.buffers()]

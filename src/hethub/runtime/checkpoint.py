@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from hethub.errors import CheckpointError
+from hethub.layout import unit_of
 from hethub.runtime import checkpoint_io as io
 from hethub.runtime.tensor_parallel import shard
-from hethub.runtime.topology import unit_of
 from hethub.runtime.trainer import Trainer
 
 _OPT_KEYS = ("exp_avg", "exp_avg_sq")

@@ -19,13 +19,13 @@ from torch import nn
 
 from hethub.comm.buffers import unflatten_into
 from hethub.comm.communicator import Communicator
+from hethub.layout import GradGroup, Topology, unit_of
 from hethub.runtime.model import StageModel
-from hethub.runtime.topology import SyncGroup, Topology, unit_of
 
 
 @dataclass
 class _Bucket:
-    group: SyncGroup
+    group: GradGroup
     params: list[tuple[str, nn.Parameter, int | None]] = field(default_factory=list)
 
 

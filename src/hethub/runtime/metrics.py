@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hethub.layout import RankPlace, StagePlace, Topology
 from hethub.plan import Plan
 from hethub.runtime.pipeline import StepTrace
-from hethub.runtime.topology import RankPlace, StagePlace, Topology
 
 
 def stage_flops_per_step(plan: Plan, stage: StagePlace, *, samples: int) -> float:

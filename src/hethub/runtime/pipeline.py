@@ -1,12 +1,12 @@
-"""Runs one stage's share of a 1F1B or GPipe schedule over micro-batches with explicit p2p.
+"""Runs one stage's share of a pipeline schedule (1F1B, GPipe) over micro-batches with explicit p2p.
 
 Why not ``torch.distributed.pipelining``: it assumes one rank per stage per pipeline group and
 sends straight over c10d. Here adjacent stages may have different TP degrees (receiver q of a TP-b
 stage reads from sender q % a of the TP-a stage before it; sender j gets its output gradient from
 receiver j % b), and every message must go through our Communicator so a later bridge can route
-it across device kinds. What is left is small: the op order (shared with the predictor, see
-``topology.schedule_ops``), isend, and irecv posted two ops ahead, with a tag per micro-batch
-and direction, and waiting on all sends before the step ends.
+it across device kinds. What is left is small: the op order (the schedule registry's, which the
+predictor simulates: ``hethub.schedules``), isend, and irecv posted two ops ahead, with a tag per
+micro-batch and direction, and waiting on all sends before the step ends.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 
 from hethub.comm.communicator import Communicator
 from hethub.emulation.slowdown import Emulator
+from hethub.layout import RankPlace
 from hethub.runtime.model import StageModel
-from hethub.runtime.topology import RankPlace, schedule_ops
+from hethub.schedules import Op, get_schedule
 
 
 def fwd_tag(mb: int) -> int:
@@ -49,8 +50,12 @@ class PipelineExecutor:
         self.model, self.place, self.comm = model, place, comm
         st = place.stage
         self.first, self.last = st.stage == 0, st.stage == st.num_stages - 1
-        self.ops = schedule_ops(schedule, stage=st.stage, num_stages=st.num_stages,
-                                num_micro_batches=place.num_micro_batches)
+        sched = get_schedule(schedule)
+        if sched.chunks_per_stage != 1 or sched.split_backward:
+            raise ValueError(f"schedule {schedule!r} has virtual stages or a split backward, which the "
+                             "executor does not run yet")
+        self.ops: tuple[Op, ...] = sched.ops(stage=st.stage, num_stages=st.num_stages,
+                                             num_micro_batches=place.num_micro_batches)
         self.act_shape = (place.micro_batch_size, seq_len, hidden_size)
         self.emulator = emulator or Emulator()
         self.act_dtype, self.device = act_dtype, device or torch.device("cpu")
@@ -69,7 +74,7 @@ class PipelineExecutor:
         pending: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
         recvs = _Receives(self, lookahead=RECV_LOOKAHEAD)
         loss_sum = 0.0
-        for i, (op, mb) in enumerate(self.ops):
+        for i, (op, mb, _chunk) in enumerate(self.ops):
             got = recvs.take(i, trace)
             if op == "F":
                 x = micro_batches[mb][0] if got is None else got.requires_grad_(True)
@@ -139,7 +144,7 @@ class _Receives:
     def _source(self, j: int) -> tuple[int, int] | None:
         """(peer, tag) op j receives from, or None."""
         ex = self.ex
-        op, mb = ex.ops[j]
+        op, mb, _chunk = ex.ops[j]
         if op == "F" and not ex.first:
             return ex.place.fwd_recv_from, fwd_tag(mb)  # type: ignore[return-value]
         if op == "B" and not ex.last:

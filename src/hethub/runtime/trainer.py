@@ -15,6 +15,7 @@ import torch
 
 from hethub.comm.communicator import Communicator
 from hethub.emulation.slowdown import Emulator
+from hethub.layout import build_topology
 from hethub.plan import Plan
 from hethub.runtime.data import Share, micro_batches
 from hethub.runtime.data_parallel import GradSync
@@ -23,7 +24,6 @@ from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.pipeline import PipelineExecutor
 from hethub.runtime.tensor_parallel import TPContext
-from hethub.runtime.topology import build_topology
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ the planner re-scores the best few with the predictor.
 from __future__ import annotations
 
 from hethub.plan import Pipeline, Plan, Stage
+from hethub.schedules import get_schedule
 from hethub.search.combine import Group, step_time_s
 from hethub.search.split import Slot, price
 from hethub.search.templates import Searcher, tp_options
@@ -81,7 +82,7 @@ def _shape(s: Searcher, *, strategy: str, ids: list[int], tp: int, pp: int, dp: 
         slots = tuple(Slot(k, tp) for k in kinds[i])
         models, m = [], mbs_split[i]
         for st, (slot, n) in enumerate(zip(slots, layer_split[i], strict=True)):
-            in_flight = m if cfg.schedule == "gpipe" else min(m, pp - st)
+            in_flight = get_schedule(cfg.schedule).in_flight(stage=st, num_stages=pp, num_micro_batches=m)
             for rc in (False, True) if cfg.allow_recompute else (False,):
                 sm = s.book.stage(slot.kind, tp=tp, mbs=mbs, recompute=rc)
                 if sm.max_layers(emb=st == 0, head=st == pp - 1, in_flight=in_flight, limit=n) >= n:

@@ -4,9 +4,10 @@ Splitting a template (split.py) and pricing its sync dominate the template scan.
 (kind, TP, micro-batch size, p stages) we bound the rate it can reach from below-bounding its step:
 
 * work of one micro-batch, W >= L w + emb + head (w: forward + backward of one layer without
-  recomputation) plus, for the layers beyond what the stages hold without recomputation (1F1B
-  memory, stage s holds p - s micro-batches), the extra forward recomputation costs: a stage over
-  its no-recompute capacity recomputes all its layers;
+  recomputation) plus, for the layers beyond what the stages hold without recomputation (the
+  schedule's in-flight bound, e.g. 1F1B stage s holds p - s micro-batches; skipped for a schedule
+  whose in-flight count grows with the batch share, GPipe), the extra forward recomputation costs: a
+  stage over its no-recompute capacity recomputes all its layers;
 * the bottleneck stage >= W / p, and >= the smallest B for which whole layers fit under B when
   memory is ignored (integer balance, closed form in `_balanced`);
 * T(m) = W + 2 (p - 1) p2p + (m - 1) bottleneck, m = ceil(mb / c) micro-batches on each of the
@@ -26,21 +27,21 @@ import math
 from dataclasses import dataclass
 
 from hethub.predict.memory import act_bytes_for
+from hethub.schedules import Schedule, get_schedule
 from hethub.search.costs import CostBook
 from hethub.search.links import LinkBook
 from hethub.search.split import Slot
 
 
 class Capacity:
-    """Layers that p stages of one (kind, TP, micro-batch size) hold in total under 1F1B memory, for
-    every p, without recomputation and with the better of both per stage. Stage s of p holds p - s
-    micro-batches, so the middle stages of p stages are those of p - 1 plus one holding p - 1: prefix
-    sums make each p O(1)."""
+    """Layers that p stages of one (kind, TP, micro-batch size) hold in total under the memory of a
+    schedule with an in-flight bound (``Schedule.max_in_flight``; 1F1B: stage s of p holds p - s), for
+    every p, without recomputation and with the better of both per stage."""
 
-    def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int) -> None:
+    def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int, schedule: Schedule) -> None:
         self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
         self.limit = book.job.model.num_layers
-        self.mid: list[list[int]] = [[0, 0], [0, 0]]  # [variant][j]: middle stages holding 2..j in flight
+        self.schedule = schedule
         self._totals: dict[tuple[int, int], int] = {}
 
     def _at(self, variant: int, *, emb: bool, head: bool, in_flight: int) -> int:
@@ -53,21 +54,26 @@ class Capacity:
     def total(self, p: int, *, variant: int) -> int:
         key = (p, variant)
         if key not in self._totals:
-            if p == 1:
-                self._totals[key] = self._at(variant, emb=True, head=True, in_flight=1)
-            else:
-                mid = self.mid[variant]
-                while len(mid) < p:
-                    mid.append(mid[-1] + self._at(variant, emb=False, head=False, in_flight=len(mid)))
-                self._totals[key] = (self._at(variant, emb=True, head=False, in_flight=p) + mid[p - 1]
-                                     + self._at(variant, emb=False, head=True, in_flight=1))
+            # O(p) per p: each stage's count is cached in its StageCost (max_layers).
+            total = 0
+            for s in range(p):
+                in_flight = self.schedule.max_in_flight(stage=s, num_stages=p)
+                assert in_flight is not None, "Capacity needs a schedule with an in-flight bound"
+                total += self._at(variant, emb=s == 0, head=s == p - 1, in_flight=in_flight)
+            self._totals[key] = total
         return self._totals[key]
 
 
 def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
     key = (kind, tp, mbs)
     if key not in book.capacity:
-        book.capacity[key] = Capacity(book, kind, tp=tp, mbs=mbs)
+        sched = get_schedule(book.job.schedule)
+        if sched.max_in_flight(stage=0, num_stages=1) is None:
+            # A schedule without an in-flight bound (GPipe) gets 1F1B's capacity: a full pipeline
+            # holds no fewer micro-batches under any schedule, so it is an optimistic floor (where the
+            # template scan starts; the rate bound skips its recomputation term for such schedules).
+            sched = get_schedule("1f1b")
+        book.capacity[key] = Capacity(book, kind, tp=tp, mbs=mbs, schedule=sched)
     return book.capacity[key]  # type: ignore[return-value]
 
 
@@ -101,7 +107,8 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     h = min(plain.head_fwd_s + plain.head_bwd_s, rc.head_fwd_s + rc.head_bwd_s)
     w, w_rc = min(w, w_rc), max(w, w_rc)
     work = n_layers * w + e + h
-    if job.schedule == "1f1b":  # GPipe's in-flight count depends on the batch share: skip this term
+    # A schedule whose in-flight count grows with the batch share (GPipe) has no bound here: skip this term.
+    if get_schedule(job.schedule).max_in_flight(stage=0, num_stages=p) is not None:
         caps = capacity(book, kind, tp=tp, mbs=mbs)
         cap = caps.total(p, variant=0)
         if cap < n_layers:

@@ -14,7 +14,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from hethub.layout import block_starts
 from hethub.predict.comm import allreduce_time_s
+from hethub.schedules import get_schedule
 from hethub.search.links import LinkBook
 from hethub.search.split import PipeCost
 from hethub.spec.model import ModelSpec
@@ -122,14 +124,10 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     """
     replicas = sum(g.count for g in groups)
     total_devices = sum(g.count * g.pipe.num_devices for g in groups)
-    # Stage s of 1F1B/GPipe finishes its last backward before stage 0 by the backward hops in between.
-    cursor: list[list[float]] = []
-    for g, t in zip(groups, times_s, strict=True):
-        pc, ends, back = g.pipe, [], t
-        for s in range(len(pc.layers)):
-            ends.append(back)
-            back -= pc.bwd_s[s] + (pc.p2p_s[s] if s < len(pc.p2p_s) else 0.0)
-        cursor.append(ends)
+    # When each stage finishes relative to stage 0 is the schedule's (its last ops ripple up).
+    cursor: list[list[float]] = [
+        get_schedule(g.pipe.schedule).stage_finish_s(step_s=t, bwd_s=g.pipe.bwd_s, p2p_s=g.pipe.p2p_s)
+        for g, t in zip(groups, times_s, strict=True)]
     if replicas > 1:
         gb = ModelSpec.state_bytes_per_param(precision)["grads"]
         h, v = model.hidden_size, model.vocab_size
@@ -156,7 +154,9 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
 
         # Between two boundaries (of any replica) the holders do not change: run that stretch of
         # layers as one block, which is exactly the same as running its layers one by one.
-        starts = [_starts(g.pipe.layers) for g in groups]
+        # First layer of each stage; empty stages share their successor's start, so bisect_right
+        # below takes the last match.
+        starts = [block_starts(g.pipe.layers) for g in groups]
         cuts = sorted({a for st in starts for a in st if a < model.num_layers} | {0, model.num_layers})
         last = [len(g.pipe.layers) - 1 for g in groups]
         emb = [(gi, 0) for gi in range(len(groups))]
@@ -169,15 +169,6 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
         hs = [(gi, last[gi]) for gi in range(len(groups))]
         run(hs, ring(0 if model.tied_embeddings else v * h, model.final_norm_params, hs))
     return max(c + u for g, row in zip(groups, cursor, strict=True) for c, u in zip(row, g.pipe.update_s, strict=True))
-
-
-def _starts(layers: tuple[int, ...]) -> list[int]:
-    """First layer of each stage; empty stages share their successor's start, so take the last match."""
-    out, a = [], 0
-    for n in layers:
-        out.append(a)
-        a += n
-    return out
 
 
 def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec,

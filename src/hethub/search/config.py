@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.errors import SpecError
-from hethub.plan import SCHEDULES
+from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
 STRATEGIES = ("hethub", "uniform", "flops-proportional", "homogeneous")
@@ -16,7 +16,7 @@ class PlannerConfig:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     strategy: str = "hethub"
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     precision: str = "bf16-mixed"
     top_k: int = 1
     # Micro-batch sizes tried (each must divide the global batch to be used).

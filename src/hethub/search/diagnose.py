@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hethub.predict.memory import USABLE_FRACTION, stage_memory
+from hethub.schedules import SCHEDULES, get_schedule
 from hethub.search.config import PlannerConfig
 from hethub.search.templates import tp_options
 from hethub.spec.cluster import GIB, Cluster
@@ -35,8 +36,9 @@ def infeasible_message(*, cluster: Cluster, model: ModelSpec, config: PlannerCon
         parts.append(f"one layer at TP {tps[-1]} needs {mem / GIB:.1f} GiB per {k} device of {cap / GIB:.1f} "
                      "GiB usable")
     fixes = ["a smaller --seq-len", "a larger cluster", "a model with fewer layers"]
-    if config.schedule == "gpipe":
-        fixes.insert(0, "schedule 1f1b (GPipe keeps every micro-batch's activations)")
+    if get_schedule(config.schedule).max_in_flight(stage=0, num_stages=1) is None:
+        bounded = [n for n in SCHEDULES if get_schedule(n).max_in_flight(stage=0, num_stages=1) is not None]
+        fixes.insert(0, f"schedule {' or '.join(bounded)} ({config.schedule} keeps every micro-batch's activations)")
     if not config.allow_recompute:
         fixes.insert(0, "allowing activation recomputation")
     if config.strategy in ("uniform", "flops-proportional"):

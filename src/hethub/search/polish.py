@@ -12,10 +12,11 @@ import time
 from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan
-from hethub.predict.memory import USABLE_FRACTION, in_flight_micro_batches, stage_memory
+from hethub.predict.memory import USABLE_FRACTION, stage_memory
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.schedules import get_schedule
 
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_s: float,
@@ -94,8 +95,8 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
     memo = {} if memo is None else memo
     stages, start = [], 0
     for i, (s, k) in enumerate(zip(p.stages, counts, strict=True)):
-        in_flight = in_flight_micro_batches(schedule=plan.schedule, stage_index=i, num_stages=len(counts),
-                                            num_micro_batches=p.num_micro_batches)
+        in_flight = get_schedule(plan.schedule).in_flight(stage=i, num_stages=len(counts),
+                                                          num_micro_batches=p.num_micro_batches)
         key = (s.kind, s.tp, s.embedding, s.head, k, in_flight, p.micro_batch_size)
         if key not in memo:
             memo[key] = None

@@ -2,7 +2,8 @@
 
 Decoder layers are identical, so a split is just a layer count per stage. We minimise the bottleneck
 stage (forward + backward of one micro-batch), which is what the 1F1B/GPipe steady state runs at,
-subject to each stage's memory at its position (1F1B stage s of p holds p - s micro-batches). For a
+subject to each stage's memory at its position (the schedule's in-flight rule, ``hethub.schedules``;
+1F1B stage s of p holds p - s micro-batches). For a
 bottleneck value B every stage can take at most n_s(B) layers (closed form, time and memory are affine);
 B is feasible iff sum n_s(B) >= L. Bisection on B, then trimming the excess from the slowest stages,
 gives the optimum in O(p log(1/eps)) instead of the O(p L^2) of a generic partition DP.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hethub.predict.memory import act_bytes_for
+from hethub.schedules import get_schedule
 from hethub.search.costs import CostBook, StageModel
 from hethub.spec.cluster import Link
 from hethub.spec.model import ModelSpec
@@ -54,14 +56,13 @@ class PipeCost:
 
     @functools.cached_property
     def per_mb_s(self) -> float:
-        if self.schedule == "gpipe":
-            return max(self.fwd_s) + max(self.bwd_s)
-        return max(f + b for f, b in zip(self.fwd_s, self.bwd_s, strict=True))
+        return get_schedule(self.schedule).per_micro_batch_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s)
 
     @functools.cached_property
     def base_s(self) -> float:
         """T(m) = base_s + m * per_mb_s: fill and drain of the pipeline plus the steady state."""
-        return sum(self.fwd_s) + sum(self.bwd_s) + 2 * sum(self.p2p_s) - self.per_mb_s
+        return get_schedule(self.schedule).fill_drain_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s, p2p_s=self.p2p_s,
+                                                        per_micro_batch_s=self.per_mb_s)
 
     def time_s(self, m: int) -> float:
         return self.base_s + m * self.per_mb_s
@@ -91,9 +92,10 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
         return []
     opts: list[list[_Option]] = []
     lows: list[int] = []
+    sched = get_schedule(job.schedule)
     for s, slot in enumerate(slots):
         emb, head = s == 0, s == p - 1
-        in_flight = in_flight_hint if job.schedule == "gpipe" else p - s
+        in_flight = sched.planning_in_flight(stage=s, num_stages=p, expected_micro_batches=in_flight_hint)
         low = 0 if p > 1 and (emb or head) else 1
         if p == 1:
             low = n_layers
@@ -164,9 +166,10 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
                 in_flight_hint: int = 1) -> PipeCost | None:
     """Price these stages with a given layer split (recomputing where needed), or None if it cannot fit."""
     job, p = book.job, len(slots)
+    sched = get_schedule(job.schedule)
     opts = []
     for s, (slot, k) in enumerate(zip(slots, counts, strict=True)):
-        in_flight = in_flight_hint if job.schedule == "gpipe" else p - s
+        in_flight = sched.planning_in_flight(stage=s, num_stages=p, expected_micro_batches=in_flight_hint)
         ops = [o for o in _options(book, slot, mbs=mbs, emb=s == 0, head=s == p - 1, in_flight=in_flight, low=0,
                                    allow_recompute=allow_recompute) if o.max_layers >= k]
         if not ops:

@@ -191,7 +191,8 @@ class Searcher:
         return True
 
     def _first_without_recompute(self, kind: str, tp: int, mbs: int, p_max: int) -> int | None:
-        """Smallest stage count whose stages can hold all layers without recomputation (1F1B memory)."""
+        """Smallest stage count whose stages can hold all layers without recomputation (the schedule's
+        in-flight bound, ``bounds.capacity``)."""
         n_layers = self.model.num_layers
         caps = capacity(self.book, kind, tp=tp, mbs=mbs)  # shared with the rate bounds
 

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hethub.plan import Pipeline, Plan, Stage
-from hethub.runtime.topology import (
+from hethub.layout import (
+    block_starts,
     build_topology,
     bwd_source,
     bwd_targets,
     fwd_source,
     fwd_targets,
-    replica_offsets,
-    schedule_ops,
     unit_of,
 )
+from hethub.plan import Pipeline, Plan, Stage
 from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
 from hethub.spec.model import ModelSpec
 
@@ -66,29 +64,6 @@ def test_routing_examples() -> None:
     assert fwd_targets(a=2, b=1, j=1) == ()
     assert bwd_targets(a=2, b=1, q=0) == (0, 1)
     assert bwd_source(b=2, j=1) == 1
-
-
-@given(st.integers(1, 6), st.integers(1, 10))
-def test_1f1b_order(p: int, m: int) -> None:
-    for s in range(p):
-        ops = schedule_ops("1f1b", stage=s, num_stages=p, num_micro_batches=m)
-        w = min(p - s - 1, m)
-        assert ops[:w] == [("F", i) for i in range(w)]
-        assert [i for o, i in ops if o == "F"] == list(range(m))
-        assert [i for o, i in ops if o == "B"] == list(range(m))
-        # a backward never precedes its forward, and at most w+1 micro-batches are in flight
-        live = 0
-        for o, i in ops:
-            live += 1 if o == "F" else -1
-            assert 0 <= live <= w + 1
-            if o == "B":
-                assert ops.index(("F", i)) < ops.index(("B", i))
-
-
-def test_gpipe_order_and_unknown_schedule() -> None:
-    assert schedule_ops("gpipe", stage=0, num_stages=3, num_micro_batches=2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
-    with pytest.raises(ValueError, match="schedule"):
-        schedule_ops("zb", stage=0, num_stages=1, num_micro_batches=1)
 
 
 def test_unit_of_parameter_names() -> None:
@@ -145,5 +120,5 @@ def test_groups_are_identical_for_every_rank_and_deterministic() -> None:
     assert build_topology(p).groups == build_topology(p).groups
 
 
-def test_replica_offsets() -> None:
-    assert replica_offsets([6, 2, 4]) == [0, 6, 8]
+def test_block_starts() -> None:
+    assert block_starts([6, 2, 4]) == [0, 6, 8]

@@ -1,4 +1,4 @@
-"""Event-by-event simulation of one pipeline's micro-batch schedule (1F1B or GPipe).
+"""Event-by-event simulation of one pipeline running a registered schedule's op order.
 
 Inputs, per stage s of a pipeline of p stages: ``fwd_s[s]`` and ``bwd_s[s]``, the time of one
 micro-batch's forward / backward on that stage (compute plus tensor-parallel collectives), and
@@ -6,14 +6,9 @@ micro-batch's forward / backward on that stage (compute plus tensor-parallel col
 back from s+1 to s take the same time). ``p2p_s`` may have p-1 or p entries; an entry for the last
 stage is ignored.
 
-Op order on stage s (``op_order``), with m micro-batches:
-
-* ``1f1b``: w = min(p - s - 1, m) warm-up forwards F0..F(w-1); then the remaining m - w forwards
-  alternate with backwards: F(w), B0, F(w+1), B1, ...; then the last w backwards. This also
-  holds for m < p.
-* ``gpipe``: all forwards F0..F(m-1), then all backwards B0..B(m-1).
-
-Timing rules (every op runs as soon as its inputs and its stage are free):
+Each stage runs the ops :meth:`hethub.schedules.Schedule.ops` gives it, in that order (the same
+order the runtime's executor runs). Timing rules (every op runs as soon as its inputs and its stage
+are free):
 
 * F(s, i) starts at max(end of the previous op on s, end of F(s-1, i) + p2p_s[s-1]).
 * B(s, i) starts at max(end of the previous op on s, end of B(s+1, i) + p2p_s[s], end of F(s, i));
@@ -22,18 +17,23 @@ Timing rules (every op runs as soon as its inputs and its stage are free):
 
 A stage's finish time is the end of its last backward. Because each stage's op times are used
 as given, unequal stages are modelled exactly, not by a bottleneck formula.
+
+The simulation covers schedules with one model chunk per device and an unsplit backward (1F1B,
+GPipe); a schedule with virtual stages or W ops is refused with an error until it models their
+dependencies (chunk c of stage 0 waits for chunk c-1 of the last stage; W needs its own time).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("1f1b", "gpipe")
+from hethub.schedules import DEFAULT_SCHEDULE, get_schedule
 
 
 @dataclass(frozen=True)
-class Op:
+class TimedOp:
     kind: str  # "F" or "B"
     micro_batch: int
     start_s: float
@@ -42,18 +42,13 @@ class Op:
 
 @dataclass(frozen=True)
 class StageSchedule:
-    ops: tuple[Op, ...]
+    ops: tuple[TimedOp, ...]
     finish_s: float  # end of the stage's last backward
-
-
-def op_order(*, num_stages: int, stage: int, num_micro_batches: int, schedule: str) -> list[tuple[str, int]]:
-    """The (kind, micro-batch) sequence stage `stage` executes under `schedule`."""
-    return [("F", c) if c >= 0 else ("B", ~c) for c in _codes(num_stages, stage, num_micro_batches, schedule)]
 
 
 def simulate_pipeline_time(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> list[float]:
     """Finish time (end of the last backward) of every stage; the fast path, no op records."""
     finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, record=False)
@@ -62,30 +57,26 @@ def simulate_pipeline_time(
 
 def simulate_pipeline(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> list[StageSchedule]:
     """Every stage's ops with their start/end times, and its finish time."""
     finish, recs = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, record=True)
     return [
-        StageSchedule(ops=tuple(Op("F" if c >= 0 else "B", c if c >= 0 else ~c, a, b) for c, a, b in rec),
+        StageSchedule(ops=tuple(TimedOp("F" if c >= 0 else "B", c if c >= 0 else ~c, a, b) for c, a, b in rec),
                       finish_s=f)
         for f, rec in zip(finish, recs, strict=True)
     ]
 
 
-def _codes(p: int, s: int, m: int, schedule: str) -> list[int]:
-    """Op codes: i >= 0 is the forward of micro-batch i, ~i (< 0) its backward."""
-    if schedule == "gpipe":
-        return [*range(m), *(~i for i in range(m))]
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
-    w = min(p - s - 1, m)
-    codes = list(range(w))
-    for j in range(m - w):
-        codes.append(w + j)
-        codes.append(~j)
-    codes.extend(~i for i in range(m - w, m))
-    return codes
+@functools.lru_cache(maxsize=1024)
+def _codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
+    """The registry's op order for stage s as codes: i >= 0 is the forward of micro-batch i, ~i (< 0)
+    its backward (ints keep the simulation's inner loop cheap)."""
+    sched = get_schedule(schedule)
+    if sched.chunks_per_stage != 1 or sched.split_backward:
+        raise ValueError(f"schedule {schedule!r} has virtual stages or a split backward, which the event "
+                         "simulation does not model yet")
+    return tuple(i if kind == "F" else ~i for kind, i, _ in sched.ops(stage=s, num_stages=p, num_micro_batches=m))
 
 
 def _check(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> int:

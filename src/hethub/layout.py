@@ -1,22 +1,25 @@
 """Rank layout from a plan: who holds what, who talks to whom, which groups exist.
 
-Pure Python (no torch) so it is unit-tested without processes. The runtime creates every group
-listed in ``Topology.groups`` on every rank, in that order (gloo's ``new_group`` is collective over
-the world; creating groups lazily or per rank hangs), and passes the handles explicitly.
+The one home of rank placement and parameter holders, for the runtime (process groups, p2p peers,
+gradient sync, checkpoint resharding) and the predictor's sync model alike. Pure Python (no torch)
+so it is unit-tested without processes. The runtime creates every group listed in
+``Topology.groups`` on every rank, in that order (gloo's ``new_group`` is collective over the world;
+creating groups lazily or per rank hangs), and passes the handles explicitly.
 
 Parameters are grouped into *units* (``embed``, ``pos``, ``layer.<i>``, ``final_norm``, ``head``):
 all parameters of a unit live on the same stages. A unit's *holders* are the stages, across all
-pipelines, that hold it; its gradients are summed among exactly those stages' ranks.
+pipelines, that hold it, in pipeline order (for a tied embedding: the embedding stages, then the
+head stages holding the tied copy); its gradients are summed among exactly those stages' ranks.
+Units whose parameters have the same holders are synced as one flat buffer, in the order of their
+parameter names (``unit_param_prefix``), which the predictor's sync model follows too.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Literal
 
 from hethub.plan import Plan
-
-Schedule = Literal["1f1b", "gpipe"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class RankPlace:
 
 
 @dataclass(frozen=True)
-class SyncGroup:
+class GradGroup:
     """Ranks that all-reduce one set of gradients. ``mixed``: holders differ in TP degree, so every
     rank contributes full-size gradients (its shard in place, zeros elsewhere)."""
 
@@ -82,32 +85,22 @@ def bwd_targets(*, a: int, b: int, q: int) -> tuple[int, ...]:
     return tuple(j for j in range(a) if bwd_source(b=b, j=j) == q)
 
 
-# ---- schedules (same ordering as the predictor) ---------------------------------------------------
-def schedule_ops(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[str, int]]:
-    """Ordered ("F"|"B", micro_batch) for one stage. 1F1B: w=min(p-s-1, m) warm-up forwards, then
-    alternate F/B, then the remaining backwards. GPipe: all forwards, then all backwards."""
-    m = num_micro_batches
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}; use 1f1b or gpipe")
-    w = min(num_stages - stage - 1, m)
-    ops = [("F", i) for i in range(w)]
-    for i in range(m - w):
-        ops += [("F", w + i), ("B", i)]
-    ops += [("B", i) for i in range(m - w, m)]
-    return ops
-
-
 # ---- parameter units ------------------------------------------------------------------------------
 def stage_units(stage: StagePlace, *, tied: bool, learned_pos: bool) -> tuple[str, ...]:
+    """The units a stage holds, in module order."""
+    return _units(stage.layers, embedding=stage.embedding, head=stage.head, tied=tied, learned_pos=learned_pos)
+
+
+# Cached: a large plan has thousands of stages but few distinct (layers, embedding, head) shapes.
+@functools.lru_cache(maxsize=4096)
+def _units(layers: tuple[int, int], *, embedding: bool, head: bool, tied: bool, learned_pos: bool) -> tuple[str, ...]:
     units: list[str] = []
-    if stage.embedding:
+    if embedding:
         units.append("embed")
         if learned_pos:
             units.append("pos")
-    units += [f"layer.{i}" for i in range(*stage.layers)]
-    if stage.head:
+    units += [f"layer.{i}" for i in range(*layers)]
+    if head:
         units.append("final_norm")
         if not tied:
             units.append("head")
@@ -116,18 +109,31 @@ def stage_units(stage: StagePlace, *, tied: bool, learned_pos: bool) -> tuple[st
     return tuple(units)
 
 
+_MODULE_OF_UNIT = {"embed": "embed", "pos": "pos", "final_norm": "norm", "head": "head"}
+_UNIT_OF_MODULE = {m: u for u, m in _MODULE_OF_UNIT.items()}
+
+
 def unit_of(param_name: str) -> str:
     """Map a parameter name of the stage module to its unit."""
     parts = param_name.split(".")
     if parts[0] == "layers":
         return f"layer.{parts[1]}"
-    return {"embed": "embed", "pos": "pos", "norm": "final_norm", "head": "head"}[parts[0]]
+    return _UNIT_OF_MODULE[parts[0]]
 
 
-def replica_offsets(samples_per_replica: list[int] | tuple[int, ...]) -> list[int]:
-    """Replica r takes sequences [offset_r, offset_r + samples_r) of each global batch."""
+def unit_param_prefix(unit: str) -> str:
+    """The name every parameter of ``unit`` starts with in a stage module (the inverse of ``unit_of``);
+    the runtime walks parameters sorted by name, so this orders the gradient syncs."""
+    if unit.startswith("layer."):
+        return f"layers.{unit[len('layer.'):]}"
+    return _MODULE_OF_UNIT[unit]
+
+
+def block_starts(sizes: list[int] | tuple[int, ...]) -> list[int]:
+    """Where each of consecutive blocks of these sizes starts (an exclusive prefix sum): replica r
+    takes sequences [start_r, start_r + samples_r) of each global batch; stage s's first layer."""
     out, acc = [], 0
-    for n in samples_per_replica:
+    for n in sizes:
         out.append(acc)
         acc += n
     return out
@@ -146,30 +152,49 @@ class Topology:
     def place(self, rank: int) -> RankPlace:
         return self.places[rank]
 
-    def sync_group(self, unit: str, rank: int) -> SyncGroup:
+    def sync_group(self, unit: str, rank: int) -> GradGroup:
         holders = self.unit_holders[unit]
         tps = {s.tp for s in holders}
         if len(tps) > 1:
-            return SyncGroup(ranks=tuple(sorted(r for s in holders for r in s.ranks)), mixed=True)
+            return GradGroup(ranks=tuple(sorted(r for s in holders for r in s.ranks)), mixed=True)
         q = self.places[rank].tp_rank
-        return SyncGroup(ranks=tuple(sorted(s.ranks[q] for s in holders)), mixed=False)
+        return GradGroup(ranks=tuple(sorted(s.ranks[q] for s in holders)), mixed=False)
 
     def owns(self, unit: str, rank: int) -> bool:
         """True on the ranks of the unit's first holder stage: they count it in the gradient norm."""
         return rank in self.unit_holders[unit][0].ranks
 
 
-def build_topology(plan: Plan) -> Topology:
+def stage_places(plan: Plan) -> tuple[StagePlace, ...]:
+    """Every stage of every pipeline, in pipeline then stage order, with its torch ranks."""
     rank_of = plan.rank_of_device()
+    return tuple(StagePlace(pipeline=pi, stage=si, num_stages=len(p.stages), kind=s.kind,
+                            ranks=tuple(rank_of[d] for d in s.devices), layers=s.layers, embedding=s.embedding,
+                            head=s.head, recompute=s.recompute)
+                 for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages))
+
+
+def unit_holders(plan: Plan, stages: tuple[StagePlace, ...] | None = None) -> dict[str, tuple[StagePlace, ...]]:
+    """Each unit's holder stages (see the module doc for their order), units in first-met order."""
+    stages = stage_places(plan) if stages is None else stages
     tied, learned_pos = plan.model.tied_embeddings, plan.model.arch == "gpt"
-    offsets = replica_offsets([p.num_samples for p in plan.pipelines])
-    stages: list[StagePlace] = []
+    holders: dict[str, list[StagePlace]] = {}
+    for st in stages:
+        for u in stage_units(st, tied=tied, learned_pos=learned_pos):
+            holders.setdefault(u, []).append(st)
+    if "embed" in holders:  # the embedding stages first, then the head stages holding a tied copy
+        holders["embed"].sort(key=lambda st: not st.embedding)
+    return {u: tuple(h) for u, h in holders.items()}
+
+
+def build_topology(plan: Plan) -> Topology:
+    offsets = block_starts([p.num_samples for p in plan.pipelines])
+    stages = stage_places(plan)
     places: dict[int, RankPlace] = {}
-    for pi, p in enumerate(plan.pipelines):
-        sp = [StagePlace(pipeline=pi, stage=si, num_stages=len(p.stages), kind=s.kind,
-                         ranks=tuple(rank_of[d] for d in s.devices), layers=s.layers, embedding=s.embedding,
-                         head=s.head, recompute=s.recompute) for si, s in enumerate(p.stages)]
-        stages += sp
+    by_pipeline: list[list[StagePlace]] = [[] for _ in plan.pipelines]
+    for st in stages:
+        by_pipeline[st.pipeline].append(st)
+    for pi, (p, sp) in enumerate(zip(plan.pipelines, by_pipeline, strict=True)):
         for si, st in enumerate(sp):
             prev = sp[si - 1] if si > 0 else None
             nxt = sp[si + 1] if si + 1 < len(sp) else None
@@ -182,12 +207,8 @@ def build_topology(plan: Plan) -> Topology:
                     bwd_recv_from=nxt.ranks[bwd_source(b=nxt.tp, j=q)] if nxt else None,
                     bwd_send_to=tuple(prev.ranks[t] for t in bwd_targets(a=prev.tp, b=st.tp, q=q)) if prev else (),
                 )
-    holders: dict[str, list[StagePlace]] = {}
-    for st in stages:
-        for u in stage_units(st, tied=tied, learned_pos=learned_pos):
-            holders.setdefault(u, []).append(st)
     topo = Topology(world_size=plan.world_size, places=tuple(places[r] for r in range(plan.world_size)),
-                    stages=tuple(stages), unit_holders={u: tuple(h) for u, h in holders.items()}, groups=(),
+                    stages=stages, unit_holders=unit_holders(plan, stages), groups=(),
                     global_batch=plan.global_batch,
                     log_rank=next(s for s in stages if s.pipeline == 0 and s.head).ranks[0])
     return _with_groups(topo)

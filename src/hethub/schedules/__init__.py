@@ -1,0 +1,29 @@
+"""Pipeline schedules: the one home of each schedule's op order, in-flight rule and closed-form step.
+
+Everyone takes them from here: the predictor's event simulation (:mod:`hethub.schedules.simulate`),
+the planner (split, bounds, baselines, combine, diagnose), the runtime's executor, the memory
+model, the plan validator and the CLI's choices. Adding a schedule is one :class:`Schedule`
+subclass registered below (see :mod:`hethub.schedules.base` for what it defines).
+"""
+
+from __future__ import annotations
+
+from hethub.schedules.base import Op, Schedule
+from hethub.schedules.classic import GPipe, OneFOneB
+
+_REGISTRY: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), GPipe())}
+
+# Every schedule name, in the order the CLI lists them; the first is the default.
+SCHEDULES: tuple[str, ...] = tuple(_REGISTRY)
+DEFAULT_SCHEDULE = SCHEDULES[0]
+
+
+def get_schedule(name: str) -> Schedule:
+    """The registered schedule called ``name``; a ValueError naming the choices otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}") from None
+
+
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "OneFOneB", "Op", "Schedule", "get_schedule"]

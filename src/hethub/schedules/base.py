@@ -1,0 +1,98 @@
+"""What a pipeline schedule defines, once, for everyone who needs it.
+
+A schedule is three things, and nothing else in hethub restates them:
+
+* its **op order**: the sequence of ops each stage runs in one step. An op is a forward ``F``, a
+  backward ``B`` (the input gradient; the whole backward where the schedule does not split it) or a
+  weight-gradient pass ``W`` (split-backward schedules such as ZB-H1 run it apart from ``B``), of
+  one micro-batch, on one model chunk of the stage's device (``chunk`` > 0 only for schedules with
+  virtual stages, such as interleaved 1F1B). The runtime executes exactly this order and the
+  predictor simulates it (:mod:`hethub.schedules.simulate`);
+* its **in-flight rule**: how many micro-batches' activations a stage holds at its peak, which sizes
+  activation memory in the predictor, the planner and the profiler;
+* its **closed-form step**: T(m) = fill_drain + m x per_micro_batch, the pipeline's time for m
+  micro-batches that the planner uses instead of a simulation (it must stay affine in m: the batch
+  split solves a water level on it), and when each stage finishes relative to the first.
+
+Pure Python, no torch and no other hethub import, so the plan validator can take the names from
+the registry (:mod:`hethub.schedules`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar, NamedTuple
+
+# Stands for "as many micro-batches as you like" when asking a schedule for its in-flight bound.
+_MANY = 1 << 40
+
+
+class Op(NamedTuple):
+    """One op of a stage's schedule."""
+
+    kind: str  # "F" forward, "B" backward (input gradient, or all of it), "W" weight gradient
+    micro_batch: int
+    chunk: int = 0  # model chunk (virtual stage) on this device; 0 without virtual stages
+
+
+class Schedule(ABC):
+    """One pipeline schedule. Subclass, set ``name``, implement the three abstract methods, and
+    register an instance in :mod:`hethub.schedules`; every user picks it up from there."""
+
+    name: ClassVar[str]
+    # Model chunks each device runs (virtual stages); ops carry the chunk index.
+    chunks_per_stage: ClassVar[int] = 1
+    # Whether backward is split into B (input gradient) and W (weight gradient) ops.
+    split_backward: ClassVar[bool] = False
+
+    # ---- op order ---------------------------------------------------------------------------------
+    @abstractmethod
+    def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
+        """The ops stage ``stage`` of ``num_stages`` runs in one step of ``num_micro_batches``."""
+
+    # ---- activation memory ------------------------------------------------------------------------
+    @abstractmethod
+    def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
+        """Micro-batches whose activations the stage holds at its peak."""
+
+    def max_in_flight(self, *, stage: int, num_stages: int) -> int | None:
+        """The most the stage ever holds, whatever the number of micro-batches; None when that grows
+        with the number of micro-batches (GPipe). Derived from :meth:`in_flight`."""
+        n = self.in_flight(stage=stage, num_stages=num_stages, num_micro_batches=_MANY)
+        return n if n < _MANY else None
+
+    def planning_in_flight(self, *, stage: int, num_stages: int, expected_micro_batches: int) -> int:
+        """What the planner sizes a stage for before the batch is split among pipelines: the bound
+        over any number of micro-batches where there is one, else the count at the expected number."""
+        bound = self.max_in_flight(stage=stage, num_stages=num_stages)
+        if bound is not None:
+            return bound
+        return self.in_flight(stage=stage, num_stages=num_stages, num_micro_batches=expected_micro_batches)
+
+    # ---- closed-form step -------------------------------------------------------------------------
+    @abstractmethod
+    def per_micro_batch_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float]) -> float:
+        """Steady-state time each further micro-batch adds to the pipeline."""
+
+    def fill_drain_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float],
+                     per_micro_batch_s: float) -> float:
+        """T(m) - m x per_micro_batch_s: one micro-batch's forward and backward through every stage
+        and both transfers per hop, less the one steady-state period they overlap."""
+        return sum(fwd_s) + sum(bwd_s) + 2 * sum(p2p_s) - per_micro_batch_s
+
+    def step_time_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float],
+                    num_micro_batches: int) -> float:
+        """Closed-form T(m): the end of the first stage's last op."""
+        per = self.per_micro_batch_s(fwd_s=fwd_s, bwd_s=bwd_s)
+        return self.fill_drain_s(fwd_s=fwd_s, bwd_s=bwd_s, p2p_s=p2p_s, per_micro_batch_s=per) \
+            + num_micro_batches * per
+
+    def stage_finish_s(self, *, step_s: float, bwd_s: Sequence[float], p2p_s: Sequence[float]) -> list[float]:
+        """Each stage's finish when the first finishes at ``step_s``: the last backward ripples up
+        from the last stage, so stage s + 1 ends before stage s by stage s's backward and the hop."""
+        ends, back = [], step_s
+        for s in range(len(bwd_s)):
+            ends.append(back)
+            back -= bwd_s[s] + (p2p_s[s] if s < len(p2p_s) else 0.0)
+        return ends
