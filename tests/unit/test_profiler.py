@@ -59,7 +59,8 @@ def test_profile_file_round_trips_and_is_used(tiny_profile):
     # Single-thread entries are timed by CPU time; TP entries by wall time, of which only a share is
     # CPU work (the rest waits in collectives): the share an emulated kind's sleep stretches.
     assert all(e.cpu_fraction == 1.0 for (_, tp), e in prof.entries.items() if tp == 1)
-    assert all(0 < e.cpu_fraction <= 1.0 for e in prof.entries.values())
+    # What the profiler wrote (read_profile would refuse a share outside (0, 1] before this point).
+    assert all(0 < e["cpu_fraction"] <= 1.0 for e in data["entries"] if "cpu_fraction" in e)
     again = tiny_profile.with_name("again.json")
     write_profile(again, prof, model=TINY, device=data["device"], measured_at=data["measured_at"])
     assert json.loads(again.read_text()) == data
@@ -146,4 +147,6 @@ def test_wake_penalty_is_measured_on_request(tmp_path):
     prof = read_profile(out)
     gaps = [g for g, _ in prof.wake_penalty]
     assert gaps == sorted(gaps) and len(gaps) >= 2 and gaps[0] > 0
-    assert all(extra >= 0 for _, extra in prof.wake_penalty)
+    # The penalty is the chunk's extra CPU time (clamped at 0), never the idle gap itself: a tiny
+    # model's chunk takes about a millisecond, so timing the sleep by mistake would exceed the gap.
+    assert all(extra < gap for gap, extra in prof.wake_penalty)

@@ -35,14 +35,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("cluster_args", "config_args"), CASES)
+@pytest.mark.parametrize(("cluster_args", "config_args"), [
+    pytest.param(*CASES[0], marks=pytest.mark.slow),  # ~4,000 plans each: ~20 s apiece here
+    pytest.param(*CASES[1], marks=pytest.mark.slow),
+    CASES[2],
+])
 def test_planner_matches_exhaustive_optimum(cluster_args, config_args):
     cluster = _cluster(**cluster_args)
     cfg = PlannerConfig(**config_args)
     _, best, n = exhaustive_best(cluster=cluster, model=MODEL, config=cfg)
     assert n > 100  # the space is really enumerated
     r = make_plan(cluster=cluster, model=MODEL, config=cfg)
-    assert r.prediction.step_time_s <= best.step_time_s * 1.01
+    # The same optimum (README: "equal optimum"), up to float rounding, not within a slack: worse
+    # would mean the planner misses the best plan, better that the enumeration misses plans.
+    assert r.prediction.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
 
 
 def test_layer_splits_are_all_compositions():
