@@ -195,3 +195,28 @@ def test_closed_form_equals_simulation_on_uniform_pipelines_without_transfers(sc
                                  num_micro_batches=m) == pytest.approx(sim[0], rel=1e-12)
         # ... and each stage's finish, which the planner's sync model starts from.
         assert sched.stage_finish_s(step_s=sim[0], bwd_s=[bwd] * p, p2p_s=[0.0] * (p - 1)) == pytest.approx(sim)
+
+
+@pytest.mark.parametrize(("fwd", "bwd", "p2p"), [(1.0, 2.0, 0.3), (1.5, 1.0, 0.7), (1.0, 1.0, 2.5), (0.2, 5.0, 1.0)])
+def test_gpipe_closed_form_equals_simulation_with_transfers(fwd, bwd, p2p):
+    gpipe = get_schedule("gpipe")
+    for p, m in SHAPES:
+        sim = finish([fwd] * p, [bwd] * p, [p2p] * (p - 1), m, "gpipe")
+        assert gpipe.step_time_s(fwd_s=[fwd] * p, bwd_s=[bwd] * p, p2p_s=[p2p] * (p - 1),
+                                 num_micro_batches=m) == pytest.approx(sim[0], rel=1e-12)
+        assert gpipe.stage_finish_s(step_s=sim[0], bwd_s=[bwd] * p, p2p_s=[p2p] * (p - 1)) == pytest.approx(sim)
+
+
+@pytest.mark.parametrize(("fwd", "bwd", "p2p"), [(1.0, 2.0, 0.3), (1.5, 1.0, 0.7), (1.0, 1.0, 2.5), (0.2, 5.0, 1.0)])
+def test_1f1b_transfers_add_bubbles_the_affine_closed_form_leaves_out(fwd, bwd, p2p):
+    # With transfers, 1F1B's steady state waits on round trips: on a uniform pipeline the simulation
+    # is the affine closed form plus 2 p2p for each of the micro-batches 3..m except every p-th, so
+    # (p - 1) / p x 2 p2p per micro-batch in the long run. The planner's closed form (affine in m,
+    # for its water-level batch split) omits that term; this pins down by how much.
+    one = get_schedule("1f1b")
+    for p, m in SHAPES:
+        sim = finish([fwd] * p, [bwd] * p, [p2p] * (p - 1), m, "1f1b")[0]
+        closed = one.step_time_s(fwd_s=[fwd] * p, bwd_s=[bwd] * p, p2p_s=[p2p] * (p - 1), num_micro_batches=m)
+        j = max(0, m - 2)
+        waits = j - j // p if p > 1 else 0
+        assert sim == pytest.approx(closed + 2 * p2p * waits, rel=1e-12)
