@@ -184,9 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Commands defined in hethub.commands (keeps this file about the core commands)."""
-    from hethub.commands import bench, interop, launch, profile, report, run
+    from hethub.commands import bench, export, interop, launch, profile, report, run
 
-    return [run.register, launch.register, report.register, interop.register, profile.register, bench.register]
+    return [run.register, launch.register, report.register, interop.register, profile.register, bench.register,
+            export.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

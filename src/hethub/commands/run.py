@@ -12,11 +12,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hethub.predict.predictor import predict
     from hethub.runtime.launch import launch_local
 
-    plan = Plan.load(args.plan)
-    check_memory_fit(plan, predict(plan))
     extra = list(args.train_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    if args.config:  # the config's launcher part: model folder, plan; the ranks read the rest
+        from hethub.runtime.train_config import prepare_launch
+
+        got = prepare_launch(args.config)
+        args.plan = args.plan or got["plan"]
+        args.steps = args.steps or got["steps"]
+        args.metrics = args.metrics or got["metrics"]
+        extra = ["--config", args.config, *extra]
+    if not args.plan:
+        raise RuntimeSetupError("hethub train needs --plan (or --config with a [plan] section). Fix: pass one.")
+    args.steps = args.steps or 20
+    plan = Plan.load(args.plan)
+    check_memory_fit(plan, predict(plan))
     print(f"launching {plan.world_size} local ranks for {args.steps} steps (torchrun --standalone)", flush=True)
     proc = launch_local(args.plan, nproc=plan.world_size, steps=args.steps, metrics=args.metrics, extra_args=extra)
     if proc.returncode != 0:
@@ -36,8 +47,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("train", help="train a plan with local processes (torchrun underneath)")
-    sp.add_argument("--plan", required=True)
-    sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--plan", help="plan JSON (required unless --config gives one)")
+    sp.add_argument("--config", help="training config TOML (docs/models-and-data.md); flags override it")
+    sp.add_argument("--steps", type=int, default=None, help="default: the config's train.steps, else 20")
     sp.add_argument("--metrics", help="write per-step metrics as JSON lines")
     sp.add_argument("train_args", nargs=argparse.REMAINDER,
                     help="after '--': options for 'python -m hethub.train' (e.g. -- --lr 1e-3 --seed 1)")

@@ -312,3 +312,22 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_byte
     write_folder(out, config=config, tensors=sorted(checkpoint_tensors(step_dir, manifest), key=order),
                  max_shard_bytes=max_shard_bytes)
     return Path(out)
+
+
+def write_random_model(config_path: str | Path, out: str | Path, *, seed: int = 0) -> Path:
+    """A Hugging Face folder for ``config_path`` (a config.json) with hethub's seeded random weights:
+    a stand-in for a downloaded model, for examples and tests (no network)."""
+    from hethub.runtime.model import StageModel
+
+    cfg = read_config(Path(config_path).parent) if Path(config_path).name == "config.json" else None
+    if cfg is None:
+        try:
+            cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise RuntimeSetupError(f"model config '{config_path}' is not readable JSON ({err}). Fix: pass a "
+                                    "Hugging Face config.json.") from None
+    check_supported(cfg, where=str(config_path))
+    spec = _from_hf(cfg, name=Path(out).name)
+    model = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=seed)
+    write_folder(out, config=config_for(spec, cfg), tensors=list(model.named_parameters()))
+    return Path(out)

@@ -174,7 +174,8 @@ class StageModel(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, *, layers: tuple[int, int], embedding: bool, head: bool,
-                 tp: TPContext | None = None, recompute: bool = False, seed: int = 0) -> None:
+                 tp: TPContext | None = None, recompute: bool = False, seed: int = 0,
+                 rope_len: int | None = None) -> None:
         super().__init__()
         self.spec, self.tp, self.recompute = spec, tp or TPContext(), recompute
         self.has_embedding, self.has_head = embedding, head
@@ -191,7 +192,9 @@ class StageModel(nn.Module):
             if not spec.tied_embeddings:
                 self.head = nn.Linear(spec.hidden_size, vocab, bias=False)
         if spec.arch == "llama":
-            cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=spec.max_seq_len, base=spec.rope_theta,
+            # Positions up to rope_len (the run's sequence length) only: a 128k-context model's full
+            # table would be 128 MiB per rank. Each position's angles do not depend on the length.
+            cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=rope_len or spec.max_seq_len, base=spec.rope_theta,
                                    scaling=dict(spec.rope_scaling))
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)

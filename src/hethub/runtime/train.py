@@ -25,9 +25,9 @@ from hethub.comm.factory import make_communicator
 from hethub.errors import HethubError, RuntimeSetupError
 from hethub.plan import Plan
 from hethub.progress import progress
+from hethub.runtime import run_extras, train_config
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
 from hethub.runtime.checkpoint_io import latest_dir
-from hethub.runtime.data import BatchSource, byte_tokenize, hf_tokenizer, load_tokens
 from hethub.runtime.devices import (
     activate,
     device_types_of_kinds,
@@ -42,7 +42,7 @@ from hethub.runtime.trainer import Trainer, TrainerConfig
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m hethub.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--plan", required=True, help="plan JSON written by 'hethub plan'")
+    ap.add_argument("--plan", help="plan JSON written by 'hethub plan' (required, here or in --config)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--metrics", help="append one JSON line per step to this file")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="continue from a checkpoint; auto: the newest in --checkpoint-dir if there is one")
     ck.add_argument("--replan-on-shrink", action="store_true",
                     help="if fewer processes than the plan's devices start, plan for them and resume under it")
-    args = ap.parse_args(argv)
+    train_config.add_arguments(ap)
+    args = train_config.parse_with_config(ap, argv)
+    if not args.plan:
+        ap.error("--plan is required (or [plan] file in --config)")
     if (args.resume == "auto" or args.checkpoint_every or args.replan_on_shrink) and not args.checkpoint_dir:
         ap.error("--resume auto, --checkpoint-every and --replan-on-shrink need --checkpoint-dir")
     return args
@@ -112,10 +115,10 @@ def run(args: argparse.Namespace) -> None:
         cfg = TrainerConfig(optim=optim, seed=args.seed, device=str(device),
                             autocast_bf16=device.type != "cpu" and plan.precision == "bf16-mixed", trace=args.trace)
         trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
-        tokenize = hf_tokenizer(args.tokenizer, vocab_size=plan.model.vocab_size) if args.tokenizer else byte_tokenize
-        source = BatchSource(load_tokens(num_tokens=args.steps * plan.global_batch * (plan.seq_len + 1),
-                                         tokenize=tokenize), global_batch=plan.global_batch, seq_len=plan.seq_len)
+        extras = run_extras.setup(args, trainer)  # initial weights, data, evaluation, TensorBoard
+        source = extras.source
         start = _resume(args, trainer)
+        extras.check_resume(start)
         out = Path(args.metrics) if args.metrics else None
         if out is not None and rank == trainer.topo.log_rank:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,8 +131,10 @@ def run(args: argparse.Namespace) -> None:
         for step in range(start, args.steps):
             maybe_inject_fault(rank=rank, step=step)
             rec = trainer.train_step(source.global_batch_at(step), step=step)
+            extras.after_step(step, rec)
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-                save_checkpoint(trainer, root=args.checkpoint_dir, step=step + 1, keep=args.keep_checkpoints)
+                save_checkpoint(trainer, root=args.checkpoint_dir, step=step + 1, keep=args.keep_checkpoints,
+                                meta=extras.meta)
             if rec is None:
                 continue
             emu = " (emulated kinds: " + ", ".join(k for k, v in rec["kinds"].items() if v["emulated"]) + ")" \
@@ -144,7 +149,9 @@ def run(args: argparse.Namespace) -> None:
                     f.write(json.dumps(rec) + "\n")
         bar.close()
         if args.checkpoint_dir and start < args.steps:
-            save_checkpoint(trainer, root=args.checkpoint_dir, step=args.steps, keep=args.keep_checkpoints)
+            save_checkpoint(trainer, root=args.checkpoint_dir, step=args.steps, keep=args.keep_checkpoints,
+                            meta=extras.meta)
+        extras.finish(trained=start < args.steps)
         # Tear down only once every rank is done: a rank leaving while a peer's last gloo transfer
         # is in flight can abort that peer (seen rarely as "terminate called without an active
         # exception").

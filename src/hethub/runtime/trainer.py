@@ -48,7 +48,7 @@ class Trainer:
                        comm=comm if st.tp > 1 else None)
         self.device = torch.device(self.cfg.device)
         self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
-                                recompute=st.recompute, seed=self.cfg.seed).to(self.device)
+                                recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len).to(self.device)
         self.emulator = Emulator(self.kind.emulated_slowdown)
         self.executor = PipelineExecutor(self.model, place=place, comm=comm, schedule=plan.schedule,
                                          seq_len=plan.seq_len, hidden_size=plan.model.hidden_size,

@@ -1,0 +1,49 @@
+"""Held-out loss under the training plan: forward passes only, through the same stages and shares.
+
+Each replica runs forwards of its micro-batches of each held-out global batch (the schedule's
+forward ops, no backward), without autograd; the head stages' summed sample losses are all-reduced
+and divided by the sample count, as in training. Collective: every rank calls it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from hethub.runtime.data import micro_batches
+from hethub.runtime.pipeline import PipelineExecutor
+from hethub.runtime.trainer import Trainer
+
+
+def _forward_only(trainer: Trainer) -> PipelineExecutor:
+    plan, place = trainer.plan, trainer.place
+    ex = PipelineExecutor(trainer.model, place=place, comm=trainer.comm, schedule=plan.schedule,
+                          seq_len=plan.seq_len, hidden_size=plan.model.hidden_size, emulator=trainer.emulator,
+                          device=trainer.device)
+    ex.ops = [("F", i) for i in range(place.num_micro_batches)]
+    return ex
+
+
+def evaluate(trainer: Trainer, batches: list[torch.Tensor]) -> float:
+    """Mean held-out loss over ``batches`` ([global_batch, seq_len+1] each); nan if there are none."""
+    if not batches:
+        return float("nan")
+    ex = _forward_only(trainer)
+    reports = trainer.place.stage.head and trainer.place.tp_rank == 0
+    total = 0.0
+    was_training = trainer.model.training
+    trainer.model.eval()
+    try:
+        amp = torch.autocast(trainer.device.type, dtype=torch.bfloat16) if trainer.cfg.autocast_bf16 \
+            else nullcontext()
+        with torch.no_grad(), amp:
+            for batch in batches:
+                mbs = [(x.to(trainer.device), y.to(trainer.device)) for x, y in micro_batches(batch, trainer.share)]
+                loss_sum, _ = ex.run(mbs)
+                total += loss_sum if reports else 0.0
+    finally:
+        trainer.model.train(was_training)
+    t = torch.tensor([total], dtype=torch.float64, device=trainer.device)
+    trainer.comm.all_reduce(t)
+    return float(t) / (trainer.plan.global_batch * len(batches))
