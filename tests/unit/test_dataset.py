@@ -159,6 +159,7 @@ def test_example_config_prepares_a_launch(tmp_path: Path, monkeypatch: pytest.Mo
     """examples/train/finetune-small.toml: the launcher writes the starting model folder and the plan."""
     pytest.importorskip("safetensors")
     from hethub import train
+    from hethub.commands.launch_config import prepare_launch
     from hethub.plan import Plan
     from hethub.runtime.hf_io import spec_from_folder
 
@@ -166,7 +167,7 @@ def test_example_config_prepares_a_launch(tmp_path: Path, monkeypatch: pytest.Mo
     cfg = tmp_path / "run.toml"
     cfg.write_text(text.replace('"runs/finetune-small', f'"{tmp_path}/runs'))
     monkeypatch.chdir(REPO)  # the example's other paths are relative to the repository root
-    got = train_config.prepare_launch(cfg)
+    got = prepare_launch(cfg)
     base = tmp_path / "runs" / "base"
     assert (base / "config.json").is_file() and (base / "model.safetensors").is_file()
     plan = Plan.load(got["plan"])

@@ -16,7 +16,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     if args.config:  # the config's launcher part: model folder, plan; the ranks read the rest
-        from hethub.runtime.train_config import prepare_launch
+        from hethub.commands.launch_config import prepare_launch
 
         got = prepare_launch(args.config)
         args.plan = args.plan or got["plan"]
