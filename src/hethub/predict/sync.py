@@ -99,7 +99,7 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     head_matrix = 0 if model.tied_embeddings else v * h
     groups.append(group("head", holders["final_norm"], {t: head_matrix / t + model.final_norm_params for t in tps}))
     # Where the runtime meets each group's parameters: its units' name prefixes, the first of them.
-    head_units = ("head", "final_norm")
+    head_units = ("final_norm",) if model.tied_embeddings else ("head", "final_norm")
     units = [("embed",), *((f"layer.{layer}",) for layer in range(model.num_layers)), head_units]
     first_names = {g.name: min(unit_param_prefix(u) for u in us) for g, us in zip(groups, units, strict=True)}
     return _buckets(groups, first_names=first_names, cluster=cluster, first_dev=first_dev)
