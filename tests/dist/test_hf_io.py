@@ -168,10 +168,12 @@ def test_logits_and_loss_match_transformers(folders: dict[str, Path], variant: s
         assert abs(r["loss"] - ref_loss) <= TOL, (r["loss"], ref_loss)
 
 
-def test_train_export_reload(folders: dict[str, Path], tmp_path: Path) -> None:
-    """3 steps under the heterogeneous plan from a sharded folder, checkpoint, export, reload."""
-    folder = folders["llama-gqa"]
-    assert len(list(folder.glob("*.safetensors"))) > 1, "the fixture saves this variant in shards"
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied", "qwen2-bias"])
+def test_train_export_reload(folders: dict[str, Path], tmp_path: Path, variant: str) -> None:
+    """3 steps under the heterogeneous plan (GQA: from a sharded folder), checkpoint, export, reload."""
+    folder = folders[variant]
+    if variant == "llama-gqa":
+        assert len(list(folder.glob("*.safetensors"))) > 1, "the fixture saves this variant in shards"
     plan = hetero_plan(folder)
     batches = data(plan)
     run_ranks(plan.world_size, _worker, plan, str(folder), batches, str(tmp_path / "ckpt"))
@@ -182,7 +184,8 @@ def test_train_export_reload(folders: dict[str, Path], tmp_path: Path) -> None:
     logits, loss = hf_forward(out, probe)
     with torch.no_grad():
         cap: list[torch.Tensor] = []
-        ref.norm.register_forward_hook(lambda _m, _i, o: cap.append(torch.nn.functional.linear(o, ref.head.weight)))
+        w = ref.embed.weight if ref.spec.tied_embeddings else ref.head.weight
+        ref.norm.register_forward_hook(lambda _m, _i, o: cap.append(torch.nn.functional.linear(o, w)))
         ref_loss = float(ref(probe[:, :-1], probe[:, 1:])) / probe.shape[0]
     assert np.abs(logits - cap[0].numpy()).max() <= TOL
     assert abs(loss - ref_loss) <= TOL

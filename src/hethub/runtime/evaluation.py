@@ -21,7 +21,8 @@ def _forward_only(trainer: Trainer) -> PipelineExecutor:
     ex = PipelineExecutor(trainer.model, place=place, comm=trainer.comm, schedule=plan.schedule,
                           seq_len=plan.seq_len, hidden_size=plan.model.hidden_size, emulator=trainer.emulator,
                           device=trainer.device)
-    ex.ops = [("F", i) for i in range(place.num_micro_batches)]
+    # The schedule's forward ops in their order (whatever the op type carries besides kind and micro-batch).
+    ex.ops = type(ex.ops)(op for op in ex.ops if op[0] == "F")
     return ex
 
 

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", action="store_true",
                     help="log every micro-batch's forward/backward interval per rank (for timeline reports)")
-    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer available locally (default: bytes)")
+    ap.add_argument("--tokenizer", help="a tokenizer.json (or a folder holding one), or a local Hugging Face "
+                    "tokenizer name (default: bytes)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
     ck = ap.add_argument_group("checkpoints and restarts (docs/reliability.md)")
     ck.add_argument("--checkpoint-dir", help="save checkpoints here (always at the end of the run)")
