@@ -53,10 +53,14 @@ def test_an_installed_extension_registers_the_device_without_code_changes(monkey
         return SimpleNamespace()
 
     kind = replace(catalog()["a100-80gb"], name="vendor-x", torch_package="vendor_x_ext")
-    got = place_rank(kind, rank=5, local_index=3, importer=importer)
+    got = place_rank(kind, rank=5, local_index=3, importer=importer, available=lambda: ("gloo", "nccl"))
     assert imported == ["vendor_x_ext"] and got.device == torch.device("cuda", 3) and got.kind == "vendor-x"
     with pytest.raises(RuntimeSetupError, match=r"rank 5 \(kind 'vendor-x'\) needs cuda:9.*shows 8"):
         place_rank(kind, rank=5, local_index=9, importer=importer)
+    # The device is there but its collective library is not (a torch build without NCCL).
+    with pytest.raises(RuntimeSetupError, match=r"rank 5 \(kind 'vendor-x'\) needs the collective backend 'nccl'.*"
+                       r"has gloo\. Fix: install a CUDA build"):
+        place_rank(kind, rank=5, local_index=3, importer=importer, available=lambda: ("gloo",))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
@@ -69,6 +73,7 @@ def test_plan_placement_takes_the_index_from_the_node_layout(monkeypatch) -> Non
     plan = _plan("cpu", "a100-80gb")  # ranks: device 0 (cpu), device 3 (a100, second of its node)
     monkeypatch.setattr(torch, "cuda", SimpleNamespace(is_available=lambda: True, device_count=lambda: 2))
     assert plan_placement(plan, 0).device == torch.device("cpu")
+    monkeypatch.setattr("hethub.runtime.devices.available_backends", lambda: ("gloo", "nccl"))
     assert plan_placement(plan, 1).device == torch.device("cuda", 1)
     assert device_types_of_kinds(plan) == {"a100-80gb": "cuda", "cpu": "cpu"}
     assert world_backend(plan) == "gloo"

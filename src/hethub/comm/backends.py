@@ -36,6 +36,11 @@ _INSTALL_HINT = {
 }
 
 
+def install_hint(backend: str) -> str:
+    """How to get ``backend`` into this process."""
+    return _INSTALL_HINT.get(backend, f"install the torch plug-in that registers the {backend!r} backend")
+
+
 def available_backends() -> tuple[str, ...]:
     """Backends this process can create groups with, in a stable order."""
     if not dist.is_available():
@@ -73,7 +78,7 @@ def backend_for_kind(kind: DeviceKind, *, device_type: str, available: Iterable[
             f"{DEVICE_OF_BACKEND[wanted]!r} (or on 'cpu' to emulate it), or correct its 'backend' in the "
             "cluster file.")
     if wanted not in have:
-        hint = _INSTALL_HINT.get(wanted, f"install the torch plug-in that registers the {wanted!r} backend")
+        hint = install_hint(wanted)
         raise RuntimeSetupError(
             f"plan needs backend {wanted!r} for kind {kind.name!r} but this torch build has: "
             f"{', '.join(have) or 'none (torch.distributed is unavailable)'}. Fix: {hint}; or run the kind on "

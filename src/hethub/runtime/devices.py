@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hethub.comm.backends import available_backends, install_hint
 from hethub.errors import RuntimeSetupError
 from hethub.plan import Plan
 from hethub.spec.cluster import DeviceKind
@@ -64,12 +65,13 @@ def device_module(device_type: str) -> ModuleType | None:
     return getattr(torch, device_type, None)
 
 
-def place_rank(kind: DeviceKind, *, rank: int, local_index: int,
-               importer: Importer = importlib.import_module) -> Placement:
+def place_rank(kind: DeviceKind, *, rank: int, local_index: int, importer: Importer = importlib.import_module,
+               available: Callable[[], tuple[str, ...]] | None = None) -> Placement:
     """The device rank ``rank`` of ``kind`` computes on: ``<device_type>:<local_index>``, or the CPU.
 
     ``local_index`` is the device's index within its node (the cluster's node layout). Raises
-    RuntimeSetupError naming the rank, the kind and the missing package or device.
+    RuntimeSetupError naming the rank, the kind and the missing package, device or backend
+    (``available`` lists the backends; default: what this torch has, after the extension's import).
     """
     if kind.device_type == "cpu":
         return Placement(rank=rank, kind=kind.name, device=torch.device("cpu"))
@@ -88,6 +90,10 @@ def place_rank(kind: DeviceKind, *, rank: int, local_index: int,
         raise _missing(rank, kind, f"{kind.device_type}:{local_index} (its index in the node layout), but this "
                        f"node shows {count} {kind.device_type} device(s)", "make the cluster file's "
                        "devices_per_node match the node, or expose all its devices to the job")
+    have = available() if available is not None else available_backends()
+    if kind.backend not in have:
+        raise _missing(rank, kind, f"the collective backend {kind.backend!r} for its {kind.device_type} group, but "
+                       f"this torch has {', '.join(have) or 'none'}", install_hint(kind.backend))
     return Placement(rank=rank, kind=kind.name, device=torch.device(kind.device_type, local_index))
 
 
