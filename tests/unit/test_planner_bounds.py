@@ -11,7 +11,7 @@ import hethub.search.templates as templates
 from hethub.search import PlannerConfig
 from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
 from hethub.search.combine import Group, allocate, water_level
-from hethub.search.costs import Job, StageModel
+from hethub.search.costs import Job, StageCost
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
@@ -35,7 +35,7 @@ def test_water_level_is_the_allocation_makespan(specs, total):
     assert water_level(groups, total) == pytest.approx(makespan, rel=1e-9)
 
 
-def _scan_max_layers(sm: StageModel, emb: bool, head: bool, in_flight: int, limit: int) -> int:
+def _scan_max_layers(sm: StageCost, emb: bool, head: bool, in_flight: int, limit: int) -> int:
     fits = [n for n in range(limit + 1)
             if sm.memory_bytes(n, emb=emb, head=head, in_flight=in_flight) <= sm.capacity_bytes]
     return -1 if not fits else max(fits)
@@ -47,7 +47,7 @@ def test_max_layers_is_what_a_scan_of_stage_memory_finds():
         model = get_model(model_name)
         job = Job(model=model, seq_len=4096, precision=precision, schedule="1f1b")
         for kind, tp, mbs, rc in itertools.product(KINDS, (1, 8), (1, 4), (False, True)):
-            sm = StageModel(job, cluster.kinds[kind], tp=tp, mbs=mbs, recompute=rc)
+            sm = StageCost(job, cluster.kinds[kind], tp=tp, mbs=mbs, recompute=rc)
             for emb, head, in_flight in itertools.product((False, True), (False, True), (1, 3, 17)):
                 assert sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=model.num_layers) == \
                     _scan_max_layers(sm, emb, head, in_flight, model.num_layers)

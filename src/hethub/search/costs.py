@@ -39,7 +39,7 @@ class Affine:
         return self.base + layers * self.per_layer
 
 
-class StageModel:
+class StageCost:
     """Costs of one stage shape: (kind, tp, micro-batch size, recompute)."""
 
     def __init__(self, job: Job, kind: DeviceKind, *, tp: int, mbs: int, recompute: bool) -> None:
@@ -159,11 +159,11 @@ class StageModel:
 
 
 class CostBook:
-    """StageModels by shape, and layer splits by template: built once per job, shared by searches."""
+    """StageCosts by shape, and layer splits by template: built once per job, shared by searches."""
 
     def __init__(self, job: Job, kinds: dict[str, DeviceKind]) -> None:
         self.job, self.kinds = job, kinds
-        self._cache: dict[tuple[str, int, int, bool], StageModel] = {}
+        self._cache: dict[tuple[str, int, int, bool], StageCost] = {}
         self.splits: dict[tuple, object] = {}
         self.options: dict[tuple, list] = {}
         self.capacity: dict[tuple, object] = {}  # bounds.Capacity by (kind, tp, micro-batch size)
@@ -171,9 +171,9 @@ class CostBook:
         self.stage_floors: dict[tuple, tuple[float, float]] = {}  # bounds.py: (per layer, base) of a stage
         self.solo: dict[tuple[int, int], tuple[object, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
 
-    def stage(self, kind: str, *, tp: int, mbs: int, recompute: bool) -> StageModel:
+    def stage(self, kind: str, *, tp: int, mbs: int, recompute: bool) -> StageCost:
         key = (kind, tp, mbs, recompute)
         sm = self._cache.get(key)
         if sm is None:
-            sm = self._cache[key] = StageModel(self.job, self.kinds[kind], tp=tp, mbs=mbs, recompute=recompute)
+            sm = self._cache[key] = StageCost(self.job, self.kinds[kind], tp=tp, mbs=mbs, recompute=recompute)
         return sm

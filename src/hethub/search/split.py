@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
-from hethub.search.costs import CostBook, StageModel
+from hethub.search.costs import CostBook, StageCost
 from hethub.spec.cluster import Link
 from hethub.spec.model import ModelSpec
 
@@ -78,7 +78,7 @@ class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
     base: float
     per_layer: float
     max_layers: int
-    sm: StageModel
+    sm: StageCost
 
 
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
@@ -218,11 +218,11 @@ def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Op
     return price(models, counts, model=job_model, slots=slots, mbs=mbs, p2p_link=p2p_link, schedule=schedule)
 
 
-def price(models: list[StageModel], counts: list[int], *, model: ModelSpec, slots: tuple[Slot, ...], mbs: int,
+def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots: tuple[Slot, ...], mbs: int,
           p2p_link: Callable[[Slot, Slot], Link], schedule: str) -> PipeCost:
     """Closed-form costs of a pipeline whose stage models and layer counts are given.
 
-    StageModel.fwd_s / bwd_s / update_s / params inlined (same arithmetic): this runs for every split.
+    StageCost.fwd_s / bwd_s / update_s / params inlined (same arithmetic): this runs for every split.
     """
     p = len(slots)
     fwd, bwd, upd, params = [], [], [], []
