@@ -224,3 +224,20 @@ def test_unsupported_options_are_named(tmp_path: Path, field: str, value: Any, n
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(RuntimeSetupError, match=named):
         spec_from_folder(tmp_path)
+
+
+def test_sharded_folder_without_index_loads_the_same(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Without model.safetensors.index.json the shards' headers say where each tensor is."""
+    import shutil
+
+    sharded = folders["llama-gqa"]
+    bare = tmp_path / "bare"
+    shutil.copytree(sharded, bare)
+    (bare / "model.safetensors.index.json").unlink()
+    spec, _ = spec_from_folder(sharded)
+    a = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=1)
+    b = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=2)
+    load_stage(a, sharded)
+    load_stage(b, bare)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
