@@ -29,7 +29,15 @@ def test_plan_then_predict_agree(tmp_path, capsys):
     assert planned["feasible"] is True
     code, out, _ = run(["predict", "--plan", plan_path, "--json"], capsys)
     assert code == 0
-    assert json.loads(out)["step_time_s"] == planned["step_time_s"]
+    pred = json.loads(out)
+    assert pred["step_time_s"] == planned["step_time_s"]
+    # What the predictor says about itself: per stage where the step goes, MFU per kind, sources.
+    for st in pred["stages"]:
+        parts = st["step_breakdown_s"]
+        assert sum(parts.values()) == pytest.approx(pred["step_time_s"])
+    assert set(pred["mfu_by_kind"]) == {"a100-40gb", "v100-16gb", "all"}
+    assert all(0 < v < 1 for v in pred["mfu_by_kind"].values())
+    assert pred["sources"]["compute"]["a100-40gb"].startswith("analytic, partly calibrated on Sailor profiles")
     code, out, _ = run(["predict", "--plan", plan_path], capsys)
     assert "predicted step time" in out and "a100-40gb" in out
 

@@ -55,7 +55,7 @@ def test_single_stage_step_is_m_times_f_plus_b():
     assert pred.step_time_s == pytest.approx(4 * 3 * f)
     assert pred.tokens_per_s == pytest.approx(4 * SEQ / pred.step_time_s)
     assert pred.model_flops_per_step == pytest.approx(TINY.train_flops_per_token(seq_len=SEQ) * 4 * SEQ)
-    assert pred.compute_sources == {"a": "analytic"}
+    assert pred.compute_sources == {"a": "analytic, constant efficiency"}  # no sm_count: roofline
 
 
 def test_two_stages_with_p2p_one_micro_batch():
@@ -103,7 +103,7 @@ def test_profile_is_used_when_given():
     assert pred.step_time_s == pytest.approx(6 * 0.03 + 0.003 + 0.015)
     # A profile at another sequence length is not trusted.
     other = ProfileSet({"a": replace(prof.by_kind["a"], seq_len=SEQ // 2)})
-    assert predict(pl, profiles=other).compute_sources == {"a": "analytic"}
+    assert predict(pl, profiles=other).compute_sources == {"a": "analytic, constant efficiency"}
 
 
 def test_memory_overflow_is_reported():
@@ -301,3 +301,24 @@ def test_emulated_kind_stretches_only_the_cpu_share_of_a_profile():
 
     assert fwd(entry) == pytest.approx(6 * 0.01 * 3.0)
     assert fwd(half) == pytest.approx(6 * 0.01 * (1 + 2.0 * 0.5))
+
+
+def test_step_breakdown_and_mfu_per_kind():
+    """Per stage, compute + exposed comm + update + bubble make the step; MFU per kind is model FLOPs
+    over the kinds' dense peaks; the JSON says where each part came from."""
+    a = kind("a", flops=2e12)
+    b = kind("b", flops=1e12)
+    c = cluster((a, 1, 2), (b, 1, 2))
+    st = (Stage(kind="a", devices=(0, 1), layers=(0, 4), embedding=True),
+          Stage(kind="b", devices=(2, 3), layers=(4, 6), head=True))
+    pred = predict(plan(c, [Pipeline(1, 4, st)]))
+    for s in pred.stages:
+        assert s.compute_s > 0 and s.exposed_comm_s > 0 and s.bubble_s >= 0  # TP 2: collectives exposed
+        assert s.compute_s + s.exposed_comm_s + s.update_s + s.bubble_s == pytest.approx(pred.step_time_s)
+    flops_a = 3 * fwd_flops(4, head=False, mbs=1) * 4
+    assert pred.mfu_by_kind["a"] == pytest.approx(flops_a / pred.step_time_s / (2 * 2e12))
+    assert 0 < pred.mfu_by_kind["all"] < 1
+    d = pred.to_dict()
+    assert set(d["stages"][0]["step_breakdown_s"]) == {"compute", "exposed_comm", "update", "bubble"}
+    assert d["sources"]["compute"] == {"a": "analytic, constant efficiency", "b": "analytic, constant efficiency"}
+    assert d["mfu_by_kind"] == pred.mfu_by_kind

@@ -68,7 +68,7 @@ def test_profile_file_round_trips_and_is_used(tiny_profile):
     pred = predict(_plan(stages=1), profiles=profiles)
     assert pred.compute_sources == {"cpu-fast": "profile"}
     mixed = predict(_plan(), profiles=profiles)
-    assert mixed.compute_sources == {"cpu-fast": "profile", "cpu-slow": "analytic"}
+    assert mixed.compute_sources == {"cpu-fast": "profile", "cpu-slow": "analytic, constant efficiency"}
 
 
 def test_entry_without_tp_collectives_gets_them_added():

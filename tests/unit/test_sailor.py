@@ -1,6 +1,7 @@
 """Sailor's profiles and plans: reading its public data, plan import/export and what cannot be exported."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -203,4 +204,12 @@ def test_prediction_uses_sailor_profiles():
     files = [PROFILES / "OPT-350" / g / "profile.json" for g in ("A100-40", "V100-16")]
     with_profiles = predict(plan, profiles=load_profiles(files, model=plan.model, seq_len=plan.seq_len))
     assert with_profiles.compute_sources == {"v100-16gb": "profile", "a100-40gb": "profile"}
-    assert set(predict(plan).compute_sources.values()) == {"analytic"}
+    # Without profiles: the operator model. Sailor's runs were fp32/TF32, so a bf16 plan has its
+    # shape, memory and launch numbers fitted there but its bf16 GEMM efficiency assumed; an fp32
+    # plan is calibrated throughout.
+    src = predict(plan).compute_sources
+    assert plan.precision == "bf16-mixed"
+    assert all(s.startswith("analytic, partly calibrated on Sailor profiles") and "bf16-mixed GEMM efficiency "
+               "assumed" in s for s in src.values()), src
+    fp32 = predict(replace(plan, precision="fp32")).compute_sources
+    assert fp32["v100-16gb"].startswith("analytic, calibrated on Sailor profiles") and "V100-16" in fp32["v100-16gb"]

@@ -1,15 +1,23 @@
-"""Per-micro-batch compute time of a stage: from a measured profile, else an analytic roofline.
+"""Per-micro-batch compute time of a stage: from a measured profile, else analytic.
 
-Analytic: time = FLOPs / (peak FLOP/s x efficiency), with the kind's documented efficiency factor
-(catalog.toml). Backward is twice the forward; full recomputation adds one more forward. The optimizer
-update streams the stage's training state through device memory once (read and write).
+Analytic, for a kind with compute-unit data in the catalog (``sm_count``): the operator-level model
+of :mod:`hethub.predict.opmodel` (every GEMM by its shape, attention per the kind's implementation,
+memory-bound kernels at the kind's bandwidth), with the kind's fitted numbers where the catalog has
+them ("analytic, calibrated on ...") or assumed defaults ("analytic, uncalibrated"). Other kinds
+(CPUs, hand-made kinds): time = FLOPs / (peak FLOP/s x efficiency), backward twice the forward.
+Full recomputation adds one more forward. The optimizer update streams the stage's training state
+through device memory once (read and write).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from hethub.predict.memory import stage_params
+from hethub.predict import opmodel
+from hethub.predict.calibrate import DEFAULT_GEMM_EFF, DEFAULT_K_HALF, DEFAULT_LAUNCH_S, DEFAULT_MEM_EFF
+from hethub.predict.gemm import KernelParams
+from hethub.predict.memory import act_bytes_for, stage_params
 from hethub.predict.profiles import KindProfile
 from hethub.spec.cluster import DeviceKind
 from hethub.spec.model import ModelSpec
@@ -20,7 +28,7 @@ class StageTimes:
     fwd_s: float  # one micro-batch, this stage, compute only
     bwd_s: float  # includes recomputation
     update_s: float  # optimizer step, once per training step
-    source: str  # "profile" or "analytic"
+    source: str  # "profile", "analytic, calibrated on ...", "analytic, uncalibrated", "analytic, constant efficiency"
     # Whether fwd/bwd already contain the TP all-reduces (profiles measured on a real TP group).
     tp_comm_included: bool = False
     # Of fwd_s / bwd_s, the emulation's sleep on an emulated kind (no core needed; contention.py).
@@ -52,13 +60,6 @@ def stage_times(
         stretch = (kind.emulated_slowdown - 1.0) * entry.cpu_fraction
         return StageTimes(fwd * (1 + stretch), bwd * (1 + stretch), upd, "profile", entry.tp_comm_included,
                           fwd * stretch, bwd * stretch)
-    tokens = mbs * seq_len
-    flops = layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len)
-    if head:
-        flops += model.head_fwd_flops(tokens=tokens)
-    fwd = flops / tp / kind.effective_flops
-    bwd = 2 * fwd + (layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len) / tp / kind.effective_flops
-                     if recompute else 0.0)
     upd = 0.0
     if kind.mem_bw_bytes_per_s:
         state = sum(ModelSpec.state_bytes_per_param(precision).values())
@@ -66,4 +67,67 @@ def stage_times(
         upd = 2 * params * state / kind.mem_bw_bytes_per_s
     # An emulated kind's analytic speed already includes its slowdown; the share it would sleep:
     idle = 1.0 - 1.0 / kind.emulated_slowdown
-    return StageTimes(fwd, bwd, upd, "analytic", fwd_idle_s=fwd * idle, bwd_idle_s=bwd * idle)
+    op = kernel_params(kind, precision)
+    if op is not None:
+        params_k, source = op
+        elem = act_bytes_for(precision)
+        attention = kind.attention if precision != "fp32" else "math"  # flash kernels need 16-bit inputs
+        shape = opmodel.Shape.of(model, mbs=mbs, seq_len=seq_len, tp=tp, elem_bytes=elem, attention=attention)
+        lf, lb = _phase_times("layer", shape, params_k)
+        fwd, bwd = layers * lf, layers * (lb + (lf if recompute else 0.0))
+        for present, part in ((embedding, "embedding"), (head, "head")):
+            if present:
+                f, b = _phase_times(part, shape, params_k)
+                fwd, bwd = fwd + f, bwd + b
+        upd /= params_k.mem_eff
+        fwd, bwd = fwd * kind.emulated_slowdown, bwd * kind.emulated_slowdown
+        return StageTimes(fwd, bwd, upd, source, fwd_idle_s=fwd * idle, bwd_idle_s=bwd * idle)
+    tokens = mbs * seq_len
+    flops = layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len)
+    if head:
+        flops += model.head_fwd_flops(tokens=tokens)
+    fwd = flops / tp / kind.effective_flops
+    bwd = 2 * fwd + (layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len) / tp / kind.effective_flops
+                     if recompute else 0.0)
+    return StageTimes(fwd, bwd, upd, "analytic, constant efficiency", fwd_idle_s=fwd * idle, bwd_idle_s=bwd * idle)
+
+
+_PARTS = {"layer": opmodel.layer_ops, "embedding": opmodel.embedding_ops, "head": opmodel.head_ops}
+
+
+@functools.lru_cache(maxsize=4096)
+def _phase_times(part: str, shape: opmodel.Shape, params: KernelParams) -> tuple[float, float]:
+    """Forward and backward time of one part on one TP rank (cached: the planner asks often)."""
+    fwd, bwd = _PARTS[part](shape)
+    return (opmodel.phase_time_s(fwd, params, elem_bytes=shape.elem_bytes),
+            opmodel.phase_time_s(bwd, params, elem_bytes=shape.elem_bytes))
+
+
+def kernel_params(kind: DeviceKind, precision: str) -> tuple[KernelParams, str] | None:
+    """The op model's numbers for `kind` at `precision`, and what they rest on; None where the kind
+    has no compute-unit data (the constant-efficiency roofline applies).
+
+    bf16-mixed runs its GEMMs on the tensor cores at the dense bf16 peak; fp32 on the non-tensor fp32
+    units (PyTorch's default: TF32 off for matmuls). The GEMM efficiency of that precision, and the
+    shape, memory and launch numbers, each come from the catalog where fitted, else are assumed; the
+    source says which: "calibrated on ...", "partly calibrated on ..." or "uncalibrated".
+    """
+    if kind.sm_count is None or not kind.mem_bw_bytes_per_s:
+        return None
+    if precision == "fp32":
+        peak, eff = kind.fp32_flops or kind.peak_flops / 8, kind.gemm_eff_fp32
+    else:
+        peak, eff = kind.peak_flops, kind.gemm_eff
+    shared = (kind.gemm_k_half, kind.mem_eff, kind.kernel_launch_s)
+    params = KernelParams(
+        sm_count=kind.sm_count, matmul_flops=peak, mem_bw_bytes_per_s=kind.mem_bw_bytes_per_s,
+        gemm_eff=eff if eff is not None else DEFAULT_GEMM_EFF,
+        k_half=kind.gemm_k_half if kind.gemm_k_half is not None else DEFAULT_K_HALF,
+        mem_eff=kind.mem_eff if kind.mem_eff is not None else DEFAULT_MEM_EFF,
+        launch_s=kind.kernel_launch_s if kind.kernel_launch_s is not None else DEFAULT_LAUNCH_S)
+    if not kind.calibration or all(v is None for v in (eff, *shared)):
+        return params, "analytic, uncalibrated"
+    if eff is None or any(v is None for v in shared):
+        return params, (f"analytic, partly calibrated on {kind.calibration} ({precision} GEMM efficiency "
+                        f"assumed {params.gemm_eff:g})")
+    return params, f"analytic, calibrated on {kind.calibration}"

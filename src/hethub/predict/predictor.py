@@ -18,7 +18,7 @@ because the planner calls it in a loop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hethub.plan import Pipeline, Plan
 from hethub.predict.comm import p2p_time_s, tp_comm_time_s
@@ -35,6 +35,7 @@ from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.stragglers import SpeedDraws, SpeedSpread, median_over_draws
 from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_barrier_s
+from hethub.predict.utilisation import mfu_by_kind
 from hethub.schedules import get_schedule
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.spec.cluster import Link
@@ -149,7 +150,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
 
     groups = sync_groups(plan)
     sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline, groups=groups)
-    stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync)
+    stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync,
+                                     last_backward_s=finish[pi][si])
                    for pi, si, cost, mem, send in partial)
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
@@ -180,6 +182,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
                 replay(draw, recorded)
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
+    stages = tuple(replace(sp, bubble_s=max(0.0, step - sp.compute_s - sp.exposed_comm_s - sp.update_s))
+                   for sp in stages)
     events: tuple[Event, ...] = ()
     if recorded is not None:
         events = _replay_timeline(plan, recorded, stages)
@@ -192,7 +196,21 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         stages=stages,
         timeline=events,
         model_flops_per_step=model.train_flops_per_token(seq_len=plan.seq_len) * tokens,
+        mfu_by_kind=mfu_by_kind(plan, step),
+        sources=_sources(plan, stages),
     )
+
+
+def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, object]:
+    """What the prediction rests on, part by part: measured inputs or analytic models."""
+    cluster = plan.cluster
+    comm = "analytic: alpha-beta links from the cluster file, ring collectives"
+    if cluster.host_allreduce:
+        comm += f"; all-reduce among {sorted(p for p, _ in cluster.host_allreduce)} ranks measured on this host"
+    return {"compute": {s.kind: s.compute_source for s in stages}, "communication": comm,
+            "memory": "analytic: parameters, gradients, optimizer state and kept activations (predict/memory.py)",
+            "mfu": "model FLOPs (forward + backward, no recomputation) over each kind's dense peak for the "
+                   f"plan's precision ({plan.precision})"}
 
 
 def _speed_spread(plan: Plan, costs: _Costs, *, step_s: float) -> SpeedSpread | None:
@@ -219,14 +237,19 @@ def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float, 
 
 
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: StageMemory, send: float,
-                      sync: SyncResult) -> StagePrediction:
+                      sync: SyncResult, last_backward_s: float) -> StagePrediction:
     s = plan.pipelines[pi].stages[si]
+    m = plan.pipelines[pi].num_micro_batches
+    compute = m * (cost.times.fwd_s + cost.times.bwd_s)
+    tp_comm = m * (cost.fwd_s - cost.times.fwd_s + cost.bwd_s - cost.times.bwd_s)
+    sync_tail = max(0.0, sync.stage_end_s[(pi, si)] - cost.times.update_s - last_backward_s)
     return StagePrediction(
         pipeline=pi, stage=si, kind=s.kind, devices=s.devices, layers=s.layers, tp=s.tp,
         fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, update_s=cost.times.update_s, p2p_s=send,
         sync_s=sync.sync_s[(pi, si)], weights_bytes=mem.weights_bytes, grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes, activations_bytes=mem.activations_bytes,
         capacity_bytes=plan.cluster.kinds[s.kind].mem_bytes * USABLE_FRACTION, compute_source=cost.times.source,
+        compute_s=compute, exposed_comm_s=tp_comm + sync_tail,
     )
 
 

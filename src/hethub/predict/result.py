@@ -43,6 +43,14 @@ class StagePrediction:
     activations_bytes: float
     capacity_bytes: float
     compute_source: str
+    # Where one device of this stage spends the step (seconds per step; they add up to the step):
+    # its compute (forward + backward, all micro-batches, TP collectives excluded), its exposed
+    # communication (TP collectives, which the model does not overlap, and the part of the gradient
+    # sync that runs after its last backward), its optimizer update, and the rest: pipeline bubble
+    # (fill, drain, waiting for other stages and their transfers).
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    bubble_s: float = 0.0
 
     @property
     def peak_mem_bytes(self) -> float:
@@ -61,6 +69,10 @@ class Prediction:
     stages: tuple[StagePrediction, ...]
     timeline: tuple[Event, ...] = field(default=(), repr=False)
     model_flops_per_step: float = 0.0
+    # Model FLOP utilisation per device kind and over all devices ("all"), at the predicted step.
+    mfu_by_kind: dict[str, float] = field(default_factory=dict)
+    # What each part of the prediction rests on: measured (profiles, host all-reduce fits) or analytic.
+    sources: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fits_memory(self) -> bool:
@@ -89,10 +101,14 @@ class Prediction:
             "fits_memory": self.fits_memory,
             "peak_mem_bytes_by_kind": self.peak_mem_bytes_by_kind,
             "compute_sources": self.compute_sources,
+            "mfu_by_kind": self.mfu_by_kind,
+            "sources": self.sources,
             "stages": [
                 {"pipeline": s.pipeline, "stage": s.stage, "kind": s.kind, "devices": list(s.devices),
                  "layers": list(s.layers), "tp": s.tp, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
                  "update_s": s.update_s, "p2p_s": s.p2p_s, "sync_s": s.sync_s,
+                 "step_breakdown_s": {"compute": s.compute_s, "exposed_comm": s.exposed_comm_s,
+                                      "update": s.update_s, "bubble": s.bubble_s},
                  "peak_mem_bytes": s.peak_mem_bytes, "capacity_bytes": s.capacity_bytes,
                  "compute_source": s.compute_source}
                 for s in self.stages

@@ -76,7 +76,8 @@ def _bubble(prediction: Prediction, measured: MeasuredRun | None, m_step: float 
 
 def _kinds(plan: Plan, pred_step: float, meas_step: float | None) -> list[str]:
     out = ["## Achieved model FLOP/s and utilisation per device kind", "",
-           "Model FLOPs = forward + backward (no recomputation); utilisation = achieved per device / dense peak.",
+           "Model FLOPs = forward + backward (no recomputation); utilisation (MFU) = achieved per device / dense "
+           f"peak for the plan's precision ({plan.precision}).",
            "", "| kind | devices | peak / device | predicted FLOP/s / device | predicted util. "
            "| measured FLOP/s / device | measured util. |", "|---|---:|---:|---:|---:|---:|---:|"]
     total_flops = total_peak = 0.0
@@ -102,8 +103,11 @@ def _stages(plan: Plan, prediction: Prediction) -> list[str]:
     out = ["## Stages (predicted)", ""]
     if any(len(r.replicas) > 1 for r in rows):
         out += ["Identical data-parallel replicas share a row; times are per micro-batch of the first replica.", ""]
+    out += ["Per step, one device of the stage: compute (forward + backward), exposed communication (TP "
+            "collectives, gradient sync after its last backward), optimizer update, and the rest, bubble.", ""]
     out += ["| pipelines | stage | kind | devices | TP | layers | fwd / mb | bwd / mb | p2p / mb | grad sync | "
-            "peak mem / usable | fits |", "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+            "compute / exposed comm / update / bubble per step | peak mem / usable | fits | compute from |",
+            "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         sp = preds.get((r.pipeline, r.stage))
         extra = " +emb" if r.embedding else ""
@@ -111,12 +115,13 @@ def _stages(plan: Plan, prediction: Prediction) -> list[str]:
         layers = f"{r.layers[0]}–{r.layers[1]}{extra}"
         pipes = r.label.split(" · ")[0]
         if sp is None:
-            out.append(f"| {pipes} | {r.stage} | {r.kind} | {r.num_devices} | {r.tp} | {layers} | | | | | | |")
+            out.append(f"| {pipes} | {r.stage} | {r.kind} | {r.num_devices} | {r.tp} | {layers} | | | | | | | | |")
             continue
         out.append(f"| {pipes} | {r.stage} | {r.kind} | {r.num_devices} | {r.tp} | {layers} | {fmt_time(sp.fwd_s)} "
                    f"| {fmt_time(sp.bwd_s)} | {fmt_time(sp.p2p_s)} | {fmt_time(sp.sync_s)} | "
+                   f"{' / '.join(fmt_time(v) for v in (sp.compute_s, sp.exposed_comm_s, sp.update_s, sp.bubble_s))} | "
                    f"{sp.peak_mem_bytes / GIB:.1f} / {sp.capacity_bytes / GIB:.1f} GiB | "
-                   f"{'yes' if sp.fits else '**no**'} |")
+                   f"{'yes' if sp.fits else '**no**'} | {sp.compute_source} |")
     return out
 
 

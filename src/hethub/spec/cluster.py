@@ -29,8 +29,12 @@ _NETWORK_KEYS = {"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kin
 _KIND_KEYS = {
     "base", "vendor", "mem_bytes", "mem_gib", "peak_flops", "intra_node_bw_bytes_per_s",
     "intra_node_latency_s", "mem_bw_bytes_per_s", "backend", "efficiency", "emulated_slowdown",
-    "source", "notes", "device_type", "torch_package",
+    "source", "notes", "device_type", "torch_package", *(
+        # the operator-level compute model (predict/opmodel.py); all optional
+        "sm_count", "fp32_flops", "tf32_flops", "attention", "gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32",
+        "gemm_k_half", "mem_eff", "kernel_launch_s", "calibration"),
 }
+ATTENTION_IMPLS = ("flash", "math")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,22 @@ class DeviceKind:
     # "" when a stock CPU torch suffices. "" device_type: derived from the backend.
     device_type: str = ""
     torch_package: str = ""
+    # Operator-level compute model (predict/opmodel.py). A kind without sm_count keeps the constant
+    # `efficiency` roofline (CPUs, hand-made kinds). Peaks are datasheet numbers; gemm_eff* (fraction
+    # of the peak a full-wave long-K GEMM reaches), gemm_k_half, mem_eff (share of mem_bw element-wise
+    # kernels reach) and kernel_launch_s (host dispatch per kernel) are fitted, and `calibration` says
+    # on what; left out, the op model uses its assumed defaults and says "uncalibrated".
+    sm_count: int | None = None
+    fp32_flops: float | None = None  # non-tensor fp32 (what an fp32 matmul runs on without TF32)
+    tf32_flops: float | None = None  # dense TF32 tensor-core peak; None where the kind has none
+    attention: str = "flash"  # the attention implementation bf16 training uses on this kind
+    gemm_eff: float | None = None  # bf16 / fp16 tensor-core GEMMs
+    gemm_eff_tf32: float | None = None  # fp32 GEMMs on TF32 tensor cores (what Sailor's A100/GH200 runs used)
+    gemm_eff_fp32: float | None = None  # fp32 GEMMs on the non-tensor units
+    gemm_k_half: float | None = None
+    mem_eff: float | None = None
+    kernel_launch_s: float | None = None
+    calibration: str = ""
 
     def __post_init__(self) -> None:
         if not self.device_type:
@@ -255,6 +275,7 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
         notes=_text(table, "notes", where=where, default=b.get("notes", "")),
         device_type=_device_type(table, where=where, base=b),
         torch_package=_text(table, "torch_package", where=where, default=b.get("torch_package", "")),
+        **_opmodel_fields(table, where=where, base=b),
     )
     moves = DEVICE_TYPE_OF_BACKEND[kind.backend]
     if moves != "cpu" and moves != kind.device_type:
@@ -270,6 +291,25 @@ def _device_type(table: dict[str, Any], *, where: str, base: dict[str, Any]) -> 
     if base and "backend" not in table:
         return base.get("device_type", "")
     return ""  # DeviceKind derives it from the backend
+
+
+def _opmodel_fields(table: dict[str, Any], *, where: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The optional operator-model fields of a kind, validated (a base kind's values inherited)."""
+    out: dict[str, Any] = {}
+    for key in ("fp32_flops", "tf32_flops", "gemm_k_half", "kernel_launch_s"):
+        v = table.get(key, base.get(key))
+        out[key] = None if v is None else get_number({key: v}, key, where=where)
+    for key in ("gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32", "mem_eff"):
+        v = table.get(key, base.get(key))
+        out[key] = None if v is None else get_number({key: v}, key, where=where)
+        if v is not None and out[key] > 1:
+            raise field_error(where, key, f"must be <= 1, got {v}", "give a fraction of the peak")
+    sm = table.get("sm_count", base.get("sm_count"))
+    out["sm_count"] = None if sm is None else get_int({"sm_count": sm}, "sm_count", where=where)
+    out["attention"] = get_str(table, "attention", where=where, default=base.get("attention", "flash"),
+                               choices=ATTENTION_IMPLS)
+    out["calibration"] = _text(table, "calibration", where=where, default=base.get("calibration", ""))
+    return out
 
 
 def _text(table: dict[str, Any], key: str, *, where: str, default: str) -> str:

@@ -1,0 +1,73 @@
+"""Time of one GPU kernel from its shape: matrix multiplies (tile and wave quantisation, a saturation
+curve in K, a memory floor) and memory-bound element-wise kernels, plus the host's dispatch cost.
+
+Why these mechanisms: a GEMM of M x N x K is cut into output tiles (here 128 x 128, the common cuBLAS /
+CUTLASS tile for large problems), one thread block per tile; the GPU runs `sm_count` blocks per wave,
+so a GEMM of 1.1 waves costs 2 (wave quantisation). Each block streams K through its tile; short K
+spends a larger share on the prologue/epilogue (the K saturation curve K / (K + k_half)). A GEMM
+whose operands outweigh its FLOPs (low arithmetic intensity) is bound by memory bandwidth. An
+element-wise kernel moves its bytes at a fraction of the memory bandwidth. Eager PyTorch issues
+every kernel from the host; when kernels are shorter than the host's dispatch time, the GPU idles
+(`stream_time_s`).
+
+The fitted numbers (`gemm_eff`, `k_half`, `mem_eff`, `launch_s`) come from the catalog; see
+:mod:`hethub.predict.calibrate` for how they are fitted on measured profiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+TILE = 128
+
+
+@dataclass(frozen=True)
+class KernelParams:
+    """What the kernel-time model needs to know about one device kind in one math mode."""
+
+    sm_count: int
+    matmul_flops: float  # datasheet peak of the math mode in use (fp32 SIMT, TF32, bf16 tensor cores)
+    mem_bw_bytes_per_s: float
+    gemm_eff: float  # fitted: fraction of matmul_flops a full-wave, long-K GEMM reaches
+    k_half: float  # fitted: K at which the K-saturation curve is at one half
+    mem_eff: float  # fitted: fraction of mem_bw element-wise kernels reach
+    launch_s: float  # fitted: host time to dispatch one kernel (eager PyTorch)
+
+
+def wave_utilisation(*, m: int, n: int, batch: int, sm_count: int) -> float:
+    """Share of the compute units busy over the waves a GEMM of m x n output (x batch) needs."""
+    tiles = math.ceil(m / TILE) * math.ceil(n / TILE) * batch
+    waves = math.ceil(tiles / sm_count)
+    return tiles / (waves * sm_count)
+
+
+def gemm_efficiency(p: KernelParams, *, m: int, n: int, k: int, batch: int = 1) -> float:
+    """Fraction of `matmul_flops` one GEMM reaches (before the memory floor)."""
+    return p.gemm_eff * wave_utilisation(m=m, n=n, batch=batch, sm_count=p.sm_count) * k / (k + p.k_half)
+
+
+def gemm_time_s(p: KernelParams, *, m: int, n: int, k: int, batch: int = 1, elem_bytes: int) -> float:
+    """GPU time of C[m, n] = A[m, k] @ B[k, n] (`batch` of them): compute or memory, whichever binds."""
+    flops = 2.0 * m * n * k * batch
+    compute = flops / (p.matmul_flops * gemm_efficiency(p, m=m, n=n, k=k, batch=batch))
+    memory = elem_bytes * (m * k + k * n + m * n) * batch / (p.mem_bw_bytes_per_s * p.mem_eff)
+    return max(compute, memory)
+
+
+def memory_time_s(p: KernelParams, nbytes: float) -> float:
+    """GPU time of an element-wise kernel that reads and writes `nbytes` in all."""
+    return nbytes / (p.mem_bw_bytes_per_s * p.mem_eff)
+
+
+def stream_time_s(gpu_s: list[float] | tuple[float, ...], *, launch_s: float) -> float:
+    """Wall time of kernels issued one after another by a host that needs `launch_s` per kernel.
+
+    The host runs ahead of the GPU while kernels are long; when they are short the GPU waits for the
+    next launch. (Kernel i starts at max(its launch, end of kernel i-1).)
+    """
+    host = gpu = 0.0
+    for d in gpu_s:
+        host += launch_s
+        gpu = max(gpu, host) + d
+    return gpu

@@ -1,0 +1,73 @@
+"""The operator-level compute model: shape-dependent GEMM efficiency, backward shapes, calibration."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hethub.predict.calibrate import Sample, fit_kind, predicted_layer_s
+from hethub.predict.compute import kernel_params, stage_times
+from hethub.predict.gemm import KernelParams, gemm_time_s
+from hethub.predict.opmodel import Shape, layer_ops, op_flops
+from hethub.spec.cluster import catalog
+from hethub.spec.model import ModelSpec
+
+
+def _llama(h: int) -> ModelSpec:
+    return ModelSpec(name=f"h{h}", num_layers=1, hidden_size=h, num_heads=h // 128, num_kv_heads=h // 128,
+                     ffn_hidden_size=4 * h, vocab_size=32000, max_seq_len=2048)
+
+
+def test_analytic_efficiency_rises_with_hidden_size():
+    kind = catalog()["a100-40gb"]
+    effs = []
+    for h in (1024, 2048, 4096, 8192):
+        m = _llama(h)
+        t = stage_times(m, kind, layers=1, embedding=False, head=False, tp=1, mbs=1, seq_len=2048,
+                        recompute=False, precision="bf16-mixed")
+        flops = 3 * m.layer_fwd_flops(tokens=2048, seq_len=2048)
+        effs.append(flops / ((t.fwd_s + t.bwd_s) * kind.peak_flops))
+    assert all(b > a for a, b in itertools.pairwise(effs)), effs
+    assert effs[-1] > 1.3 * effs[0]  # not a constant efficiency
+
+
+def test_wave_quantisation_and_k_saturation():
+    p = KernelParams(sm_count=100, matmul_flops=1e14, mem_bw_bytes_per_s=1e15, gemm_eff=1.0, k_half=64.0,
+                     mem_eff=1.0, launch_s=0.0)
+    full = gemm_time_s(p, m=128 * 10, n=128 * 10, k=4096, elem_bytes=2)  # 100 tiles: one full wave
+    spill = gemm_time_s(p, m=128 * 101, n=128, k=4096, elem_bytes=2)  # 101 tiles: a second, almost empty wave
+    assert spill == pytest.approx(2 * full, rel=1e-6)  # 1% more work, twice the time
+    short = gemm_time_s(p, m=128 * 10, n=128 * 10, k=64, elem_bytes=2)  # K = k_half: half the long-K speed
+    assert (short / 64) / (full / 4096) == pytest.approx(2 / ((4096 + 64) / 4096), rel=1e-6)
+
+
+def test_backward_has_twice_the_forward_gemm_flops_with_its_own_shapes():
+    s = Shape.of(_llama(2048), mbs=2, seq_len=1024, tp=2, elem_bytes=2, attention="math")
+    fwd, bwd = layer_ops(s)
+    assert op_flops(bwd) == pytest.approx(2 * op_flops(fwd))
+    # QKV (M=tokens, N=(h + 2 kv)/tp, K=h) -> input grad (tokens, h, (h+2kv)/tp), weight grad (h, (h+2kv)/tp, tokens)
+    assert ("gemm", 2048, 3 * 2048 // 2, 2048, 1) in fwd
+    assert ("gemm", 2048, 2048, 3 * 2048 // 2, 1) in bwd and ("gemm", 2048, 3 * 2048 // 2, 2048, 1) in bwd
+    flash = Shape.of(_llama(2048), mbs=2, seq_len=1024, tp=2, elem_bytes=2, attention="flash")
+    assert op_flops(layer_ops(flash)[0]) < op_flops(fwd)  # causal half of the attention work
+
+
+def test_fit_recovers_known_numbers():
+    truth = KernelParams(sm_count=108, matmul_flops=1.5e14, mem_bw_bytes_per_s=1.5e12, gemm_eff=0.6, k_half=120.0,
+                         mem_eff=0.8, launch_s=8e-6)
+    samples = []
+    for h in (512, 1024, 2048):
+        for mbs in (1, 4):
+            shape = Shape.of(_llama(h), mbs=mbs, seq_len=1024, tp=1, elem_bytes=4, attention="math")
+            samples.append(Sample(shape, "tf32", predicted_layer_s(Sample(shape, "tf32", 1.0), truth)))
+    fit = fit_kind(samples, base=truth, peaks={"tf32": 1.5e14})
+    for s in samples:
+        assert predicted_layer_s(s, fit.params(truth, "tf32", 1.5e14)) == pytest.approx(s.measured_s, rel=0.03)
+
+
+def test_sources_say_calibrated_or_not():
+    assert kernel_params(catalog()["a100-40gb"], "fp32")[1].startswith("analytic, calibrated on Sailor")
+    assert kernel_params(catalog()["a100-40gb"], "bf16-mixed")[1].startswith("analytic, partly calibrated on Sailor")
+    assert kernel_params(catalog()["h100-sxm"], "bf16-mixed")[1] == "analytic, uncalibrated"
+    assert kernel_params(catalog()["cpu"], "fp32") is None  # no compute-unit data: constant-efficiency roofline
