@@ -182,8 +182,9 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
                 replay(draw, recorded)
         pipeline_times = tuple(pipes)
     tokens = plan.tokens_per_step
-    stages = tuple(replace(sp, bubble_s=max(0.0, step - sp.compute_s - sp.exposed_comm_s - sp.update_s))
-                   for sp in stages)
+    if cores is not None:  # the replay's step, not the sync's: the rest of it is bubble
+        stages = tuple(replace(sp, bubble_s=max(0.0, step - sp.compute_s - sp.exposed_comm_s - sp.update_s))
+                       for sp in stages)
     events: tuple[Event, ...] = ()
     if recorded is not None:
         events = _replay_timeline(plan, recorded, stages)
@@ -250,6 +251,7 @@ def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: St
         optimizer_bytes=mem.optimizer_bytes, activations_bytes=mem.activations_bytes,
         capacity_bytes=plan.cluster.kinds[s.kind].mem_bytes * USABLE_FRACTION, compute_source=cost.times.source,
         compute_s=compute, exposed_comm_s=tp_comm + sync_tail,
+        bubble_s=max(0.0, sync.step_time_s - compute - tp_comm - sync_tail - cost.times.update_s),
     )
 
 
