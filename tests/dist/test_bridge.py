@@ -22,6 +22,7 @@ from hethub.commands import bench
 from hethub.commands.bench import parse_bytes
 from hethub.errors import RuntimeSetupError
 from hethub.plan import Pipeline, Plan, Stage
+from hethub.predict.comm import p2p_time_s
 from hethub.predict.links import plan_with_links, read_links_profile
 from hethub.predict.predictor import predict
 from hethub.predict.sync import sync_groups
@@ -266,7 +267,10 @@ def test_bench_comm_writes_a_profile_the_predictor_reads(tmp_path, capsys: pytes
                 pipelines=(Pipeline(2, 4, stages),)).validate()
     measured = plan_with_links(plan, profile)
     assert measured.cluster.cross_kind.bw_bytes_per_s == profile.links["cross_kind"].bw_bytes_per_s
-    assert predict(measured).stages[0].p2p_s != predict(plan).stages[0].p2p_s
+    # The transfer is costed over the measured link (capped by the NIC, so it need not differ from the
+    # catalog's figure when loopback outruns the NIC).
+    act_bytes = 2 * 64 * PRESETS["tiny"].hidden_size * 2  # micro-batch 2 x 64 tokens x hidden, bf16
+    assert predict(measured).stages[0].p2p_s == pytest.approx(p2p_time_s(measured.cluster.link(0, 2), act_bytes))
     # An emulation host: its all-reduce among 2, 3 and 4 local ranks is measured too and drives the sync.
     assert sorted(profile.host_allreduce) == [2, 3, 4]
     assert all(len(f.samples) == 3 for f in profile.host_allreduce.values())

@@ -61,11 +61,11 @@ def test_homogeneous_uses_one_kind_and_uniform_splits_evenly():
 
 
 @pytest.mark.slow
-def test_cluster_4096_search_time():
+def test_cluster_4096_plans_within_the_cluster():
+    # Search speed is measured by bench/planner_scale.py, not asserted here (tests never check timings).
     cluster = load_cluster(CLUSTERS / "cluster-4096.toml")
     r = make_plan(cluster=cluster, model=get_model("llama-2-70b"),
                   config=PlannerConfig(global_batch=2048, seq_len=4096))
-    assert r.search_time_s <= 10
     assert r.prediction.fits_memory
     assert r.plan.world_size <= 4096
 
