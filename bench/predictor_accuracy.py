@@ -48,19 +48,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _accuracy_plans import HELD_OUT, SEEN, TUNING, PlanDef, build_plan
+from hethub.emulation.effects import HostEffects
+from hethub.emulation.host import host_model, usable_cores
 from hethub.emulation.measure.collbench import measure_host_links
 from hethub.emulation.measure.spread import measure_speed_spread
 from hethub.emulation.measure.wake import measure_wake_penalty
+from hethub.emulation.stragglers import SpeedSpread
 from hethub.plan import Plan
 from hethub.predict.links import LinkFit, LinksProfile, plan_with_links
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import LayerTimes, ProfileSet
-from hethub.predict.stragglers import SpeedSpread
 from hethub.profile.format import merge_profiles
 from hethub.profiler.layers import Repetitions
 from hethub.profiler.runner import profile_for_kinds
 from hethub.profiler.stage_memory import measure_stage_memory
-from hethub.spec.cluster import load_cluster, usable_cores
+from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 from runtime_overhead import step_records
 
@@ -81,11 +83,14 @@ def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
                           for tp, mbs in sorted(by_tp.items()))
 
 
-def with_host(profiles: ProfileSet, wake: tuple[tuple[float, float], ...],
-              spread: tuple[SpeedSpread, ...]) -> ProfileSet:
-    """The profiles with this host's measured wake penalty and core speed spread."""
-    return ProfileSet(by_kind={k: replace(p, wake_penalty=wake, speed_spread=spread)
-                               for k, p in profiles.by_kind.items()})
+def host_effects(wake: tuple[tuple[float, float], ...], spread: tuple[SpeedSpread, ...]) -> dict[str, HostEffects]:
+    """This host's measured wake penalty and core speed spread, for every kind running on it."""
+    return dict.fromkeys(("cpu-fast", "cpu-slow"), HostEffects(wake_penalty=wake, speed_spread=spread))
+
+
+def predict_here(plan: Plan, *, profiles: ProfileSet, effects: dict[str, HostEffects]) -> float:
+    """The predicted step of `plan` on this emulation host (the predictor's emulation hook)."""
+    return predict(plan, profiles=profiles, host=host_model(plan.cluster, effects=effects)).step_time_s
 
 
 def median_spread(spreads: list[tuple[SpeedSpread, ...]]) -> tuple[SpeedSpread, ...]:
@@ -178,13 +183,13 @@ def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher
     return {"step_s": statistics.median(r["step_time_s"] for r in recs), "foreign": foreign, "ranks": ranks}
 
 
-def time_row(plan: Plan, *, profiles: ProfileSet, runs: list[dict]) -> dict:
+def time_row(plan: Plan, *, profiles: ProfileSet, effects: dict[str, HostEffects], runs: list[dict]) -> dict:
     """Errors of one plan: the prediction from the session's profile (the median of all short
     profiles) against the median run, and, secondary, "paired": each run against the prediction from
     the one short profile taken just before it, the median over runs."""
     times = [r["step_s"] for r in runs]
     measured = statistics.median(times)
-    pred = predict(plan, profiles=profiles)
+    pred = predict(plan, profiles=profiles, host=host_model(plan.cluster, effects=effects))
     ranks = [{k: statistics.median(r["ranks"][i][k] for r in runs) for k in runs[0]["ranks"][i]}
              for i in range(len(runs[0]["ranks"]))]
     # The measurement's own repeatability: the median of the odd runs against that of the even ones.
@@ -245,7 +250,7 @@ def main() -> None:
     torch.set_num_threads(1)
     t_start = time.monotonic()
     model = get_model(args.model)
-    cluster = replace(load_cluster(CLUSTER), host_cores=usable_cores())
+    cluster = load_cluster(CLUSTER)  # host_cores = "auto": this machine's usable cores
     print(f"machine: {usable_cores()} usable cores, load average {os.getloadavg()[0]:.2f}; model {model.name} "
           f"({model.num_params / 1e6:.2f} M params), seq_len {args.seq_len}", flush=True)
     if args.steps - args.warmup < 1 or args.reps < 1 or args.profile_repeats < 1:
@@ -274,21 +279,24 @@ def main() -> None:
             speed_spreads.append(measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
             for i in run_order(len(plans), rep=rep):
                 plan = plans[i][2]
-                taken.append(with_host(profile_for_plan(plan, reps=reps), wakes[-1], speed_spreads[-1]))
+                taken.append(profile_for_plan(plan, reps=reps))
                 run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d),
                                    launcher=args.launcher)
-                run["predicted_s"] = predict(plan_with_links(plan, links[-1]), profiles=taken[-1]).step_time_s
+                run["predicted_s"] = predict_here(plan_with_links(plan, links[-1]), profiles=taken[-1],
+                                                  effects=host_effects(wakes[-1], speed_spreads[-1]))
                 runs[i].append(run)
             print(f"repetition {rep + 1}/{args.reps}: {len(plans)} plans in {time.monotonic() - t_rep:.0f} s",
                   flush=True)
-    session = with_host(median_profiles(taken), median_wake(wakes), median_spread(speed_spreads))
+    session = median_profiles(taken)
+    session_effects = host_effects(median_wake(wakes), median_spread(speed_spreads))
     session_links = median_links(links)
     out: dict[str, list[dict]] = {}
     print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
           f"{'error':>7} {'paired':>7} {'mem error':>9} {'foreign':>7}", flush=True)
     for (name, pd, plan), plan_runs in zip(plans, runs, strict=True):
         row = {"plan": pd.name, "ranks": plan.world_size,
-               **time_row(plan_with_links(plan, session_links), profiles=session, runs=plan_runs),
+               **time_row(plan_with_links(plan, session_links), profiles=session, effects=session_effects,
+                          runs=plan_runs),
                "memory": memory_rows(plan)}
         mem = max(abs(m["total_error"]) for m in row["memory"])
         out.setdefault(name, []).append(row)

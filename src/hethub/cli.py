@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from hethub.errors import HethubError
+from hethub.errors import HethubError, missing_extra
 from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
 
 EXIT_INTERRUPTED = 130
@@ -38,6 +38,7 @@ def _load_profiles(arg: str | None, model=None, seq_len: int | None = None):
 
 # ---- plan / predict ---------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    from hethub.commands.host import host_for
     from hethub.search.config import PlannerConfig
     from hethub.search.planner import make_plan
     from hethub.spec.cluster import load_cluster
@@ -53,9 +54,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
                            schedule=args.schedule, precision=args.precision, top_k=args.top_k)
     profiles = _load_profiles(args.profiles, model, args.seq_len)
+    host = host_for(cluster, args.profiles, model=model, seq_len=args.seq_len)
     if args.compare:
-        return _compare(cluster=cluster, model=model, config=config, profiles=profiles, as_json=args.json)
-    result = make_plan(cluster=cluster, model=model, config=config, profiles=profiles)
+        return _compare(cluster=cluster, model=model, config=config, profiles=profiles, host=host, as_json=args.json)
+    result = make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     if args.out:
         result.plan.save(args.out)
     pred = result.prediction
@@ -94,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare(*, cluster, model, config, profiles, as_json: bool) -> int:
+def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
     from hethub.search.planner import make_plan
@@ -102,7 +104,8 @@ def _compare(*, cluster, model, config, profiles, as_json: bool) -> int:
     rows = []
     for strategy in ("hethub", "uniform", "flops-proportional", "homogeneous"):
         try:
-            r = make_plan(cluster=cluster, model=model, config=replace(config, strategy=strategy), profiles=profiles)
+            r = make_plan(cluster=cluster, model=model, config=replace(config, strategy=strategy), profiles=profiles,
+                          host=host)
             rows.append((strategy, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
                          len(r.plan.pipelines), r.plan.world_size, ""))
         except HethubError as err:
@@ -125,6 +128,7 @@ def _compare(*, cluster, model, config, profiles, as_json: bool) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from hethub.commands.host import host_for
     from hethub.plan import Plan
     from hethub.predict.predictor import predict
     from hethub.tables import format_plan_table, format_summary
@@ -135,7 +139,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
         plan = plan_with_links(plan, read_links_profile(args.links))
     profiles = _load_profiles(args.profiles, plan.model, plan.seq_len)
-    pred = predict(plan, profiles=profiles)
+    pred = predict(plan, profiles=profiles,
+                   host=host_for(plan.cluster, args.profiles, model=plan.model, seq_len=plan.seq_len))
     upper = plan.meta.get("upper_bound_tokens_per_s")
     if args.json:
         out = {**pred.to_dict(), "upper_bound_tokens_per_s": upper,
@@ -198,6 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HethubError as err:
         print(f"hethub {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
+    except ModuleNotFoundError as err:
+        # Planning needs only the core; training, profiling and benchmarks need the train extra.
+        missing = missing_extra(err, what=f"'hethub {args.command}'")
+        if missing is None:
+            raise
+        print(f"hethub {args.command}: error: {missing}", file=sys.stderr)
+        return missing.exit_code
     except KeyboardInterrupt:
         print("hethub: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from hethub.emulation.effects import HostEffects
+from hethub.emulation.host import host_model
 from hethub.errors import RuntimeSetupError
 from hethub.plan import Plan
 from hethub.predict.profiles import ProfileSet
@@ -46,18 +48,24 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
 
 
-def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> ProfileSet | None:
-    """Profile this CPU once and use it for every kind (emulated kinds are slowed by the predictor)."""
+def measure_profiles(cluster: Cluster, cfg: DemoConfig, out_dir: Path) -> tuple[ProfileSet, HostEffects | None]:
+    """Profile this CPU once and use it for every kind (emulated kinds are slowed by the predictor);
+    on a local emulation host also the host's effects (wake penalty, core speed spread)."""
     from hethub.profile.format import write_profile
     from hethub.profiler.runner import device_description, profile_for_kinds
 
     model = PRESETS[cfg.model]
-    profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=(1, 2, 4),
-                                 wake_penalty=cluster.host_cores is not None,
-                                 speed_spread=cluster.host_cores is not None)
+    mbs = (1, 2, 4)
+    profiles = profile_for_kinds(model=model, kinds=cluster.kind_names, seq_len=cfg.seq_len, mbs=mbs)
+    effects = None
+    if cluster.host is not None:
+        from hethub.emulation.measure.effects import measure_host_effects
+
+        effects = measure_host_effects(model, mbs=mbs, seq_len=cfg.seq_len)
     for kind, prof in profiles.by_kind.items():
-        write_profile(out_dir / f"profile-{kind}.json", prof, model=model, device=device_description("cpu"))
-    return profiles
+        write_profile(out_dir / f"profile-{kind}.json", prof, model=model, device=device_description("cpu"),
+                      host=effects)
+    return profiles, effects
 
 
 def measure_host(cluster: Cluster, out_dir: Path) -> Cluster:
@@ -102,14 +110,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, dict]:
     if emulated:
         print(f"EMULATION: {', '.join(emulated)} (ranks sleep after each compute chunk); not real hardware.")
     print("measuring this CPU's layer times, links and all-reduce for the predictor ...", flush=True)
-    profiles = measure_profiles(cluster, cfg, out)
+    profiles, effects = measure_profiles(cluster, cfg, out)
     if cluster.num_devices > 1:
         cluster = measure_host(cluster, out)
+    host = host_model(cluster, effects=dict.fromkeys(cluster.kind_names, effects) if effects else None)
     results: dict[str, dict] = {}
     for strategy in ("uniform", "hethub"):
         pc = PlannerConfig(global_batch=cfg.global_batch, seq_len=cfg.seq_len, strategy=strategy,
                            precision="fp32")
-        res: PlanResult = make_plan(cluster=cluster, model=model, config=pc, profiles=profiles)
+        res: PlanResult = make_plan(cluster=cluster, model=model, config=pc, profiles=profiles, host=host)
         plan_path = out / f"plan-{strategy}.json"
         res.plan.save(plan_path)
         print(f"\n[{strategy}] {_describe(res.plan)}")
@@ -127,16 +136,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, dict]:
     print(f"\nplanner vs uniform: {h['measured_tokens_per_s'] / u['measured_tokens_per_s']:.2f}x measured, "
           f"{h['predicted_tokens_per_s'] / u['predicted_tokens_per_s']:.2f}x predicted (emulated slow kind).")
     report_dir = out / "report"
-    try:
-        from hethub.predict.predictor import predict
-        from hethub.report import write_report
+    from hethub.predict.predictor import predict
+    from hethub.report import write_report
 
-        plan = Plan.load(h["plan"])
-        write_report(plan=plan, prediction=predict(plan, profiles=profiles, timeline=True), out_dir=report_dir,
-                     metrics_path=out / "metrics-hethub.jsonl")
-        print(f"report of the planner's run: {report_dir}/ (summary.md, plan.png, timeline.png, trace.json)")
-    except ImportError as err:  # matplotlib is an optional extra
-        print(f"report skipped: {err}")
+    plan = Plan.load(h["plan"])
+    paths = write_report(plan=plan, prediction=predict(plan, profiles=profiles, timeline=True, host=host),
+                         out_dir=report_dir, metrics_path=out / "metrics-hethub.jsonl")
+    print(f"report of the planner's run: {report_dir}/ ({', '.join(p.name for p in paths.written)})")
+    if paths.note:
+        print(f"note: {paths.note}")
     (out / "demo.json").write_text(json.dumps(results, indent=2))
     print(f"demo finished in {time.perf_counter() - t_start:.0f} s; results in {out}/demo.json")
     return results

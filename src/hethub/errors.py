@@ -54,6 +54,40 @@ class CheckpointError(HethubError):
     exit_code = 7
 
 
+class MissingExtraError(HethubError):
+    """A command needs an optional part of hethub that is not installed (torch: ``hethub[train]``)."""
+
+    exit_code = 8
+
+
+# Third-party packages behind optional extras, and the extra that brings each (pyproject.toml).
+EXTRA_OF = {"torch": "train", "matplotlib": "plots", "transformers": "hf", "safetensors": "hf",
+            "tokenizers": "hf", "pyarrow": "hf"}
+
+
+def missing_extra(err: ModuleNotFoundError, *, what: str) -> MissingExtraError | None:
+    """The user-facing error for `err` when it is a package of an optional extra, else None (a bug)."""
+    top = (err.name or "").split(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    return MissingExtraError(f"{what} needs {top}, which is not installed. Fix: pip install 'hethub[{extra}]' "
+                             "(or 'hethub[dev]' for everything; torch is pinned to the CPU build 2.13.0).")
+
+
+def require_extra(package: str, *, what: str) -> None:
+    """Raise MissingExtraError unless `package` (one of EXTRA_OF) can be imported here; for commands
+    that hand the work to another process, which would otherwise fail with its own traceback."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise missing_extra(ModuleNotFoundError(f"No module named {package!r}", name=package), what=what)
+
+
 def field_error(where: str, field: str, problem: str, fix: str, *, cls: type[HethubError] = SpecError):
     """Build an error that names the offending field and how to fix it."""
     return cls(f"{where}: field '{field}' {problem}. Fix: {fix}.")

@@ -6,7 +6,18 @@ name that the README, the docs and torchrun command lines use, and only delegate
 
 import sys
 
-from hethub.runtime.train import main, parse_args
+from hethub.errors import missing_extra
+
+try:
+    from hethub.runtime.train import main, parse_args
+except ModuleNotFoundError as _err:  # torch is the train extra: say so instead of a traceback
+    _missing = missing_extra(_err, what="'python -m hethub.train'")
+    if _missing is None:
+        raise
+    if __name__ != "__main__":
+        raise _missing from None
+    print(f"hethub.train: error: {_missing}", file=sys.stderr)
+    sys.exit(_missing.exit_code)
 
 __all__ = ["main", "parse_args"]
 

@@ -235,3 +235,61 @@ def test_planning_command_runs_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert '"tokens_per_s"' in out.stdout
+
+
+_BLOCK_TORCH = (
+    "import sys\n"
+    "class Block:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'torch' or name.startswith('torch.'):\n"
+    "            raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+    "sys.meta_path.insert(0, Block())\n"
+)
+
+
+@pytest.mark.parametrize("argv", [["train", "--plan", "PLAN", "--steps", "1"],
+                                  ["profile", "--model", "tiny", "--out", "x.json"],
+                                  ["bench", "comm", "--cluster", "CLUSTER"], ["demo"]])
+def test_commands_that_need_torch_name_the_extra(tmp_path, argv):
+    """Without torch (``pip install hethub``), a torch command says which extra to install: one line
+    on stderr, exit code 8 (docs/cli.md), no traceback."""
+    from hethub.plan import Plan
+
+    (tmp_path / "c.toml").write_text('name = "x"\n[[group]]\nkind = "a100-40gb"\nnodes = 1\ndevices_per_node = 2\n')
+    argv = [a.replace("CLUSTER", str(tmp_path / "c.toml")) for a in argv]
+    if "PLAN" in argv:
+        from hethub.search import PlannerConfig, make_plan
+        from hethub.spec.cluster import load_cluster
+        from hethub.spec.model import PRESETS
+
+        plan: Plan = make_plan(cluster=load_cluster(tmp_path / "c.toml"), model=PRESETS["tiny"],
+                               config=PlannerConfig(global_batch=4, seq_len=32)).plan
+        plan.save(tmp_path / "plan.json")
+        argv = [a.replace("PLAN", str(tmp_path / "plan.json")) for a in argv]
+    code = _BLOCK_TORCH + f"from hethub.cli import main\nsys.exit(main({argv!r}))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 8, out.stderr
+    assert "hethub[train]" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_python_m_hethub_train_without_torch_names_the_extra(tmp_path):
+    code = _BLOCK_TORCH + "import runpy\nrunpy.run_module('hethub.train', run_name='__main__')\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 8, out.stderr
+    assert "hethub[train]" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_report_without_matplotlib_writes_trace_and_summary(tmp_path):
+    """``pip install hethub`` without the plots extra: the report skips only the pictures, and says so."""
+    (tmp_path / "c.toml").write_text('name = "x"\n[[group]]\nkind = "a100-40gb"\nnodes = 1\ndevices_per_node = 2\n')
+    block = _BLOCK_TORCH.replace("'torch'", "'matplotlib'").replace("'torch.'", "'matplotlib.'")
+    code = block + (
+        "from hethub.cli import main\n"
+        "assert main(['plan', '--cluster', 'c.toml', '--model', 'tiny', '--global-batch', '4', '--seq-len', '32',\n"
+        "             '--out', 'plan.json']) == 0\n"
+        "sys.exit(main(['report', '--plan', 'plan.json', '--out', 'rep']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "hethub[plots]" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["summary.md", "trace.json"]

@@ -21,7 +21,7 @@ from hethub.predict.links import (
     write_links_profile,
 )
 from hethub.predict.predictor import predict
-from hethub.spec.cluster import Cluster, Link
+from hethub.spec.cluster import Cluster, EmulationHost, Link
 
 SIZES = [4 * 1024 * 4**i for i in range(9)]  # 4 KiB .. 256 MiB
 
@@ -78,15 +78,19 @@ def test_host_allreduce_round_trips_and_applies_to_emulation_hosts_only(tmp_path
     with pytest.raises(SpecError, match=r"host_allreduce\.2 has"):
         links_profile_from_dict({**data, "host_allreduce": {"2": {"latency_s": -1, "bw_bytes_per_s": 1e9}}})
     c = small_cluster()
-    assert apply_links_profile(c, prof).host_allreduce == ()  # a real cluster: measured on another host
-    host = apply_links_profile(replace(c, host_cores=2), prof)
-    assert host.measured_allreduce(2) == Link(4e8, 5e-4) and host.measured_allreduce(3) is None
-    # Plans embed the cluster: the measurement survives a save and load.
+    assert apply_links_profile(c, prof).host is None  # a real cluster: measured on another host
+    host = apply_links_profile(replace(c, host=EmulationHost(cores="auto")), prof)
+    assert dict(host.host.allreduce) == {2: Link(4e8, 5e-4), 4: Link(3e8, 6e-3)}
+    # Plans embed the cluster: the measurement survives a save and load, and "auto" stays "auto"
+    # (hethub.emulation reads the cores when it predicts, not the file's loader).
     again = Cluster.from_dict(json.loads(json.dumps(host.to_dict())))
-    assert again.host_allreduce == host.host_allreduce
+    assert again.host == host.host and again.host.cores == "auto"
     with pytest.raises(SpecError, match="participants"):
         Cluster.from_dict({**host.to_dict(), "host_allreduce": [{"participants": 1, "latency_s": 0.0,
                                                                   "bw_bytes_per_s": 1e9}]})
+    no_cores = {k: v for k, v in host.to_dict().items() if k != "host_cores"}
+    with pytest.raises(SpecError, match=r"'host_allreduce'.*host_cores"):
+        Cluster.from_dict(no_cores)
 
 
 def test_apply_replaces_each_link_class() -> None:

@@ -5,12 +5,14 @@ from dataclasses import replace
 
 import pytest
 
+from hethub.emulation.effects import HostEffects
+from hethub.emulation.host import host_model
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
-from hethub.predict.sync import sync_groups
-from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.predict.sync import sync_groups, world_collectives
+from hethub.spec.cluster import Cluster, DeviceKind, EmulationHost, Link, NodeGroup
 from hethub.spec.model import PRESETS
 
 TINY = PRESETS["tiny"]  # 6 layers, hidden 64
@@ -65,8 +67,11 @@ def test_two_stages_with_p2p_one_micro_batch():
     pred = predict(pl)
     f0, f1 = fwd_flops(3, head=False) / 1e12, fwd_flops(3, head=True) / 1e12
     p2p = SEQ * TINY.hidden_size * 2 / 1e10
-    # F0, send, F1, B1, send back, B0.
-    assert pred.step_time_s == pytest.approx(f0 + p2p + f1 + 2 * f1 + p2p + 2 * f0)
+    # F0, send, F1, B1, send back, B0, then the runtime's two world all-reduces (loss, gradient norm):
+    # 8 bytes over the 2-rank ring, 2 (p-1)/p x 8 bytes at 1e10 B/s (no latency) each.
+    world = 8.0 / 1e10
+    assert world_collectives(pl)[0].time_s == pytest.approx(world)
+    assert pred.step_time_s == pytest.approx(f0 + p2p + f1 + 2 * f1 + p2p + 2 * f0 + 2 * world)
     assert pred.stages[0].p2p_s == pytest.approx(p2p) and pred.stages[1].p2p_s == 0.0
 
 
@@ -86,9 +91,10 @@ def test_dp_sync_waits_for_the_slower_replica():
     fast, slow = pred.pipeline_times_s
     assert slow == pytest.approx(2 * fast)
     total_sync = sum(g.time_s for g in sync_groups(pl))
-    assert total_sync > 0
-    assert pred.step_time_s == pytest.approx(slow + total_sync)
-    assert pred.stages[0].sync_s == pytest.approx(total_sync)
+    world = sum(g.time_s for g in world_collectives(pl))
+    assert total_sync > 0 and world > 0
+    assert pred.step_time_s == pytest.approx(slow + total_sync + world)
+    assert pred.stages[0].sync_s == pytest.approx(total_sync)  # the world all-reduces are not gradient sync
 
 
 def test_profile_is_used_when_given():
@@ -182,12 +188,16 @@ def test_measured_host_allreduce_replaces_the_ring_model_on_emulation_hosts():
     pl = plan(c, [Pipeline(1, 2, stages("a", [(0, 6)], [(d,)])) for d in range(2)])
     measured = Link(bw_bytes_per_s=1e8, latency_s=2e-3)
     nbytes = pl.model.num_params * 2
-    host = replace(pl, cluster=replace(c, host_cores=2, host_allreduce=((2, measured),)))
-    assert sync_groups(host)[0].time_s == pytest.approx(measured.time_s(nbytes))
-    # Not an emulation host: the measured numbers do not apply, the ring model does.
-    not_host = replace(pl, cluster=replace(c, host_allreduce=((2, measured),)))
-    assert sync_groups(not_host)[0].time_s == pytest.approx(sync_groups(pl)[0].time_s)
+    host = replace(pl, cluster=replace(c, host=EmulationHost(cores=2, allreduce=((2, measured),))))
+    hook = host_model(host.cluster)
+    assert hook.price_collectives(sync_groups(host))[0].time_s == pytest.approx(measured.time_s(nbytes))
+    assert predict(host, host=hook).stages[0].sync_s == pytest.approx(measured.time_s(nbytes))
+    # The plain predictor (no hook) never uses the host's measurement: the ring model stands.
+    assert sync_groups(host)[0].time_s == pytest.approx(sync_groups(pl)[0].time_s)
     assert sync_groups(pl)[0].time_s != pytest.approx(measured.time_s(nbytes))
+    assert predict(host).stages[0].sync_s == pytest.approx(sync_groups(pl)[0].time_s)
+    # A real cluster has no hook at all.
+    assert host_model(c) is None
 
 
 def test_timeline_compute_events_do_not_overlap():
@@ -216,7 +226,8 @@ def test_timeline_on_an_emulation_host_is_the_shared_core_replay():
     pipes = [Pipeline(1, 4, stages("a", [(0, 2), (2, 4), (4, 6)], [(0,), (1,), (2,)]))]
     for schedule in ("1f1b", "gpipe"):
         own = predict(plan(c, pipes, schedule=schedule), profiles=prof, timeline=True)
-        shared = predict(plan(replace(c, host_cores=1), pipes, schedule=schedule), profiles=prof, timeline=True)
+        one_core = plan(replace(c, host=EmulationHost(cores=1)), pipes, schedule=schedule)
+        shared = predict(one_core, profiles=prof, timeline=True, host=host_model(one_core.cluster))
         # Three ranks on one core: each chunk runs slower whenever others compute at the same time.
         assert shared.step_time_s > own.step_time_s * 1.2
         assert max(e.end_s for e in shared.timeline) == pytest.approx(shared.step_time_s)
@@ -274,19 +285,20 @@ def test_wake_penalty_slows_work_after_idle_gaps_on_emulation_hosts():
     entry = ProfileEntry(embedding=LayerTimes(0.001, 0.002), layer=LayerTimes(0.01, 0.02),
                          head=LayerTimes(0.005, 0.01))
     base = KindProfile(kind="a", model="tiny", seq_len=SEQ, entries={(1, 1): entry})
-    woken = ProfileSet({"a": replace(base, wake_penalty=((0.001, 0.004),))})
-    plain = ProfileSet({"a": base})
-    host = replace(c, host_cores=2)
+    prof = ProfileSet({"a": base})
+    host = replace(c, host=EmulationHost(cores=2))
+    woken = host_model(host, effects={"a": HostEffects(wake_penalty=((0.001, 0.004),))})
+    plain = host_model(host)
     one = plan(host, [Pipeline(1, 4, stages("a", [(0, 6)], [(0,)]))])
     # One rank computes back to back: never idle, no penalty.
-    assert predict(one, profiles=woken).step_time_s == pytest.approx(predict(one, profiles=plain).step_time_s)
+    assert predict(one, profiles=prof, host=woken).step_time_s == pytest.approx(
+        predict(one, profiles=prof, host=plain).step_time_s)
     # Two stages wait for each other: each chunk after a wait pays up to 4 ms.
     two = plan(host, [Pipeline(1, 4, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))])
-    slower = predict(two, profiles=woken).step_time_s - predict(two, profiles=plain).step_time_s
+    slower = predict(two, profiles=prof, host=woken).step_time_s - predict(two, profiles=prof, host=plain).step_time_s
     assert 0.004 < slower < 16 * 0.004
-    # Not an emulation host: no shared-core replay, no penalty.
-    real = plan(c, [Pipeline(1, 4, stages("a", [(0, 3), (3, 6)], [(0,), (1,)]))])
-    assert predict(real, profiles=woken).step_time_s == pytest.approx(predict(real, profiles=plain).step_time_s)
+    # Not an emulation host: no hook, so no shared-core replay and no penalty.
+    assert host_model(c, effects={"a": HostEffects(wake_penalty=((0.001, 0.004),))}) is None
 
 
 def test_emulated_kind_stretches_only_the_cpu_share_of_a_profile():

@@ -6,10 +6,12 @@ from dataclasses import replace
 import pytest
 
 from conftest import tiny_model
+from hethub.emulation.effects import HostEffects
+from hethub.emulation.stragglers import SpeedSpread
 from hethub.errors import SpecError
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
-from hethub.predict.stragglers import SpeedSpread
 from hethub.profile import (
+    load_host_effects,
     load_profiles,
     merge_profiles,
     profile_to_dict,
@@ -169,28 +171,33 @@ def test_layer_depths_round_trip_and_are_optional(tmp_path):
 
 
 def test_wake_penalty_round_trips_interpolates_and_is_optional(tmp_path):
-    prof = replace(_profile(), wake_penalty=((0.01, 1e-3), (0.05, 3e-3)))
+    host = HostEffects(wake_penalty=((0.01, 1e-3), (0.05, 3e-3)))
     path = tmp_path / "fast.json"
-    write_profile(path, prof, model=tiny_model(), device="cpu: test")
-    assert read_profile(path).wake_penalty == prof.wake_penalty
-    assert prof.wake_extra_s(0.0) == 0.0
-    assert prof.wake_extra_s(0.005) == pytest.approx(0.5e-3)
-    assert prof.wake_extra_s(0.03) == pytest.approx(2e-3)
-    assert prof.wake_extra_s(1.0) == pytest.approx(3e-3)  # flat beyond the longest measured gap
-    write_profile(path, _profile(), model=tiny_model(), device="cpu: test")
-    assert "wake_penalty" not in json.loads(path.read_text()) and read_profile(path).wake_penalty == ()
-    # Merging keeps a measured penalty when the later profile has none.
-    assert merge_profiles([prof, _profile(entries=((4, 1),))]).by_kind["fast"].wake_penalty == prof.wake_penalty
+    write_profile(path, _profile(), model=tiny_model(), device="cpu: test", host=host)
+    assert read_profile_file(path).host == host
+    assert read_profile(path).entries == _profile().entries  # the kind's profile is the same either way
+    assert host.wake_extra_s(0.0) == 0.0
+    assert host.wake_extra_s(0.005) == pytest.approx(0.5e-3)
+    assert host.wake_extra_s(0.03) == pytest.approx(2e-3)
+    assert host.wake_extra_s(1.0) == pytest.approx(3e-3)  # flat beyond the longest measured gap
+    later = tmp_path / "later.json"
+    write_profile(later, _profile(entries=((4, 1),)), model=tiny_model(), device="cpu: test")
+    assert "wake_penalty" not in json.loads(later.read_text()) and read_profile_file(later).host is None
+    # Loading both keeps the measured penalty for the kind although the later file has none.
+    assert load_host_effects([path, later]) == {"fast": host}
 
 
 def test_speed_spread_round_trips_and_is_optional(tmp_path):
-    prof = replace(_profile(), speed_spread=(SpeedSpread(sigma=0.1, window_s=0.1), SpeedSpread(0.08, 0.4)))
+    host = HostEffects(speed_spread=(SpeedSpread(sigma=0.1, window_s=0.1), SpeedSpread(0.08, 0.4)))
     path = tmp_path / "fast.json"
-    write_profile(path, prof, model=tiny_model(), device="cpu: test")
-    assert read_profile(path).speed_spread == prof.speed_spread
-    write_profile(path, _profile(), model=tiny_model(), device="cpu: test")
-    assert "speed_spread" not in json.loads(path.read_text()) and read_profile(path).speed_spread == ()
-    assert merge_profiles([prof, _profile(entries=((4, 1),))]).by_kind["fast"].speed_spread == prof.speed_spread
+    write_profile(path, _profile(), model=tiny_model(), device="cpu: test", host=host)
+    assert read_profile_file(path).host == host
+    woken = tmp_path / "woken.json"
+    write_profile(woken, _profile(entries=((4, 1),)), model=tiny_model(), device="cpu: test",
+                  host=HostEffects(wake_penalty=((0.01, 1e-3),)))
+    assert "speed_spread" not in json.loads(woken.read_text())
+    # Field by field: the later file's wake penalty joins the earlier file's spread.
+    assert load_host_effects([path, woken]) == {"fast": replace(host, wake_penalty=((0.01, 1e-3),))}
 
 
 def test_cpu_fraction_round_trips_and_defaults_to_one(tmp_path):

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from hethub.cli import main
+from hethub.emulation.contention import StageWork, simulate_shared_cores
+from hethub.emulation.host import host_model
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.predict.contention import StageWork, simulate_shared_cores
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
-from hethub.profile.format import load_profiles, read_profile, write_profile
+from hethub.profile.format import load_profiles, read_profile, read_profile_file, write_profile
 from hethub.profiler.stage_memory import measure_stage_memory
-from hethub.spec.cluster import load_cluster
+from hethub.spec.cluster import EmulationHost, load_cluster
 from hethub.spec.model import PRESETS
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -118,21 +119,25 @@ def test_shared_cores_slow_down_only_computing_ranks():
 def test_contention_applies_only_beyond_the_host_cores():
     from dataclasses import replace
 
-    plan = _plan()
-    two = replace(plan, cluster=replace(plan.cluster, host_cores=2))
-    one = replace(plan, cluster=replace(plan.cluster, host_cores=1))
-    # Up to the runtime's two world barriers (loss and gradient-norm all-reduces), which only the
-    # local-emulation replay models: no stage updates before every stage has synced.
-    free = predict(replace(plan, cluster=replace(plan.cluster, host_cores=None))).step_time_s
-    assert free <= predict(two).step_time_s <= 1.1 * free
-    assert predict(one).step_time_s > predict(two).step_time_s
+    plan = _plan()  # two ranks
+
+    def on_host(cores: int) -> float:
+        pl = replace(plan, cluster=replace(plan.cluster, host=EmulationHost(cores=cores)))
+        return predict(pl, host=host_model(pl.cluster)).step_time_s
+
+    # As many cores as ranks (and no measured host effects): the replay is the plain prediction,
+    # world barriers (loss and gradient-norm all-reduces) included, which both model.
+    free = predict(replace(plan, cluster=replace(plan.cluster, host=None))).step_time_s
+    assert on_host(2) == pytest.approx(free, rel=1e-9)
+    assert on_host(1) > 1.2 * on_host(2)
 
 
 def test_speed_spread_is_measured_on_request(tmp_path):
     out = tmp_path / "spread.json"
     assert main(["profile", "--model", "tiny", "--mbs", "1", "--seq-len", "32", "--kind", "cpu-fast",
                  "--warmup", "1", "--repeats", "2", "--speed-spread", "--out", str(out)]) == 0
-    spread = read_profile(out).speed_spread
+    host = read_profile_file(out).host
+    spread = host.speed_spread if host is not None else ()
     if not spread:  # one usable core: no second core to wander against
         assert len(os.sched_getaffinity(0)) < 2
         return
@@ -144,9 +149,9 @@ def test_wake_penalty_is_measured_on_request(tmp_path):
     out = tmp_path / "woken.json"
     assert main(["profile", "--model", "tiny", "--mbs", "1", "--seq-len", "32", "--kind", "cpu-fast",
                  "--warmup", "1", "--repeats", "2", "--wake-penalty", "--out", str(out)]) == 0
-    prof = read_profile(out)
-    gaps = [g for g, _ in prof.wake_penalty]
+    host = read_profile_file(out).host
+    gaps = [g for g, _ in host.wake_penalty]
     assert gaps == sorted(gaps) and len(gaps) >= 2 and gaps[0] > 0
     # The penalty is the chunk's extra CPU time (clamped at 0), never the idle gap itself: a tiny
     # model's chunk takes about a millisecond, so timing the sleep by mistake would exceed the gap.
-    assert all(extra < gap for gap, extra in prof.wake_penalty)
+    assert all(extra < gap for gap, extra in host.wake_penalty)

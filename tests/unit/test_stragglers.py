@@ -7,12 +7,14 @@ from dataclasses import replace
 
 import pytest
 
+from hethub.emulation.contention import StageWork, simulate_shared_cores
+from hethub.emulation.effects import HostEffects
+from hethub.emulation.host import host_model
+from hethub.emulation.stragglers import SpeedDraws, SpeedSpread, median_over_draws
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.predict.contention import StageWork, simulate_shared_cores
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
-from hethub.predict.stragglers import SpeedDraws, SpeedSpread, median_over_draws
-from hethub.spec.cluster import load_cluster
+from hethub.spec.cluster import EmulationHost, load_cluster
 from hethub.spec.model import PRESETS
 
 WORK = StageWork(fwd_cpu_s=1.0, fwd_idle_s=0.0, bwd_cpu_s=2.0, bwd_idle_s=0.0, p2p_s=0.0, update_cpu_s=0.0, ranks=1)
@@ -88,23 +90,27 @@ def test_predict_applies_a_profiled_spread_only_on_emulation_hosts_with_several_
     entry = ProfileEntry(embedding=LayerTimes(0.001, 0.002, 0.0), layer=LayerTimes(0.01, 0.02, 0.001),
                          head=LayerTimes(0.002, 0.004, 0.0))
     base = KindProfile(kind="cpu-fast", model="tiny", seq_len=64, entries={(2, 1): entry})
-    plain = ProfileSet({"cpu-fast": base})
+    prof = ProfileSet({"cpu-fast": base})
     # Ranks meet once a step: the spread over the window nearest the step (~0.2 s here) applies.
     curve = (SpeedSpread(sigma=0.0, window_s=0.01), SpeedSpread(sigma=0.15, window_s=0.2), SpeedSpread(0.0, 10.0))
-    spread = ProfileSet({"cpu-fast": replace(base, speed_spread=curve)})
+    host = replace(cluster, host=EmulationHost(cores=2))
+    spread, plain = host_model(host, effects={"cpu-fast": HostEffects(speed_spread=curve)}), host_model(host)
     n = model.num_layers
 
-    def plan(pipes: list[Pipeline], *, host_cores: int | None = 2) -> Plan:
-        return Plan(model=model, cluster=replace(cluster, host_cores=host_cores), pipelines=tuple(pipes),
+    def plan(pipes: list[Pipeline]) -> Plan:
+        return Plan(model=model, cluster=host, pipelines=tuple(pipes),
                     seq_len=64, global_batch=sum(p.micro_batch_size * p.num_micro_batches for p in pipes),
                     schedule="1f1b")
 
     one = plan([Pipeline(2, 2, (Stage("cpu-fast", (0,), (0, n), embedding=True, head=True),))])
     dp = plan([Pipeline(2, 2, (Stage("cpu-fast", (d,), (0, n), embedding=True, head=True),)) for d in (0, 1)])
-    assert predict(one, profiles=spread).step_time_s == predict(one, profiles=plain).step_time_s
-    assert predict(dp, profiles=spread).step_time_s > 1.03 * predict(dp, profiles=plain).step_time_s
+    def step(pl: Plan, host: object) -> float:
+        return predict(pl, profiles=prof, host=host).step_time_s
+
+    assert step(one, spread) == step(one, plain)
+    assert step(dp, spread) > 1.03 * step(dp, plain)
     # The timeline is the median draw's: it ends at that draw's step, at most the median of the draws.
-    drawn = predict(dp, profiles=spread, timeline=True)
+    drawn = predict(dp, profiles=prof, timeline=True, host=spread)
     assert drawn.step_time_s * 0.97 < max(e.end_s for e in drawn.timeline) <= drawn.step_time_s + 1e-12
-    real = replace(dp, cluster=replace(dp.cluster, host_cores=None))
-    assert predict(real, profiles=spread).step_time_s == predict(real, profiles=plain).step_time_s
+    # A real cluster has no emulation hook, so no spread.
+    assert host_model(replace(cluster, host=None), effects={"cpu-fast": HostEffects(speed_spread=curve)}) is None

@@ -29,20 +29,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
                         "Fix: use a shorter sequence length.")
     _check_device(args.device)
     req = ProfileRequest(model=model, kind=args.kind, seq_len=seq_len, mbs=args.mbs, tp=args.tp, device=args.device,
-                         threads=args.threads, reps=Repetitions(warmup=args.warmup, repeats=args.repeats),
-                         wake_penalty=args.wake_penalty, speed_spread=args.speed_spread)
+                         threads=args.threads, reps=Repetitions(warmup=args.warmup, repeats=args.repeats))
     prof = run_profile(req)
-    write_profile(args.out, prof, model=model, device=device_description(args.device))
+    host = None
+    if (args.wake_penalty or args.speed_spread) and args.device == "cpu":
+        from hethub.emulation.measure.effects import measure_host_effects
+
+        host = measure_host_effects(model, mbs=args.mbs, seq_len=seq_len, wake_penalty=args.wake_penalty,
+                                    speed_spread=args.speed_spread)
+    write_profile(args.out, prof, model=model, device=device_description(args.device), host=host)
     print(f"profile of {model.name} (kind {args.kind}, seq_len {seq_len}) written to {args.out}")
     for (mbs, tp), e in sorted(prof.entries.items()):
         print(f"  mbs {mbs} tp {tp}: layer fwd {e.layer.fwd_s * 1e3:.2f} ms  bwd {e.layer.bwd_s * 1e3:.2f} ms  "
               f"update {e.layer.update_s * 1e3:.2f} ms  head fwd+bwd {(e.head.fwd_s + e.head.bwd_s) * 1e3:.2f} ms")
-    if prof.wake_penalty:
+    if host is not None and host.wake_penalty:
         print("  wake penalty (extra CPU time after idle): "
-              + ", ".join(f"{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in prof.wake_penalty))
-    if prof.speed_spread:
+              + ", ".join(f"{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in host.wake_penalty))
+    if host is not None and host.speed_spread:
         print("  core speed spread (sigma per window): "
-              + ", ".join(f"{sp.sigma:.3f} over {sp.window_s:g} s" for sp in prof.speed_spread))
+              + ", ".join(f"{sp.sigma:.3f} over {sp.window_s:g} s" for sp in host.speed_spread))
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from hethub.commands.host import host_for
     from hethub.plan import Plan
     from hethub.predict.predictor import predict
     from hethub.report import write_report
@@ -16,11 +17,14 @@ def cmd_report(args: argparse.Namespace) -> int:
         from hethub.profile.format import load_profiles
 
         profiles = load_profiles(args.profiles, model=plan.model, seq_len=plan.seq_len)
-    pred = predict(plan, profiles=profiles, timeline=True)
+    host = host_for(plan.cluster, args.profiles, model=plan.model, seq_len=plan.seq_len)
+    pred = predict(plan, profiles=profiles, timeline=True, host=host)
     paths = write_report(plan=plan, prediction=pred, out_dir=args.out, metrics_path=args.metrics)
     print(f"report written to {args.out}/")
-    for p in (paths.plan_png, paths.timeline_png, paths.trace_json, paths.summary_md):
+    for p in paths.written:
         print(f"  {p}")
+    if paths.note:
+        print(f"note: {paths.note}")
     return 0
 
 

@@ -6,7 +6,9 @@ import argparse
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hethub.errors import RuntimeSetupError
+    from hethub.errors import RuntimeSetupError, require_extra
+
+    require_extra("torch", what="'hethub train'")  # the ranks are torchrun's processes, not this one
     from hethub.plan import Plan
     from hethub.predict.fit import check_memory_fit
     from hethub.predict.predictor import predict
@@ -40,6 +42,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from hethub.demo import DemoConfig, run_demo
+    from hethub.errors import require_extra
+
+    require_extra("torch", what="'hethub demo'")
 
     run_demo(DemoConfig(cluster=args.cluster, steps=args.steps, out_dir=args.out))
     return 0

@@ -6,3 +6,8 @@ runtime's slowdown sleep and, in :mod:`hethub.emulation.measure` (torch), the me
 host's effects (wake penalty, core speed spread, all-reduce among local ranks). Pure modules here
 never import torch.
 """
+
+from hethub.emulation.effects import HostEffects
+from hethub.emulation.host import EmulationModel, host_model, usable_cores
+
+__all__ = ["EmulationModel", "HostEffects", "host_model", "usable_cores"]

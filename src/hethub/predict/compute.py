@@ -31,9 +31,6 @@ class StageTimes:
     source: str  # "profile", "analytic, calibrated on ...", "analytic, uncalibrated", "analytic, constant efficiency"
     # Whether fwd/bwd already contain the TP all-reduces (profiles measured on a real TP group).
     tp_comm_included: bool = False
-    # Of fwd_s / bwd_s, the emulation's sleep on an emulated kind (no core needed; contention.py).
-    fwd_idle_s: float = 0.0
-    bwd_idle_s: float = 0.0
 
 
 def stage_times(
@@ -58,15 +55,14 @@ def stage_times(
         # only their CPU share: the runtime sleeps (k-1) x a chunk's thread CPU time, so time spent
         # waiting in TP collectives is not stretched.
         stretch = (kind.emulated_slowdown - 1.0) * entry.cpu_fraction
-        return StageTimes(fwd * (1 + stretch), bwd * (1 + stretch), upd, "profile", entry.tp_comm_included,
-                          fwd * stretch, bwd * stretch)
+        return StageTimes(fwd * (1 + stretch), bwd * (1 + stretch), upd, "profile", entry.tp_comm_included)
     upd = 0.0
     if kind.mem_bw_bytes_per_s:
         state = sum(ModelSpec.state_bytes_per_param(precision).values())
         params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp)
         upd = 2 * params * state / kind.mem_bw_bytes_per_s
-    # An emulated kind's analytic speed already includes its slowdown; the share it would sleep:
-    idle = 1.0 - 1.0 / kind.emulated_slowdown
+    # An emulated kind's analytic speed includes its slowdown (hethub.emulation derives the share it
+    # sleeps from the kind's slowdown).
     op = kernel_params(kind, precision)
     if op is not None:
         params_k, source = op
@@ -81,7 +77,7 @@ def stage_times(
                 fwd, bwd = fwd + f, bwd + b
         upd /= params_k.mem_eff
         fwd, bwd = fwd * kind.emulated_slowdown, bwd * kind.emulated_slowdown
-        return StageTimes(fwd, bwd, upd, source, fwd_idle_s=fwd * idle, bwd_idle_s=bwd * idle)
+        return StageTimes(fwd, bwd, upd, source)
     tokens = mbs * seq_len
     flops = layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len)
     if head:
@@ -89,7 +85,7 @@ def stage_times(
     fwd = flops / tp / kind.effective_flops
     bwd = 2 * fwd + (layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len) / tp / kind.effective_flops
                      if recompute else 0.0)
-    return StageTimes(fwd, bwd, upd, "analytic, constant efficiency", fwd_idle_s=fwd * idle, bwd_idle_s=bwd * idle)
+    return StageTimes(fwd, bwd, upd, "analytic, constant efficiency")
 
 
 _PARTS = {"layer": opmodel.layer_ops, "embedding": opmodel.embedding_ops, "head": opmodel.head_ops}

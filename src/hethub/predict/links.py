@@ -183,11 +183,10 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
     inter = cluster.inter_node
     if inter_latencies:
         inter = Link(inter.bw_bytes_per_s, max(inter_latencies))
-    host_allreduce = cluster.host_allreduce
-    if profile.host_allreduce and cluster.host_cores is not None:
-        host_allreduce = tuple((p, f.link) for p, f in sorted(profile.host_allreduce.items()))
-    return replace(cluster, kinds=kinds, groups=tuple(groups), inter_node=inter, cross_kind=cross,
-                   host_allreduce=host_allreduce)
+    host = cluster.host
+    if profile.host_allreduce and host is not None:
+        host = replace(host, allreduce=tuple((p, f.link) for p, f in sorted(profile.host_allreduce.items())))
+    return replace(cluster, kinds=kinds, groups=tuple(groups), inter_node=inter, cross_kind=cross, host=host)
 
 
 def plan_with_links(plan: Plan, profile: LinksProfile) -> Plan:

@@ -5,8 +5,13 @@ Per stage: compute time (measured profile for its kind when one matches, else th
 send of one micro-batch's activations to the next stage over the link between the stage's last
 device and the next stage's first; memory from :mod:`hethub.predict.memory` with the schedule's
 in-flight micro-batches. Each pipeline's schedule is simulated event by event
-(:mod:`hethub.schedules.simulate`), then the data-parallel gradient sync (:mod:`hethub.predict.sync`)
-and optimizer update give each stage's end; the step ends with the last one.
+(:mod:`hethub.schedules.simulate`), then the world all-reduce of the loss, the data-parallel gradient
+sync (:mod:`hethub.predict.sync`), the world all-reduce of the gradient norm and the optimizer
+update give each stage's end; the step ends with the last one.
+
+One hook, ``host``: a host that runs every rank itself (local emulation, :mod:`hethub.emulation`)
+prices the all-reduces and replays the step with the stage costs computed here
+(:mod:`hethub.predict.host`). Without it (any real cluster) nothing of such a host is modelled.
 
 Large plans are mostly identical replicas, so stage costs are cached by what determines them and
 each distinct pipeline (same micro-batch count and per-stage times) is simulated once.
@@ -17,13 +22,12 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from hethub.plan import Pipeline, Plan
 from hethub.predict.comm import p2p_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
-from hethub.predict.contention import ReplayEvent, StageWork, simulate_shared_cores
+from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
     USABLE_FRACTION,
     StageMemory,
@@ -33,8 +37,7 @@ from hethub.predict.memory import (
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.predict.stragglers import SpeedDraws, SpeedSpread, median_over_draws
-from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_barrier_s
+from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_collectives
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.schedules import get_schedule
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
@@ -111,11 +114,11 @@ class _Costs:
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = False,
-            host_background_procs: float = 0.0) -> Prediction:
+            host: HostModel | None = None) -> Prediction:
     """Step time, throughput, per-device memory and (optionally) the per-device timeline of `plan`.
 
-    ``host_background_procs``: only with ``cluster.host_cores``: busy processes of others on the
-    emulation host, sharing its cores with the plan's ranks (a measured input; 0 on a quiet machine).
+    ``host``: the local emulation host every rank runs on, if any (``hethub.emulation.host_model``);
+    it prices the all-reduces and replays the step, and its timeline is the replay's.
     """
     model, cluster = plan.model, plan.cluster
     costs = _Costs(plan, profiles)
@@ -145,51 +148,38 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
             partial.append((pi, si, cost, mem, send))
         sig = (m, tuple(fwd), tuple(bwd), tuple(p2p))
         sigs.append(sig)
-        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline))
+        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline and host is None))
         updates.append(upd)
 
     groups = sync_groups(plan)
-    sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline, groups=groups)
+    world = list(world_collectives(plan))
+    if host is not None:
+        groups, world = host.price_collectives(groups), host.price_collectives(world)
+    sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline and host is None, groups=groups,
+                         world=world)
     stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync,
                                      last_backward_s=finish[pi][si])
                    for pi, si, cost, mem, send in partial)
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
-    cores = cluster.host_cores
-    # On an emulation host the timeline is the replay's own intervals (of the median draw), so it
-    # shows the shared cores and barriers the step time includes.
-    recorded: list[ReplayEvent] | None = [] if timeline and cores is not None else None
-    if cores is not None:
-        # Local emulation: every rank is a process of hethub's runtime on one host. Replay the step
-        # with its world barriers (loss and gradient-norm all-reduces) and, with more ranks than
-        # cores, cores shared among them (contention.py).
-        work = {(pi, si): _stage_work(plan, pi, si, cost=cost, send=send, costs=costs)
-                for pi, si, cost, _, send in partial}
-        barrier_s = world_barrier_s(plan)
-
-        def replay(speeds: SpeedDraws | None, record: list[ReplayEvent] | None = None) -> tuple[float, list[float]]:
-            return simulate_shared_cores(stages=work, schedule=plan.schedule, cores=cores, groups=groups,
-                                         num_micro_batches=[p.num_micro_batches for p in plan.pipelines],
-                                         background_procs=host_background_procs, barrier_s=barrier_s,
-                                         speeds=speeds, record=record)
-
-        step, pipes = replay(None, recorded)
-        spread = _speed_spread(plan, costs, step_s=step) if plan.world_size > 1 else None
-        if spread is not None and spread.sigma > 0:  # sigma 0: the plain replay above is the answer
-            step, pipes, draw = median_over_draws(replay, spread=spread)
-            if recorded is not None:
-                recorded = []
-                replay(draw, recorded)
-        pipeline_times = tuple(pipes)
-    tokens = plan.tokens_per_step
-    if cores is not None:  # the replay's step, not the sync's: the rest of it is bubble
+    events: tuple[Event, ...] = ()
+    if host is not None:
+        steps = {(pi, si): StageStep(kind=s.kind, tp=s.tp, micro_batch_size=plan.pipelines[pi].micro_batch_size,
+                                     fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, compute_fwd_s=cost.times.fwd_s,
+                                     compute_bwd_s=cost.times.bwd_s, update_s=cost.times.update_s, p2p_s=send,
+                                     compute_source=cost.times.source)
+                 for pi, si, cost, _, send in partial for s in (plan.pipelines[pi].stages[si],)}
+        replayed = host.replay_step(plan, profiles=profiles, stages=steps, groups=groups, world=world,
+                                    record=timeline)
+        step, pipeline_times = replayed.step_time_s, replayed.pipeline_times_s
+        # The replay's step, not the sync's: the rest of it is bubble.
         stages = tuple(replace(sp, bubble_s=max(0.0, step - sp.compute_s - sp.exposed_comm_s - sp.update_s))
                        for sp in stages)
-    events: tuple[Event, ...] = ()
-    if recorded is not None:
-        events = _replay_timeline(plan, recorded, stages)
+        if timeline:
+            events = _replay_timeline(plan, replayed.events, stages)
     elif timeline:
         events = _timeline(plan, [costs.schedules[sig] for sig in sigs], stages, sync)
+    tokens = plan.tokens_per_step
     return Prediction(
         step_time_s=step,
         tokens_per_s=tokens / step if step > 0 else float("inf"),
@@ -206,35 +196,13 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
     """What the prediction rests on, part by part: measured inputs or analytic models."""
     cluster = plan.cluster
     comm = "analytic: alpha-beta links from the cluster file, ring collectives"
-    if cluster.host_allreduce:
-        comm += f"; all-reduce among {sorted(p for p, _ in cluster.host_allreduce)} ranks measured on this host"
+    if cluster.host is not None and cluster.host.allreduce:
+        comm += (f"; all-reduce among {sorted(p for p, _ in cluster.host.allreduce)} ranks measured on this host "
+                 "(used through the emulation hook)")
     return {"compute": {s.kind: s.compute_source for s in stages}, "communication": comm,
             "memory": "analytic: parameters, gradients, optimizer state and kept activations (predict/memory.py)",
             "mfu": "model FLOPs (forward + backward, no recomputation) over each kind's dense peak for the "
                    f"plan's precision ({plan.precision})"}
-
-
-def _speed_spread(plan: Plan, costs: _Costs, *, step_s: float) -> SpeedSpread | None:
-    """The host's measured speed spread (one host: the first of the plan's kinds' profiles that has
-    one) over the window nearest the step: ranks meet at least once a step, so speed differences
-    that last about a step are what make them wait."""
-    for kind in plan.cluster.kind_names:
-        prof = costs.profile(kind)
-        if prof is not None and prof.speed_spread:
-            return min(prof.speed_spread, key=lambda sp: abs(math.log(sp.window_s / max(step_s, 1e-9))))
-    return None
-
-
-def _stage_work(plan: Plan, pi: int, si: int, *, cost: _StageCost, send: float, costs: _Costs) -> StageWork:
-    """Split a stage's times into CPU work and emulation sleep (the part no core is needed for)."""
-    s = plan.pipelines[pi].stages[si]
-    k = plan.cluster.kinds[s.kind].emulated_slowdown
-    t = cost.times
-    profile = costs.profile(s.kind)
-    return StageWork(fwd_cpu_s=cost.fwd_s - t.fwd_idle_s, fwd_idle_s=t.fwd_idle_s,
-                     bwd_cpu_s=cost.bwd_s - t.bwd_idle_s, bwd_idle_s=t.bwd_idle_s,
-                     p2p_s=send, update_cpu_s=t.update_s, ranks=s.tp, slowdown=k,
-                     wake_extra_s=profile.wake_extra_s if profile is not None and profile.wake_penalty else None)
 
 
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: StageMemory, send: float,
@@ -266,7 +234,7 @@ def _timeline(plan: Plan, schedules: list[list[StageSchedule]], stages: tuple[St
             back = by_id[(pi, si - 1)].p2p_s if si > 0 else 0.0
             for d in sp.devices:
                 events.extend(_stage_events(p, pi, si, d, st, send_fwd=sp.p2p_s, send_bwd=back))
-                for name, a, b in sync.intervals[(pi, si)]:
+                for name, a, b in sync.intervals[(pi, si)]:  # world all-reduces included
                     events.append(Event(d, "allreduce", f"allreduce {name}", a, b, pi, si))
                 end = sync.stage_end_s[(pi, si)]
                 if sp.update_s > 0:
@@ -275,9 +243,9 @@ def _timeline(plan: Plan, schedules: list[list[StageSchedule]], stages: tuple[St
     return tuple(events)
 
 
-def _replay_timeline(plan: Plan, recorded: list[ReplayEvent], stages: tuple[StagePrediction, ...],
+def _replay_timeline(plan: Plan, recorded: tuple[ReplayEvent, ...], stages: tuple[StagePrediction, ...],
                      ) -> tuple[Event, ...]:
-    """The shared-core replay's intervals on every device of their stage, with the transfers after
+    """A host's replayed intervals on every device of their stage, with the transfers after
     each forward (to the next stage) and backward (to the previous one)."""
     by_id = {(sp.pipeline, sp.stage): sp for sp in stages}
     events: list[Event] = []

@@ -11,8 +11,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from hethub.predict.stragglers import SpeedSpread
-
 
 @dataclass(frozen=True)
 class LayerTimes:
@@ -63,20 +61,8 @@ class KindProfile:
     seq_len: int
     entries: dict[tuple[int, int], ProfileEntry] = field(default_factory=dict)  # (mbs, tp) -> times
     source: str = ""
-    # Local emulation hosts: extra CPU seconds of a chunk of work after the rank sat idle for gap_s,
-    # ((gap_s, extra_s), ..) by gap (hethub.emulation.measure.wake). Empty: not measured.
-    wake_penalty: tuple[tuple[float, float], ...] = ()
-    # Local emulation hosts: how much a core's speed wanders against another's, by window length,
-    # shortest first (hethub.emulation.measure.spread). Empty: not measured.
-    speed_spread: tuple[SpeedSpread, ...] = ()
-
-    def wake_extra_s(self, gap_s: float) -> float:
-        """The wake penalty after an idle gap: linear between measured gaps (from 0 at 0), flat beyond."""
-        points = [(0.0, 0.0), *self.wake_penalty]
-        for (g0, e0), (g1, e1) in itertools.pairwise(points):
-            if gap_s <= g1:
-                return e0 + (e1 - e0) * max(0.0, gap_s - g0) / (g1 - g0)
-        return points[-1][1]
+    # What the profile measured about its host (wake penalty, core speed spread) is not the kind's:
+    # hethub.emulation.effects.HostEffects, read from the same file (profile.format.load_host_effects).
 
     def lookup(self, *, mbs: int, tp: int) -> ProfileEntry | None:
         """Times for (mbs, tp); a missing mbs is scaled linearly from the nearest measured one."""

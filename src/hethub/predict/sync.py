@@ -7,8 +7,8 @@ sit on different stages holds the shared matrix twice: both stages join the embe
 Megatron's embedding group does), and the head group keeps only the final norm. Holders come from
 the rank layout (:func:`hethub.layout.unit_holders`), the same the runtime syncs among.
 
-Each group is one ring all-reduce (:func:`hethub.predict.comm.allreduce_time_s`), or, on a local
-emulation host with a measured all-reduce for that many ranks, the measured cost:
+Each group is one ring all-reduce (:func:`hethub.predict.comm.allreduce_time_s`; a local emulation
+host prices it with its measured all-reduce instead, through the predictor's hook):
 
 * participants: the number of holder stages;
 * bytes per participant: the group's parameters on one device of a holder x grad bytes, taking
@@ -19,11 +19,15 @@ emulation host with a measured all-reduce for that many ranks, the measured cost
 Groups with the same holders are fused into one all-reduce of their summed bytes, as the runtime
 flattens them into one buffer (so a plan of plain replicas syncs with a single collective).
 
-Timing: a fused group's all-reduce starts once every holder has finished its last backward and its
-previous syncs; each stage runs its all-reduces one after another in the runtime's order
-(parameters sorted by name, :func:`hethub.layout.unit_param_prefix`: embedding, head, then
-"layers.0", "layers.1", "layers.10", .., and a tied head's final norm last). A stage
-ends at its last sync's end plus its optimizer update; the step ends when the last stage does.
+Timing, as the runtime's step runs (runtime/trainer.py): after its last backward every rank joins
+the world all-reduce of the loss, a barrier of the whole plan; then a fused group's all-reduce
+starts once every holder is there and done with its previous syncs, each stage running its
+all-reduces one after another in the runtime's order (parameters sorted by name,
+:func:`hethub.layout.unit_param_prefix`: embedding, head, then "layers.0", "layers.1", "layers.10",
+.., and a tied head's final norm last); then the world all-reduce of the gradient norm (clipping),
+a second barrier; then each stage's optimizer update. The step ends when the last stage does.
+(The per-step gather of metrics to the logging rank comes after the timed step and is not
+modelled.)
 
 Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
 backward still runs, so this overestimates a little); TP ranks of a stage are assumed to run their
@@ -62,7 +66,7 @@ class SyncGroup:
 class SyncResult:
     step_time_s: float
     stage_end_s: dict[StageId, float]  # sync end + optimizer update
-    sync_s: dict[StageId, float]  # summed all-reduce durations of the stage's groups (no waiting)
+    sync_s: dict[StageId, float]  # summed all-reduce durations of the stage's groups (no waiting; no world ones)
     # (group name, start, end) per stage, in execution order; only when recorded.
     intervals: dict[StageId, list[tuple[str, float, float]]]
 
@@ -128,24 +132,42 @@ def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: C
     return out
 
 
-def world_barrier_s(plan: Plan) -> float:
-    """One tiny all-reduce over every stage (the runtime's loss and gradient-norm all-reduces): the
-    ring's latency. Used by the shared-core replay (contention.py), where they act as world barriers."""
+def world_collectives(plan: Plan) -> tuple[SyncGroup, SyncGroup]:
+    """The runtime's two world all-reduces of every step, each a barrier of every stage: the loss
+    (8 bytes, after a rank's last backward, before the gradient sync) and the gradient norm (before
+    the optimizer update). Costed like the sync groups: a ring over the first device of every stage
+    (TP ranks of a stage take part at once), which for 8 bytes is the ring's latency."""
+    stages = tuple((pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages)))
     firsts = [s.devices[0] for p in plan.pipelines for s in p.stages]
-    return group_allreduce_time_s(plan.cluster, nbytes=8.0, devices=firsts)
+    link = slowest_link(plan.cluster, firsts)
+    t = group_allreduce_time_s(plan.cluster, nbytes=8.0, devices=firsts)
+    return SyncGroup("loss", stages, 8.0, link, t), SyncGroup("grad norm", stages, 8.0, link, t)
 
 
 def simulate_sync(
     plan: Plan, *, finish_s: Sequence[Sequence[float]], update_s: Sequence[Sequence[float]], record: bool = False,
-    groups: Sequence[SyncGroup] | None = None,
+    groups: Sequence[SyncGroup] | None = None, world: Sequence[SyncGroup] | None = None,
 ) -> SyncResult:
-    """Run every group's all-reduce after its holders' backwards; `finish_s[p][s]` is stage s's last backward."""
+    """The step after each stage's last backward (`finish_s[p][s]`): the loss all-reduce (a world
+    barrier), every group's all-reduce once its holders are there, the gradient-norm all-reduce (a
+    world barrier), then each stage's optimizer update. `world`: (loss, grad norm), default
+    :func:`world_collectives`."""
     groups = sync_groups(plan) if groups is None else groups
+    loss, norm = world_collectives(plan) if world is None else world
     cursor: dict[StageId, float] = {
         (pi, si): float(f) for pi, row in enumerate(finish_s) for si, f in enumerate(row)
     }
     sync_s = dict.fromkeys(cursor, 0.0)
     intervals: dict[StageId, list[tuple[str, float, float]]] = {k: [] for k in cursor} if record else {}
+
+    def barrier(g: SyncGroup) -> None:
+        start = max(cursor.values())
+        for x in cursor:
+            cursor[x] = start + g.time_s
+            if record and g.time_s > 0:
+                intervals[x].append((g.name, start, start + g.time_s))
+
+    barrier(loss)
     for g in groups:
         if g.time_s <= 0.0:
             continue  # one holder only: nothing to wait for or send
@@ -158,6 +180,7 @@ def simulate_sync(
         if record:
             for x in hs:
                 intervals[x].append((g.name, start, end))
+    barrier(norm)
     stage_end = {(pi, si): cursor[(pi, si)] + u for pi, row in enumerate(update_s) for si, u in enumerate(row)}
     return SyncResult(step_time_s=max(stage_end.values()), stage_end_s=stage_end, sync_s=sync_s,
                       intervals=intervals)

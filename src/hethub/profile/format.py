@@ -15,15 +15,15 @@ import json
 import math
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from hethub.emulation.effects import HostEffects, effects_from_dict, effects_to_dict
 from hethub.errors import SpecError, field_error, load_json, positive_int
 from hethub.interop.sailor import is_sailor_profile, read_sailor_profile
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
-from hethub.predict.stragglers import SpeedSpread
 from hethub.spec.model import ModelSpec
 
 PROFILE_FORMAT = "hethub-profile"
@@ -39,17 +39,22 @@ class ProfileFile:
     profile: KindProfile
     model_shape: ModelSpec | None  # None where the format does not carry a shape (Sailor: preset by name)
     device: str
+    # What the file measured about its host (optional fields wake_penalty, speed_spread; local
+    # emulation hosts only): hethub.emulation's, not the kind's.
+    host: HostEffects | None = None
 
 
 @dataclass(frozen=True)
 class ScanResult:
     profiles: ProfileSet
     skipped: tuple[str, ...]  # one line per file not used: "<path>: <reason>"
+    host_effects: dict[str, HostEffects] = field(default_factory=dict)  # by kind, where files measured them
 
 
 # ---- writing ---------------------------------------------------------------------------------------
-def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, measured_at: str | None = None
-                    ) -> dict[str, Any]:
+def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, measured_at: str | None = None,
+                    host: HostEffects | None = None) -> dict[str, Any]:
+    """The file's JSON; `host`: the host effects measured with it (local emulation hosts), if any."""
     if profile.model != model.name:
         raise SpecError(f"profile of kind {profile.kind!r} is for model {profile.model!r}, not {model.name!r}. "
                         "Fix: pass the ModelSpec the profile was measured with.")
@@ -72,16 +77,13 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
              **({"cpu_fraction": e.cpu_fraction} if e.cpu_fraction != 1.0 else {})}
             for (mbs, tp), e in sorted(profile.entries.items())
         ],
-        **({"wake_penalty": [{"gap_s": g, "extra_s": x} for g, x in profile.wake_penalty]}
-           if profile.wake_penalty else {}),
-        **({"speed_spread": [{"window_s": sp.window_s, "sigma": sp.sigma} for sp in profile.speed_spread]}
-           if profile.speed_spread else {}),
+        **effects_to_dict(host),
     }
 
 
 def write_profile(path: str | Path, profile: KindProfile, *, model: ModelSpec, device: str,
-                  measured_at: str | None = None) -> None:
-    data = profile_to_dict(profile, model=model, device=device, measured_at=measured_at)
+                  measured_at: str | None = None, host: HostEffects | None = None) -> None:
+    data = profile_to_dict(profile, model=model, device=device, measured_at=measured_at, host=host)
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
@@ -161,10 +163,9 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
                                           peak_mem_bytes=mem, tp_comm_included=included,
                                           layer_by_depth=_depths(e.get("layer_depths", []), where, f"{f}.layer_depths"),
                                           cpu_fraction=float(cpu_fraction))
-    prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where,
-                       wake_penalty=_wake(data.get("wake_penalty", []), where),
-                       speed_spread=_spread(data.get("speed_spread", []), where))
-    return ProfileFile(profile=prof, model_shape=shape, device=data["device"])
+    prof = KindProfile(kind=kind, model=model, seq_len=seq_len, entries=entries, source=source or where)
+    return ProfileFile(profile=prof, model_shape=shape, device=data["device"],
+                       host=effects_from_dict(data, where=where))
 
 
 def _times(t: Any, where: str, f: str) -> LayerTimes:
@@ -197,43 +198,6 @@ def _depths(v: Any, where: str, f: str) -> tuple[tuple[int, LayerTimes], ...]:
     return tuple(sorted(out.items()))
 
 
-def _numbers(row: Any, *keys: str) -> bool:
-    """Whether `row` is an object whose `keys` all hold numbers (booleans excluded)."""
-    return isinstance(row, dict) and all(isinstance(row.get(k), int | float) and not isinstance(row.get(k), bool)
-                                         for k in keys)
-
-
-def _wake(v: Any, where: str) -> tuple[tuple[float, float], ...]:
-    """Optional ``wake_penalty``: [{"gap_s": .., "extra_s": ..}, ..] with increasing positive gaps."""
-    fix = "re-measure with 'hethub profile --wake-penalty' or leave it out"
-    if not isinstance(v, list):
-        raise _err(where, "wake_penalty", "must be a list", fix)
-    out: list[tuple[float, float]] = []
-    for i, row in enumerate(v):
-        if not _numbers(row, "gap_s", "extra_s") or row["gap_s"] <= (out[-1][0] if out else 0.0) or row["extra_s"] < 0:
-            raise _err(where, f"wake_penalty[{i}]", f"must be {{\"gap_s\": > previous gap, \"extra_s\": >= 0}}, "
-                       f"got {row!r}", fix)
-        out.append((float(row["gap_s"]), float(row["extra_s"])))
-    return tuple(out)
-
-
-def _spread(v: Any, where: str) -> tuple[SpeedSpread, ...]:
-    """Optional ``speed_spread``: [{"window_s": > previous window, "sigma": >= 0}, ..]."""
-    fix = "re-measure with 'hethub profile --speed-spread' or leave it out"
-    if not isinstance(v, list):
-        raise _err(where, "speed_spread", "must be a list", fix)
-    out: list[SpeedSpread] = []
-    for i, row in enumerate(v):
-        shape = '{"window_s": > previous window, "sigma": >= 0}'
-        if not _numbers(row, "sigma", "window_s") or (out and row["window_s"] <= out[-1].window_s):
-            raise _err(where, f"speed_spread[{i}]", f"must be {shape}, got {row!r}", fix)
-        try:
-            out.append(SpeedSpread(sigma=float(row["sigma"]), window_s=float(row["window_s"])))
-        except ValueError as e:
-            raise _err(where, f"speed_spread[{i}]", str(e), fix) from None
-    return tuple(out)
-
-
 def _pos_int(v: Any, where: str, f: str) -> int:
     return positive_int(v, where=where, field=f, cls=SpecError)
 
@@ -261,6 +225,7 @@ def scan_profiles(sources: str | Path | Iterable[str | Path], *, model: ModelSpe
         sources = [sources]
     found: list[KindProfile] = []
     skipped: list[str] = []
+    effects: dict[str, HostEffects] = {}
     for src in sources:
         p = Path(src)
         if p.is_dir():
@@ -272,11 +237,19 @@ def scan_profiles(sources: str | Path | Iterable[str | Path], *, model: ModelSpe
                     skipped.append(str(err))
                     continue
                 found.append(pf.profile)
+                _note_effects(effects, pf)
         else:
             pf = read_profile_file(p)
             _check_match(pf, model=model, seq_len=seq_len)
             found.append(pf.profile)
-    return ScanResult(profiles=merge_profiles(found), skipped=tuple(skipped))
+            _note_effects(effects, pf)
+    return ScanResult(profiles=merge_profiles(found), skipped=tuple(skipped), host_effects=effects)
+
+
+def _note_effects(effects: dict[str, HostEffects], pf: ProfileFile) -> None:
+    """Keep a file's host effects under its kind; a later file's measurement wins, field by field."""
+    if pf.host:
+        effects[pf.profile.kind] = pf.host.merged_over(effects.get(pf.profile.kind))
 
 
 def load_profiles(sources: str | Path | Iterable[str | Path], *, model: ModelSpec | None = None,
@@ -286,6 +259,13 @@ def load_profiles(sources: str | Path | Iterable[str | Path], *, model: ModelSpe
     for line in res.skipped:
         warnings.warn(f"profile skipped: {line}", stacklevel=2)
     return res.profiles
+
+
+def load_host_effects(sources: str | Path | Iterable[str | Path], *, model: ModelSpec | None = None,
+                      seq_len: int | None = None) -> dict[str, HostEffects]:
+    """The host effects (wake penalty, speed spread) the profile files of :func:`load_profiles` carry,
+    by kind: for :func:`hethub.emulation.host.host_model` (local emulation hosts)."""
+    return scan_profiles(sources, model=model, seq_len=seq_len).host_effects
 
 
 def _check_match(pf: ProfileFile, *, model: ModelSpec | None, seq_len: int | None) -> None:
@@ -325,7 +305,5 @@ def merge_profiles(profiles: Iterable[KindProfile | ProfileSet]) -> ProfileSet:
                                 f"{old.seq_len}. Fix: load one model's profiles at one sequence length at a time.")
             by_kind[prof.kind] = KindProfile(kind=prof.kind, model=prof.model, seq_len=prof.seq_len,
                                              entries={**old.entries, **prof.entries},
-                                             source=f"{old.source}; {prof.source}",
-                                             wake_penalty=prof.wake_penalty or old.wake_penalty,
-                                             speed_spread=prof.speed_spread or old.speed_spread)
+                                             source=f"{old.source}; {prof.source}")
     return ProfileSet(by_kind=by_kind)

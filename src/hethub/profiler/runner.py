@@ -20,13 +20,12 @@ from typing import Any
 
 import torch
 
+from hethub.emulation.host import usable_cores
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
-from hethub.predict.stragglers import SpeedSpread
 from hethub.profile.format import merge_profiles
 from hethub.profiler.layers import EntryResult, Repetitions, measure_entry, stack_depths
 from hethub.progress import progress
 from hethub.runtime.tensor_parallel import TPContext
-from hethub.spec.cluster import usable_cores
 from hethub.spec.model import ModelSpec
 
 _JOIN_TIMEOUT_S = 600.0
@@ -45,8 +44,6 @@ class ProfileRequest:
     # Decoder-layer stack depths (> 1, capped at the model's layer count) also measured per entry.
     depths: tuple[int, ...] = (2, 4, 8)
     show_progress: bool = True  # on stderr
-    wake_penalty: bool = False  # also measure hethub.emulation.measure.wake's penalty (CPU hosts of local emulation)
-    speed_spread: bool = False  # also measure hethub.emulation.measure.spread's core speed spread (same hosts)
 
 
 def device_description(device: str) -> str:
@@ -77,23 +74,8 @@ def run_profile(req: ProfileRequest) -> KindProfile:
                                               layer_by_depth=res.layer_by_depth,
                                               cpu_fraction=res.layer.cpu_fraction)
             bar.update()
-    wake: tuple[tuple[float, float], ...] = ()
-    if req.wake_penalty and dev.type == "cpu":
-        from hethub.emulation.measure.wake import measure_wake_penalty
-
-        wake = measure_wake_penalty(req.model, mbs=_middle(req.mbs), seq_len=req.seq_len)
-    spread: tuple[SpeedSpread, ...] = ()
-    if req.speed_spread and dev.type == "cpu":
-        from hethub.emulation.measure.spread import measure_speed_spread
-
-        spread = measure_speed_spread(req.model, mbs=_middle(req.mbs), seq_len=req.seq_len)
     return KindProfile(kind=req.kind, model=req.model.name, seq_len=req.seq_len, entries=entries,
-                       source=f"hethub profile on {device_description(req.device)}", wake_penalty=wake,
-                       speed_spread=spread)
-
-
-def _middle(mbs: tuple[int, ...]) -> int:
-    return sorted(mbs)[len(mbs) // 2]
+                       source=f"hethub profile on {device_description(req.device)}")
 
 
 def _check_tp(model: ModelSpec, tp: int) -> None:
@@ -151,13 +133,12 @@ def _run_tp_ranks(req: ProfileRequest, *, mbs: int, tp: int) -> list[EntryResult
 
 def profile_for_kinds(*, model: ModelSpec, kinds: tuple[str, ...], seq_len: int, mbs: tuple[int, ...],
                       tp: tuple[int, ...] = (1, 2), reps: Repetitions | None = None,
-                      show: bool = True, wake_penalty: bool = False, speed_spread: bool = False) -> ProfileSet:
+                      show: bool = True) -> ProfileSet:
     """Profile this host once and hand the result to every kind running on it.
 
     For local emulation all kinds are the same CPU; the predictor slows the emulated ones itself.
     """
     req = ProfileRequest(model=model, kind=kinds[0], seq_len=seq_len, mbs=mbs, tp=tp,
-                         reps=reps or Repetitions(), show_progress=show, wake_penalty=wake_penalty,
-                         speed_spread=speed_spread)
+                         reps=reps or Repetitions(), show_progress=show)
     base = run_profile(req)
     return merge_profiles([replace(base, kind=k) for k in kinds])

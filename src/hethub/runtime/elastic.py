@@ -46,9 +46,10 @@ def shrunk_plan(plan: Plan, *, world_size: int, comm: Communicator, root: Path) 
     if comm.rank == 0:
         try:
             if not _usable(path, plan):
+                from hethub.emulation.host import host_model
                 from hethub.search.replan import replan  # the planner: only re-planning needs it
 
-                new = replan(plan, world_size=world_size)
+                new = replan(plan, world_size=world_size, host=host_model(plan.cluster))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".json.tmp")
                 new.save(tmp)

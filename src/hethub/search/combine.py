@@ -114,9 +114,11 @@ def water_level(groups: list, total_mb: int) -> float:
 
 def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, model: ModelSpec,
                 precision: str) -> float:
-    """End of the step: each pipeline's backward, then the per-layer gradient all-reduces, then updates.
+    """End of the step: each pipeline's backward, the world all-reduce of the loss, the per-layer
+    gradient all-reduces, the world all-reduce of the gradient norm, then the updates.
 
     Mirrors predict/sync.py on one representative per group (identical pipelines finish together):
+    the two world all-reduces are barriers of every stage (8 bytes over one device per stage);
     one ring all-reduce per parameter group (embedding, each layer, head) among all replicas, sized
     by the smallest TP degree among its holders, over the slowest link their kinds imply; a stage
     runs its groups in layer order, each once all holders are free. Replicas whose layer boundaries
@@ -128,6 +130,16 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     cursor: list[list[float]] = [
         get_schedule(g.pipe.schedule).stage_finish_s(step_s=t, bwd_s=g.pipe.bwd_s, p2p_s=g.pipe.p2p_s)
         for g, t in zip(groups, times_s, strict=True)]
+    kinds = frozenset(sl.kind for g in groups for sl in g.pipe.slots)
+    world_s = allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),
+                               link=links.replicas(kinds, devices=total_devices))
+
+    def barrier() -> None:
+        end = max(max(row) for row in cursor) + world_s
+        for row in cursor:
+            row[:] = [end] * len(row)
+
+    barrier()  # the loss
     if replicas > 1:
         gb = ModelSpec.state_bytes_per_param(precision)["grads"]
         h, v = model.hidden_size, model.vocab_size
@@ -168,6 +180,7 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
             run(hs, (b - a) * ring(matmul, norm, hs))
         hs = [(gi, last[gi]) for gi in range(len(groups))]
         run(hs, ring(0 if model.tied_embeddings else v * h, model.final_norm_params, hs))
+    barrier()  # the gradient norm
     return max(c + u for g, row in zip(groups, cursor, strict=True) for c, u in zip(row, g.pipe.update_s, strict=True))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
 from hethub.plan import Plan
+from hethub.predict.host import HostModel
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
@@ -27,6 +28,7 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 POLISH_MIN_S = 0.25
+POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
 
 
@@ -42,15 +44,17 @@ class PlanResult:
 
 
 def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-              profiles: ProfileSet | None = None) -> PlanResult:
-    """Best memory-feasible plan under `config.strategy`, scored by the predictor."""
+              profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
+    """Best memory-feasible plan under `config.strategy`, scored by the predictor (with `host`, the
+    local emulation host every rank runs on, if any: ``hethub.emulation.host_model``)."""
     t0 = time.perf_counter()
     _check_job(model, config)
     books: dict = {}
     # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
     bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
-    bound, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
+    bound, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books,
+                                 host=host)
     bar.update()
     # The kind-alone plans were scored for the bound already; predict() is deterministic, so reuse it.
     if config.strategy == "homogeneous":
@@ -58,12 +62,12 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     elif config.strategy == "hethub":
         # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
         scored = sorted([*_score(_hethub_candidates(cluster=cluster, model=model, config=config, profiles=profiles,
-                                                    books=books), profiles), *alone],
+                                                    books=books), profiles, host=host), *alone],
                         key=lambda x: x[1].step_time_s)
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
-        scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles)
+        scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles, host=host)
     bar.update()
     if not scored:
         bar.close()
@@ -73,8 +77,18 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         # yet not starved where the search is fast: on large plans the budget, not a local optimum,
         # usually ends it, and each of its steps is a prediction of the whole plan.
         budget = max(POLISH_MIN_S, 0.25 * (time.perf_counter() - t0))
-        best = polish(*scored[0], profiles=profiles, budget_s=budget, allow_recompute=config.allow_recompute)
-        scored = sorted([best, *scored[1:]], key=lambda x: x[1].step_time_s)
+        end = time.perf_counter() + budget
+        polished = []
+        # The best first; where it reaches a local optimum before the budget ends (small plans), the
+        # runners-up too: polish moves layers and never swaps a template for another, so a runner-up
+        # a little slower as scored may polish to the better plan.
+        for cand in scored[:POLISH_STARTS]:
+            left = end - time.perf_counter()
+            if polished and left <= 0:
+                break
+            polished.append(polish(*cand, profiles=profiles, budget_s=max(left, 0.0),
+                                   allow_recompute=config.allow_recompute, host=host))
+        scored = sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
     bar.update()
     bar.close()
     elapsed = time.perf_counter() - t0
@@ -93,10 +107,10 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 
 
 def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                profiles: ProfileSet | None = None) -> tuple[float, tuple[str, ...]]:
+                profiles: ProfileSet | None = None, host: HostModel | None = None) -> tuple[float, tuple[str, ...]]:
     """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
     _check_job(model, config)
-    bound, notes, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles)
+    bound, notes, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     return bound, notes
 
 
@@ -110,20 +124,20 @@ def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
 
 
 def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-           profiles: ProfileSet | None,
-           books: dict | None = None) -> tuple[float, tuple[str, ...], list[tuple[Plan, Prediction]]]:
+           profiles: ProfileSet | None, books: dict | None = None,
+           host: HostModel | None = None) -> tuple[float, tuple[str, ...], list[tuple[Plan, Prediction]]]:
     """The upper bound, its notes, and each kind's best feasible single-kind candidates, scored."""
     total, notes, feasible = 0.0, [], []
     for kind in cluster.kind_names:
         plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                             books=books)
-        scored = _score(plans, profiles)
+        scored = _score(plans, profiles, host=host)
         if scored:
             feasible.extend(scored[:2])
             total += scored[0][1].tokens_per_s
             continue
         relaxed = _score(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
-                                     relax=True, books=books), profiles, require_fit=False)
+                                     relax=True, books=books), profiles, require_fit=False, host=host)
         n = cluster.count_by_kind()[kind]
         if relaxed:
             total += relaxed[0][1].tokens_per_s
@@ -163,11 +177,11 @@ def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> 
     return out
 
 
-def _score(plans: list[Plan], profiles: ProfileSet | None, *,
-           require_fit: bool = True) -> list[tuple[Plan, Prediction]]:
+def _score(plans: list[Plan], profiles: ProfileSet | None, *, require_fit: bool = True,
+           host: HostModel | None = None) -> list[tuple[Plan, Prediction]]:
     scored = []
     for plan in plans:
-        pred = predict(plan, profiles=profiles)
+        pred = predict(plan, profiles=profiles, host=host)
         if pred.fits_memory or not require_fit:
             scored.append((plan, pred))
     scored.sort(key=lambda x: x[1].step_time_s)

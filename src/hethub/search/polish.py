@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan
+from hethub.predict.host import HostModel
 from hethub.predict.memory import USABLE_FRACTION, stage_memory
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
@@ -20,7 +21,7 @@ from hethub.schedules import get_schedule
 
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_s: float,
-           allow_recompute: bool) -> tuple[Plan, Prediction]:
+           allow_recompute: bool, host: HostModel | None = None) -> tuple[Plan, Prediction]:
     """First-improvement local search. After a move is taken, the next round starts at that same
     move (moving another layer the same way often helps again) and goes round the others from
     there, instead of re-trying from the first ones, which just failed: fewer predictions per step,
@@ -37,7 +38,7 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
             cand = _apply(plan, moves[i], allow_recompute=allow_recompute)
             if cand is None:
                 continue
-            p = predict(cand, profiles=profiles)
+            p = predict(cand, profiles=profiles, host=host)
             if p.fits_memory and p.step_time_s < pred.step_time_s * (1 - 1e-9):
                 plan, pred, improved, start = cand, p, True, i
                 break

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from hethub.errors import HethubError, RuntimeSetupError
 from hethub.plan import Plan
+from hethub.predict.host import HostModel
 from hethub.search.config import PlannerConfig
 from hethub.search.planner import make_plan
 from hethub.spec.cluster import Cluster, NodeGroup
@@ -38,15 +39,16 @@ def restrict_cluster(cluster: Cluster, device_ids: list[int] | tuple[int, ...]) 
     return replace(cluster, name=f"{cluster.name}[{len(ids)} devices]", groups=tuple(groups))
 
 
-def replan(plan: Plan, *, world_size: int, top_k: int = 16) -> Plan:
+def replan(plan: Plan, *, world_size: int, top_k: int = 16, host: HostModel | None = None) -> Plan:
     """A plan for the same model, global batch, sequence length, schedule and precision on the devices
     of ranks 0..world_size-1 of ``plan`` (its first ``world_size`` devices), using every one of them
-    (a rank without work cannot run). Raises RuntimeSetupError when no such plan exists."""
+    (a rank without work cannot run). Raises RuntimeSetupError when no such plan exists. `host`: as
+    for make_plan (the runtime passes its local emulation host, if any)."""
     cluster = restrict_cluster(plan.cluster, plan.devices[:world_size])
     cfg = PlannerConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, schedule=plan.schedule,
                         precision=plan.precision, top_k=top_k)
     try:
-        result = make_plan(cluster=cluster, model=plan.model, config=cfg)
+        result = make_plan(cluster=cluster, model=plan.model, config=cfg, host=host)
     except HethubError as err:
         raise RuntimeSetupError(f"re-planning for the {world_size} surviving devices failed: {err}") from None
     for cand, _ in result.alternatives:

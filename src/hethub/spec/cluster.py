@@ -128,6 +128,21 @@ class Device:
 
 
 @dataclass(frozen=True)
+class EmulationHost:
+    """A cluster that is a local emulation: every device is a process on ONE host (cluster file:
+    ``host_cores``, ``[[host_allreduce]]``). Only described here; hethub.emulation models it, as
+    the predictor's hook (docs/architecture.md)."""
+
+    # The host's CPU cores, which ranks beyond that count share; "auto": the cores of the process
+    # that predicts, read by hethub.emulation when it predicts (not when the file is loaded).
+    cores: int | str
+    # All-reduce among p ranks of that host as measured ('hethub bench comm'), ((p, fitted link), ...).
+    # On one host gloo's all-reduce is bound by CPU copies and reductions, not by the loopback "link",
+    # so the ring model over the p2p link misses it by ~3x here.
+    allreduce: tuple[tuple[int, Link], ...] = ()
+
+
+@dataclass(frozen=True)
 class Cluster:
     name: str
     kinds: dict[str, DeviceKind]
@@ -135,14 +150,9 @@ class Cluster:
     inter_node: Link
     cross_kind: Link
     description: str = ""
-    # Local emulation only: every device is a process on ONE host with this many CPU cores, so ranks
-    # beyond the core count share them (the predictor's contention model). None: each device
-    # computes on its own hardware, as on any real cluster.
-    host_cores: int | None = None
-    # Local emulation only: all-reduce among p ranks of that host as measured ('hethub bench comm'),
-    # ((p, fitted link), ...). On one host gloo's all-reduce is bound by CPU copies and reductions,
-    # not by the loopback "link", so the ring model over the p2p link misses it by ~3x here.
-    host_allreduce: tuple[tuple[int, Link], ...] = ()
+    # Local emulation only (see EmulationHost). None: each device computes on its own hardware, as on
+    # any real cluster.
+    host: EmulationHost | None = None
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -185,12 +195,6 @@ class Cluster:
             lat = max(lat, self.cross_kind.latency_s)
         return Link(bw, lat)
 
-    def measured_allreduce(self, participants: int) -> Link | None:
-        """The measured host all-reduce among `participants` ranks, if this is an emulation host that has one."""
-        if self.host_cores is None:
-            return None
-        return dict(self.host_allreduce).get(participants)
-
     def _nic_bw(self, group: int) -> float:
         return self.groups[group].inter_node_bw_bytes_per_s or self.inter_node.bw_bytes_per_s
 
@@ -198,8 +202,9 @@ class Cluster:
         return {
             "name": self.name,
             "description": self.description,
-            **({"host_cores": self.host_cores} if self.host_cores is not None else {}),
-            **({"host_allreduce": _host_allreduce_rows(self.host_allreduce)} if self.host_allreduce else {}),
+            **({"host_cores": self.host.cores} if self.host is not None else {}),
+            **({"host_allreduce": _host_allreduce_rows(self.host.allreduce)}
+               if self.host is not None and self.host.allreduce else {}),
             "kinds": {n: asdict(k) for n, k in self.kinds.items()},
             "groups": [asdict(g) for g in self.groups],
             "network": {
@@ -383,8 +388,7 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         raise field_error(where, "name", "must be a string", 'write name = "my-cluster"')
     desc = data.get("description", "")
     return Cluster(name=name, description=desc if isinstance(desc, str) else "", kinds=kinds,
-                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host_cores=_host_cores(data, where),
-                   host_allreduce=_parse_host_allreduce(data, where))
+                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host=_host(data, where))
 
 
 def _host_allreduce_rows(fits: tuple[tuple[int, Link], ...]) -> list[dict[str, float]]:
@@ -408,24 +412,20 @@ def _parse_host_allreduce(data: dict[str, Any], where: str) -> tuple[tuple[int, 
     return tuple(sorted(out.items()))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _host_cores(data: dict[str, Any], where: str) -> int | None:
-    """``host_cores = N`` or ``"auto"`` (the cores this process may use, read when the file is loaded)."""
+def _host(data: dict[str, Any], where: str) -> EmulationHost | None:
+    """``host_cores = N`` or ``"auto"`` (kept as "auto": hethub.emulation reads the cores when it
+    predicts), with the optional measured ``[[host_allreduce]]``; None without host_cores."""
     v = data.get("host_cores")
+    allreduce = _parse_host_allreduce(data, where)
     if v is None:
+        if allreduce:
+            raise field_error(where, "host_allreduce", "is given but host_cores is not (a measured host all-reduce "
+                              "belongs to a local emulation host)", 'add host_cores = "auto" or leave it out')
         return None
-    if v == "auto":
-        return usable_cores()
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise field_error(where, "host_cores", f"must be a positive integer or \"auto\", got {v!r}",
                           'write host_cores = "auto" for local emulation, or leave it out')
-    return v
+    return EmulationHost(cores=v, allreduce=allreduce)
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -5,7 +5,7 @@ is bound by CPU work: the ring's reductions and copies, plus the gradient sync's
 into one buffer and copying back. The ring model over the measured point-to-point link misses that
 by ~3x here, so ``hethub bench comm`` also measures this directly, for each participant count, and
 the predictor uses it for gradient-sync groups and world barriers of that many ranks
-(``Cluster.host_allreduce``).
+(the cluster file's ``[[host_allreduce]]``, applied by hethub.emulation.host).
 
 Each sample: all ranks meet at a barrier (the runtime's loss all-reduce precedes the sync), then
 time ``cat`` of two gradient halves into a flat buffer, ``all_reduce`` and a copy back (what
@@ -75,7 +75,7 @@ def measure_host_links(cluster: Cluster, *, min_bytes: int = MIN_BYTES, max_byte
     cluster (``host_cores`` set, every rank a process here), the host's all-reduce among 2..N ranks
     at the sizes of HOST_ALLREDUCE_SIZES within [min_bytes, max_bytes]."""
     profile = measure_links(cluster, max_bytes=max_bytes, min_bytes=min_bytes, show_progress=show_progress)
-    if cluster.host_cores is None:
+    if cluster.host is None:
         return profile
     sizes = [n for n in HOST_ALLREDUCE_SIZES if min_bytes <= n <= max_bytes] or [min_bytes]
     return replace(profile, host_allreduce=measure_host_allreduce(range(2, cluster.num_devices + 1), sizes=sizes))

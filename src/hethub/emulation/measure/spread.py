@@ -5,7 +5,7 @@ took 10-15 % more or less CPU time from window to window here, two cores wander 
 independently (correlation 0.2-0.4), and over 0.4 s windows the spread is barely smaller (the
 cores stay apart for a step and longer; it is not chunk-to-chunk noise). One rank averages that
 out; ranks that meet at a collective (data-parallel replicas, the ranks of a TP stage) wait for
-the slowest of them, which a prediction at mean speed misses. :mod:`hethub.predict.stragglers`
+the slowest of them, which a prediction at mean speed misses. :mod:`hethub.emulation.stragglers`
 replays a step with drawn speeds.
 
 Measurement: one forked process per usable core (2 to 4) runs the same chunk of work (a forward +
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.local_ranks import run_local_ranks
+from hethub.emulation.host import usable_cores
 from hethub.emulation.measure.wake import stack_chunk
-from hethub.predict.stragglers import SpeedSpread
-from hethub.spec.cluster import usable_cores
+from hethub.emulation.stragglers import SpeedSpread
 from hethub.spec.model import ModelSpec
 
 WINDOWS_S = (0.1, 0.2, 0.4)

@@ -11,8 +11,8 @@ Measurement, at one micro-batch size (the profile's middle one), in this process
 pairs of (a forward + backward of a stack of the runtime's decoder layers straight after another,
 then the same after sleeping ``gap`` seconds), timed by the thread's CPU time; the penalty at that
 gap is the median over pairs of the difference (a pair's two halves see nearly the same machine).
-Stored once per profile (``KindProfile.wake_penalty``); the predictor's shared-core replay
-(:mod:`hethub.predict.contention`) adds it to each chunk of CPU work by the idle time before it.
+Stored once per profile file (``wake_penalty``, read into ``HostEffects``); the predictor's shared-core replay
+(:mod:`hethub.emulation.contention`) adds it to each chunk of CPU work by the idle time before it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Ranks sharing a host's CPU cores: the whole step simulated with processor sharing.
 
-Only for local emulation, where every device is a process on one host (``Cluster.host_cores``). When
+Only for local emulation, where every device is a process on one host (``host_cores``). When
 more ranks compute at once than there are cores, each computing rank runs at ``cores / computing``
 of its full speed (the OS shares cores fairly between single-threaded processes). What does not
 use a core does not slow anyone:
@@ -11,7 +11,7 @@ use a core does not slow anyone:
   timed waits.
 
 Work that starts after its rank sat idle (waiting or sleeping) runs slower than back-to-back work
-(cold caches, core power states): where the profile measured it (``KindProfile.wake_penalty``) each
+(cold caches, core power states): where the profile measured it (``HostEffects.wake_penalty``) each
 chunk of CPU work gets the extra CPU time of the idle gap before it.
 
 So every stage's program is replayed as phases: CPU work (shared), sleep and waits (not shared),
@@ -27,7 +27,7 @@ match.
 
 Cores do not run at one steady speed: on a shared host each core's speed wanders (other tenants,
 power states) independently of the others'. Where the profile measured that spread, the predictor
-replays the step several times with drawn speeds (:mod:`hethub.predict.stragglers`): replicas and TP
+replays the step several times with drawn speeds (:mod:`hethub.emulation.stragglers`): replicas and TP
 ranks that meet at a collective wait for the slowest, so the typical step is slower than one at
 mean speed, while a pipeline's hand-offs mostly average the stages' speeds out.
 """
@@ -37,12 +37,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from hethub.predict.stragglers import SpeedDraws
+from hethub.emulation.stragglers import SpeedDraws
+from hethub.predict.host import ReplayEvent, StageId
 from hethub.predict.sync import SyncGroup
 from hethub.schedules import get_schedule
 from hethub.spec.cluster import Link
 
-StageId = tuple[int, int]
 _EPS = 1e-12
 
 
@@ -57,21 +57,9 @@ class StageWork:
     p2p_s: float  # transfer to the next stage (and of gradients back from it)
     update_cpu_s: float
     ranks: int  # processes computing together (the TP degree)
-    # Extra CPU seconds of a chunk after an idle gap (KindProfile.wake_extra_s); None: no such effect.
+    # Extra CPU seconds of a chunk after an idle gap (HostEffects.wake_extra_s); None: no such effect.
     wake_extra_s: Callable[[float], float] | None = None
     slowdown: float = 1.0  # emulated kinds sleep (k-1) x a chunk's CPU time, wake penalty included
-
-
-@dataclass(frozen=True)
-class ReplayEvent:
-    """One interval of one stage in the replay: ``category`` forward, backward, allreduce or optimizer."""
-
-    stage: StageId
-    category: str
-    name: str
-    start_s: float
-    end_s: float
-    micro_batch: int | None = None
 
 
 _CATEGORY = {"F": "forward", "B": "backward", "U": "optimizer"}
@@ -93,28 +81,30 @@ class _Stage:
 
 def simulate_shared_cores(
     *, stages: dict[StageId, StageWork], num_micro_batches: Sequence[int], schedule: str, cores: int,
-    groups: Sequence[SyncGroup], background_procs: float = 0.0, barrier_s: float = 0.0,
+    groups: Sequence[SyncGroup], world: Sequence[SyncGroup] = (), background_procs: float = 0.0,
     speeds: SpeedDraws | None = None, record: list[ReplayEvent] | None = None,
 ) -> tuple[float, list[float]]:
     """(step time, each pipeline's last-backward time) with `cores` shared by every rank of the plan
     and by `background_procs` always-busy processes of other users (0 on a machine of one's own).
 
-    ``barrier_s``: the world all-reduces of the loss (after the schedule) and of the gradient norm
-    (before the update) are barriers of every stage lasting that long (see sync.simulate_sync).
+    ``world``: the world all-reduces of the loss (after the schedule) and of the gradient norm
+    (before the update), barriers of every stage (see sync.world_collectives); none given: barriers
+    that take no time.
 
     ``speeds``: one draw of the cores' varying speeds (stragglers.py); None: every core at its mean.
     ``record``: if given, every stage's forwards, backwards, all-reduces and update are appended."""
     everyone = tuple(stages)
-    loss_g, norm_g = len(groups), len(groups) + 1
-    groups = [*groups, SyncGroup("loss", everyone, 8.0, Link(float("inf"), 0.0), barrier_s),
-              SyncGroup("grad norm", everyone, 8.0, Link(float("inf"), 0.0), barrier_s)]
+    free = Link(float("inf"), 0.0)
+    loss, norm = world or [SyncGroup(name, everyone, 8.0, free, 0.0) for name in ("loss", "grad norm")]
     n_stages = {pi: 1 + max(si for p, si in stages if p == pi) for pi, _ in stages}
     st: dict[StageId, _Stage] = {}
     my_groups: dict[StageId, list[int]] = {sid: [] for sid in stages}
-    for gi, g in enumerate(groups):
+    for gi, g in enumerate(groups):  # the gradient syncs only: the world barriers come once each, below
         if g.time_s > 0:
             for h in g.holders:
                 my_groups[h].append(gi)
+    loss_g, norm_g = len(groups), len(groups) + 1
+    groups = [*groups, loss, norm]
     for sid, w in stages.items():
         pi, si = sid
         ops = get_schedule(schedule).ops(stage=si, num_stages=n_stages[pi], num_micro_batches=num_micro_batches[pi])

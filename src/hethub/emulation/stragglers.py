@@ -9,7 +9,7 @@ data-parallel replicas at their all-reduce and the ranks of a TP stage at every 
 for the slowest, so the typical step is slower than one at mean speed (for two ranks about
 0.56 sigma: the expected maximum of two).
 
-The shared-core replay (:mod:`hethub.predict.contention`) is run ``draws`` times, each with its own
+The shared-core replay (:mod:`hethub.emulation.contention`) is run ``draws`` times, each with its own
 speeds: per window, a median-1 log-normal factor per rank (per core when ranks outnumber cores),
 with the measured window nearest the step (the predictor picks it). The prediction is the median
 step over the draws, as the runtime reports the median step. Draw ``d``'s factor for (rank,
