@@ -1,4 +1,4 @@
-"""Stragglers: the shared-core replay with drawn core speeds (hethub.predict.stragglers)."""
+"""Stragglers: the shared-core replay with drawn core speeds (hethub.emulation.stragglers)."""
 
 from __future__ import annotations
 
