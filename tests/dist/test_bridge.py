@@ -20,6 +20,7 @@ from hethub.comm.communicator import Communicator
 from hethub.comm.factory import BRIDGE_ENV, bridge_mode, make_communicator
 from hethub.commands import bench
 from hethub.commands.bench import parse_bytes
+from hethub.emulation.host import host_model
 from hethub.errors import RuntimeSetupError
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.comm import p2p_time_s
@@ -277,7 +278,8 @@ def test_bench_comm_writes_a_profile_the_predictor_reads(tmp_path, capsys: pytes
     replicas = Plan(model=PRESETS["tiny"], cluster=cluster, global_batch=8, seq_len=64,
                     pipelines=tuple(Pipeline(2, 2, (Stage("cpu-fast", (d,), (0, 6), embedding=True, head=True),))
                                     for d in (0, 1))).validate()
-    (group,) = sync_groups(plan_with_links(replicas, profile))
+    on_host = plan_with_links(replicas, profile)
+    (group,) = host_model(on_host.cluster).price_collectives(sync_groups(on_host))
     assert group.time_s == pytest.approx(profile.host_allreduce[2].link.time_s(group.nbytes))
 
 
