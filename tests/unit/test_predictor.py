@@ -8,7 +8,7 @@ import pytest
 from hethub.emulation.effects import HostEffects
 from hethub.emulation.host import host_model
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.predict.comm import allreduce_time_s
+from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.predict.sync import sync_groups, world_collectives
@@ -334,3 +334,15 @@ def test_step_breakdown_and_mfu_per_kind():
     assert set(d["stages"][0]["step_breakdown_s"]) == {"compute", "exposed_comm", "update", "bubble"}
     assert d["sources"]["compute"] == {"a": "analytic, constant efficiency", "b": "analytic, constant efficiency"}
     assert d["mfu_by_kind"] == pred.mfu_by_kind
+
+
+def test_world_all_reduces_take_the_faster_of_ring_and_tree():
+    link = Link(bw_bytes_per_s=1e10, latency_s=1e-5)
+    # Two ranks: the ring (2 latencies, the bytes once) is what a tree would do too, bytes halved.
+    assert small_allreduce_time_s(nbytes=8.0, participants=2, link=link) == pytest.approx(
+        allreduce_time_s(nbytes=8.0, participants=2, link=link))
+    # 4,096 ranks: 2 x 12 tree hops, not the ring's 2 x 4,095 latencies.
+    big = small_allreduce_time_s(nbytes=8.0, participants=4096, link=link)
+    assert big == pytest.approx(24 * 1e-5 + 16 / 1e10)
+    assert big < allreduce_time_s(nbytes=8.0, participants=4096, link=link) / 300
+    assert small_allreduce_time_s(nbytes=8.0, participants=1, link=link) == 0.0

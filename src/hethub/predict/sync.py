@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from hethub.layout import stage_places, unit_holders, unit_param_prefix
 from hethub.plan import Plan
-from hethub.predict.comm import group_allreduce_time_s, slowest_link
+from hethub.predict.comm import group_allreduce_time_s, slowest_link, small_allreduce_time_s
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
@@ -135,12 +135,13 @@ def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: C
 def world_collectives(plan: Plan) -> tuple[SyncGroup, SyncGroup]:
     """The runtime's two world all-reduces of every step, each a barrier of every stage: the loss
     (8 bytes, after a rank's last backward, before the gradient sync) and the gradient norm (before
-    the optimizer update). Costed like the sync groups: a ring over the first device of every stage
-    (TP ranks of a stage take part at once), which for 8 bytes is the ring's latency."""
+    the optimizer update). Among the first device of every stage (TP ranks of a stage take part at
+    once, as in the gradient sync), over the slowest link of them, the faster of ring and tree
+    (:func:`hethub.predict.comm.small_allreduce_time_s`): for 8 bytes, latencies."""
     stages = tuple((pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages)))
     firsts = [s.devices[0] for p in plan.pipelines for s in p.stages]
     link = slowest_link(plan.cluster, firsts)
-    t = group_allreduce_time_s(plan.cluster, nbytes=8.0, devices=firsts)
+    t = small_allreduce_time_s(nbytes=8.0, participants=len(firsts), link=link)
     return SyncGroup("loss", stages, 8.0, link, t), SyncGroup("grad norm", stages, 8.0, link, t)
 
 

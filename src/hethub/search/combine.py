@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from hethub.layout import block_starts
-from hethub.predict.comm import allreduce_time_s
+from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
 from hethub.schedules import get_schedule
 from hethub.search.links import LinkBook
 from hethub.search.split import PipeCost
@@ -131,8 +131,8 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
         get_schedule(g.pipe.schedule).stage_finish_s(step_s=t, bwd_s=g.pipe.bwd_s, p2p_s=g.pipe.p2p_s)
         for g, t in zip(groups, times_s, strict=True)]
     kinds = frozenset(sl.kind for g in groups for sl in g.pipe.slots)
-    world_s = allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),
-                               link=links.replicas(kinds, devices=total_devices))
+    world_s = small_allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),
+                                     link=links.replicas(kinds, devices=total_devices))
 
     def barrier() -> None:
         end = max(max(row) for row in cursor) + world_s
