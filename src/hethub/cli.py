@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from hethub.errors import HethubError, missing_extra
 from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from hethub.spec.model import PRECISIONS
 
 EXIT_INTERRUPTED = 130
 
@@ -166,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--strategy", default="hethub", choices=["hethub", "uniform", "flops-proportional",
                                                              "homogeneous"])
     sp.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES)
-    sp.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
+    sp.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS),
+                    help="fp16-mixed (with dynamic loss scaling) for GPUs without bf16 (Volta, Turing); CPU "
+                         "ranks always run fp32")
     sp.add_argument("--top-k", type=_positive_int, default=1, help="also show the k best plans")
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm' (replaces catalog links)")

@@ -34,7 +34,8 @@ def _executor(stage: int, schedule: str, comm: FakeComm) -> SimpleNamespace:
     ops = get_schedule(schedule).ops(stage=stage, num_stages=STAGES, num_micro_batches=MICRO)
     return SimpleNamespace(ops=ops,
                            first=stage == 0, last=stage == STAGES - 1, place=place, comm=comm, act_shape=(1,),
-                           act_dtype=torch.float32, device=torch.device("cpu"))
+                           act_dtype=torch.float32, in_dtype=torch.float32, out_dtype=torch.float32,
+                           device=torch.device("cpu"))
 
 
 def _posts(stage: int, schedule: str, *, ordered: bool, lookahead: int) -> tuple[dict, list[int]]:

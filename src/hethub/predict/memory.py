@@ -36,7 +36,7 @@ class StageMemory:
 
 
 def act_bytes_for(precision: str) -> int:
-    return 2 if precision == "bf16-mixed" else 4
+    return 2 if precision in ("bf16-mixed", "fp16-mixed") else 4
 
 
 def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int,

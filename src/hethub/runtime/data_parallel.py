@@ -88,13 +88,30 @@ class GradSync:
 
         Same formula as ``torch.nn.utils.clip_grad_norm_`` so a single-device run matches exactly.
         """
+        total = self.global_norm()
+        self.clip_with(total, max_norm=max_norm)
+        return float(total)
+
+    def global_norm(self) -> torch.Tensor:
+        """The global gradient norm (each parameter counted once), identical on every rank; inf/nan
+        when any gradient anywhere overflowed (what loss scaling checks)."""
         grads = [p.grad for p in self.norm_params]
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         sq = local.double().pow(2).reshape(1)
         self.comm.all_reduce(sq)
-        total = sq.sqrt()
-        norm = float(total)
+        return sq.sqrt()
+
+    def clip_with(self, total: torch.Tensor, *, max_norm: float) -> None:
+        """Scale gradients so that ``total`` (from :meth:`global_norm`) becomes at most ``max_norm``."""
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total.float().reshape(()))
-        return norm
+
+    def unscale(self, scale: float) -> None:
+        """Divide every gradient by the loss scale."""
+        if scale != 1.0:
+            torch._foreach_div_([p.grad for p in self.params], float(scale))
+
+    def zero(self) -> None:
+        for p in self.params:
+            p.grad = None
 

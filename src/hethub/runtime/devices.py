@@ -24,6 +24,7 @@ import torch
 from hethub.comm.backends import available_backends, install_hint
 from hethub.errors import RuntimeSetupError
 from hethub.plan import Plan
+from hethub.runtime.precision import kind_precision
 from hethub.spec.cluster import DeviceKind
 
 Importer = Callable[[str], ModuleType]
@@ -151,7 +152,8 @@ def placement_summary(plan: Plan, groups: dict[str, Any] | None) -> str:
             group = f"{backend} group {name} over ranks {_ranges(members)}"
         else:
             group = f"the {world_backend(plan)} world group"
-        lines.append(f"  kind {kind}: ranks {_ranges(ranks)} on {k.device_type} (index from the node layout), {group}")
+        lines.append(f"  kind {kind}: ranks {_ranges(ranks)} on {k.device_type} (index from the node layout), {group}, "
+                     f"{kind_precision(plan, kind)}")
     if groups is None:
         lines.append("  cross-kind: one world group (plain communicator, no bridge)")
     elif groups.get("bridged"):

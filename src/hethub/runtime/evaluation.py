@@ -7,12 +7,11 @@ and divided by the sample count, as in training. Collective: every rank calls it
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from hethub.runtime.data import micro_batches
 from hethub.runtime.pipeline import PipelineExecutor
+from hethub.runtime.precision import autocast
 from hethub.runtime.trainer import Trainer
 
 
@@ -20,7 +19,8 @@ def _forward_only(trainer: Trainer) -> PipelineExecutor:
     plan, place = trainer.plan, trainer.place
     ex = PipelineExecutor(trainer.model, place=place, comm=trainer.comm, schedule=plan.schedule,
                           seq_len=plan.seq_len, hidden_size=plan.model.hidden_size, emulator=trainer.emulator,
-                          device=trainer.device)
+                          device=trainer.device, in_dtype=trainer.executor.in_dtype,
+                          out_dtype=trainer.executor.out_dtype)
     # The schedule's forward ops in their order (whatever the op type carries besides kind and micro-batch).
     ex.ops = type(ex.ops)(op for op in ex.ops if op[0] == "F")
     return ex
@@ -36,9 +36,7 @@ def evaluate(trainer: Trainer, batches: list[torch.Tensor]) -> float:
     was_training = trainer.model.training
     trainer.model.eval()
     try:
-        amp = torch.autocast(trainer.device.type, dtype=torch.bfloat16) if trainer.cfg.autocast_bf16 \
-            else nullcontext()
-        with torch.no_grad(), amp:
+        with torch.no_grad(), autocast(trainer.device, trainer.precision):
             for batch in batches:
                 mbs = [(x.to(trainer.device), y.to(trainer.device)) for x, y in micro_batches(batch, trainer.share)]
                 loss_sum, _ = ex.run(mbs)

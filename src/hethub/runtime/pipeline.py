@@ -46,7 +46,8 @@ class StepTrace:
 class PipelineExecutor:
     def __init__(self, model: StageModel, *, place: RankPlace, comm: Communicator, schedule: str, seq_len: int,
                  hidden_size: int, emulator: Emulator | None = None, act_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, in_dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None) -> None:
         self.model, self.place, self.comm = model, place, comm
         st = place.stage
         self.first, self.last = st.stage == 0, st.stage == st.num_stages - 1
@@ -59,6 +60,12 @@ class PipelineExecutor:
         self.act_shape = (place.micro_batch_size, seq_len, hidden_size)
         self.emulator = emulator or Emulator()
         self.act_dtype, self.device = act_dtype, device or torch.device("cpu")
+        # The dtypes of the two boundaries: what arrives from the previous stage (and its gradient goes
+        # back in), what leaves for the next one (and its gradient comes back in). Per-kind precision
+        # makes them differ: each is the sending stage's compute dtype (runtime/precision.py).
+        self.in_dtype, self.out_dtype = in_dtype or act_dtype, out_dtype or act_dtype
+        # The head stage back-propagates loss * loss_scale (fp16 dynamic loss scaling; 1 otherwise).
+        self.loss_scale = 1.0
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, t0: float | None = None,
             ) -> tuple[float, StepTrace]:
@@ -78,14 +85,17 @@ class PipelineExecutor:
             got = recvs.take(i, trace)
             if op == "F":
                 x = micro_batches[mb][0] if got is None else got.requires_grad_(True)
+                # A 16-bit activation from another stage joins this stage's fp32 residual stream (autocast
+                # casts each op's inputs to this stage's own precision).
+                x_in = x.float() if x.is_floating_point() and x.dtype != torch.float32 else x
                 start = time.perf_counter()
                 with self.emulator.chunk():
-                    out = self.model(x, micro_batches[mb][1] if self.last else None)
+                    out = self.model(x_in, micro_batches[mb][1] if self.last else None)
                 self._record(trace, "F", mb, start, t0)
                 if self.last:
                     loss_sum += float(out.detach())
                 else:
-                    payload = out.detach().to(self.act_dtype)
+                    payload = out.detach().to(self.out_dtype)
                     pending += [(self.comm.isend(payload, dst=d, tag=fwd_tag(mb)), payload)
                                 for d in self.place.fwd_send_to]
                     _let_sends_start()
@@ -94,10 +104,12 @@ class PipelineExecutor:
                 x, out = inputs.pop(mb), outputs.pop(mb)
                 start = time.perf_counter()
                 with self.emulator.chunk():
+                    if got is None and self.loss_scale != 1.0:
+                        out = out * self.loss_scale
                     torch.autograd.backward(out, grad_tensors=None if got is None else got.to(out.dtype))
                 self._record(trace, "B", mb, start, t0)
                 if not self.first:
-                    g = x.grad.to(self.act_dtype)
+                    g = x.grad.to(self.in_dtype)
                     pending += [(self.comm.isend(g, dst=d, tag=bwd_tag(mb)), g) for d in self.place.bwd_send_to]
                     _let_sends_start()
         w = time.perf_counter()
@@ -169,7 +181,8 @@ class _Receives:
         if src is None:
             return
         ex = self.ex
-        buf = torch.empty(ex.act_shape, dtype=ex.act_dtype, device=ex.device)
+        dtype = ex.in_dtype if ex.ops[j][0] == "F" else ex.out_dtype
+        buf = torch.empty(ex.act_shape, dtype=dtype, device=ex.device)
         self.posted[j] = (ex.comm.irecv(buf, src=src[0], tag=src[1]), buf)
 
     def take(self, i: int, trace: StepTrace) -> torch.Tensor | None:

@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> None:
         optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup,
                             total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
         device = placement.device
-        cfg = TrainerConfig(optim=optim, seed=args.seed, device=str(device),
-                            autocast_bf16=device.type != "cpu" and plan.precision == "bf16-mixed", trace=args.trace)
+        # Each rank trains in its kind's precision (runtime/precision.py: kind_precision).
+        cfg = TrainerConfig(optim=optim, seed=args.seed, device=str(device), trace=args.trace)
         trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
         extras = run_extras.setup(args, trainer)  # initial weights, data, evaluation, TensorBoard
         source = extras.source

@@ -7,7 +7,6 @@ rank in the same order). Used by ``hethub.train`` and directly by the distribute
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ from hethub.runtime.metrics import rank_record, step_record
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.pipeline import PipelineExecutor
+from hethub.runtime.precision import DynamicLossScaler, autocast, boundary_dtype, kind_precision
 from hethub.runtime.tensor_parallel import TPContext
 
 
@@ -31,7 +31,15 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
     device: str = "cpu"
-    autocast_bf16: bool = False  # only where the device supports it; CPU runs stay fp32
+    # Each stage trains in its kind's precision as the plan gives it (runtime/precision.kind_precision), except
+    # that kinds computing on the CPU stay fp32 unless ``cpu_autocast`` (tests of mixed precision on
+    # a CPU host). ``precision`` overrides the plan for every rank.
+    precision: str | dict[str, str] | None = None  # one for all kinds, or per kind
+    cpu_autocast: bool = False
+    # fp16 loss scaling (used when any kind trains in fp16-mixed): the initial scale and the good
+    # steps before it doubles; torch.amp.GradScaler's defaults.
+    init_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
     trace: bool = False  # log every micro-batch's forward/backward interval, not just per-step totals
 
 
@@ -50,9 +58,20 @@ class Trainer:
         self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
                                 recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len).to(self.device)
         self.emulator = Emulator(self.kind.emulated_slowdown)
+        self.precisions = {k: kind_precision(plan, k, override=self.cfg.precision, cpu_autocast=self.cfg.cpu_autocast)
+                           for k in plan.cluster.kinds}
+        self.precision = self.precisions[st.kind]
+        upstream = plan.pipelines[st.pipeline].stages[st.stage - 1].kind if st.stage > 0 else st.kind
         self.executor = PipelineExecutor(self.model, place=place, comm=comm, schedule=plan.schedule,
                                          seq_len=plan.seq_len, hidden_size=plan.model.hidden_size,
-                                         emulator=self.emulator, device=self.device)
+                                         emulator=self.emulator, device=self.device,
+                                         in_dtype=boundary_dtype(self.precisions[upstream]),
+                                         out_dtype=boundary_dtype(self.precision))
+        used = {plan.cluster.devices[d].kind for d in plan.devices}
+        self.scaler = (DynamicLossScaler(scale=self.cfg.init_loss_scale,
+                                         growth_interval=self.cfg.loss_scale_growth_interval)
+                       if any(self.precisions[k] == "fp16-mixed" for k in used) else None)
+        self.last_step_skipped = False
         self.grad_sync = GradSync(self.model, topo=self.topo, rank=rank, comm=comm)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim)
         self.share = Share(offset=place.sample_offset, micro_batch_size=place.micro_batch_size,
@@ -65,8 +84,8 @@ class Trainer:
         Returns (global mean loss, trace); gradients are left *unsynchronised* in the model.
         """
         mbs = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches(batch, self.share)]
-        ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.autocast_bf16 else nullcontext()
-        with ctx:
+        self.executor.loss_scale = self.scaler.scale if self.scaler else 1.0
+        with autocast(self.device, self.precision):
             loss_sum, trace = self.executor.run(mbs, t0=t0)
         total = torch.tensor([loss_sum if self._reports_loss else 0.0], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(total)
@@ -76,7 +95,22 @@ class Trainer:
         self.grad_sync.sync(global_samples=self.plan.global_batch)
 
     def clip_and_update(self) -> float:
-        norm = self.grad_sync.clip(max_norm=self.cfg.optim.grad_clip)
+        """Unscale (fp16), clip to the global norm and step; returns the norm before clipping.
+
+        With loss scaling, a non-finite global norm means a gradient overflowed on some rank: every
+        rank sees the same norm, so all skip this step together (no update, no LR step) and the scale
+        backs off."""
+        if self.scaler:
+            self.grad_sync.unscale(self.scaler.scale)
+        total = self.grad_sync.global_norm()
+        norm = float(total)
+        self.last_step_skipped = bool(self.scaler and self.scaler.overflowed(norm))
+        if self.scaler:
+            self.scaler.update(overflow=self.last_step_skipped)
+        if self.last_step_skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
+        self.grad_sync.clip_with(total, max_norm=self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -87,6 +121,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
         slept0, cpu0 = self.emulator.slept_s, self.emulator.cpu_s
+        loss_scale = self.scaler.scale if self.scaler else 1.0
         loss, trace = self.forward_backward(batch, t0=t0)
         t_sync = time.perf_counter()
         self.sync_grads()
@@ -99,5 +134,10 @@ class Trainer:
         gathered = self.comm.gather_objects(rec, dst=self.topo.log_rank)
         if gathered is None:
             return None
-        return step_record(plan=self.plan, topo=self.topo, step=step, loss=loss, lr=lr, grad_norm=norm,
-                           ranks=gathered)
+        out = step_record(plan=self.plan, topo=self.topo, step=step, loss=loss, lr=lr, grad_norm=norm,
+                          ranks=gathered)
+        out["precision"] = {k: self.precisions[k] for k in out["kinds"]}
+        if self.scaler:
+            # The scale used for this step's backward, and whether the step was skipped for overflow.
+            out["loss_scale"], out["skipped"] = loss_scale, self.last_step_skipped
+        return out

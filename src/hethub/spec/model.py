@@ -17,7 +17,7 @@ from hethub.errors import SpecError, field_error, load_json
 
 ARCHS = ("llama", "gpt")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
-PRECISIONS = ("bf16-mixed", "fp32")
+PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")
 _DETAILS = ("qkv_bias", "rope_theta", "rope_scaling", "norm_eps")
 
 
@@ -144,7 +144,7 @@ class ModelSpec:
         bf16-mixed: bf16 weights and grads, fp32 master weights and two fp32 Adam moments
         (Megatron's layout without a distributed optimizer). fp32: everything fp32.
         """
-        if precision == "bf16-mixed":
+        if precision in ("bf16-mixed", "fp16-mixed"):
             return {"weights": 2, "grads": 2, "optimizer": 12}
         if precision == "fp32":
             return {"weights": 4, "grads": 4, "optimizer": 8}
