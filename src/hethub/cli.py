@@ -68,6 +68,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "tokens_per_s": pred.tokens_per_s,
             "step_time_s": pred.step_time_s,
             "upper_bound_tokens_per_s": result.upper_bound_tokens_per_s,
+            "upper_bound_tokens_per_s_by_kind": result.upper_bound_by_kind,
             "efficiency": result.efficiency,
             "search_time_s": result.search_time_s,
             "feasible": pred.fits_memory,

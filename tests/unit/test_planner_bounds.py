@@ -77,7 +77,7 @@ def test_pipe_floor_is_below_every_split_of_a_mixed_pipeline():
                  profiles=None)
     for segs in ((("h100-sxm", 4, 2), ("a100-80gb", 4, 2)), (("v100-16gb", 8, 3), ("h100-sxm", 2, 1)),
                  (("a100-80gb", 1, 5), ("v100-16gb", 4, 4), ("h100-sxm", 8, 1))):
-        floor = pipe_floor(s.book, s.links, s.mixed_slots(segs), 2)
+        floor = pipe_floor(s.book, s.links, segs, 2)
         pipes = s.mixed(segs, 2)
         assert pipes and floor is not None
         for pipe in pipes:

@@ -22,7 +22,6 @@ could not become finalists (hetero._mixed_around).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -149,36 +148,108 @@ class PipeFloor:
         return self.base_s + m * self.per_mb_s
 
 
-def pipe_floor(book: CostBook, links: LinkBook, slots: tuple[Slot, ...], mbs: int) -> PipeFloor | None:
-    """A floor under any split of these (mixed) stages, without splitting; None if there is none.
+def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
+               mbs: int, *, memory: bool = True) -> PipeFloor | None:
+    """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
 
-    Stage s costs at least base_s + k_s w_s for k_s layers (the cheaper of with and without
-    recomputation, memory ignored). Under a bottleneck B every stage has k_s <= (B - base_s) / w_s,
-    and the k_s sum to L, so B >= (L + sum base_s / w_s) / sum 1 / w_s; the work of one micro-batch
-    is at least sum base_s + L min w_s, and at least B. T(m) = work + 2 sum p2p + (m - 1) B.
+    ``segments`` are (kind, tp, stages) in pipeline order. Stage s costs at least base_s + k_s w_s for
+    k_s layers (the cheaper of with and without recomputation, memory ignored). Under a bottleneck B
+    every stage has k_s <= (B - base_s) / w_s, and the k_s sum to L, so
+    B >= (L + sum base_s / w_s) / sum 1 / w_s.
+
+    Memory: a stage holds at most cap_v layers in variant v (without / with recomputation), with its
+    micro-batches in flight (1F1B: p - s at position s; GPipe: at least 1), so a stage's whole layer
+    count under B is at most max_v min(cap_v, floor((B - base_v) / w_v)), and B is at least the
+    smallest value where those reach L in total (bisection; no fit at all: None).
+    Layers beyond what the stages hold without recomputation are recomputed at least at the smallest
+    extra cost per layer. The work of one micro-batch is at least sum base_s + L min w_s (+ that extra),
+    and at least B. T(m) = work + 2 sum p2p + (m - 1) B.
+
+    ``memory=False`` skips the memory terms: a looser floor in O(segments) rather than O(stages x 16),
+    to order many candidates before the tight one is paid for.
     """
     job = book.job
-    n_layers, p = job.model.num_layers, len(slots)
-    if not slots or p > n_layers + 2:
+    n_layers = job.model.num_layers
+    p = sum(n for _, _, n in segments)
+    if not segments or p > n_layers + 2:
         return None
-    ws, bases = [], []
-    for s, slot in enumerate(slots):
-        key = (slot.kind, slot.tp, mbs, s == 0, s == p - 1)
-        cost = book.stage_floors.get(key)
-        if cost is None:
-            costs = [book.stage(slot.kind, tp=slot.tp, mbs=mbs, recompute=rc).work(emb=s == 0, head=s == p - 1)
-                     for rc in (False, True)]
-            cost = book.stage_floors[key] = (min(c.per_layer for c in costs), min(c.base for c in costs))
-        ws.append(cost[0])
-        bases.append(cost[1])
-    if min(ws) <= 0:
+    key = (segments, mbs, memory)
+    hit = book.pipe_floors.get(key, ())
+    if hit != ():
+        return hit  # type: ignore[return-value]
+    inv_w, base_over_w, base_sum, w_min = 0.0, 0.0, 0.0, math.inf
+    caps: list[tuple[int, int, float, float, int, float, float]] = []  # (stages, cap, w, base) x (plain, rc)
+    pos, extra_min, plain_total = 0, math.inf, 0.0
+    for kind, tp, n in segments:
+        variants = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
+        for s in (pos, pos + n - 1) if n > 1 else (pos,):
+            emb, head = s == 0, s == p - 1
+            cost = book.stage_floors.get((kind, tp, mbs, emb, head))
+            if cost is None:
+                costs = [v.work(emb=emb, head=head) for v in variants]
+                cost = book.stage_floors[(kind, tp, mbs, emb, head)] = (min(c.per_layer for c in costs),
+                                                                        min(c.base for c in costs))
+            k = 1 if n == 1 else (1 if s == pos else n - 1)  # the first stage of the segment, then the rest
+            inv_w += k / cost[0] if cost[0] > 0 else math.inf
+            base_over_w += k * cost[1] / cost[0] if cost[0] > 0 else 0.0
+            base_sum += k * cost[1]
+            w_min = min(w_min, cost[0])
+        wp, wr = (v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
+        if wr > wp:
+            extra_min = min(extra_min, wr - wp)
+        if not memory:
+            pos += n
+            continue
+        by_cap: dict[tuple, int] = {}  # stages of the segment by their capacities and bases
+        for s in range(pos, pos + n):
+            in_flight = p - s if job.schedule == "1f1b" else 1
+            emb, head = s == 0, s == p - 1
+            cp, cr = (max(-1, v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers))
+                      for v in variants)
+            if cp < 0 and cr < 0:
+                book.pipe_floors[key] = None
+                return None
+            bp, br = (v.work(emb=emb, head=head).base for v in variants) if emb or head else (0.0, 0.0)
+            k = (cp, bp, cr, br)
+            by_cap[k] = by_cap.get(k, 0) + 1
+            plain_total += max(cp, 0)
+        caps += [(k, cp, wp, bp, cr, wr, br) for (cp, bp, cr, br), k in by_cap.items()]
+        pos += n
+    if w_min <= 0 or (memory and sum(k * max(cp, cr) for k, cp, _, _, cr, _, _ in caps) < n_layers):
+        book.pipe_floors[key] = None
         return None
-    bottleneck = max(max(bases), (n_layers + sum(b / w for b, w in zip(bases, ws, strict=True)))
-                     / sum(1 / w for w in ws))
-    work = max(bottleneck, sum(bases) + n_layers * min(ws))
+
+    def held(b: float) -> int:
+        """Most whole layers the stages hold with every stage's time <= b."""
+        return sum(k * max(min(cp, math.floor((b - bp) / wp)) if cp >= 0 and b >= bp else -1,
+                           min(cr, math.floor((b - br) / wr)) if cr >= 0 and b >= br else -1, -1)
+                   for k, cp, wp, bp, cr, wr, br in caps)
+
+    # Every B below the continuous balance holds fewer than L layers, so start there; lo stays below
+    # the smallest feasible B, so it is a floor however few the steps.
+    balance = (n_layers + base_over_w) / inv_w
+    lo, hi = balance, max([max(bp + cp * wp, br + cr * wr) for _, cp, wp, bp, cr, wr, br in caps] + [balance])
+    for _ in range(12 if memory else 0):
+        mid = 0.5 * (lo + hi)
+        if held(mid) >= n_layers:
+            hi = mid
+        else:
+            lo = mid
+    bottleneck = lo
+    forced = max(0.0, n_layers - plain_total) if memory else 0.0
+    work = max(bottleneck, base_sum + n_layers * w_min + (forced * extra_min if forced and extra_min < math.inf
+                                                           else 0.0))
     act = mbs * job.seq_len * job.model.hidden_size * act_bytes_for(job.precision)
-    p2p = 0.0
-    for a, b in itertools.pairwise(slots):
-        link = links.p2p(a, b)
-        p2p += link.latency_s + act / link.bw_bytes_per_s
-    return PipeFloor(base_s=work + 2 * p2p - bottleneck, per_mb_s=bottleneck)
+    p2p, prev = 0.0, None
+    for kind, tp, n in segments:
+        here = Slot(kind, tp)
+        if n > 1:
+            link = links.p2p(here, here)
+            p2p += (n - 1) * (link.latency_s + act / link.bw_bytes_per_s)
+        if prev is not None:
+            link = links.p2p(prev, here)
+            p2p += link.latency_s + act / link.bw_bytes_per_s
+        prev = here
+    out = PipeFloor(base_s=work + 2 * p2p - bottleneck, per_mb_s=bottleneck)
+    book.pipe_floors[key] = out
+    return out

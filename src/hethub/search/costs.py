@@ -169,6 +169,7 @@ class CostBook:
         self.capacity: dict[tuple, object] = {}  # bounds.Capacity by (kind, tp, micro-batch size)
         self.floors: dict[tuple, tuple[float, float] | None] = {}  # bounds.py: kind-pure templates' time floors
         self.stage_floors: dict[tuple, tuple[float, float]] = {}  # bounds.py: (per layer, base) of a stage
+        self.pipe_floors: dict[tuple, object] = {}  # bounds.pipe_floor by (segments, micro-batch size)
         self.solo: dict[tuple[int, int], tuple[object, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
 
     def stage(self, kind: str, *, tp: int, mbs: int, recompute: bool) -> StageCost:

@@ -13,6 +13,7 @@ the current finalists is neither split nor synced: it could not become one.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 
@@ -85,9 +86,9 @@ def mixed_options(s: Searcher, pool: dict[str, int], tp_hint: dict[str, int]) ->
     s.mixed_cache[key] = out
     for size in range(2, len(kinds) + 1):
         for subset in itertools.combinations(kinds, size):
-            # Large pools: the TP degree the kind's pure pipelines use (else its largest) only.
-            tp_choices = [sorted({tp_hint.get(k, s.tps[k][-1]), s.tps[k][-1]}) if small
-                          else [tp_hint.get(k, s.tps[k][-1])] for k in subset]
+            # Every TP degree that fits each kind: pipe_floor (a proven floor under any split) drops
+            # the hopeless combinations before they are split (_mixed_around).
+            tp_choices = [s.tps[k] for k in subset]
             for tps in itertools.product(*tp_choices):
                 slots = {k: pool[k] // t for k, t in zip(subset, tps, strict=True)}
                 c_hi = min(slots.values())
@@ -105,13 +106,13 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
     results = Results(s.config.finalists + s.config.top_k)
     kinds = list(s.counts)
+    solo: dict[str, Estimate] = {}
     for mbs in _promising_mbs(s, kinds_alone=kinds_alone):
         if kinds_alone:
             for k in kinds:
-                for r in _top_distinct(s.pure(k, mbs, share=1.0), TOP_PER_KIND):
-                    c = s.counts[k] // r.pipe.num_devices
-                    fill, _ = _fill(s, k, mbs, 1.0, s.counts[k] - c * r.pipe.num_devices)
-                    results.add(s.estimate([Group(r.pipe, c), *fill], mbs))
+                exact = _alone(s, results, k, mbs)
+                if exact is not None and (k not in solo or exact.step_time_s < solo[k].step_time_s):
+                    solo[k] = exact
             continue
         ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
         tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
@@ -128,10 +129,84 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
             base.append((est.step_time_s if est else float("inf"), list(zip(kinds, choice, strict=True))))
         _aligned(s, results, ranked, mbs)
         base.sort(key=lambda x: x[0])
+        todo: list[tuple[float, int, list[Group], tuple, int]] = []
         for _, choice in base[:TOP_FOR_MIXED] + [b for b in base if all(r is None for _, r in b[1])]:
-            _mixed_around(s, results, choice, mbs)
+            todo += _mixed_around(s, choice, mbs, tie=len(todo))
+        _price_mixed(s, results, todo, mbs)
     results.items.sort(key=lambda e: e.step_time_s)
-    return results.items
+    # The best single-group plan of each kind is always a finalist: its closed form is the predictor's
+    # (identical pipelines), whereas a candidate with leftover fill can be rated a few % high.
+    items = results.items
+    for est in sorted(solo.values(), key=lambda e: e.step_time_s):
+        if est in items[: results.keep]:
+            continue
+        items.remove(est)
+        items.insert(max(0, min(len(items), results.keep) - 1), est)
+    return items
+
+
+def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> Estimate | None:
+    """Every template of one kind (replicated over the kind, leftovers filled), not just the top few.
+
+    Templates are rated per *used* device, so a slightly slower one that divides the kind's devices
+    evenly can beat the top-rated ones once their leftovers are counted (HETHUB-768: pp16 on 640
+    devices). A template of rate r over d devices, replicated c = n // d times, reaches at most
+    r c d + r_max (n - c d) samples/s (the leftover devices at the best rate of any template), so
+    templates are tried best optimistic value first until that value is below the best estimate found;
+    templates the scan skipped enter with their rate bound (bounds.rate_bound) in place of r and are
+    split only when that could win.
+    """
+    n, total = s.counts[kind], s.config.global_batch
+    exact: Estimate | None = None
+    ranked = s.pure(kind, mbs, share=1.0)
+    skipped = s.skipped(kind, mbs, share=1.0)
+    r_max = max([r.rate for r in ranked] + [b for _, _, b in skipped] + [0.0])
+
+    def optimistic(rate: float, d: int) -> float:
+        used = n // d * d
+        return rate * used + r_max * (n - used)
+
+    # A max-heap of (optimistic value, tie, template or skipped (tp, stages)).
+    heap: list[tuple[float, int, object]] = []
+    for i, r in enumerate(ranked):
+        if r.rate > 0:
+            heap.append((-optimistic(r.rate, r.pipe.num_devices), i, r))
+    for j, (tp, p, bound) in enumerate(skipped):
+        heap.append((-optimistic(bound, tp * p), len(ranked) + j, (tp, p)))
+    heapq.heapify(heap)
+    tie, best, seen = len(heap), 0.0, set()
+    while heap:
+        opt, _, item = heapq.heappop(heap)
+        if -opt < best * (1 - 1e-9):
+            break
+        if isinstance(item, tuple):  # a skipped stage count: split it now and queue its templates
+            before = {id(r.pipe) for r in s.pure(kind, mbs, share=1.0)}
+            s.complete(kind, mbs, share=1.0, want=lambda tp_, p_, b_, item=item: (tp_, p_) == item)
+            for r in s.pure(kind, mbs, share=1.0):
+                if id(r.pipe) not in before and r.rate > 0:
+                    heapq.heappush(heap, (-optimistic(r.rate, r.pipe.num_devices), tie, r))
+                    tie += 1
+            continue
+        r = item
+        key = (r.pipe.slots, r.pipe.layers, r.pipe.recompute)
+        if key in seen:
+            continue
+        seen.add(key)
+        c = n // r.pipe.num_devices
+        fill, _ = _fill(s, kind, mbs, 1.0, n - c * r.pipe.num_devices)
+        est = s.estimate([Group(r.pipe, c), *fill], mbs)
+        results.add(est)
+        if est is not None and len(est.groups) == 1:  # only exact closed forms raise the bar
+            best = max(best, total / est.step_time_s)
+        if fill:  # the template alone too: leaving the leftovers idle can predict better than filling
+            alone = s.estimate([Group(r.pipe, c)], mbs)
+            results.add(alone)
+            est = alone if alone is not None else est
+            if alone is not None:
+                best = max(best, total / alone.step_time_s)
+        if est is not None and len(est.groups) == 1 and (exact is None or est.step_time_s < exact.step_time_s):
+            exact = est
+    return exact
 
 
 def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
@@ -146,10 +221,13 @@ def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
     return [b for b in sizes if any(top[k] > 0 and best[(k, b)] >= MBS_KEEP * top[k] for k in s.counts)]
 
 
-def _mixed_around(s: Searcher, results: Results, choice: list[tuple[str, Ranked | None]], mbs: int) -> None:
-    """Variants of one pure choice whose leftover (or released) devices form mixed pipelines."""
+def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]], mbs: int, *,
+                  tie: int) -> list[tuple[float, int, list[Group], tuple, int]]:
+    """Variants of one pure choice whose leftover (or released) devices form mixed pipelines:
+    (floor of the step, tie-break, pure groups, mixed segments, mixed replicas) each."""
     used = [(k, r) for k, r in choice if r is not None]
     releases = [0, 1] if used and sum(s.counts.values()) <= SMALL_POOL else [0]
+    out = []
     for release in releases:
         pure: list[Group] = []
         pool: dict[str, int] = {k: s.counts[k] for k, r in choice if r is None}
@@ -162,16 +240,32 @@ def _mixed_around(s: Searcher, results: Results, choice: list[tuple[str, Ranked 
             hint[k] = pipe.slots[0].tp
         pure = [g for g in pure if g.count > 0]
         for segs, c in mixed_options(s, pool, hint):
-            # Only the planner's finalists are used: skip candidates whose allocation alone (a lower
-            # bound of the step: the syncs and updates come after it) cannot get among them, first
-            # with a bound on any split of the mixed pipeline (bounds.pipe_floor), then with its split.
-            floor = pipe_floor(s.book, s.links, s.mixed_slots(segs), mbs)
-            if floor is not None and not results.may_enter(water_level([*pure, Group(floor, c)], s.total_mb(mbs))):
+            # The allocation's makespan under a floor of any split of the mixed pipeline
+            # (bounds.pipe_floor) is a lower bound of every such candidate's step: the syncs and
+            # updates come after it.
+            floor = pipe_floor(s.book, s.links, segs, mbs, memory=False)
+            if floor is None:
                 continue
-            for pipe in s.mixed(segs, mbs):
-                groups = [*pure, Group(pipe, c)]
-                if results.may_enter(water_level(groups, s.total_mb(mbs))):
-                    results.add(s.estimate(groups, mbs))
+            out.append((water_level([*pure, Group(floor, c)], s.total_mb(mbs)), tie + len(out), pure, segs, c))
+    return out
+
+
+def _price_mixed(s: Searcher, results: Results, todo: list[tuple[float, int, list[Group], tuple, int]],
+                 mbs: int) -> None:
+    """Split and price mixed candidates best floor first, so the finalists' bar rises early; once a
+    floor cannot get among the finalists, no later one can (only the planner's finalists are used)."""
+    todo.sort(key=lambda x: x[:2])
+    for level, _, pure, segs, c in todo:
+        if not results.may_enter(level):
+            break
+        # The tight floor (memory-aware, bounds.pipe_floor) for those the loose order leaves in.
+        floor = pipe_floor(s.book, s.links, segs, mbs)
+        if floor is None or not results.may_enter(water_level([*pure, Group(floor, c)], s.total_mb(mbs))):
+            continue
+        for pipe in s.mixed(segs, mbs):
+            groups = [*pure, Group(pipe, c)]
+            if results.may_enter(water_level(groups, s.total_mb(mbs))):
+                results.add(s.estimate(groups, mbs))
 
 
 def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs: int) -> None:

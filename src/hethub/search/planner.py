@@ -41,6 +41,8 @@ class PlanResult:
     efficiency: float  # prediction.tokens_per_s / upper bound
     alternatives: tuple[tuple[Plan, Prediction], ...]  # top-k, best first, including the best
     notes: tuple[str, ...]
+    # Each kind's part of the upper bound: the best tokens/s it reaches alone (docs/planner.md).
+    upper_bound_by_kind: dict[str, float] | None = None
 
 
 def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
@@ -53,8 +55,9 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
     bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
-    bound, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books,
+    parts, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books,
                                  host=host)
+    bound = sum(parts.values())
     bar.update()
     # The kind-alone plans were scored for the bound already; predict() is deterministic, so reuse it.
     if config.strategy == "homogeneous":
@@ -103,15 +106,15 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     best_plan, best_pred = top[0]
     return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
                       efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
-                      notes=notes)
+                      notes=notes, upper_bound_by_kind=parts)
 
 
 def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 profiles: ProfileSet | None = None, host: HostModel | None = None) -> tuple[float, tuple[str, ...]]:
     """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
     _check_job(model, config)
-    bound, notes, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    return bound, notes
+    parts, notes, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    return sum(parts.values()), notes
 
 
 def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
@@ -125,28 +128,30 @@ def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
 
 def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
            profiles: ProfileSet | None, books: dict | None = None,
-           host: HostModel | None = None) -> tuple[float, tuple[str, ...], list[tuple[Plan, Prediction]]]:
-    """The upper bound, its notes, and each kind's best feasible single-kind candidates, scored."""
-    total, notes, feasible = 0.0, [], []
+           host: HostModel | None = None) -> tuple[dict[str, float], tuple[str, ...], list[tuple[Plan, Prediction]]]:
+    """Each kind's part of the upper bound, its notes, and each kind's best feasible single-kind
+    candidates, scored."""
+    parts: dict[str, float] = {}
+    notes, feasible = [], []
     for kind in cluster.kind_names:
         plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                             books=books)
         scored = _score(plans, profiles, host=host)
         if scored:
             feasible.extend(scored[:2])
-            total += scored[0][1].tokens_per_s
+            parts[kind] = scored[0][1].tokens_per_s
             continue
         relaxed = _score(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
                                      relax=True, books=books), profiles, require_fit=False, host=host)
         n = cluster.count_by_kind()[kind]
+        parts[kind] = relaxed[0][1].tokens_per_s if relaxed else 0.0
         if relaxed:
-            total += relaxed[0][1].tokens_per_s
             notes.append(f"kind {kind} alone ({n} devices) cannot hold {model.name} at seq_len {config.seq_len}; "
                          "the upper bound uses its best plan with the memory limit relaxed")
         else:
             notes.append(f"kind {kind} alone ({n} devices) has no plan for {model.name} even with memory relaxed "
                          "(no usable TP degree or too few devices); it adds nothing to the upper bound")
-    return total, tuple(notes), feasible
+    return parts, tuple(notes), feasible
 
 
 def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,

@@ -168,6 +168,11 @@ class Searcher:
         self._skipped[key] = skipped
         return out
 
+    def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
+        """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""
+        self.pure(kind, mbs, share=share)
+        return list(self._skipped[(kind, mbs, share)])
+
     def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float) -> float:
         """bounds.rate_bound of p stages of (kind, tp) over all the kind's devices."""
         if p > self.model.num_layers:
