@@ -29,6 +29,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
 def _load_profiles(arg: str | None, model=None, seq_len: int | None = None):
     if not arg:
         return None
@@ -53,11 +63,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cluster = apply_links_profile(cluster, read_links_profile(args.links))
     model = get_model(args.model)
     config = PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
-                           schedule=args.schedule, precision=args.precision, top_k=args.top_k)
+                           schedule=args.schedule, precision=args.precision, top_k=args.top_k,
+                           objective=args.objective, budget_per_hour=args.budget_per_hour,
+                           min_tokens_per_s=args.min_tokens_per_s)
     profiles = _load_profiles(args.profiles, model, args.seq_len)
     host = host_for(cluster, args.profiles, model=model, seq_len=args.seq_len)
     if args.compare:
         return _compare(cluster=cluster, model=model, config=config, profiles=profiles, host=host, as_json=args.json)
+    if config.cost_aware:
+        return _cost_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host, as_json=args.json,
+                          out=args.out)
     result = make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     if args.out:
         result.plan.save(args.out)
@@ -98,9 +113,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: str | None) -> int:
+    """The plan for --objective/--budget-per-hour/--min-tokens-per-s, beside the throughput plan."""
+    from hethub.search.cost import plan_for_cost
+    from hethub.tables import format_plan_table, format_summary
+
+    cp = plan_for_cost(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    if out:
+        cp.chosen.result.plan.save(out)
+    rows = [("chosen", cp.chosen), ("throughput plan", cp.throughput)]
+    if as_json:
+        print(json.dumps({
+            "objective": config.objective, "budget_per_hour": config.budget_per_hour,
+            "min_tokens_per_s": config.min_tokens_per_s, "sub_fleets_searched": cp.considered,
+            **{key: {"tokens_per_s": c.tokens_per_s, "price_per_hour": c.price_per_hour,
+                     "usd_per_million_tokens": c.usd_per_million_tokens, "devices_used": c.result.plan.world_size,
+                     "devices_left_out": c.left_out, "num_pipelines": len(c.result.plan.pipelines),
+                     **({"plan": c.result.plan.to_dict()} if key == "chosen" and not out else {})}
+               for key, c in (("chosen", cp.chosen), ("throughput_plan", cp.throughput))},
+            "plan_file": out}, indent=2))
+        return 0
+    print(f"objective {config.objective}"
+          + (f", budget ${config.budget_per_hour:,.2f}/h" if config.budget_per_hour else "")
+          + (f", at least {config.min_tokens_per_s:,.0f} tokens/s" if config.min_tokens_per_s else "")
+          + f"; {cp.considered} sub-fleets searched")
+    print(f"{'':<16} {'tokens/s':>12} {'$/h':>9} {'$/M tokens':>10} {'devices':>7}  left out")
+    for name, c in rows:
+        left = ", ".join(f"{n} x {k}" for k, n in c.left_out.items()) or "none"
+        print(f"{name:<16} {c.tokens_per_s:>12,.0f} {c.price_per_hour:>9,.2f} {c.usd_per_million_tokens:>10,.3f} "
+              f"{c.result.plan.world_size:>7}  {left}")
+    print()
+    r = cp.chosen.result
+    print(format_summary(r.plan, r.prediction, search_time_s=r.search_time_s))
+    print()
+    print(format_plan_table(r.plan, r.prediction))
+    if out:
+        print(f"\nplan written to {out}")
+    return 0
+
+
 def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
+    from hethub.search.cost import plan_price_per_hour, usd_per_million_tokens
     from hethub.search.planner import make_plan
 
     rows = []
@@ -108,24 +163,32 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
         try:
             r = make_plan(cluster=cluster, model=model, config=replace(config, strategy=strategy), profiles=profiles,
                           host=host)
+            try:  # dollars per million tokens where every kind used has a price
+                usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)
+            except HethubError:
+                usd = None
             rows.append((strategy, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
-                         len(r.plan.pipelines), r.plan.world_size, ""))
+                         len(r.plan.pipelines), r.plan.world_size, usd, ""))
         except HethubError as err:
-            rows.append((strategy, 0.0, float("nan"), 0.0, 0, 0, str(err).split(". Fix")[0]))
+            rows.append((strategy, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0]))
     base = next((r[1] for r in rows if r[0] == "uniform"), 0.0)
     if as_json:
         print(json.dumps([{"strategy": s, "tokens_per_s": t, "step_time_s": st, "efficiency": e,
                            "speedup_over_uniform": (t / base if base else None), "num_pipelines": n,
-                           "devices_used": d, "error": err or None} for s, t, st, e, n, d, err in rows], indent=2))
+                           "devices_used": d, "usd_per_million_tokens": usd, "error": err or None}
+                          for s, t, st, e, n, d, usd, err in rows], indent=2))
         return 0
-    print(f"{'strategy':<20} {'tokens/s':>14} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
+    print(f"{'strategy':<20} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
           f"{'pipelines':>9} {'devices':>7}")
-    for s, t, st, e, n, d, err in rows:
+    for s, t, st, e, n, d, usd, err in rows:
         if err:
             print(f"{s:<20} {'infeasible':>14}  {err}")
             continue
         speed = f"{t / base:.2f}x" if base else "n/a"
-        print(f"{s:<20} {t:>14,.0f} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7}")
+        dollars = f"{usd:,.3f}" if usd is not None else "n/a"
+        print(f"{s:<20} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7}")
+    if any(r[6] is None and not r[7] for r in rows):
+        print("n/a: a kind used has no price_per_hour (catalog or cluster file)")
     return 0
 
 
@@ -174,7 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--top-k", type=_positive_int, default=1, help="also show the k best plans")
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm' (replaces catalog links)")
-    sp.add_argument("--compare", action="store_true", help="print every strategy side by side")
+    sp.add_argument("--compare", action="store_true",
+                    help="print every strategy side by side, with $ per million tokens")
+    sp.add_argument("--objective", default="throughput", choices=["throughput", "cost"],
+                    help="most tokens/s, or fewest dollars per token (may leave devices or kinds idle)")
+    sp.add_argument("--budget-per-hour", type=_positive_float, default=None,
+                    help="dollars per hour the devices used may cost (prices: catalog or cluster file)")
+    sp.add_argument("--min-tokens-per-s", type=_positive_float, default=None,
+                    help="the plan must predict at least this many tokens/s")
     sp.add_argument("--out", help="write the plan JSON here")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     sp.set_defaults(func=cmd_plan)

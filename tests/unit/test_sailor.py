@@ -156,12 +156,12 @@ def test_sailor_planner_form_one_entry_per_replica():
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    (lambda d: d.update(gbs=7), "'gbs'"),
+    (lambda d: d.update(gbs=0), "'gbs'"),
     (lambda d: d["pipeline_list"][0].update(dp=[2, 1]), r"'pipeline_list\[0\].dp'"),
     (lambda d: d["pipeline_list"][0]["layers_per_stage"][1].pop(), "layers_per_stage"),
     (lambda d: d["pipeline_list"][0]["tmp_per_stage"][0][0].__setitem__(1, 0), r"tmp_per_stage\[0\]\[0\]\[1\]"),
     (lambda d: d.pop("mbs"), "'mbs'"),
-    (lambda d: d["pipeline_list"].append(d["pipeline_list"][0]), "exactly one"),
+    (lambda d: d.update(pipeline_list=[]), "non-empty"),
 ])
 def test_malformed_sailor_plan(change, match):
     data = _sailor([([0, 1, 2, 3], [[[["fast", 2, "z"]], 1]]), ([4, 5, 6, 7], [[[["slow", 2, "z"]], 1]])], dp=2)
@@ -180,7 +180,6 @@ def _plan(shares=(2, 2), splits=(3, 3), mbs=(1, 1), recompute=False) -> Plan:
 
 @pytest.mark.parametrize(("plan", "reason"), [
     (lambda: _plan(shares=(3, 1)), "unequal batch shares"),
-    (lambda: _plan(splits=(3, 4)), "split the layers differently"),
     (lambda: _plan(mbs=(1, 2), shares=(2, 1)), "different micro-batch sizes"),
     (lambda: _plan(recompute=True), "recompute"),
 ])
@@ -213,3 +212,49 @@ def test_prediction_uses_sailor_profiles():
                "assumed" in s for s in src.values()), src
     fp32 = predict(replace(plan, precision="fp32")).compute_sources
     assert fp32["v100-16gb"].startswith("analytic, calibrated on Sailor profiles") and "V100-16" in fp32["v100-16gb"]
+
+
+def test_gbs_is_rounded_up_per_replica_as_sailor_does():
+    # 7 sequences over 2 replicas of micro-batch 1: Sailor's simulator runs ceil(7 / 2) = 4 each.
+    data = _sailor([([0, 1, 2, 3], [[[["fast", 1, "z"]], 1]] * 2), ([4, 5, 6, 7], [[[["slow", 1, "z"]], 1]] * 2)],
+                   dp=2, gbs=7)
+    plan = import_sailor_plan(data, cluster=small_cluster(), model=tiny_model(), seq_len=32)
+    assert [p.num_micro_batches for p in plan.pipelines] == [4, 4] and plan.global_batch == 8
+    assert plan.meta["sailor"]["gbs"] == 7 and "ceil" in plan.meta["sailor"]["note"]
+    assert export_sailor_plan(plan)["gbs"] == 7  # the file's own gbs, which Sailor rounds the same way
+
+
+def test_sailor_planner_style_plan_with_two_entries_imports():
+    # gbs 1024, dp 10, mbs 4, two pipeline_list entries (Sailor's simulator runs both as one plan).
+    def entry(split: int) -> dict:
+        return {"num_stages": 2, "layers_per_stage": [list(range(0, split + 1)), list(range(split + 1, 8))],
+                "tmp_per_stage": [[[[["fast", 1, "z"]], 1]] * 10, [[[["slow", 1, "z"]], 1]] * 10], "dp": [10, 10]}
+
+    data = {"pipeline_list": [entry(3), entry(4)], "mbs": 4, "gbs": 1024}
+    plan = import_sailor_plan(data, cluster=small_cluster(fast=20, slow=20), model=tiny_model(), seq_len=32)
+    assert len(plan.pipelines) == 20 and plan.world_size == 40
+    assert {p.stages[0].layers for p in plan.pipelines[:10]} == {(0, 3)}
+    assert {p.stages[0].layers for p in plan.pipelines[10:]} == {(0, 4)}
+    # ceil(1024 / (4 x 10 x 2)) = 13 micro-batches per replica: 13 x 4 x 20 = 1040 sequences.
+    assert {p.num_micro_batches for p in plan.pipelines} == {13} and plan.global_batch == 1040
+    assert export_sailor_plan(plan) == data
+
+
+def test_k_replicas_export_as_k_entries_and_different_splits_as_separate_pipelines():
+    plan = _plan(shares=(2, 2), splits=(3, 4))
+    out = export_sailor_plan(plan)
+    assert len(out["pipeline_list"]) == 2 and all(e["dp"] == [1, 1] for e in out["pipeline_list"])
+    back = import_sailor_plan(out, cluster=plan.cluster, model=plan.model, seq_len=32)
+    assert _shape(back) == _shape(plan)
+    for k in (1, 2, 3, 4):
+        out = export_sailor_plan(_plan(shares=(2,) * k, splits=(3,) * k, mbs=(1,) * k))
+        assert [len(t) for t in out["pipeline_list"][0]["tmp_per_stage"]] == [k, k]
+
+
+def test_unequal_shares_export_as_the_nearest_equal_plan_on_request():
+    plan = _plan(shares=(3, 2))
+    with pytest.raises(PlanError, match="nearest_equal=True"):
+        export_sailor_plan(plan)
+    out = export_sailor_plan(plan, nearest_equal=True)
+    back = import_sailor_plan(out, cluster=plan.cluster, model=plan.model, seq_len=32)
+    assert {p.num_micro_batches for p in back.pipelines} == {2} and out["gbs"] == 4  # mean 2.5 rounds to 2

@@ -25,6 +25,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
         print(f"imported {len(plan.pipelines)} pipelines on {plan.world_size} devices -> {args.out}")
+        if plan.meta.get("sailor", {}).get("note"):
+            print(f"note: {plan.meta['sailor']['note']}")
     else:
         print(text, end="")
     return 0
@@ -35,7 +37,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hethub.plan import Plan
 
     plan = Plan.load(args.plan)
-    text = json.dumps(export_sailor_plan(plan), indent=2) + "\n"
+    text = json.dumps(export_sailor_plan(plan, nearest_equal=args.nearest_equal), indent=2) + "\n"
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
         print(f"exported to {args.out}")
@@ -57,5 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("export-plan", help="write a hethub plan in another planner's format")
     sp.add_argument("plan")
     sp.add_argument("--format", required=True, choices=["sailor"])
+    sp.add_argument("--nearest-equal", action="store_true",
+                    help="if replicas take unequal batch shares (Sailor cannot express that), write every "
+                         "replica with the mean share rounded")
     sp.add_argument("--out")
     sp.set_defaults(func=cmd_export)

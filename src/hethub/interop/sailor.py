@@ -126,7 +126,16 @@ def sailor_plan_model(data: Any) -> ModelSpec | None:
 
 def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len: int, where: str = "sailor plan"
                        ) -> Plan:
-    """Convert a Sailor plan into a validated hethub Plan on concrete devices of ``cluster``."""
+    """Convert a Sailor plan into a validated hethub Plan on concrete devices of ``cluster``.
+
+    Every ``pipeline_list`` entry is imported: Sailor's simulator runs them together as one plan
+    (its step is the slowest entry's pipeline time plus the gradient syncs within and across
+    entries; its FlashFlex baseline writes one entry per pipeline), so each entry's ``dp`` replicas
+    become hethub pipelines of the same plan, entry after entry. Each replica runs
+    ceil(gbs / (mbs x dp x entries)) micro-batches, as Sailor's simulator computes it (``dp`` of the
+    last entry); when that rounds up, the plan's global batch is larger than ``gbs`` and
+    ``plan.meta["sailor"]`` keeps the file's ``gbs`` (and says so in ``note``).
+    """
     if not isinstance(data, dict):
         raise PlanError(f"{where}: expected a JSON object with pipeline_list, mbs and gbs. Fix: pass a Sailor plan.")
     for key in ("pipeline_list", "mbs", "gbs"):
@@ -134,10 +143,38 @@ def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len
             raise _perr(where, key, "is missing", "add it (Sailor plans carry pipeline_list, mbs and gbs)")
     mbs, gbs = _pint(data["mbs"], where, "mbs"), _pint(data["gbs"], where, "gbs")
     plist = data["pipeline_list"]
-    if not isinstance(plist, list) or len(plist) != 1:
-        raise _perr(where, "pipeline_list", "must hold exactly one pipeline definition (Sailor runs only "
-                    "pipeline_list[0])", "keep one entry")
-    pdef, pw = plist[0], "pipeline_list[0]"
+    if not isinstance(plist, list) or not plist:
+        raise _perr(where, "pipeline_list", "must be a non-empty list of pipeline definitions", "add one")
+    entries = [_entry_def(pdef, pw=f"pipeline_list[{i}]", where=where, model=model) for i, pdef in enumerate(plist)]
+    dp_last = entries[-1][2]
+    m = -(-gbs // (mbs * dp_last * len(entries)))  # Sailor's simulator: math.ceil(gbs / (mbs * dp * pipelines))
+    zones: set[str] = set()
+    free = {d.id for d in cluster.devices}
+    pipelines: list[Pipeline] = []
+    for i, (spans, tmps, dp) in enumerate(entries):
+        f = f"pipeline_list[{i}].tmp_per_stage"
+        replicas = [_replicas(tmps[s], dp, where=where, f=f"{f}[{s}]", cluster=cluster, zones=zones)
+                    for s in range(len(spans))]
+        stage_devs = [[_take(cluster, free, kind, tp, where=where) for kind, tp in reps] for reps in replicas]
+        pipelines += [Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(
+            Stage(kind=replicas[s][r][0], devices=stage_devs[s][r], layers=spans[s][0],
+                  embedding=spans[s][1], head=spans[s][2]) for s in range(len(spans))))
+            for r in range(dp)]
+    total = m * mbs * len(pipelines)
+    meta: dict[str, Any] = {"zone": sorted(zones)[0] if len(zones) == 1 else DEFAULT_ZONE,
+                            "final_norm_apart": entries[0][0][-1][3], "gbs": gbs,
+                            "entries": [dp for _, _, dp in entries]}
+    if total != gbs:
+        meta["note"] = (f"gbs {gbs} is not {mbs} (mbs) x {len(pipelines)} replicas x a whole number of "
+                        f"micro-batches; like Sailor's simulator, each replica runs ceil(gbs / (mbs x dp x "
+                        f"pipelines)) = {m}, so the global batch is {total}")
+    plan = Plan(model=model, cluster=cluster, global_batch=total, seq_len=seq_len, pipelines=tuple(pipelines),
+                strategy="sailor", meta={"sailor": meta})
+    return plan.validate()
+
+
+def _entry_def(pdef: Any, *, pw: str, where: str, model: ModelSpec) -> tuple[list, list, int]:
+    """(layer spans, tmp_per_stage, dp) of one pipeline_list entry, checked."""
     for key in ("layers_per_stage", "tmp_per_stage", "dp"):
         if not isinstance(pdef, dict) or not isinstance(pdef.get(key), list):
             raise _perr(where, f"{pw}.{key}", "is missing or not a list", "write it as in Sailor's plans")
@@ -150,25 +187,7 @@ def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len
     if any(d != dp for d in dps):
         raise _perr(where, f"{pw}.dp", f"is {dps}; hethub pipelines need the same replica count in every stage",
                     "use one dp for all stages")
-    if gbs % (mbs * dp):
-        raise _perr(where, "gbs", f"({gbs}) is not a multiple of mbs x dp = {mbs * dp}",
-                    "make every replica take the same whole number of micro-batches")
-    spans = _layer_spans(layers_ps, model=model, where=where, pw=pw)
-    zones: set[str] = set()
-    replicas = [_replicas(tmps[s], dp, where=where, f=f"{pw}.tmp_per_stage[{s}]", cluster=cluster, zones=zones)
-                for s in range(n)]
-    free = {d.id for d in cluster.devices}
-    stage_devs = [[_take(cluster, free, kind, tp, where=where) for kind, tp in reps] for reps in replicas]
-    pipelines = tuple(
-        Pipeline(micro_batch_size=mbs, num_micro_batches=gbs // (mbs * dp), stages=tuple(
-            Stage(kind=replicas[s][r][0], devices=stage_devs[s][r], layers=spans[s][0],
-                  embedding=spans[s][1], head=spans[s][2]) for s in range(n)))
-        for r in range(dp))
-    meta = {"sailor": {"zone": sorted(zones)[0] if len(zones) == 1 else DEFAULT_ZONE,
-                       "final_norm_apart": spans[-1][3]}}
-    plan = Plan(model=model, cluster=cluster, global_batch=gbs, seq_len=seq_len, pipelines=pipelines,
-                strategy="sailor", meta=meta)
-    return plan.validate()
+    return _layer_spans(layers_ps, model=model, where=where, pw=pw), tmps, dp
 
 
 def _layer_spans(layers_ps: list[Any], *, model: ModelSpec, where: str, pw: str
@@ -244,48 +263,86 @@ def _take(cluster: Cluster, free: set[int], kind: str, tp: int, *, where: str) -
 
 
 # ---- plans: export ---------------------------------------------------------------------------------
-def export_sailor_plan(plan: Plan) -> dict[str, Any]:
-    """Sailor's form of ``plan``; PlanError says what Sailor's format cannot express."""
+def export_sailor_plan(plan: Plan, *, nearest_equal: bool = False) -> dict[str, Any]:
+    """Sailor's form of ``plan``; PlanError says what Sailor's format cannot express.
+
+    Pipelines that split the layers alike form one ``pipeline_list`` entry, one ``tmp_per_stage``
+    entry per replica; pipelines split differently form separate entries (Sailor's simulator runs
+    all entries as one plan). Sailor gives every replica the same micro-batch count,
+    ceil(gbs / (mbs x dp x entries)); a plan whose replicas take unequal shares is refused, or with
+    ``nearest_equal`` written with every replica at the mean count rounded to the nearest whole
+    number (gbs then written for that count).
+    """
     ps = plan.pipelines
     mbs = {p.micro_batch_size for p in ps}
     if len(mbs) > 1:
         _nope(f"pipelines use different micro-batch sizes {sorted(mbs)}; Sailor's plan has one 'mbs'")
-    nmb = {p.num_micro_batches for p in ps}
-    if len(nmb) > 1:
-        _nope(f"pipelines take unequal batch shares ({sorted(nmb)} micro-batches); Sailor gives every "
-              "data-parallel replica gbs / (mbs x dp)")
-    splits = {tuple(s.layers for s in p.stages) for p in ps}
-    if len(splits) > 1:
-        _nope(f"pipelines split the layers differently ({sorted(splits)}); Sailor's replicas of a stage hold "
-              "the same layers")
     if plan.schedule != "1f1b":
         _nope(f"the schedule is {plan.schedule!r}; Sailor runs 1F1B")
     if any(s.recompute for p in ps for s in p.stages):
         _nope("some stages recompute activations; Sailor's plan format has no recomputation flag")
+    nmb = sorted({p.num_micro_batches for p in ps})
+    m = nmb[0]
+    if len(nmb) > 1:
+        if not nearest_equal:
+            _nope(f"pipelines take unequal batch shares ({nmb} micro-batches); Sailor gives every data-parallel "
+                  "replica ceil(gbs / (mbs x dp x pipelines)) micro-batches", nearest=True)
+        m = max(1, round(sum(p.num_micro_batches for p in ps) / len(ps)))
     # Zone and a Llama-style separate final-norm entry are Sailor-only facts kept from an import.
     info = plan.meta.get("sailor") if isinstance(plan.meta.get("sailor"), dict) else {}
     zone, apart = str(info.get("zone", DEFAULT_ZONE)), bool(info.get("final_norm_apart", False))
-    L = plan.model.num_layers
+    groups = _entries(ps, info.get("entries"))
+    k, dp_last = len(groups), len(groups[-1])
+    if len({len(g) for g in groups}) > 1:  # Sailor's count uses the last entry's dp: one entry per pipeline
+        groups, k, dp_last = [[p] for p in ps], len(ps), 1
+    gbs = info.get("gbs") if isinstance(info.get("gbs"), int) else None
+    if gbs is None or -(-gbs // (ps[0].micro_batch_size * dp_last * k)) != m:
+        gbs = m * ps[0].micro_batch_size * len(ps)
+    return {"pipeline_list": [_entry_out(g, zone=zone, apart=apart, n_layers=plan.model.num_layers) for g in groups],
+            "mbs": ps[0].micro_batch_size, "gbs": gbs}
+
+
+def _entries(ps: tuple[Pipeline, ...], counts: Any) -> list[list[Pipeline]]:
+    """Pipelines grouped into pipeline_list entries: by an import's entry sizes where they still fit
+    (each a run of pipelines with one layer split), else by layer split in order of appearance."""
+    def split(p: Pipeline) -> tuple:
+        return tuple(s.layers for s in p.stages)
+
+    if isinstance(counts, list) and all(isinstance(c, int) and c > 0 for c in counts) and sum(counts) == len(ps):
+        out, i = [], 0
+        for c in counts:
+            out.append(list(ps[i:i + c]))
+            i += c
+        if all(len({split(p) for p in g}) == 1 for g in out):
+            return out
+    by_split: dict[tuple, list[Pipeline]] = {}
+    for p in ps:
+        by_split.setdefault(split(p), []).append(p)
+    return list(by_split.values())
+
+
+def _entry_out(group: list[Pipeline], *, zone: str, apart: bool, n_layers: int) -> dict[str, Any]:
     names = {v: k for k, v in SAILOR_KINDS.items()}
     layers_ps, tmps = [], []
-    for si, stage in enumerate(ps[0].stages):
-        (start, end), first, last = stage.layers, si == 0, si == len(ps[0].stages) - 1
+    stages = group[0].stages
+    for si, stage in enumerate(stages):
+        (start, end), first, last = stage.layers, si == 0, si == len(stages) - 1
         idx = ([0] if first else []) + [i + 1 for i in range(start, end)]
-        idx += ([L + 1, L + 2] if apart else [L + 1]) if last else []
+        idx += ([n_layers + 1, n_layers + 2] if apart else [n_layers + 1]) if last else []
         layers_ps.append(idx)
         # One entry per data-parallel replica, as Sailor's planners write it: its simulator indexes
         # tmp_per_stage[stage][replica] and fails on grouped entries.
         tmps.append([[[[names.get(p.stages[si].kind, p.stages[si].kind), p.stages[si].tp, zone]],
-                      p.stages[si].tp] for p in ps])
+                      p.stages[si].tp] for p in group])
     n = len(layers_ps)
-    return {"pipeline_list": [{"num_stages": n, "layers_per_stage": layers_ps, "tmp_per_stage": tmps,
-                               "dp": [len(ps)] * n}],
-            "mbs": ps[0].micro_batch_size, "gbs": plan.global_batch}
+    return {"num_stages": n, "layers_per_stage": layers_ps, "tmp_per_stage": tmps, "dp": [len(group)] * n}
 
 
-def _nope(why: str) -> None:
-    raise PlanError(f"cannot write this plan in Sailor's format: {why}. Fix: export a plan without that "
-                    "(e.g. from 'hethub plan' with equal replicas), or keep hethub's plan format.")
+def _nope(why: str, *, nearest: bool = False) -> None:
+    fix = ("export the nearest equal-share plan instead (export_sailor_plan(plan, nearest_equal=True), "
+           "'hethub export-plan --nearest-equal'), or keep hethub's plan format" if nearest else
+           "export a plan without that (e.g. from 'hethub plan' with equal replicas), or keep hethub's plan format")
+    raise PlanError(f"cannot write this plan in Sailor's format: {why}. Fix: {fix}.")
 
 
 def _pint(v: Any, where: str, f: str) -> int:

@@ -18,7 +18,7 @@ from hethub.layout import block_starts
 from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
 from hethub.schedules import get_schedule
 from hethub.search.links import LinkBook
-from hethub.search.split import PipeCost
+from hethub.search.split import PipeCost, Slot
 from hethub.spec.model import ModelSpec
 
 
@@ -182,6 +182,24 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
         run(hs, ring(0 if model.tied_embeddings else v * h, model.final_norm_params, hs))
     barrier()  # the gradient norm
     return max(c + u for g, row in zip(groups, cursor, strict=True) for c, u in zip(row, g.pipe.update_s, strict=True))
+
+
+def embedding_sync_floor(first: list[tuple[Slot, int]], last: list[tuple[Slot, int]], *, total_devices: int,
+                         links: LinkBook, model: ModelSpec, precision: str) -> float:
+    """A floor under what `step_time_s` adds after the makespan: the last pipeline to finish ends
+    with its first stage, which then all-reduces the embedding's gradients with the first stage of
+    every replica (and the last stages, with tied embeddings) before it can update. ``first`` /
+    ``last``: (slot of that stage, replicas) per group."""
+    replicas = sum(n for _, n in first)
+    if replicas <= 1:
+        return 0.0
+    holders = first + (last if model.tied_embeddings else [])
+    kinds = frozenset(sl.kind for sl, _ in holders)
+    tp = min(sl.tp for sl, _ in holders)
+    gb = ModelSpec.state_bytes_per_param(precision)["grads"]
+    vh = model.vocab_size * model.hidden_size
+    link = links.replicas(kinds, devices=total_devices)
+    return allreduce_time_s(nbytes=(vh / tp + model.embedding_params - vh) * gb, participants=replicas, link=link)
 
 
 def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec,

@@ -9,6 +9,7 @@ from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
 STRATEGIES = ("hethub", "uniform", "flops-proportional", "homogeneous")
+OBJECTIVES = ("throughput", "cost")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,14 @@ class PlannerConfig:
     allow_recompute: bool = True
     # How many closed-form finalists the full predictor re-scores; more is slower and rarely better.
     finalists: int = 6
+    # Cost-aware planning (search/cost.py): most tokens/s, or fewest dollars per token; both within
+    # the budget (dollars per hour of the devices used) and above the throughput floor, if given.
+    objective: str = "throughput"
+    # The predictor-driven local search after the closed-form search (planner.py); cost planning
+    # screens sub-fleets without it and polishes only the winner.
+    polish: bool = True
+    budget_per_hour: float | None = None
+    min_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> SpecError:
@@ -46,9 +55,20 @@ class PlannerConfig:
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
                 raise bad(name, f"must be a non-empty tuple of positive integers, got {vals!r}",
                           "give e.g. (1, 2, 4)")
+        if self.objective not in OBJECTIVES:
+            raise bad("objective", f"is {self.objective!r}", f"use one of {', '.join(OBJECTIVES)}")
+        for name in ("budget_per_hour", "min_tokens_per_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
+                raise bad(name, f"must be a positive number, got {v!r}", "give a positive number or leave it out")
         if any(t & (t - 1) for t in self.tp_degrees):
             # Powers of two pack into nodes without fragmentation (see docs/planner.md, "devices").
             raise bad("tp_degrees", f"must be powers of two, got {self.tp_degrees!r}", "use 1, 2, 4, 8, ...")
+
+    @property
+    def cost_aware(self) -> bool:
+        """Whether the plan needs prices: a cost objective, a budget or a throughput floor."""
+        return self.objective == "cost" or self.budget_per_hour is not None or self.min_tokens_per_s is not None
 
     @property
     def usable_micro_batch_sizes(self) -> tuple[int, ...]:

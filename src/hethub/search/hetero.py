@@ -17,9 +17,9 @@ import heapq
 import itertools
 import math
 
-from hethub.search.bounds import pipe_floor
-from hethub.search.combine import Estimate, Group, water_level
-from hethub.search.split import PipeCost
+from hethub.search.bounds import PipeFloor, pipe_floor
+from hethub.search.combine import Estimate, Group, embedding_sync_floor, water_level
+from hethub.search.split import PipeCost, Slot
 from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
 
 TOP_FOR_MIXED = 4
@@ -72,34 +72,62 @@ def _spread(lo: int, hi: int, n: int) -> list[int]:
     return sorted(vals)
 
 
-def mixed_options(s: Searcher, pool: dict[str, int], tp_hint: dict[str, int]) -> list[tuple[tuple, int]]:
-    """Identical mixed pipelines over subsets of the pooled devices: (kind segments, replicas) each.
+Family = tuple[tuple[str, ...], tuple[int, ...], int, tuple[tuple[int, ...], ...]]  # kinds, tps, replicas, stages
 
-    Each segment list is split by `Searcher.mixed`; `_mixed_around` bounds it before paying for that.
+
+def mixed_options(s: Searcher, pool: dict[str, int], tp_hint: dict[str, int]) -> list[Family]:
+    """Identical mixed pipelines over subsets of the pooled devices, as families: (kinds, TP degree per
+    kind, replicas, allowed stage counts per kind); `expand` lists a family's (segments, replicas).
+
+    Every TP degree that fits each kind is tried; a family's floor (`family_floor`, under every
+    member) and each member's (bounds.pipe_floor) drop the hopeless ones before they are split.
     """
     key = (tuple(sorted(pool.items())), tuple(sorted(tp_hint.items())))
     if key in s.mixed_cache:
         return s.mixed_cache[key]
     kinds = [k for k, n in pool.items() if n > 0 and s.tps[k]]
     small = sum(pool[k] for k in kinds) <= SMALL_POOL
-    out: list[tuple[tuple, int]] = []
+    out: list[Family] = []
     s.mixed_cache[key] = out
     for size in range(2, len(kinds) + 1):
         for subset in itertools.combinations(kinds, size):
-            # Every TP degree that fits each kind: pipe_floor (a proven floor under any split) drops
-            # the hopeless combinations before they are split (_mixed_around).
-            tp_choices = [s.tps[k] for k in subset]
+            # Large pools: every TP degree that fits each kind (the families' floors prune). Small pools
+            # enumerate every stage count per kind too, which with every TP degree made 32-device
+            # searches ~15x slower: there, the kind's pure TP degree and its largest (docs/planner.md).
+            tp_choices = [sorted({tp_hint.get(k, s.tps[k][-1]), s.tps[k][-1]}) if small else s.tps[k] for k in subset]
             for tps in itertools.product(*tp_choices):
                 slots = {k: pool[k] // t for k, t in zip(subset, tps, strict=True)}
                 c_hi = min(slots.values())
                 c_lo = max(1, -(-sum(slots.values()) // (s.model.num_layers + 2)))
                 for c in _spread(c_lo, c_hi, MAX_REPLICA_COUNTS) if c_lo <= c_hi else []:
                     # Small pools: any number of stages per kind; large ones: use the whole pool.
-                    counts = [range(1, slots[k] // c + 1) if small else [slots[k] // c] for k in subset]
-                    for ns in itertools.product(*counts):
-                        for order in itertools.permutations(range(size)):
-                            out.append((tuple((subset[i], tps[i], ns[i]) for i in order), c))
+                    counts = tuple(tuple(range(1, slots[k] // c + 1)) if small else (slots[k] // c,) for k in subset)
+                    out.append((subset, tps, c, counts))
     return out
+
+
+def expand(family: Family) -> list[tuple[tuple, int]]:
+    subset, tps, c, counts = family
+    size = len(subset)
+    return [(tuple((subset[i], tps[i], ns[i]) for i in order), c)
+            for ns in itertools.product(*counts) for order in itertools.permutations(range(size))]
+
+
+def family_floor(s: Searcher, family: Family, mbs: int) -> PipeFloor:
+    """A floor under every member of a family, whatever its stage counts and order: each kind k holds
+    at most m_k stages (its largest allowed count), layers cost at least w_k each (the cheaper of with
+    and without recomputation), so the bottleneck is at least L / sum_k m_k / w_k (bases, memory and
+    hops dropped) and the work of a micro-batch at least L min_k w_k (bounds.pipe_floor, relaxed)."""
+    subset, tps, _, counts = family
+    ws = [min(sm.fwd_per_layer_s + sm.bwd_per_layer_s
+              for sm in (s.book.stage(k, tp=t, mbs=mbs, recompute=rc) for rc in (False, True)))
+          for k, t in zip(subset, tps, strict=True)]
+    n_layers = s.model.num_layers
+    if min(ws) <= 0:
+        return PipeFloor(base_s=0.0, per_mb_s=0.0)
+    bottleneck = n_layers / sum(max(ns) / w for ns, w in zip(counts, ws, strict=True))
+    work = max(bottleneck, n_layers * min(ws))
+    return PipeFloor(base_s=work - bottleneck, per_mb_s=bottleneck)
 
 
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
@@ -129,7 +157,7 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
             base.append((est.step_time_s if est else float("inf"), list(zip(kinds, choice, strict=True))))
         _aligned(s, results, ranked, mbs)
         base.sort(key=lambda x: x[0])
-        todo: list[tuple[float, int, list[Group], tuple, int]] = []
+        todo: list[tuple] = []
         for _, choice in base[:TOP_FOR_MIXED] + [b for b in base if all(r is None for _, r in b[1])]:
             todo += _mixed_around(s, choice, mbs, tie=len(todo))
         _price_mixed(s, results, todo, mbs)
@@ -221,13 +249,12 @@ def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
     return [b for b in sizes if any(top[k] > 0 and best[(k, b)] >= MBS_KEEP * top[k] for k in s.counts)]
 
 
-def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]], mbs: int, *,
-                  tie: int) -> list[tuple[float, int, list[Group], tuple, int]]:
+def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]], mbs: int, *, tie: int) -> list[tuple]:
     """Variants of one pure choice whose leftover (or released) devices form mixed pipelines:
-    (floor of the step, tie-break, pure groups, mixed segments, mixed replicas) each."""
+    (floor of the step, tie-break, pure groups, family) each."""
     used = [(k, r) for k, r in choice if r is not None]
     releases = [0, 1] if used and sum(s.counts.values()) <= SMALL_POOL else [0]
-    out = []
+    out: list[tuple] = []
     for release in releases:
         pure: list[Group] = []
         pool: dict[str, int] = {k: s.counts[k] for k, r in choice if r is None}
@@ -239,32 +266,62 @@ def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]], mbs: int
             pool[k] = s.counts[k] - c * pipe.num_devices
             hint[k] = pipe.slots[0].tp
         pure = [g for g in pure if g.count > 0]
-        for segs, c in mixed_options(s, pool, hint):
-            # The allocation's makespan under a floor of any split of the mixed pipeline
-            # (bounds.pipe_floor) is a lower bound of every such candidate's step: the syncs and
-            # updates come after it.
-            floor = pipe_floor(s.book, s.links, segs, mbs, memory=False)
-            if floor is None:
-                continue
-            out.append((water_level([*pure, Group(floor, c)], s.total_mb(mbs)), tie + len(out), pure, segs, c))
+        for fam in mixed_options(s, pool, hint):
+            # The allocation's makespan under a floor of every member, plus the embedding sync that
+            # must follow it (for the cheapest first kind), is a lower bound of each member's step.
+            subset, tps, c, counts = fam
+            smallest = sum(t * min(ns) for t, ns in zip(tps, counts, strict=True))
+            ends = [Slot(k, t) for k, t in zip(subset, tps, strict=True)]
+            sync = min(_emb_floor(s, pure, a, b, c, smallest) for a in ends for b in ends if a != b)
+            level = water_level([*pure, Group(family_floor(s, fam, mbs), c)], s.total_mb(mbs)) + sync
+            out.append((level, tie + len(out), pure, fam))
     return out
 
 
-def _price_mixed(s: Searcher, results: Results, todo: list[tuple[float, int, list[Group], tuple, int]],
-                 mbs: int) -> None:
+def _emb_floor(s: Searcher, pure: list[Group], first: Slot, last: Slot, c: int, mixed_devices: int) -> float:
+    """combine.embedding_sync_floor for the pure groups plus c mixed pipelines of `mixed_devices`
+    devices each that start with `first` and end with `last`. Fewer devices can only give a faster
+    ring (links.replicas), so a family passes its smallest members' count."""
+    total_devices = sum(g.count * g.pipe.num_devices for g in pure) + c * mixed_devices
+    return embedding_sync_floor([(g.pipe.slots[0], g.count) for g in pure] + [(first, c)],
+                                [(g.pipe.slots[-1], g.count) for g in pure] + [(last, c)],
+                                total_devices=total_devices, links=s.links, model=s.model,
+                                precision=s.config.precision)
+
+
+def _price_mixed(s: Searcher, results: Results, todo: list[tuple], mbs: int) -> None:
     """Split and price mixed candidates best floor first, so the finalists' bar rises early; once a
-    floor cannot get among the finalists, no later one can (only the planner's finalists are used)."""
-    todo.sort(key=lambda x: x[:2])
-    for level, _, pure, segs, c in todo:
+    floor cannot get among the finalists, no later one can (only the planner's finalists are used).
+
+    Three floors, each under the next: a family's (every stage count and order), a member's without
+    memory, a member's with memory (bounds.pipe_floor); a family is expanded, and a member's tight
+    floor paid for, only when the looser one still lets it in.
+    """
+    heap = [(level, tie, 0, pure, fam) for level, tie, pure, fam in todo]
+    heapq.heapify(heap)
+    tie = len(heap)
+    total = s.total_mb(mbs)
+    while heap:
+        level, _, stage, pure, item = heapq.heappop(heap)
         if not results.may_enter(level):
             break
-        # The tight floor (memory-aware, bounds.pipe_floor) for those the loose order leaves in.
+        if stage == 0:  # a family: queue its members under their own (loose) floors
+            for segs, c in expand(item):
+                floor = pipe_floor(s.book, s.links, segs, mbs, memory=False)
+                if floor is not None:
+                    sync = _emb_floor(s, pure, Slot(*segs[0][:2]), Slot(*segs[-1][:2]), c,
+                                      sum(t * n for _, t, n in segs))
+                    heapq.heappush(heap, (water_level([*pure, Group(floor, c)], total) + sync, tie, 1, pure,
+                                          (segs, c, sync)))
+                    tie += 1
+            continue
+        segs, c, sync = item
         floor = pipe_floor(s.book, s.links, segs, mbs)
-        if floor is None or not results.may_enter(water_level([*pure, Group(floor, c)], s.total_mb(mbs))):
+        if floor is None or not results.may_enter(water_level([*pure, Group(floor, c)], total) + sync):
             continue
         for pipe in s.mixed(segs, mbs):
             groups = [*pure, Group(pipe, c)]
-            if results.may_enter(water_level(groups, s.total_mb(mbs))):
+            if results.may_enter(water_level(groups, total)):
                 results.add(s.estimate(groups, mbs))
 
 

@@ -75,7 +75,7 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     if not scored:
         bar.close()
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
-    if config.strategy == "hethub":
+    if config.strategy == "hethub" and config.polish:
         # A short local search with the predictor itself, bounded so it never dominates the search,
         # yet not starved where the search is fast: on large plans the budget, not a local optimum,
         # usually ends it, and each of its steps is a prediction of the whole plan.

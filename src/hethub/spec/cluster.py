@@ -29,7 +29,7 @@ _NETWORK_KEYS = {"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kin
 _KIND_KEYS = {
     "base", "vendor", "mem_bytes", "mem_gib", "peak_flops", "intra_node_bw_bytes_per_s",
     "intra_node_latency_s", "mem_bw_bytes_per_s", "backend", "efficiency", "emulated_slowdown",
-    "source", "notes", "device_type", "torch_package", *(
+    "source", "notes", "device_type", "torch_package", "price_per_hour", "price_source", *(
         # the operator-level compute model (predict/opmodel.py); all optional
         "sm_count", "fp32_flops", "tf32_flops", "attention", "gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32",
         "gemm_k_half", "mem_eff", "kernel_launch_s", "calibration"),
@@ -55,6 +55,9 @@ class DeviceKind:
     emulated_slowdown: float = 1.0
     source: str = ""
     notes: str = ""
+    # Dollars per device-hour (on-demand rent) for cost-aware planning; None: no public price known.
+    price_per_hour: float | None = None
+    price_source: str = ""
     # Where the kind's ranks compute (torch device type) and what must be installed beside stock torch
     # for it: an importable extension that registers the device and its backend ("torch_npu",
     # "torch_musa"), or a vendor build of torch itself (text with a space, e.g. "torch (ROCm build)");
@@ -262,6 +265,9 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
     if slowdown < 1:
         raise field_error(where, "emulated_slowdown", f"must be >= 1, got {slowdown}",
                           "use 1 for real speed, k > 1 to emulate a k-times slower device")
+    price = table.get("price_per_hour", b.get("price_per_hour"))
+    if price is not None:
+        price = get_number({"price_per_hour": price}, "price_per_hour", where=where)
     mem_bw = table.get("mem_bw_bytes_per_s", b.get("mem_bw_bytes_per_s"))
     if mem_bw is not None:
         mem_bw = get_number({"mem_bw_bytes_per_s": mem_bw}, "mem_bw_bytes_per_s", where=where)
@@ -281,6 +287,9 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
         device_type=_device_type(table, where=where, base=b),
         torch_package=_text(table, "torch_package", where=where, default=b.get("torch_package", "")),
         **_opmodel_fields(table, where=where, base=b),
+        price_per_hour=price,
+        price_source=_text(table, "price_source", where=where,
+                           default="cluster file" if "price_per_hour" in table else b.get("price_source", "")),
     )
     moves = DEVICE_TYPE_OF_BACKEND[kind.backend]
     if moves != "cpu" and moves != kind.device_type:
@@ -338,7 +347,8 @@ def resolve_kind(name: str, *, where: str, local: dict[str, Any] | None = None) 
     local = local or {}
     if name in local:
         table = local[name]
-        base_name = table.get("base") if isinstance(table, dict) else None
+        # A table named like a catalog kind overrides that kind's fields (e.g. only its price).
+        base_name = table.get("base", name if name in catalog() else None) if isinstance(table, dict) else None
         base = None
         if base_name is not None:
             if not isinstance(base_name, str) or base_name not in catalog():
