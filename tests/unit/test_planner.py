@@ -35,7 +35,9 @@ def test_hethub_768_llama_140b_is_fast_efficient_and_reproduced_by_predict():
     # machine is not the code's.
     r = make_plan(cluster=cluster, model=get_model("llama-140b"),
                   config=PlannerConfig(global_batch=1536, seq_len=4096))
-    assert r.efficiency >= 0.975
+    # Against the honest bound (each kind searched over all its templates, issue 17) efficiency is
+    # lower than against the old top-3 one: 0.985 then, 0.963 on the operator-level compute model.
+    assert r.efficiency >= 0.95
     assert r.prediction.fits_memory
     again = predict(Plan.from_dict(r.plan.to_dict()))  # through the JSON form, as `hethub predict` reads it
     assert again.step_time_s == r.prediction.step_time_s
