@@ -12,21 +12,12 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from hethub.argtypes import positive_int
 from hethub.errors import HethubError, missing_extra
 from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
 EXIT_INTERRUPTED = 130
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _positive_float(text: str) -> float:
@@ -226,15 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="search the best heterogeneous plan for a cluster and model")
     sp.add_argument("--cluster", required=True, help="cluster TOML file")
     sp.add_argument("--model", required=True, help="preset name or Hugging Face config.json")
-    sp.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per optimizer step")
-    sp.add_argument("--seq-len", type=_positive_int, required=True)
+    sp.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
+    sp.add_argument("--seq-len", type=positive_int, required=True)
     sp.add_argument("--strategy", default="hethub", choices=["hethub", "uniform", "flops-proportional",
                                                              "homogeneous"])
     sp.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES)
     sp.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS),
                     help="fp16-mixed (with dynamic loss scaling) for GPUs without bf16 (Volta, Turing); CPU "
                          "ranks always run fp32")
-    sp.add_argument("--top-k", type=_positive_int, default=1, help="also show the k best plans")
+    sp.add_argument("--top-k", type=positive_int, default=1, help="also show the k best plans")
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm' (replaces catalog links)")
     sp.add_argument("--compare", action="store_true",
@@ -271,6 +262,10 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"] and "--" in argv:
+        # Older spelling: training flags after '--'. They are flags of 'hethub train' itself now.
+        argv.remove("--")
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -162,7 +162,9 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        from hethub.outfiles import write_text_atomic
+
+        write_text_atomic(path, self.to_json())
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Plan:

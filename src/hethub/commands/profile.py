@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from hethub.argtypes import nonneg_int, positive_int
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -15,7 +18,32 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(vals))
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    if not kinds:
+        raise argparse.ArgumentTypeError(f"expected one or more kind names separated by commas, got {text!r}")
+    return kinds
+
+
+def output_paths(out: str, kinds: tuple[str, ...]) -> dict[str, Path]:
+    """Where each kind's profile goes: ``--out`` itself for one kind unless it names a folder (ends
+    with '/' or exists as one); ``OUT/KIND.json`` for several kinds. Made and checked before measuring."""
+    from hethub.errors import SpecError
+    from hethub.outfiles import prepare_output
+
+    folder = out.endswith(("/", "\\")) or Path(out).is_dir()
+    if len(kinds) > 1 and not folder:
+        raise SpecError(f"--out {out} names one file, but --kind lists {len(kinds)} kinds. Fix: pass a folder, "
+                        f"e.g. --out {Path(out).parent / 'profiles'}/ (one KIND.json per kind).")
+    if folder:
+        prepare_output(out, is_dir=True)
+        return {k: Path(out) / f"{k}.json" for k in kinds}
+    return {kinds[0]: prepare_output(out)}
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from hethub.errors import SpecError
     from hethub.profile.format import write_profile
     from hethub.profiler.layers import Repetitions
@@ -28,8 +56,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise SpecError(f"--seq-len {seq_len} exceeds model {model.name!r}'s max_seq_len {model.max_seq_len}. "
                         "Fix: use a shorter sequence length.")
     _check_device(args.device)
-    req = ProfileRequest(model=model, kind=args.kind, seq_len=seq_len, mbs=args.mbs, tp=args.tp, device=args.device,
-                         threads=args.threads, reps=Repetitions(warmup=args.warmup, repeats=args.repeats))
+    # Before the measurement: a missing or read-only output folder must not cost the minute it takes.
+    outs = output_paths(args.out, args.kind)
+    req = ProfileRequest(model=model, kind=args.kind[0], seq_len=seq_len, mbs=args.mbs, tp=args.tp,
+                         device=args.device, threads=args.threads,
+                         reps=Repetitions(warmup=args.warmup, repeats=args.repeats))
     prof = run_profile(req)
     host = None
     if (args.wake_penalty or args.speed_spread) and args.device == "cpu":
@@ -37,8 +68,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         host = measure_host_effects(model, mbs=args.mbs, seq_len=seq_len, wake_penalty=args.wake_penalty,
                                     speed_spread=args.speed_spread)
-    write_profile(args.out, prof, model=model, device=device_description(args.device), host=host)
-    print(f"profile of {model.name} (kind {args.kind}, seq_len {seq_len}) written to {args.out}")
+    for kind, path in outs.items():
+        write_profile(path, replace(prof, kind=kind), model=model, device=device_description(args.device), host=host)
+    where = ", ".join(f"{k} -> {p}" for k, p in outs.items())
+    print(f"profile of {model.name} (seq_len {seq_len}) written: {where}")
+    if len(outs) > 1:
+        print("  (one measurement of this host for every kind: the predictor slows emulated kinds itself)")
     for (mbs, tp), e in sorted(prof.entries.items()):
         print(f"  mbs {mbs} tp {tp}: layer fwd {e.layer.fwd_s * 1e3:.2f} ms  bwd {e.layer.bwd_s * 1e3:.2f} ms  "
               f"update {e.layer.update_s * 1e3:.2f} ms  head fwd+bwd {(e.head.fwd_s + e.head.bwd_s) * 1e3:.2f} ms")
@@ -70,12 +105,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (ROCm: cuda)")
     sp.add_argument("--mbs", type=_int_list, default=(1,), help="micro-batch sizes, e.g. 1,2,4")
     sp.add_argument("--tp", type=_int_list, default=(1,), help="TP degrees, e.g. 1,2 (CPU: real gloo ranks)")
-    sp.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
-    sp.add_argument("--kind", default="cpu", help="device kind the profile is for, as in the cluster file")
-    sp.add_argument("--threads", type=int, default=1, help="torch threads per rank (the runtime uses 1 on CPU)")
-    sp.add_argument("--warmup", type=int, default=3, help="unmeasured repetitions per part")
-    sp.add_argument("--repeats", type=int, default=10, help="measured repetitions (median) per part")
-    sp.add_argument("--out", required=True, help="profile JSON file to write")
+    sp.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's max_seq_len")
+    sp.add_argument("--kind", type=_kinds, default=("cpu",),
+                    help="device kind the profile is for, as in the cluster file (default: cpu); several, "
+                         "comma-separated (local emulation: one CPU for every kind), write OUT/KIND.json each")
+    sp.add_argument("--threads", type=positive_int, default=1,
+                    help="torch threads per rank (the runtime uses 1 on CPU)")
+    sp.add_argument("--warmup", type=nonneg_int, default=3, help="unmeasured repetitions per part")
+    sp.add_argument("--repeats", type=positive_int, default=10, help="measured repetitions (median) per part")
+    sp.add_argument("--out", required=True,
+                    help="profile JSON file to write, or a folder (ending in '/') for one KIND.json per kind; "
+                         "created before measuring")
     sp.add_argument("--wake-penalty", action="store_true",
                     help="local emulation hosts: also measure the extra CPU time of work after idle gaps "
                          "(docs/profiles.md); ~4 s")

@@ -4,40 +4,100 @@ from __future__ import annotations
 
 import argparse
 
+from hethub.runtime import train_config
+from hethub.runtime.train_args import add_train_arguments
+
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
     from hethub.errors import RuntimeSetupError, require_extra
+    from hethub.outfiles import prepare_output
 
     require_extra("torch", what="'hethub train'")  # the ranks are torchrun's processes, not this one
     from hethub.plan import Plan
     from hethub.predict.fit import check_memory_fit
     from hethub.predict.predictor import predict
-    from hethub.runtime.launch import launch_local
+    from hethub.runtime.host_check import check_host
+    from hethub.runtime.train_args import parse_rank_args, train_argv
 
-    extra = list(args.train_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+    extra = train_argv(args)  # the ranks' flags (with --config, which the ranks read too)
+    plan_path, steps, metrics = args.plan, args.steps, args.metrics
     if args.config:  # the config's launcher part: model folder, plan; the ranks read the rest
         from hethub.commands.launch_config import prepare_launch
 
         got = prepare_launch(args.config)
-        args.plan = args.plan or got["plan"]
-        args.steps = args.steps or got["steps"]
-        args.metrics = args.metrics or got["metrics"]
-        extra = ["--config", args.config, *extra]
-    if not args.plan:
+        plan_path = plan_path or got["plan"]
+        steps = steps or got["steps"]
+        metrics = metrics or got["metrics"]
+    if not plan_path:
         raise RuntimeSetupError("hethub train needs --plan (or --config with a [plan] section). Fix: pass one.")
-    args.steps = args.steps or 20
-    plan = Plan.load(args.plan)
-    check_memory_fit(plan, predict(plan))
-    print(f"launching {plan.world_size} local ranks for {args.steps} steps (torchrun --standalone)", flush=True)
-    proc = launch_local(args.plan, nproc=plan.world_size, steps=args.steps, metrics=args.metrics, extra_args=extra)
-    if proc.returncode != 0:
-        raise RuntimeSetupError(f"training exited with code {proc.returncode} (its output is above). Fix: read the "
-                                "first error the ranks printed.")
-    if args.metrics:
-        print(f"metrics written to {args.metrics}")
+    # Everything that can be checked here is, once, before any rank starts: the ranks' own argument
+    # parsing (config file included), the plan, its memory, this host's devices, the checkpoint lock.
+    rank_args = parse_rank_args(["--plan", str(plan_path), *(["--steps", str(steps)] if steps else []),
+                                 *(["--metrics", str(metrics)] if metrics else []), *extra])
+    plan = Plan.load(plan_path)
+    pred = predict(plan)
+    check_memory_fit(plan, pred)
+    check_host(plan, pred, plan_path=str(plan_path))
+    if rank_args.metrics:
+        prepare_output(rank_args.metrics, flag="--metrics")
+    if rank_args.resume and rank_args.resume != "auto":
+        from hethub.runtime.checkpoint_io import resolve
+
+        resolve(rank_args.resume)
+    if rank_args.checkpoint_dir:
+        _check_not_locked(Path(rank_args.checkpoint_dir))
+    from hethub.runtime.launch import launch_local
+
+    print(f"launching {plan.world_size} local ranks for {rank_args.steps} steps (torchrun --standalone)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="hethub-errors-") as errors:
+        proc = launch_local(plan_path, nproc=plan.world_size, steps=rank_args.steps, metrics=rank_args.metrics,
+                            extra_args=extra, error_dir=errors)
+        if proc.returncode != 0:
+            raise _rank_failure(Path(errors), proc.returncode)
+    if rank_args.metrics:
+        print(f"metrics written to {rank_args.metrics}")
     return 0
+
+
+def _check_not_locked(root) -> None:
+    import os
+
+    from hethub.runtime.checkpoint_io import LOCK, lock_dir
+
+    if not (root / LOCK).exists():
+        return
+    os.close(lock_dir(root))  # raises CheckpointError naming the holder; else released at once
+
+
+def _rank_failure(errors, returncode: int):
+    """One error for the whole job: each distinct rank message once, with the ranks that raised it, and
+    the exit code of the first (lowest) failing rank; a rank that died without one: exit 1."""
+    import json
+
+    from hethub.errors import HethubError
+
+    reports = []
+    for f in sorted(errors.glob("rank-*.json")):
+        try:
+            reports.append(json.loads(f.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    if not reports:
+        err = HethubError(f"training exited with code {returncode}: a rank stopped without a hethub error (its "
+                          "output is above). Fix: read the first error the ranks printed.")
+        return err
+    reports.sort(key=lambda r: int(r["rank"]) if str(r["rank"]).isdigit() else 1 << 30)
+    by_message: dict[str, list[str]] = {}
+    for r in reports:
+        by_message.setdefault(r["message"], []).append(str(r["rank"]))
+    lines = [msg + ("" if len(by_message) == 1 else f" (rank {', '.join(ranks)})")
+             for msg, ranks in by_message.items()]
+    err = HethubError("\n".join(lines))
+    err.exit_code = int(reports[0]["exit_code"])
+    return err
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -51,14 +111,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("train", help="train a plan with local processes (torchrun underneath)")
-    sp.add_argument("--plan", help="plan JSON (required unless --config gives one)")
-    sp.add_argument("--config", help="training config TOML (docs/models-and-data.md); flags override it")
-    sp.add_argument("--steps", type=int, default=None, help="default: the config's train.steps, else 20")
-    sp.add_argument("--metrics", help="write per-step metrics as JSON lines")
-    sp.add_argument("train_args", nargs=argparse.REMAINDER,
-                    help="after '--': options for 'python -m hethub.train' (e.g. -- --lr 1e-3 --seed 1)")
-    sp.set_defaults(func=cmd_train)
+    sp = sub.add_parser("train", help="train a plan with local processes (torchrun underneath)",
+                        description="Train a plan on this machine: one local process per device of the plan, "
+                                    "started by torchrun --standalone. Arguments are checked, and the host is "
+                                    "checked against the plan's devices, before any rank starts.",
+                        epilog="examples:\n  hethub train --plan local.json --steps 20 --metrics run.jsonl --trace\n"
+                               "  hethub train --config examples/train/finetune-small.toml\n"
+                               "  hethub train --plan local.json --steps 100 --checkpoint-dir ckpt "
+                               "--checkpoint-every 20 --resume auto\n"
+                               "exit codes: docs/cli.md (a rank's error keeps its code, e.g. 7 for a checkpoint)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--plan", help="plan JSON written by 'hethub plan' (required unless --config gives one)")
+    add_train_arguments(sp)
+    train_config.add_arguments(sp)
+    # Unset unless given: a --config file's train.steps / logging.metrics fill them, else the ranks' defaults.
+    sp.set_defaults(func=cmd_train, steps=None, metrics=None)
 
     sp = sub.add_parser("demo", help="plan and train a small model on local CPU ranks (the built-in default)")
     sp.add_argument("--cluster", default=None, help="default: examples/clusters/local-cpu.toml (embedded copy)")

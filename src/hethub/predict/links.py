@@ -148,7 +148,9 @@ def read_links_profile(path: str | Path) -> LinksProfile:
 
 
 def write_links_profile(profile: LinksProfile, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
+    from hethub.outfiles import write_text_atomic
+
+    write_text_atomic(path, json.dumps(profile.to_dict(), indent=2) + "\n")
 
 
 # ---- applying it ------------------------------------------------------------------------------------

@@ -83,8 +83,10 @@ def profile_to_dict(profile: KindProfile, *, model: ModelSpec, device: str, meas
 
 def write_profile(path: str | Path, profile: KindProfile, *, model: ModelSpec, device: str,
                   measured_at: str | None = None, host: HostEffects | None = None) -> None:
+    from hethub.outfiles import write_text_atomic
+
     data = profile_to_dict(profile, model=model, device=device, measured_at=measured_at, host=host)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def _times_dict(t: LayerTimes) -> dict[str, float]:

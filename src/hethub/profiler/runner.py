@@ -58,10 +58,11 @@ def run_profile(req: ProfileRequest) -> KindProfile:
     entries: dict[tuple[int, int], ProfileEntry] = {}
     dev = torch.device(req.device)
     combos = [(m, t) for t in req.tp for m in req.mbs]
+    for t in req.tp:  # all of them before the first measurement
+        _check_tp(req.model, t)
     with progress(len(combos), desc=f"profile {req.model.name} on {req.device}", unit="entries",
                   stream=None if req.show_progress else io.StringIO()) as bar:
         for mbs, tp in combos:
-            _check_tp(req.model, tp)
             if tp == 1:
                 res, included = measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=TPContext(), device=dev,
                                               reps=req.reps, depths=stack_depths(req.model, req.depths)), True

@@ -13,6 +13,7 @@ plan it was saved under, and every rank's RNG state. Files, atomicity and checks
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,32 @@ def _fail_together(trainer: Trainer, code: int) -> int:
     return int(flag)
 
 
-def _raise_if_failed(trainer: Trainer, error: str, tmp: Path) -> None:
+def _share_text(trainer: Trainer, text: str, *, max_bytes: int = 1024) -> str:
+    """Collective: the one non-empty ``text`` among the ranks, on every rank (so each names the cause)."""
+    buf = torch.zeros(max_bytes, dtype=torch.int32)
+    raw = text.encode("utf-8")[:max_bytes]
+    if raw:
+        buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
+    trainer.comm.all_reduce(buf, op="max")
+    return bytes(buf[buf > 0].tolist()).decode("utf-8", "replace")
+
+
+def _raise_if_failed(trainer: Trainer, error: str, *, root: Path, step: int) -> None:
+    """Collective (also a barrier): if any rank failed to write, every rank raises CheckpointError and
+    rank 0 removes the unfinished ``step-N.tmp/`` (on a full disk it holds the space the next try needs)."""
     failed = _fail_together(trainer, trainer.rank + 1 if error else 0)
-    if failed:
-        raise CheckpointError(f"writing checkpoint '{tmp}' failed on rank {failed - 1}"
-                              + (f": {error}" if error else " (see its message)")
-                              + ". Fix: check free space and permissions of --checkpoint-dir.")
+    if not failed:
+        return
+    error = _share_text(trainer, error if trainer.rank == failed - 1 else "")
+    tmp = root / (io.step_dir_name(step) + ".tmp")
+    if trainer.rank == 0:
+        io.discard_tmp(root, step)
+    prev = io.latest_dir(root)
+    kept = f"the previous checkpoint {prev} is kept" if prev is not None else "no earlier checkpoint exists"
+    raise CheckpointError(f"writing checkpoint '{tmp}' failed on rank {failed - 1}"
+                          + (f": {error}" if error else " (see its message)")
+                          + f"; the unfinished save was removed and {kept}. Fix: free space on (or fix the "
+                          "permissions of) --checkpoint-dir, then resume with --resume auto.")
 
 
 def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int = 3,
@@ -75,12 +96,13 @@ def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int 
     root, rank, comm = Path(root), trainer.rank, trainer.comm
     tmp = root / (io.step_dir_name(step) + ".tmp")
     error = ""
+    step_failed = functools.partial(_raise_if_failed, trainer, root=root, step=step)
     try:
         if rank == 0:
             io.prepare_tmp(root, step)
     except OSError as err:
         error = f"{err}"
-    _raise_if_failed(trainer, error, tmp)  # also the barrier: the directory exists before anyone writes
+    step_failed(error)  # also the barrier: the directory exists before anyone writes
     owned: dict[str, torch.Tensor] = {}
     shapes: dict[str, dict[str, Any]] = {}
     for name, p in sorted(trainer.model.named_parameters()):
@@ -105,7 +127,7 @@ def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int 
         files[f"rng-r{rank:05d}.pt"] = dataclasses.asdict(io.save_tensors(tmp / f"rng-r{rank:05d}.pt", rng))
     except OSError as err:
         error = f"{err}"
-    _raise_if_failed(trainer, error, tmp)
+    step_failed(error)
     gathered = comm.gather_objects((files, shapes), dst=0)
     if gathered is not None:
         plan = trainer.plan
@@ -119,9 +141,12 @@ def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int 
             "tensors": {n: s for _, ss in gathered for n, s in ss.items()},
             "rng": {str(r): f"rng-r{r:05d}.pt" for r in range(plan.world_size)},
         }
-        io.commit(root, step, manifest)
-        io.prune(root, keep=keep)
-    comm.barrier()  # nobody runs on (or is killed) before the checkpoint is committed
+        try:
+            io.commit(root, step, manifest)
+            io.prune(root, keep=keep)
+        except OSError as err:
+            error = f"{err}"
+    step_failed(error)  # nobody runs on (or is killed) before the checkpoint is committed
     return root / io.step_dir_name(step)
 
 
@@ -143,6 +168,24 @@ def _check_compatible(trainer: Trainer, manifest: dict[str, Any], step_dir: Path
                               "position and the loss scale depend on them).")
 
 
+# The LR schedule's settings, with the flag that sets each: a resume under other values changes the LR
+# curve from the checkpoint's step on (the schedule is rebuilt from the step, not stored).
+_SCHEDULE_FLAGS = {"total_steps": "--steps", "warmup_steps": "--warmup-steps", "lr": "--lr",
+                   "min_lr_ratio": "--min-lr-ratio"}
+
+
+def _check_schedule(trainer: Trainer, manifest: dict[str, Any], step_dir: Path) -> None:
+    saved = manifest.get("optim") or {}
+    now = dataclasses.asdict(trainer.cfg.optim)
+    for key, flag in _SCHEDULE_FLAGS.items():
+        if key in saved and saved[key] != now[key]:
+            raise CheckpointError(
+                f"{step_dir / io.MANIFEST}: the checkpoint was trained with {flag} {saved[key]} (field 'optim."
+                f"{key}'), this run asks for {flag} {now[key]}: resuming would change the learning-rate schedule "
+                f"from step {manifest['step']} on. Fix: resume with {flag} {saved[key]}, or pass "
+                "--allow-schedule-change to continue on the new schedule.")
+
+
 def _param_problem(trainer: Trainer, manifest: dict[str, Any], step_dir: Path) -> str:
     """What is wrong with this rank's parameters in the manifest ('' if nothing): rank-local, so the
     caller reports it through the shared failure flag."""
@@ -158,12 +201,41 @@ def _param_problem(trainer: Trainer, manifest: dict[str, Any], step_dir: Path) -
     return ""
 
 
-def load_checkpoint(trainer: Trainer, path: str | Path) -> Resumed:
+def load_newest_valid(trainer: Trainer, path: str | Path, *, fallback: bool = True,
+                      allow_schedule_change: bool = False) -> tuple[Resumed, list[str]]:
+    """Collective: :func:`load_checkpoint` of ``path``; when ``path`` is a checkpoint root whose newest
+    checkpoint is corrupt and ``fallback`` is on, the next older committed one is tried, and so on.
+
+    Returns what was loaded and, per corrupt checkpoint passed over, its error (the caller warns).
+    Every rank sees the same files and agrees on each verdict (load_checkpoint's checks are collective
+    or read the same manifest), so all ranks fall back together.
+    """
+    first = io.resolve(path)
+    root = Path(path)
+    if first == root or not fallback:  # an explicit step directory: exactly that one
+        return load_checkpoint(trainer, first, allow_schedule_change=allow_schedule_change), []
+    older = [root / io.step_dir_name(s) for s in reversed(io.committed_steps(root))]
+    candidates = [first, *(d for d in older if d.name != first.name)]
+    skipped: list[str] = []
+    for i, step_dir in enumerate(candidates):
+        try:
+            return load_checkpoint(trainer, step_dir, allow_schedule_change=allow_schedule_change), skipped
+        except io.CorruptCheckpointError as err:
+            if i == len(candidates) - 1:
+                raise
+            skipped.append(str(err))
+    raise AssertionError("unreachable: resolve() found a checkpoint")
+
+
+def load_checkpoint(trainer: Trainer, path: str | Path, *, allow_schedule_change: bool = False) -> Resumed:
     """Collective: restore parameters, AdamW state, LR schedule and RNG from ``path`` (a step directory, or a
-    root whose newest checkpoint is used), under whatever plan ``trainer`` runs. Verifies every file it reads."""
+    root whose newest checkpoint is used), under whatever plan ``trainer`` runs. Verifies every file it reads.
+    A checkpoint saved under another LR schedule is refused unless ``allow_schedule_change``."""
     step_dir = io.resolve(path)
     manifest = io.read_manifest(step_dir)
     _check_compatible(trainer, manifest, step_dir)
+    if not allow_schedule_change:
+        _check_schedule(trainer, manifest, step_dir)
     bad_param = _param_problem(trainer, manifest, step_dir)
     if _fail_together(trainer, 1 if bad_param else 0):
         raise CheckpointError(f"{bad_param or f'{step_dir}: a parameter check failed on another rank'}; the "

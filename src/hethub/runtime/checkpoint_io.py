@@ -37,6 +37,10 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint whose manifest or files are damaged (an older one may still be good)."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
@@ -71,11 +75,16 @@ def write_bytes_durably(path: Path, data: bytes) -> None:
 
 
 def save_tensors(path: Path, obj: dict[str, Any]) -> FileEntry:
-    """torch.save ``obj`` to ``path`` (fsynced); return its checksum entry."""
-    with path.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    """torch.save ``obj`` to ``path`` (fsynced); return its checksum entry. Any failure to write (disk
+    full, permissions) is an OSError: torch's zip writer reports a failed write as a RuntimeError
+    ("unexpected pos ..."), which is turned into one naming the file."""
+    try:
+        with path.open("wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as err:
+        raise OSError(f"writing {path} failed ({str(err).splitlines()[0][:200]}); is the disk full?") from None
     return FileEntry(sha256=sha256_file(path), bytes=path.stat().st_size)
 
 
@@ -86,6 +95,11 @@ def prepare_tmp(root: Path, step: int) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def discard_tmp(root: Path, step: int) -> None:
+    """Remove a failed save's ``step-N.tmp/`` (it may be what filled the disk)."""
+    shutil.rmtree(root / (step_dir_name(step) + ".tmp"), ignore_errors=True)
 
 
 def commit(root: Path, step: int, manifest: dict[str, Any]) -> Path:
@@ -142,6 +156,33 @@ def latest_dir(root: Path) -> Path | None:
     return root / step_dir_name(steps[-1]) if steps else None
 
 
+LOCK = ".lock"
+
+
+def lock_dir(root: Path) -> int:
+    """Take an exclusive lock on checkpoint root ``root`` (created if missing) for this process's life;
+    returns the open descriptor holding it (keep it referenced). A second run on the same directory
+    gets CheckpointError naming the holder. ``flock`` locks are released when the holder dies, so a
+    killed run (the elastic restart case) never leaves a stale lock."""
+    import fcntl
+    import socket
+    import time
+
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 400).decode("utf-8", "replace").strip() or "unknown process"
+        os.close(fd)
+        raise CheckpointError(f"checkpoint directory '{root}' is in use by another run ({holder}). Fix: wait for "
+                              "that run to finish, or give this one another --checkpoint-dir.") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+             .encode())
+    return fd
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory from ``--resume PATH``: a step directory itself, or a root holding some."""
     p = Path(path)
@@ -162,21 +203,21 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint '{step_dir}' has no {MANIFEST}: it is incomplete. Fix: resume from "
-                              "another step directory of the same run.") from None
+        raise CorruptCheckpointError(f"checkpoint '{step_dir}' has no {MANIFEST}: it is incomplete. Fix: resume "
+                                     "from another step directory of the same run.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err}); the checkpoint is corrupt. Fix: resume from "
-                              "another step directory of the same run.") from None
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({err}); the checkpoint is corrupt. Fix: resume "
+                                     "from another step directory of the same run.") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a hethub checkpoint manifest (field 'format' is not {FORMAT!r}). "
+        raise CorruptCheckpointError(f"{path}: not a hethub checkpoint manifest (field 'format' is not {FORMAT!r}). "
                               "Fix: pass a directory written by 'hethub.train --checkpoint-dir'.")
     if data.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint version {data.get('version')!r}; this hethub reads version "
                               f"{VERSION}. Fix: resume with the hethub version that wrote it.")
     for key in ("step", "files", "tensors", "model"):
         if key not in data:
-            raise CheckpointError(f"{path}: field '{key}' is missing; the checkpoint is corrupt. Fix: resume from "
-                                  "another step directory of the same run.")
+            raise CorruptCheckpointError(f"{path}: field '{key}' is missing; the checkpoint is corrupt. Fix: "
+                                         "resume from another step directory of the same run.")
     return data
 
 
@@ -194,9 +235,9 @@ def check_file(step_dir: Path, name: str, entry: dict[str, Any]) -> str | None:
 
 
 def corrupt_error(step_dir: Path, name: str, problem: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint file '{step_dir / name}' {problem}: the checkpoint is corrupt and was not "
-                           "loaded. Fix: resume from an earlier step directory of the same run (--resume "
-                           f"{step_dir.parent}/step-NNNNNN), or restore the file from a copy.")
+    return CorruptCheckpointError(f"checkpoint file '{step_dir / name}' {problem}: the checkpoint is corrupt and "
+                                  "was not loaded. Fix: resume from an earlier step directory of the same run "
+                                  f"(--resume {step_dir.parent}/step-NNNNNN), or restore the file from a copy.")
 
 
 def load_verified(step_dir: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -5,10 +5,11 @@ or (``launch_forked``) the same ``hethub.train`` ranks forked from this process.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import hethub
@@ -25,19 +26,68 @@ def torchrun_command(plan_path: str | Path, *, nproc: int, steps: int, metrics: 
 
 def launch_local(plan_path: str | Path, *, nproc: int, steps: int, metrics: str | Path | None = None,
                  extra_args: Sequence[str] = (), capture: bool = False,
-                 timeout_s: float | None = None) -> subprocess.CompletedProcess[str]:
+                 timeout_s: float | None = None, error_dir: str | Path | None = None
+                 ) -> subprocess.CompletedProcess[str]:
     """Train ``plan_path`` with ``nproc`` local processes; returns the finished torchrun process.
 
     One thread per rank (OMP_NUM_THREADS=1 unless set): ranks share the machine's cores, and
     oversubscribed OpenMP pools slow everyone down. The package's own source directory is put on
-    PYTHONPATH so an uninstalled checkout works too.
+    PYTHONPATH so an uninstalled checkout works too. With ``error_dir`` the ranks leave their hethub
+    errors there (``hethub.train.report_rank_error``) for the caller to print once, and torchrun's own
+    report of a failed worker (its ChildFailedError traceback and agent log lines) is left out of
+    stderr: the ranks' errors say what happened.
     """
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     src = str(Path(hethub.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     cmd = torchrun_command(plan_path, nproc=nproc, steps=steps, metrics=metrics, extra_args=extra_args)
-    return subprocess.run(cmd, env=env, text=True, capture_output=capture, timeout=timeout_s, check=False)
+    if error_dir is None or capture:
+        if error_dir is not None:
+            env["HETHUB_ERROR_DIR"] = str(error_dir)
+        return subprocess.run(cmd, env=env, text=True, capture_output=capture, timeout=timeout_s, check=False)
+    env["HETHUB_ERROR_DIR"] = str(error_dir)
+    with subprocess.Popen(cmd, env=env, text=True, stderr=subprocess.PIPE) as proc:
+        assert proc.stderr is not None
+        for line in agent_noise_filter(proc.stderr):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        code = proc.wait(timeout=timeout_s)
+    return subprocess.CompletedProcess(cmd, code)
+
+
+_AGENT_LOG = re.compile(r"^[WEI]\d{4} [\d:.]+ \d+ .*torch/distributed/(elastic|run)")
+
+
+def agent_noise_filter(lines: Iterable[str]) -> Iterator[str]:
+    """``lines`` without torchrun's report of a failed worker: its log lines (``E1201 12:00:00 123
+    torch/distributed/...``) and the traceback ending in ``ChildFailedError`` with its ``=====`` box.
+    Any other traceback (a bug in a rank) passes through whole."""
+    held: list[str] = []  # a traceback being read: shown unless it turns out to be torchrun's
+    box = 0  # inside the ChildFailedError box: '=' rules seen so far (it ends at the 2nd)
+    for line in lines:
+        if box:
+            if line.startswith("====="):
+                box += 1
+                if box == 3:
+                    box = 0
+            continue
+        if held:
+            if line.startswith((" ", "\t")) or line.startswith("Traceback"):
+                held.append(line)
+                continue
+            if "ChildFailedError" in line:
+                held, box = [], 1
+                continue
+            yield from held
+            held = []
+        if line.startswith("Traceback (most recent call last)"):
+            held = [line]
+            continue
+        if _AGENT_LOG.match(line):
+            continue
+        yield line
+    yield from held
 
 
 def _forked_rank(rank: int, world: int, port: int, argv: list[str], quiet: bool) -> None:

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,12 +23,12 @@ import torch.distributed as dist
 
 from hethub.comm.communicator import Communicator
 from hethub.comm.factory import make_communicator
-from hethub.errors import HethubError, RuntimeSetupError
+from hethub.errors import CheckpointError, HethubError, RuntimeSetupError
 from hethub.plan import Plan
 from hethub.progress import progress
-from hethub.runtime import run_extras, train_config
-from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
-from hethub.runtime.checkpoint_io import latest_dir
+from hethub.runtime import run_extras
+from hethub.runtime.checkpoint import load_newest_valid, save_checkpoint
+from hethub.runtime.checkpoint_io import latest_dir, lock_dir
 from hethub.runtime.devices import (
     activate,
     device_types_of_kinds,
@@ -37,40 +38,13 @@ from hethub.runtime.devices import (
 )
 from hethub.runtime.elastic import init_process_group, maybe_inject_fault, replan_path, shrunk_plan
 from hethub.runtime.optim import OptimConfig
+from hethub.runtime.train_args import parse_rank_args
 from hethub.runtime.trainer import Trainer, TrainerConfig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m hethub.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--plan", help="plan JSON written by 'hethub plan' (required, here or in --config)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--metrics", help="append one JSON line per step to this file")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm limit; 0 disables")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trace", action="store_true",
-                    help="log every micro-batch's forward/backward interval per rank (for timeline reports)")
-    ap.add_argument("--tokenizer", help="a tokenizer.json (or a folder holding one), or a local Hugging Face "
-                    "tokenizer name (default: bytes)")
-    ap.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
-    ck = ap.add_argument_group("checkpoints and restarts (docs/reliability.md)")
-    ck.add_argument("--checkpoint-dir", help="save checkpoints here (always at the end of the run)")
-    ck.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
-    ck.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="keep the newest K (0: all)")
-    ck.add_argument("--resume", metavar="DIR|auto",
-                    help="continue from a checkpoint; auto: the newest in --checkpoint-dir if there is one")
-    ck.add_argument("--replan-on-shrink", action="store_true",
-                    help="if fewer processes than the plan's devices start, plan for them and resume under it")
-    train_config.add_arguments(ap)
-    args = train_config.parse_with_config(ap, argv)
-    if not args.plan:
-        ap.error("--plan is required (or [plan] file in --config)")
-    if (args.resume == "auto" or args.checkpoint_every or args.replan_on_shrink) and not args.checkpoint_dir:
-        ap.error("--resume auto, --checkpoint-every and --replan-on-shrink need --checkpoint-dir")
-    return args
+    """The flags (hethub.runtime.train_args, shared with the 'hethub train' launcher), checked."""
+    return parse_rank_args(argv)
 
 
 def _env_int(name: str) -> int:
@@ -118,8 +92,13 @@ def run(args: argparse.Namespace) -> None:
         trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
         extras = run_extras.setup(args, trainer)  # initial weights, data, evaluation, TensorBoard
         source = extras.source
+        if args.checkpoint_dir:
+            _lock_checkpoints(Path(args.checkpoint_dir), trainer)
         start = _resume(args, trainer)
         extras.check_resume(start)
+        if start >= args.steps and rank == trainer.topo.log_rank:
+            print(f"hethub.train: the checkpoint is at step {start} = --steps {args.steps}: the run is already "
+                  "complete, nothing to do.", flush=True)
         out = Path(args.metrics) if args.metrics else None
         if out is not None and rank == trainer.topo.log_rank:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,8 +113,7 @@ def run(args: argparse.Namespace) -> None:
             rec = trainer.train_step(source.global_batch_at(step), step=step)
             extras.after_step(step, rec)
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-                save_checkpoint(trainer, root=args.checkpoint_dir, step=step + 1, keep=args.keep_checkpoints,
-                                meta=extras.meta)
+                _save(args, trainer, step + 1, meta=extras.meta)
             if rec is None:
                 continue
             emu = " (emulated kinds: " + ", ".join(k for k, v in rec["kinds"].items() if v["emulated"]) + ")" \
@@ -150,8 +128,7 @@ def run(args: argparse.Namespace) -> None:
                     f.write(json.dumps(rec) + "\n")
         bar.close()
         if args.checkpoint_dir and start < args.steps:
-            save_checkpoint(trainer, root=args.checkpoint_dir, step=args.steps, keep=args.keep_checkpoints,
-                            meta=extras.meta)
+            _save(args, trainer, args.steps, meta=extras.meta)
         extras.finish(trained=start < args.steps)
         # Tear down only once every rank is done: a rank leaving while a peer's last gloo transfer
         # is in flight can abort that peer (seen rarely as "terminate called without an active
@@ -159,6 +136,37 @@ def run(args: argparse.Namespace) -> None:
         comm.barrier()
     finally:
         dist.destroy_process_group()
+
+
+_HELD_LOCKS: list[int] = []
+
+
+def _save(args: argparse.Namespace, trainer: Trainer, step: int, *, meta: dict) -> None:
+    t0 = time.perf_counter()
+    path = save_checkpoint(trainer, root=args.checkpoint_dir, step=step, keep=args.keep_checkpoints, meta=meta)
+    if trainer.rank == 0:
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        print(f"hethub.train: checkpoint saved: {path} (step {step}, {size / 2**20:.1f} MiB, "
+              f"{time.perf_counter() - t0:.2f} s)", flush=True)
+
+
+def _lock_checkpoints(root: Path, trainer: Trainer) -> None:
+    """Rank 0 holds an exclusive lock on ``root`` for the run; every rank stops if another run has it."""
+    problem = ""
+    if trainer.rank == 0:
+        try:
+            _HELD_LOCKS.append(lock_dir(root))  # released when this process ends
+        except HethubError as err:
+            problem = str(err)
+    if _any_rank(trainer, bool(problem)):
+        raise CheckpointError(problem or f"checkpoint directory '{root}' is locked by another run (rank 0 says "
+                              "why). Fix: wait for that run, or use another --checkpoint-dir.")
+
+
+def _any_rank(trainer: Trainer, flag: bool) -> bool:
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    trainer.comm.all_reduce(t, op="max")
+    return bool(t.item())
 
 
 def _resume(args: argparse.Namespace, trainer: Trainer) -> int:
@@ -171,8 +179,12 @@ def _resume(args: argparse.Namespace, trainer: Trainer) -> int:
         src = args.checkpoint_dir
     else:
         src = args.resume
-    got = load_checkpoint(trainer, src)
+    got, skipped = load_newest_valid(trainer, src, fallback=not args.no_checkpoint_fallback,
+                                     allow_schedule_change=args.allow_schedule_change)
     if trainer.rank == trainer.topo.log_rank:
+        for why in skipped:
+            print(f"hethub.train: warning: skipping a corrupt checkpoint: {why.split(' Fix:')[0]} Resuming from "
+                  f"the newest valid one instead (--no-checkpoint-fallback stops here instead).", flush=True)
         how = " (saved under another plan: resharded)" if got.resharded else ""
         print(f"hethub.train: resumed from {got.path} at step {got.step}{how}", flush=True)
     return got.step
@@ -197,9 +209,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except HethubError as err:
-        print(f"hethub.train: error: {err}", file=sys.stderr)
+        report_rank_error(err)
         return err.exit_code
     return 0
+
+
+def report_rank_error(err: HethubError) -> None:
+    """Under ``hethub train`` (HETHUB_ERROR_DIR set) the launcher prints each distinct rank error once;
+    this rank leaves its message there. Under plain torchrun every rank prints, naming itself."""
+    folder = os.environ.get("HETHUB_ERROR_DIR")
+    rank = os.environ.get("RANK", "?")
+    if folder:
+        try:
+            Path(folder, f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "exit_code": err.exit_code,
+                                                                     "message": str(err)}), encoding="utf-8")
+            return
+        except OSError:
+            pass  # fall through: print it ourselves
+    print(f"hethub.train: error (rank {rank}): {err}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

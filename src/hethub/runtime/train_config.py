@@ -110,6 +110,13 @@ def _checked(value: Any, action: argparse.Action, *, where: str) -> Any:
             raise bad("a list of strings")
         return value
     want = action.type or str
+    if want not in (int, float, str) and callable(want):  # a checking type (hethub.argtypes)
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise bad("a number")
+        try:
+            return want(str(value))
+        except argparse.ArgumentTypeError as err:
+            raise RuntimeSetupError(f"{where}: {err}. Fix: correct the value.") from None
     if want is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise bad("an integer")
     if want is float and (isinstance(value, bool) or not isinstance(value, int | float)):

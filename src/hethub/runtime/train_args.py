@@ -1,0 +1,121 @@
+"""The training flags, in one place: ``python -m hethub.train`` (each rank) and ``hethub train`` (the
+launcher) declare the same options from here, so every flag works on ``hethub train`` itself and is
+checked once, in the launcher, before any rank starts. No torch here: the launcher stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hethub.argtypes import fraction, nonneg_float, nonneg_int, positive_float, positive_int
+from hethub.errors import HethubError, SpecError
+from hethub.runtime import train_config
+
+# (flag, argparse keywords). Order = the order of --help.
+_TRAINING: list[tuple[str, dict]] = [
+    ("--steps", {"type": positive_int, "default": 10,
+                 "help": "length of the whole run in optimizer steps; fixes the cosine LR schedule (default: 10)"}),
+    ("--metrics", {"help": "write one JSON line per step to this file (created with its folder)"}),
+    ("--lr", {"type": positive_float, "default": 3e-3, "help": "peak learning rate (default: 3e-3)"}),
+    ("--min-lr-ratio", {"type": fraction, "default": 0.1,
+                        "help": "final LR as a fraction of --lr, 0..1 (default: 0.1)"}),
+    ("--warmup-steps", {"type": nonneg_int, "default": None,
+                        "help": "linear warm-up steps (default: 10%% of --steps)"}),
+    ("--weight-decay", {"type": nonneg_float, "default": 0.1, "help": "AdamW weight decay (default: 0.1)"}),
+    ("--grad-clip", {"type": nonneg_float, "default": 1.0,
+                     "help": "global gradient-norm limit; 0 disables (default: 1.0)"}),
+    ("--seed", {"type": int, "default": 0, "help": "parameter initialisation seed (default: 0)"}),
+    ("--trace", {"action": "store_true",
+                 "help": "log every micro-batch's forward/backward interval per rank (for the report's timeline)"}),
+    ("--tokenizer", {"help": "a tokenizer.json (or a folder holding one), or a local Hugging Face tokenizer name "
+                             "(default: bytes)"}),
+    ("--timeout-s", {"type": positive_float, "default": 600.0,
+                     "help": "collective timeout in seconds (default: 600)"}),
+]
+_CHECKPOINTS: list[tuple[str, dict]] = [
+    ("--checkpoint-dir", {"help": "save checkpoints here (always at the end of the run); one run at a time"}),
+    ("--checkpoint-every", {"type": nonneg_int, "default": 0, "metavar": "N",
+                            "help": "also save every N steps (default: 0, only at the end)"}),
+    ("--keep-checkpoints", {"type": nonneg_int, "default": 3, "metavar": "K",
+                            "help": "keep the newest K (0: all; default: 3)"}),
+    ("--resume", {"metavar": "DIR|auto",
+                  "help": "continue from a checkpoint; auto: the newest in --checkpoint-dir if there is one"}),
+    ("--no-checkpoint-fallback", {"action": "store_true",
+                                  "help": "stop if the newest checkpoint is corrupt instead of resuming from the "
+                                          "newest valid one (with a warning)"}),
+    ("--allow-schedule-change", {"action": "store_true",
+                                 "help": "resume even if --steps/--lr/--warmup-steps/--min-lr-ratio differ from "
+                                         "the checkpoint's (the LR schedule changes from there on)"}),
+    ("--replan-on-shrink", {"action": "store_true",
+                            "help": "if fewer processes than the plan's devices start, plan for them and resume"}),
+]
+FLAGS = [flag for flag, _ in _TRAINING + _CHECKPOINTS]
+
+
+def add_train_arguments(ap: argparse.ArgumentParser) -> None:
+    """Every training flag (not ``--plan``), with its type check and default."""
+    for flag, kw in _TRAINING:
+        ap.add_argument(flag, **kw)
+    ck = ap.add_argument_group("checkpoints and restarts (docs/reliability.md)")
+    for flag, kw in _CHECKPOINTS:
+        ck.add_argument(flag, **kw)
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """Checks that need several flags at once; SpecError (exit 2) naming the flags."""
+    if (args.resume == "auto" or args.checkpoint_every or args.replan_on_shrink) and not args.checkpoint_dir:
+        raise SpecError("--resume auto, --checkpoint-every and --replan-on-shrink need --checkpoint-dir. Fix: add "
+                        "--checkpoint-dir DIR.")
+    if args.warmup_steps is not None and args.warmup_steps > args.steps:
+        raise SpecError(f"--warmup-steps {args.warmup_steps} is longer than the run (--steps {args.steps}). Fix: "
+                        "use fewer warm-up steps.")
+    if args.checkpoint_every and args.checkpoint_every >= args.steps:
+        raise SpecError(f"--checkpoint-every {args.checkpoint_every} >= --steps {args.steps}: no periodic save "
+                        "would happen (the end of the run always saves). Fix: a smaller N, or leave it out.")
+
+
+def rank_parser() -> argparse.ArgumentParser:
+    """What ``python -m hethub.train`` parses: --plan, the training flags, and the config file's flags."""
+    from hethub.argtypes import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog="python -m hethub.train", formatter_class=HelpFormatter,
+                                 description="One training rank (run under torchrun; 'hethub train' starts them).")
+    ap.add_argument("--plan", help="plan JSON written by 'hethub plan' (required, here or in --config)")
+    add_train_arguments(ap)
+    train_config.add_arguments(ap)
+    return ap
+
+
+def parse_rank_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse and check a rank's arguments (a --config file's values are defaults the flags override).
+    The launcher calls this too, on the arguments it will hand the ranks, so bad values stop there."""
+    ap = rank_parser()
+    args = train_config.parse_with_config(ap, argv)
+    if not args.plan:
+        ap.error("--plan is required (or [plan] file in --config)")
+    try:
+        check_train_args(args)
+    except HethubError as err:
+        ap.error(str(err))
+    return args
+
+
+def train_argv(args: argparse.Namespace) -> list[str]:
+    """The rank flags of ``args`` (a launcher's namespace) that differ from their defaults, as
+    ``python -m hethub.train`` arguments (--plan, --steps and --metrics excluded: the launcher passes
+    those itself)."""
+    out: list[str] = []
+    for action in rank_parser()._actions:
+        if not action.option_strings or action.dest in ("help", "plan", "steps", "metrics"):
+            continue
+        v = getattr(args, action.dest, action.default)
+        if v == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(v, bool):
+            out.append(flag)
+        elif isinstance(v, list | tuple):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
