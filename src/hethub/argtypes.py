@@ -60,3 +60,16 @@ def fraction(text: str) -> float:
     if not 0 <= v <= 1:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
     return v
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (unless it has none, or already says it); the
+    description and the examples in the epilog keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings or action.required):
+            return text
+        default = ",".join(map(str, action.default)) if isinstance(action.default, tuple) else "%(default)s"
+        return f"{text} (default: {default})" if text else f"default: {default}"

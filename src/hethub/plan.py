@@ -282,7 +282,11 @@ def _pipeline_from_dict(p: Any, where: str) -> Pipeline:
 
 
 def _check_ranks(data: dict[str, Any], plan: Plan) -> None:
-    """Ranks are derived; if a person edited them, say they disagree rather than silently ignore."""
+    """Ranks and world_size are derived; if a person edited them, say they disagree rather than silently
+    ignore (a launcher may have been sized by them)."""
+    if "world_size" in data and data["world_size"] != plan.world_size:
+        _fail("world_size", f"is {data['world_size']!r} but the pipelines use {plan.world_size} devices (one rank "
+              "each)", f"write {plan.world_size}, or delete 'world_size' (it is derived)")
     rank = plan.rank_of_device()
     for pi, p in enumerate(data["pipelines"]):
         for si, s in enumerate(p["stages"]):

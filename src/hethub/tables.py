@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from hethub.plan import Plan
 from hethub.predict.result import Prediction
+from hethub.units import GIB, fmt_layers
 
-GB = 1e9
+GB = GIB  # memory columns are GiB, as everywhere (hethub.units)
 
 
 def compact_ids(ids: tuple[int, ...] | list[int]) -> str:
@@ -38,7 +39,7 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
         groups.setdefault(_signature(plan, pi), []).append(pi)
     by_stage = {(s.pipeline, s.stage): s for s in pred.stages}
     head = (f"{'pipelines':<14} {'mbs x n':>9} {'stage':>5} {'kind':<12} {'devices':<18} {'layers':<9} {'tp':>2} "
-            f"{'mem GB / cap':>14} {'fwd+bwd ms':>10} {'sync ms':>8}")
+            f"{'mem GiB / cap':>14} {'fwd+bwd ms':>10} {'sync ms':>8}")
     lines = [head, "-" * len(head)]
     for pis in groups.values():
         first = plan.pipelines[pis[0]]
@@ -50,7 +51,7 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
             lines.append(
                 f"{label if si == 0 else '':<14} "
                 f"{(f'{first.micro_batch_size}x{first.num_micro_batches}' if si == 0 else ''):>9} "
-                f"{si:>5} {s.kind:<12} {devs:<18} {f'{s.layers[0]}-{s.layers[1] - 1}' if s.num_layers else '-':<9} "
+                f"{si:>5} {s.kind:<12} {devs:<18} {fmt_layers(s.layers):<9} "
                 f"{s.tp:>2} {mem:>14} {(sp.fwd_s + sp.bwd_s) * 1e3:>10.1f} {sp.sync_s * 1e3:>8.1f}"
             )
     return "\n".join(lines)
@@ -73,12 +74,32 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
         out.append(f"search time {search_time_s:.2f} s")
     srcs = ", ".join(f"{k}: {v}" for k, v in sorted(pred.compute_sources.items()))
     out.append(f"compute times from: {srcs}")
+    out += calibration_notes(plan, pred)
     emulated = [k.name for k in plan.cluster.kinds.values() if k.emulated]
     if emulated:
         out.append(f"EMULATED kinds (CPU processes slowed on purpose): {', '.join(emulated)}")
     if not pred.fits_memory:
         out.append("WARNING: some stages exceed device memory (marked '!')")
     return "\n".join(out)
+
+
+def calibration_notes(plan: Plan, pred: Prediction) -> list[str]:
+    """Say which kinds' times rest on uncalibrated catalog numbers, and how to measure them instead.
+    CPU kinds (backend gloo) have only nominal placeholders in the catalog, so their analytic times
+    can be off several-fold; accelerator kinds have datasheet peaks times an assumed efficiency."""
+    analytic = sorted(k for k, v in pred.compute_sources.items() if v == "analytic")
+    cpu = [k for k in analytic if plan.cluster.kinds[k].backend == "gloo"]
+    accel = [k for k in analytic if k not in cpu]
+    out = []
+    if cpu:
+        out.append(f"UNCALIBRATED: {', '.join(cpu)}: times from the catalog's nominal CPU numbers (placeholders, not "
+                   "measurements); this prediction can be off several-fold. Calibrate: hethub profile --model "
+                   f"{plan.model.name} --seq-len {plan.seq_len} --kind {','.join(cpu)} --out profiles/, then pass "
+                   "--profiles profiles/")
+    if accel:
+        out.append(f"uncalibrated: {', '.join(accel)}: times from datasheet peaks x an assumed efficiency (catalog); "
+                   "measured profiles (hethub profile on the device, or Sailor's) replace them via --profiles")
+    return out
 
 
 def _kinds_used(plan: Plan) -> dict[str, int]:

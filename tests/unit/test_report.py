@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hethub.errors import PlanError
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.report import read_metrics, write_report
@@ -195,12 +196,17 @@ def test_metrics_reader_takes_last_step_with_ranks_and_skips_junk(tmp_path: Path
     path = write_metrics(tmp_path / "run.jsonl", plan, pred, scale=2.0)
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps({"step": 3, "step_time_s": 1.0}) + "\n")
-        f.write(json.dumps({"step": 3, "rank": 7, "events": [{"name": "B", "start_s": 0, "end_s": 1}]}) + "\n")
+        f.write(json.dumps({"step": 3, "rank": 1, "events": [{"name": "B", "start_s": 1, "end_s": 0}]}) + "\n")
+        f.write('{"step": 4, "step_ti')  # cut short by the failure that ended the run
     run = read_metrics(path, plan=plan)
     assert run.step_times_s[-1] == 1.0 and len(run.step_times_s) == 4
     assert run.timeline_step == 3  # the last step with per-rank records wins, even a bad one
-    assert not run.events
-    assert any("rank 7 is not in the plan" in w for w in run.warnings)
+    assert run.events == {1: ()}
+    assert any("not JSON" in w for w in run.warnings) and any("start_s <= end_s" in w for w in run.warnings)
+    with path.open("a", encoding="utf-8") as f:  # a rank the plan does not have: another plan's metrics
+        f.write("\n" + json.dumps({"step": 5, "rank": 7, "events": []}) + "\n")
+    with pytest.raises(PlanError, match=r"run.jsonl' line \d+: field 'rank' is 7, the plan has ranks 0..1"):
+        read_metrics(path, plan=plan)
     run2 = read_metrics(write_metrics(tmp_path / "b.jsonl", plan, pred, scale=2.0), plan=plan)
     assert run2.timeline_step == 2 and set(run2.events) == {0, 1}
     assert {e.device for e in run2.events[1]} == {4} and {e.stage for e in run2.events[1]} == {1}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.result import Event, Prediction, StagePrediction
+from hethub.units import fmt_layers
 
 # Beyond this many (pipeline, stage) rows, identical replicas are merged into one row.
 MAX_UNMERGED_ROWS = 24
@@ -41,7 +42,7 @@ class StageRow:
     @property
     def detail(self) -> str:
         extra = "".join([" +emb" if self.embedding else "", " +head" if self.head else ""])
-        return f"layers {self.layers[0]}–{self.layers[1]}{extra} · TP {self.tp} · {self.num_devices} dev"
+        return f"layers {fmt_layers(self.layers)}{extra} · TP {self.tp} · {self.num_devices} dev"
 
 
 def pipeline_shape(p: Pipeline) -> tuple[object, ...]:

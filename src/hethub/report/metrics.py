@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import HethubError
+from hethub.errors import HethubError, PlanError
 from hethub.plan import Plan
 from hethub.predict.result import Event
 
@@ -84,12 +84,18 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
                 step_time[step] = v
             if (v := _as_float(rec.get("tokens_per_s"))) is not None:
                 tokens[step] = v
+            _check_belongs(rec, plan, where=f"metrics file '{p}' line {lineno}")
             for rr in _rank_records(rec):
                 rank = _as_int(rr.get("rank"))
                 if rank is None or not isinstance(rr.get("events"), list):
                     warnings.append(f"line {lineno}: rank record without an integer 'rank' and an 'events' list")
                     continue
+                _check_rank(rr, rank, plan, where=f"metrics file '{p}' line {lineno}")
                 rank_records.setdefault(step, {})[rank] = rr["events"]
+    if not step_time and not rank_records:
+        raise HethubError(f"metrics file '{p}' holds no step records ({len(warnings)} unreadable line(s)): it is "
+                          "empty, truncated before its first step, or not a metrics file. Fix: pass the .jsonl "
+                          "that 'hethub train --metrics' wrote, or leave --metrics out.")
     timeline_step = max(rank_records, default=None)
     events = _to_events(rank_records[timeline_step], plan, warnings) if timeline_step is not None else {}
     return MeasuredRun(
@@ -98,6 +104,29 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
         timeline_step=timeline_step, events=events, warnings=tuple(warnings),
         timeline_step_time_s=step_time.get(timeline_step) if timeline_step is not None else None,
     )
+
+
+def _other_plan(where: str, problem: str) -> PlanError:
+    return PlanError(f"{where}: {problem}: these metrics belong to another plan. Fix: pass the plan the run "
+                     "trained (--plan) with its own metrics.")
+
+
+def _check_belongs(rec: dict[str, Any], plan: Plan, *, where: str) -> None:
+    """A step record's tokens per step must be the plan's (global batch x sequence length)."""
+    tokens = _as_int(rec.get("tokens"))
+    if tokens is not None and tokens != plan.tokens_per_step:
+        raise _other_plan(where, f"field 'tokens' is {tokens} per step, the plan trains {plan.global_batch} x "
+                                 f"{plan.seq_len} = {plan.tokens_per_step}")
+
+
+def _check_rank(rr: dict[str, Any], rank: int, plan: Plan, *, where: str) -> None:
+    """A rank record must name a rank of the plan, of the kind (and stage) the plan gives it."""
+    if not 0 <= rank < plan.world_size:
+        raise _other_plan(where, f"field 'rank' is {rank}, the plan has ranks 0..{plan.world_size - 1}")
+    device = plan.devices[rank]
+    kind = plan.cluster.devices[device].kind
+    if "kind" in rr and rr["kind"] != kind:
+        raise _other_plan(where, f"rank {rank} ran kind {rr['kind']!r} (field 'kind'), the plan puts it on {kind!r}")
 
 
 def _rank_records(rec: dict[str, Any]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from hethub.report._style import (
     text_colour_on,
 )
 from hethub.report.groups import StageRow, row_of_stage, stage_predictions, stage_rows
+from hethub.units import fmt_flops, fmt_gib, fmt_layers
 
 DETAILED_MAX_DEVICES = 64
 MAX_TABLE_ROWS = 48
@@ -128,7 +129,7 @@ def _draw_map(ax: Any, *, plan: Plan, nodes: dict[str, list[list[int]]], lay: _L
         k = plan.cluster.kinds[kind]
         used = sum(1 for n in ns for d in n if d in where)
         ax.text(0.1, y + 0.2, f"{kind}  —  {len(ns)} node(s), {sum(map(len, ns))} devices ({used} used), "
-                f"{k.mem_bytes / 1e9:.0f} GB, {k.peak_flops / 1e12:.0f} TFLOP/s peak", fontsize=9.5,
+                f"{fmt_gib(k.mem_bytes)}, {fmt_flops(k.peak_flops)} peak", fontsize=9.5,
                 fontweight="bold", va="center")
         y += 0.4
         per = lay.per_row[kind]
@@ -181,7 +182,7 @@ def _draw_device(ax: Any, x: float, y: float, b: float, *, d: int, stage: tuple[
     ax.add_patch(Rectangle((x, y), s, s, facecolor=colour, edgecolor=OVER_CAPACITY if over else "white",
                            linewidth=2 if over else 0.3))
     tc = text_colour_on(colour)
-    lines = [f"d{d} · p{stage[0]} s{stage[1]}", f"L{row.layers[0]}–{row.layers[1]} · TP{row.tp}"]
+    lines = [f"d{d} · p{stage[0]} s{stage[1]}", f"L{fmt_layers(row.layers)} · TP{row.tp}"]
     if sp is not None:
         lines.append(f"{sp.peak_mem_bytes / GIB:.1f}/{sp.capacity_bytes / GIB:.0f} GiB")
     ax.text(x + s / 2, y + s * 0.42, "\n".join(lines), fontsize=6.5, ha="center", va="center", color=tc,

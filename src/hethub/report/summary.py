@@ -8,6 +8,7 @@ from hethub.report._style import fmt_time
 from hethub.report.analysis import Bubble, bubble, kind_use
 from hethub.report.groups import stage_predictions, stage_rows
 from hethub.report.metrics import MeasuredRun
+from hethub.units import fmt_flops, fmt_layers
 
 GIB = 1024**3
 
@@ -112,7 +113,7 @@ def _stages(plan: Plan, prediction: Prediction) -> list[str]:
         sp = preds.get((r.pipeline, r.stage))
         extra = " +emb" if r.embedding else ""
         extra += " +head" if r.head else ""
-        layers = f"{r.layers[0]}–{r.layers[1]}{extra}"
+        layers = f"{fmt_layers(r.layers)}{extra}"
         pipes = r.label.split(" · ")[0]
         if sp is None:
             out.append(f"| {pipes} | {r.stage} | {r.kind} | {r.num_devices} | {r.tp} | {layers} | | | | | | | | |")
@@ -133,7 +134,7 @@ def _count(n: float) -> str:
 
 
 def _tf(v: float) -> str:
-    return f"{v / 1e12:.1f} TFLOP/s"
+    return fmt_flops(v)
 
 
 def _opt(v: float | None, fmt: object) -> str:

@@ -61,22 +61,39 @@ def allocate(groups: list[Group], total_mb: int) -> tuple[list[list[int]], float
             hi = mid
         else:
             lo = mid
-    per = [max(0, math.floor((hi - g.pipe.base_s) / g.pipe.per_mb_s)) for g in groups]
+    # Capped at total_mb: where one pipeline's per_mb_s is tiny next to the finish times (extreme but
+    # valid device speeds), the float level can put its floor far above anything it could be given.
+    per = [min(total_mb, max(0, math.floor((hi - g.pipe.base_s) / g.pipe.per_mb_s))) for g in groups]
     counts = [[n] * g.count for n, g in zip(per, groups, strict=True)]
-    excess = sum(sum(c) for c in counts) - total_mb
-    # Take the surplus from the pipelines that finish last.
-    order = sorted(range(len(groups)), key=lambda i: -groups[i].pipe.time_s(per[i]))
-    for i in order:
-        j = 0
-        while excess > 0 and j < len(counts[i]) and counts[i][j] > 0:
-            counts[i][j] -= 1
-            excess -= 1
-            j += 1
-        if excess == 0:
-            break
+    _settle(groups, counts, total_mb)
     makespan = max((g.pipe.time_s(m) for g, cs in zip(groups, counts, strict=True) for m in cs if m > 0),
                    default=math.inf)
     return [[m for m in cs if m > 0] for cs in counts], makespan
+
+
+def _settle(groups: list[Group], counts: list[list[int]], total_mb: int) -> None:
+    """Make ``counts`` sum to exactly ``total_mb``: take surplus micro-batches from the pipelines that
+    finish last, give missing ones to those whose finish grows least. The bisection leaves the sum off
+    by about one per pipeline; float rounding on extreme speeds can leave it further off, and a plan
+    must hold exactly the global batch, so this works in integers until it does."""
+    excess = sum(map(sum, counts)) - total_mb
+    if excess > 0:  # max-heap of finishes
+        heap = [(-groups[i].pipe.time_s(m), i, j) for i, cs in enumerate(counts) for j, m in enumerate(cs) if m > 0]
+        heapq.heapify(heap)
+        while excess > 0:
+            _, i, j = heapq.heappop(heap)
+            counts[i][j] -= 1
+            excess -= 1
+            if counts[i][j] > 0:
+                heapq.heappush(heap, (-groups[i].pipe.time_s(counts[i][j]), i, j))
+    elif excess < 0:  # min-heap of the finish after one more
+        heap = [(groups[i].pipe.time_s(m + 1), i, j) for i, cs in enumerate(counts) for j, m in enumerate(cs)]
+        heapq.heapify(heap)
+        while excess < 0:
+            _, i, j = heapq.heappop(heap)
+            counts[i][j] += 1
+            excess += 1
+            heapq.heappush(heap, (groups[i].pipe.time_s(counts[i][j] + 1), i, j))
 
 
 def water_level(groups: list, total_mb: int) -> float:

@@ -36,6 +36,37 @@ _KIND_KEYS = {
 }
 ATTENTION_IMPLS = ("flash", "math")
 
+# Physical ranges of the numbers a cluster file gives: far wider than any device sold (so new hardware
+# fits), narrow enough to catch a wrong unit (GB/s written as bytes/s, TFLOP/s as FLOP/s) and numbers
+# that only break the planner. Upper ends: the fastest device of 2025 is ~2.5e15 dense FLOP/s (B200,
+# bf16), 192 GB of HBM at 8e12 B/s, NVLink-5 at 9e11 B/s per direction; each limit is >= 10x that.
+_RANGES: dict[str, tuple[float, float, str, str]] = {
+    "peak_flops": (1e8, 1e17, "FLOP/s", "dense FLOP/s of one device, e.g. 312e12 for an A100"),
+    "mem_bytes": (1e8, 1e13, "bytes", "bytes of one device, e.g. 40_000_000_000 (or mem_gib = 40)"),
+    "mem_bw_bytes_per_s": (1e8, 1e14, "bytes/s", "bytes per second, e.g. 1.555e12 for an A100"),
+    "intra_node_bw_bytes_per_s": (1e6, 1e13, "bytes/s", "bytes per second, one direction, e.g. 300e9"),
+    "inter_node_bw_bytes_per_s": (1e6, 1e13, "bytes/s", "bytes per second, e.g. 12.5e9 for 100 Gbit/s"),
+    "cross_kind_bw_bytes_per_s": (1e6, 1e13, "bytes/s", "bytes per second, e.g. 12.5e9 for 100 Gbit/s"),
+    "bw_bytes_per_s": (1e6, 1e13, "bytes/s", "bytes per second"),
+    "intra_node_latency_s": (0.0, 1.0, "s", "seconds, e.g. 5e-6"),
+    "inter_node_latency_s": (0.0, 1.0, "s", "seconds, e.g. 10e-6"),
+    "cross_kind_latency_s": (0.0, 1.0, "s", "seconds, e.g. 10e-6"),
+    "latency_s": (0.0, 1.0, "s", "seconds"),
+}
+# The planner's tested range is up to 4,096 devices (bench/planner_scale.py); 131,072 leaves room for
+# today's largest clusters while refusing a typo that would make it run for minutes.
+MAX_DEVICES = 131_072
+MAX_DEVICES_PER_NODE = 1024
+
+
+def check_range(where: str, key: str, value: float) -> float:
+    """``value`` if it lies in the physical range of field ``key`` (see _RANGES), else SpecError naming it."""
+    lo, hi, unit, example = _RANGES[key]
+    if not lo <= value <= hi:
+        raise field_error(where, key, f"is {value:g} {unit}, outside the physical range {lo:g}..{hi:g} {unit}",
+                          f"check the unit: {example}")
+    return value
+
 
 @dataclass(frozen=True)
 class DeviceKind:
@@ -262,15 +293,23 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
     if efficiency > 1:
         raise field_error(where, "efficiency", f"must be <= 1, got {efficiency}", "give a fraction of peak")
     slowdown = get_number(table, "emulated_slowdown", where=where, default=b.get("emulated_slowdown", 1.0))
-    if slowdown < 1:
-        raise field_error(where, "emulated_slowdown", f"must be >= 1, got {slowdown}",
+    if not 1 <= slowdown <= 1000:
+        raise field_error(where, "emulated_slowdown", f"must be >= 1, got {slowdown}" if slowdown < 1 else
+                          f"is {slowdown:g}, beyond the 1000x that emulation supports",
                           "use 1 for real speed, k > 1 to emulate a k-times slower device")
     price = table.get("price_per_hour", b.get("price_per_hour"))
     if price is not None:
         price = get_number({"price_per_hour": price}, "price_per_hour", where=where)
     mem_bw = table.get("mem_bw_bytes_per_s", b.get("mem_bw_bytes_per_s"))
     if mem_bw is not None:
-        mem_bw = get_number({"mem_bw_bytes_per_s": mem_bw}, "mem_bw_bytes_per_s", where=where)
+        mem_bw = check_range(where, "mem_bw_bytes_per_s",
+                             get_number({"mem_bw_bytes_per_s": mem_bw}, "mem_bw_bytes_per_s", where=where))
+    if "mem_gib" in table:
+        _check_gib(where, mem_bytes)
+    else:
+        check_range(where, "mem_bytes", mem_bytes)
+    for key in ("peak_flops", "intra_node_bw_bytes_per_s", "intra_node_latency_s"):
+        check_range(where, key, num(key, positive=key != "intra_node_latency_s"))
     kind = DeviceKind(
         name=name,
         vendor=get_str(table, "vendor", where=where, default=b.get("vendor")),
@@ -324,6 +363,13 @@ def _opmodel_fields(table: dict[str, Any], *, where: str, base: dict[str, Any]) 
                                choices=ATTENTION_IMPLS)
     out["calibration"] = _text(table, "calibration", where=where, default=base.get("calibration", ""))
     return out
+
+
+def _check_gib(where: str, mem_bytes: int) -> None:
+    lo, hi = _RANGES["mem_bytes"][:2]
+    if not lo <= mem_bytes <= hi:
+        raise field_error(where, "mem_gib", f"is {mem_bytes / GIB:g} GiB, outside the physical range "
+                          f"{lo / GIB:.2g}..{hi / GIB:.0f} GiB", "give one device's memory in GiB, e.g. 40")
 
 
 def _text(table: dict[str, Any], key: str, *, where: str, default: str) -> str:
@@ -381,11 +427,20 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         kind = get_str(g, "kind", where=gw)
         kinds[kind] = resolve_kind(kind, where=where, local=local)
         nic = g.get("inter_node_bw_bytes_per_s")
+        per_node = get_int(g, "devices_per_node", where=gw)
+        if per_node > MAX_DEVICES_PER_NODE:
+            raise field_error(gw, "devices_per_node", f"is {per_node}; a node holds at most {MAX_DEVICES_PER_NODE}",
+                              "give the devices of one node and the node count in 'nodes'")
         groups.append(NodeGroup(
-            kind=kind, num_nodes=get_int(g, "nodes", where=gw),
-            devices_per_node=get_int(g, "devices_per_node", where=gw),
-            inter_node_bw_bytes_per_s=None if nic is None else get_number(g, "inter_node_bw_bytes_per_s", where=gw),
+            kind=kind, num_nodes=get_int(g, "nodes", where=gw), devices_per_node=per_node,
+            inter_node_bw_bytes_per_s=None if nic is None else check_range(
+                gw, "inter_node_bw_bytes_per_s", get_number(g, "inter_node_bw_bytes_per_s", where=gw)),
         ))
+    total = sum(g.num_nodes * g.devices_per_node for g in groups)
+    if total > MAX_DEVICES:
+        sizes = " + ".join(f"{g.num_nodes} x {g.devices_per_node}" for g in groups)
+        raise field_error(where, "nodes", f"gives {total:,} devices ({sizes}), more than the {MAX_DEVICES:,} "
+                          "hethub plans for", "check the node counts of the [[group]] tables")
     net = data.get("network", {})
     nw = f"{where}: network"
     check_keys(net, allowed=_NETWORK_KEYS, where=nw)
@@ -393,6 +448,9 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
                  get_number(net, "inter_node_latency_s", where=nw, default=10e-6, positive=False))
     cross = Link(get_number(net, "cross_kind_bw_bytes_per_s", where=nw, default=inter.bw_bytes_per_s),
                  get_number(net, "cross_kind_latency_s", where=nw, default=inter.latency_s, positive=False))
+    for key, v in (("inter_node_bw_bytes_per_s", inter.bw_bytes_per_s), ("inter_node_latency_s", inter.latency_s),
+                   ("cross_kind_bw_bytes_per_s", cross.bw_bytes_per_s), ("cross_kind_latency_s", cross.latency_s)):
+        check_range(nw, key, v)
     name = data.get("name", "cluster")
     if not isinstance(name, str):
         raise field_error(where, "name", "must be a string", 'write name = "my-cluster"')
