@@ -48,6 +48,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hethub.spec.model import get_model
     from hethub.tables import format_plan_table, format_summary
 
+    if args.out:  # before the search: a bad path must not cost it
+        from hethub.outfiles import prepare_output
+
+        prepare_output(args.out)
     cluster = load_cluster(args.cluster)
     if args.links:
         from hethub.predict.links import apply_links_profile, read_links_profile

@@ -39,8 +39,11 @@ def prepare_output(path: str | Path, *, flag: str = "--out", is_dir: bool = Fals
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Replace ``path`` with ``text`` (UTF-8) in one rename, creating its folder; never leaves it half-written."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as err:
+        raise HethubError(f"cannot write {p} ({err.strerror or err}). Fix: choose a writable location.") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -48,6 +51,10 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a normal file's mode is wanted
         os.replace(tmp, p)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise HethubError(f"cannot write {p} ({err.strerror or err}). Fix: free space or choose another "
+                          "location.") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import EXAMPLES, two_stage_plan
 from hethub import cli
+from hethub.plan import Pipeline, Stage
 from hethub.spec._toml import read_toml
 
 FUZZ = settings(max_examples=180, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -207,3 +208,208 @@ def test_garbage_files_are_rejected(tmp_path, capsys):
 def test_missing_files(argv, capsys):
     code, err = _run(argv, capsys)
     _assert_clear(code, err, "nope")
+
+
+# ---- one table of malformed and extreme inputs across the commands --------------------------------------
+# Each row: (name, argv with {placeholders} for files made in `bad`, documented exit code, text the message
+# must name: the field, flag or file). Every row must: exit with that code (docs/cli.md), print no
+# traceback, name what is wrong, and print its message once. No row may start a training rank.
+DOCUMENTED_CODES = {1, 2, 3, 4, 5, 6, 7}
+LOCAL = str(EXAMPLES / "local-cpu.toml")
+A100 = str(EXAMPLES / "a100-v100-32.toml")
+SAILOR_PLAN = str(EXAMPLES.parent / "sailor" / "opt350m-a100-v100-plan.json")
+PLAN = ["plan", "--cluster", LOCAL, "--model", "tiny", "--global-batch", "4", "--seq-len", "32"]
+CASES = [
+    # plan: cluster numbers out of physical range, device counts, flags, files
+    ("plan peak_flops 1e30", ["plan", "--cluster", "{c_flops}", "--model", "tiny", "--global-batch", "4",
+                              "--seq-len", "32"], 2, "peak_flops"),
+    ("plan peak_flops 1e3", ["plan", "--cluster", "{c_slowflops}", "--model", "tiny", "--global-batch", "4",
+                             "--seq-len", "32"], 2, "peak_flops"),
+    ("plan 10M devices", ["plan", "--cluster", "{c_huge}", "--model", "tiny", "--global-batch", "4",
+                          "--seq-len", "32"], 2, "10,000,000 devices"),
+    ("plan 2048 per node", ["plan", "--cluster", "{c_pernode}", "--model", "tiny", "--global-batch", "4",
+                            "--seq-len", "32"], 2, "devices_per_node"),
+    ("plan bandwidth 1e20", ["plan", "--cluster", "{c_bw}", "--model", "tiny", "--global-batch", "4",
+                             "--seq-len", "32"], 2, "inter_node_bw_bytes_per_s"),
+    ("plan latency 5 s", ["plan", "--cluster", "{c_lat}", "--model", "tiny", "--global-batch", "4",
+                          "--seq-len", "32"], 2, "cross_kind_latency_s"),
+    ("plan memory 1 kB", ["plan", "--cluster", "{c_mem}", "--model", "tiny", "--global-batch", "4",
+                          "--seq-len", "32"], 2, "mem_bytes"),
+    ("plan mem_gib 1e6", ["plan", "--cluster", "{c_gib}", "--model", "tiny", "--global-batch", "4",
+                          "--seq-len", "32"], 2, "mem_gib"),
+    ("plan global batch 0", [*PLAN[:6], "0", "--seq-len", "32"], 2, "--global-batch"),
+    ("plan seq-len -1", [*PLAN[:8], "-1"], 2, "--seq-len"),
+    ("plan seq-len beyond model", [*PLAN[:8], "100000"], 5, "seq_len"),
+    ("plan unknown model", ["plan", "--cluster", LOCAL, "--model", "gpt-9", "--global-batch", "4", "--seq-len",
+                            "32"], 2, "gpt-9"),
+    ("plan missing cluster", ["plan", "--cluster", "{missing}", "--model", "tiny", "--global-batch", "4",
+                              "--seq-len", "32"], 2, "missing.toml"),
+    ("plan too big for the cluster", ["plan", "--cluster", LOCAL, "--model", "llama-140b", "--global-batch", "8",
+                                      "--seq-len", "4096"], 5, "llama-140b"),
+    ("plan zero-time profile", [*PLAN, "--profiles", "{p_zero}"], 2, "fwd_s"),
+    ("plan NaN profile", [*PLAN, "--profiles", "{p_nan}"], 2, "bwd_s"),
+    ("plan missing profile", [*PLAN, "--profiles", "{missing}"], 2, "missing.toml"),
+    ("plan profile of another seq_len", [*PLAN, "--profiles", "{p_seq}"], 2, "seq_len"),
+    ("plan --out unwritable", [*PLAN, "--out", "/proc/hethub/plan.json"], 1, "--out"),
+    ("plan missing links", [*PLAN, "--links", "{missing}"], 2, "missing.toml"),
+    # predict: plan files
+    ("predict world_size disagrees", ["predict", "--plan", "{plan_world}"], 3, "world_size"),
+    ("predict missing plan", ["predict", "--plan", "{missing}"], 3, "missing.toml"),
+    ("predict truncated plan", ["predict", "--plan", "{plan_cut}"], 3, "JSON"),
+    ("predict plan peak_flops 1e30", ["predict", "--plan", "{plan_flops}"], 3, "peak_flops"),
+    ("predict plan short of its batch", ["predict", "--plan", "{plan_batch}"], 3, "global batch"),
+    ("predict zero-time profile", ["predict", "--plan", "{plan}", "--profiles", "{p_zero}"], 2, "fwd_s"),
+    # train: everything refused before any rank starts
+    ("train steps 0", ["train", "--plan", "{plan}", "--steps", "0"], 2, "--steps"),
+    ("train steps -5", ["train", "--plan", "{plan}", "--steps", "-5"], 2, "--steps"),
+    ("train lr -1", ["train", "--plan", "{plan}", "--lr", "-1"], 2, "--lr"),
+    ("train lr nan", ["train", "--plan", "{plan}", "--lr", "nan"], 2, "--lr"),
+    ("train warmup beyond steps", ["train", "--plan", "{plan}", "--steps", "4", "--warmup-steps", "9"], 2,
+     "--warmup-steps"),
+    ("train resume auto without dir", ["train", "--plan", "{plan}", "--resume", "auto"], 2, "--checkpoint-dir"),
+    ("train resume missing dir", ["train", "--plan", "{plan}", "--resume", "{missing}"], 7, "missing.toml"),
+    ("train GPU plan on this host", ["train", "--plan", "{plan_gpu}"], 6, "a100-40gb"),
+    ("train plan over device memory", ["train", "--plan", "{plan_big}"], 4, "GiB"),
+    ("train metrics unwritable", ["train", "--plan", "{plan}", "--metrics", "/proc/hethub/m.jsonl"], 1,
+     "--metrics"),
+    ("train missing plan", ["train", "--plan", "{missing}"], 3, "missing.toml"),
+    # report: metrics that do not belong to the plan
+    ("report truncated metrics", ["report", "--plan", "{plan}", "--metrics", "{m_cut}", "--out", "{out}"], 1,
+     "m_cut.jsonl"),
+    ("report another plan's metrics", ["report", "--plan", "{plan}", "--metrics", "{m_other}", "--out", "{out}"],
+     3, "'tokens'"),
+    ("report metrics of a rank not in the plan", ["report", "--plan", "{plan}", "--metrics", "{m_rank}", "--out",
+                                                  "{out}"], 3, "'rank'"),
+    ("report missing metrics", ["report", "--plan", "{plan}", "--metrics", "{missing}", "--out", "{out}"], 1,
+     "missing.toml"),
+    ("report out unwritable", ["report", "--plan", "{plan}", "--out", "/proc/hethub/r"], 1, "--out"),
+    # import-plan: Sailor plans
+    ("import missing file", ["import-plan", "--format", "sailor", "{missing}", "--cluster", A100, "--model",
+                             "opt-350m"], 3, "Sailor plan file"),
+    ("import not JSON", ["import-plan", "--format", "sailor", "{plan_cut}", "--cluster", A100, "--model",
+                         "opt-350m"], 3, "JSON"),
+    ("import gbs not a multiple", ["import-plan", "--format", "sailor", "{s_gbs}", "--cluster", A100, "--model",
+                                   "opt-350m"], 3, "gbs"),
+    ("import other model's layers", ["import-plan", "--format", "sailor", SAILOR_PLAN, "--cluster", A100,
+                                     "--model", "llama-3-8b"], 3, "layers_per_stage"),
+    ("import bad cluster", ["import-plan", "--format", "sailor", SAILOR_PLAN, "--cluster", "{c_flops}",
+                            "--model", "opt-350m"], 2, "peak_flops"),
+    # profile: refused before measuring anything
+    ("profile tp 3", ["profile", "--model", "small", "--tp", "3", "--out", "{out}/p.json"], 2, "--tp"),
+    ("profile seq-len beyond model", ["profile", "--model", "small", "--seq-len", "4096", "--out",
+                                      "{out}/p.json"], 2, "--seq-len"),
+    ("profile out unwritable", ["profile", "--model", "small", "--out", "/proc/hethub/p.json"], 1, "--out"),
+    ("profile mbs 0", ["profile", "--model", "small", "--mbs", "0", "--out", "{out}/p.json"], 2, "--mbs"),
+    ("profile no GPU", ["profile", "--model", "small", "--device", "cuda:3", "--out", "{out}/p.json"], 6,
+     "--device"),
+    ("profile two kinds into one file", ["profile", "--model", "small", "--kind", "a,b", "--out", "{out}/p.json"],
+     2, "--out"),
+    ("profile repeats 0", ["profile", "--model", "small", "--repeats", "0", "--out", "{out}/p.json"], 2,
+     "--repeats"),
+]
+
+
+def _cluster_with(path, kind_line: str = "", group: str = "nodes = 1\ndevices_per_node = 2", net: str = ""):
+    path.write_text(f'name = "bad"\n[kinds.k]\nbase = "cpu"\n{kind_line}\n[[group]]\nkind = "k"\n{group}\n'
+                    + (f"[network]\n{net}\n" if net else ""))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """The input files of CASES, made once."""
+    from hethub.plan import Plan
+    from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry
+    from hethub.profile.format import profile_to_dict
+    from hethub.spec.model import get_model
+
+    d = tmp_path_factory.mktemp("bad")
+    f = {"missing": str(d / "missing.toml"), "out": str(d / "out")}
+    f["c_flops"] = _cluster_with(d / "c_flops.toml", "peak_flops = 1e30")
+    f["c_slowflops"] = _cluster_with(d / "c_slowflops.toml", "peak_flops = 1e3")
+    f["c_huge"] = _cluster_with(d / "c_huge.toml", group="nodes = 1250000\ndevices_per_node = 8")
+    f["c_pernode"] = _cluster_with(d / "c_pernode.toml", group="nodes = 1\ndevices_per_node = 2048")
+    f["c_bw"] = _cluster_with(d / "c_bw.toml", net="inter_node_bw_bytes_per_s = 1e20")
+    f["c_lat"] = _cluster_with(d / "c_lat.toml", net="cross_kind_latency_s = 5")
+    f["c_mem"] = _cluster_with(d / "c_mem.toml", "mem_bytes = 1000")
+    f["c_gib"] = _cluster_with(d / "c_gib.toml", "mem_gib = 1e6")
+    assert cli.main([*PLAN, "--precision", "fp32", "--out", str(d / "plan.json")]) == 0
+    f["plan"] = str(d / "plan.json")
+    data = json.loads((d / "plan.json").read_text())
+    for name, change in (("plan_world", lambda x: x.update(world_size=x["world_size"] + 30)),
+                         ("plan_flops", lambda x: next(iter(x["cluster"]["kinds"].values())).update(peak_flops=1e30)),
+                         ("plan_batch", lambda x: x["training"].update(global_batch=3 * x["training"]["global_batch"]))
+                         ):
+        x = copy.deepcopy(data)
+        change(x)
+        (d / f"{name}.json").write_text(json.dumps(x))
+        f[name] = str(d / f"{name}.json")
+    (d / "plan_cut.json").write_text((d / "plan.json").read_text()[:200])
+    f["plan_cut"] = str(d / "plan_cut.json")
+    assert cli.main(["plan", "--cluster", A100, "--model", "llama-3-8b", "--global-batch", "64", "--seq-len", "2048",
+                     "--out", str(d / "gpu.json")]) == 0
+    f["plan_gpu"] = str(d / "gpu.json")
+    cluster = load_cluster_for_big()
+    model = get_model("llama-2-7b")
+    stage = Stage("cpu-fast", (0,), (0, model.num_layers), embedding=True, head=True)
+    Plan(model=model, cluster=cluster, global_batch=1, seq_len=128,
+         pipelines=(Pipeline(1, 1, (stage,)),)).validate().save(d / "big.json")
+    f["plan_big"] = str(d / "big.json")
+    tiny = get_model("tiny")
+    t = LayerTimes(1e-3, 2e-3, 1e-4)
+    prof = KindProfile(kind="cpu-fast", model="tiny", seq_len=32, entries={(1, 1): ProfileEntry(t, t, t)})
+    good = profile_to_dict(prof, model=tiny, device="cpu")
+    for name, value, seq in (("p_zero", 0.0, 32), ("p_nan", math.nan, 32), ("p_seq", 1e-3, 64)):
+        x = copy.deepcopy(good)
+        x["seq_len"] = seq
+        for e in x["entries"]:
+            for part in ("layer", "head"):
+                e[part]["fwd_s" if name == "p_zero" else "bwd_s"] = value
+        (d / f"{name}.json").write_text(json.dumps(x))
+        f[name] = str(d / f"{name}.json")
+    plan = Plan.load(d / "plan.json")
+    (d / "m_cut.jsonl").write_text('{"step": 0, "loss"')
+    (d / "m_other.jsonl").write_text(json.dumps({"step": 0, "step_time_s": 1.0, "tokens": plan.tokens_per_step * 2})
+                                     + "\n")
+    (d / "m_rank.jsonl").write_text(json.dumps({"step": 0, "step_time_s": 1.0, "ranks": [
+        {"rank": plan.world_size + 5, "events": []}]}) + "\n")
+    for name in ("m_cut", "m_other", "m_rank"):
+        f[name] = str(d / f"{name}.jsonl")
+    sailor = json.loads(open(SAILOR_PLAN).read())
+    sailor["gbs"] = 250
+    (d / "s_gbs.json").write_text(json.dumps(sailor))
+    f["s_gbs"] = str(d / "s_gbs.json")
+    return f
+
+
+def load_cluster_for_big():
+    from hethub.spec.cluster import load_cluster
+
+    return load_cluster(LOCAL)
+
+
+@pytest.mark.parametrize("name,argv,code,names", CASES, ids=[c[0] for c in CASES])
+def test_bad_inputs_get_one_clear_message_and_a_documented_code(bad, capsys, monkeypatch, name, argv, code, names):
+    from hethub.runtime import launch
+
+    def no_ranks(*a, **k):
+        raise AssertionError("a training rank was started")
+
+    monkeypatch.setattr(launch, "launch_local", no_ranks)
+    argv = [a.format(**bad) for a in argv]
+    try:
+        got = cli.main(argv)
+    except SystemExit as exc:  # argparse's usage errors: documented as 2
+        got = exc.code
+    out = capsys.readouterr()
+    err = out.err
+    assert got == code and got in DOCUMENTED_CODES, f"{name}: exit {got}, expected {code}\n{err}"
+    assert "Traceback" not in err + out.out
+    assert names in err, f"{name}: the message does not name {names!r}:\n{err}"
+    lines = [ln for ln in err.splitlines() if "error" in ln]
+    assert len(lines) == 1, f"{name}: expected one error message, got:\n{err}"
+
+
+def test_the_table_is_broad():
+    assert len(CASES) >= 40
+    assert {c[1][0] for c in CASES} >= {"plan", "predict", "train", "report", "import-plan", "profile"}

@@ -6,16 +6,22 @@ import argparse
 import json
 from pathlib import Path
 
+from hethub.argtypes import positive_int
 from hethub.errors import PlanError
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from hethub.errors import load_json
     from hethub.interop.sailor import import_sailor_plan, sailor_plan_model
-    from hethub.profile.format import read_json_file
+    from hethub.outfiles import prepare_output, write_text_atomic
     from hethub.spec.cluster import load_cluster
     from hethub.spec.model import get_model
 
-    data = read_json_file(Path(args.file))
+    data = load_json(Path(args.file), missing=f"Sailor plan file '{args.file}' does not exist. Fix: pass the path "
+                     "of a plan in Sailor's format, e.g. examples/sailor/opt350m-a100-v100-plan.json.",
+                     invalid_fix="pass a plan in Sailor's JSON format", cls=PlanError)
+    if args.out:
+        prepare_output(args.out)
     model = sailor_plan_model(data) or (get_model(args.model) if args.model else None)
     if model is None:
         raise PlanError(f"{args.file}: the Sailor plan does not name its model. Fix: pass --model NAME.")
@@ -23,7 +29,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     plan = import_sailor_plan(data, cluster=cluster, model=model, seq_len=args.seq_len, where=args.file)
     text = plan.to_json()
     if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
+        write_text_atomic(args.out, text)
         print(f"imported {len(plan.pipelines)} pipelines on {plan.world_size} devices -> {args.out}")
         if plan.meta.get("sailor", {}).get("note"):
             print(f"note: {plan.meta['sailor']['note']}")
@@ -39,7 +45,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     text = json.dumps(export_sailor_plan(plan, nearest_equal=args.nearest_equal), indent=2) + "\n"
     if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
+        from hethub.outfiles import write_text_atomic
+
+        write_text_atomic(args.out, text)
         print(f"exported to {args.out}")
     else:
         print(text, end="")
@@ -52,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--format", required=True, choices=["sailor"])
     sp.add_argument("--cluster", required=True, help="cluster TOML whose devices the plan is placed on")
     sp.add_argument("--model", help="model preset or config.json (Sailor plans do not name theirs)")
-    sp.add_argument("--seq-len", type=int, default=2048)
+    sp.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
     sp.add_argument("--out")
     sp.set_defaults(func=cmd_import)
 

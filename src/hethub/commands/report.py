@@ -7,18 +7,27 @@ import argparse
 
 def cmd_report(args: argparse.Namespace) -> int:
     from hethub.commands.host import host_for
+    from hethub.outfiles import prepare_output
     from hethub.plan import Plan
     from hethub.predict.predictor import predict
     from hethub.report import write_report
 
     plan = Plan.load(args.plan)
+    prepare_output(args.out, is_dir=True)
+    if args.metrics:  # read (and checked against the plan) before the prediction's work
+        from hethub.report import read_metrics
+
+        read_metrics(args.metrics, plan=plan)
     profiles = None
     if args.profiles:
         from hethub.profile.format import load_profiles
 
         profiles = load_profiles(args.profiles, model=plan.model, seq_len=plan.seq_len)
     host = host_for(plan.cluster, args.profiles, model=plan.model, seq_len=plan.seq_len)
-    pred = predict(plan, profiles=profiles, timeline=True, host=host)
+    from hethub.report.groups import timeline_devices
+
+    devices = timeline_devices(plan)
+    pred = predict(plan, profiles=profiles, timeline=True if devices is None else devices, host=host)
     paths = write_report(plan=plan, prediction=pred, out_dir=args.out, metrics_path=args.metrics)
     print(f"report written to {args.out}/")
     for p in paths.written:

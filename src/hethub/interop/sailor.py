@@ -96,6 +96,10 @@ def _entry(layers: dict[str, Any], *, where: str, f: str, model: ModelSpec) -> P
             raise SpecError(f"{where}: field '{f}.{k}' must be [forward_s, backward_s, update_s] under an "
                             f"integer layer index, got {v!r}. Fix: restore Sailor's profile.json.")
         times[int(k)] = LayerTimes(float(v[0]), float(v[1]), float(v[2]))
+    for k, t in times.items():  # Sailor's embedding has a 0 backward at times; a layer or the head never does
+        if k > 0 and not (t.fwd_s > 0 and t.bwd_s > 0):
+            raise SpecError(f"{where}: field '{f}.{k}' has forward/backward times {t.fwd_s}/{t.bwd_s} s: a decoder "
+                            "layer or head takes time. Fix: restore Sailor's profile.json, or re-measure.")
     n, L = len(times), model.num_layers
     if sorted(times) != list(range(n)) or n not in (L + 2, L + 3):
         raise SpecError(f"{where}: field '{f}' has layer entries {min(times)}..{max(times)} ({n}), but "

@@ -22,6 +22,7 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from hethub.plan import Pipeline, Plan
@@ -113,13 +114,19 @@ class _Costs:
         return self.finish[sig]
 
 
-def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = False,
+def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
             host: HostModel | None = None) -> Prediction:
     """Step time, throughput, per-device memory and (optionally) the per-device timeline of `plan`.
+
+    ``timeline``: True for every device's events; a collection of device ids for those devices only
+    (a report of a 768-device plan draws one device per distinct stage, and building ~10^6 events
+    for the others would cost most of its time).
 
     ``host``: the local emulation host every rank runs on, if any (``hethub.emulation.host_model``);
     it prices the all-reduces and replays the step, and its timeline is the replay's.
     """
+    only = None if isinstance(timeline, bool) else frozenset(timeline)
+    timeline = timeline is not False
     model, cluster = plan.model, plan.cluster
     costs = _Costs(plan, profiles)
     schedule = get_schedule(plan.schedule)
@@ -176,9 +183,9 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool = 
         stages = tuple(replace(sp, bubble_s=max(0.0, step - sp.compute_s - sp.exposed_comm_s - sp.update_s))
                        for sp in stages)
         if timeline:
-            events = _replay_timeline(plan, replayed.events, stages)
+            events = _replay_timeline(plan, replayed.events, stages, only=only)
     elif timeline:
-        events = _timeline(plan, [costs.schedules[sig] for sig in sigs], stages, sync)
+        events = _timeline(plan, [costs.schedules[sig] for sig in sigs], stages, sync, only=only)
     tokens = plan.tokens_per_step
     return Prediction(
         step_time_s=step,
@@ -224,7 +231,7 @@ def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: St
 
 
 def _timeline(plan: Plan, schedules: list[list[StageSchedule]], stages: tuple[StagePrediction, ...],
-              sync: SyncResult) -> tuple[Event, ...]:
+              sync: SyncResult, *, only: frozenset[int] | None = None) -> tuple[Event, ...]:
     """Compute, transfer, all-reduce and optimizer intervals on every device, sorted by start time."""
     events: list[Event] = []
     by_id = {(sp.pipeline, sp.stage): sp for sp in stages}
@@ -232,7 +239,7 @@ def _timeline(plan: Plan, schedules: list[list[StageSchedule]], stages: tuple[St
         for si, st in enumerate(sched):
             sp = by_id[(pi, si)]
             back = by_id[(pi, si - 1)].p2p_s if si > 0 else 0.0
-            for d in sp.devices:
+            for d in sp.devices if only is None else [d for d in sp.devices if d in only]:
                 events.extend(_stage_events(p, pi, si, d, st, send_fwd=sp.p2p_s, send_bwd=back))
                 for name, a, b in sync.intervals[(pi, si)]:  # world all-reduces included
                     events.append(Event(d, "allreduce", f"allreduce {name}", a, b, pi, si))
@@ -243,8 +250,8 @@ def _timeline(plan: Plan, schedules: list[list[StageSchedule]], stages: tuple[St
     return tuple(events)
 
 
-def _replay_timeline(plan: Plan, recorded: tuple[ReplayEvent, ...], stages: tuple[StagePrediction, ...],
-                     ) -> tuple[Event, ...]:
+def _replay_timeline(plan: Plan, recorded: tuple[ReplayEvent, ...], stages: tuple[StagePrediction, ...], *,
+                     only: frozenset[int] | None = None) -> tuple[Event, ...]:
     """A host's replayed intervals on every device of their stage, with the transfers after
     each forward (to the next stage) and backward (to the previous one)."""
     by_id = {(sp.pipeline, sp.stage): sp for sp in stages}
@@ -253,7 +260,7 @@ def _replay_timeline(plan: Plan, recorded: tuple[ReplayEvent, ...], stages: tupl
         (pi, si), sp = r.stage, by_id[r.stage]
         if r.end_s <= r.start_s and r.category == "optimizer":
             continue
-        for d in sp.devices:
+        for d in sp.devices if only is None else [d for d in sp.devices if d in only]:
             if r.category in ("forward", "backward"):
                 events.extend(_chunk_events(plan.pipelines[pi], forward=r.category == "forward", mb=r.micro_batch,
                                             start_s=r.start_s, end_s=r.end_s, pi=pi, si=si, device=d,

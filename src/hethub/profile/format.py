@@ -161,7 +161,8 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
         if isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, int | float) or not 0 < cpu_fraction <= 1:
             raise _err(where, f"{f}.cpu_fraction", f"must be a number in (0, 1], got {cpu_fraction!r}",
                        "re-measure with 'hethub profile' or leave it out")
-        entries[(mbs, tp)] = ProfileEntry(*(_times(e[part], where, f"{f}.{part}") for part in _PARTS),
+        entries[(mbs, tp)] = ProfileEntry(*(_times(e[part], where, f"{f}.{part}", busy=part != "embedding")
+                                            for part in _PARTS),
                                           peak_mem_bytes=mem, tp_comm_included=included,
                                           layer_by_depth=_depths(e.get("layer_depths", []), where, f"{f}.layer_depths"),
                                           cpu_fraction=float(cpu_fraction))
@@ -170,15 +171,19 @@ def profile_from_dict(data: Any, *, where: str, source: str = "") -> ProfileFile
                        host=effects_from_dict(data, where=where))
 
 
-def _times(t: Any, where: str, f: str) -> LayerTimes:
+def _times(t: Any, where: str, f: str, *, busy: bool = True) -> LayerTimes:
+    """Times of one part. With ``busy`` (decoder layers, the head) forward and backward must be > 0: a
+    layer that takes no time is not a measurement, and would make every plan look infinitely fast."""
     if not isinstance(t, dict):
         raise _err(where, f, "must be an object", 'write {"fwd_s": .., "bwd_s": .., "update_s": ..}')
     vals = []
     for key in _TIMES:
         v = t.get(key)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-            raise _err(where, f"{f}.{key}", f"must be a finite number of seconds >= 0, got {v!r}",
-                       "write the measured time in seconds")
+        positive = busy and key != "update_s"
+        if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0
+                or (positive and v == 0)):
+            raise _err(where, f"{f}.{key}", f"must be a finite number of seconds {'> 0' if positive else '>= 0'}, "
+                       f"got {v!r}", "write the measured time in seconds (re-measure with 'hethub profile')")
         vals.append(float(v))
     return LayerTimes(*vals)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # Okabe-Ito-like, distinguishable for common colour-vision deficiencies.
@@ -25,13 +26,23 @@ OVER_CAPACITY = "#D62728"
 _TAB20_ORDER = (0, 2, 4, 8, 10, 12, 14, 16, 18, 1, 3, 5, 9, 11, 13, 15, 17, 19)
 
 
-def row_colour(index: int, count: int) -> Any:
-    """A distinct colour per stage row: tab20 while it lasts, then an evenly spaced continuous map."""
-    from matplotlib import colormaps
+# One hue per device kind once rows outnumber tab20 (Okabe-Ito, without its red: red marks memory over
+# capacity): 48 shades of a continuous map cannot be told apart, a kind's hue and a stage's shade can.
+_KIND_HUES = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442", "#000000", "#999999")
 
-    if count <= len(_TAB20_ORDER):
-        return colormaps["tab20"](_TAB20_ORDER[index])
-    return colormaps["turbo"](0.05 + 0.9 * index / max(count - 1, 1))
+
+def row_colour(row: Any, rows: Sequence[Any]) -> Any:
+    """The colour of stage row ``row`` among all ``rows``: a distinct tab20 colour per row while there
+    are at most 18; beyond, the row's kind's hue, dark and light on alternate stages of a pipeline."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_rgba
+
+    if len(rows) <= len(_TAB20_ORDER):
+        return colormaps["tab20"](_TAB20_ORDER[row.index])
+    kinds = list(dict.fromkeys(r.kind for r in rows))
+    r, g, b, _ = to_rgba(_KIND_HUES[kinds.index(row.kind) % len(_KIND_HUES)])
+    mix = 0.0 if row.stage % 2 == 0 else 0.45  # odd stages: mixed with white
+    return (r + (1 - r) * mix, g + (1 - g) * mix, b + (1 - b) * mix, 1.0)
 
 
 def new_figure(width_in: float, height_in: float) -> Any:
@@ -59,12 +70,13 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} µs"
 
 
-def colour_row_labels(ax: Any, rows: Any, *, total: int, texts: list[str], fontsize: float, pad: float) -> None:
+def colour_row_labels(ax: Any, rows: Any, *, all_rows: Sequence[Any], texts: list[str], fontsize: float,
+                      pad: float) -> None:
     """Y tick labels on a stage row's colour, in a text colour readable on it."""
     ax.set_yticks(range(len(texts)))
     labels = ax.set_yticklabels(texts, fontsize=fontsize)
     for r, lab in zip(rows, labels, strict=True):
-        colour = row_colour(r.index, total)
+        colour = row_colour(r, all_rows)
         lab.set_bbox({"facecolor": colour, "edgecolor": "none", "pad": pad})
         lab.set_color(text_colour_on(colour))
     ax.tick_params(axis="y", length=0)

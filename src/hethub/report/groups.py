@@ -70,6 +70,19 @@ def _row(index: int, members: list[int], si: int, s: Stage) -> StageRow:
                     layers=s.layers, embedding=s.embedding, head=s.head, num_devices=s.tp * len(members))
 
 
+# Plans up to this many devices are traced device by device; larger ones one device per stage row.
+TRACE_ALL_DEVICES_MAX = 64
+
+
+def timeline_devices(plan: Plan) -> set[int] | None:
+    """The devices whose timeline a report needs: None (all) for small plans; for large ones the first
+    device of each stage row (identical replicas and TP peers do the same work), for
+    ``predict(plan, timeline=...)`` to build only those."""
+    if plan.world_size <= TRACE_ALL_DEVICES_MAX:
+        return None
+    return {plan.pipelines[r.pipeline].stages[r.stage].devices[0] for r in stage_rows(plan)}
+
+
 def row_of_stage(rows: Iterable[StageRow]) -> dict[tuple[int, int], StageRow]:
     """(pipeline, stage) -> its row, for every pipeline including merged replicas."""
     return {(p, r.stage): r for r in rows for p in r.replicas}

@@ -69,7 +69,7 @@ def draw_plan(path: Path, *, plan: Plan, prediction: Prediction | None) -> Path:
 
     tax = fig.add_axes((4.9 / fig.get_figwidth(), 0.55 / fig_h, 1 - 5.6 / fig.get_figwidth(),
                         (table_h - 0.9) / fig_h))
-    _draw_table(tax, shown, preds=preds, total=len(rows))
+    _draw_table(tax, shown, preds=preds, all_rows=rows)
     handles = [Patch(color=c, label=n) for n, c in MEMORY_COLOURS.items()]
     if lay.detailed:  # the compact map has no room for edges; the table's red text says it instead
         handles.append(Patch(facecolor="white", edgecolor=OVER_CAPACITY, linewidth=2, label="over capacity"))
@@ -154,8 +154,7 @@ def _draw_map(ax: Any, *, plan: Plan, nodes: dict[str, list[list[int]]], lay: _L
                         st = where.get(d)
                         squares.append(Rectangle(
                             (x + i * b, gy), b * 0.94, b * 0.94, linewidth=0.5, edgecolor="#999999" if st is None
-                            else "white", facecolor="white" if st is None else row_colour(by_stage[st].index,
-                                                                                          len(rows))))
+                            else "white", facecolor="white" if st is None else row_colour(by_stage[st], rows)))
                 x += (len(node) + 0.5) * b
             y += _grid_row_h(lay)
     if squares:
@@ -176,7 +175,7 @@ def _draw_device(ax: Any, x: float, y: float, b: float, *, d: int, stage: tuple[
         ax.text(x + s / 2, y + s / 2, f"d{d}\nidle", fontsize=6.5, ha="center", va="center", color="#777777")
         return
     row = by_stage[stage]
-    colour = row_colour(row.index, len(rows))
+    colour = row_colour(row, rows)
     sp = preds.get(stage)
     over = sp is not None and not sp.fits
     ax.add_patch(Rectangle((x, y), s, s, facecolor=colour, edgecolor=OVER_CAPACITY if over else "white",
@@ -195,7 +194,8 @@ def _draw_device(ax: Any, x: float, y: float, b: float, *, d: int, stage: tuple[
                                facecolor=OVER_CAPACITY if frac > 1 else "#333333", linewidth=0))
 
 
-def _draw_table(ax: Any, rows: list[StageRow], *, preds: dict[tuple[int, int], StagePrediction], total: int) -> None:
+def _draw_table(ax: Any, rows: list[StageRow], *, preds: dict[tuple[int, int], StagePrediction],
+                all_rows: list[StageRow]) -> None:
     n = len(rows)
     max_frac = 1.0
     for r in rows:
@@ -215,10 +215,10 @@ def _draw_table(ax: Any, rows: list[StageRow], *, preds: dict[tuple[int, int], S
     ax.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, max_frac * 1.25)
     ax.set_ylim(n - 0.5, -0.5)
-    colour_row_labels(ax, rows, total=total, texts=[f"{r.label}  |  {r.detail}" for r in rows], fontsize=7.5,
+    colour_row_labels(ax, rows, all_rows=all_rows, texts=[f"{r.label}  |  {r.detail}" for r in rows], fontsize=7.5,
                       pad=1.2)
     ax.xaxis.set_major_formatter(_percent())
-    more = f" (first {n} of {total} stage rows)" if total > n else ""
+    more = f" (first {n} of {len(all_rows)} stage rows)" if len(all_rows) > n else ""
     ax.set_xlabel(f"peak memory per device, share of usable capacity (dashed line){more}", fontsize=8.5)
     ax.tick_params(axis="x", labelsize=8)
     ax.spines[["top", "right"]].set_visible(False)

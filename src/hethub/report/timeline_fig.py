@@ -31,6 +31,10 @@ _ROW_IN = 0.42
 _PANEL_IN = 7.5
 _LABEL_IN = 3.6
 _MIN_LABEL_PX = 14  # micro-batch numbers only on bars at least this wide
+# Beyond this many micro-batches in a row, per-micro-batch boxes with borders become a barcode:
+# forward and backward get half a band each and spans closer than a few pixels are drawn as one.
+DENSE_MICRO_BATCHES = 24
+_MERGE_PX = 3.5
 
 
 def draw_timeline(path: Path, *, plan: Plan, predicted: Iterable[Event], predicted_step_s: float,
@@ -63,7 +67,7 @@ def draw_timeline(path: Path, *, plan: Plan, predicted: Iterable[Event], predict
         ax = fig.add_axes(((_LABEL_IN + i * _PANEL_IN) / width, bottom_in / height, (_PANEL_IN - 0.3) / width,
                            _ROW_IN * len(rows) / height), sharey=ax0)
         ax0 = ax0 or ax
-        _draw_panel(ax, rows, evs, step_s=step_s, x_max=x_max, total_rows=len(all_rows),
+        _draw_panel(ax, rows, evs, step_s=step_s, x_max=x_max, all_rows=all_rows,
                     px_per_s=(_PANEL_IN - 0.3) * fig.dpi / x_max)
         ax.set_title(title, fontsize=10, loc="left")
         if i > 0:
@@ -85,7 +89,7 @@ def _end(evs: dict[int, list[Event]]) -> float:
 
 
 def _draw_panel(ax: Any, rows: list[StageRow], events: dict[int, list[Event]], *, step_s: float, x_max: float,
-                total_rows: int, px_per_s: float) -> None:
+                all_rows: list[StageRow], px_per_s: float) -> None:
     scale, unit = (1.0, "s") if x_max >= 2 else (1e3, "ms")
     for r in rows:
         y = r.index
@@ -98,13 +102,19 @@ def _draw_panel(ax: Any, rows: list[StageRow], events: dict[int, list[Event]], *
         by_cat: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for e in evs:
             by_cat[e.category].append((e.start_s * scale, max(e.dur_s, 0.0) * scale))
+        dense = len(by_cat.get("forward", ())) > DENSE_MICRO_BATCHES
         for cat, spans in by_cat.items():
             colour = CATEGORY_COLOURS.get(cat, CATEGORY_COLOURS["other"])
-            if cat in COMPUTE_CATEGORIES:
+            if dense:
+                spans = merge_spans(spans, gap=_MERGE_PX / px_per_s * scale)
+            if dense and cat in ("forward", "backward"):
+                ax.broken_barh(spans, (y - 0.4 + (0.28 if cat == "backward" else 0.0), 0.28), facecolors=colour,
+                               linewidth=0)
+            elif cat in COMPUTE_CATEGORIES:
                 ax.broken_barh(spans, (y - 0.4, 0.56), facecolors=colour, edgecolor="white", linewidth=0.3)
             elif cat != "wait":  # waits are idle time: the background already shows them
                 ax.broken_barh(spans, (y + 0.2, 0.2), facecolors=colour, linewidth=0)
-        for e in evs:  # micro-batch numbers where they fit
+        for e in () if dense else evs:  # micro-batch numbers where they fit
             if e.category in ("forward", "backward") and e.micro_batch is not None and e.dur_s * px_per_s >= \
                     _MIN_LABEL_PX:
                 ax.text((e.start_s + e.dur_s / 2) * scale, y - 0.12, str(e.micro_batch), fontsize=6, ha="center",
@@ -113,7 +123,7 @@ def _draw_panel(ax: Any, rows: list[StageRow], events: dict[int, list[Event]], *
         ax.text(step_s * scale, y, f" idle {idle:.0%}", fontsize=7, va="center", ha="left")
     ax.set_xlim(0, x_max * scale * 1.08)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    colour_row_labels(ax, rows, total=total_rows, texts=[f"{r.label}\n{r.detail}" for r in rows], fontsize=7,
+    colour_row_labels(ax, rows, all_rows=all_rows, texts=[f"{r.label}\n{r.detail}" for r in rows], fontsize=7,
                       pad=1.0)
     ax.tick_params(axis="x", labelsize=8)
     ax.set_xlabel(f"time since step start ({unit})", fontsize=8.5)
@@ -122,9 +132,26 @@ def _draw_panel(ax: Any, rows: list[StageRow], events: dict[int, list[Event]], *
     ax.spines[["top", "right"]].set_visible(False)
 
 
+def merge_spans(spans: list[tuple[float, float]], *, gap: float) -> list[tuple[float, float]]:
+    """(start, width) spans, sorted, with neighbours less than ``gap`` apart joined into one."""
+    out: list[tuple[float, float]] = []
+    for start, width in sorted(spans):
+        if out and start - (out[-1][0] + out[-1][1]) < gap:
+            s0, w0 = out[-1]
+            out[-1] = (s0, max(w0, start + width - s0))
+        else:
+            out.append((start, width))
+    return out
+
+
 def _notes(plan: Plan, all_rows: list[StageRow], rows: list[StageRow]) -> list[str]:
     notes = ["Each row shows one device of the stage; its TP peers do the same work. 'idle' = share of the "
              "step without compute (pipeline bubble, waits, exposed communication)."]
+    most = max((p.num_micro_batches for p in plan.pipelines), default=0)
+    if most > DENSE_MICRO_BATCHES:
+        notes.append(f"Rows with more than {DENSE_MICRO_BATCHES} micro-batches (up to {most} here): forward in the "
+                     "upper, backward in the lower half of the bar, neighbouring micro-batches merged; "
+                     "trace.json has each one.")
     merged = [r for r in rows if len(r.replicas) > 1 and r.stage == 0]
     if merged:
         n_pipes = len(plan.pipelines)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from hethub.errors import InfeasibleError
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
+from hethub.predict.memory import USABLE_FRACTION
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
@@ -51,6 +52,7 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     local emulation host every rank runs on, if any: ``hethub.emulation.host_model``)."""
     t0 = time.perf_counter()
     _check_job(model, config)
+    _check_state_fits(cluster, model, config)
     books: dict = {}
     # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
     bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
@@ -124,6 +126,16 @@ def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
     if not config.usable_micro_batch_sizes:
         raise InfeasibleError(f"no micro-batch size in {config.micro_batch_sizes} divides the global batch "
                               f"{config.global_batch}. Fix: use a global batch divisible by one of them.")
+
+
+def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig) -> None:
+    """Refuse at once a model whose weights, gradients and optimizer state exceed the whole cluster's
+    usable memory: no split can hold it, and the search would take minutes to find that out (llama-140b
+    on the 4 local CPU devices: over a minute)."""
+    state = model.num_params * sum(ModelSpec.state_bytes_per_param(config.precision).values())
+    usable = sum(n * cluster.kinds[k].mem_bytes * USABLE_FRACTION for k, n in cluster.count_by_kind().items())
+    if state > usable:
+        raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
 
 
 def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
