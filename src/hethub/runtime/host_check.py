@@ -4,11 +4,13 @@
 would otherwise run every rank on the CPU (each rank falls back to gloo/CPU) until the kernel's OOM
 killer ends it; so the launcher refuses, with the numbers, before any rank starts:
 
-- accelerator kinds (backend nccl or hccl): the host needs one visible device per rank of such kinds;
-- CPU kinds (backend gloo): the CPU ranks' predicted peak memory plus each process's own footprint
-  must fit the memory the host has available now.
+- accelerator kinds (``device_type`` other than cpu): the host needs one visible device of that type
+  per rank of such kinds (each rank also checks its own device when it starts, runtime/devices.py;
+  this check is the launcher's, before any process exists);
+- CPU kinds: the CPU ranks' predicted peak memory plus each process's own footprint must fit the
+  memory the host has available now.
 
-torch is imported only to count GPUs, and only when the plan has accelerator kinds.
+torch is imported only to count devices, and only when the plan has accelerator kinds.
 """
 
 from __future__ import annotations
@@ -28,20 +30,24 @@ RANK_OVERHEAD_BYTES = int(0.3 * GIB)
 
 @dataclass(frozen=True)
 class Host:
-    accelerators: int  # devices torch can see (CUDA/ROCm)
+    accelerators: dict[str, int]  # device type (cuda, npu, ...) -> devices torch can see here
     mem_available_bytes: int | None  # None: unknown (not Linux)
 
 
-def this_host(*, need_accelerators: bool) -> Host:
-    n = 0
-    if need_accelerators:
-        try:
-            import torch
+def this_host(device_types: set[str]) -> Host:
+    return Host(accelerators={t: _visible(t) for t in device_types}, mem_available_bytes=_mem_available())
 
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            n = 0
-    return Host(accelerators=n, mem_available_bytes=_mem_available())
+
+def _visible(device_type: str) -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    mod = getattr(torch, device_type, None)
+    try:
+        return int(mod.device_count()) if mod is not None and mod.is_available() else 0
+    except (AttributeError, RuntimeError):
+        return 0
 
 
 def _mem_available() -> int | None:
@@ -56,7 +62,7 @@ def _mem_available() -> int | None:
 
 
 def is_cpu_kind(plan: Plan, kind: str) -> bool:
-    return plan.cluster.kinds[kind].backend == "gloo"
+    return plan.cluster.kinds[kind].device_type == "cpu"
 
 
 def check_host(plan: Plan, prediction: Prediction, *, host: Host | None = None, plan_path: str = "plan") -> None:
@@ -64,15 +70,19 @@ def check_host(plan: Plan, prediction: Prediction, *, host: Host | None = None, 
     host's available memory, exit 4) with the numbers; return if the host can run every rank."""
     ranks_by_kind = Counter(plan.cluster.devices[d].kind for p in plan.pipelines for s in p.stages for d in s.devices)
     accel = {k: n for k, n in ranks_by_kind.items() if not is_cpu_kind(plan, k)}
-    host = host or this_host(need_accelerators=bool(accel))
-    need = sum(accel.values())
-    if need > host.accelerators:
-        kinds = ", ".join(f"{n} x {k}" for k, n in sorted(accel.items()))
-        raise RuntimeSetupError(
-            f"{plan_path} places {need} ranks on accelerators ({kinds}) but this host has {host.accelerators} "
-            "visible GPU(s) (torch.cuda.device_count()); running them on the CPU would exhaust it. Nothing was "
-            "started. Fix: run the plan on machines with those devices (torchrun per node, see README "
-            "'Multi-node'), or plan for this host's devices, e.g. --cluster examples/clusters/local-cpu.toml.")
+    by_type: dict[str, dict[str, int]] = {}
+    for k, n in accel.items():
+        by_type.setdefault(plan.cluster.kinds[k].device_type, {})[k] = n
+    host = host or this_host(set(by_type))
+    for dtype, kinds_n in sorted(by_type.items()):
+        need, have = sum(kinds_n.values()), host.accelerators.get(dtype, 0)
+        if need > have:
+            kinds = ", ".join(f"{n} x {k}" for k, n in sorted(kinds_n.items()))
+            raise RuntimeSetupError(
+                f"{plan_path} places {need} ranks on {dtype} devices ({kinds}) but this host has {have} visible "
+                f"(torch.{dtype}.device_count()); 'hethub train' starts every rank here. Nothing was started. Fix: "
+                "run the plan on machines with those devices ('hethub launch', or torchrun per node: README "
+                "'Multi-node'), or plan for this host's devices, e.g. --cluster examples/clusters/local-cpu.toml.")
     if host.mem_available_bytes is None:
         return
     cpu_devices = {d for p in plan.pipelines for s in p.stages for d in s.devices
