@@ -288,8 +288,8 @@ CASES = [
                              "opt-350m"], 3, "Sailor plan file"),
     ("import not JSON", ["import-plan", "--format", "sailor", "{plan_cut}", "--cluster", A100, "--model",
                          "opt-350m"], 3, "JSON"),
-    ("import gbs not a multiple", ["import-plan", "--format", "sailor", "{s_gbs}", "--cluster", A100, "--model",
-                                   "opt-350m"], 3, "gbs"),
+    ("import mbs 0", ["import-plan", "--format", "sailor", "{s_gbs}", "--cluster", A100, "--model",
+                      "opt-350m"], 3, "mbs"),
     ("import other model's layers", ["import-plan", "--format", "sailor", SAILOR_PLAN, "--cluster", A100,
                                      "--model", "llama-3-8b"], 3, "layers_per_stage"),
     ("import bad cluster", ["import-plan", "--format", "sailor", SAILOR_PLAN, "--cluster", "{c_flops}",
@@ -376,7 +376,7 @@ def bad(tmp_path_factory):
     for name in ("m_cut", "m_other", "m_rank"):
         f[name] = str(d / f"{name}.jsonl")
     sailor = json.loads(open(SAILOR_PLAN).read())
-    sailor["gbs"] = 250
+    sailor["mbs"] = 0
     (d / "s_gbs.json").write_text(json.dumps(sailor))
     f["s_gbs"] = str(d / "s_gbs.json")
     return f
