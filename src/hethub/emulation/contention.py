@@ -41,6 +41,7 @@ from hethub.emulation.stragglers import SpeedDraws
 from hethub.predict.host import ReplayEvent, StageId
 from hethub.predict.sync import SyncGroup
 from hethub.schedules import get_schedule
+from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
 from hethub.spec.cluster import Link
 
 _EPS = 1e-12
@@ -62,7 +63,7 @@ class StageWork:
     slowdown: float = 1.0  # emulated kinds sleep (k-1) x a chunk's CPU time, wake penalty included
 
 
-_CATEGORY = {"F": "forward", "B": "backward", "U": "optimizer"}
+_CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "U": "optimizer"}
 
 
 @dataclass
@@ -77,6 +78,7 @@ class _Stage:
     done_s: float | None = None
     cpu_end_s: float = 0.0  # when its last chunk of CPU work ended (the step starts warm)
     op_start_s: float = 0.0  # when the current task's work began (its inputs had arrived)
+    w_share: float = 0.0  # the backward's share a split-backward schedule's W op runs (B runs the rest)
 
 
 def simulate_shared_cores(
@@ -110,7 +112,8 @@ def simulate_shared_cores(
         ops = get_schedule(schedule).ops(stage=si, num_stages=n_stages[pi], num_micro_batches=num_micro_batches[pi])
         tasks = ([(o.kind, o.micro_batch) for o in ops] + [("S", loss_g)] + [("S", gi) for gi in my_groups[sid]]
                  + [("S", norm_g)] + [("U", 0)])
-        st[sid] = _Stage(sid, w, tasks, max(1, w.ranks))
+        split = get_schedule(schedule).split_backward
+        st[sid] = _Stage(sid, w, tasks, max(1, w.ranks), w_share=DEFAULT_WEIGHT_GRAD_SHARE if split else 0.0)
     f_end: dict[tuple[int, int, int], float] = {}
     b_end: dict[tuple[int, int, int], float] = {}
     arrived: dict[int, set[StageId]] = {}
@@ -194,7 +197,10 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
             if dep is None:
                 return False
             ready = dep + w.p2p_s
-        s.phases = [("until", ready), ("cpu", w.bwd_cpu_s), ("sleep", w.bwd_idle_s)]
+        b = 1.0 - s.w_share
+        s.phases = [("until", ready), ("cpu", w.bwd_cpu_s * b), ("sleep", w.bwd_idle_s * b)]
+    elif kind == "W":  # needs only its own B, which the stage ran before
+        s.phases = [("until", now), ("cpu", w.bwd_cpu_s * s.w_share), ("sleep", w.bwd_idle_s * s.w_share)]
     elif kind == "S":
         holders = arrived.setdefault(i, set())
         holders.add(s.sid)
@@ -237,5 +243,6 @@ def _finish_task(s: _Stage, *, now: float, f_end: dict, b_end: dict, bwd_done: d
         f_end[(pi, si, i)] = now
     elif kind == "B":
         b_end[(pi, si, i)] = now
+    if kind in ("B", "W"):
         bwd_done[pi] = max(bwd_done.get(pi, 0.0), now)
     s.ptr += 1

@@ -261,7 +261,9 @@ def _replay_timeline(plan: Plan, recorded: tuple[ReplayEvent, ...], stages: tupl
         if r.end_s <= r.start_s and r.category == "optimizer":
             continue
         for d in sp.devices if only is None else [d for d in sp.devices if d in only]:
-            if r.category in ("forward", "backward"):
+            if r.name.startswith("W"):
+                events.append(Event(d, r.category, r.name, r.start_s, r.end_s, pi, si, r.micro_batch))
+            elif r.category in ("forward", "backward"):
                 events.extend(_chunk_events(plan.pipelines[pi], forward=r.category == "forward", mb=r.micro_batch,
                                             start_s=r.start_s, end_s=r.end_s, pi=pi, si=si, device=d,
                                             send_fwd=sp.p2p_s, send_bwd=by_id[(pi, si - 1)].p2p_s if si > 0 else 0.0))
@@ -274,9 +276,14 @@ def _replay_timeline(plan: Plan, recorded: tuple[ReplayEvent, ...], stages: tupl
 
 def _stage_events(p: Pipeline, pi: int, si: int, device: int, st: StageSchedule, *, send_fwd: float,
                   send_bwd: float) -> list[Event]:
-    return [e for op in st.ops
-            for e in _chunk_events(p, forward=op.kind == "F", mb=op.micro_batch, start_s=op.start_s, end_s=op.end_s,
-                                   pi=pi, si=si, device=device, send_fwd=send_fwd, send_bwd=send_bwd)]
+    out: list[Event] = []
+    for op in st.ops:
+        if op.kind == "W":  # a split backward's weight gradients: nothing to send
+            out.append(Event(device, "backward", f"W{op.micro_batch}", op.start_s, op.end_s, pi, si, op.micro_batch))
+        else:
+            out += _chunk_events(p, forward=op.kind == "F", mb=op.micro_batch, start_s=op.start_s, end_s=op.end_s,
+                                 pi=pi, si=si, device=device, send_fwd=send_fwd, send_bwd=send_bwd)
+    return out
 
 
 def _chunk_events(p: Pipeline, *, forward: bool, mb: int, start_s: float, end_s: float, pi: int, si: int,

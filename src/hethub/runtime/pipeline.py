@@ -1,4 +1,4 @@
-"""Runs one stage's share of a pipeline schedule (1F1B, GPipe) over micro-batches with explicit p2p.
+"""Runs one stage's share of a pipeline schedule (1F1B, GPipe, ZB-H1) over micro-batches with explicit p2p.
 
 Why not ``torch.distributed.pipelining``: it assumes one rank per stage per pipeline group and
 sends straight over c10d. Here adjacent stages may have different TP degrees (receiver q of a TP-b
@@ -7,6 +7,15 @@ receiver j % b), and every message must go through our Communicator so a later b
 it across device kinds. What is left is small: the op order (the schedule registry's, which the
 predictor simulates: ``hethub.schedules``), isend, and irecv posted two ops ahead, with a tag per
 micro-batch and direction, and waiting on all sends before the step ends.
+
+Split backward (ZB-H1): B computes only the stage input's gradient and W the weight gradients later,
+with torch's own split (``torch.distributed.pipelining._backward``, what its zero-bubble schedules
+run): B runs ``autograd.grad`` to the input on the retained graph and captures the output gradients
+of the ops next to each weight; W runs ``autograd.grad`` from those ops to the weights alone. So the
+work is really split (W does not re-run the input-gradient chain, as ``backward(inputs=params)`` on
+the retained graph would) and the arithmetic is autograd's own, accumulated into ``.grad`` as
+``backward`` does. The first stage has no input gradient to send: its B runs the whole backward and
+its W is empty, which times the same because ZB-H1 runs the first stage's W right after its B.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.pipelining import _backward as split_bwd
 
 from hethub.comm.communicator import Communicator
 from hethub.emulation.slowdown import Emulator
@@ -41,6 +51,7 @@ class StepTrace:
     busy_s: float = 0.0  # compute incl. emulated sleep
     recv_wait_s: float = 0.0
     send_wait_s: float = 0.0
+    max_in_flight: int = 0  # most micro-batches whose saved activations were held at once (F until B, or W)
 
 
 class PipelineExecutor:
@@ -52,9 +63,9 @@ class PipelineExecutor:
         st = place.stage
         self.first, self.last = st.stage == 0, st.stage == st.num_stages - 1
         sched = get_schedule(schedule)
-        if sched.chunks_per_stage != 1 or sched.split_backward:
-            raise ValueError(f"schedule {schedule!r} has virtual stages or a split backward, which the "
-                             "executor does not run yet")
+        if sched.chunks_per_stage != 1:
+            raise ValueError(f"schedule {schedule!r} has virtual stages, which the executor does not run yet")
+        self.split = sched.split_backward
         self.ops: tuple[Op, ...] = sched.ops(stage=st.stage, num_stages=st.num_stages,
                                              num_micro_batches=place.num_micro_batches)
         self.act_shape = (place.micro_batch_size, seq_len, hidden_size)
@@ -81,6 +92,9 @@ class PipelineExecutor:
         pending: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
         recvs = _Receives(self, lookahead=RECV_LOOKAHEAD)
         loss_sum = 0.0
+        held: set[int] = set()  # micro-batches whose graph (saved activations) this stage still holds
+        param_groups: dict[int, list[dict[str, Any]]] = {}
+        weights = [q for q in self.model.parameters() if q.requires_grad]
         for i, (op, mb, _chunk) in enumerate(self.ops):
             got = recvs.take(i, trace)
             if op == "F":
@@ -100,14 +114,31 @@ class PipelineExecutor:
                                 for d in self.place.fwd_send_to]
                     _let_sends_start()
                 inputs[mb], outputs[mb] = x, out
+                held.add(mb)
+                trace.max_in_flight = max(trace.max_in_flight, len(held))
+            elif op == "W":
+                start = time.perf_counter()
+                groups = param_groups.pop(mb, None)
+                if groups is not None:
+                    with self.emulator.chunk():
+                        split_bwd.stage_backward_weight(iter(weights), groups)
+                self._record(trace, "W", mb, start, t0)
+                held.discard(mb)
             else:
                 x, out = inputs.pop(mb), outputs.pop(mb)
+                grad = None if got is None else got.to(out.dtype)
                 start = time.perf_counter()
                 with self.emulator.chunk():
                     if got is None and self.loss_scale != 1.0:
                         out = out * self.loss_scale
-                    torch.autograd.backward(out, grad_tensors=None if got is None else got.to(out.dtype))
+                    if self.split and not self.first:
+                        _, param_groups[mb] = split_bwd.stage_backward_input(
+                            [out], None if grad is None else [grad], [x], iter(weights))
+                    else:
+                        torch.autograd.backward(out, grad_tensors=grad)
                 self._record(trace, "B", mb, start, t0)
+                if not self.split:
+                    held.discard(mb)
                 if not self.first:
                     g = x.grad.to(self.in_dtype)
                     pending += [(self.comm.isend(g, dst=d, tag=bwd_tag(mb)), g) for d in self.place.bwd_send_to]
@@ -161,13 +192,15 @@ class _Receives:
             return ex.place.fwd_recv_from, fwd_tag(mb)  # type: ignore[return-value]
         if op == "B" and not ex.last:
             return ex.place.bwd_recv_from, bwd_tag(mb)  # type: ignore[return-value]
-        return None
+        return None  # W receives nothing
 
     def _sends_to(self, k: int) -> tuple[int, ...]:
         ex = self.ex
         op = ex.ops[k][0]
         if op == "F":
             return () if ex.last else ex.place.fwd_send_to
+        if op == "W":
+            return ()
         return () if ex.first else ex.place.bwd_send_to
 
     def _may_post(self, j: int, *, now: int) -> bool:

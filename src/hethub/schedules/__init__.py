@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from hethub.schedules.base import Op, Schedule
 from hethub.schedules.classic import GPipe, OneFOneB
+from hethub.schedules.zero_bubble import ZeroBubbleH1
 
-_REGISTRY: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), GPipe())}
+_REGISTRY: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), GPipe(), ZeroBubbleH1())}
 
 # Every schedule name, in the order the CLI lists them; the first is the default.
 SCHEDULES: tuple[str, ...] = tuple(_REGISTRY)
@@ -26,4 +27,4 @@ def get_schedule(name: str) -> Schedule:
         raise ValueError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}") from None
 
 
-__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "OneFOneB", "Op", "Schedule", "get_schedule"]
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "OneFOneB", "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]

@@ -18,9 +18,11 @@ are free):
 A stage's finish time is the end of its last backward. Because each stage's op times are used
 as given, unequal stages are modelled exactly, not by a bottleneck formula.
 
-The simulation covers schedules with one model chunk per device and an unsplit backward (1F1B,
-GPipe); a schedule with virtual stages or W ops is refused with an error until it models their
-dependencies (chunk c of stage 0 waits for chunk c-1 of the last stage; W needs its own time).
+Split-backward schedules (ZB-H1) run B and W ops: ``bwd_s`` is then the whole backward, of which
+B takes (1 - ``wgrad_share``) and W ``wgrad_share``; W(s, i) needs only B(s, i), which the stage's
+own order already puts first, and nobody waits for it. A stage's finish is the end of its last op.
+Schedules with virtual stages are refused until the simulation models their dependencies (chunk c
+of stage 0 waits for chunk c-1 of the last stage).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hethub.schedules import DEFAULT_SCHEDULE, get_schedule
+from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
 
 
 @dataclass(frozen=True)
 class TimedOp:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     micro_batch: int
     start_s: float
     end_s: float
@@ -43,40 +46,45 @@ class TimedOp:
 @dataclass(frozen=True)
 class StageSchedule:
     ops: tuple[TimedOp, ...]
-    finish_s: float  # end of the stage's last backward
+    finish_s: float  # end of the stage's last op
 
 
 def simulate_pipeline_time(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE,
 ) -> list[float]:
-    """Finish time (end of the last backward) of every stage; the fast path, no op records."""
-    finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, record=False)
+    """Finish time (end of the last op) of every stage; the fast path, no op records."""
+    finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, wgrad_share, record=False)
     return finish
 
 
 def simulate_pipeline(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE,
 ) -> list[StageSchedule]:
     """Every stage's ops with their start/end times, and its finish time."""
-    finish, recs = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, record=True)
-    return [
-        StageSchedule(ops=tuple(TimedOp("F" if c >= 0 else "B", c if c >= 0 else ~c, a, b) for c, a, b in rec),
-                      finish_s=f)
-        for f, rec in zip(finish, recs, strict=True)
-    ]
+    m = num_micro_batches
+    finish, recs = _simulate(fwd_s, bwd_s, p2p_s, m, schedule, wgrad_share, record=True)
+    return [StageSchedule(ops=tuple(TimedOp(*_decode(c, m), a, b) for c, a, b in rec), finish_s=f)
+            for f, rec in zip(finish, recs, strict=True)]
+
+
+def _decode(code: int, m: int) -> tuple[str, int]:
+    if code >= 0:
+        return "F", code
+    i = ~code
+    return ("B", i) if i < m else ("W", i - m)
 
 
 @functools.lru_cache(maxsize=1024)
 def _codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
-    """The registry's op order for stage s as codes: i >= 0 is the forward of micro-batch i, ~i (< 0)
-    its backward (ints keep the simulation's inner loop cheap)."""
+    """The registry's op order for stage s as codes: i >= 0 is the forward of micro-batch i, ~i its
+    backward (B) and ~(m + i) its weight-gradient pass W (ints keep the inner loop cheap)."""
     sched = get_schedule(schedule)
-    if sched.chunks_per_stage != 1 or sched.split_backward:
-        raise ValueError(f"schedule {schedule!r} has virtual stages or a split backward, which the event "
-                         "simulation does not model yet")
-    return tuple(i if kind == "F" else ~i for kind, i, _ in sched.ops(stage=s, num_stages=p, num_micro_batches=m))
+    if sched.chunks_per_stage != 1:
+        raise ValueError(f"schedule {schedule!r} has virtual stages, which the event simulation does not model yet")
+    return tuple(i if kind == "F" else ~i if kind == "B" else ~(m + i)
+                 for kind, i, _ in sched.ops(stage=s, num_stages=p, num_micro_batches=m))
 
 
 def _check(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> int:
@@ -91,10 +99,12 @@ def _check(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float
 
 
 def _simulate(
-    fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int, schedule: str, *, record: bool,
+    fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int, schedule: str,
+    wgrad_share: float, *, record: bool,
 ) -> tuple[list[float], list[list[tuple[int, float, float]]]]:
     p = _check(fwd_s, bwd_s, p2p_s, m)
     orders = [_codes(p, s, m, schedule) for s in range(p)]
+    share = wgrad_share if get_schedule(schedule).split_backward else 0.0
     f_end = [[0.0] * m for _ in range(p)]
     b_end = [[0.0] * m for _ in range(p)]
     # Forwards and backwards each complete in micro-batch order on every stage, so "is F(s-1, i)
@@ -104,7 +114,7 @@ def _simulate(
     ptr = [0] * p
     clock = [0.0] * p
     recs: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
-    remaining = 2 * m * p
+    remaining = sum(len(o) for o in orders)
     down = list(range(p))
     up = down[::-1]
     sweep = 0
@@ -115,7 +125,7 @@ def _simulate(
             order, k, t = orders[s], ptr[s], clock[s]
             n = len(order)
             fe, be = f_end[s], b_end[s]
-            fs, bs = fwd_s[s], bwd_s[s]
+            fs, bs, ws = fwd_s[s], bwd_s[s] * (1.0 - share), bwd_s[s] * share
             prev_fe = f_end[s - 1] if s > 0 else None
             next_be = b_end[s + 1] if s < p - 1 else None
             in_p2p = p2p_s[s - 1] if s > 0 else 0.0
@@ -134,6 +144,9 @@ def _simulate(
                     t += fs
                     fe[c] = t
                     nf[s] += 1
+                elif ~c >= m:  # W: after its own B, which the stage's order puts first
+                    start = t
+                    t += ws
                 else:
                     i = ~c
                     if next_be is not None:
@@ -156,4 +169,4 @@ def _simulate(
             raise RuntimeError("pipeline schedule deadlocked; this is a bug in the op order")
         remaining -= progressed
         sweep += 1
-    return [b_end[s][m - 1] for s in range(p)], recs
+    return clock, recs

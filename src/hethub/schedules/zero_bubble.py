@@ -1,0 +1,72 @@
+"""ZB-H1: zero-bubble pipelining at 1F1B's activation memory (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024, section 2.1 and Figure 3 top).
+
+The backward of each micro-batch is split into ``B`` (the input gradient, which the previous stage
+waits for) and ``W`` (the weight gradients, which nobody waits for). Stage s of p runs 1F1B's
+warm-up forwards, w = min(p - s - 1, m), and 1F1B's F/B alternation, but defers each W by s
+micro-batches (W(j - s) follows B(j)), flushing the last s at the end: the later stages, whose
+warm-up is shortest, send their input gradients upstream sooner, the first stage's wait for its
+first gradient shrinks from (p - 1) full backwards to (p - 1) B's, and the deferred W's fill the
+later stages' tails. Every stage then holds min(m, p) micro-batches from F until W, the first
+stage's 1F1B peak (the later stages hold more than under 1F1B: our memory model counts a
+micro-batch as fully held until its W).
+
+How the backward splits: a transformer layer's backward runs, for each of its weight GEMMs Y = X A,
+one GEMM for dX = dY A^T (B) and one of the same FLOPs for dA = X^T dY (W); the attention-score
+backward and the elementwise ops have no weights and go to B. So W's share of the backward is
+linear / (2 x linear + 2 x attention) of the forward's FLOPs, just under one half at the sequence
+lengths we train; the predictor and the planner assume one half (``DEFAULT_WEIGHT_GRAD_SHARE``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hethub.schedules.base import Op, Schedule
+
+# Assumed where no model shape is at hand: W is half of the backward (the weight GEMMs' FLOPs equal
+# the input-gradient GEMMs', and the weightless attention backward is small at short sequences).
+DEFAULT_WEIGHT_GRAD_SHARE = 0.5
+
+
+class ZeroBubbleH1(Schedule):
+    """ZB-H1, see the module docstring. Op order of stage s of p with m micro-batches, w = min(p - s - 1, m):
+    F0..F(w-1); then for j < m - w: F(w + j), B(j), W(j - s) when j >= s; then for the remaining
+    j: B(j), W(j - s) when j >= s; then the W's still deferred, in order."""
+
+    name = "zb-h1"
+    split_backward = True
+
+    def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
+        m, d = num_micro_batches, stage
+        w = min(num_stages - stage - 1, m)
+        out = [Op("F", i) for i in range(w)]
+        for j in range(m):
+            if j < m - w:
+                out.append(Op("F", w + j))
+            out.append(Op("B", j))
+            if j >= d:
+                out.append(Op("W", j - d))
+        out += [Op("W", i) for i in range(max(0, m - d), m)]
+        return tuple(out)
+
+    def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
+        return min(num_micro_batches, num_stages)
+
+    def per_micro_batch_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float]) -> float:
+        # The steady state still runs one F, B and W per micro-batch on the slowest stage.
+        return max(f + b for f, b in zip(fwd_s, bwd_s, strict=True))
+
+    def fill_drain_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float],
+                     per_micro_batch_s: float) -> float:
+        """The paper's bubble, (p - 1)(F + B - W) for equal stages, summed over the stages after the
+        first for unequal ones, plus both transfers per hop: the first stage waits for its first
+        gradient through the later stages' F and B, and the deferred W's fill the rest. Within a few
+        percent of the event simulation on random unequal pipelines (as 1F1B's closed form)."""
+        share = DEFAULT_WEIGHT_GRAD_SHARE
+        return sum(f + b * (1.0 - 2.0 * share) for f, b in zip(fwd_s[1:], bwd_s[1:], strict=True)) \
+            + 2 * sum(p2p_s[:len(fwd_s) - 1])
+
+    def stage_finish_s(self, *, step_s: float, bwd_s: Sequence[float], p2p_s: Sequence[float]) -> list[float]:
+        # The later stages fill their tails with deferred W's; they finish at most when the first does.
+        return [step_s] * len(bwd_s)
