@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from hethub import __version__
 from hethub.argtypes import HelpFormatter, positive_int
 from hethub.errors import HethubError, missing_extra
-from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
 EXIT_INTERRUPTED = 130
@@ -155,34 +155,39 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from hethub.search.planner import make_plan
 
     rows = []
-    for strategy in ("hethub", "uniform", "flops-proportional", "homogeneous"):
+    # With the schedule left to the planner, hethub's row under each candidate schedule too.
+    runs = [(s, config.schedule) for s in ("hethub", "uniform", "flops-proportional", "homogeneous")]
+    if config.schedule == AUTO_SCHEDULE:
+        runs[1:1] = [("hethub", name) for name in AUTO_CANDIDATES]
+    for strategy, schedule in runs:
+        label = strategy if schedule == config.schedule else f"{strategy} ({schedule})"
         try:
-            r = make_plan(cluster=cluster, model=model, config=replace(config, strategy=strategy), profiles=profiles,
-                          host=host)
+            r = make_plan(cluster=cluster, model=model, config=replace(config, strategy=strategy, schedule=schedule),
+                          profiles=profiles, host=host)
             try:  # dollars per million tokens where every kind used has a price
                 usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)
             except HethubError:
                 usd = None
-            rows.append((strategy, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
-                         len(r.plan.pipelines), r.plan.world_size, usd, ""))
+            rows.append((label, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
+                         len(r.plan.pipelines), r.plan.world_size, usd, "", r.plan.schedule))
         except HethubError as err:
-            rows.append((strategy, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0]))
+            rows.append((label, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0], schedule))
     base = next((r[1] for r in rows if r[0] == "uniform"), 0.0)
     if as_json:
         print(json.dumps([{"strategy": s, "tokens_per_s": t, "step_time_s": st, "efficiency": e,
                            "speedup_over_uniform": (t / base if base else None), "num_pipelines": n,
-                           "devices_used": d, "usd_per_million_tokens": usd, "error": err or None}
-                          for s, t, st, e, n, d, usd, err in rows], indent=2))
+                           "devices_used": d, "usd_per_million_tokens": usd, "error": err or None, "schedule": sch}
+                          for s, t, st, e, n, d, usd, err, sch in rows], indent=2))
         return 0
     print(f"{'strategy':<20} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
-          f"{'pipelines':>9} {'devices':>7}")
-    for s, t, st, e, n, d, usd, err in rows:
+          f"{'pipelines':>9} {'devices':>7} {'schedule':>8}")
+    for s, t, st, e, n, d, usd, err, sch in rows:
         if err:
             print(f"{s:<20} {'infeasible':>14}  {err}")
             continue
         speed = f"{t / base:.2f}x" if base else "n/a"
         dollars = f"{usd:,.3f}" if usd is not None else "n/a"
-        print(f"{s:<20} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7}")
+        print(f"{s:<20} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7} {sch:>8}")
     if any(r[6] is None and not r[7] for r in rows):
         print("n/a: a kind used has no price_per_hour (catalog or cluster file)")
     return 0
@@ -267,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
     sp.add_argument("--strategy", default="hethub", choices=["hethub", "uniform", "flops-proportional",
                                                              "homogeneous"])
-    sp.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES)
+    sp.add_argument("--schedule", default=AUTO_SCHEDULE, choices=(AUTO_SCHEDULE, *SCHEDULES),
+                    help=f"pipeline schedule; {AUTO_SCHEDULE} (default): the best predicted of "
+                         f"{', '.join(AUTO_CANDIDATES)}")
     sp.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS),
                     help="fp16-mixed (with dynamic loss scaling) for GPUs without bf16 (Volta, Turing); CPU "
                          "ranks always run fp32")

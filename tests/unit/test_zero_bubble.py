@@ -58,3 +58,22 @@ def test_closed_form_tracks_the_simulation_on_unequal_stages() -> None:
         assert sim <= one + 1e-9, "ZB-H1 never loses to 1F1B at equal per-op times"
         errs.append(abs(ZB.step_time_s(fwd_s=f, bwd_s=b, p2p_s=c, num_micro_batches=m) - sim) / sim)
     assert sorted(errs)[len(errs) // 2] < 0.05 and max(errs) < 0.15
+
+
+def test_planner_picks_zero_bubble_where_it_predicts_a_gain() -> None:
+    from pathlib import Path
+
+    from hethub.search.config import PlannerConfig
+    from hethub.search.planner import make_plan
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+
+    cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples" / "clusters" / "a100-v100-32.toml")
+    model = get_model("llama-3-8b")
+    auto = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=64, seq_len=4096, schedule="auto"))
+    forced = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=64, seq_len=4096,
+                                                                          schedule="1f1b"))
+    assert auto.plan.schedule == "zb-h1"
+    assert auto.prediction.fits_memory
+    assert auto.prediction.step_time_s < forced.prediction.step_time_s
+    assert auto.notes[0].startswith("schedule zb-h1 chosen")

@@ -17,6 +17,11 @@ _REGISTRY: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), GPipe(), ZeroB
 # Every schedule name, in the order the CLI lists them; the first is the default.
 SCHEDULES: tuple[str, ...] = tuple(_REGISTRY)
 DEFAULT_SCHEDULE = SCHEDULES[0]
+# What the planner may choose among when asked to pick ("auto"): the schedules whose activation
+# memory does not grow with the batch (so GPipe is only ever run when forced).
+AUTO_SCHEDULE = "auto"
+AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, s in _REGISTRY.items()
+                                          if s.max_in_flight(stage=0, num_stages=1) is not None)
 
 
 def get_schedule(name: str) -> Schedule:
@@ -27,4 +32,5 @@ def get_schedule(name: str) -> Schedule:
         raise ValueError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}") from None
 
 
-__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "OneFOneB", "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]
+__all__ = ["AUTO_CANDIDATES", "AUTO_SCHEDULE",
+           "DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "OneFOneB", "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.errors import SpecError
-from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from hethub.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
 STRATEGIES = ("hethub", "uniform", "flops-proportional", "homogeneous")
@@ -46,8 +46,8 @@ class PlannerConfig:
                 raise bad(name, f"must be a positive integer, got {v!r}", "give a positive integer")
         if self.strategy not in STRATEGIES:
             raise bad("strategy", f"is {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
-        if self.schedule not in SCHEDULES:
-            raise bad("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        if self.schedule not in (*SCHEDULES, AUTO_SCHEDULE):
+            raise bad("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)} or {AUTO_SCHEDULE}")
         if self.precision not in PRECISIONS:
             raise bad("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
         for name in ("micro_batch_sizes", "tp_degrees"):

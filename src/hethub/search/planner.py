@@ -18,6 +18,7 @@ from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.progress import progress
+from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE
 from hethub.search.assemble import build_plan
 from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
@@ -46,10 +47,34 @@ class PlanResult:
     upper_bound_by_kind: dict[str, float] | None = None
 
 
+def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+                   profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
+    t0 = time.perf_counter()
+    results: dict[str, PlanResult] = {}
+    errors: list[InfeasibleError] = []
+    for name in AUTO_CANDIDATES:
+        try:
+            results[name] = make_plan(cluster=cluster, model=model, config=replace(config, schedule=name),
+                                      profiles=profiles, host=host)
+        except InfeasibleError as err:
+            errors.append(err)
+    if not results:
+        raise errors[0]
+    name, best = min(results.items(), key=lambda kv: kv[1].prediction.step_time_s)
+    others = ", ".join(f"{n} {r.prediction.step_time_s:.3f} s" for n, r in results.items() if n != name)
+    note = f"schedule {name} chosen: predicted step {best.prediction.step_time_s:.3f} s"
+    note += f" vs {others}" if others else ""
+    return replace(best, search_time_s=time.perf_counter() - t0, notes=(note, *best.notes))
+
+
 def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
               profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
     """Best memory-feasible plan under `config.strategy`, scored by the predictor (with `host`, the
-    local emulation host every rank runs on, if any: ``hethub.emulation.host_model``)."""
+    local emulation host every rank runs on, if any: ``hethub.emulation.host_model``). With schedule
+    ``auto``, the best over the schedules of ``AUTO_CANDIDATES``, each planned on its own (its
+    in-flight memory shapes the stages), chosen by predicted step time."""
+    if config.schedule == AUTO_SCHEDULE:
+        return _best_schedule(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     t0 = time.perf_counter()
     _check_job(model, config)
     _check_state_fits(cluster, model, config)
