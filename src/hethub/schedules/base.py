@@ -81,6 +81,12 @@ class Schedule(ABC):
         and both transfers per hop, less the one steady-state period they overlap."""
         return sum(fwd_s) + sum(bwd_s) + 2 * sum(p2p_s) - per_micro_batch_s
 
+    def fill_work_floor_s(self, *, work_s: float, bottleneck_s: float) -> float:
+        """A floor under fill_drain_s + per_micro_batch_s less the transfers, knowing only one
+        micro-batch's forward + backward summed over the stages (``work_s``) and the slowest stage's
+        (``bottleneck_s``); the planner's bounds prune with it. Here: the whole round trip."""
+        return work_s
+
     def step_time_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float],
                     num_micro_batches: int) -> float:
         """Closed-form T(m): the end of the first stage's last op."""

@@ -67,6 +67,10 @@ class ZeroBubbleH1(Schedule):
         return sum(f + b * (1.0 - 2.0 * share) for f, b in zip(fwd_s[1:], bwd_s[1:], strict=True)) \
             + 2 * sum(p2p_s[:len(fwd_s) - 1])
 
+    def fill_work_floor_s(self, *, work_s: float, bottleneck_s: float) -> float:
+        # The fill is the later stages' F + B - W, whose share of the work is unknown here.
+        return bottleneck_s
+
     def stage_finish_s(self, *, step_s: float, bwd_s: Sequence[float], p2p_s: Sequence[float]) -> list[float]:
         # The later stages fill their tails with deferred W's; they finish at most when the first does.
         return [step_s] * len(bwd_s)

@@ -117,7 +117,8 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     bottleneck = max(work / p, _balanced(n_layers, p, w, e, h))
     act = mbs * job.seq_len * job.model.hidden_size * act_bytes_for(job.precision)
     link = links.p2p(Slot(kind, tp), Slot(kind, tp))
-    return work + 2 * (p - 1) * (link.latency_s + act / link.bw_bytes_per_s), bottleneck
+    fill = get_schedule(job.schedule).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
+    return fill + 2 * (p - 1) * (link.latency_s + act / link.bw_bytes_per_s), bottleneck
 
 
 def _balanced(n_layers: int, p: int, w: float, e: float, h: float) -> float:
@@ -250,6 +251,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
             link = links.p2p(prev, here)
             p2p += link.latency_s + act / link.bw_bytes_per_s
         prev = here
-    out = PipeFloor(base_s=work + 2 * p2p - bottleneck, per_mb_s=bottleneck)
+    fill = get_schedule(job.schedule).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
+    out = PipeFloor(base_s=fill + 2 * p2p - bottleneck, per_mb_s=bottleneck)
     book.pipe_floors[key] = out
     return out
