@@ -47,7 +47,10 @@ def test_compare_prints_every_strategy_with_speedups(capsys):
                         "--seq-len", "32", "--precision", "fp32", "--compare", "--json"], capsys)
     assert code == 0
     rows = {r["strategy"]: r for r in json.loads(out)}
-    assert set(rows) == {"hethub", "uniform", "flops-proportional", "homogeneous"}
+    # With the schedule left to the planner (the default), hethub also under each candidate schedule.
+    assert set(rows) == {"hethub", "hethub (1f1b)", "hethub (zb-h1)", "uniform", "flops-proportional", "homogeneous"}
+    assert rows["hethub"]["step_time_s"] == pytest.approx(min(rows["hethub (1f1b)"]["step_time_s"],
+                                                              rows["hethub (zb-h1)"]["step_time_s"]))
     assert rows["uniform"]["speedup_over_uniform"] == pytest.approx(1.0)
     assert rows["hethub"]["tokens_per_s"] >= rows["homogeneous"]["tokens_per_s"] * 0.999
 
