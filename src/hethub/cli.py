@@ -29,6 +29,22 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
+def _headroom(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.1, got {text!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {v}")
+    return v
+
+
+def _add_headroom(sp: argparse.ArgumentParser) -> None:
+    from hethub.predict.memory import DEFAULT_MEM_HEADROOM
+
+    sp.add_argument("--mem-headroom", type=_headroom, default=DEFAULT_MEM_HEADROOM, metavar="FRACTION",
+                    help="share of each device's memory to keep free (default %(default)s: the memory model's "
+                         "error; docs/predictor.md)")
 
 
 def _load_profiles(arg: str | None, model=None, seq_len: int | None = None):
@@ -61,7 +77,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
                            schedule=args.schedule, precision=args.precision, top_k=args.top_k,
                            objective=args.objective, budget_per_hour=args.budget_per_hour,
-                           min_tokens_per_s=args.min_tokens_per_s)
+                           min_tokens_per_s=args.min_tokens_per_s,
+                           mem_headroom=args.mem_headroom)
     profiles = _load_profiles(args.profiles, model, args.seq_len)
     host = host_for(cluster, args.profiles, model=model, seq_len=args.seq_len)
     if args.compare:
@@ -206,8 +223,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         plan = plan_with_links(plan, read_links_profile(args.links))
     profiles = _load_profiles(args.profiles, plan.model, plan.seq_len)
     pred = predict(plan, profiles=profiles,
-                   host=host_for(plan.cluster, args.profiles, model=plan.model, seq_len=plan.seq_len))
+                   host=host_for(plan.cluster, args.profiles, model=plan.model, seq_len=plan.seq_len),
+                   mem_headroom=args.mem_headroom)
     upper = plan.meta.get("upper_bound_tokens_per_s")
+    for w in pred.warnings:  # stderr, so --json output stays one object
+        print(f"hethub predict: warning: {w}", file=sys.stderr)
     if args.json:
         out = {**pred.to_dict(), "upper_bound_tokens_per_s": upper,
                "efficiency": pred.tokens_per_s / upper if upper else None, "feasible": pred.fits_memory}
@@ -291,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the plan must predict at least this many tokens/s")
     sp.add_argument("--out", help="write the plan JSON here")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_headroom(sp)
     sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("predict", help="predict step time, throughput and memory of a plan")
@@ -298,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--profiles", help="measured layer profiles (directory or file)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm'")
     sp.add_argument("--json", action="store_true")
+    _add_headroom(sp)
     sp.set_defaults(func=cmd_predict)
 
     sp = sub.add_parser("models", help="list the model presets --model accepts")

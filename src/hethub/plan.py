@@ -18,11 +18,15 @@ from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
 from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
-from hethub.spec.cluster import Cluster
+from hethub.spec.cluster import ATTENTION_IMPLS, Cluster
 from hethub.spec.model import PRECISIONS, ModelSpec
 
 PLAN_FORMAT = "hethub-plan"
-PLAN_VERSION = 1
+# 2: per-kind "precision"/"attention" under training.kinds. Version 1 files (no per-kind settings)
+# are still read; a version-1 reader would silently ignore per-kind settings, hence the bump.
+PLAN_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+KIND_SETTINGS = ("precision", "attention")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,23 @@ class Plan:
     precision: str = "bf16-mixed"
     strategy: str = "manual"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Per-kind overrides of the plan-wide precision and of the kind's default attention implementation:
+    # {"v100-16gb": {"precision": "fp32", "attention": "math"}}. See precision_of / attention_of.
+    kind_settings: dict[str, dict[str, str]] = field(default_factory=dict, hash=False)
+
+    def precision_of(self, kind: str) -> str:
+        """The precision stages of ``kind`` train in: the plan's per-kind setting, else the plan-wide
+        precision where the kind runs it, else the kind's first supported one (e.g. fp32 on CPU,
+        where the runtime never autocasts)."""
+        own = self.kind_settings.get(kind, {}).get("precision")
+        if own is not None:
+            return own
+        return self.cluster.kinds[kind].precision_for(self.precision)
+
+    def attention_of(self, kind: str) -> str:
+        """The attention implementation stages of ``kind`` use: the plan's per-kind setting, else the
+        kind's default from the catalog ("math" on pre-Ampere GPUs)."""
+        return self.kind_settings.get(kind, {}).get("attention") or self.cluster.kinds[kind].attention
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -96,6 +117,19 @@ class Plan:
             _fail("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         if self.precision not in PRECISIONS:
             _fail("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        for kind, settings in self.kind_settings.items():
+            kw = f"training.kinds.{kind}"
+            if kind not in c.kinds:
+                _fail(kw, f"names kind {kind!r}, not a kind of cluster {c.name!r}",
+                      f"use one of {', '.join(c.kind_names)}")
+            if not isinstance(settings, dict) or set(settings) - set(KIND_SETTINGS):
+                _fail(kw, f"is {settings!r}", f"give an object with only {' and/or '.join(KIND_SETTINGS)}")
+            prec, att = settings.get("precision"), settings.get("attention")
+            if prec is not None and prec not in c.kinds[kind].precisions:
+                _fail(f"{kw}.precision", f"is {prec!r}, which hethub's runtime does not run on {kind} "
+                      f"(it runs {', '.join(c.kinds[kind].precisions)})", "use one of those or leave it out")
+            if att is not None and att not in ATTENTION_IMPLS:
+                _fail(f"{kw}.attention", f"is {att!r}", f"use one of {', '.join(ATTENTION_IMPLS)}")
         if self.seq_len < 1 or self.seq_len > m.max_seq_len:
             _fail("seq_len", f"is {self.seq_len}, outside 1..{m.max_seq_len} (the model's max_seq_len)",
                   "use a sequence length the model supports")
@@ -138,7 +172,9 @@ class Plan:
             "version": PLAN_VERSION,
             "strategy": self.strategy,
             "training": {"global_batch": self.global_batch, "seq_len": self.seq_len,
-                         "schedule": self.schedule, "precision": self.precision},
+                         "schedule": self.schedule, "precision": self.precision,
+                         **({"kinds": {k: dict(v) for k, v in self.kind_settings.items()}}
+                            if self.kind_settings else {})},
             "world_size": self.world_size,
             "pipelines": [
                 {
@@ -171,9 +207,10 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"not a hethub plan: field 'format' must be {PLAN_FORMAT!r}. "
                             "Fix: pass a file written by 'hethub plan' (or 'hethub import-plan').")
-        if data.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan field 'version' is {data.get('version')!r}; this hethub reads version "
-                            f"{PLAN_VERSION}. Fix: re-create the plan with this version of 'hethub plan'.")
+        if data.get("version") not in READABLE_VERSIONS:
+            raise PlanError(f"plan field 'version' is {data.get('version')!r}; this hethub reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}. Fix: re-create the plan with this version of "
+                            "'hethub plan'.")
         try:
             model = ModelSpec.from_dict(_get(data, "model", "", dict), where="plan field 'model'")
             cluster = Cluster.from_dict(_get(data, "cluster", "", dict), where="plan field 'cluster'")
@@ -189,7 +226,8 @@ class Plan:
                     seq_len=_get(t, "seq_len", "training", int), pipelines=pipelines,
                     schedule=_get(t, "schedule", "training", str, default=DEFAULT_SCHEDULE),
                     precision=_get(t, "precision", "training", str, default="bf16-mixed"),
-                    strategy=str(data.get("strategy", "manual")), meta=dict(meta))
+                    strategy=str(data.get("strategy", "manual")), meta=dict(meta),
+                    kind_settings=_kind_settings(t))
         plan.validate()
         _check_ranks(data, plan)
         return plan
@@ -258,6 +296,18 @@ def _get(obj: dict[str, Any], key: str, where: str, typ: type, *, default: Any =
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         _fail(path, f"must be {_TYPE_WORDS[typ]}, got {value!r}", f"write {_TYPE_WORDS[typ]}")
     return value
+
+
+def _kind_settings(training: dict[str, Any]) -> dict[str, dict[str, str]]:
+    kinds = training.get("kinds", {})
+    if not isinstance(kinds, dict) or not all(isinstance(v, dict) for v in kinds.values()):
+        _fail("training.kinds", f"must map kind names to objects, got {kinds!r}",
+              'write e.g. {"v100-16gb": {"precision": "fp32", "attention": "math"}}')
+    for k, v in kinds.items():
+        for key, val in v.items():
+            if not isinstance(val, str):
+                _fail(f"training.kinds.{k}.{key}", f"must be a string, got {val!r}", "write a string")
+    return {k: dict(v) for k, v in kinds.items()}
 
 
 def _pipeline_from_dict(p: Any, where: str) -> Pipeline:

@@ -135,9 +135,9 @@ def test_infeasible_says_what_does_not_fit_and_what_to_change():
 
 
 def test_infeasible_activations_suggest_shorter_sequences():
-    # The training state fits in aggregate (16 x 7.4 GB > 100 GB) but not per device once each device
+    # The training state fits in aggregate (16 x 9 GB x 0.9 > 18 B x 6.7B) but not per device once each device
     # also holds its activations.
-    cluster = parse_cluster({"name": "tiny-mem", "kinds": {"k": {"base": "a100-40gb", "mem_bytes": 8_000_000_000}},
+    cluster = parse_cluster({"name": "tiny-mem", "kinds": {"k": {"base": "a100-40gb", "mem_bytes": 9_000_000_000}},
                              "group": [{"kind": "k", "nodes": 2, "devices_per_node": 8}]}, where="test")
     with pytest.raises(InfeasibleError, match=r"one layer at TP 8 needs .* GiB per k device.*--seq-len"):
         make_plan(cluster=cluster, model=get_model("llama-2-7b"), config=PlannerConfig(global_batch=8, seq_len=4096))

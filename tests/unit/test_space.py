@@ -12,11 +12,13 @@ MODEL = ModelSpec(name="m", num_layers=6, hidden_size=1024, num_heads=8, num_kv_
 
 
 def _cluster(*, fast_mem: int, slow_mem: int, slow_flops: float, fast_per_node: int = 4, slow_nodes: int = 1):
-    # Memory is tight on purpose: no device holds the whole model, so plans must pipeline.
+    # Memory is tight on purpose: no device holds the whole model, so plans must pipeline. The budgets
+    # are tensor bytes only: no framework context, collective buffers or fragmentation on top.
+    bare = {"context_bytes": 0, "comm_buffer_bytes": 0, "fragmentation": 0}
     return parse_cluster({
         "name": "fast-slow",
-        "kinds": {"fast": {"base": "a100-40gb", "mem_bytes": fast_mem},
-                  "slow": {"base": "a100-40gb", "mem_bytes": slow_mem, "peak_flops": slow_flops}},
+        "kinds": {"fast": {"base": "a100-40gb", "mem_bytes": fast_mem, **bare},
+                  "slow": {"base": "a100-40gb", "mem_bytes": slow_mem, "peak_flops": slow_flops, **bare}},
         "group": [{"kind": "fast", "nodes": 1, "devices_per_node": fast_per_node},
                   {"kind": "slow", "nodes": slow_nodes, "devices_per_node": 2}],
         "network": {"inter_node_bw_bytes_per_s": 25e9, "cross_kind_bw_bytes_per_s": 25e9},
@@ -30,7 +32,7 @@ CASES = [
     (dict(fast_mem=3_000_000_000, slow_mem=1_500_000_000, slow_flops=100e12),
      dict(global_batch=8, seq_len=2048, tp_degrees=(1,), micro_batch_sizes=(2, 4))),
     # 2 fast + 2 slow with TP 1 or 2; the slow kind is nearly as fast but small.
-    (dict(fast_mem=4_000_000_000, slow_mem=1_200_000_000, slow_flops=250e12, fast_per_node=2),
+    (dict(fast_mem=5_000_000_000, slow_mem=1_600_000_000, slow_flops=250e12, fast_per_node=2),
      dict(global_batch=8, seq_len=2048, tp_degrees=(1, 2), micro_batch_sizes=(2, 4))),
 ]
 

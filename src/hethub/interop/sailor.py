@@ -172,8 +172,14 @@ def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len
         meta["note"] = (f"gbs {gbs} is not {mbs} (mbs) x {len(pipelines)} replicas x a whole number of "
                         f"micro-batches; like Sailor's simulator, each replica runs ceil(gbs / (mbs x dp x "
                         f"pipelines)) = {m}, so the global batch is {total}")
+    # What Sailor's runs used: fp32 training (its configs and memory model count 4-byte floats) and
+    # attention that materialises the scores (its measured per-layer activations, llm_info.json, grow
+    # with heads x seq^2: LLaMA-3-8 keeps 92 floats per token per hidden unit at s=8192, hethub's math
+    # formula 88, a flash kernel's 24). Recorded per kind so the predictor counts the same.
+    kinds = sorted({s.kind for p in pipelines for s in p.stages})
     plan = Plan(model=model, cluster=cluster, global_batch=total, seq_len=seq_len, pipelines=tuple(pipelines),
-                strategy="sailor", meta={"sailor": meta})
+                strategy="sailor", meta={"sailor": meta}, precision="fp32",
+                kind_settings={k: {"attention": "math"} for k in kinds})
     return plan.validate()
 
 

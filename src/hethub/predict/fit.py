@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hethub.errors import MemoryFitError
 from hethub.plan import Plan
+from hethub.predict.memory import describe_peak
 from hethub.predict.result import Prediction
 
 GIB = 1024**3
@@ -25,10 +26,17 @@ def check_memory_fit(plan: Plan, prediction: Prediction) -> None:
         if st.tp < plan.cluster.groups[plan.cluster.devices[st.devices[0]].group].devices_per_node:
             hints.append("raise its TP degree")
         hints.append("or let 'hethub plan' choose")
+        if s.memory is not None:
+            parts = describe_peak(s.memory)
+            usable = (f"{s.capacity_bytes / GIB:.2f} GiB ({s.device_mem_bytes / GIB:.2f} GiB - "
+                      f"{1 - s.capacity_bytes / s.device_mem_bytes:.0%} headroom)" if s.device_mem_bytes
+                      else f"{s.capacity_bytes / GIB:.2f} GiB")
+        else:
+            parts = (f"weights {s.weights_bytes / GIB:.2f} GiB + grads {s.grads_bytes / GIB:.2f} GiB + optimizer "
+                     f"{s.optimizer_bytes / GIB:.2f} GiB + activations {s.activations_bytes / GIB:.2f} GiB")
+            usable = f"{s.capacity_bytes / GIB:.2f} GiB"
         raise MemoryFitError(
             f"plan does not fit memory: pipelines[{s.pipeline}].stages[{s.stage}] on {s.kind} (devices "
-            f"{list(s.devices)}) needs {s.peak_mem_bytes / GIB:.2f} GiB per device (weights "
-            f"{s.weights_bytes / GIB:.2f}, grads {s.grads_bytes / GIB:.2f}, optimizer {s.optimizer_bytes / GIB:.2f}, "
-            f"activations {s.activations_bytes / GIB:.2f}) but {s.capacity_bytes / GIB:.2f} GiB is usable, "
+            f"{list(s.devices)}): {parts} = {s.peak_mem_bytes / GIB:.2f} GiB per device exceeds {usable}, "
             f"{over / GIB:.2f} GiB over. Fix: {', '.join(hints)}."
         )

@@ -22,6 +22,8 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
@@ -30,11 +32,15 @@ from hethub.predict.comm import p2p_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
-    USABLE_FRACTION,
+    DEFAULT_MEM_HEADROOM,
     StageMemory,
     act_bytes_for,
+    check_headroom,
+    describe_peak,
     runtime_vocab_parallel,
     stage_memory,
+    stage_params,
+    usable_bytes,
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
@@ -59,6 +65,7 @@ class _Costs:
         self.plan = plan
         self.profiles = profiles
         self.act_bytes = act_bytes_for(plan.precision)
+        self.sync_shape = _sync_shape(plan)
         self.stage: dict[tuple, _StageCost] = {}
         self.memory: dict[tuple, StageMemory] = {}
         self.finish: dict[tuple, list[float]] = {}
@@ -78,7 +85,7 @@ class _Costs:
             plan = self.plan
             k = plan.cluster.kinds[kind]
             times = stage_times(plan.model, k, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
-                                seq_len=plan.seq_len, recompute=recompute, precision=plan.precision,
+                                seq_len=plan.seq_len, recompute=recompute, precision=plan.precision_of(kind),
                                 profile=self.profile(kind))
             act = mbs * plan.seq_len * plan.model.hidden_size * self.act_bytes
             intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
@@ -89,16 +96,20 @@ class _Costs:
             cost = self.stage[key] = _StageCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
         return cost
 
-    def stage_memory(self, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int, recompute: bool,
-                     in_flight: int) -> StageMemory:
-        key = (layers, embedding, head, tp, mbs, recompute, in_flight)
+    def stage_memory(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
+                     recompute: bool, in_flight: int, synced: bool, mixed_sync: bool, communicators: int,
+                     sync_bucket_params: float) -> StageMemory:
+        key = (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
+               sync_bucket_params)
         mem = self.memory.get(key)
         if mem is None:
             plan = self.plan
-            mem = self.memory[key] = stage_memory(plan.model, layers=layers, embedding=embedding, head=head, tp=tp,
-                                                  mbs=mbs, seq_len=plan.seq_len, recompute=recompute,
-                                                  precision=plan.precision, in_flight=in_flight,
-                                                  vocab_parallel=runtime_vocab_parallel(plan.model, tp))
+            mem = self.memory[key] = stage_memory(
+                plan.model, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs, seq_len=plan.seq_len,
+                recompute=recompute, precision=plan.precision_of(kind), in_flight=in_flight,
+                vocab_parallel=runtime_vocab_parallel(plan.model, tp), attention=plan.attention_of(kind),
+                kind=plan.cluster.kinds[kind], synced=synced, mixed_sync=mixed_sync, communicators=communicators,
+                sync_bucket_params=sync_bucket_params)
         return mem
 
     def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
@@ -115,7 +126,7 @@ class _Costs:
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
-            host: HostModel | None = None) -> Prediction:
+            host: HostModel | None = None, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> Prediction:
     """Step time, throughput, per-device memory and (optionally) the per-device timeline of `plan`.
 
     ``timeline``: True for every device's events; a collection of device ids for those devices only
@@ -124,14 +135,16 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
 
     ``host``: the local emulation host every rank runs on, if any (``hethub.emulation.host_model``);
     it prices the all-reduces and replays the step, and its timeline is the replay's.
+    ``mem_headroom``: share of each device's memory a plan must leave free (predict/memory/capacity.py).
     """
     only = None if isinstance(timeline, bool) else frozenset(timeline)
     timeline = timeline is not False
+    mem_headroom = check_headroom(mem_headroom)
     model, cluster = plan.model, plan.cluster
     costs = _Costs(plan, profiles)
     schedule = get_schedule(plan.schedule)
     p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
-    partial: list[tuple[int, int, _StageCost, StageMemory, float]] = []
+    partial: list[tuple[int, int, _StageCost, StageMemory, float, int]] = []
     finish: list[list[float]] = []
     updates: list[list[float]] = []
     sigs: list[tuple] = []
@@ -142,8 +155,11 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
                                     mbs=mbs, recompute=s.recompute)
             in_flight = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=m)
-            mem = costs.stage_memory(layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp, mbs=mbs,
-                                     recompute=s.recompute, in_flight=in_flight)
+            synced, mixed, bucket = costs.sync_shape[(pi, si)]
+            comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
+            mem = costs.stage_memory(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
+                                     mbs=mbs, recompute=s.recompute, in_flight=in_flight, synced=synced,
+                                     mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
             send = 0.0
             if si < n - 1:
                 link = cluster.link(s.devices[-1], p.stages[si + 1].devices[0])
@@ -152,7 +168,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             bwd.append(cost.bwd_s)
             p2p.append(send)
             upd.append(cost.times.update_s)
-            partial.append((pi, si, cost, mem, send))
+            partial.append((pi, si, cost, mem, send, in_flight))
         sig = (m, tuple(fwd), tuple(bwd), tuple(p2p))
         sigs.append(sig)
         finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline and host is None))
@@ -165,8 +181,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline and host is None, groups=groups,
                          world=world)
     stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync,
-                                     last_backward_s=finish[pi][si])
-                   for pi, si, cost, mem, send in partial)
+                                     last_backward_s=finish[pi][si], in_flight=f, headroom=mem_headroom)
+                   for pi, si, cost, mem, send, f in partial)
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
     events: tuple[Event, ...] = ()
@@ -175,7 +191,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
                                      fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, compute_fwd_s=cost.times.fwd_s,
                                      compute_bwd_s=cost.times.bwd_s, update_s=cost.times.update_s, p2p_s=send,
                                      compute_source=cost.times.source)
-                 for pi, si, cost, _, send in partial for s in (plan.pipelines[pi].stages[si],)}
+                 for pi, si, cost, _, send, _ in partial for s in (plan.pipelines[pi].stages[si],)}
         replayed = host.replay_step(plan, profiles=profiles, stages=steps, groups=groups, world=world,
                                     record=timeline)
         step, pipeline_times = replayed.step_time_s, replayed.pipeline_times_s
@@ -196,6 +212,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         model_flops_per_step=model.train_flops_per_token(seq_len=plan.seq_len) * tokens,
         mfu_by_kind=mfu_by_kind(plan, step),
         sources=_sources(plan, stages),
+        warnings=_memory_warnings(stages, headroom=mem_headroom),
     )
 
 
@@ -207,14 +224,87 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
         comm += (f"; all-reduce among {sorted(p for p, _ in cluster.host.allreduce)} ranks measured on this host "
                  "(used through the emulation hook)")
     return {"compute": {s.kind: s.compute_source for s in stages}, "communication": comm,
-            "memory": "analytic: parameters, gradients, optimizer state and kept activations (predict/memory.py)",
+            "memory": "analytic: named parts (predict/memory): state per precision, kept activations per layer, "
+                      "working set, sync and optimizer buffers; framework context, collective buffers and "
+                      "fragmentation from the catalog",
             "mfu": "model FLOPs (forward + backward, no recomputation) over each kind's dense peak for the "
                    f"plan's precision ({plan.precision})"}
 
 
+def _sync_shape(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
+    """Per stage: whether other replicas hold its parameters, and, of the groups the runtime flattens
+    into one all-reduce buffer (units with the same holders, runtime/data_parallel.py), whether the
+    largest one on this stage mixes TP degrees (full-size gradients are built first) and its
+    parameters on one device."""
+    model = plan.model
+    # Layers between consecutive stage boundaries (of any pipeline) have the same holders: one
+    # "segment" per such run, so the work is segments x pipelines, not layers x pipelines.
+    bounds = sorted({0, model.num_layers, *(x for p in plan.pipelines for s in p.stages for x in s.layers)})
+    # A stage without layers starts where the next one does, so bisect finds the one holding the layer.
+    starts = [[s.layers[0] for s in p.stages] for p in plan.pipelines]
+    groups: dict[tuple, dict[str, int]] = {}
+
+    def add(key: tuple, unit: str, count: int) -> None:
+        counts = groups.setdefault(key, {})
+        counts[unit] = counts.get(unit, 0) + count
+
+    for a, b in itertools.pairwise(bounds):
+        if b > a:
+            key = tuple((pi, si, p.stages[si].tp) for pi, p in enumerate(plan.pipelines)
+                        for si in (bisect.bisect_right(starts[pi], a) - 1,))
+            add(key, "layer", b - a)
+    add(tuple((pi, 0, p.stages[0].tp) for pi, p in enumerate(plan.pipelines)), "embedding", 1)
+    add(tuple((pi, len(p.stages) - 1, p.stages[-1].tp) for pi, p in enumerate(plan.pipelines)), "head", 1)
+    sizes: dict[tuple[str, int], float] = {}  # (unit type, TP) -> parameters on one device
+
+    def size(u: str, tp: int) -> float:
+        t = u if u in ("embedding", "head") else "layer"
+        if (t, tp) not in sizes:
+            sizes[(t, tp)] = stage_params(model, layers=t == "layer", embedding=t == "embedding", head=t == "head",
+                                          tp=tp, vocab_parallel=runtime_vocab_parallel(model, tp))
+        return sizes[(t, tp)]
+
+    buckets: dict[tuple[int, int], dict[tuple, list]] = {}
+    for hs, counts in groups.items():
+        mixed = len({tp for _, _, tp in hs}) > 1
+        for pi, si, tp in hs:
+            n = sum(c * size(t, tp) for t, c in counts.items())
+            buckets.setdefault((pi, si), {})[hs] = [n, mixed]
+    out: dict[tuple[int, int], tuple[bool, bool, float]] = {}
+    for sid, mine in buckets.items():
+        synced = [(n, mixed) for key, (n, mixed) in mine.items() if len(key) > 1]
+        if not synced:
+            out[sid] = (False, False, 0.0)
+            continue
+        tp = plan.pipelines[sid[0]].stages[sid[1]].tp
+        n, mixed = max(synced, key=lambda g: g[0] * (2 * tp if g[1] and tp > 1 else 1))
+        out[sid] = (True, mixed, n)
+    return out
+
+
+def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) -> tuple[str, ...]:
+    """One line per distinct (kind, peak) that is over the device's memory or inside its headroom."""
+    out: dict[tuple[str, float], str] = {}
+    for sp in stages:
+        if sp.memory is None or sp.fits:
+            continue
+        where = f"pipelines[{sp.pipeline}].stages[{sp.stage}]"
+        peak, gib = sp.peak_mem_bytes, 1024**3
+        if sp.over_device_memory:
+            text = (f"{where} on {sp.kind}: predicted peak {peak / gib:.2f} GiB ({describe_peak(sp.memory)}) is over "
+                    f"the device's {sp.device_mem_bytes / gib:.2f} GiB: it will run out of memory")
+        else:
+            text = (f"{where} on {sp.kind}: predicted peak {peak / gib:.2f} GiB ({describe_peak(sp.memory)}) is "
+                    f"within the {headroom:.0%} headroom (usable {sp.capacity_bytes / gib:.2f} of "
+                    f"{sp.device_mem_bytes / gib:.2f} GiB): little margin for the model's error")
+        out.setdefault((sp.kind, round(peak)), text)
+    return tuple(out.values())
+
+
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: StageMemory, send: float,
-                      sync: SyncResult, last_backward_s: float) -> StagePrediction:
+                      sync: SyncResult, last_backward_s: float, in_flight: int, headroom: float) -> StagePrediction:
     s = plan.pipelines[pi].stages[si]
+    kind = plan.cluster.kinds[s.kind]
     m = plan.pipelines[pi].num_micro_batches
     compute = m * (cost.times.fwd_s + cost.times.bwd_s)
     tp_comm = m * (cost.fwd_s - cost.times.fwd_s + cost.bwd_s - cost.times.bwd_s)
@@ -224,7 +314,9 @@ def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: St
         fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, update_s=cost.times.update_s, p2p_s=send,
         sync_s=sync.sync_s[(pi, si)], weights_bytes=mem.weights_bytes, grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes, activations_bytes=mem.activations_bytes,
-        capacity_bytes=plan.cluster.kinds[s.kind].mem_bytes * USABLE_FRACTION, compute_source=cost.times.source,
+        capacity_bytes=usable_bytes(kind, headroom=headroom), compute_source=cost.times.source,
+        memory=mem, device_mem_bytes=float(kind.mem_bytes), precision=plan.precision_of(s.kind),
+        attention=plan.attention_of(s.kind), in_flight=in_flight,
         compute_s=compute, exposed_comm_s=tp_comm + sync_tail,
         bubble_s=max(0.0, sync.step_time_s - compute - tp_comm - sync_tail - cost.times.update_s),
     )

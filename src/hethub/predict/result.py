@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hethub.predict.memory import StageMemory
+
 
 @dataclass(frozen=True)
 class Event:
@@ -41,7 +43,7 @@ class StagePrediction:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float
-    capacity_bytes: float
+    capacity_bytes: float  # what the plan may use: device memory less the headroom
     compute_source: str
     # Where one device of this stage spends the step (seconds per step; they add up to the step):
     # its compute (forward + backward, all micro-batches, TP collectives excluded), its exposed
@@ -51,14 +53,38 @@ class StagePrediction:
     compute_s: float = 0.0
     exposed_comm_s: float = 0.0
     bubble_s: float = 0.0
+    # The full breakdown (predict/memory); None only for hand-built predictions in tests.
+    memory: StageMemory | None = None
+    device_mem_bytes: float = 0.0  # the kind's memory as sold
+    precision: str = ""
+    attention: str = ""
+    in_flight: int = 0
 
     @property
     def peak_mem_bytes(self) -> float:
+        if self.memory is not None:
+            return self.memory.total_bytes
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
 
     @property
     def fits(self) -> bool:
         return self.peak_mem_bytes <= self.capacity_bytes
+
+    @property
+    def over_device_memory(self) -> bool:
+        return bool(self.device_mem_bytes) and self.peak_mem_bytes > self.device_mem_bytes
+
+    def memory_dict(self) -> dict[str, Any]:
+        """The stage's memory breakdown as ``hethub predict --json`` prints it: parts add up to peak."""
+        m = self.memory
+        if m is None:
+            parts = {"weights": self.weights_bytes, "grads": self.grads_bytes, "optimizer": self.optimizer_bytes,
+                     "activations": self.activations_bytes}
+            return {"peak_bytes": self.peak_mem_bytes, "parts": parts}
+        return {"peak_bytes": m.total_bytes, "parts": m.parts, "peak_phase": m.peak_phase,
+                "phases": m.phases, "allocated_bytes": m.allocated_bytes, "reserved_bytes": m.reserved_bytes,
+                "usable_bytes": self.capacity_bytes, "device_bytes": self.device_mem_bytes,
+                "precision": self.precision, "attention": self.attention, "in_flight_micro_batches": self.in_flight}
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,7 @@ class Prediction:
     mfu_by_kind: dict[str, float] = field(default_factory=dict)
     # What each part of the prediction rests on: measured (profiles, host all-reduce fits) or analytic.
     sources: dict[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()  # e.g. a stage within the memory headroom
 
     @property
     def fits_memory(self) -> bool:
@@ -110,7 +137,8 @@ class Prediction:
                  "step_breakdown_s": {"compute": s.compute_s, "exposed_comm": s.exposed_comm_s,
                                       "update": s.update_s, "bubble": s.bubble_s},
                  "peak_mem_bytes": s.peak_mem_bytes, "capacity_bytes": s.capacity_bytes,
-                 "compute_source": s.compute_source}
+                 "compute_source": s.compute_source, "memory": s.memory_dict()}
                 for s in self.stages
             ],
+            "warnings": list(self.warnings),
         }

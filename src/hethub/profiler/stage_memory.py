@@ -46,7 +46,7 @@ def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int 
     tp = TPContext(size=st.tp, rank=tp_rank, group=tuple(range(st.tp)),
                    comm=_NoCollectives() if st.tp > 1 else None)  # type: ignore[arg-type]
     model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
-                       recompute=st.recompute, seed=seed)
+                       recompute=st.recompute, seed=seed, attention=plan.attention_of(st.kind))
     opt, _ = build_optimizer(model, OptimConfig())
     in_flight = get_schedule(plan.schedule).in_flight(stage=stage, num_stages=len(pipe.stages),
                                                       num_micro_batches=pipe.num_micro_batches)
@@ -64,3 +64,58 @@ def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int 
         torch.autograd.backward(out, grad_tensors=None if st.head else torch.ones_like(out))
     opt.step()
     return MeasuredMemory(state=training_state_bytes(model, opt), activations_bytes=acts, in_flight=in_flight)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's parts measured while the runtime trains (storage accounting; any device)."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_peak_bytes: int  # saved tensors held at once, over the schedule
+    grad_sync_buffer_bytes: int  # the largest gradient all-reduce buffer
+
+
+def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, seed: int = 0) -> RankMemory:
+    """Train ``steps`` steps of ``plan`` as rank ``rank`` (the runtime's Trainer, on CPU) and account
+    each part: parameters, gradients (after backward), AdamW state (after the step), the saved
+    tensors autograd holds at once during forward/backward (live tracking through the real schedule),
+    and the largest float buffer the gradient sync all-reduces. Call on every rank of an initialised
+    process group (``hethub.comm.local_ranks.run_local_ranks``)."""
+    from hethub.profiler.tensor_memory import LiveSavedTensors
+    from hethub.runtime.trainer import Trainer, TrainerConfig
+
+    trainer = Trainer(plan, rank=rank, comm=comm, cfg=TrainerConfig(seed=seed))
+    tracker = LiveSavedTensors(exclude=[*trainer.model.parameters(), *trainer.model.buffers()])
+    sync_max = [0]
+    sync = trainer.grad_sync
+    inner = sync.comm
+
+    class _Recording:  # sees what GradSync all-reduces, forwards everything
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def all_reduce(self, tensor: torch.Tensor, **kw: Any) -> Any:
+            if tensor.is_floating_point():
+                sync_max[0] = max(sync_max[0], tensor.untyped_storage().nbytes())
+            return inner.all_reduce(tensor, **kw)
+
+    sync.comm = _Recording()
+    g = torch.Generator().manual_seed(seed)
+    grads = 0
+    for _ in range(steps):
+        batch = torch.randint(0, plan.model.vocab_size, (plan.global_batch, plan.seq_len + 1), generator=g)
+        with tracker.active():
+            trainer.forward_backward(batch)
+        grads = max(grads, training_state_bytes(trainer.model).grads_bytes)
+        trainer.sync_grads()
+        trainer.clip_and_update()
+    state = training_state_bytes(trainer.model, trainer.optimizer)
+    st = trainer.place.stage
+    return RankMemory(rank=rank, pipeline=st.pipeline, stage=st.stage, weights_bytes=state.weights_bytes,
+                      grads_bytes=grads, optimizer_bytes=state.optimizer_bytes,
+                      activations_peak_bytes=tracker.peak_bytes, grad_sync_buffer_bytes=sync_max[0])

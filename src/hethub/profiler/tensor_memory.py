@@ -89,3 +89,56 @@ def saved_for_backward(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedTe
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield rec
+
+
+class LiveSavedTensors:
+    """Peak bytes of the tensors autograd holds for backward *at the same time*, over a whole schedule.
+
+    Unlike :func:`saved_for_backward` (everything one forward saves), this follows each saved storage
+    until autograd releases it (after its backward), so under 1F1B or GPipe the peak is what the
+    stage holds for its in-flight micro-batches. Use as ``with tracker.active(): run_schedule()``.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.exclude = {_storage_key(t) for t in exclude}
+        self.live: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, holders]
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def _release(self, key: tuple[str, int]) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current_bytes -= entry[0]
+            del self.live[key]
+
+    def _pack(self, t: torch.Tensor) -> object:
+        if t.device.type == "meta":
+            return t
+        key = _storage_key(t)
+        if key in self.exclude:
+            return t
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [t.untyped_storage().nbytes(), 0]
+            self.current_bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        entry[1] += 1
+        return _Held(t, self, key)
+
+    @contextmanager
+    def active(self) -> Iterator[LiveSavedTensors]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.tensor if isinstance(h, _Held) else h):
+            yield self
+
+
+class _Held:
+    """A saved tensor's stand-in: autograd drops it when it frees the saved tensor, which releases it."""
+
+    __slots__ = ("key", "tensor", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, tracker: LiveSavedTensors, key: tuple[str, int]) -> None:
+        self.tensor, self.tracker, self.key = tensor, tracker, key
+
+    def __del__(self) -> None:
+        self.tracker._release(self.key)

@@ -36,7 +36,8 @@ def summary_markdown(*, plan: Plan, prediction: Prediction, measured: MeasuredRu
         basis = f"median of {n - 1} steps after the first" if n > 1 else "one step"
         out.append(f"| measured / predicted step time | | {m_step / prediction.step_time_s:.2f}× ({basis}) |")
     out += ["", *_efficiency(plan, prediction.tokens_per_s, m_tps), "", *_bubble(prediction, measured, m_step), "",
-            *_kinds(plan, prediction.step_time_s, m_step), "", *_stages(plan, prediction)]
+            *_kinds(plan, prediction.step_time_s, m_step), "", *_stages(plan, prediction), "",
+            *_memory(plan, prediction)]
     if measured and measured.warnings:
         out += ["", "## Metrics file warnings", "", *[f"- {w}" for w in measured.warnings[:20]]]
         if len(measured.warnings) > 20:
@@ -123,6 +124,34 @@ def _stages(plan: Plan, prediction: Prediction) -> list[str]:
                    f"{' / '.join(fmt_time(v) for v in (sp.compute_s, sp.exposed_comm_s, sp.update_s, sp.bubble_s))} | "
                    f"{sp.peak_mem_bytes / GIB:.1f} / {sp.capacity_bytes / GIB:.1f} GiB | "
                    f"{'yes' if sp.fits else '**no**'} | {sp.compute_source} |")
+    return out
+
+
+def _memory(plan: Plan, prediction: Prediction) -> list[str]:
+    """Each stage's predicted peak per device, by part (predict/memory): the parts add up to the peak."""
+    rows = stage_rows(plan)
+    preds = stage_predictions(prediction)
+    out = ["## Memory per device (predicted peak, GiB)", "",
+           "Parts at the step's peak moment; *temporaries*: the working set of that moment (logits, a layer's "
+           "gradients, the gradient-sync copy or the optimizer's scratch); *outside*: framework context and "
+           "collective buffers, which the allocator does not see.", "",
+           "| pipelines | stage | kind | precision / attention | weights (+master) | grads | optimizer | "
+           "activations (in flight) | temporaries | fragmentation | outside | peak / usable |",
+           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        sp = preds.get((r.pipeline, r.stage))
+        if sp is None or sp.memory is None:
+            continue
+        p = sp.memory.parts
+        temps = p["fb_temporaries"] + p["grad_sync_buffer"] + p["optimizer_temporaries"]
+        out.append(
+            f"| {r.label.split(' · ')[0]} | {r.stage} | {r.kind} | {sp.precision} / {sp.attention} | "
+            f"{(p['weights'] + p['master_weights']) / GIB:.2f} | {p['grads'] / GIB:.2f} | {p['optimizer'] / GIB:.2f} | "
+            f"{p['activations'] / GIB:.2f} ({sp.in_flight}) | "
+            f"{temps / GIB:.2f} ({sp.memory.peak_phase.replace('_', ' ')}) | "
+            f"{p['fragmentation'] / GIB:.2f} | {(p['framework_context'] + p['comm_buffers']) / GIB:.2f} | "
+            f"{sp.peak_mem_bytes / GIB:.2f} / {sp.capacity_bytes / GIB:.2f}{'' if sp.fits else ' **over**'} |")
+    out += [*([""] + [f"- warning: {w}" for w in prediction.warnings] if prediction.warnings else [])]
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from hethub.errors import RuntimeSetupError
@@ -102,8 +103,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-b, a], dim=-1) * sin
 
 
+# The plan's attention implementation per kind (hethub.plan.Plan.attention_of) -> SDPA backends. "flash":
+# only memory-efficient kernels (FlashAttention, memory-efficient, cuDNN; on CPU torch's flash kernel),
+# which keep no s x s scores; no silent fallback to the math kernel, whose scores the memory model
+# would not have counted. "math": the reference kernel, which materialises scores and softmax.
+SDPA_BACKENDS = {
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash") -> None:
         super().__init__()
         self.tp = tp
         self.heads, self.kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
@@ -116,6 +127,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.heads * self.head_dim, h, bias=False)
         # Row-parallel bias is added once, after the reduction, so it stays replicated.
         self.wo_bias = nn.Parameter(torch.zeros(h)) if bias else None
+        if attention not in SDPA_BACKENDS:
+            raise ValueError(f"attention implementation {attention!r} is not one of {', '.join(SDPA_BACKENDS)}")
+        self.backends = SDPA_BACKENDS[attention]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -129,7 +143,8 @@ class Attention(nn.Module):
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(self.backends):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         o = reduce_from_tp(self.wo(o.transpose(1, 2).reshape(b, s, -1)), self.tp)
         return o if self.wo_bias is None else o + self.wo_bias
 
@@ -155,9 +170,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash") -> None:
         super().__init__()
-        self.attn_norm, self.attn = _norm(spec), Attention(spec, tp)
+        self.attn_norm, self.attn = _norm(spec), Attention(spec, tp, attention)
         self.mlp_norm, self.mlp = _norm(spec), MLP(spec, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -175,7 +190,7 @@ class StageModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, layers: tuple[int, int], embedding: bool, head: bool,
                  tp: TPContext | None = None, recompute: bool = False, seed: int = 0,
-                 rope_len: int | None = None) -> None:
+                 rope_len: int | None = None, attention: str = "flash") -> None:
         super().__init__()
         self.spec, self.tp, self.recompute = spec, tp or TPContext(), recompute
         self.has_embedding, self.has_head = embedding, head
@@ -186,7 +201,7 @@ class StageModel(nn.Module):
             self.embed = nn.Embedding(vocab, spec.hidden_size)
         if embedding and spec.arch == "gpt":
             self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(spec, self.tp) for i in range(*layers)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, self.tp, attention) for i in range(*layers)})
         if head:
             self.norm = _norm(spec)
             if not spec.tied_embeddings:

@@ -56,7 +56,8 @@ class Trainer:
                        comm=comm if st.tp > 1 else None)
         self.device = torch.device(self.cfg.device)
         self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
-                                recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len).to(self.device)
+                                recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len,
+                                attention=plan.attention_of(st.kind)).to(self.device)
         self.emulator = Emulator(self.kind.emulated_slowdown)
         self.precisions = {k: kind_precision(plan, k, override=self.cfg.precision, cpu_autocast=self.cfg.cpu_autocast)
                            for k in plan.cluster.kinds}

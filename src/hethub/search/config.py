@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.errors import SpecError
+from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
@@ -35,6 +36,8 @@ class PlannerConfig:
     polish: bool = True
     budget_per_hour: float | None = None
     min_tokens_per_s: float | None = None
+    # Share of each device's memory plans leave free (predict/memory/capacity.py says why 0.1).
+    mem_headroom: float = DEFAULT_MEM_HEADROOM
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> SpecError:
@@ -50,6 +53,10 @@ class PlannerConfig:
             raise bad("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)} or {AUTO_SCHEDULE}")
         if self.precision not in PRECISIONS:
             raise bad("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if (isinstance(self.mem_headroom, bool) or not isinstance(self.mem_headroom, (int, float))
+                or not 0 <= self.mem_headroom < 1):
+            raise bad("mem_headroom", f"must be a fraction in [0, 1), got {self.mem_headroom!r}",
+                      "give e.g. 0.1 to keep 10% of each device's memory free")
         for name in ("micro_batch_sizes", "tp_degrees"):
             vals = getattr(self, name)
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):

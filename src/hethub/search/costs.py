@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from hethub.predict.comm import tp_comm_time_s
 from hethub.predict.compute import stage_times
-from hethub.predict.memory import USABLE_FRACTION, act_bytes_for, stage_memory, stage_params
+from hethub.predict.memory import (
+    DEFAULT_MEM_HEADROOM,
+    StageMemory,
+    act_bytes_for,
+    runtime_vocab_parallel,
+    stage_memory,
+    stage_params,
+    usable_bytes,
+)
 from hethub.predict.profiles import ProfileSet
 from hethub.spec.cluster import DeviceKind, Link
 from hethub.spec.model import ModelSpec
@@ -28,6 +36,7 @@ class Job:
     schedule: str
     profiles: ProfileSet | None = None
     relax_memory: bool = False  # the upper bound prices kinds that cannot hold the model
+    mem_headroom: float = DEFAULT_MEM_HEADROOM  # share of each device's memory plans leave free
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,8 @@ class StageCost:
 
         def times(layers: int, emb: bool, head: bool) -> tuple[float, float, float]:
             st = stage_times(m, kind, layers=layers, embedding=emb, head=head, tp=tp, mbs=mbs,
-                             seq_len=job.seq_len, recompute=recompute, precision=job.precision, profile=prof)
+                             seq_len=job.seq_len, recompute=recompute, precision=kind.precision_for(job.precision),
+                             profile=prof)
             return st.fwd_s, st.bwd_s, st.update_s
 
         z, one = times(0, False, False), times(1, False, False)
@@ -69,8 +79,9 @@ class StageCost:
         self.params_per_layer = stage_params(m, layers=1, embedding=False, head=False, tp=tp) - p0
         self.emb_params = stage_params(m, layers=0, embedding=True, head=False, tp=tp) - p0
         self.head_params = stage_params(m, layers=0, embedding=False, head=True, tp=tp) - p0
-        self.capacity_bytes = float("inf") if job.relax_memory else kind.mem_bytes * USABLE_FRACTION
+        self.capacity_bytes = float("inf") if job.relax_memory else usable_bytes(kind, headroom=job.mem_headroom)
         self._max: dict[tuple[bool, bool, int, int], int] = {}
+        self._forms: dict[tuple[bool, bool], tuple | bool] = {}
         self._coef: dict[tuple[bool, bool], tuple[float, ...] | None] = {}
 
     def fwd_s(self, layers: int, *, emb: bool, head: bool) -> float:
@@ -91,11 +102,48 @@ class StageCost:
         return Affine(self.fwd_per_layer_s + self.bwd_per_layer_s,
                       self.fwd_s(0, emb=emb, head=head) + self.bwd_s(0, emb=emb, head=head))
 
-    def memory_bytes(self, layers: int, *, emb: bool, head: bool, in_flight: int) -> float:
-        j = self.job
+    def memory(self, layers: int, *, emb: bool, head: bool, in_flight: int) -> StageMemory:
+        """predict's memory model for this stage shape. The plan is not known yet, so the stage is
+        taken to sync with other replicas and to talk to two pipeline neighbours (the most a stage
+        does); the predictor, which re-scores the finalists, counts the plan's own."""
+        j, k = self.job, self.kind
         return stage_memory(j.model, layers=layers, embedding=emb, head=head, tp=self.tp, mbs=self.mbs,
-                            seq_len=j.seq_len, recompute=self.recompute, precision=j.precision,
-                            in_flight=in_flight).total_bytes
+                            seq_len=j.seq_len, recompute=self.recompute, precision=k.precision_for(j.precision),
+                            in_flight=in_flight, vocab_parallel=runtime_vocab_parallel(j.model, self.tp),
+                            attention=k.attention, kind=k, synced=True, communicators=1 + (self.tp > 1) + 1 + 2)
+
+    def memory_bytes(self, layers: int, *, emb: bool, head: bool, in_flight: int) -> float:
+        """``memory(...).total_bytes``, from per-part coefficients (the search asks this ~10^5 times)."""
+        form = self._forms.get((emb, head))
+        if form is None:
+            form = self._forms[(emb, head)] = self._part_form(emb, head)
+        if form is False:
+            return self.memory(layers, emb=emb, head=head, in_flight=in_flight).total_bytes
+        return _total_from_form(form, layers, in_flight)
+
+    def _part_form(self, emb: bool, head: bool) -> tuple | bool:
+        """Each part of predict's memory model as a line in the layer count (activations also times
+        the in-flight micro-batches), read off stage_memory at a few points and checked at two more;
+        False where the parts are not of that shape (then stage_memory is called each time)."""
+        def mem(n: int, f: int) -> StageMemory:
+            return self.memory(n, emb=emb, head=head, in_flight=f)
+
+        z, one, two, one_f2 = mem(0, 1), mem(1, 1), mem(2, 1), mem(1, 2)
+
+        def line(get) -> tuple[float, float, float]:  # (value at 0 layers, at n >= 1: base, slope)
+            return get(z), get(one) - (get(two) - get(one)), get(two) - get(one)
+
+        form = (line(lambda m: m.persistent_bytes), line(lambda m: m.grad_sync_buffer_bytes),
+                line(lambda m: m.optimizer_temporaries_bytes),
+                # activations per in-flight micro-batch
+                line(lambda m: m.activations_bytes), z.fb_temporaries_bytes, one.fb_temporaries_bytes,
+                one.fragmentation_ratio, one.framework_context_bytes + one.comm_buffers_bytes)
+        if one_f2.activations_bytes != 2 * one.activations_bytes:
+            return False
+        for n, f in ((3, 3), (7, 5)):
+            if abs(_total_from_form(form, n, f) - mem(n, f).total_bytes) > 1e-9 * mem(n, f).total_bytes:
+                return False
+        return form
 
     def max_layers(self, *, emb: bool, head: bool, in_flight: int, limit: int) -> int:
         """Most layers (<= limit) this stage holds within memory; -1 if not even zero fit."""
@@ -108,35 +156,32 @@ class StageCost:
         return n
 
     def _solve_max_layers(self, emb: bool, head: bool, in_flight: int, limit: int) -> int:
-        """The largest n with memory(n) <= capacity. Memory is bilinear in (layers >= 1, in-flight
-        micro-batches) and affine in in-flight at zero layers (predict/memory.py), so four coefficients
-        decide almost every query; predict's own stage_memory settles those within rounding of the
-        capacity, so the answer is the one stage_memory gives."""
+        """The largest n with memory(n) <= capacity, as predict's stage_memory gives it. Where memory is
+        bilinear in (layers >= 1, in-flight micro-batches), four coefficients give a starting point;
+        exact evaluations confirm it (the peak's moment can change with n, which bends the line)."""
         coef = self._memory_coefficients(emb, head)
         cap, f = self.capacity_bytes, in_flight
 
-        def over(n: int) -> bool:
-            if coef is not None:
-                a0, c0, a, b, c, d = coef
-                m = a0 + f * c0 if n == 0 else a + b * n + f * (c + d * n)
-                if abs(m - cap) > 1e-9 * cap:
-                    return m > cap
+        def exact_over(n: int) -> bool:
             return self.memory_bytes(n, emb=emb, head=head, in_flight=f) > cap
 
-        if over(0):
+        if exact_over(0):
             return -1
-        if over(1):
+        if exact_over(1):
             return 0
-        n = 1
-        if coef is not None:  # start at the closed-form answer; the loops below only confirm it
-            slope = coef[3] + f * coef[5]
-            n = limit if slope <= 0 else max(1, min(limit, 1 + int((cap - coef[2] - coef[3] - f * (coef[4] + coef[5]))
-                                                                   // slope)))
-        while n > 1 and over(n):
-            n -= 1
-        while n < limit and not over(n + 1):
-            n += 1
-        return n
+        if coef is not None:  # the closed-form answer, confirmed exactly (two evaluations)
+            _, _, a, b, c, d = coef
+            slope = b + f * d
+            n = limit if slope <= 0 else max(1, min(limit, 1 + int((cap - a - b - f * (c + d)) // slope)))
+            if not exact_over(n) and (n == limit or exact_over(n + 1)):
+                return n
+        # Memory grows with n, so bisection finds the exact answer (the peak's moment can change with n,
+        # which bends the line the coefficients describe).
+        lo, hi = 1, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if not exact_over(mid) else (lo, mid - 1)
+        return lo
 
     def _memory_coefficients(self, emb: bool, head: bool) -> tuple[float, ...] | None:
         """(a0, c0, a, b, c, d): memory(0, f) = a0 + c0 f and memory(n >= 1, f) = a + b n + f (c + d n),
@@ -156,6 +201,17 @@ class StageCost:
                      for n, f in ((3, 3), (7, 5)))
             self._coef[key] = coef if ok else None
         return self._coef[key]
+
+
+def _total_from_form(form: tuple, n: int, f: int) -> float:
+    """Mirror of StageMemory.total_bytes for the per-part lines of StageCost._part_form."""
+    (pers, sync, step, acts, work0, work1, frag, outside) = form
+
+    def at(ln: tuple[float, float, float]) -> float:
+        return ln[0] if n == 0 else ln[1] + ln[2] * n
+
+    fb = f * at(acts) + (work0 if n == 0 else work1)
+    return (at(pers) + max(fb, at(sync), at(step))) * (1 + frag) + outside
 
 
 class CostBook:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hethub.predict.memory import USABLE_FRACTION, stage_memory
+from hethub.predict.memory import describe_peak, stage_memory, state_bytes_per_param, usable_bytes
 from hethub.schedules import SCHEDULES, get_schedule
 from hethub.search.config import PlannerConfig
 from hethub.search.templates import tp_options
@@ -11,9 +11,9 @@ from hethub.spec.model import ModelSpec
 
 
 def infeasible_message(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig) -> str:
-    state = model.num_params * sum(ModelSpec.state_bytes_per_param(config.precision).values())
+    state = model.num_params * sum(state_bytes_per_param(config.precision).values())
     counts = cluster.count_by_kind()
-    usable = sum(n * cluster.kinds[k].mem_bytes * USABLE_FRACTION for k, n in counts.items())
+    usable = sum(n * usable_bytes(cluster.kinds[k], headroom=config.mem_headroom) for k, n in counts.items())
     head = (f"no {config.strategy} plan for {model.name} ({model.num_params / 1e9:.1f}B parameters, "
             f"{model.num_layers} layers) at seq_len {config.seq_len} fits cluster {cluster.name!r} "
             f"({cluster.num_devices} devices)")
@@ -30,11 +30,14 @@ def infeasible_message(*, cluster: Cluster, model: ModelSpec, config: PlannerCon
             parts.append(f"{k} has no TP degree in {config.tp_degrees} that divides its node size and the "
                          "model's heads")
             continue
-        mem = stage_memory(model, layers=1, embedding=False, head=False, tp=tps[-1], mbs=1, seq_len=config.seq_len,
-                           recompute=config.allow_recompute, precision=config.precision, in_flight=1).total_bytes
-        cap = cluster.kinds[k].mem_bytes * USABLE_FRACTION
-        parts.append(f"one layer at TP {tps[-1]} needs {mem / GIB:.1f} GiB per {k} device of {cap / GIB:.1f} "
-                     "GiB usable")
+        kind = cluster.kinds[k]
+        one = stage_memory(model, layers=1, embedding=False, head=False, tp=tps[-1], mbs=1, seq_len=config.seq_len,
+                           recompute=config.allow_recompute, precision=kind.precision_for(config.precision),
+                           in_flight=1, attention=kind.attention, kind=kind)
+        cap = usable_bytes(kind, headroom=config.mem_headroom)
+        parts.append(f"one layer at TP {tps[-1]} needs {one.total_bytes / GIB:.1f} GiB per {k} device "
+                     f"({describe_peak(one, limit=2)}) of {cap / GIB:.1f} GiB usable "
+                     f"({config.mem_headroom:.0%} headroom)")
     fixes = ["a smaller --seq-len", "a larger cluster", "a model with fewer layers"]
     if get_schedule(config.schedule).max_in_flight(stage=0, num_stages=1) is None:
         bounded = [n for n in SCHEDULES if get_schedule(n).max_in_flight(stage=0, num_stages=1) is not None]

@@ -92,12 +92,14 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     elif config.strategy == "hethub":
         # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
         scored = sorted([*_score(_hethub_candidates(cluster=cluster, model=model, config=config, profiles=profiles,
-                                                    books=books), profiles, host=host), *alone],
+                                                    books=books), profiles, host=host,
+                                                    headroom=config.mem_headroom), *alone],
                         key=lambda x: x[1].step_time_s)
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
-        scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles, host=host)
+        scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles, host=host,
+                        headroom=config.mem_headroom)
     bar.update()
     if not scored:
         bar.close()
@@ -117,7 +119,8 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
             if polished and left <= 0:
                 break
             polished.append(polish(*cand, profiles=profiles, budget_s=max(left, 0.0),
-                                   allow_recompute=config.allow_recompute, host=host))
+                                   allow_recompute=config.allow_recompute, host=host,
+                                   mem_headroom=config.mem_headroom))
         scored = sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
     bar.update()
     bar.close()
@@ -173,13 +176,14 @@ def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     for kind in cluster.kind_names:
         plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                             books=books)
-        scored = _score(plans, profiles, host=host)
+        scored = _score(plans, profiles, host=host, headroom=config.mem_headroom)
         if scored:
             feasible.extend(scored[:2])
             parts[kind] = scored[0][1].tokens_per_s
             continue
         relaxed = _score(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
-                                     relax=True, books=books), profiles, require_fit=False, host=host)
+                                     relax=True, books=books), profiles, require_fit=False, host=host,
+                         headroom=config.mem_headroom)
         n = cluster.count_by_kind()[kind]
         parts[kind] = relaxed[0][1].tokens_per_s if relaxed else 0.0
         if relaxed:
@@ -219,11 +223,11 @@ def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> 
     return out
 
 
-def _score(plans: list[Plan], profiles: ProfileSet | None, *, require_fit: bool = True,
+def _score(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float, require_fit: bool = True,
            host: HostModel | None = None) -> list[tuple[Plan, Prediction]]:
     scored = []
     for plan in plans:
-        pred = predict(plan, profiles=profiles, host=host)
+        pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
         if pred.fits_memory or not require_fit:
             scored.append((plan, pred))
     scored.sort(key=lambda x: x[1].step_time_s)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan
 from hethub.predict.host import HostModel
-from hethub.predict.memory import USABLE_FRACTION, stage_memory
+from hethub.predict.memory import DEFAULT_MEM_HEADROOM, stage_memory, usable_bytes
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
@@ -21,7 +21,8 @@ from hethub.schedules import get_schedule
 
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_s: float,
-           allow_recompute: bool, host: HostModel | None = None) -> tuple[Plan, Prediction]:
+           allow_recompute: bool, host: HostModel | None = None,
+           mem_headroom: float = DEFAULT_MEM_HEADROOM) -> tuple[Plan, Prediction]:
     """First-improvement local search. After a move is taken, the next round starts at that same
     move (moving another layer the same way often helps again) and goes round the others from
     there, instead of re-trying from the first ones, which just failed: fewer predictions per step,
@@ -35,10 +36,10 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
             if time.perf_counter() >= deadline:
                 break
             i = (start + j) % len(moves)
-            cand = _apply(plan, moves[i], allow_recompute=allow_recompute)
+            cand = _apply(plan, moves[i], allow_recompute=allow_recompute, headroom=mem_headroom)
             if cand is None:
                 continue
-            p = predict(cand, profiles=profiles, host=host)
+            p = predict(cand, profiles=profiles, host=host, mem_headroom=mem_headroom)
             if p.fits_memory and p.step_time_s < pred.step_time_s * (1 - 1e-9):
                 plan, pred, improved, start = cand, p, True, i
                 break
@@ -64,7 +65,7 @@ def _moves(plan: Plan) -> list[tuple]:
     return out
 
 
-def _apply(plan: Plan, move: tuple, *, allow_recompute: bool) -> Plan | None:
+def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float) -> Plan | None:
     if move[0] == "batch":
         _, a, b = move
         if plan.pipelines[a].num_micro_batches <= 1:
@@ -82,7 +83,8 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool) -> Plan | None:
     counts[dst] += 1
     pipes, memo = [], {}
     for p in plan.pipelines:
-        q = _resplit(plan, p, counts, allow_recompute=allow_recompute, memo=memo) if _signature(p) == sig else p
+        q = (_resplit(plan, p, counts, allow_recompute=allow_recompute, memo=memo, headroom=headroom)
+             if _signature(p) == sig else p)
         if q is None:
             return None
         pipes.append(q)
@@ -90,9 +92,10 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool) -> Plan | None:
 
 
 def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: bool,
-             memo: dict | None = None) -> Pipeline | None:
+             memo: dict | None = None, headroom: float = DEFAULT_MEM_HEADROOM) -> Pipeline | None:
     """p with these layer counts, recomputing exactly where a stage does not fit otherwise. `memo`
-    shares that decision among the identical pipelines a move changes together."""
+    shares that decision among the identical pipelines a move changes together. Memory is judged as
+    the planner does (search/costs.py: synced, two neighbours); the predictor then checks the plan."""
     memo = {} if memo is None else memo
     stages, start = [], 0
     for i, (s, k) in enumerate(zip(p.stages, counts, strict=True)):
@@ -101,11 +104,14 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
         key = (s.kind, s.tp, s.embedding, s.head, k, in_flight, p.micro_batch_size)
         if key not in memo:
             memo[key] = None
-            cap = plan.cluster.kinds[s.kind].mem_bytes * USABLE_FRACTION
+            kind = plan.cluster.kinds[s.kind]
+            cap = usable_bytes(kind, headroom=headroom)
             for rc in (False, True) if allow_recompute else (False,):
                 mem = stage_memory(plan.model, layers=k, embedding=s.embedding, head=s.head, tp=s.tp,
                                    mbs=p.micro_batch_size, seq_len=plan.seq_len, recompute=rc,
-                                   precision=plan.precision, in_flight=in_flight)
+                                   precision=plan.precision_of(s.kind), in_flight=in_flight,
+                                   attention=plan.attention_of(s.kind), kind=kind, synced=True,
+                                   communicators=1 + (s.tp > 1) + 1 + 2)
                 if mem.total_bytes <= cap:
                     memo[key] = rc
                     break

@@ -134,7 +134,7 @@ def exhaustive_best(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig
     best: tuple[Plan, Prediction] | None = None
     n = 0
     for plan in enumerate_plans(cluster=cluster, model=model, config=config, profiles=profiles):
-        pred = predict(plan, profiles=profiles)
+        pred = predict(plan, profiles=profiles, mem_headroom=config.mem_headroom)
         n += 1
         if pred.fits_memory and (best is None or pred.step_time_s < best[1].step_time_s):
             best = (plan, pred)

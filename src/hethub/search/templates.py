@@ -48,7 +48,8 @@ class Searcher:
                  kinds: tuple[str, ...] | None = None, books: dict[bool, CostBook] | None = None) -> None:
         self.cluster, self.model, self.config = cluster, model, config
         self.job = Job(model=model, seq_len=config.seq_len, precision=config.precision,
-                       schedule=config.schedule, profiles=profiles, relax_memory=relax_memory)
+                       schedule=config.schedule, profiles=profiles, relax_memory=relax_memory,
+                       mem_headroom=config.mem_headroom)
         # Searches of one make_plan share stage models and splits (they differ only in kinds used).
         books = {} if books is None else books
         if relax_memory not in books:

@@ -33,6 +33,7 @@ _KIND_KEYS = {
         # the operator-level compute model (predict/opmodel.py); all optional
         "sm_count", "fp32_flops", "tf32_flops", "attention", "gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32",
         "gemm_k_half", "mem_eff", "kernel_launch_s", "calibration"),
+    "precisions", "context_bytes", "comm_buffer_bytes", "fragmentation",
 }
 ATTENTION_IMPLS = ("flash", "math")
 
@@ -111,6 +112,14 @@ class DeviceKind:
     mem_eff: float | None = None
     kernel_launch_s: float | None = None
     calibration: str = ""
+    # Memory model inputs (see hethub.predict.memory; ``attention`` above is shared with it): the
+    # precisions hethub's runtime runs natively here (the first is the fallback), the per-process
+    # framework reserve (CUDA/ROCm context + BLAS/DNN workspaces), the collective library's buffers
+    # per communicator, and the caching allocator's reserve as a fraction of the allocated peak.
+    precisions: tuple[str, ...] = ("bf16-mixed", "fp32")
+    context_bytes: float = 0.0
+    comm_buffer_bytes: float = 0.0
+    fragmentation: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.device_type:
@@ -120,6 +129,11 @@ class DeviceKind:
     def torch_extension(self) -> str:
         """The module to import before using the kind's device ("" if none: a torch build or stock torch)."""
         return self.torch_package if self.torch_package.isidentifier() else ""
+
+    def precision_for(self, wanted: str) -> str:
+        """The precision a stage of this kind trains in when ``wanted`` is asked for: it, where the
+        runtime runs it here, else the kind's first listed precision."""
+        return wanted if wanted in self.precisions else self.precisions[0]
 
     @property
     def effective_flops(self) -> float:
@@ -266,7 +280,8 @@ class Cluster:
         toml_like = {
             "name": data.get("name", "cluster"),
             "description": data.get("description", ""),
-            "kinds": {n: {k: v for k, v in t.items() if k != "name" and v is not None} for n, t in kinds.items()},
+            "kinds": {n: _with_catalog_base(n, {k: v for k, v in t.items() if k != "name" and v is not None})
+                      for n, t in kinds.items()},
             "group": [
                 {("nodes" if k == "num_nodes" else k): v for k, v in g.items() if v is not None} for g in groups
             ],
@@ -274,6 +289,14 @@ class Cluster:
             **({k: data[k] for k in ("host_cores", "host_allreduce") if k in data}),
         }
         return parse_cluster(toml_like, where=where)
+
+
+def _with_catalog_base(name: str, table: dict[str, Any]) -> dict[str, Any]:
+    """A kind embedded in a plan written before the memory fields existed takes them from the catalog
+    kind of the same name (every field it does give still wins)."""
+    if "base" not in table and name in catalog() and not {"attention", "precisions"} <= set(table):
+        return {"base": name, **table}
+    return table
 
 
 def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind | None = None) -> DeviceKind:
@@ -300,6 +323,11 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
     price = table.get("price_per_hour", b.get("price_per_hour"))
     if price is not None:
         price = get_number({"price_per_hour": price}, "price_per_hour", where=where)
+    precisions = _precisions(table, where=where, default=b.get("precisions", ("bf16-mixed", "fp32")))
+    fragmentation = get_number(table, "fragmentation", where=where, default=b.get("fragmentation", 0.0), positive=False)
+    if not 0 <= fragmentation < 1:
+        raise field_error(where, "fragmentation", f"must be in [0, 1), got {fragmentation}",
+                          "give the allocator's reserve as a fraction of the allocated peak, e.g. 0.05")
     mem_bw = table.get("mem_bw_bytes_per_s", b.get("mem_bw_bytes_per_s"))
     if mem_bw is not None:
         mem_bw = check_range(where, "mem_bw_bytes_per_s",
@@ -329,6 +357,12 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
         price_per_hour=price,
         price_source=_text(table, "price_source", where=where,
                            default="cluster file" if "price_per_hour" in table else b.get("price_source", "")),
+        precisions=precisions,
+        context_bytes=get_number(table, "context_bytes", where=where, default=b.get("context_bytes", 0.0),
+                                 positive=False),
+        comm_buffer_bytes=get_number(table, "comm_buffer_bytes", where=where,
+                                     default=b.get("comm_buffer_bytes", 0.0), positive=False),
+        fragmentation=fragmentation,
     )
     moves = DEVICE_TYPE_OF_BACKEND[kind.backend]
     if moves != "cpu" and moves != kind.device_type:
@@ -363,6 +397,15 @@ def _opmodel_fields(table: dict[str, Any], *, where: str, base: dict[str, Any]) 
                                choices=ATTENTION_IMPLS)
     out["calibration"] = _text(table, "calibration", where=where, default=base.get("calibration", ""))
     return out
+def _precisions(table: dict[str, Any], *, where: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    from hethub.spec.model import PRECISIONS
+
+    value = table.get("precisions", default)
+    if (not isinstance(value, (list, tuple)) or not value
+            or any(not isinstance(v, str) or v not in PRECISIONS for v in value)):
+        raise field_error(where, "precisions", f"must be a non-empty list of {PRECISIONS}, got {value!r}",
+                          'write e.g. precisions = ["bf16-mixed", "fp32"] (the first is the fallback)')
+    return tuple(value)
 
 
 def _check_gib(where: str, mem_bytes: int) -> None:

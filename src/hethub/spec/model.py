@@ -139,38 +139,16 @@ class ModelSpec:
     # ---- memory -----------------------------------------------------------------------------------
     @staticmethod
     def state_bytes_per_param(precision: str) -> dict[str, int]:
-        """Bytes per parameter held for training with Adam.
-
-        bf16-mixed: bf16 weights and grads, fp32 master weights and two fp32 Adam moments
-        (Megatron's layout without a distributed optimizer). fp32: everything fp32.
+        """Bytes per parameter the timing model streams (optimizer update, gradient all-reduce) with Adam:
+        bf16-mixed: bf16 weights and grads, fp32 master weights and two fp32 Adam moments; fp32:
+        everything fp32. What a device holds, part by part, is the memory model's
+        (``hethub.predict.memory.STATE_BYTES_PER_PARAM``).
         """
         if precision in ("bf16-mixed", "fp16-mixed"):
             return {"weights": 2, "grads": 2, "optimizer": 12}
         if precision == "fp32":
             return {"weights": 4, "grads": 4, "optimizer": 8}
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
-
-    def layer_activation_bytes_per_token(self, *, tp: int = 1, recompute: bool = False,
-                                         act_bytes: int = 2) -> float:
-        """Activations one layer keeps per token between its forward and backward.
-
-        Counts the tensors autograd saves, assuming memory-efficient attention (no s x s scores
-        kept). With tensor parallelism (no sequence parallelism) the norm inputs/outputs are
-        replicated and everything inside attention and the MLP is split. With full recomputation
-        only the layer input is kept; the transient recompute of one layer is added by the caller.
-        """
-        h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
-        if recompute:
-            return float(h * act_bytes)
-        replicated = 4 * h
-        rope = (h + kv) if self.arch == "llama" else 0
-        mlp = 4 * f if self.gated else 2 * f
-        split = (h + 2 * kv) + rope + h + mlp
-        return float((replicated + split / tp) * act_bytes)
-
-    def head_activation_bytes_per_token(self, *, tp: int = 1, act_bytes: int = 2) -> float:
-        """Final norm input/output plus fp32 logits (and their softmax) for the loss."""
-        return float(2 * self.hidden_size * act_bytes + 2 * 4 * self.vocab_size / tp)
 
     # ---- io ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,204 @@
+"""Peak device memory of one stage's device, as named parts that add up to the peak.
+
+A training step passes three moments where memory peaks; each adds its own transient bytes to the
+state that persists across steps (weights, master copies, gradients, optimizer state):
+
+* forward/backward: the activations of the schedule's in-flight micro-batches
+  (:mod:`hethub.predict.memory.activations`), plus the largest working set one micro-batch adds on
+  top (the loss's logits and their fp32 gradients at the head; one layer's recomputed activations
+  under recomputation; one layer's gradients otherwise);
+* gradient sync: hethub's runtime flattens each group's gradients into one buffer for the all-reduce
+  (``runtime/data_parallel.py``: ``torch.cat``), a full copy of the stage's gradients; holders of
+  different TP degrees first build full-size gradients (zeros elsewhere), a second full-size copy;
+* optimizer step: AdamW's multi-tensor (foreach) path on GPUs allocates the square-root denominator
+  for every parameter at once (4 bytes per fp32 parameter); on CPU it runs tensor by tensor.
+
+The peak is the persistent state plus the largest of the three; the caching allocator reserves a
+fraction more (fragmentation), and the process holds memory outside the allocator: the framework
+context and the collective library's buffers per communicator (``spec/catalog.toml``).
+
+Precision (Adam, bytes per parameter on this device): fp32 keeps fp32 weights (4), gradients (4) and
+two moments (8). bf16-mixed keeps bf16 compute copies of the weights (2, what autocast's weight cache
+holds in hethub's runtime), fp32 master weights (4, the module's parameters), fp32 gradients (4:
+gradients land on the fp32 parameters, as Megatron's default fp32 gradient accumulation) and two
+fp32 moments (8): 18 in all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from hethub.predict.memory import activations as act
+from hethub.spec.cluster import DeviceKind
+from hethub.spec.model import ModelSpec
+
+# Bytes per parameter of each persistent part, by precision (see the module docstring).
+STATE_BYTES_PER_PARAM: dict[str, dict[str, int]] = {
+    "fp32": {"weights": 4, "master_weights": 0, "grads": 4, "optimizer": 8},
+    "bf16-mixed": {"weights": 2, "master_weights": 4, "grads": 4, "optimizer": 8},
+    "fp16-mixed": {"weights": 2, "master_weights": 4, "grads": 4, "optimizer": 8},  # as bf16 (runtime/precision.py)
+}
+PHASES = ("forward_backward", "grad_sync", "optimizer_step")
+# Parts in the order they are reported; StageMemory.parts gives them at the peak.
+PARTS = ("weights", "master_weights", "grads", "optimizer", "activations", "fb_temporaries", "grad_sync_buffer",
+         "optimizer_temporaries", "fragmentation", "framework_context", "comm_buffers")
+
+
+def state_bytes_per_param(precision: str) -> dict[str, int]:
+    try:
+        return STATE_BYTES_PER_PARAM[precision]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(STATE_BYTES_PER_PARAM)}") from None
+
+
+def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int,
+                 vocab_parallel: bool = True) -> float:
+    """Parameters held by one device of a stage (TP splits matmuls, and embedding and head by
+    vocabulary where ``vocab_parallel``; otherwise those are replicated)."""
+    h = model.hidden_size
+    per_layer = model.layer_matmul_params / tp + (model.layer_params - model.layer_matmul_params)
+    n = layers * per_layer
+    vtp = tp if vocab_parallel else 1
+    if embedding:
+        n += model.vocab_size * h / vtp + (model.embedding_params - model.vocab_size * h)
+    if head:
+        n += model.head_params / vtp + model.final_norm_params
+    return n
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one device of a stage at its predicted peak, by part. Transient parts of the moments
+    that do not bind are kept (``phases``) but are not part of the peak."""
+
+    weights_bytes: float
+    master_weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float  # in-flight micro-batches' saved tensors (forward/backward moment)
+    fb_temporaries_bytes: float  # one micro-batch's working set on top (logits at the head, a layer)
+    grad_sync_buffer_bytes: float
+    optimizer_temporaries_bytes: float
+    fragmentation_ratio: float = 0.0
+    framework_context_bytes: float = 0.0
+    comm_buffers_bytes: float = 0.0
+
+    @property
+    def persistent_bytes(self) -> float:
+        return self.weights_bytes + self.master_weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @cached_property
+    def phases(self) -> dict[str, float]:
+        """Transient bytes of each moment of the step (added to the persistent state)."""
+        return {"forward_backward": self.activations_bytes + self.fb_temporaries_bytes,
+                "grad_sync": self.grad_sync_buffer_bytes, "optimizer_step": self.optimizer_temporaries_bytes}
+
+    @cached_property
+    def peak_phase(self) -> str:
+        ph = self.phases
+        return max(PHASES, key=lambda p: ph[p])  # ties go to the first (forward/backward)
+
+    @cached_property
+    def allocated_bytes(self) -> float:
+        """What the allocator hands out at the peak (``torch.cuda.max_memory_allocated``)."""
+        return self.persistent_bytes + self.phases[self.peak_phase]
+
+    @property
+    def reserved_bytes(self) -> float:
+        """What the caching allocator holds at the peak (``torch.cuda.max_memory_reserved``)."""
+        return self.allocated_bytes * (1 + self.fragmentation_ratio)
+
+    @cached_property
+    def parts(self) -> dict[str, float]:
+        """The peak's parts; they add up to :attr:`total_bytes`."""
+        peak = self.peak_phase
+        fb, sync, step = (peak == p for p in PHASES)
+        return {
+            "weights": self.weights_bytes, "master_weights": self.master_weights_bytes, "grads": self.grads_bytes,
+            "optimizer": self.optimizer_bytes,
+            "activations": self.activations_bytes if fb else 0.0,
+            "fb_temporaries": self.fb_temporaries_bytes if fb else 0.0,
+            "grad_sync_buffer": self.grad_sync_buffer_bytes if sync else 0.0,
+            "optimizer_temporaries": self.optimizer_temporaries_bytes if step else 0.0,
+            "fragmentation": self.allocated_bytes * self.fragmentation_ratio,
+            "framework_context": self.framework_context_bytes, "comm_buffers": self.comm_buffers_bytes,
+        }
+
+    @cached_property
+    def total_bytes(self) -> float:
+        """The device's predicted peak: allocator reserve at the peak plus what lives outside it."""
+        return sum(self.parts.values())
+
+    def binding_part(self) -> str:
+        parts = self.parts
+        return max(parts, key=lambda k: parts[k])
+
+
+def stage_memory(
+    model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int, seq_len: int,
+    recompute: bool, precision: str, in_flight: int, vocab_parallel: bool = True, attention: str = "flash",
+    kind: DeviceKind | None = None, synced: bool = False, mixed_sync: bool = False, communicators: int = 1,
+    sync_bucket_params: float | None = None,
+) -> StageMemory:
+    """Peak memory of one device of a stage (see the module docstring for the parts).
+
+    ``in_flight``: micro-batches whose activations the stage holds at its peak under the schedule.
+    ``kind``: supplies the framework reserve, fragmentation and whether the optimizer step runs
+    multi-tensor (accelerators) or tensor by tensor (CPU); None counts none of them (bare tensors).
+    ``synced``: the stage's gradients are all-reduced with other holders (a flat copy is made);
+    ``mixed_sync``: some holder has another TP degree (full-size gradients are built first).
+    ``sync_bucket_params``: parameters (on this device) of the largest group synced as one buffer;
+    None: all of the stage's (its parameters all have the same holders).
+    ``communicators``: collective-library communicators this device joins (each holds buffers).
+    """
+    params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp, vocab_parallel=vocab_parallel)
+    per = state_bytes_per_param(precision)
+    tokens = mbs * seq_len
+    vtp = tp if vocab_parallel else 1
+    full_layer = act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
+                                           recompute=False)
+    kept_layer = act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
+                                           recompute=recompute)
+    per_mb = layers * kept_layer
+    if embedding:
+        per_mb += act.embedding_bytes_per_token(model)
+    if head:
+        per_mb += act.head_bytes_per_token(model, vocab_tp=vtp, precision=precision)
+    acts = in_flight * tokens * per_mb
+    # One micro-batch's working set beyond what is kept (estimates, docs/predictor.md): the loss's
+    # logits at the head; under recomputation the re-run layer's full activations and their
+    # gradients, else one layer's gradients (about its kept activations).
+    work = 0.0
+    if layers:
+        work = tokens * full_layer * (2 if recompute else 1)
+    if head:
+        work = max(work, tokens * act.head_transient_bytes_per_token(model, vocab_tp=vtp, precision=precision))
+    grads = params * per["grads"]
+    sync = 0.0
+    if synced:
+        bucket = params if sync_bucket_params is None else sync_bucket_params
+        sync = bucket * per["grads"] * (2 * tp if mixed_sync and tp > 1 else 1)
+    gpu_like = kind is not None and kind.device_type != "cpu"
+    if gpu_like:
+        step_tmp = params * 4  # foreach AdamW: sqrt(exp_avg_sq) for every fp32 parameter at once
+    else:
+        step_tmp = _largest_tensor(model, embedding=embedding, head=head, tp=tp, vtp=vtp) * 4 * 2
+        step_tmp = min(step_tmp, params * 4 * 2)
+    return StageMemory(
+        weights_bytes=params * per["weights"], master_weights_bytes=params * per["master_weights"],
+        grads_bytes=grads, optimizer_bytes=params * per["optimizer"], activations_bytes=acts,
+        fb_temporaries_bytes=work, grad_sync_buffer_bytes=sync, optimizer_temporaries_bytes=step_tmp,
+        fragmentation_ratio=kind.fragmentation if kind is not None else 0.0,
+        framework_context_bytes=kind.context_bytes if kind is not None else 0.0,
+        comm_buffers_bytes=kind.comm_buffer_bytes * communicators if kind is not None else 0.0,
+    )
+
+
+def _largest_tensor(model: ModelSpec, *, embedding: bool, head: bool, tp: int, vtp: int) -> float:
+    """Elements of the stage's largest parameter tensor (a per-tensor optimizer step's scratch)."""
+    h = model.hidden_size
+    big = max(model.ffn_hidden_size * h / tp, h * h / tp)
+    if embedding or head:
+        big = max(big, model.vocab_size * h / vtp)
+    return big
