@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from hethub.errors import InfeasibleError
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
-from hethub.predict.memory import USABLE_FRACTION
+from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
@@ -161,7 +161,8 @@ def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig)
     usable memory: no split can hold it, and the search would take minutes to find that out (llama-140b
     on the 4 local CPU devices: over a minute)."""
     state = model.num_params * sum(ModelSpec.state_bytes_per_param(config.precision).values())
-    usable = sum(n * cluster.kinds[k].mem_bytes * USABLE_FRACTION for k, n in cluster.count_by_kind().items())
+    usable = sum(n * usable_bytes(cluster.kinds[k], headroom=config.mem_headroom)
+                 for k, n in cluster.count_by_kind().items())
     if state > usable:
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
 
@@ -223,8 +224,8 @@ def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> 
     return out
 
 
-def _score(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float, require_fit: bool = True,
-           host: HostModel | None = None) -> list[tuple[Plan, Prediction]]:
+def _score(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
+           require_fit: bool = True, host: HostModel | None = None) -> list[tuple[Plan, Prediction]]:
     scored = []
     for plan in plans:
         pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
