@@ -54,8 +54,7 @@ def kind_precision(plan: Plan, kind: str, *, override: str | Mapping[str, str] |
     unless ``cpu_autocast``, which tests of mixed precision on a CPU host use). Every rank derives the
     same.
 
-    The plan's precision for a kind is ``Plan.precision_of(kind)`` where plans carry per-kind precision
-    (the memory work of issue 15 adds it; kinds without bf16 then fall back to fp16-mixed), else the
+    The plan's precision for a kind is ``Plan.precision_of(kind)``: its per-kind entry, else the
     plan-wide precision.
     """
     if plan.cluster.kinds[kind].device_type == "cpu" and not cpu_autocast:
@@ -64,8 +63,7 @@ def kind_precision(plan: Plan, kind: str, *, override: str | Mapping[str, str] |
         return override
     if override and kind in override:
         return override[kind]
-    per_kind = getattr(plan, "precision_of", None)  # why getattr: lands in parallel with issue 15's plan v2
-    return per_kind(kind) if per_kind is not None else plan.precision
+    return plan.precision_of(kind)
 
 
 def boundary_dtype(upstream_precision: str) -> torch.dtype:
