@@ -70,8 +70,8 @@ def test_planner_picks_zero_bubble_where_it_predicts_a_gain() -> None:
 
     cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples" / "clusters" / "a100-v100-32.toml")
     model = get_model("llama-3-8b")
-    auto = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=64, seq_len=4096, schedule="auto"))
-    forced = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=64, seq_len=4096,
+    auto = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=64, seq_len=2048, schedule="auto"))
+    forced = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=64, seq_len=2048,
                                                                           schedule="1f1b"))
     assert auto.plan.schedule == "zb-h1"
     assert auto.prediction.fits_memory
