@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from hethub.schedules.base import Op, Schedule
 from hethub.schedules.classic import GPipe, OneFOneB
+from hethub.schedules.interleaved import Interleaved
 from hethub.schedules.zero_bubble import ZeroBubbleH1
 
-_REGISTRY: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), GPipe(), ZeroBubbleH1())}
+_REGISTRY: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), GPipe(), ZeroBubbleH1(), Interleaved())}
 
 # Every schedule name, in the order the CLI lists them; the first is the default.
 SCHEDULES: tuple[str, ...] = tuple(_REGISTRY)
@@ -21,16 +22,19 @@ DEFAULT_SCHEDULE = SCHEDULES[0]
 # memory does not grow with the batch (so GPipe is only ever run when forced).
 AUTO_SCHEDULE = "auto"
 AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, s in _REGISTRY.items()
-                                          if s.max_in_flight(stage=0, num_stages=1) is not None)
+                                          if s.auto_candidate and s.max_in_flight(stage=0, num_stages=1) is not None)
 
 
-def get_schedule(name: str) -> Schedule:
-    """The registered schedule called ``name``; a ValueError naming the choices otherwise."""
+def get_schedule(name: str, *, chunks: int = 1) -> Schedule:
+    """The registered schedule called ``name`` for a pipeline whose devices hold ``chunks`` model
+    chunks each (virtual stages; only ``interleaved`` takes more than 1); a ValueError naming the
+    choices otherwise."""
     try:
-        return _REGISTRY[name]
+        sched = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}") from None
+    return sched.with_chunks(chunks)
 
 
-__all__ = ["AUTO_CANDIDATES", "AUTO_SCHEDULE",
-           "DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "OneFOneB", "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]
+__all__ = ["AUTO_CANDIDATES", "AUTO_SCHEDULE", "DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "Interleaved", "OneFOneB",
+           "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]

@@ -45,6 +45,16 @@ class Schedule(ABC):
     chunks_per_stage: ClassVar[int] = 1
     # Whether backward is split into B (input gradient) and W (weight gradient) ops.
     split_backward: ClassVar[bool] = False
+    # Whether the planner's "auto" tries it (it must then also bound its in-flight activations).
+    auto_candidate: ClassVar[bool] = True
+
+    def with_chunks(self, chunks: int) -> Schedule:
+        """This schedule for a pipeline whose devices each hold ``chunks`` model chunks (virtual
+        stages). Only schedules with virtual stages accept more than one."""
+        if chunks != 1:
+            raise ValueError(f"schedule {self.name!r} runs one model chunk per device, not {chunks}; "
+                             "virtual stages need the 'interleaved' schedule")
+        return self
 
     # ---- op order ---------------------------------------------------------------------------------
     @abstractmethod

@@ -21,8 +21,14 @@ as given, unequal stages are modelled exactly, not by a bottleneck formula.
 Split-backward schedules (ZB-H1) run B and W ops: ``bwd_s`` is then the whole backward, of which
 B takes (1 - ``wgrad_share``) and W ``wgrad_share``; W(s, i) needs only B(s, i), which the stage's
 own order already puts first, and nobody waits for it. A stage's finish is the end of its last op.
-Schedules with virtual stages are refused until the simulation models their dependencies (chunk c
-of stage 0 waits for chunk c-1 of the last stage).
+
+Schedules with virtual stages (interleaved 1F1B, ``chunks`` = v > 1) are simulated over the p x v
+virtual stages: ``fwd_s``, ``bwd_s`` then hold one entry per virtual stage k = c x p + s (chunk c of
+device s), ``p2p_s`` one per hop from virtual stage k to k + 1 (p v - 1 entries, or p v with a
+trailing one ignored; the hop from the last device's chunk c to the first device's chunk c + 1 is
+entry c p + p - 1). The same rules hold per virtual stage: F(k, i) waits for F(k - 1, i) and the
+hop, B(k, i) for B(k + 1, i) and the hop; each device runs its ops (of all its chunks) in the
+registry's order; the result is per device.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class TimedOp:
     micro_batch: int
     start_s: float
     end_s: float
+    chunk: int = 0  # model chunk (virtual stage) of the device; 0 without virtual stages
 
 
 @dataclass(frozen=True)
@@ -51,19 +58,24 @@ class StageSchedule:
 
 def simulate_pipeline_time(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
-    schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE,
+    schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE, chunks: int = 1,
 ) -> list[float]:
-    """Finish time (end of the last op) of every stage; the fast path, no op records."""
+    """Finish time (end of the last op) of every stage (device); the fast path, no op records.
+    ``chunks``: model chunks per device (see the module docstring for the inputs' layout then)."""
+    if chunks != 1:
+        return [st.finish_s for st in _simulate_chunked(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, chunks)]
     finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, wgrad_share, record=False)
     return finish
 
 
 def simulate_pipeline(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
-    schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE,
+    schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE, chunks: int = 1,
 ) -> list[StageSchedule]:
-    """Every stage's ops with their start/end times, and its finish time."""
+    """Every stage's (device's) ops with their start/end times, and its finish time."""
     m = num_micro_batches
+    if chunks != 1:
+        return _simulate_chunked(fwd_s, bwd_s, p2p_s, m, schedule, chunks)
     finish, recs = _simulate(fwd_s, bwd_s, p2p_s, m, schedule, wgrad_share, record=True)
     return [StageSchedule(ops=tuple(TimedOp(*_decode(c, m), a, b) for c, a, b in rec), finish_s=f)
             for f, rec in zip(finish, recs, strict=True)]
@@ -170,3 +182,51 @@ def _simulate(
         remaining -= progressed
         sweep += 1
     return clock, recs
+
+
+def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
+                      schedule: str, v: int) -> list[StageSchedule]:
+    """The event simulation over virtual stages (module docstring); plain dicts, as interleaved
+    pipelines are short next to the fast path's 64-stage x 512 micro-batch ones."""
+    sched = get_schedule(schedule, chunks=v)
+    if sched.split_backward:
+        raise ValueError(f"schedule {schedule!r} splits the backward and has virtual stages; not simulated")
+    n = _check(fwd_s, bwd_s, p2p_s, m)
+    if n % v:
+        raise ValueError(f"{n} virtual-stage times for {v} chunks per device: need a multiple of {v}")
+    p = n // v
+    orders = [sched.ops(stage=s, num_stages=p, num_micro_batches=m) for s in range(p)]
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+    ptr, clock = [0] * p, [0.0] * p
+    recs: list[list[TimedOp]] = [[] for _ in range(p)]
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = 0
+        for s in range(p):
+            order, k, t = orders[s], ptr[s], clock[s]
+            while k < len(order):
+                kind, i, c = order[k]
+                vs = c * p + s
+                if kind == "F":
+                    if vs > 0:
+                        if (vs - 1, i) not in f_end:
+                            break
+                        t = max(t, f_end[(vs - 1, i)] + p2p_s[vs - 1])
+                    start, t = t, t + fwd_s[vs]
+                    f_end[(vs, i)] = t
+                else:
+                    if vs < n - 1:
+                        if (vs + 1, i) not in b_end:
+                            break
+                        t = max(t, b_end[(vs + 1, i)] + p2p_s[vs])
+                    start, t = t, t + bwd_s[vs]
+                    b_end[(vs, i)] = t
+                recs[s].append(TimedOp(kind, i, start, t, c))
+                k += 1
+            progressed += k - ptr[s]
+            ptr[s], clock[s] = k, t
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked; this is a bug in the op order")
+        remaining -= progressed
+    return [StageSchedule(ops=tuple(r), finish_s=c) for r, c in zip(recs, clock, strict=True)]
