@@ -13,6 +13,7 @@ from hethub.spec.cluster import (
     Link,
     catalog,
     load_cluster,
+    parse_cluster,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -387,3 +388,14 @@ def test_error_missing_file(tmp_path):
     assert "nope.toml" in str(err.value)
     with pytest.raises(SpecError, match="does not exist"):
         load_cluster(tmp_path)  # a directory is not a cluster file
+
+
+def test_emulated_links_are_for_emulation_clusters_only() -> None:
+    base = {"name": "x", "group": [{"kind": "cpu", "nodes": 2, "devices_per_node": 1}]}
+    with pytest.raises(SpecError, match=r"emulated_links.*host_cores"):
+        parse_cluster({**base, "emulated_links": True}, where="x")
+    with pytest.raises(SpecError, match="emulated_links"):
+        parse_cluster({**base, "host_cores": 2, "emulated_links": "yes"}, where="x")
+    c = parse_cluster({**base, "host_cores": 2, "emulated_links": True}, where="x")
+    assert c.host.links and Cluster.from_dict(c.to_dict()).host.links
+    assert not Cluster.from_dict(parse_cluster({**base, "host_cores": 2}, where="x").to_dict()).host.links

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import small_cluster, tiny_model, two_stage_plan
+from conftest import EXAMPLES, small_cluster, tiny_model, two_stage_plan
 from hethub.errors import SpecError
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.links import (
@@ -125,3 +125,23 @@ def test_intra_node_profile_changes_same_node_transfers() -> None:
     a = predict(plan_with_links(plan, _profile(intra_node__fast=(1e-5, 1e9)))).stages[0].p2p_s
     b = predict(plan_with_links(plan, _profile(intra_node__fast=(1e-5, 1e10)))).stages[0].p2p_s
     assert a > b > 0 and not math.isclose(a, b)
+
+
+def test_a_nodes_ranks_share_its_nic_for_the_inter_stage_send() -> None:
+    from hethub.predict.comm import stage_hop_time_s
+    from hethub.spec.cluster import load_cluster
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.toml")  # 4 devices per node, 4 nodes per kind
+    nic = cluster.inter_node
+    nbytes = 64e6
+    one = stage_hop_time_s(cluster, senders=[0], receivers=[4], nbytes=nbytes)
+    assert one == pytest.approx(nic.latency_s + nbytes / nic.bw_bytes_per_s)
+    # TP-4 to TP-4 across nodes: four whole copies leave node 0 through its one NIC at once.
+    four = stage_hop_time_s(cluster, senders=[0, 1, 2, 3], receivers=[4, 5, 6, 7], nbytes=nbytes)
+    assert four == pytest.approx(nic.latency_s + 4 * nbytes / nic.bw_bytes_per_s)
+    # TP-2 to TP-4: two senders, but four messages (receiver q reads from sender q mod 2) enter node 1.
+    mixed = stage_hop_time_s(cluster, senders=[0, 1], receivers=[4, 5, 6, 7], nbytes=nbytes)
+    assert mixed == pytest.approx(four)
+    # Within a node nothing crosses a NIC.
+    same = stage_hop_time_s(cluster, senders=[0, 1], receivers=[2, 3], nbytes=nbytes)
+    assert same < one

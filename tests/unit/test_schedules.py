@@ -202,7 +202,9 @@ def test_closed_form_equals_simulation_on_uniform_pipelines_without_transfers(sc
             assert sched.stage_finish_s(step_s=sim[0], bwd_s=[bwd] * p, p2p_s=[0.0] * (p - 1)) == pytest.approx(sim)
 
 
-@pytest.mark.parametrize(("fwd", "bwd", "p2p"), [(1.0, 2.0, 0.3), (1.5, 1.0, 0.7), (1.0, 1.0, 2.5), (0.2, 5.0, 1.0)])
+# The closed form holds while the link keeps up (a transfer no longer than the stage's forward and
+# backward); a slower link sets the pace itself (test below).
+@pytest.mark.parametrize(("fwd", "bwd", "p2p"), [(1.0, 2.0, 0.3), (1.5, 1.0, 0.7), (1.0, 1.0, 1.0), (0.5, 5.0, 0.4)])
 def test_gpipe_closed_form_equals_simulation_with_transfers(fwd, bwd, p2p):
     gpipe = get_schedule("gpipe")
     for p, m in SHAPES:
@@ -212,7 +214,8 @@ def test_gpipe_closed_form_equals_simulation_with_transfers(fwd, bwd, p2p):
         assert gpipe.stage_finish_s(step_s=sim[0], bwd_s=[bwd] * p, p2p_s=[p2p] * (p - 1)) == pytest.approx(sim)
 
 
-@pytest.mark.parametrize(("fwd", "bwd", "p2p"), [(1.0, 2.0, 0.3), (1.5, 1.0, 0.7), (1.0, 1.0, 2.5), (0.2, 5.0, 1.0)])
+# Links that keep up (transfer <= forward + backward); a slower one sets the pace (test below).
+@pytest.mark.parametrize(("fwd", "bwd", "p2p"), [(1.0, 2.0, 0.3), (1.5, 1.0, 0.7), (1.0, 1.0, 2.0), (0.2, 5.0, 1.0)])
 def test_1f1b_transfers_add_bubbles_the_affine_closed_form_leaves_out(fwd, bwd, p2p):
     # With transfers, 1F1B's steady state waits on round trips: on a uniform pipeline the simulation
     # is the affine closed form plus 2 p2p for each of the micro-batches 3..m except every p-th, so
@@ -225,3 +228,17 @@ def test_1f1b_transfers_add_bubbles_the_affine_closed_form_leaves_out(fwd, bwd, 
         j = max(0, m - 2)
         waits = j - j // p if p > 1 else 0
         assert sim == pytest.approx(closed + 2 * p2p * waits, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_slow_link_carries_one_message_at_a_time_and_sets_the_pace(schedule):
+    # Transfers of 3 s on a 2-stage pipeline whose ops take 1 s: each further micro-batch adds at
+    # least one transfer time (the link is busy), never just one op's time as if messages overlapped
+    # on the wire.
+    fwd, bwd, p2p = [1.0, 1.0], [1.0, 1.0], [3.0]
+    t = [finish(fwd, bwd, p2p, m, schedule)[0] for m in (4, 5, 6)]
+    assert t[1] - t[0] >= 3.0 - 1e-12 and t[2] - t[1] >= 3.0 - 1e-12
+    # The sender is never held: stage 0's forwards of GPipe run back to back whatever the link.
+    if schedule == "gpipe":
+        ops = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=4, schedule=schedule)[0].ops
+        assert [o.end_s for o in ops if o.kind == "F"] == [1.0, 2.0, 3.0, 4.0]

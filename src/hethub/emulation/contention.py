@@ -41,6 +41,7 @@ from hethub.emulation.stragglers import SpeedDraws
 from hethub.predict.host import ReplayEvent, StageId
 from hethub.predict.sync import SyncGroup
 from hethub.schedules import get_schedule
+from hethub.schedules.simulate import link_arrival_s
 from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
 from hethub.spec.cluster import Link
 
@@ -79,6 +80,10 @@ class _Stage:
     cpu_end_s: float = 0.0  # when its last chunk of CPU work ended (the step starts warm)
     op_start_s: float = 0.0  # when the current task's work began (its inputs had arrived)
     w_share: float = 0.0  # the backward's share a split-backward schedule's W op runs (B runs the rest)
+    # Arrival of the last message on its incoming links (activations, gradients): one link carries one
+    # message at a time (schedules.simulate.link_arrival_s).
+    fwd_link_s: float = 0.0
+    bwd_link_s: float = 0.0
 
 
 def simulate_shared_cores(
@@ -188,7 +193,8 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
             dep = f_end.get((pi, si - 1, i))
             if dep is None:
                 return False
-            ready = dep + st[(pi, si - 1)].work.p2p_s
+            ready = s.fwd_link_s = link_arrival_s(sent_s=dep, link_free_s=s.fwd_link_s,
+                                                  transfer_s=st[(pi, si - 1)].work.p2p_s)
         s.phases = [("until", ready), ("cpu", w.fwd_cpu_s), ("sleep", w.fwd_idle_s)]
     elif kind == "B":
         ready = now
@@ -196,7 +202,7 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
             dep = b_end.get((pi, si + 1, i))
             if dep is None:
                 return False
-            ready = dep + w.p2p_s
+            ready = s.bwd_link_s = link_arrival_s(sent_s=dep, link_free_s=s.bwd_link_s, transfer_s=w.p2p_s)
         b = 1.0 - s.w_share
         s.phases = [("until", ready), ("cpu", w.bwd_cpu_s * b), ("sleep", w.bwd_idle_s * b)]
     elif kind == "W":  # needs only its own B, which the stage ran before

@@ -60,3 +60,34 @@ def tp_comm_time_s(*, act_bytes_per_layer: float, layers: int, tp: int, link: Li
         return 0.0, 0.0
     one = allreduce_time_s(nbytes=act_bytes_per_layer, participants=tp, link=link)
     return 2 * layers * one, 2 * layers * one
+
+
+def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], receivers: tuple[int, ...] | list[int],
+                     nbytes: float) -> float:
+    """One micro-batch's activations from a stage of TP ranks ``senders`` to the next stage's ``receivers``
+    (device ids in TP order), as hethub's executor sends them: receiver q gets the whole tensor from sender
+    q mod len(senders) (hethub.layout.fwd_source); gradients go back the same pairs.
+
+    The ranks of a node share its network cards: the messages leaving (or entering) one node across nodes
+    at once each get that share of its NIC bandwidth, so a TP-8 stage whose 8 ranks each send the whole
+    tensor to another node moves 8 copies through one NIC. An emulation host (``host_cores`` set) has
+    no NIC: every rank pair is its own loopback path there, so nothing is shared.
+    """
+    a, b = len(senders), len(receivers)
+    if a < 1 or b < 1 or nbytes <= 0:
+        return 0.0
+    pairs = [(senders[q % a], receivers[q]) for q in range(b)]
+    node = [d.node for d in cluster.devices]
+    out: dict[int, int] = {}
+    inn: dict[int, int] = {}
+    if cluster.host is None:
+        for s, r in pairs:
+            if node[s] != node[r]:
+                out[node[s]] = out.get(node[s], 0) + 1
+                inn[node[r]] = inn.get(node[r], 0) + 1
+    worst = 0.0
+    for s, r in pairs:
+        link = cluster.link(s, r)
+        share = max(out.get(node[s], 1), inn.get(node[r], 1)) if node[s] != node[r] else 1
+        worst = max(worst, link.latency_s + nbytes * share / link.bw_bytes_per_s)
+    return worst

@@ -28,7 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from hethub.plan import Pipeline, Plan
-from hethub.predict.comm import p2p_time_s, tp_comm_time_s
+from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
@@ -162,8 +162,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
                                      mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
             send = 0.0
             if si < n - 1:
-                link = cluster.link(s.devices[-1], p.stages[si + 1].devices[0])
-                send = p2p_time_s(link, mbs * p2p_bytes_per_mbs)
+                send = stage_hop_time_s(cluster, senders=s.devices, receivers=p.stages[si + 1].devices,
+                                        nbytes=mbs * p2p_bytes_per_mbs)
             fwd.append(cost.fwd_s)
             bwd.append(cost.bwd_s)
             p2p.append(send)

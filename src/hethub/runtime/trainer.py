@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hethub.comm.communicator import Communicator
+from hethub.emulation.links import EmulatedLinks, emulated_links_of
 from hethub.emulation.slowdown import Emulator
 from hethub.layout import build_topology
 from hethub.plan import Plan
@@ -63,7 +64,10 @@ class Trainer:
                            for k in plan.cluster.kinds}
         self.precision = self.precisions[st.kind]
         upstream = plan.pipelines[st.pipeline].stages[st.stage - 1].kind if st.stage > 0 else st.kind
-        self.executor = PipelineExecutor(self.model, place=place, comm=comm, schedule=plan.schedule,
+        # Emulated slow links (local emulation only) hold back the pipeline's p2p messages.
+        host = plan.cluster.host
+        p2p = EmulatedLinks(comm, link_of=emulated_links_of(plan.cluster, plan.devices)) if host and host.links else comm
+        self.executor = PipelineExecutor(self.model, place=place, comm=p2p, schedule=plan.schedule,
                                          seq_len=plan.seq_len, hidden_size=plan.model.hidden_size,
                                          emulator=self.emulator, device=self.device,
                                          in_dtype=boundary_dtype(self.precisions[upstream]),

@@ -13,7 +13,13 @@ are free):
 * F(s, i) starts at max(end of the previous op on s, end of F(s-1, i) + p2p_s[s-1]).
 * B(s, i) starts at max(end of the previous op on s, end of B(s+1, i) + p2p_s[s], end of F(s, i));
   the last stage's B(p-1, i) needs only its own F(p-1, i).
-* Transfers are asynchronous: they delay the receiver but never occupy a stage's compute.
+* Transfers are asynchronous: they delay the receiver but never occupy a stage's compute. This is
+  what hethub's executor does (``runtime/pipeline.py``): it posts each send with ``isend`` and goes
+  on to its next op, receives are posted ahead, and it waits for its sends only at the step's end.
+* One link carries one message at a time in each direction (:func:`link_arrival_s`): micro-batch
+  i's transfer starts when its op has ended *and* the link has delivered micro-batch i-1's. On a
+  slow link (transfer longer than a stage's forward plus backward) the link, not compute, sets the
+  pipeline's pace; without this rule transfers would overlap each other on one wire.
 
 A stage's finish time is the end of its last backward. Because each stage's op times are used
 as given, unequal stages are modelled exactly, not by a bottleneck formula.
@@ -99,6 +105,13 @@ def _codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
                  for kind, i, _ in sched.ops(stage=s, num_stages=p, num_micro_batches=m))
 
 
+def link_arrival_s(*, sent_s: float, link_free_s: float, transfer_s: float) -> float:
+    """When a message handed to the link at ``sent_s`` arrives, the link having delivered the previous
+    message (same direction) at ``link_free_s``: the link serialises messages, it does not hold back
+    the sender (the op rule of asynchronous sends above)."""
+    return max(sent_s, link_free_s) + transfer_s
+
+
 def _check(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> int:
     p = len(fwd_s)
     if p < 1 or len(bwd_s) != p:
@@ -125,6 +138,10 @@ def _simulate(
     nb = [0] * p
     ptr = [0] * p
     clock = [0.0] * p
+    # Arrival of the last message on each stage's incoming links: activations from s-1, gradients
+    # from s+1. Messages on a link arrive in micro-batch order, which is the order they are consumed.
+    fwd_link = [0.0] * p
+    bwd_link = [0.0] * p
     recs: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
     remaining = sum(len(o) for o in orders)
     down = list(range(p))
@@ -149,7 +166,12 @@ def _simulate(
                     if prev_fe is not None:
                         if nf[s - 1] <= c:
                             break
-                        ready = prev_fe[c] + in_p2p
+                        # link_arrival_s, inlined (the hot loop of planner-sized searches)
+                        ready = prev_fe[c]
+                        if fwd_link[s] > ready:
+                            ready = fwd_link[s]
+                        ready += in_p2p
+                        fwd_link[s] = ready
                         if ready > t:
                             t = ready
                     start = t
@@ -164,7 +186,11 @@ def _simulate(
                     if next_be is not None:
                         if nb[s + 1] <= i:
                             break
-                        ready = next_be[i] + out_p2p
+                        ready = next_be[i]
+                        if bwd_link[s] > ready:
+                            ready = bwd_link[s]
+                        ready += out_p2p
+                        bwd_link[s] = ready
                         if ready > t:
                             t = ready
                     # F(s, i) precedes B(s, i) in the stage's own order, so it already ended by t.

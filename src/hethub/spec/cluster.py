@@ -188,6 +188,9 @@ class EmulationHost:
     # On one host gloo's all-reduce is bound by CPU copies and reductions, not by the loopback "link",
     # so the ring model over the p2p link misses it by ~3x here.
     allreduce: tuple[tuple[int, Link], ...] = ()
+    # ``emulated_links = true``: messages between ranks of different (emulated) nodes are held back to
+    # arrive as over Cluster.link(a, b) (hethub.emulation.links), so a CPU run can show slow networks.
+    links: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,7 @@ class Cluster:
             **({"host_cores": self.host.cores} if self.host is not None else {}),
             **({"host_allreduce": _host_allreduce_rows(self.host.allreduce)}
                if self.host is not None and self.host.allreduce else {}),
+            **({"emulated_links": True} if self.host is not None and self.host.links else {}),
             "kinds": {n: asdict(k) for n, k in self.kinds.items()},
             "groups": [asdict(g) for g in self.groups],
             "network": {
@@ -286,7 +290,7 @@ class Cluster:
                 {("nodes" if k == "num_nodes" else k): v for k, v in g.items() if v is not None} for g in groups
             ],
             "network": net,
-            **({k: data[k] for k in ("host_cores", "host_allreduce") if k in data}),
+            **({k: data[k] for k in ("host_cores", "host_allreduce", "emulated_links") if k in data}),
         }
         return parse_cluster(toml_like, where=where)
 
@@ -454,8 +458,8 @@ def resolve_kind(name: str, *, where: str, local: dict[str, Any] | None = None) 
 
 
 def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
-    check_keys(data, allowed={"name", "description", "kinds", "group", "network", "host_cores", "host_allreduce"},
-               where=where)
+    check_keys(data, allowed={"name", "description", "kinds", "group", "network", "host_cores", "host_allreduce",
+                              "emulated_links"}, where=where)
     local = data.get("kinds", {})
     check_keys(local, allowed=set(local) if isinstance(local, dict) else set(), where=f"{where}: kinds")
     raw_groups = data.get("group")
@@ -528,7 +532,13 @@ def _host(data: dict[str, Any], where: str) -> EmulationHost | None:
     predicts), with the optional measured ``[[host_allreduce]]``; None without host_cores."""
     v = data.get("host_cores")
     allreduce = _parse_host_allreduce(data, where)
+    links = data.get("emulated_links", False)
+    if not isinstance(links, bool):
+        raise field_error(where, "emulated_links", "must be true or false", "write emulated_links = true")
     if v is None:
+        if links:
+            raise field_error(where, "emulated_links", "is for local emulation only (it needs host_cores)",
+                              'add host_cores = "auto", or leave emulated_links out on a real cluster')
         if allreduce:
             raise field_error(where, "host_allreduce", "is given but host_cores is not (a measured host all-reduce "
                               "belongs to a local emulation host)", 'add host_cores = "auto" or leave it out')
@@ -536,7 +546,7 @@ def _host(data: dict[str, Any], where: str) -> EmulationHost | None:
     if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise field_error(where, "host_cores", f"must be a positive integer or \"auto\", got {v!r}",
                           'write host_cores = "auto" for local emulation, or leave it out')
-    return EmulationHost(cores=v, allreduce=allreduce)
+    return EmulationHost(cores=v, allreduce=allreduce, links=links)
 
 
 def load_cluster(path: str | Path) -> Cluster:
