@@ -53,6 +53,10 @@ class RankPlace:
     fwd_send_to: tuple[int, ...]  # ranks this rank sends its output activation to
     bwd_recv_from: int | None  # rank sending this rank the gradient of its output
     bwd_send_to: tuple[int, ...]  # ranks this rank sends its input gradient to
+    # TP-split hops (split_hop): the activation from the previous stage / to the next stage (and the
+    # gradient back) travels as this rank's 1/tp slice, all-gathered over the TP group on arrival.
+    split_in: bool = False
+    split_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,15 @@ def bwd_source(*, b: int, j: int) -> int:
 def bwd_targets(*, a: int, b: int, q: int) -> tuple[int, ...]:
     """TP ranks of the previous stage that receiver q sends its input gradient to."""
     return tuple(j for j in range(a) if bwd_source(b=b, j=j) == q)
+
+
+def split_hop(*, a: int, b: int, numel: int) -> bool:
+    """Whether the hop between adjacent stages of TP degrees a and b sends each TP rank's slice only
+    (Megatron's scatter-gather: sender j sends slice j of the replicated activation to receiver j,
+    which all-gathers the whole tensor over its TP group, usually the fast intra-node link; the
+    gradient back likewise). Equal degrees only, and a tensor that splits evenly; otherwise receiver q
+    gets the whole tensor from sender q mod a."""
+    return a == b > 1 and numel % a == 0
 
 
 # ---- parameter units ------------------------------------------------------------------------------
@@ -198,8 +211,12 @@ def build_topology(plan: Plan) -> Topology:
         for si, st in enumerate(sp):
             prev = sp[si - 1] if si > 0 else None
             nxt = sp[si + 1] if si + 1 < len(sp) else None
+            numel = p.micro_batch_size * plan.seq_len * plan.model.hidden_size
+            split_in = prev is not None and split_hop(a=prev.tp, b=st.tp, numel=numel)
+            split_out = nxt is not None and split_hop(a=st.tp, b=nxt.tp, numel=numel)
             for q, r in enumerate(st.ranks):
                 places[r] = RankPlace(
+                    split_in=split_in, split_out=split_out,
                     rank=r, stage=st, tp_rank=q, micro_batch_size=p.micro_batch_size,
                     num_micro_batches=p.num_micro_batches, sample_offset=offsets[pi],
                     fwd_recv_from=prev.ranks[fwd_source(a=prev.tp, q=q)] if prev else None,

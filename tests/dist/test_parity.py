@@ -11,6 +11,7 @@ import torch
 from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, run_ranks
 
 from hethub.comm.factory import make_communicator
+from hethub.layout import build_topology
 from hethub.plan import Plan
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.tensor_parallel import TPContext, shard
@@ -139,3 +140,16 @@ def test_indivisible_vocabulary_replicates_on_that_stage() -> None:
     spec = replace(SPEC, name="t6-v255", vocab_size=255, tied_embeddings=True)
     res = check(make_plan([(2, 2, [(F, 2, 3), (F, 2, 3)]), (2, 2, [(S, 1, 6)])], spec=spec))
     assert _vocab_rows(res, "embed.weight") == {(2, 255), (1, 255)}
+
+
+@SCHEDULES
+def test_tp_split_inter_stage_send(schedule: str) -> None:
+    # TP=2 -> TP=2 across kinds: each rank sends half the activation (and half the gradient back),
+    # the receiving stage all-gathers it (layout.split_hop); a TP=2 -> TP=1 hop sends whole tensors.
+    plan = make_plan([(2, 4, [(F, 2, 2), (S, 2, 2), (F, 1, 2)])], schedule=schedule)
+    topo = build_topology(plan)
+    first, second, third = (topo.stages[i].ranks for i in range(3))
+    assert all(topo.place(r).split_out and not topo.place(r).split_in for r in first)
+    assert all(topo.place(r).split_in and not topo.place(r).split_out for r in second)
+    assert not any(topo.place(r).split_in for r in third)
+    check(plan)

@@ -21,7 +21,7 @@ from hethub.predict.links import (
     write_links_profile,
 )
 from hethub.predict.predictor import predict
-from hethub.spec.cluster import Cluster, EmulationHost, Link
+from hethub.spec.cluster import Cluster, EmulationHost, Link, load_cluster
 
 SIZES = [4 * 1024 * 4**i for i in range(9)]  # 4 KiB .. 256 MiB
 
@@ -129,7 +129,6 @@ def test_intra_node_profile_changes_same_node_transfers() -> None:
 
 def test_a_nodes_ranks_share_its_nic_for_the_inter_stage_send() -> None:
     from hethub.predict.comm import stage_hop_time_s
-    from hethub.spec.cluster import load_cluster
 
     cluster = load_cluster(EXAMPLES / "a100-v100-32.toml")  # 4 devices per node, 4 nodes per kind
     nic = cluster.inter_node
@@ -145,3 +144,17 @@ def test_a_nodes_ranks_share_its_nic_for_the_inter_stage_send() -> None:
     # Within a node nothing crosses a NIC.
     same = stage_hop_time_s(cluster, senders=[0, 1], receivers=[2, 3], nbytes=nbytes)
     assert same < one
+
+
+def test_a_tp_split_send_carries_one_copy_through_the_nic_and_gathers_inside_the_node() -> None:
+    from hethub.predict.comm import stage_hop_time_s
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.toml")
+    nbytes = 64e6
+    whole = stage_hop_time_s(cluster, senders=[0, 1, 2, 3], receivers=[4, 5, 6, 7], nbytes=nbytes)
+    split = stage_hop_time_s(cluster, senders=[0, 1, 2, 3], receivers=[4, 5, 6, 7], nbytes=nbytes, split=True)
+    nic, intra = cluster.inter_node, cluster.link(4, 5)
+    gather = 3 * intra.latency_s + 0.75 * nbytes / intra.bw_bytes_per_s  # ring all-gather over 4 ranks
+    # Four quarter-size messages share node 0's NIC: one copy's worth, then the all-gather.
+    assert split == pytest.approx(nic.latency_s + nbytes / nic.bw_bytes_per_s + gather)
+    assert split < whole

@@ -63,7 +63,7 @@ def tp_comm_time_s(*, act_bytes_per_layer: float, layers: int, tp: int, link: Li
 
 
 def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], receivers: tuple[int, ...] | list[int],
-                     nbytes: float) -> float:
+                     nbytes: float, split: bool = False) -> float:
     """One micro-batch's activations from a stage of TP ranks ``senders`` to the next stage's ``receivers``
     (device ids in TP order), as hethub's executor sends them: receiver q gets the whole tensor from sender
     q mod len(senders) (hethub.layout.fwd_source); gradients go back the same pairs.
@@ -72,11 +72,18 @@ def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], 
     at once each get that share of its NIC bandwidth, so a TP-8 stage whose 8 ranks each send the whole
     tensor to another node moves 8 copies through one NIC. An emulation host (``host_cores`` set) has
     no NIC: every rank pair is its own loopback path there, so nothing is shared.
+
+    ``split`` (hethub.layout.split_hop: equal TP degrees): each pair carries 1/TP of the tensor and
+    the receivers then all-gather it over their TP group (a ring all-gather, half a ring all-reduce).
     """
     a, b = len(senders), len(receivers)
     if a < 1 or b < 1 or nbytes <= 0:
         return 0.0
     pairs = [(senders[q % a], receivers[q]) for q in range(b)]
+    gather_s = 0.0
+    if split:
+        gather_s = group_allreduce_time_s(cluster, nbytes=nbytes, devices=list(receivers)) / 2
+        nbytes /= a
     node = [d.node for d in cluster.devices]
     out: dict[int, int] = {}
     inn: dict[int, int] = {}
@@ -90,4 +97,4 @@ def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], 
         link = cluster.link(s, r)
         share = max(out.get(node[s], 1), inn.get(node[r], 1)) if node[s] != node[r] else 1
         worst = max(worst, link.latency_s + nbytes * share / link.bw_bytes_per_s)
-    return worst
+    return worst + gather_s

@@ -27,6 +27,7 @@ import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
+from hethub.layout import split_hop
 from hethub.plan import Pipeline, Plan
 from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
@@ -162,8 +163,10 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
                                      mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
             send = 0.0
             if si < n - 1:
-                send = stage_hop_time_s(cluster, senders=s.devices, receivers=p.stages[si + 1].devices,
-                                        nbytes=mbs * p2p_bytes_per_mbs)
+                nxt = p.stages[si + 1]
+                send = stage_hop_time_s(cluster, senders=s.devices, receivers=nxt.devices,
+                                        nbytes=mbs * p2p_bytes_per_mbs,
+                                        split=split_hop(a=s.tp, b=nxt.tp, numel=mbs * plan.seq_len * model.hidden_size))
             fwd.append(cost.fwd_s)
             bwd.append(cost.bwd_s)
             p2p.append(send)

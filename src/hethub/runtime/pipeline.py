@@ -6,7 +6,10 @@ stage reads from sender q % a of the TP-a stage before it; sender j gets its out
 receiver j % b), and every message must go through our Communicator so a later bridge can route
 it across device kinds. What is left is small: the op order (the schedule registry's, which the
 predictor simulates: ``hethub.schedules``), isend, and irecv posted two ops ahead, with a tag per
-micro-batch and direction, and waiting on all sends before the step ends.
+micro-batch and direction, and waiting on all sends before the step ends. Between stages of equal
+TP degree each rank sends only its slice of the (replicated) activation or gradient and the
+receiving stage all-gathers it over its TP group (Megatron's scatter-gather; ``layout.split_hop``),
+so the slow inter-stage link carries one copy, not one per TP rank.
 
 Split backward (ZB-H1): B computes only the stage input's gradient and W the weight gradients later,
 with torch's own split (``torch.distributed.pipelining._backward``, what its zero-bubble schedules
@@ -69,6 +72,9 @@ class PipelineExecutor:
         self.ops: tuple[Op, ...] = sched.ops(stage=st.stage, num_stages=st.num_stages,
                                              num_micro_batches=place.num_micro_batches)
         self.act_shape = (place.micro_batch_size, seq_len, hidden_size)
+        # TP-split hops (layout.split_hop): send this TP rank's slice, all-gather the slices on arrival.
+        self.tp_order = st.ranks
+        self.slice_numel = place.micro_batch_size * seq_len * hidden_size // st.tp
         self.emulator = emulator or Emulator()
         self.act_dtype, self.device = act_dtype, device or torch.device("cpu")
         # The dtypes of the two boundaries: what arrives from the previous stage (and its gradient goes
@@ -109,7 +115,7 @@ class PipelineExecutor:
                 if self.last:
                     loss_sum += float(out.detach())
                 else:
-                    payload = out.detach().to(self.out_dtype)
+                    payload = self._outgoing(out.detach().to(self.out_dtype), split=self.place.split_out)
                     pending += [(self.comm.isend(payload, dst=d, tag=fwd_tag(mb)), payload)
                                 for d in self.place.fwd_send_to]
                     _let_sends_start()
@@ -140,7 +146,7 @@ class PipelineExecutor:
                 if not self.split:
                     held.discard(mb)
                 if not self.first:
-                    g = x.grad.to(self.in_dtype)
+                    g = self._outgoing(x.grad.to(self.in_dtype), split=self.place.split_in)
                     pending += [(self.comm.isend(g, dst=d, tag=bwd_tag(mb)), g) for d in self.place.bwd_send_to]
                     _let_sends_start()
         w = time.perf_counter()
@@ -148,6 +154,19 @@ class PipelineExecutor:
             work.wait()
         trace.send_wait_s = time.perf_counter() - w
         return loss_sum, trace
+
+    def _outgoing(self, t: torch.Tensor, *, split: bool) -> torch.Tensor:
+        """What this rank sends of a replicated tensor: all of it, or its TP rank's slice."""
+        if not split:
+            return t
+        return t.reshape(-1).chunk(len(self.tp_order))[self.place.tp_rank].contiguous()
+
+    def _gathered(self, part: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every TP rank's slice (all-gathered over the stage's TP group, which
+        concatenates in ascending rank order; slice q belongs to the stage's TP rank q)."""
+        ranks = tuple(sorted(self.tp_order))
+        pieces = self.comm.all_gather(part, group=ranks).chunk(len(ranks))
+        return torch.cat([pieces[ranks.index(r)] for r in self.tp_order]).view(self.act_shape)
 
     @staticmethod
     def _record(trace: StepTrace, op: str, mb: int, start: float, t0: float) -> None:
@@ -194,6 +213,10 @@ class _Receives:
             return ex.place.bwd_recv_from, bwd_tag(mb)  # type: ignore[return-value]
         return None  # W receives nothing
 
+    def _split(self, j: int) -> bool:
+        """Whether op j receives a TP slice (to all-gather) rather than the whole tensor."""
+        return self.ex.place.split_in if self.ex.ops[j][0] == "F" else self.ex.place.split_out
+
     def _sends_to(self, k: int) -> tuple[int, ...]:
         ex = self.ex
         op = ex.ops[k][0]
@@ -215,7 +238,8 @@ class _Receives:
             return
         ex = self.ex
         dtype = ex.in_dtype if ex.ops[j][0] == "F" else ex.out_dtype
-        buf = torch.empty(ex.act_shape, dtype=dtype, device=ex.device)
+        shape = (ex.slice_numel,) if self._split(j) else ex.act_shape
+        buf = torch.empty(shape, dtype=dtype, device=ex.device)
         self.posted[j] = (ex.comm.irecv(buf, src=src[0], tag=src[1]), buf)
 
     def take(self, i: int, trace: StepTrace) -> torch.Tensor | None:
@@ -228,5 +252,7 @@ class _Receives:
         work, buf = self.posted.pop(i)
         w = time.perf_counter()
         work.wait()
+        if self._split(i):
+            buf = self.ex._gathered(buf)
         trace.recv_wait_s += time.perf_counter() - w
         return buf
