@@ -57,7 +57,8 @@ class RecordingStage(nn.Module):
 def _run(schedule: str, *, stage: int, num_stages: int, m: int) -> tuple[list[tuple[str, int]], list[str]]:
     log: list[str] = []
     last = stage == num_stages - 1
-    place = SimpleNamespace(stage=SimpleNamespace(stage=stage, num_stages=num_stages), micro_batch_size=MBS,
+    place = SimpleNamespace(stage=SimpleNamespace(stage=stage, num_stages=num_stages, ranks=(stage,), tp=1),
+                            micro_batch_size=MBS, tp_rank=0, split_in=False, split_out=False,
                             num_micro_batches=m, fwd_recv_from=stage - 1 if stage else None,
                             bwd_recv_from=None if last else stage + 1, fwd_send_to=() if last else (stage + 1,),
                             bwd_send_to=(stage - 1,) if stage else ())

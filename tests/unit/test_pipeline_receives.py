@@ -30,7 +30,7 @@ class FakeComm:
 
 def _executor(stage: int, schedule: str, comm: FakeComm) -> SimpleNamespace:
     place = SimpleNamespace(fwd_recv_from=stage - 1, bwd_recv_from=stage + 1,
-                            fwd_send_to=(stage + 1,), bwd_send_to=(stage - 1,))
+                            fwd_send_to=(stage + 1,), bwd_send_to=(stage - 1,), split_in=False, split_out=False)
     ops = get_schedule(schedule).ops(stage=stage, num_stages=STAGES, num_micro_batches=MICRO)
     return SimpleNamespace(ops=ops,
                            first=stage == 0, last=stage == STAGES - 1, place=place, comm=comm, act_shape=(1,),
