@@ -66,7 +66,8 @@ class Trainer:
         upstream = plan.pipelines[st.pipeline].stages[st.stage - 1].kind if st.stage > 0 else st.kind
         # Emulated slow links (local emulation only) hold back the pipeline's p2p messages.
         host = plan.cluster.host
-        p2p = EmulatedLinks(comm, link_of=emulated_links_of(plan.cluster, plan.devices)) if host and host.links else comm
+        p2p = (EmulatedLinks(comm, link_of=emulated_links_of(plan.cluster, plan.devices))
+               if host is not None and host.links else comm)
         self.executor = PipelineExecutor(self.model, place=place, comm=p2p, schedule=plan.schedule,
                                          seq_len=plan.seq_len, hidden_size=plan.model.hidden_size,
                                          emulator=self.emulator, device=self.device,
