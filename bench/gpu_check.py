@@ -17,7 +17,10 @@ fp32 checks must match one CPU device to 1e-4 (kernel rounding; TF32 is off by d
 of every run must show the GPU kind on cuda. Without CUDA it prints "skipped: no CUDA" and exits 0;
 ``--cpu-only`` runs checks 2-4 with the GPU kind emulated on the CPU (gloo), which is how the script
 itself is exercised without a GPU (the runtime keeps CPU ranks in fp32, so there all three run fp32).
-If bench/gpu_memory_check.py exists, it runs last.
+Then bench/gpu_step_check.py profiles the GPU's layers, runs 3-4 plans through the runtime and
+prints predicted vs measured step time per plan and peak memory per rank (``--cpu-only``: its
+``--dry-run`` on the CPU), and bench/gpu_memory_check.py (GPU only) compares memory per part. Each
+runs as its own process: a crash or failure there is reported as a failed check, not lost.
 """
 
 from __future__ import annotations
@@ -152,10 +155,15 @@ def main() -> int:
         root = Path(args.out or tmp)
         results = [check(name, plan, steps=args.steps, work=root / f"run{i}", cpu_only=args.cpu_only)
                    for i, (name, plan) in enumerate(plans(gpus=gpus, cpu_only=args.cpu_only))]
-    memory = Path(__file__).with_name("gpu_memory_check.py")
-    if memory.is_file() and not args.cpu_only:
-        print(f"running {memory.name}")
-        results.append(subprocess.run([sys.executable, str(memory)], check=False).returncode == 0)
+    step = [str(Path(__file__).with_name("gpu_step_check.py"))] + (["--dry-run"] if args.cpu_only else [])
+    memory = [] if args.cpu_only else [str(Path(__file__).with_name("gpu_memory_check.py"))]
+    for cmd in (step, memory):
+        if cmd:
+            print(f"running {Path(cmd[0]).name} {' '.join(cmd[1:])}".rstrip(), flush=True)
+            code = subprocess.run([sys.executable, *cmd], check=False).returncode
+            if code != 0:
+                print(f"{Path(cmd[0]).name} FAIL: exit code {code}")
+            results.append(code == 0)
     print("PASS" if all(results) else f"FAIL: {results.count(False)} check(s)")
     return 0 if all(results) else 1
 

@@ -60,7 +60,7 @@ def _measure(rank: int, plan_dict: dict, steps: int) -> dict:
     kind = plan.pipelines[0].stages[0].kind
     torch.cuda.set_device(rank)
     comm = make_communicator(plan=plan, rank=rank, device_types={kind: "cuda"})
-    cfg = TrainerConfig(device=f"cuda:{rank}", autocast_bf16=plan.precision_of(kind) == "bf16-mixed")
+    cfg = TrainerConfig(device=f"cuda:{rank}")  # the Trainer trains each kind in the plan's precision for it
     trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
     g = torch.Generator().manual_seed(0)
     for step in range(steps):

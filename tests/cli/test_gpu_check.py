@@ -32,3 +32,36 @@ def test_gpu_check_plans_cover_what_the_issue_asks():
                                                                  "cuda+cpu fp16-mixed"]
     for _, plan in gpu_check.plans(gpus=1, cpu_only=False):
         assert plan.cluster.kinds["gpu"].device_type == "cuda"
+
+
+def _import_bench(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_gpu_step_check_plans_cover_one_and_two_gpus():
+    step = _import_bench("gpu_step_check")
+    one = step.plans("h200", model_name="opt-350m", seq_len=2048, devices=1)
+    assert [p.world_size for _, p in one] == [1, 1, 1, 1]
+    assert [p.precision for _, p in one] == ["fp32", "fp32", "bf16-mixed", "bf16-mixed"]
+    assert all(p.cluster.kinds["h200"].device_type == "cuda" for _, p in one)
+    two = step.plans("h200", model_name="opt-350m", seq_len=2048, devices=8)
+    assert [p.world_size for _, p in two] == [1, 1, 1, 1, 2, 2]
+    assert [len(p.pipelines) for _, p in two][-2:] == [1, 2]  # a 2-stage pipeline, then 2 replicas
+
+
+def test_gpu_step_check_dry_run_runs_the_whole_path_on_cpu():
+    """The GPU script's own code (profile in a child, plans through the Trainer, predictions, the
+    printout) on the CPU with the tiny model: it is known to run before a GPU is lent."""
+    step = _import_bench("gpu_step_check")
+    rows = step.check(dry_run=True, steps=2, warmup=1, profile_repeats=1)
+    assert [r["ranks"] for r in rows] == [1, 1, 2, 2]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["measured_s"] > 0 and r["profiled_s"] > 0 and r["analytic_s"] > 0
+        assert sorted(r["memory_pred"]) == list(range(r["ranks"]))
+        assert all(m is None for m in r["memory_meas"].values())  # no allocator statistics on the CPU
+    step.print_rows(rows, dry_run=True)
