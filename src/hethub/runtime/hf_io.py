@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hethub.errors import RuntimeSetupError
+from hethub.errors import RuntimeSetupError, load_json
 from hethub.spec.model import ModelSpec, _from_hf
 
 INDEX = "model.safetensors.index.json"
@@ -66,13 +66,9 @@ def hf_name(name: str) -> str:
 def read_config(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / "config.json"
-    if not path.is_file():
-        raise RuntimeSetupError(f"'{folder}' has no config.json. Fix: pass a local Hugging Face model folder "
-                                "(config.json and *.safetensors), e.g. one written by save_pretrained.")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RuntimeSetupError(f"{path}: not valid JSON ({err}). Fix: use the model's original config.json.") from None
+    cfg = load_json(path, cls=RuntimeSetupError, invalid_fix="use the model's original config.json",
+                    missing=f"'{folder}' has no config.json. Fix: pass a local Hugging Face model folder "
+                            "(config.json and *.safetensors), e.g. one written by save_pretrained.")
     if not isinstance(cfg, dict):
         raise RuntimeSetupError(f"{path}: expected a JSON object. Fix: use the model's original config.json.")
     return cfg
