@@ -62,8 +62,9 @@ def trace_events(plan: Plan, events: Iterable[Event], *, pid_offset: int = 0, la
             out.append({
                 "name": e.name, "cat": e.category, "ph": "X", "ts": ts, "dur": dur, "pid": pid,
                 "tid": device * _LANES_PER_DEVICE + lane,
-                "args": {"category": e.category, "micro_batch": e.micro_batch, "pipeline": e.pipeline,
-                         "stage": e.stage, "device": device},
+                # The category is "cat" and the pipeline the process: not repeated in args (a 768-device
+                # trace has ~10^5 events, and every repeated key is a megabyte).
+                "args": {"micro_batch": e.micro_batch, "stage": e.stage, "device": device},
             })
     return out
 
