@@ -18,8 +18,9 @@ demo: $(BIN)/hethub
 lint: $(BIN)/hethub
 	$(BIN)/ruff check src tests bench
 
+# Two workers: the suite is mostly single-threaded, and the CI machine has two cores.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs
