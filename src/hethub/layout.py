@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hethub.plan import Plan
+from hethub.plan import Plan, Recompute
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class StagePlace:
     layers: tuple[int, int]
     embedding: bool
     head: bool
-    recompute: bool = False
+    recompute: Recompute = Recompute.NONE
 
     @property
     def tp(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,43 @@ from hethub.spec.model import PRECISIONS, ModelSpec
 PLAN_FORMAT = "hethub-plan"
 # 2: per-kind "precision"/"attention" under training.kinds. Version 1 files (no per-kind settings)
 # are still read; a version-1 reader would silently ignore per-kind settings, hence the bump.
-PLAN_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: a stage's "recompute" is "none" | "selective" | "full" (a version-2 reader would reject the words).
+# Versions 1 and 2 (true/false) are still read: true is "full", false "none".
+PLAN_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 KIND_SETTINGS = ("precision", "attention")
+
+
+class Recompute(StrEnum):
+    """What a stage recomputes in backward instead of keeping from forward.
+
+    ``none`` keeps every activation; ``selective`` recomputes only each layer's attention core
+    (scores, softmax, attention over V: Korthikanti et al. 2022, arXiv:2205.05198, Sec. 5), whose
+    saved tensors grow with the sequence length; ``full`` keeps only each layer's input and re-runs
+    the whole layer. A member is falsy only for ``none``, so ``if stage.recompute`` reads "the stage
+    recomputes something"; it compares and serialises as its word.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    def __bool__(self) -> bool:
+        return self is not Recompute.NONE
+
+    @staticmethod
+    def of(value: Recompute | str | bool, *, where: str = "recompute") -> Recompute:
+        """``value`` as a mode: a word, or a boolean as plans before version 3 wrote it (true: full)."""
+        if isinstance(value, bool):
+            return Recompute.FULL if value else Recompute.NONE
+        if isinstance(value, str) and value in RECOMPUTE_MODES:
+            return Recompute(value)
+        _fail(where, f"is {value!r}", f"use one of {', '.join(RECOMPUTE_MODES)} (true/false from older plans "
+              "mean full/none)")
+        raise AssertionError  # unreachable: _fail raises
+
+
+RECOMPUTE_MODES = tuple(m.value for m in Recompute)
 
 
 @dataclass(frozen=True)
@@ -36,7 +71,12 @@ class Stage:
     layers: tuple[int, int]  # decoder layers [start, end)
     embedding: bool = False
     head: bool = False
-    recompute: bool = False
+    # A Recompute; a bool (as code before plan version 3 passed it) is converted, True to "full".
+    recompute: Recompute = Recompute.NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, Recompute):
+            object.__setattr__(self, "recompute", Recompute.of(self.recompute, where="stages[].recompute"))
 
     @property
     def tp(self) -> int:
@@ -183,7 +223,7 @@ class Plan:
                     "stages": [
                         {"kind": s.kind, "tp": s.tp, "devices": list(s.devices),
                          "ranks": [rank[d] for d in s.devices], "layers": list(s.layers),
-                         "embedding": s.embedding, "head": s.head, "recompute": s.recompute}
+                         "embedding": s.embedding, "head": s.head, "recompute": s.recompute.value}
                         for s in p.stages
                     ],
                 }
@@ -326,9 +366,15 @@ def _pipeline_from_dict(p: Any, where: str) -> Pipeline:
         stages.append(Stage(kind=_get(s, "kind", sw, str), devices=tuple(devices), layers=(layers[0], layers[1]),
                             embedding=_get(s, "embedding", sw, bool, default=False),
                             head=_get(s, "head", sw, bool, default=False),
-                            recompute=_get(s, "recompute", sw, bool, default=False)))
+                            recompute=_recompute(s, sw)))
     return Pipeline(micro_batch_size=_get(p, "micro_batch_size", where, int),
                     num_micro_batches=_get(p, "num_micro_batches", where, int), stages=tuple(stages))
+
+
+def _recompute(stage: dict[str, Any], where: str) -> Recompute:
+    """A stage's "recompute": a mode's word, or true/false as plans before version 3 wrote it."""
+    value = stage.get("recompute", Recompute.NONE.value)
+    return Recompute.of(value, where=f"{where}.recompute")
 
 
 def _check_ranks(data: dict[str, Any], plan: Plan) -> None:

@@ -39,7 +39,7 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
         groups.setdefault(_signature(plan, pi), []).append(pi)
     by_stage = {(s.pipeline, s.stage): s for s in pred.stages}
     head = (f"{'pipelines':<14} {'mbs x n':>9} {'stage':>5} {'kind':<12} {'devices':<18} {'layers':<9} {'tp':>2} "
-            f"{'mem GiB / cap':>14} {'fwd+bwd ms':>10} {'sync ms':>8}")
+            f"{'recompute':<9} {'mem GiB / cap':>14} {'fwd+bwd ms':>10} {'sync ms':>8}")
     lines = [head, "-" * len(head)]
     for pis in groups.values():
         first = plan.pipelines[pis[0]]
@@ -52,7 +52,7 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
                 f"{label if si == 0 else '':<14} "
                 f"{(f'{first.micro_batch_size}x{first.num_micro_batches}' if si == 0 else ''):>9} "
                 f"{si:>5} {s.kind:<12} {devs:<18} {fmt_layers(s.layers):<9} "
-                f"{s.tp:>2} {mem:>14} {(sp.fwd_s + sp.bwd_s) * 1e3:>10.1f} {sp.sync_s * 1e3:>8.1f}"
+                f"{s.tp:>2} {s.recompute:<9} {mem:>14} {(sp.fwd_s + sp.bwd_s) * 1e3:>10.1f} {sp.sync_s * 1e3:>8.1f}"
             )
     return "\n".join(lines)
 

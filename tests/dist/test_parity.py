@@ -109,11 +109,18 @@ def test_gpt_variant() -> None:
     check(make_plan([(2, 2, [(F, 2, 4), (S, 1, 2)])], spec=spec))
 
 
-def test_recomputed_stage() -> None:
-    plan = make_plan([(2, 2, [(F, 2, 4), (S, 1, 2)])])
-    pipe = plan.pipelines[0]
-    stages = (replace(pipe.stages[0], recompute=True), pipe.stages[1])
-    check(replace(plan, pipelines=(replace(pipe, stages=stages),)))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_recompute_modes_per_stage(schedule: str) -> None:
+    """none, selective and full on different stages of unequal replicas: a selective TP-2 stage, a full
+    one, and the slow kind on math attention, whose selective recomputation re-runs the s x s scores
+    (under ZB-H1 the split backward re-runs them for the input gradients)."""
+    plan = make_plan([(2, 2, [(F, 2, 3), (S, 1, 3)]), (2, 1, [(S, 1, 4), (F, 1, 2)])], schedule=schedule)
+    modes = (("selective", "full"), ("selective", "none"))
+    pipes = tuple(replace(p, stages=tuple(replace(s, recompute=m) for s, m in zip(p.stages, ms, strict=True)))
+                  for p, ms in zip(plan.pipelines, modes, strict=True))
+    plan = replace(plan, pipelines=pipes, kind_settings={S: {"attention": "math"}}).validate()
+    assert [s.recompute for p in plan.pipelines for s in p.stages] == ["selective", "full", "selective", "none"]
+    check(plan)
 
 
 def _vocab_rows(res: list[dict], name: str) -> set[tuple[int, int]]:

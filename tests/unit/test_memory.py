@@ -134,6 +134,27 @@ def test_math_attention_keeps_the_scores():
     assert math - flash == pytest.approx(scores - lse)
 
 
+@pytest.mark.parametrize("attention", ["flash", "math"])
+def test_selective_recomputation_sits_between_none_and_full(attention):
+    # Llama-3-8B has GQA (8 KV heads of 32): the selective stage keeps K and V before their repeat.
+    m = PRESETS["llama-3-8b"]
+    kw = dict(layers=8, embedding=False, head=False, tp=2, mbs=2, seq_len=4096, precision="bf16-mixed",
+              in_flight=3, attention=attention)
+    none, sel, full = (stage_memory(m, recompute=rc, **kw) for rc in ("none", "selective", "full"))
+    assert none.activations_bytes > sel.activations_bytes > full.activations_bytes
+    # What selective drops per token and layer: the kernel's saved scores (math: the s x s softmax
+    # output; flash: the fp32 log-sum-exp) and the repeated K and V beyond their kv_heads width.
+    tokens = 3 * 2 * 4096
+    heads = m.num_heads // 2
+    kept = scores_bytes_per_token(m, tp=2, seq_len=4096, precision="bf16-mixed") if attention == "math" else heads * 4
+    kv_repeat = 2 * (m.hidden_size - m.kv_dim) // 2 * 2
+    assert none.activations_bytes - sel.activations_bytes == pytest.approx(8 * tokens * (kept + kv_repeat))
+    # Booleans from plans before format 3 still mean none / full.
+    assert stage_memory(m, recompute=True, **kw) == full and stage_memory(m, recompute=False, **kw) == none
+    # The re-run core's saved tensors are held on top of one layer's gradients in backward.
+    assert none.fb_temporaries_bytes < sel.fb_temporaries_bytes < full.fb_temporaries_bytes
+
+
 def _catalog_cluster(*kinds: str) -> Cluster:
     return Cluster(name="c", kinds={k: catalog()[k] for k in kinds},
                    groups=tuple(NodeGroup(k, 1, 4) for k in kinds), inter_node=Link(12.5e9, 1e-5),
@@ -238,7 +259,7 @@ def test_a_sailor_plan_records_what_sailors_runs_used():
     assert plan.precision == "fp32"
     assert {plan.attention_of(k) for k in ("a100-40gb", "v100-16gb")} == {"math"}
     again = Plan.from_dict(json.loads(plan.to_json()))  # per-kind settings survive the file (format v2)
-    assert again.kind_settings == plan.kind_settings and again.to_dict()["version"] == 2
+    assert again.kind_settings == plan.kind_settings and again.to_dict()["version"] >= 2
     assert all(s.attention == "math" and s.precision == "fp32" for s in predict(again).stages)
 
 

@@ -71,3 +71,26 @@ def test_sources_say_calibrated_or_not():
     assert kernel_params(catalog()["a100-40gb"], "bf16-mixed")[1].startswith("analytic, partly calibrated on Sailor")
     assert kernel_params(catalog()["h100-sxm"], "bf16-mixed")[1] == "analytic, uncalibrated"
     assert kernel_params(catalog()["cpu"], "fp32") is None  # no compute-unit data: constant-efficiency roofline
+
+
+@pytest.mark.parametrize("kind_name", ["a100-40gb", "v100-16gb"])
+def test_selective_recomputation_adds_the_attention_core_forward(kind_name):
+    from hethub.predict.compute import _core_time_s
+    from hethub.predict.opmodel import attention_core_ops
+
+    kind, m = catalog()[kind_name], _llama(4096)
+    kw = dict(layers=4, embedding=False, head=False, tp=2, mbs=1, seq_len=4096, precision="bf16-mixed")
+    none, sel, full = (stage_times(m, kind, recompute=rc, **kw) for rc in ("none", "selective", "full"))
+    assert none.fwd_s == sel.fwd_s == full.fwd_s
+    assert none.bwd_s < sel.bwd_s < full.bwd_s
+    params, _ = kernel_params(kind, "bf16-mixed")
+    shape = Shape.of(m, mbs=1, seq_len=4096, tp=2, elem_bytes=2, attention=kind.attention)
+    assert sel.bwd_s - none.bwd_s == pytest.approx(4 * _core_time_s(shape, params) * kind.emulated_slowdown)
+    # The core is the layer's forward between the QKV and output projections: no projection GEMM.
+    assert not [op for op in attention_core_ops(shape) if op[0] == "gemm" and op[4] == 1]
+    # On the roofline (no compute-unit data) the score and value products' FLOPs.
+    plain = catalog()["cpu"]
+    assert kernel_params(plain, "fp32") is None
+    r_none, r_sel = (stage_times(m, plain, recompute=rc, **kw) for rc in ("none", "selective"))
+    core = m.attention_core_fwd_flops(tokens=4096, seq_len=4096) / 2 / plain.effective_flops
+    assert r_sel.bwd_s - r_none.bwd_s == pytest.approx(4 * core)

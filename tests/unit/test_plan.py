@@ -5,7 +5,7 @@ import pytest
 
 from conftest import small_cluster, tiny_model, two_stage_plan
 from hethub.errors import PlanError
-from hethub.plan import Pipeline, Plan, Stage
+from hethub.plan import Pipeline, Plan, Recompute, Stage
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -57,6 +57,8 @@ def _mutate(plan: Plan, **changes) -> dict:
         ({"training.schedule": "zigzag"}, "schedule"),
         ({"training.seq_len": 10_000}, "seq_len"),
         ({"version": 99}, "version"),
+        ({"pipelines.0.stages.1.recompute": "attention"}, "pipelines[0].stages[1].recompute"),
+        ({"pipelines.0.stages.1.recompute": 1}, "pipelines[0].stages[1].recompute"),
         ({"format": "sailor"}, "format"),
     ],
 )
@@ -97,3 +99,22 @@ def test_load_reports_missing_file_and_bad_json(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(PlanError, match="not valid JSON"):
         Plan.load(bad)
+
+
+def test_recompute_is_a_mode_and_old_booleans_still_load():
+    plan = two_stage_plan()
+    d = plan.to_dict()
+    assert [s["recompute"] for s in d["pipelines"][0]["stages"]] == ["none", "none"]
+    for written, mode in ((True, "full"), (False, "none"), ("selective", "selective"), ("full", "full")):
+        old = _mutate(plan, **{"pipelines.0.stages.1.recompute": written, "version": 2 if written in (True, False)
+                               else d["version"]})
+        again = Plan.from_dict(json.loads(json.dumps(old)))
+        assert again.pipelines[0].stages[1].recompute is Recompute(mode)
+        assert again.to_dict()["pipelines"][0]["stages"][1]["recompute"] == mode  # written as the word
+    # In code too: a bool is full or none; only "none" is falsy.
+    st = plan.pipelines[0].stages[0]
+    assert dataclasses.replace(st, recompute=True).recompute is Recompute.FULL
+    assert not dataclasses.replace(st, recompute="none").recompute
+    assert dataclasses.replace(st, recompute="selective").recompute
+    with pytest.raises(PlanError, match="none, selective, full"):
+        dataclasses.replace(st, recompute="some")

@@ -30,14 +30,17 @@ TINY = PRESETS["tiny"]
 ACTIVATION_TOLERANCE = 0.005
 
 
-def _plan(*, tp: int = 1, schedule: str = "1f1b", stages: int = 2, attention: str | None = None) -> Plan:
+def _plan(*, tp: int = 1, schedule: str = "1f1b", stages: int = 2, attention: str | None = None,
+          recompute: str = "none") -> Plan:
     cluster = load_cluster(EXAMPLES / "local-cpu.toml")
     if tp > 1:
-        st = (Stage("cpu-fast", (0, 1), (0, 4), embedding=True), Stage("cpu-slow", (2,), (4, 6), head=True))
+        st = (Stage("cpu-fast", (0, 1), (0, 4), embedding=True, recompute=recompute),
+              Stage("cpu-slow", (2,), (4, 6), head=True, recompute=recompute))
     elif stages == 2:
-        st = (Stage("cpu-fast", (0,), (0, 4), embedding=True), Stage("cpu-slow", (2,), (4, 6), head=True))
+        st = (Stage("cpu-fast", (0,), (0, 4), embedding=True, recompute=recompute),
+              Stage("cpu-slow", (2,), (4, 6), head=True, recompute=recompute))
     else:
-        st = (Stage("cpu-fast", (0,), (0, 6), embedding=True, head=True),)
+        st = (Stage("cpu-fast", (0,), (0, 6), embedding=True, head=True, recompute=recompute),)
     settings = {k: {"attention": attention} for k in cluster.kind_names} if attention else {}
     return Plan(model=TINY, cluster=cluster, global_batch=6, seq_len=32, pipelines=(Pipeline(2, 3, st),),
                 schedule=schedule, precision="fp32", kind_settings=settings).validate()
@@ -86,11 +89,27 @@ def test_entry_without_tp_collectives_gets_them_added():
     assert b.fwd_s > a.fwd_s and b.bwd_s > a.bwd_s
 
 
-@pytest.mark.parametrize("tp,schedule,attention", [(1, "1f1b", None), (1, "gpipe", None), (2, "1f1b", None),
-                                                   (1, "1f1b", "math"), (2, "gpipe", "math")])
-def test_predicted_memory_matches_the_runtime(tp, schedule, attention):
-    # With math attention the runtime runs SDPA's math kernel, which keeps the s x s scores.
-    plan = _plan(tp=tp, schedule=schedule, attention=attention)
+def test_profiled_selective_recomputation_is_an_estimate_that_says_so():
+    from hethub.predict.compute import core_flop_share
+
+    times = LayerTimes(0.01, 0.02, 0.001)
+    profiles = ProfileSet({"cpu-fast": KindProfile("cpu-fast", "tiny", 32, {(2, 1): ProfileEntry(times, times, times)})})
+    none, sel = (predict(_plan(recompute=rc), profiles=profiles) for rc in ("none", "selective"))
+    share = core_flop_share(TINY, seq_len=32)
+    assert 0 < share < 1
+    assert sel.stages[0].bwd_s - none.stages[0].bwd_s == pytest.approx(4 * 0.01 * share)  # 4 layers
+    assert "estimated on profiled kinds cpu-fast" in sel.sources["recomputation"]
+    assert "recomputation" not in none.sources
+
+
+@pytest.mark.parametrize("tp,schedule,attention,recompute", [
+    (1, "1f1b", None, "none"), (1, "gpipe", None, "none"), (2, "1f1b", None, "none"), (1, "1f1b", "math", "none"),
+    (2, "gpipe", "math", "none"), (1, "1f1b", None, "selective"), (2, "1f1b", "math", "selective"),
+    (1, "1f1b", "math", "full")])
+def test_predicted_memory_matches_the_runtime(tp, schedule, attention, recompute):
+    # With math attention the runtime runs SDPA's math kernel, which keeps the s x s scores;
+    # selective recomputation checkpoints the attention core (the tiny preset has GQA: 4 heads, 2 KV).
+    plan = _plan(tp=tp, schedule=schedule, attention=attention, recompute=recompute)
     for sp in predict(plan).stages:
         got = measure_stage_memory(plan, pipeline=sp.pipeline, stage=sp.stage)
         # fp32 training state is exact: 4 (weights) + 4 (grads) + 8 (AdamW moments) bytes per parameter.
@@ -98,6 +117,17 @@ def test_predicted_memory_matches_the_runtime(tp, schedule, attention):
         assert sp.grads_bytes == got.state.grads_bytes
         assert sp.optimizer_bytes == got.state.optimizer_bytes
         assert sp.activations_bytes == pytest.approx(got.activations_bytes, rel=ACTIVATION_TOLERANCE)
+
+
+@pytest.mark.parametrize("attention", ["flash", "math"])
+def test_selective_recomputation_saves_exactly_what_the_model_drops(attention):
+    modes = ("none", "selective", "full")
+    plans = {rc: _plan(tp=2, attention=attention, recompute=rc) for rc in modes}
+    got = {rc: measure_stage_memory(p, pipeline=0, stage=0).activations_bytes for rc, p in plans.items()}
+    pred = {rc: predict(p).stages[0].activations_bytes for rc, p in plans.items()}
+    assert got["none"] > got["selective"] > got["full"]
+    assert pred["none"] - pred["selective"] == got["none"] - got["selective"]
+    assert pred["selective"] - pred["full"] == got["selective"] - got["full"]
 
 
 def test_shared_cores_slow_down_only_computing_ranks():

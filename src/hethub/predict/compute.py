@@ -5,8 +5,11 @@ of :mod:`hethub.predict.opmodel` (every GEMM by its shape, attention per the kin
 memory-bound kernels at the kind's bandwidth), with the kind's fitted numbers where the catalog has
 them ("analytic, calibrated on ...") or assumed defaults ("analytic, uncalibrated"). Other kinds
 (CPUs, hand-made kinds): time = FLOPs / (peak FLOP/s x efficiency), backward twice the forward.
-Full recomputation adds one more forward. The optimizer update streams the stage's training state
-through device memory once (read and write).
+Full recomputation adds one more forward to backward; selective recomputation adds the attention
+core's forward (the op model's core operators; on the roofline its score and value FLOPs; from a
+profile, which times whole layers, the core's share of the layer's forward FLOPs times the measured
+forward: an estimate, and the prediction's sources say so). The optimizer update streams the
+stage's training state through device memory once (read and write).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from hethub.plan import Recompute
 from hethub.predict import opmodel
 from hethub.predict.calibrate import DEFAULT_GEMM_EFF, DEFAULT_K_HALF, DEFAULT_LAUNCH_S, DEFAULT_MEM_EFF
 from hethub.predict.gemm import KernelParams
@@ -35,8 +39,10 @@ class StageTimes:
 
 def stage_times(
     model: ModelSpec, kind: DeviceKind, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
-    seq_len: int, recompute: bool, precision: str, profile: KindProfile | None = None,
+    seq_len: int, recompute: Recompute | str | bool, precision: str, profile: KindProfile | None = None,
 ) -> StageTimes:
+    """``recompute``: the stage's :class:`~hethub.plan.Recompute` mode (a bool means full or none)."""
+    recompute = Recompute.of(recompute)
     entry = profile.lookup(mbs=mbs, tp=tp) if profile is not None else None
     if entry is not None:
         # Per-layer time at this stage's depth: a deep stack costs more per layer (what it keeps for
@@ -48,8 +54,10 @@ def stage_times(
         for part, present in ((entry.embedding, embedding), (entry.head, head)):
             if present:
                 fwd, bwd, upd = fwd + part.fwd_s, bwd + part.bwd_s, upd + part.update_s
-        if recompute:
+        if recompute is Recompute.FULL:
             bwd += layers * per_layer.fwd_s
+        elif recompute is Recompute.SELECTIVE:
+            bwd += layers * per_layer.fwd_s * core_flop_share(model, seq_len=seq_len)
         # A profile measures real speed; an emulated kind is slowed on top of it, in its forward and
         # backward chunks only (the runtime's emulation sleeps there, not in the optimizer step), and
         # only their CPU share: the runtime sleeps (k-1) x a chunk's thread CPU time, so time spent
@@ -70,7 +78,8 @@ def stage_times(
         attention = kind.attention if precision != "fp32" else "math"  # flash kernels need 16-bit inputs
         shape = opmodel.Shape.of(model, mbs=mbs, seq_len=seq_len, tp=tp, elem_bytes=elem, attention=attention)
         lf, lb = _phase_times("layer", shape, params_k)
-        fwd, bwd = layers * lf, layers * (lb + (lf if recompute else 0.0))
+        rerun = {Recompute.NONE: 0.0, Recompute.FULL: lf, Recompute.SELECTIVE: _core_time_s(shape, params_k)}
+        fwd, bwd = layers * lf, layers * (lb + rerun[recompute])
         for present, part in ((embedding, "embedding"), (head, "head")):
             if present:
                 f, b = _phase_times(part, shape, params_k)
@@ -83,12 +92,26 @@ def stage_times(
     if head:
         flops += model.head_fwd_flops(tokens=tokens)
     fwd = flops / tp / kind.effective_flops
-    bwd = 2 * fwd + (layers * model.layer_fwd_flops(tokens=tokens, seq_len=seq_len) / tp / kind.effective_flops
-                     if recompute else 0.0)
+    rerun_flops = {Recompute.NONE: 0.0, Recompute.FULL: model.layer_fwd_flops(tokens=tokens, seq_len=seq_len),
+                   Recompute.SELECTIVE: model.attention_core_fwd_flops(tokens=tokens, seq_len=seq_len)}[recompute]
+    bwd = 2 * fwd + layers * rerun_flops / tp / kind.effective_flops
     return StageTimes(fwd, bwd, upd, "analytic, constant efficiency")
 
 
+def core_flop_share(model: ModelSpec, *, seq_len: int) -> float:
+    """The attention core's share of a layer's forward FLOPs: how much of a profiled layer's forward
+    selective recomputation is taken to re-run. An estimate: it counts the full s x s products
+    (causal kernels do half) and prices the core's memory-bound kernels (softmax, rotary) like GEMMs."""
+    return model.attention_core_fwd_flops(tokens=1, seq_len=seq_len) / model.layer_fwd_flops(tokens=1, seq_len=seq_len)
+
+
 _PARTS = {"layer": opmodel.layer_ops, "embedding": opmodel.embedding_ops, "head": opmodel.head_ops}
+
+
+@functools.lru_cache(maxsize=4096)
+def _core_time_s(shape: opmodel.Shape, params: KernelParams) -> float:
+    """Forward time of one layer's attention core (what selective recomputation re-runs)."""
+    return opmodel.phase_time_s(opmodel.attention_core_ops(shape), params, elem_bytes=shape.elem_bytes)
 
 
 @functools.lru_cache(maxsize=4096)

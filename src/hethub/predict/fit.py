@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hethub.errors import MemoryFitError
-from hethub.plan import Plan
+from hethub.plan import Plan, Recompute
 from hethub.predict.memory import describe_peak
 from hethub.predict.result import Prediction
 
@@ -20,8 +20,8 @@ def check_memory_fit(plan: Plan, prediction: Prediction) -> None:
         hints = []
         if st.num_layers > 1:
             hints.append("move layers to another stage")
-        if not st.recompute:
-            hints.append("set \"recompute\": true on it")
+        if st.recompute is not Recompute.FULL:
+            hints.append("set \"recompute\": " + ('"selective" or "full"' if not st.recompute else '"full"') + " on it")
         hints.append("lower micro_batch_size")
         if st.tp < plan.cluster.groups[plan.cluster.devices[st.devices[0]].group].devices_per_node:
             hints.append("raise its TP degree")

@@ -76,32 +76,42 @@ def layer_ops(s: Shape) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
     t, h, e, tp = s.tokens, s.hidden, s.elem_bytes, s.tp
     d = h // s.heads
     q, kv, f = h // tp, s.kv_heads * d // tp, s.ffn // tp
-    heads = s.heads // tp
-    batch = (t // s.seq_len) * heads
-    scores = batch * s.seq_len * s.seq_len
     drop = 1 if s.dropout else 0  # a dropout mask costs one byte per element
     residual = ("mem", (3 * e + drop) * t * h)  # (bias +) (dropout +) residual add: read 2, write 1
-    ops: list[Op] = [("mem", 2 * e * t * h), ("gemm", t, q + 2 * kv, h, 1)]
-    if s.arch == "llama":
-        ops.append(("mem", 2 * e * t * (q + kv)))  # rotary on queries and keys
-    if s.attention == "flash":
-        causal = 0.5
-        ops.append(("flash", causal * 4.0 * batch * s.seq_len * s.seq_len * d))
-    else:
-        ops += [("mem", 2 * e * t * (q + 2 * kv)),  # heads to batch-major layout
-                ("gemm", s.seq_len, s.seq_len, d, batch),  # scores = Q K^T
-                ("mem", 2 * e * scores),  # scale and causal mask
-                ("mem", 2 * e * scores)]  # softmax
-        if s.attn_dropout:
-            ops.append(("mem", (2 * e + 1) * scores))
-        ops += [("gemm", s.seq_len, d, s.seq_len, batch),  # context = P V
-                ("mem", 2 * e * t * q)]  # back to token-major
+    ops: list[Op] = [("mem", 2 * e * t * h), ("gemm", t, q + 2 * kv, h, 1), *attention_core_ops(s)]
     ops += [("gemm", t, h, q, 1), ("allreduce", e * t * h), residual, ("mem", 2 * e * t * h),
             ("gemm", t, (2 if s.gated else 1) * f, h, 1), ("mem", (3 if s.gated else 2) * e * t * f),
             ("gemm", t, h, f, 1), ("allreduce", e * t * h), residual]
     if tp == 1:
         ops = [op for op in ops if op[0] != "allreduce"]
     return tuple(ops), tuple(_backward(ops))
+
+
+@functools.cache
+def attention_core_ops(s: Shape) -> tuple[Op, ...]:
+    """Forward operators between the QKV projection and the output projection (rotary, then the
+    attention core): what selective recomputation re-runs in backward."""
+    t, e, tp = s.tokens, s.elem_bytes, s.tp
+    d = s.hidden // s.heads
+    q, kv = s.hidden // tp, s.kv_heads * d // tp
+    batch = (t // s.seq_len) * (s.heads // tp)
+    scores = batch * s.seq_len * s.seq_len
+    ops: list[Op] = []
+    if s.arch == "llama":
+        ops.append(("mem", 2 * e * t * (q + kv)))  # rotary on queries and keys
+    if s.attention == "flash":
+        causal = 0.5
+        ops.append(("flash", causal * 4.0 * batch * s.seq_len * s.seq_len * d))
+        return tuple(ops)
+    ops += [("mem", 2 * e * t * (q + 2 * kv)),  # heads to batch-major layout
+            ("gemm", s.seq_len, s.seq_len, d, batch),  # scores = Q K^T
+            ("mem", 2 * e * scores),  # scale and causal mask
+            ("mem", 2 * e * scores)]  # softmax
+    if s.attn_dropout:
+        ops.append(("mem", (2 * e + 1) * scores))
+    ops += [("gemm", s.seq_len, d, s.seq_len, batch),  # context = P V
+            ("mem", 2 * e * t * q)]  # back to token-major
+    return tuple(ops)
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from hethub.layout import split_hop
-from hethub.plan import Pipeline, Plan
+from hethub.plan import Pipeline, Plan, Recompute
 from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
@@ -79,7 +79,7 @@ class _Costs:
         return prof if prof is not None and prof.seq_len == self.plan.seq_len else None
 
     def stage_cost(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
-                   recompute: bool) -> _StageCost:
+                   recompute: Recompute) -> _StageCost:
         key = (kind, layers, embedding, head, tp, mbs, recompute)
         cost = self.stage.get(key)
         if cost is None:
@@ -98,7 +98,7 @@ class _Costs:
         return cost
 
     def stage_memory(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
-                     recompute: bool, in_flight: int, synced: bool, mixed_sync: bool, communicators: int,
+                     recompute: Recompute, in_flight: int, synced: bool, mixed_sync: bool, communicators: int,
                      sync_bucket_params: float) -> StageMemory:
         key = (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
                sync_bucket_params)
@@ -113,6 +113,16 @@ class _Costs:
                 sync_bucket_params=sync_bucket_params)
         return mem
 
+    def plan_stage_memory(self, pi: int, si: int, *, in_flight: int) -> StageMemory:
+        """Memory of stage ``si`` of pipeline ``pi`` of the plan, its gradient sync as the runtime does it."""
+        p = self.plan.pipelines[pi]
+        s, n = p.stages[si], len(p.stages)
+        synced, mixed, bucket = self.sync_shape[(pi, si)]
+        comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
+        return self.stage_memory(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
+                                 mbs=p.micro_batch_size, recompute=s.recompute, in_flight=in_flight, synced=synced,
+                                 mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
+
     def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
                  ops: bool) -> list[float]:
         if ops:
@@ -124,6 +134,21 @@ class _Costs:
             self.finish[sig] = simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
                                                       schedule=self.plan.schedule)
         return self.finish[sig]
+
+
+def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[tuple[int, int], bool]:
+    """Per (pipeline, stage): whether its predicted peak is within its usable memory, as ``predict``'s
+    ``StagePrediction.fits`` says, without the timing (cheap: the planner asks it per candidate)."""
+    costs = _Costs(plan, None)
+    schedule = get_schedule(plan.schedule)
+    mem_headroom = check_headroom(mem_headroom)
+    out = {}
+    for pi, p in enumerate(plan.pipelines):
+        for si, s in enumerate(p.stages):
+            in_flight = schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)
+            mem = costs.plan_stage_memory(pi, si, in_flight=in_flight)
+            out[(pi, si)] = mem.total_bytes <= usable_bytes(plan.cluster.kinds[s.kind], headroom=mem_headroom)
+    return out
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
@@ -156,11 +181,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
                                     mbs=mbs, recompute=s.recompute)
             in_flight = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=m)
-            synced, mixed, bucket = costs.sync_shape[(pi, si)]
-            comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
-            mem = costs.stage_memory(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                     mbs=mbs, recompute=s.recompute, in_flight=in_flight, synced=synced,
-                                     mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
+            mem = costs.plan_stage_memory(pi, si, in_flight=in_flight)
             send = 0.0
             if si < n - 1:
                 nxt = p.stages[si + 1]
@@ -226,7 +247,16 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
     if cluster.host is not None and cluster.host.allreduce:
         comm += (f"; all-reduce among {sorted(p for p, _ in cluster.host.allreduce)} ranks measured on this host "
                  "(used through the emulation hook)")
-    return {"compute": {s.kind: s.compute_source for s in stages}, "communication": comm,
+    out: dict[str, object] = {}
+    selective = [s for s in stages if plan.pipelines[s.pipeline].stages[s.stage].recompute is Recompute.SELECTIVE]
+    profiled = sorted({s.kind for s in selective if s.compute_source == "profile"})
+    if selective:
+        out["recomputation"] = (
+            "selective: the re-run attention core's forward, from the operator model's core operators (or the "
+            "roofline's score and value FLOPs) where a stage is analytic"
+            + (f"; estimated on profiled kinds {', '.join(profiled)} as the core's share of the layer's forward "
+               "FLOPs times the measured forward (a profile times whole layers)" if profiled else ""))
+    return {"compute": {s.kind: s.compute_source for s in stages}, "communication": comm, **out,
             "memory": "analytic: named parts (predict/memory): state per precision, kept activations per layer, "
                       "working set, sync and optimizer buffers; framework context, collective buffers and "
                       "fragmentation from the catalog",

@@ -135,7 +135,7 @@ def _memory(plan: Plan, prediction: Prediction) -> list[str]:
            "Parts at the step's peak moment; *temporaries*: the working set of that moment (logits, a layer's "
            "gradients, the gradient-sync copy or the optimizer's scratch); *outside*: framework context and "
            "collective buffers, which the allocator does not see.", "",
-           "| pipelines | stage | kind | precision / attention | weights (+master) | grads | optimizer | "
+           "| pipelines | stage | kind | precision / attention / recompute | weights (+master) | grads | optimizer | "
            "activations (in flight) | temporaries | fragmentation | outside | peak / usable |",
            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -145,7 +145,8 @@ def _memory(plan: Plan, prediction: Prediction) -> list[str]:
         p = sp.memory.parts
         temps = p["fb_temporaries"] + p["grad_sync_buffer"] + p["optimizer_temporaries"]
         out.append(
-            f"| {r.label.split(' · ')[0]} | {r.stage} | {r.kind} | {sp.precision} / {sp.attention} | "
+            f"| {r.label.split(' · ')[0]} | {r.stage} | {r.kind} | {sp.precision} / {sp.attention} / "
+            f"{plan.pipelines[r.pipeline].stages[r.stage].recompute} | "
             f"{(p['weights'] + p['master_weights']) / GIB:.2f} | {p['grads'] / GIB:.2f} | {p['optimizer'] / GIB:.2f} | "
             f"{p['activations'] / GIB:.2f} ({sp.in_flight}) | "
             f"{temps / GIB:.2f} ({sp.memory.peak_phase.replace('_', ' ')}) | "

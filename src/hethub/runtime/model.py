@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from hethub.errors import RuntimeSetupError
+from hethub.plan import Recompute
 from hethub.runtime.tensor_parallel import (
     TPContext,
     copy_to_tp,
@@ -114,9 +115,14 @@ SDPA_BACKENDS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash") -> None:
+    """Multi-head attention; ``recompute_core``: checkpoint the attention core (rotary, GQA's repeat
+    of K and V, scores, softmax, attention over V), so backward re-runs it instead of keeping what the
+    kernel saves (selective recomputation, Korthikanti et al. 2022, plus the cheap elementwise rotary)."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash", *,
+                 recompute_core: bool = False) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.recompute_core = tp, recompute_core
         self.heads, self.kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
         self.head_dim = spec.head_dim
         h, bias = spec.hidden_size, spec.has_bias
@@ -137,16 +143,27 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        tables = (rope[0][:s], rope[1][:s]) if rope is not None else None
+        if self.recompute_core and torch.is_grad_enabled():
+            # Non-reentrant: it keeps only the projections' q, k and v for the re-run (compute width
+            # under autocast; rotary by fp32 tables would widen q and k, so it is re-run too).
+            o = checkpoint(self._core, q, k, v, tables, use_reentrant=False)
+        else:
+            o = self._core(q, k, v, tables)
+        o = reduce_from_tp(self.wo(o.transpose(1, 2).reshape(b, s, -1)), self.tp)
+        return o if self.wo_bias is None else o + self.wo_bias
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The attention core: rotary on Q and K, K and V repeated to every head (GQA), then
+        softmax(Q K^T / sqrt(d), causal) V."""
         if rope is not None:
-            cos, sin = rope[0][:s], rope[1][:s]
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         with sdpa_kernel(self.backends):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        o = reduce_from_tp(self.wo(o.transpose(1, 2).reshape(b, s, -1)), self.tp)
-        return o if self.wo_bias is None else o + self.wo_bias
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -170,9 +187,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash") -> None:
+    def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash", *,
+                 recompute_core: bool = False) -> None:
         super().__init__()
-        self.attn_norm, self.attn = _norm(spec), Attention(spec, tp, attention)
+        self.attn_norm, self.attn = _norm(spec), Attention(spec, tp, attention, recompute_core=recompute_core)
         self.mlp_norm, self.mlp = _norm(spec), MLP(spec, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -189,10 +207,10 @@ class StageModel(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, *, layers: tuple[int, int], embedding: bool, head: bool,
-                 tp: TPContext | None = None, recompute: bool = False, seed: int = 0,
+                 tp: TPContext | None = None, recompute: Recompute | str | bool = Recompute.NONE, seed: int = 0,
                  rope_len: int | None = None, attention: str = "flash") -> None:
         super().__init__()
-        self.spec, self.tp, self.recompute = spec, tp or TPContext(), recompute
+        self.spec, self.tp, self.recompute = spec, tp or TPContext(), Recompute.of(recompute)
         self.has_embedding, self.has_head = embedding, head
         # A tied head uses the same shard of the same table, so both uses keep one layout.
         self.vocab_parallel = vocab_parallel(spec.vocab_size, self.tp.size)
@@ -201,7 +219,10 @@ class StageModel(nn.Module):
             self.embed = nn.Embedding(vocab, spec.hidden_size)
         if embedding and spec.arch == "gpt":
             self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(spec, self.tp, attention) for i in range(*layers)})
+        # Selective recomputation checkpoints inside each block; full checkpoints whole blocks (forward).
+        core = self.recompute is Recompute.SELECTIVE
+        self.layers = nn.ModuleDict({str(i): Block(spec, self.tp, attention, recompute_core=core)
+                                     for i in range(*layers)})
         if head:
             self.norm = _norm(spec)
             if not spec.tied_embeddings:
@@ -228,7 +249,7 @@ class StageModel(nn.Module):
             h = x
         rope = (self.rope_cos, self.rope_sin) if self.spec.arch == "llama" else None
         for block in self.layers.values():
-            if self.recompute and torch.is_grad_enabled():
+            if self.recompute is Recompute.FULL and torch.is_grad_enabled():
                 h = checkpoint(block, h, rope, use_reentrant=False)
             else:
                 h = block(h, rope)

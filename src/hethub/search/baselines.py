@@ -17,6 +17,7 @@ from __future__ import annotations
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.schedules import get_schedule
 from hethub.search.combine import Group, step_time_s
+from hethub.search.costs import recompute_options
 from hethub.search.split import Slot, price
 from hethub.search.templates import Searcher, tp_options
 
@@ -83,7 +84,7 @@ def _shape(s: Searcher, *, strategy: str, ids: list[int], tp: int, pp: int, dp: 
         models, m = [], mbs_split[i]
         for st, (slot, n) in enumerate(zip(slots, layer_split[i], strict=True)):
             in_flight = get_schedule(cfg.schedule).in_flight(stage=st, num_stages=pp, num_micro_batches=m)
-            for rc in (False, True) if cfg.allow_recompute else (False,):
+            for rc in recompute_options(cfg.allow_recompute):
                 sm = s.book.stage(slot.kind, tp=tp, mbs=mbs, recompute=rc)
                 if sm.max_layers(emb=st == 0, head=st == pp - 1, in_flight=in_flight, limit=n) >= n:
                     models.append(sm)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hethub.plan import Recompute
 from hethub.predict.comm import tp_comm_time_s
 from hethub.predict.compute import stage_times
 from hethub.predict.memory import (
@@ -24,6 +25,14 @@ from hethub.predict.memory import (
 from hethub.predict.profiles import ProfileSet
 from hethub.spec.cluster import DeviceKind, Link
 from hethub.spec.model import ModelSpec
+
+# The recomputation modes, by falling memory and rising backward time: a stage takes the first that fits.
+RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+
+
+def recompute_options(allow_recompute: bool) -> tuple[Recompute, ...]:
+    """The modes a stage may take once the layout is fixed (polish, baselines): all, or only ``none``."""
+    return RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,10 @@ class Affine:
 
 
 class StageCost:
-    """Costs of one stage shape: (kind, tp, micro-batch size, recompute)."""
+    """Costs of one stage shape: (kind, tp, micro-batch size, recompute mode)."""
 
-    def __init__(self, job: Job, kind: DeviceKind, *, tp: int, mbs: int, recompute: bool) -> None:
+    def __init__(self, job: Job, kind: DeviceKind, *, tp: int, mbs: int, recompute: Recompute | bool) -> None:
+        recompute = Recompute.of(recompute)
         self.job, self.kind, self.tp, self.mbs, self.recompute = job, kind, tp, mbs, recompute
         m = job.model
         prof = job.profiles.get(kind.name) if job.profiles else None
@@ -228,7 +238,9 @@ class CostBook:
         self.pipe_floors: dict[tuple, object] = {}  # bounds.pipe_floor by (segments, micro-batch size)
         self.solo: dict[tuple[int, int], tuple[object, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
 
-    def stage(self, kind: str, *, tp: int, mbs: int, recompute: bool) -> StageCost:
+    def stage(self, kind: str, *, tp: int, mbs: int, recompute: Recompute | bool) -> StageCost:
+        """The cost model of one stage shape (a bool ``recompute`` means full or none)."""
+        recompute = Recompute.of(recompute)
         key = (kind, tp, mbs, recompute)
         sm = self._cache.get(key)
         if sm is None:

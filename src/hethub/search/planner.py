@@ -25,6 +25,7 @@ from hethub.search.config import PlannerConfig
 from hethub.search.diagnose import infeasible_message
 from hethub.search.hetero import search
 from hethub.search.polish import polish
+from hethub.search.recompute import choose_recompute
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
@@ -216,9 +217,10 @@ def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> 
         if key in seen:
             continue
         seen.add(key)
-        out.append(build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
-                              seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
-                              strategy=strategy))
+        plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
+                          seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
+                          strategy=strategy)
+        out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom))
         if len(out) >= config.finalists + config.top_k:
             break
     return out

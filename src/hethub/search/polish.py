@@ -18,6 +18,7 @@ from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.schedules import get_schedule
+from hethub.search.costs import recompute_options
 
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_s: float,
@@ -106,7 +107,7 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
             memo[key] = None
             kind = plan.cluster.kinds[s.kind]
             cap = usable_bytes(kind, headroom=headroom)
-            for rc in (False, True) if allow_recompute else (False,):
+            for rc in recompute_options(allow_recompute):
                 mem = stage_memory(plan.model, layers=k, embedding=s.embedding, head=s.head, tp=s.tp,
                                    mbs=p.micro_batch_size, seq_len=plan.seq_len, recompute=rc,
                                    precision=plan.precision_of(s.kind), in_flight=in_flight,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from hethub.plan import Recompute
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.costs import CostBook, StageCost
@@ -38,7 +39,7 @@ class PipeCost:
     slots: tuple[Slot, ...]
     mbs: int
     layers: tuple[int, ...]
-    recompute: tuple[bool, ...]
+    recompute: tuple[Recompute, ...]
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     update_s: tuple[float, ...]
@@ -181,13 +182,14 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
 
 def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_flight: int, low: int,
              allow_recompute: bool) -> list[_Option]:
-    """With and without recomputation, where each fits; cached (templates share stage positions)."""
+    """With and without full recomputation, where each fits; cached (templates share stage positions).
+    Selective recomputation is chosen per stage once the plan is laid out (search/recompute.py)."""
     key = (slot.kind, slot.tp, mbs, emb, head, in_flight, low, allow_recompute)
     here = book.options.get(key)
     if here is None:
         n_layers = book.job.model.num_layers
         here = book.options[key] = []
-        for rc in ((False, True) if allow_recompute else (False,)):
+        for rc in ((Recompute.NONE, Recompute.FULL) if allow_recompute else (Recompute.NONE,)):
             sm = book.stage(slot.kind, tp=slot.tp, mbs=mbs, recompute=rc)
             u = sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
             if u >= low:

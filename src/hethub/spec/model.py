@@ -124,7 +124,12 @@ class ModelSpec:
         Attention counts the full s x s score and value products (Megatron's convention), not the
         causal half, because dense kernels do that work.
         """
-        return 2.0 * tokens * self.layer_matmul_params + 4.0 * tokens * seq_len * self.hidden_size
+        return 2.0 * tokens * self.layer_matmul_params + self.attention_core_fwd_flops(tokens=tokens, seq_len=seq_len)
+
+    def attention_core_fwd_flops(self, *, tokens: int, seq_len: int) -> float:
+        """The score and value products of one layer (``Q K^T`` and ``P V``, full s x s): the part
+        selective recomputation re-runs."""
+        return 4.0 * tokens * seq_len * self.hidden_size
 
     def head_fwd_flops(self, *, tokens: int) -> float:
         return 2.0 * tokens * self.vocab_size * self.hidden_size

@@ -25,10 +25,15 @@ tensor by tensor to what hethub's runtime (``hethub.runtime.model``) saves, and 
 
 With tensor parallelism (no sequence parallelism) the norms are replicated and everything between the
 column- and row-parallel projections is split by t. Full recomputation keeps only each layer's input.
+Selective recomputation (the paper's Sec. 5) checkpoints the attention core (in hethub's runtime:
+rotary, GQA's repeat, scores, softmax, attention over V): the layer keeps the projections' Q, K and V
+(K and V at their own ``kv_heads`` width: the repeat is re-run) and the output, and drops what the
+kernel saves (the log-sum-exp, or math's scores and scaled Q), i.e. the paper's 5 a s^2 b.
 """
 
 from __future__ import annotations
 
+from hethub.plan import Recompute
 from hethub.spec.model import ModelSpec
 
 RESIDUAL_BYTES = 4  # hethub's runtime keeps fp32 parameters, so the residual stream is fp32 under autocast
@@ -50,9 +55,14 @@ def norm_bytes_per_token(model: ModelSpec, *, precision: str) -> float:
     return h * RESIDUAL_BYTES + h * cb + 2 * STAT_BYTES
 
 
-def attention_bytes_per_token(model: ModelSpec, *, tp: int, seq_len: int, attention: str, precision: str) -> float:
-    """Q, K, V and the output (h/t each), plus the log-sum-exp (flash) or the s x s scores (math)."""
+def attention_bytes_per_token(model: ModelSpec, *, tp: int, seq_len: int, attention: str, precision: str,
+                              selective: bool = False) -> float:
+    """Q, K, V and the output (h/t each), plus the log-sum-exp (flash) or the s x s scores (math).
+    ``selective``: the core is recomputed, so only the projections' Q, K, V (K and V before GQA's repeat)
+    and the output are kept."""
     cb, heads = compute_bytes(precision), model.num_heads / tp
+    if selective:
+        return (2 * model.hidden_size + 2 * model.kv_dim) / tp * cb
     qkvo = 4 * model.hidden_size / tp * cb
     if attention == "math":
         return qkvo + heads * seq_len * cb
@@ -69,12 +79,15 @@ def mlp_bytes_per_token(model: ModelSpec, *, tp: int, precision: str) -> float:
 
 
 def layer_bytes_per_token(model: ModelSpec, *, tp: int, seq_len: int, attention: str, precision: str,
-                          recompute: bool) -> float:
-    """What one decoder layer keeps per token between its forward and backward."""
-    if recompute:
+                          recompute: Recompute | str | bool) -> float:
+    """What one decoder layer keeps per token between its forward and backward (``recompute``: a
+    :class:`~hethub.plan.Recompute` mode; a bool means full or none)."""
+    mode = Recompute.of(recompute)
+    if mode is Recompute.FULL:
         return float(model.hidden_size * RESIDUAL_BYTES)  # the checkpointed layer's input
     return (2 * norm_bytes_per_token(model, precision=precision)
-            + attention_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision)
+            + attention_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
+                                        selective=mode is Recompute.SELECTIVE)
             + mlp_bytes_per_token(model, tp=tp, precision=precision))
 
 

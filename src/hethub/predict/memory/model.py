@@ -6,7 +6,8 @@ state that persists across steps (weights, master copies, gradients, optimizer s
 * forward/backward: the activations of the schedule's in-flight micro-batches
   (:mod:`hethub.predict.memory.activations`), plus the largest working set one micro-batch adds on
   top (the loss's logits and their fp32 gradients at the head; one layer's recomputed activations
-  under recomputation; one layer's gradients otherwise);
+  under full recomputation; under selective recomputation one layer's re-run attention core on top
+  of its gradients; one layer's gradients otherwise);
 * gradient sync: hethub's runtime flattens each group's gradients into one buffer for the all-reduce
   (``runtime/data_parallel.py``: ``torch.cat``), a full copy of the stage's gradients; holders of
   different TP degrees first build full-size gradients (zeros elsewhere), a second full-size copy;
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from hethub.plan import Recompute
 from hethub.predict.memory import activations as act
 from hethub.spec.cluster import DeviceKind
 from hethub.spec.model import ModelSpec
@@ -137,12 +139,14 @@ class StageMemory:
 
 def stage_memory(
     model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int, seq_len: int,
-    recompute: bool, precision: str, in_flight: int, vocab_parallel: bool = True, attention: str = "flash",
+    recompute: Recompute | str | bool, precision: str, in_flight: int, vocab_parallel: bool = True,
+    attention: str = "flash",
     kind: DeviceKind | None = None, synced: bool = False, mixed_sync: bool = False, communicators: int = 1,
     sync_bucket_params: float | None = None,
 ) -> StageMemory:
     """Peak memory of one device of a stage (see the module docstring for the parts).
 
+    ``recompute``: the stage's :class:`~hethub.plan.Recompute` mode (a bool means full or none).
     ``in_flight``: micro-batches whose activations the stage holds at its peak under the schedule.
     ``kind``: supplies the framework reserve, fragmentation and whether the optimizer step runs
     multi-tensor (accelerators) or tensor by tensor (CPU); None counts none of them (bare tensors).
@@ -152,6 +156,7 @@ def stage_memory(
     None: all of the stage's (its parameters all have the same holders).
     ``communicators``: collective-library communicators this device joins (each holds buffers).
     """
+    recompute = Recompute.of(recompute)
     params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp, vocab_parallel=vocab_parallel)
     per = state_bytes_per_param(precision)
     tokens = mbs * seq_len
@@ -167,11 +172,13 @@ def stage_memory(
         per_mb += act.head_bytes_per_token(model, vocab_tp=vtp, precision=precision)
     acts = in_flight * tokens * per_mb
     # One micro-batch's working set beyond what is kept (estimates, docs/predictor.md): the loss's
-    # logits at the head; under recomputation the re-run layer's full activations and their
-    # gradients, else one layer's gradients (about its kept activations).
+    # logits at the head; under full recomputation the re-run layer's full activations and their
+    # gradients; under selective one layer's gradients (about its kept activations) plus what its
+    # re-run core saves (the part selective does not keep); else one layer's gradients.
     work = 0.0
     if layers:
-        work = tokens * full_layer * (2 if recompute else 1)
+        rerun = {Recompute.NONE: 0.0, Recompute.SELECTIVE: full_layer - kept_layer, Recompute.FULL: full_layer}
+        work = tokens * (full_layer + rerun[recompute])
     if head:
         work = max(work, tokens * act.head_transient_bytes_per_token(model, vocab_tp=vtp, precision=precision))
     grads = params * per["grads"]
