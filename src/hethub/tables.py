@@ -74,6 +74,8 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
         out.append(f"search time {search_time_s:.2f} s")
     srcs = ", ".join(f"{k}: {v}" for k, v in sorted(pred.compute_sources.items()))
     out.append(f"compute times from: {srcs}")
+    if "recomputation" in pred.sources:
+        out.append(f"recomputation: {pred.sources['recomputation']}")
     out += calibration_notes(plan, pred)
     emulated = [k.name for k in plan.cluster.kinds.values() if k.emulated]
     if emulated:

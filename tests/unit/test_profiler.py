@@ -93,7 +93,8 @@ def test_profiled_selective_recomputation_is_an_estimate_that_says_so():
     from hethub.predict.compute import core_flop_share
 
     times = LayerTimes(0.01, 0.02, 0.001)
-    profiles = ProfileSet({"cpu-fast": KindProfile("cpu-fast", "tiny", 32, {(2, 1): ProfileEntry(times, times, times)})})
+    entry = ProfileEntry(times, times, times)
+    profiles = ProfileSet({"cpu-fast": KindProfile("cpu-fast", "tiny", 32, {(2, 1): entry})})
     none, sel = (predict(_plan(recompute=rc), profiles=profiles) for rc in ("none", "selective"))
     share = core_flop_share(TINY, seq_len=32)
     assert 0 < share < 1

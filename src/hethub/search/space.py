@@ -8,7 +8,8 @@ A plan in the space:
   heads, KV heads and FFN size), one or more stages per segment;
 * any layer split: stages in the middle hold >= 1 layer, the first and last may hold only the
   embedding / head;
-* recomputation on a stage exactly when the stage does not fit without it (it only adds time);
+* recomputation per stage: the fastest of none, selective, full that fits the stage (each only adds
+  time; search/recompute.py);
 * any positive micro-batch counts summing to global_batch / b;
 * devices placed by assemble.allocate_devices; devices may stay idle; every stage must fit memory.
 
@@ -27,6 +28,7 @@ from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.search.assemble import allocate_devices, to_pipeline
 from hethub.search.config import PlannerConfig
+from hethub.search.recompute import choose_recompute
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import Cluster
@@ -124,8 +126,9 @@ def _plan(s: Searcher, pipes: list, devices: list, ms: tuple[int, ...], mbs: int
     pipelines = [to_pipeline(pc, devs, num_micro_batches=m, mbs=mbs)
                  for pc, devs, m in zip(pipes, devices, ms, strict=True)]
     cfg = s.config
-    return Plan(model=s.model, cluster=s.cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+    plan = Plan(model=s.model, cluster=s.cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                 pipelines=tuple(pipelines), schedule=cfg.schedule, precision=cfg.precision, strategy="exhaustive")
+    return choose_recompute(plan, allow_recompute=cfg.allow_recompute, mem_headroom=cfg.mem_headroom)
 
 
 def exhaustive_best(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
