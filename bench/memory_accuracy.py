@@ -1,9 +1,11 @@
 """Predicted vs measured memory per part, for the local CPU plans, through the real runtime.
 
-    python bench/memory_accuracy.py [--model small] [--seq-len 128] [--steps 2] [--sets tuning,math] [--json OUT]
+    python bench/memory_accuracy.py [--model small] [--seq-len 128] [--steps 2] [--sets tuning,math,recompute]
+        [--json OUT]
 
 For every plan of bench/_accuracy_plans.py's TUNING set on examples/clusters/local-cpu.toml (and two
-of them again with math attention on every kind), it runs the plan's ranks (forked gloo processes,
+of them again with math attention on every kind; set ``recompute``: those two with their stages
+recomputing selective, full, none, ... in turn, flash and math), it runs the plan's ranks (forked gloo processes,
 ``hethub.comm.local_ranks``) through the runtime's own Trainer for ``--steps`` steps and accounts, on
 each rank (``hethub.profiler.stage_memory.measure_rank_memory``):
 
@@ -64,7 +66,23 @@ def plans(*, sets: list[str], model_name: str, seq_len: int) -> list[Plan]:
             settings = {k: {"attention": "math"} for k in cluster.kind_names}
             out.append(Plan.from_dict({**plan.with_meta(bench=f"{d.name}, math attention").to_dict(),
                                        "training": {**plan.to_dict()["training"], "kinds": settings}}))
+        if "recompute" in sets and d.name in MATH_PLANS:
+            out += [_recomputing(plan, name=d.name, attention=att, cluster_kinds=cluster.kind_names)
+                    for att in ("flash", "math")]
     return out
+
+
+def _recomputing(plan: Plan, *, name: str, attention: str, cluster_kinds: tuple[str, ...]) -> Plan:
+    """``plan`` with its stages recomputing selective, full, none, ... in turn, on ``attention``."""
+    modes = ("selective", "full", "none")
+    d = plan.with_meta(bench=f"{name}, sel/full/none, {attention}").to_dict()
+    i = 0
+    for p in d["pipelines"]:
+        for st in p["stages"]:
+            st["recompute"] = modes[i % len(modes)]
+            i += 1
+    d["training"] = {**d["training"], "kinds": {k: {"attention": attention} for k in cluster_kinds}}
+    return Plan.from_dict(d)
 
 
 def rows_for(plan: Plan, *, steps: int) -> list[dict]:
@@ -98,7 +116,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2,
                     help="steps per plan (AdamW's state exists after the first; the second runs with it)")
-    ap.add_argument("--sets", default="tuning,math")
+    ap.add_argument("--sets", default="tuning,math,recompute")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as every rank runs; also before forking ranks
