@@ -15,10 +15,10 @@ unequal splits, uneven replicas, TP, emulated kinds, 1F1B and GPipe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.spec.cluster import Cluster
+from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
 F, S = "cpu-fast", "cpu-slow"
@@ -31,6 +31,9 @@ class PlanDef:
     name: str
     pipelines: tuple[tuple[int, int, tuple[StageDef, ...]], ...]  # (mbs, micro-batches, stages)
     schedule: str = "1f1b"
+    # Emulate the link between the fast and the slow node at this bandwidth (bytes/s; cluster
+    # ``emulated_links``: the runtime holds each cross-node message back to it). None: loopback.
+    emulated_link_bw: float | None = None
 
 
 TUNING: tuple[PlanDef, ...] = (
@@ -113,6 +116,35 @@ HELD_OUT: tuple[PlanDef, ...] = (
 )
 
 
+# One job, many plans: every plan trains the same global batch of 8 sequences, so their step times
+# rank the way a planner ranks candidates for that job. Written 2026-12-01 for issue 14's ranking
+# target, with step times meant to differ by more than this machine's run-to-run noise (5-10 %):
+# 1-4 stages, 1-2 replicas, TP 1-2, the emulated slow kind, an emulated slow link, 1F1B, GPipe and ZB-H1,
+# 2-8 micro-batches.
+RANKING: tuple[PlanDef, ...] = (
+    PlanDef("1 fast rank mbs 2 x4", ((2, 4, ((F, (0,), 8),)),)),
+    PlanDef("1 fast rank mbs 1 x8", ((1, 8, ((F, (0,), 8),)),)),
+    PlanDef("1 fast rank mbs 4 x2", ((4, 2, ((F, (1,), 8),)),)),
+    PlanDef("1 slow rank mbs 2 x4", ((2, 4, ((S, (2,), 8),)),)),
+    PlanDef("2 fast replicas mbs 2 x2", ((2, 2, ((F, (0,), 8),)), (2, 2, ((F, (1,), 8),)))),
+    PlanDef("2 fast replicas mbs 1 x4", ((1, 4, ((F, (0,), 8),)), (1, 4, ((F, (1,), 8),)))),
+    PlanDef("2 stages fast/fast 4|4 x4", ((2, 4, ((F, (0,), 4), (F, (1,), 4))),)),
+    PlanDef("2 stages fast/fast 4|4 ZB-H1 mbs 1 x8", ((1, 8, ((F, (0,), 4), (F, (1,), 4))),), schedule="zb-h1"),
+    PlanDef("2 stages fast/slow 5|3 x4", ((2, 4, ((F, (0,), 5), (S, (2,), 3))),)),
+    # One micro-batch's activations are 131 kB; over 8 MB/s each hop takes ~16 ms.
+    PlanDef("2 stages fast/slow 5|3 x4, 8 MB/s link", ((2, 4, ((F, (0,), 5), (S, (2,), 3))),),
+            emulated_link_bw=8e6),
+    PlanDef("2 stages slow/slow 4|4 GPipe x4", ((2, 4, ((S, (2,), 4), (S, (3,), 4))),), schedule="gpipe"),
+    PlanDef("4 stages f,f,s,s 3|2|2|1 x4", ((2, 4, ((F, (0,), 3), (F, (1,), 2), (S, (2,), 2), (S, (3,), 1))),)),
+    PlanDef("4 stages f,f,s,s 3|2|2|1 ZB-H1 mbs 1 x8",
+            ((1, 8, ((F, (0,), 3), (F, (1,), 2), (S, (2,), 2), (S, (3,), 1))),), schedule="zb-h1"),
+    PlanDef("TP2 fast, whole model x4", ((2, 4, ((F, (0, 1), 8),)),)),
+    PlanDef("TP2 fast 5 | slow 3 x4", ((2, 4, ((F, (0, 1), 5), (S, (2,), 3))),)),
+    PlanDef("fast x3 | slow x1 replicas", ((2, 3, ((F, (0,), 8),)), (2, 1, ((S, (2,), 8),)))),
+    PlanDef("fast 2 stages 4|4 x3 | slow x1", ((2, 3, ((F, (0,), 4), (F, (1,), 4))), (2, 1, ((S, (2,), 8),)))),
+)
+
+
 def build_plan(d: PlanDef, *, cluster: Cluster, model: ModelSpec, seq_len: int) -> Plan:
     pipes = []
     for mbs, m, stages in d.pipelines:
@@ -124,6 +156,11 @@ def build_plan(d: PlanDef, *, cluster: Cluster, model: ModelSpec, seq_len: int) 
         if start != model.num_layers:
             raise ValueError(f"plan {d.name!r} covers {start} of {model.num_layers} layers")
         pipes.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(built)))
+    if d.emulated_link_bw is not None:
+        if cluster.host is None:
+            raise ValueError(f"plan {d.name!r} emulates a link, which needs a local emulation cluster (host_cores)")
+        link = Link(d.emulated_link_bw, cluster.cross_kind.latency_s)
+        cluster = replace(cluster, cross_kind=link, inter_node=link, host=replace(cluster.host, links=True))
     return Plan(model=model, cluster=cluster, global_batch=sum(p.num_samples for p in pipes), seq_len=seq_len,
                 pipelines=tuple(pipes), schedule=d.schedule, precision="fp32",
                 meta={"bench": d.name}).validate()

@@ -1,33 +1,27 @@
-"""How close the predictor is to real runs: step time and per-rank memory, on this machine.
+"""Does the predictor rank plans the way they really run? Step time of local plans, predicted and measured.
 
-    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 10] [--warmup 5] [--reps 5]
-                                       [--profile-repeats 3] [--launcher fork|torchrun] [--sets tuning,held-out]
-                                       [--json OUT]
+    python bench/predictor_accuracy.py [--model small] [--seq-len 128] [--steps 10] [--warmup 5] [--reps 4]
+                                       [--profile-repeats 5] [--launcher fork|torchrun] [--sets ranking]
+                                       [--quiet-wait-s 2] [--json OUT]
 
-Once per repetition it measures this host's links, its all-reduce among 2-4 local ranks (``hethub
-bench comm``), its wake penalty (``hethub profile --wake-penalty``) and its cores' speed spread
-(``--speed-spread``). Then for every plan of
-bench/_accuracy_plans.py on examples/clusters/local-cpu.toml (host cores set to this machine's
-usable cores), ``--reps`` times, all plans in a freshly shuffled order each time:
+A planner needs its predictor to order the candidate plans of one job right: above all, the plan it
+ranks first should really be (close to) the fastest. This machine cannot settle absolute errors of a
+few percent (its own run-to-run noise is 5-10 %), but it can settle a ranking of plans that differ by
+more than that. So, as a user would: first, once, measure this host (links and all-reduce among 2-4
+local ranks as ``hethub bench comm``, wake penalty and core speed spread as ``hethub profile
+--wake-penalty --speed-spread``) and profile its layers (``hethub profile``'s code) for every
+(micro-batch size, TP degree) the plans use, and predict every plan from that one profile; then run
+every plan of the set (bench/_accuracy_plans.py, default ``ranking``: 17 plans of one job, global
+batch 8 x seq 128 of model ``small`` on examples/clusters/local-cpu.toml with this machine's usable
+cores) ``--reps`` times through the runtime (``hethub.train`` ranks forked from this process, or
+under torchrun), all plans in a freshly shuffled order each repetition, and take the median step
+after ``--warmup`` steps of each run and the median over runs.
 
-1. profiles this machine (``hethub profile``'s code, ``--profile-repeats`` timed repetitions per
-   part, decoder stacks of 1/2/4/8 layers) for exactly the (micro-batch size, TP degree) entries
-   the plan uses, and predicts the plan's step time from that profile (cpu-slow gets the same
-   profile; the predictor multiplies it by the kind's emulated slowdown);
-2. runs the plan through the runtime (``hethub.train`` ranks, forked from this process, or under
-   torchrun with ``--launcher torchrun``) and takes the median step time after warm-up steps.
-
-A plan's error compares the prediction from the session's profile, the median of all those short
-profiles (and of the links, all-reduce, wake-penalty and speed-spread measurements, taken once per
-repetition), with the median run: this machine's speed drifts by up to +-15% over seconds to minutes, and a
-profile spread over the session sees the same drift as the runs. The "paired" error (secondary)
-predicts each run from the one short profile taken just before it and takes the median over runs;
-it carries that one profile's noise.
-
-Then compares each stage's predicted memory (weights + grads + optimizer state, activations) with
-storage accounting of the runtime's own modules (hethub.profiler.stage_memory).
-
-Prints one row per plan, then the median and maximum relative errors of each set, separately.
+Prints one row per plan, then per set: Spearman's rank correlation between predicted and measured
+step time per sample (target >= 0.9; for one job, the same order as step time), the regret (the
+measured time of the plan the predictor ranks first over the best measured; target <= 5 %), the
+pairs ordered wrongly with their measured gap, the absolute errors (information only), the
+measurement's own repeatability (odd against even runs) and the CPU other processes used.
 """
 
 from __future__ import annotations
@@ -47,7 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy_plans import HELD_OUT, SEEN, TUNING, PlanDef, build_plan
+from _accuracy_plans import HELD_OUT, RANKING, SEEN, TUNING, PlanDef, build_plan
+from _ranking import misordered_pairs, regret, spearman
 from hethub.emulation.effects import HostEffects
 from hethub.emulation.host import host_model, usable_cores
 from hethub.emulation.measure.collbench import measure_host_links
@@ -55,13 +50,12 @@ from hethub.emulation.measure.spread import measure_speed_spread
 from hethub.emulation.measure.wake import measure_wake_penalty
 from hethub.emulation.stragglers import SpeedSpread
 from hethub.plan import Plan
-from hethub.predict.links import LinkFit, LinksProfile, plan_with_links
+from hethub.predict.links import LinksProfile, plan_with_links
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import LayerTimes, ProfileSet
 from hethub.profile.format import merge_profiles
 from hethub.profiler.layers import Repetitions
 from hethub.profiler.runner import profile_for_kinds
-from hethub.profiler.stage_memory import measure_stage_memory
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 from runtime_overhead import step_records
@@ -71,15 +65,22 @@ CLUSTER = REPO / "examples" / "clusters" / "local-cpu.toml"
 
 
 def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
-    """Profile this machine for the (micro-batch size, TP degree) entries `plan` uses, nothing else.
+    """Profile this machine for the (micro-batch size, TP degree) entries `plan` uses, nothing else."""
+    return profile_for_plans([plan], reps=reps)
+
+
+def profile_for_plans(plans: list[Plan], *, reps: Repetitions) -> ProfileSet:
+    """Profile this machine once for every (micro-batch size, TP degree) entry any of `plans` uses.
 
     cpu-slow gets the same profile; the predictor multiplies it by the kind's emulated slowdown."""
     by_tp: dict[int, set[int]] = {}
-    for p in plan.pipelines:
-        for s in p.stages:
-            by_tp.setdefault(s.tp, set()).add(p.micro_batch_size)
-    return merge_profiles(profile_for_kinds(model=plan.model, kinds=("cpu-fast", "cpu-slow"), seq_len=plan.seq_len,
-                                            mbs=tuple(sorted(mbs)), tp=(tp,), reps=reps, show=False)
+    for plan in plans:
+        for p in plan.pipelines:
+            for s in p.stages:
+                by_tp.setdefault(s.tp, set()).add(p.micro_batch_size)
+    return merge_profiles(profile_for_kinds(model=plans[0].model, kinds=("cpu-fast", "cpu-slow"),
+                                            seq_len=plans[0].seq_len, mbs=tuple(sorted(mbs)), tp=(tp,), reps=reps,
+                                            show=False)
                           for tp, mbs in sorted(by_tp.items()))
 
 
@@ -93,24 +94,14 @@ def predict_here(plan: Plan, *, profiles: ProfileSet, effects: dict[str, HostEff
     return predict(plan, profiles=profiles, host=host_model(plan.cluster, effects=effects)).step_time_s
 
 
-def median_spread(spreads: list[tuple[SpeedSpread, ...]]) -> tuple[SpeedSpread, ...]:
-    """Window by window, the median sigma over several measurements."""
-    return tuple(SpeedSpread(statistics.median(s[i].sigma for s in spreads), sp.window_s)
-                 for i, sp in enumerate(spreads[0]))
-
-
-def median_wake(wakes: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
-    return tuple((g, statistics.median(w[i][1] for w in wakes)) for i, (g, _) in enumerate(wakes[0]))
-
-
-def median_links(profiles: list[LinksProfile]) -> LinksProfile:
-    """Class by class, the median latency and bandwidth over several measurements."""
-    def med(fits: list[LinkFit]) -> LinkFit:
-        return LinkFit(statistics.median(f.latency_s for f in fits), statistics.median(f.bw_bytes_per_s for f in fits))
-
-    first = profiles[0]
-    return replace(first, links={k: med([p.links[k] for p in profiles]) for k in first.links},
-                   host_allreduce={n: med([p.host_allreduce[n] for p in profiles]) for n in first.host_allreduce})
+def with_host_links(plan: Plan, links: LinksProfile) -> Plan:
+    """`plan` on this host's measured links, except where the plan emulates its links: the runtime holds
+    those messages back to the cluster's numbers (emulation/links.py), so they stay."""
+    measured = plan_with_links(plan, links)
+    if plan.cluster.host is None or not plan.cluster.host.links:
+        return measured
+    return replace(measured, cluster=replace(measured.cluster, cross_kind=plan.cluster.cross_kind,
+                                             inter_node=plan.cluster.inter_node, groups=plan.cluster.groups))
 
 
 def median_profiles(sets: list[ProfileSet]) -> ProfileSet:
@@ -167,12 +158,14 @@ def wait_for_quiet(*, max_wait_s: float, busy_cores_below: float = 0.3) -> float
             return busy
 
 
-def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher: str) -> dict:
+def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher: str,
+                 quiet_wait_s: float = 10.0) -> dict:
     """One run of the plan: its median step time, the foreign load (cores) during it, and per-rank
-    medians of the runtime's own step breakdown (busy, waits, sync, optimizer) for diagnosis."""
+    medians of the runtime's own step breakdown (busy, waits, sync, optimizer) for diagnosis.
+    First waits up to `quiet_wait_s` for other processes to use < 0.3 cores."""
     path = workdir / "plan.json"
     plan.save(path)
-    wait_for_quiet(max_wait_s=10.0)
+    wait_for_quiet(max_wait_s=quiet_wait_s)
     own0, busy0, t0 = _children_cpu_s(), _cpu_busy_s(), time.monotonic()
     recs = step_records(path, nproc=plan.world_size, steps=steps, launcher=launcher)[warmup:]
     wall = time.monotonic() - t0
@@ -183,48 +176,53 @@ def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher
     return {"step_s": statistics.median(r["step_time_s"] for r in recs), "foreign": foreign, "ranks": ranks}
 
 
-def time_row(plan: Plan, *, profiles: ProfileSet, effects: dict[str, HostEffects], runs: list[dict]) -> dict:
-    """Errors of one plan: the prediction from the session's profile (the median of all short
-    profiles) against the median run, and, secondary, "paired": each run against the prediction from
-    the one short profile taken just before it, the median over runs."""
-    times = [r["step_s"] for r in runs]
-    measured = statistics.median(times)
-    pred = predict(plan, profiles=profiles, host=host_model(plan.cluster, effects=effects))
-    ranks = [{k: statistics.median(r["ranks"][i][k] for r in runs) for k in runs[0]["ranks"][i]}
-             for i in range(len(runs[0]["ranks"]))]
-    # The measurement's own repeatability: the median of the odd runs against that of the even ones.
-    halves = abs(statistics.median(times[0::2]) - statistics.median(times[1::2])) / measured if len(times) > 1 else 0.0
-    return {"predicted_s": pred.step_time_s, "measured_s": measured, "runs_s": times, "halves": halves,
-            "spread": (max(times) - min(times)) / measured, "error": (pred.step_time_s - measured) / measured,
-            "paired_predicted_s": [r["predicted_s"] for r in runs],
-            "paired_error": statistics.median(r["predicted_s"] / r["step_s"] - 1 for r in runs),
-            "foreign_load_cores": statistics.median(r["foreign"] for r in runs),
-            "sources": pred.compute_sources, "measured_ranks": ranks, "predicted_stages": pred.to_dict()["stages"]}
-
-
 def _children_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
 
 
-def memory_rows(plan: Plan) -> list[dict]:
-    rows = []
-    for sp in predict(plan).stages:
-        got = measure_stage_memory(plan, pipeline=sp.pipeline, stage=sp.stage)
-        state = sp.weights_bytes + sp.grads_bytes + sp.optimizer_bytes
-        rows.append({"stage": f"p{sp.pipeline}s{sp.stage}", "state_pred": state, "state_meas": got.state.total_bytes,
-                     "acts_pred": sp.activations_bytes, "acts_meas": got.activations_bytes,
-                     "total_error": (sp.peak_mem_bytes - got.total_bytes) / got.total_bytes})
-    return rows
 
 
-TARGET_MEDIAN, TARGET_MAX = 0.05, 0.15  # issue 5's target for step time
+def time_per_sample_s(plan: Plan, step_s: float) -> float:
+    """What a planner ranks: for plans of one job (one global batch) the same order as step time."""
+    return step_s / plan.global_batch
 
 
-def _summary(label: str, errors: list[float]) -> str:
-    abs_err = [abs(e) for e in errors]
-    return (f"{label}: median |error| {statistics.median(abs_err):.2%}, max |error| {max(abs_err):.2%} "
-            f"({len(errors)} plans)")
+def ranking_summary(rows: list[dict]) -> dict:
+    """Spearman, regret and misordered pairs over one set's rows (time per sample), plus the absolute
+    errors and the measurement's own repeatability, as numbers for the printout and the JSON."""
+    pred = [r["predicted_per_sample_s"] for r in rows]
+    meas = [r["measured_per_sample_s"] for r in rows]
+    chosen, chosen_regret = regret(pred, meas)
+    errs = [abs(r["error"]) for r in rows]
+    return {"spearman": spearman(pred, meas), "regret": chosen_regret, "chosen": rows[chosen]["plan"],
+            "best_measured": rows[min(range(len(rows)), key=meas.__getitem__)]["plan"],
+            "misordered": [(rows[m.faster]["plan"], rows[m.slower]["plan"], m.measured_gap)
+                           for m in misordered_pairs(pred, meas)],
+            "pairs": len(rows) * (len(rows) - 1) // 2,
+            "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
+            "repeatability_median": statistics.median(r["halves"] for r in rows),
+            "repeatability_max": max(r["halves"] for r in rows),
+            "foreign_cores_median": statistics.median(r["foreign_load_cores"] for r in rows)}
+
+
+TARGET_SPEARMAN, TARGET_REGRET = 0.9, 0.05  # issue 14's local targets
+
+
+def _print_summary(name: str, s: dict) -> None:
+    met = s["spearman"] >= TARGET_SPEARMAN and s["regret"] <= TARGET_REGRET
+    print(f"{name}: Spearman {s['spearman']:.3f} (target >= {TARGET_SPEARMAN}), regret {s['regret']:+.1%} "
+          f"(target <= {TARGET_REGRET:.0%}): {'met' if met else 'NOT met'}")
+    print(f"  ranked first: {s['chosen']!r}; fastest measured: {s['best_measured']!r}")
+    wrong = s["misordered"]
+    print(f"  pairs ordered wrongly: {len(wrong)} of {s['pairs']}"
+          + ("; largest measured gaps: " + "; ".join(f"{a!r} {g:.1%} faster than {b!r}" for a, b, g in wrong[:3])
+             if wrong else ""))
+    print(f"  absolute step time error (information): median {s['median_abs_error']:.1%}, "
+          f"max {s['max_abs_error']:.1%}")
+    print(f"  the measurement's own repeatability (odd vs even runs of a plan): median "
+          f"{s['repeatability_median']:.1%}, max {s['repeatability_max']:.1%}; other processes used "
+          f"{s['foreign_cores_median']:.2f} cores (median over plans) of {usable_cores()}")
 
 
 def main() -> None:
@@ -235,103 +233,83 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5,
                     help="unmeasured steps at the start of each run (default 5: a fresh rank's first 4-5 steps "
                          "ran 5-7%% slower than its later ones here; the predictor predicts the steady state)")
-    ap.add_argument("--reps", type=int, default=5,
-                    help="runs per plan, one per repetition over all plans (default 5): more runs spread over the "
-                         "session beat longer runs, as this machine's speed drifts over seconds")
-    ap.add_argument("--profile-repeats", type=int, default=3,
-                    help="timed repetitions per part in the profile taken before each run (default 3)")
+    ap.add_argument("--reps", type=int, default=4,
+                    help="runs per plan, one per repetition over all plans in a fresh order (default 4)")
+    ap.add_argument("--profile-repeats", type=int, default=5,
+                    help="timed repetitions per part in the one profile taken at the start (default 5)")
     ap.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
                     help="fork: hethub.train ranks forked from this process (fast start); torchrun: as users run")
-    ap.add_argument("--sets", default="tuning,held-out",
-                    help="comma-separated: tuning, held-out, seen (former held-out sets, see _accuracy_plans.py)")
-    ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--sets", default="ranking",
+                    help="comma-separated: ranking (one job, default), tuning, held-out, seen (the absolute-error "
+                         "sets of issue 5, mixed global batches, see _accuracy_plans.py)")
+    ap.add_argument("--quiet-wait-s", type=float, default=2.0,
+                    help="before each run, wait up to this long for other processes to use < 0.3 cores (default 2)")
+    ap.add_argument("--json", help="write all rows and summaries here")
     args = ap.parse_args()
+    if args.steps - args.warmup < 1 or args.reps < 1 or args.profile_repeats < 1:
+        ap.error("need --steps > --warmup, --reps >= 1 and --profile-repeats >= 1")
+    sets: dict[str, tuple[PlanDef, ...]] = {"ranking": RANKING, "tuning": TUNING, "held-out": HELD_OUT, "seen": SEEN}
+    chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
+    if unknown := [s for s in chosen if s not in sets]:
+        ap.error(f"--sets: unknown set(s) {', '.join(unknown)}; use {', '.join(sets)}")
     # One thread, as every rank runs; also before forking ranks, which must not inherit a used pool.
     torch.set_num_threads(1)
     t_start = time.monotonic()
+    load_start = os.getloadavg()
     model = get_model(args.model)
     cluster = load_cluster(CLUSTER)  # host_cores = "auto": this machine's usable cores
-    print(f"machine: {usable_cores()} usable cores, load average {os.getloadavg()[0]:.2f}; model {model.name} "
-          f"({model.num_params / 1e6:.2f} M params), seq_len {args.seq_len}", flush=True)
-    if args.steps - args.warmup < 1 or args.reps < 1 or args.profile_repeats < 1:
-        ap.error("need --steps > --warmup, --reps >= 1 and --profile-repeats >= 1")
-    sets: dict[str, tuple[PlanDef, ...]] = {"tuning": TUNING, "held-out": HELD_OUT, "seen": SEEN}
-    chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {usable_cores()} usable cores, load "
+          f"average {load_start[0]:.2f} / {load_start[1]:.2f} / {load_start[2]:.2f} (1/5/15 min); model "
+          f"{model.name} ({model.num_params / 1e6:.2f} M params), seq_len {args.seq_len}", flush=True)
     plans = [(name, pd, build_plan(pd, cluster=cluster, model=model, seq_len=args.seq_len))
              for name in chosen for pd in sets[name]]
-    # This machine's speed drifts by up to +-15% over seconds to minutes (other tenants of the host;
-    # it shows in thread CPU time too, so it is not steal), so a profile taken at one moment is
-    # biased against runs taken at others. Before each run the entries that plan uses are profiled
-    # afresh and the run is predicted from that profile: a prediction and its run see the same
-    # machine, as when a user profiles and then trains.
-    reps = Repetitions(warmup=1, repeats=args.profile_repeats)
+    # Once, as a user would before planning: the host, then the layers of every entry the plans use.
+    links = measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
+    effects = host_effects(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len),
+                           measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
+    profile = profile_for_plans([p for _, _, p in plans], reps=Repetitions(warmup=1, repeats=args.profile_repeats))
+    predicted = [predict_here(with_host_links(p, links), profiles=profile, effects=effects) for _, _, p in plans]
+    print(f"host measured, layers profiled and {len(plans)} plans predicted in {time.monotonic() - t_start:.0f} s",
+          flush=True)
     runs: list[list[dict]] = [[] for _ in plans]
-    taken: list[ProfileSet] = []
-    links: list[LinksProfile] = []
-    wakes: list[tuple[tuple[float, float], ...]] = []
-    speed_spreads: list[tuple[SpeedSpread, ...]] = []
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.reps):
             t_rep = time.monotonic()
-            # Links, collectives, wake penalty and speed spread drift too: measured once per repetition.
-            links.append(measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False))
-            wakes.append(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len))
-            speed_spreads.append(measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
             for i in run_order(len(plans), rep=rep):
-                plan = plans[i][2]
-                taken.append(profile_for_plan(plan, reps=reps))
-                run = measure_once(plan, steps=args.steps, warmup=args.warmup, workdir=Path(d),
-                                   launcher=args.launcher)
-                run["predicted_s"] = predict_here(plan_with_links(plan, links[-1]), profiles=taken[-1],
-                                                  effects=host_effects(wakes[-1], speed_spreads[-1]))
-                runs[i].append(run)
+                runs[i].append(measure_once(plans[i][2], steps=args.steps, warmup=args.warmup, workdir=Path(d),
+                                            launcher=args.launcher, quiet_wait_s=args.quiet_wait_s))
             print(f"repetition {rep + 1}/{args.reps}: {len(plans)} plans in {time.monotonic() - t_rep:.0f} s",
                   flush=True)
-    session = median_profiles(taken)
-    session_effects = host_effects(median_wake(wakes), median_spread(speed_spreads))
-    session_links = median_links(links)
-    out: dict[str, list[dict]] = {}
-    print(f"\n{'set':<9} {'plan':<34} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
-          f"{'error':>7} {'paired':>7} {'mem error':>9} {'foreign':>7}", flush=True)
-    for (name, pd, plan), plan_runs in zip(plans, runs, strict=True):
-        row = {"plan": pd.name, "ranks": plan.world_size,
-               **time_row(plan_with_links(plan, session_links), profiles=session, effects=session_effects,
-                          runs=plan_runs),
-               "memory": memory_rows(plan)}
-        mem = max(abs(m["total_error"]) for m in row["memory"])
-        out.setdefault(name, []).append(row)
-        lo, hi = min(row["runs_s"]) * 1e3, max(row["runs_s"]) * 1e3
-        print(f"{name:<9} {pd.name:<34} {plan.world_size:>5} {row['predicted_s'] * 1e3:>8.1f}ms "
-              f"{row['measured_s'] * 1e3:>8.1f}ms {lo:>6.1f}-{hi:>6.1f}ms {row['error']:>+7.1%} "
-              f"{row['paired_error']:>+7.1%} {mem:>9.1%} {row['foreign_load_cores']:>7.2f}", flush=True)
+    out: dict[str, dict] = {}
+    print(f"\n{'set':<8} {'plan':<40} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
+          f"{'error':>7} {'foreign':>7}")
+    for (name, pd, plan), pred_s, plan_runs in zip(plans, predicted, runs, strict=True):
+        times = [r["step_s"] for r in plan_runs]
+        measured = statistics.median(times)
+        # The measurement's own repeatability: the median of the odd runs against that of the even ones.
+        halves = (abs(statistics.median(times[0::2]) - statistics.median(times[1::2])) / measured
+                  if len(times) > 1 else 0.0)
+        row = {"plan": pd.name, "ranks": plan.world_size, "global_batch": plan.global_batch, "predicted_s": pred_s,
+               "measured_s": measured, "runs_s": times, "error": (pred_s - measured) / measured, "halves": halves,
+               "predicted_per_sample_s": time_per_sample_s(plan, pred_s),
+               "measured_per_sample_s": time_per_sample_s(plan, measured),
+               "foreign_load_cores": statistics.median(r["foreign"] for r in plan_runs),
+               "measured_ranks": [{k: statistics.median(r["ranks"][i][k] for r in plan_runs)
+                                   for k in plan_runs[0]["ranks"][i]} for i in range(plan.world_size)]}
+        out.setdefault(name, {"rows": []})["rows"].append(row)
+        print(f"{name:<8} {pd.name:<40} {plan.world_size:>5} {pred_s * 1e3:>8.1f}ms {measured * 1e3:>8.1f}ms "
+              f"{min(times) * 1e3:>6.1f}-{max(times) * 1e3:>6.1f}ms {row['error']:>+7.1%} "
+              f"{row['foreign_load_cores']:>7.2f}")
     print()
-    for name, rows in out.items():
-        spreads = [r["spread"] for r in rows]
-        errs = [abs(r["error"]) for r in rows]
-        met = statistics.median(errs) <= TARGET_MEDIAN and max(errs) <= TARGET_MAX
-        print(_summary(f"step time, {name:<8}", [r["error"] for r in rows])
-              + f" - target (median <= {TARGET_MEDIAN:.0%}, max <= {TARGET_MAX:.0%}) "
-                f"{'met' if met else 'NOT met'}; run-to-run spread (max-min)/median: median "
-                f"{statistics.median(spreads):.1%}, max {max(spreads):.1%}")
-        print(_summary(f"  paired (one short profile per run), {name:<8}", [r["paired_error"] for r in rows]))
-        halves = [r["halves"] for r in rows]
-        if len(rows[0]["runs_s"]) > 1:
-            print(f"  repeatability of the measurement itself, {name:<8}: odd vs even runs differ by median "
-                  f"{statistics.median(halves):.1%}, max {max(halves):.1%}")
-    for name, rows in out.items():
-        mems = [m for r in rows for m in r["memory"]]
-        exact = all(m["state_pred"] == m["state_meas"] for m in mems)
-        acts = [(m["acts_pred"] - m["acts_meas"]) / m["acts_meas"] for m in mems]
-        print(f"memory, {name:<8}: weights+grads+optimizer {'exact' if exact else 'NOT exact'} on {len(mems)} "
-              f"stages; activations error median {statistics.median(abs(a) for a in acts):.1%}, max "
-              f"{max(abs(a) for a in acts):.1%}; total max {max(abs(m['total_error']) for m in mems):.1%}")
-    print("host (session medians): core speed spread sigma "
-          + ", ".join(f"{sp.sigma:.3f} over {sp.window_s:g} s" for sp in median_spread(speed_spreads))
-          + "; wake penalty "
-          + ", ".join(f"+{x * 1e3:.2f} ms after {g * 1e3:.0f} ms" for g, x in median_wake(wakes)))
-    print(f"load average at the end {os.getloadavg()[0]:.2f}; total {time.monotonic() - t_start:.0f} s")
+    for name, got in out.items():
+        got["summary"] = ranking_summary(got["rows"])
+        _print_summary(name, got["summary"])
+    load_end = os.getloadavg()
+    print(f"load average at the end {load_end[0]:.2f} / {load_end[1]:.2f} / {load_end[2]:.2f}; "
+          f"total {time.monotonic() - t_start:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps({"load_average_start": load_start, "load_average_end": load_end,
+                                               "sets": out}, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
