@@ -223,6 +223,10 @@ def _print_summary(name: str, s: dict) -> None:
     print(f"  the measurement's own repeatability (odd vs even runs of a plan): median "
           f"{s['repeatability_median']:.1%}, max {s['repeatability_max']:.1%}; other processes used "
           f"{s['foreign_cores_median']:.2f} cores (median over plans) of {usable_cores()}")
+    if s["foreign_cores_median"] > 0.25 * usable_cores():
+        print("  NOTE: other processes took a large share of the cores during the runs; the measured times carry "
+              "their load, which no prediction of these plans can know, so the ranking figures judge the machine "
+              "as much as the predictor")
 
 
 def main() -> None:
