@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from hethub import __version__
 from hethub.argtypes import HelpFormatter, positive_int
 from hethub.errors import HethubError, missing_extra
+from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
@@ -78,7 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            schedule=args.schedule, precision=args.precision, top_k=args.top_k,
                            objective=args.objective, budget_per_hour=args.budget_per_hour,
                            min_tokens_per_s=args.min_tokens_per_s,
-                           mem_headroom=args.mem_headroom)
+                           mem_headroom=args.mem_headroom, optimizer_sharding=args.optimizer_sharding,
+                           optimizer_shares=args.optimizer_shares)
     profiles = _load_profiles(args.profiles, model, args.seq_len)
     host = host_for(cluster, args.profiles, model=model, seq_len=args.seq_len)
     if args.compare:
@@ -171,43 +173,75 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from hethub.search.cost import plan_price_per_hour, usd_per_million_tokens
     from hethub.search.planner import make_plan
 
-    rows = []
+    rows: list[tuple] = []
+    shardings: list[str | None] = []  # each row's plan's optimizer sharding
+    notes: list[str] = []  # the planner's sharding choice for hethub's row
     # With the schedule left to the planner, hethub's row under each candidate schedule too.
     runs = [(s, config.schedule) for s in ("hethub", "uniform", "flops-proportional", "homogeneous")]
     if config.schedule == AUTO_SCHEDULE:
         runs[1:1] = [("hethub", name) for name in AUTO_CANDIDATES]
-    for strategy, schedule in runs:
+    runs = [(s, sch, config.optimizer_sharding) for s, sch in runs]
+    if config.optimizer_sharding == "auto":  # and hethub's best unsharded plan, to show what sharding gains
+        runs.insert(1, ("hethub", config.schedule, "none"))
+    for strategy, schedule, sharding in runs:
         label = strategy if schedule == config.schedule else f"{strategy} ({schedule})"
+        if sharding != config.optimizer_sharding:
+            label += " (no sharding)"
         try:
-            r = make_plan(cluster=cluster, model=model, config=replace(config, strategy=strategy, schedule=schedule),
-                          profiles=profiles, host=host)
+            r = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
+                          config=replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding))
             try:  # dollars per million tokens where every kind used has a price
                 usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)
             except HethubError:
                 usd = None
             rows.append((label, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
                          len(r.plan.pipelines), r.plan.world_size, usd, "", r.plan.schedule))
+            shardings.append(r.plan.optimizer_sharding)
+            if label == "hethub":
+                notes = [n for n in r.notes if n.startswith("optimizer sharding:")]
         except HethubError as err:
             rows.append((label, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0], schedule))
+            shardings.append(None)
     base = next((r[1] for r in rows if r[0] == "uniform"), 0.0)
+    gain = _sharding_gain(rows, shardings, notes)
     if as_json:
         print(json.dumps([{"strategy": s, "tokens_per_s": t, "step_time_s": st, "efficiency": e,
                            "speedup_over_uniform": (t / base if base else None), "num_pipelines": n,
-                           "devices_used": d, "usd_per_million_tokens": usd, "error": err or None, "schedule": sch}
-                          for s, t, st, e, n, d, usd, err, sch in rows], indent=2))
+                           "devices_used": d, "usd_per_million_tokens": usd, "error": err or None, "schedule": sch,
+                           "optimizer_sharding": z}
+                          for (s, t, st, e, n, d, usd, err, sch), z in zip(rows, shardings, strict=True)], indent=2))
         return 0
-    print(f"{'strategy':<20} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
-          f"{'pipelines':>9} {'devices':>7} {'schedule':>8}")
-    for s, t, st, e, n, d, usd, err, sch in rows:
+    print(f"{'strategy':<28} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
+          f"{'pipelines':>9} {'devices':>7} {'schedule':>8} {'optimizer':>9}")
+    for (s, t, st, e, n, d, usd, err, sch), z in zip(rows, shardings, strict=True):
         if err:
-            print(f"{s:<20} {'infeasible':>14}  {err}")
+            print(f"{s:<28} {'infeasible':>14}  {err}")
             continue
         speed = f"{t / base:.2f}x" if base else "n/a"
         dollars = f"{usd:,.3f}" if usd is not None else "n/a"
-        print(f"{s:<20} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7} {sch:>8}")
+        print(f"{s:<28} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7} {sch:>8} "
+              f"{'zero1' if z == 'zero1' else 'whole':>9}")
     if any(r[6] is None and not r[7] for r in rows):
         print("n/a: a kind used has no price_per_hour (catalog or cluster file)")
+    if gain:
+        print(gain)
     return 0
+
+
+def _sharding_gain(rows: list[tuple], shardings: list[str | None], notes: list[str]) -> str:
+    """hethub's chosen plan against its best unsharded one (the "(no sharding)" row), and the planner's
+    own comparison under the chosen schedule; "" when no sharding was left to the planner."""
+    chosen = next((r for r in rows if r[0] == "hethub" and not r[7]), None)
+    unsharded = next((r for r in rows if r[0] == "hethub (no sharding)" and not r[7]), None)
+    if chosen is None or unsharded is None:
+        return ""
+    z = shardings[rows.index(chosen)]
+    head = (f"optimizer sharding: {z} chosen, predicted {unsharded[2] / chosen[2]:.3f}x the best unsharded plan "
+            f"(step {chosen[2]:.3f} s vs {unsharded[2]:.3f} s)")
+    if z == "none":
+        head = "optimizer sharding: none chosen, no sharded plan predicted faster than the best unsharded one"
+    planner = notes[0].removeprefix("optimizer sharding: ") if notes else ""
+    return head + (f"; the planner's choice under the chosen schedule: {planner}" if planner else "")
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -301,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--top-k", type=positive_int, default=1, help="also show the k best plans")
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm' (replaces catalog links)")
+    sp.add_argument("--optimizer-sharding", default="auto", choices=("auto", *OPTIMIZER_SHARDINGS),
+                    help="ZeRO-1 optimizer-state sharding across each layer's data-parallel holders; auto "
+                         "(default): plan with and without it and keep the faster predicted")
+    sp.add_argument("--optimizer-shares", default="proportional", choices=OPTIMIZER_SHARES,
+                    help="how a sharded group's state is split among its holders: in proportion to their "
+                         "free memory (default) or equally")
     sp.add_argument("--compare", action="store_true",
                     help="print every strategy side by side, with $ per million tokens")
     sp.add_argument("--objective", default="throughput", choices=["throughput", "cost"],

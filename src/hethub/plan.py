@@ -27,9 +27,19 @@ PLAN_FORMAT = "hethub-plan"
 # are still read; a version-1 reader would silently ignore per-kind settings, hence the bump.
 # 3: a stage's "recompute" is "none" | "selective" | "full" (a version-2 reader would reject the words).
 # Versions 1 and 2 (true/false) are still read: true is "full", false "none".
-PLAN_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: training.optimizer_sharding / training.optimizer_shares (a version-3 reader would silently train
+# unsharded and could run out of memory). Older files read as unsharded.
+PLAN_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 KIND_SETTINGS = ("precision", "attention")
+# Optimizer-state sharding across a parameter group's data-parallel holders (runtime/zero.py):
+# "zero1" shards the AdamW moments (ZeRO stage 1, Megatron's distributed optimizer). ZeRO-2 (sharded
+# gradients) is not offered: the runtime accumulates full gradients over a step's micro-batches and
+# reduces them once at the end, so sharding them would save nothing at the step's peak.
+OPTIMIZER_SHARDINGS = ("none", "zero1")
+# How a group's elements are split among its holders: in proportion to each holder's free device
+# memory (predicted without optimizer state), or equally.
+OPTIMIZER_SHARES = ("proportional", "equal")
 
 
 class Recompute(StrEnum):
@@ -116,6 +126,12 @@ class Plan:
     # Per-kind overrides of the plan-wide precision and of the kind's default attention implementation:
     # {"v100-16gb": {"precision": "fp32", "attention": "math"}}. See precision_of / attention_of.
     kind_settings: dict[str, dict[str, str]] = field(default_factory=dict, hash=False)
+    optimizer_sharding: str = "none"  # one of OPTIMIZER_SHARDINGS
+    optimizer_shares: str = "proportional"  # one of OPTIMIZER_SHARES (used when sharded)
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        return self.optimizer_sharding != "none"
 
     def precision_of(self, kind: str) -> str:
         """The precision stages of ``kind`` train in: the plan's per-kind setting, else the plan-wide
@@ -155,6 +171,14 @@ class Plan:
         m, c = self.model, self.cluster
         if self.schedule not in SCHEDULES:
             _fail("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            hint = (" (ZeRO-2 is not offered: gradients are accumulated whole over the micro-batches, so "
+                    "sharding them saves nothing at the step's peak)" if self.optimizer_sharding == "zero2" else "")
+            _fail("training.optimizer_sharding", f"is {self.optimizer_sharding!r}{hint}",
+                  f"use one of {', '.join(OPTIMIZER_SHARDINGS)}")
+        if self.optimizer_shares not in OPTIMIZER_SHARES:
+            _fail("training.optimizer_shares", f"is {self.optimizer_shares!r}",
+                  f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.precision not in PRECISIONS:
             _fail("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
         for kind, settings in self.kind_settings.items():
@@ -213,6 +237,7 @@ class Plan:
             "strategy": self.strategy,
             "training": {"global_batch": self.global_batch, "seq_len": self.seq_len,
                          "schedule": self.schedule, "precision": self.precision,
+                         "optimizer_sharding": self.optimizer_sharding, "optimizer_shares": self.optimizer_shares,
                          **({"kinds": {k: dict(v) for k, v in self.kind_settings.items()}}
                             if self.kind_settings else {})},
             "world_size": self.world_size,
@@ -267,7 +292,9 @@ class Plan:
                     schedule=_get(t, "schedule", "training", str, default=DEFAULT_SCHEDULE),
                     precision=_get(t, "precision", "training", str, default="bf16-mixed"),
                     strategy=str(data.get("strategy", "manual")), meta=dict(meta),
-                    kind_settings=_kind_settings(t))
+                    kind_settings=_kind_settings(t),
+                    optimizer_sharding=_get(t, "optimizer_sharding", "training", str, default="none"),
+                    optimizer_shares=_get(t, "optimizer_shares", "training", str, default="proportional"))
         plan.validate()
         _check_ranks(data, plan)
         return plan

@@ -205,6 +205,24 @@ class BridgedCommunicator(Communicator):
             dist.all_reduce(tensor, op=rop, group=route.local.pg_for(tensor))
         return tensor
 
+    def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int]) -> torch.Tensor:
+        """As :meth:`Communicator.reduce_scatter`. Inside one island: the native reduce-scatter. Across
+        islands there is no hierarchical reduce-scatter: the group all-reduces (hierarchically, through
+        the host bridge) and each member keeps its chunk, twice the volume of a reduce-scatter on the
+        bridged links (the predictor's sync model prices it so: ``predict/sync.py``)."""
+        route = self._route(group)
+        k = len(route.members)
+        if k == 1:
+            return tensor
+        if route.bridged:
+            full = self.all_reduce(tensor.clone(), group=group)
+            i = sorted(route.members).index(self.rank)
+            return full.chunk(k)[i].clone()
+        assert route.local is not None
+        out = torch.empty(tensor.numel() // k, dtype=tensor.dtype, device=tensor.device)
+        dist.reduce_scatter_single(out, tensor.contiguous(), group=route.local.pg_for(tensor))
+        return out
+
     def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0) -> torch.Tensor:
         route = self._route(group)
         if len(route.members) == 1:

@@ -85,6 +85,16 @@ class Communicator:
         dist.all_reduce(tensor, op=rop, group=self._pg(group))
         return tensor
 
+    def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int]) -> torch.Tensor:
+        """Sum ``tensor`` (1-D, ``len(group)`` equal chunks) over ``group``; return this member's chunk
+        (the i-th in ascending rank order), a new tensor. Uneven shards pad their chunks (the caller)."""
+        key = sorted(group)
+        if len(key) == 1:
+            return tensor
+        out = torch.empty(tensor.numel() // len(key), dtype=tensor.dtype, device=tensor.device)
+        dist.reduce_scatter_single(out, tensor.contiguous(), group=self._pg(group))
+        return out
+
     def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0) -> torch.Tensor:
         """Concatenate every member's ``tensor`` along ``dim``, in ascending rank order."""
         if len(group) == 1:

@@ -24,6 +24,15 @@ def allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> float:
     return 2 * (p - 1) * link.latency_s + 2 * (p - 1) / p * nbytes / link.bw_bytes_per_s
 
 
+def ring_pass_time_s(*, chunk_bytes: float, participants: int, link: Link) -> float:
+    """One ring reduce-scatter or all-gather of ``participants`` chunks of ``chunk_bytes`` each (uneven
+    shards are padded to the largest): p-1 steps, each a chunk over the ring's slowest link. A ring
+    all-reduce is a reduce-scatter then an all-gather of n/p chunks."""
+    if participants <= 1 or chunk_bytes <= 0:
+        return 0.0
+    return (participants - 1) * (link.latency_s + chunk_bytes / link.bw_bytes_per_s)
+
+
 def small_allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> float:
     """An all-reduce of a few bytes: the faster of the ring and a tree (up the tree and back down,
     2 ceil(log2 p) latencies, all bytes twice through the link). NCCL picks between ring and tree by

@@ -39,15 +39,17 @@ from hethub.predict.memory import (
     check_headroom,
     describe_peak,
     runtime_vocab_parallel,
+    sharded_memory,
     stage_memory,
     stage_params,
     usable_bytes,
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
+from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems
 from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_collectives
 from hethub.predict.utilisation import mfu_by_kind
-from hethub.schedules import get_schedule
+from hethub.schedules import Schedule, get_schedule
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.spec.cluster import Link
 
@@ -142,13 +144,12 @@ def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM)
     costs = _Costs(plan, None)
     schedule = get_schedule(plan.schedule)
     mem_headroom = check_headroom(mem_headroom)
-    out = {}
-    for pi, p in enumerate(plan.pipelines):
-        for si, s in enumerate(p.stages):
-            in_flight = schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)
-            mem = costs.plan_stage_memory(pi, si, in_flight=in_flight)
-            out[(pi, si)] = mem.total_bytes <= usable_bytes(plan.cluster.kinds[s.kind], headroom=mem_headroom)
-    return out
+    mems = {(pi, si): _stage_mem(costs, schedule, pi, si)[1]
+            for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))}
+    mems, _ = _with_sharding(plan, mems, headroom=mem_headroom)
+    return {(pi, si): mem.total_bytes <= usable_bytes(plan.cluster.kinds[plan.pipelines[pi].stages[si].kind],
+                                                      headroom=mem_headroom)
+            for (pi, si), mem in mems.items()}
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
@@ -180,8 +181,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         for si, s in enumerate(p.stages):
             cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
                                     mbs=mbs, recompute=s.recompute)
-            in_flight = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=m)
-            mem = costs.plan_stage_memory(pi, si, in_flight=in_flight)
+            in_flight, mem = _stage_mem(costs, schedule, pi, si)
             send = 0.0
             if si < n - 1:
                 nxt = p.stages[si + 1]
@@ -198,7 +198,13 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline and host is None))
         updates.append(upd)
 
-    groups = sync_groups(plan)
+    mems, weights = _with_sharding(plan, {(pi, si): mem for pi, si, _, mem, _, _ in partial}, headroom=mem_headroom)
+    if weights is not None:
+        for pi, si, _, mem, _, _ in partial:
+            if mem.optimizer_bytes > 0:  # AdamW streams only the owned slice's state
+                updates[pi][si] *= mems[(pi, si)].optimizer_bytes / mem.optimizer_bytes
+        partial = [(pi, si, cost, mems[(pi, si)], send, f) for pi, si, cost, _, send, f in partial]
+    groups = sync_groups(plan, shard_weights=weights)
     world = list(world_collectives(plan))
     if host is not None:
         groups, world = host.price_collectives(groups), host.price_collectives(world)
@@ -238,6 +244,48 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         sources=_sources(plan, stages),
         warnings=_memory_warnings(stages, headroom=mem_headroom),
     )
+
+
+def _stage_mem(costs: _Costs, schedule: Schedule, pi: int, si: int) -> tuple[int, StageMemory]:
+    """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``."""
+    p = costs.plan.pipelines[pi]
+    in_flight = schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)
+    return in_flight, costs.plan_stage_memory(pi, si, in_flight=in_flight)
+
+
+def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float,
+                   ) -> tuple[dict[tuple[int, int], StageMemory], dict[int, float] | None]:
+    """Each stage's memory under the plan's optimizer sharding, and the ranks' slice weights (None
+    when unsharded: ``mems`` as they are)."""
+    if not plan.sharded_optimizer:
+        return mems, None
+    weights = _shard_weights(plan, mems, headroom=headroom)
+    per_stage = stage_shard_elems(plan, rank_shards(plan, weights))
+    return {sid: _sharded(plan, *sid, mem, per_stage[sid]) for sid, mem in mems.items()}, weights
+
+
+def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float) -> dict[int, float]:
+    """Each rank's weight in its buckets' optimizer-state split (predict/sharding.py): with
+    ``proportional`` shares, its device's usable memory less the stage's predicted peak without
+    optimizer state."""
+    free = {sid: usable_bytes(plan.cluster.kinds[plan.pipelines[sid[0]].stages[sid[1]].kind], headroom=headroom)
+            - (mem.total_bytes - mem.optimizer_bytes) for sid, mem in mems.items()}
+    return rank_weights(plan, free_bytes=free)
+
+
+def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[int, float]:
+    """The weights the runtime's ZeRO-1 splits each bucket by (the same the prediction uses), per rank."""
+    costs = _Costs(plan, None)
+    schedule = get_schedule(plan.schedule)
+    mems = {(pi, si): _stage_mem(costs, schedule, pi, si)[1]
+            for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))}
+    return _shard_weights(plan, mems, headroom=check_headroom(mem_headroom))
+
+
+def _sharded(plan: Plan, pi: int, si: int, mem: StageMemory, elems: tuple[int, int]) -> StageMemory:
+    s = plan.pipelines[pi].stages[si]
+    return sharded_memory(mem, moment_elems=elems[0], master_elems=elems[1], precision=plan.precision_of(s.kind),
+                          kind=plan.cluster.kinds[s.kind])
 
 
 def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, object]:

@@ -29,6 +29,16 @@ a second barrier; then each stage's optimizer update. The step ends when the las
 (The per-step gather of metrics to the logging rank comes after the timed step and is not
 modelled.)
 
+With a sharded optimizer (``training.optimizer_sharding`` zero1, ``runtime/zero.py``) a fused group
+is a reduce-scatter of the gradients to their owners and, after the update, an all-gather of the
+updated parameters, each a ring pass of the largest owner's slice (the runtime pads uneven slices):
+2(p-1) x (latency + largest slice / bandwidth), an all-reduce's volume when slices are equal and
+more when they are not. Where the holders' kinds sit in different vendor islands
+(``comm/bridge.py``), the bridge has no reduce-scatter: an all-reduce of the whole group then the
+all-gather. The all-gather is counted in the group's sync slot (it runs after the update in the
+runtime; the update's own waiting is not modelled), and slices are those of ``predict/sharding.py``
+with the holder stages as the members (mixed TP degrees costed as lined up, as for all-reduces).
+
 Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
 backward still runs, so this overestimates a little); TP ranks of a stage are assumed to run their
 shard's all-reduces in parallel on separate rings at the first device's link; mismatched TP shard
@@ -42,7 +52,14 @@ from dataclasses import dataclass
 
 from hethub.layout import stage_places, unit_holders, unit_param_prefix
 from hethub.plan import Plan
-from hethub.predict.comm import group_allreduce_time_s, slowest_link, small_allreduce_time_s
+from hethub.predict.comm import (
+    allreduce_time_s,
+    group_allreduce_time_s,
+    ring_pass_time_s,
+    slowest_link,
+    small_allreduce_time_s,
+)
+from hethub.predict.sharding import split_elems
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
@@ -71,8 +88,10 @@ class SyncResult:
     intervals: dict[StageId, list[tuple[str, float, float]]]
 
 
-def sync_groups(plan: Plan) -> list[SyncGroup]:
-    """The plan's all-reduces: parameter groups fused by holders, in the runtime's order, with their cost."""
+def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) -> list[SyncGroup]:
+    """The plan's all-reduces: parameter groups fused by holders, in the runtime's order, with their cost.
+    ``shard_weights`` (per rank, ``predict/sharding.py``): a sharded optimizer's split; each group is then
+    priced as reduce-scatter + all-gather (see the module doc)."""
     model, cluster = plan.model, plan.cluster
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
     holders = {u: [(st.pipeline, st.stage) for st in hs] for u, hs in unit_holders(plan, stage_places(plan)).items()}
@@ -106,7 +125,39 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     head_units = ("final_norm",) if model.tied_embeddings else ("head", "final_norm")
     units = [("embed",), *((f"layer.{layer}",) for layer in range(model.num_layers)), head_units]
     first_names = {g.name: min(unit_param_prefix(u) for u in us) for g, us in zip(groups, units, strict=True)}
-    return _buckets(groups, first_names=first_names, cluster=cluster, first_dev=first_dev)
+    fused = _buckets(groups, first_names=first_names, cluster=cluster, first_dev=first_dev)
+    if not plan.sharded_optimizer:
+        return fused
+    weights = shard_weights if shard_weights is not None else dict.fromkeys(range(plan.world_size), 1.0)
+    rank_of = plan.rank_of_device()
+    return [_sharded_group(g, plan=plan, weight={x: weights[rank_of[d]] for x, d in first_dev.items()},
+                           grad_bytes=grad_bytes) for g in fused]
+
+
+def _islands(cluster: Cluster, devices: Sequence[int]) -> int:
+    """Vendor islands among ``devices`` (comm/bridge.py's island_of_kind, without forcing)."""
+    out = set()
+    for d in devices:
+        k = cluster.kinds[cluster.devices[d].kind]
+        out.add(k.backend if k.backend in ("gloo", "mpi") or not k.vendor else f"{k.backend}:{k.vendor}")
+    return len(out)
+
+
+def _sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], grad_bytes: float) -> SyncGroup:
+    """A fused group under ZeRO-1: reduce-scatter + all-gather of padded slices (module doc)."""
+    p = g.participants
+    if p <= 1:
+        return g
+    elems = round(g.nbytes / grad_bytes)
+    chunk = max(split_elems(elems, [weight[x] for x in g.holders])) * grad_bytes
+    first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in g.holders]
+    gather = ring_pass_time_s(chunk_bytes=chunk, participants=p, link=g.link)
+    if _islands(plan.cluster, first) > 1:
+        t = allreduce_time_s(nbytes=g.nbytes, participants=p, link=g.link) + gather
+    else:
+        t = 2 * gather
+    # nbytes: the volume of an all-reduce of equal cost (what a measured host all-reduce is priced on).
+    return SyncGroup(g.name, g.holders, chunk * p, g.link, t)
 
 
 def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: Cluster,

@@ -1,7 +1,8 @@
 """Save and load a training run's state per parameter name, so any plan can resume any checkpoint.
 
 State is stored by full-model parameter name as *full* tensors (TP shards gathered within the
-stage's TP group), each written once: by the lowest rank holding it (DP replicas and a tied head
+stage's TP group; a ZeRO-1 run's optimizer slices all-gathered among their owners first), each
+written once: by the lowest rank holding it (DP replicas and a tied head
 hold identical copies; AdamW is element-wise, so their optimizer state is identical too). Loading
 under any plan — other stage splits, TP/DP degrees or kinds — is then "every rank slices what it
 holds". Beside tensors a checkpoint records the step (which fixes the LR schedule position and,
@@ -105,8 +106,11 @@ def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int 
     step_failed(error)  # also the barrier: the directory exists before anyone writes
     owned: dict[str, torch.Tensor] = {}
     shapes: dict[str, dict[str, Any]] = {}
+    # A sharded optimizer's slices, all-gathered into each parameter's local state (collective), so
+    # the files hold the same full tensors whatever the sharding: loading re-shards for any plan.
+    states = trainer.zero.gather_state(trainer.optimizer) if trainer.zero is not None else None
     for name, p in sorted(trainer.model.named_parameters()):
-        st = trainer.optimizer.state.get(p, {})
+        st = states.get(name, {}) if states is not None else trainer.optimizer.state.get(p, {})
         full = {"param": _full(trainer, name, p)} | {k: _full(trainer, name, st[k]) for k in _OPT_KEYS if k in st}
         if owner_rank(trainer, name) != rank:
             continue
@@ -264,10 +268,12 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, allow_schedule_change
         for name, p in named.items():
             dim = trainer.model.shard_dim(name)
             p.copy_(shard(data[f"param:{name}"], dim=dim, tp=tp))
-            if manifest["tensors"][name].get("optim"):
+            if trainer.zero is None and manifest["tensors"][name].get("optim"):
                 trainer.optimizer.state[p] = {
                     "step": data[f"step:{name}"].clone(),
                     **{k: shard(data[f"{k}:{name}"], dim=dim, tp=tp).clone().to(p.device) for k in _OPT_KEYS}}
+        if trainer.zero is not None:
+            _load_sharded(trainer, manifest, data)
     step = int(manifest["step"])
     restore_schedule(trainer, step)
     if not resharded and rng_file:
@@ -275,6 +281,20 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, allow_schedule_change
         if "cuda" in data and trainer.device.type == "cuda":
             torch.cuda.set_rng_state(data["cuda"])
     return Resumed(step=step, path=step_dir, resharded=resharded)
+
+
+def _load_sharded(trainer: Trainer, manifest: dict[str, Any], data: dict[str, torch.Tensor]) -> None:
+    """A ZeRO-1 rank takes its slices of the full tensors (runtime/zero.py), whatever the saving run's
+    plan or sharding was."""
+    assert trainer.zero is not None
+    names = [n for n, _ in trainer.model.named_parameters()]
+    full = {n: {"param": data[f"param:{n}"]} | ({k: data[f"{k}:{n}"] for k in _OPT_KEYS}
+                                                if manifest["tensors"][n].get("optim") else {}) for n in names}
+    stepped = [n for n in names if manifest["tensors"][n].get("optim")]
+    steps = int(data[f"step:{stepped[0]}"]) if stepped else 0  # AdamW's count (fp16 skips excluded)
+    tp = trainer.model.tp
+    trainer.zero.load_state(trainer.optimizer, full=full, steps=steps,
+                            shard=lambda x, name: shard(x, dim=trainer.model.shard_dim(name), tp=tp))
 
 
 def restore_schedule(trainer: Trainer, step: int) -> None:

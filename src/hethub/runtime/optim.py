@@ -46,3 +46,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
                             eps=cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return opt, sched
+
+
+def build_optimizer_for(pieces: list[tuple[str, torch.Tensor, bool]], cfg: OptimConfig,
+                        ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over a sharded run's owned pieces (``runtime/zero.py``: name, tensor, decayed), decayed as
+    their parameters are in :func:`build_optimizer`. A rank owning nothing gets one empty tensor, so
+    its optimizer and LR schedule exist like everyone's."""
+    decay = [t for _, t, d in pieces if d]
+    no_decay = [t for _, t, d in pieces if not d] or ([] if decay else [torch.zeros(0)])
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            eps=cfg.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    return opt, sched

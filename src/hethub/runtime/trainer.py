@@ -17,14 +17,16 @@ from hethub.emulation.links import EmulatedLinks, emulated_links_of
 from hethub.emulation.slowdown import Emulator
 from hethub.layout import build_topology
 from hethub.plan import Plan
+from hethub.predict.predictor import optimizer_shard_weights
 from hethub.runtime.data import Share, micro_batches
 from hethub.runtime.data_parallel import GradSync
 from hethub.runtime.metrics import rank_record, step_record
 from hethub.runtime.model import StageModel
-from hethub.runtime.optim import OptimConfig, build_optimizer
+from hethub.runtime.optim import OptimConfig, build_optimizer, build_optimizer_for
 from hethub.runtime.pipeline import PipelineExecutor
 from hethub.runtime.precision import DynamicLossScaler, autocast, boundary_dtype, kind_precision
 from hethub.runtime.tensor_parallel import TPContext
+from hethub.runtime.zero import ZeroSync
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,15 @@ class Trainer:
                                          growth_interval=self.cfg.loss_scale_growth_interval)
                        if any(self.precisions[k] == "fp16-mixed" for k in used) else None)
         self.last_step_skipped = False
-        self.grad_sync = GradSync(self.model, topo=self.topo, rank=rank, comm=comm)
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim)
+        self.zero: ZeroSync | None = None
+        if plan.sharded_optimizer:  # ZeRO-1: this rank's AdamW steps only its slices (runtime/zero.py)
+            self.zero = ZeroSync(self.model, topo=self.topo, rank=rank, comm=comm,
+                                 weights=optimizer_shard_weights(plan))
+            self.grad_sync: GradSync | ZeroSync = self.zero
+            self.optimizer, self.scheduler = build_optimizer_for(self.zero.pieces, self.cfg.optim)
+        else:
+            self.grad_sync = GradSync(self.model, topo=self.topo, rank=rank, comm=comm)
+            self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim)
         self.share = Share(offset=place.sample_offset, micro_batch_size=place.micro_batch_size,
                            num_micro_batches=place.num_micro_batches)
         self._reports_loss = st.head and place.tp_rank == 0
@@ -115,11 +124,15 @@ class Trainer:
             self.scaler.update(overflow=self.last_step_skipped)
         if self.last_step_skipped:
             self.optimizer.zero_grad(set_to_none=True)
+            self.grad_sync.zero()
             return norm
         self.grad_sync.clip_with(total, max_norm=self.cfg.optim.grad_clip)
         self.optimizer.step()
+        if self.zero is not None:
+            self.zero.after_step()  # all-gather the updated slices into every holder's parameters
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.grad_sync.zero()
         return norm
 
     def train_step(self, batch: torch.Tensor, *, step: int) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.errors import SpecError
+from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
@@ -38,6 +39,13 @@ class PlannerConfig:
     min_tokens_per_s: float | None = None
     # Share of each device's memory plans leave free (predict/memory/capacity.py says why 0.1).
     mem_headroom: float = DEFAULT_MEM_HEADROOM
+    # ZeRO-1 optimizer-state sharding (plan.py's training.optimizer_sharding), or "auto": plan with and
+    # without it and keep the faster predicted (planner.py, _best_sharding).
+    optimizer_sharding: str = "none"
+    optimizer_shares: str = "proportional"
+    # Holders each parameter group is assumed to have when the search checks a sharded stage's memory
+    # (its replicas are not chosen yet); the predictor re-scores each finalist with its real ones.
+    shard_holders: int = 1
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> SpecError:
@@ -62,6 +70,11 @@ class PlannerConfig:
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
                 raise bad(name, f"must be a non-empty tuple of positive integers, got {vals!r}",
                           "give e.g. (1, 2, 4)")
+        if self.optimizer_sharding not in (*OPTIMIZER_SHARDINGS, "auto"):
+            raise bad("optimizer_sharding", f"is {self.optimizer_sharding!r}",
+                      f"use one of {', '.join(OPTIMIZER_SHARDINGS)} or auto")
+        if self.optimizer_shares not in OPTIMIZER_SHARES:
+            raise bad("optimizer_shares", f"is {self.optimizer_shares!r}", f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.objective not in OBJECTIVES:
             raise bad("objective", f"is {self.objective!r}", f"use one of {', '.join(OBJECTIVES)}")
         for name in ("budget_per_hour", "min_tokens_per_s"):

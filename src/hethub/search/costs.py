@@ -18,6 +18,7 @@ from hethub.predict.memory import (
     StageMemory,
     act_bytes_for,
     runtime_vocab_parallel,
+    sharded_memory,
     stage_memory,
     stage_params,
     usable_bytes,
@@ -46,6 +47,9 @@ class Job:
     profiles: ProfileSet | None = None
     relax_memory: bool = False  # the upper bound prices kinds that cannot hold the model
     mem_headroom: float = DEFAULT_MEM_HEADROOM  # share of each device's memory plans leave free
+    # ZeRO-1: each stage keeps AdamW state for 1/holders of its parameters (an assumption the
+    # predictor checks on the finalists with the plan's real holders); 1: unsharded.
+    optimizer_shard_holders: int = 1
 
 
 @dataclass(frozen=True)
@@ -117,10 +121,14 @@ class StageCost:
         taken to sync with other replicas and to talk to two pipeline neighbours (the most a stage
         does); the predictor, which re-scores the finalists, counts the plan's own."""
         j, k = self.job, self.kind
-        return stage_memory(j.model, layers=layers, embedding=emb, head=head, tp=self.tp, mbs=self.mbs,
-                            seq_len=j.seq_len, recompute=self.recompute, precision=k.precision_for(j.precision),
-                            in_flight=in_flight, vocab_parallel=runtime_vocab_parallel(j.model, self.tp),
-                            attention=k.attention, kind=k, synced=True, communicators=1 + (self.tp > 1) + 1 + 2)
+        mem = stage_memory(j.model, layers=layers, embedding=emb, head=head, tp=self.tp, mbs=self.mbs,
+                           seq_len=j.seq_len, recompute=self.recompute, precision=k.precision_for(j.precision),
+                           in_flight=in_flight, vocab_parallel=runtime_vocab_parallel(j.model, self.tp),
+                           attention=k.attention, kind=k, synced=True, communicators=1 + (self.tp > 1) + 1 + 2)
+        if j.optimizer_shard_holders > 1:
+            mem = sharded_memory(mem, moment_elems=self.params(layers, emb=emb, head=head) / j.optimizer_shard_holders,
+                                 master_elems=0.0, precision=k.precision_for(j.precision), kind=k)
+        return mem
 
     def memory_bytes(self, layers: int, *, emb: bool, head: bool, in_flight: int) -> float:
         """``memory(...).total_bytes``, from per-part coefficients (the search asks this ~10^5 times)."""

@@ -6,6 +6,7 @@ is made by the full predictor, so `hethub plan` and `hethub predict` agree exact
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 POLISH_MIN_S = 0.25
+SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
 POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
 
@@ -68,6 +70,49 @@ def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     return replace(best, search_time_s=time.perf_counter() - t0, notes=(note, *best.notes))
 
 
+def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+                   profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
+    """ZeRO-1 as an outer option: plan unsharded, then sharded, and keep the faster predicted
+    (``auto``) or the sharded one (``zero1``). The search checks a sharded stage's memory before its
+    replicas are chosen, so it assumes each parameter group has ``SHARD_HOLDERS_OPTIMISM`` times as
+    many holders as the unsharded plan has pipelines: optimistic, so that shallower pipelines, fewer
+    recomputed stages or bigger micro-batches are tried; the predictor re-scores every finalist with
+    its real holders and slices and drops those that do not fit (measured: with exactly the unsharded
+    plan's replica count the search missed the better sharded plans on both README clusters). If none
+    fits, it plans again assuming the unsharded plan's count. Sharding pays where the freed memory
+    buys such a change; otherwise its padded reduce-scatter + all-gather costs at least the
+    all-reduce (more across vendors' bridges) and the unsharded plan stays."""
+    t0 = time.perf_counter()
+    base: PlanResult | None = None
+    with contextlib.suppress(InfeasibleError):  # perhaps only sharded state fits
+        base = make_plan(cluster=cluster, model=model, config=replace(config, optimizer_sharding="none"),
+                         profiles=profiles, host=host)
+    replicas = max(2, len(base.plan.pipelines)) if base is not None else 2
+    zero: PlanResult | None = None
+    for holders in (SHARD_HOLDERS_OPTIMISM * replicas, replicas):
+        try:
+            zero = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
+                             config=replace(config, optimizer_sharding="zero1", shard_holders=holders))
+            break
+        except InfeasibleError:
+            if holders == replicas and (base is None or config.optimizer_sharding == "zero1"):
+                raise
+    if zero is None:
+        assert base is not None
+        return replace(base, notes=("optimizer sharding: none (no sharded plan fits)", *base.notes))
+    faster = base is None or zero.prediction.step_time_s < base.prediction.step_time_s
+    if config.optimizer_sharding == "zero1" or faster:
+        best, other = zero, base
+    else:
+        best, other = base, zero
+    note = f"optimizer sharding: {best.plan.optimizer_sharding}"
+    if other is not None:
+        gain = other.prediction.step_time_s / best.prediction.step_time_s
+        note += (f" (predicted step {best.prediction.step_time_s:.3f} s vs {other.prediction.step_time_s:.3f} s "
+                 f"{other.plan.optimizer_sharding}: {gain:.3f}x)")
+    return replace(best, search_time_s=time.perf_counter() - t0, notes=(note, *best.notes))
+
+
 def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
               profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
     """Best memory-feasible plan under `config.strategy`, scored by the predictor (with `host`, the
@@ -76,6 +121,11 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     in-flight memory shapes the stages), chosen by predicted step time."""
     if config.schedule == AUTO_SCHEDULE:
         return _best_schedule(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    if config.optimizer_sharding != "none" and config.strategy in ("uniform", "flops-proportional"):
+        # The baselines are plans other systems would run: unsharded (their plans are built as such).
+        config = replace(config, optimizer_sharding="none")
+    if config.optimizer_sharding == "auto" or (config.optimizer_sharding == "zero1" and config.shard_holders < 2):
+        return _best_sharding(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     t0 = time.perf_counter()
     _check_job(model, config)
     _check_state_fits(cluster, model, config)
@@ -220,6 +270,8 @@ def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> 
         plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
                           seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
                           strategy=strategy)
+        if config.optimizer_sharding == "zero1":  # before the recomputation choice, which it frees memory for
+            plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=config.optimizer_shares)
         out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom))
         if len(out) >= config.finalists + config.top_k:
             break

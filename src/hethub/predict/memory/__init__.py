@@ -17,6 +17,7 @@ from hethub.predict.memory.model import (
     PHASES,
     STATE_BYTES_PER_PARAM,
     StageMemory,
+    sharded_memory,
     stage_memory,
     stage_params,
     state_bytes_per_param,
@@ -31,7 +32,7 @@ RUNTIME_VOCAB_PARALLEL = True
 __all__ = [
     "DEFAULT_MEM_HEADROOM", "PARTS", "PHASES", "RUNTIME_VOCAB_PARALLEL", "STATE_BYTES_PER_PARAM", "StageMemory",
     "act_bytes_for", "check_headroom", "describe_peak", "over_capacity_message",
-    "runtime_vocab_parallel", "stage_memory", "stage_params", "state_bytes_per_param", "usable_bytes",
+    "runtime_vocab_parallel", "sharded_memory", "stage_memory", "stage_params", "state_bytes_per_param", "usable_bytes",
 ]
 
 

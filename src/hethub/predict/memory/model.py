@@ -27,7 +27,7 @@ fp32 moments (8): 18 in all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from hethub.plan import Recompute
@@ -200,6 +200,23 @@ def stage_memory(
         framework_context_bytes=kind.context_bytes if kind is not None else 0.0,
         comm_buffers_bytes=kind.comm_buffer_bytes * communicators if kind is not None else 0.0,
     )
+
+
+def sharded_memory(mem: StageMemory, *, moment_elems: float, master_elems: float, precision: str,
+                   kind: DeviceKind | None) -> StageMemory:
+    """``mem`` (a stage's unsharded memory) under ZeRO-1 (``runtime/zero.py``, shard sizes from
+    ``predict/sharding.py``): the device keeps AdamW moments for ``moment_elems`` elements only, plus
+    an fp32 master copy of the ``master_elems`` of them that lie in a bucket whose holders differ in TP
+    degree (it may not hold those parameters). The fp32 parameters stay whole (they are the masters of
+    everything else, and what autocast computes from), so ``master_weights`` is not sharded. The
+    optimizer step's scratch shrinks with the slice (multi-tensor AdamW on accelerators); on CPU it
+    runs piece by piece, at most the slice."""
+    per = state_bytes_per_param(precision)
+    gpu_like = kind is not None and kind.device_type != "cpu"
+    step_tmp = moment_elems * 4 if gpu_like else min(mem.optimizer_temporaries_bytes, moment_elems * 4 * 2)
+    return replace(mem, optimizer_bytes=moment_elems * per["optimizer"],
+                   master_weights_bytes=mem.master_weights_bytes + master_elems * 4,
+                   optimizer_temporaries_bytes=step_tmp)
 
 
 def _largest_tensor(model: ModelSpec, *, embedding: bool, head: bool, tp: int, vtp: int) -> float:

@@ -1,0 +1,279 @@
+"""ZeRO-1 across unequal data-parallel holders: each holder keeps AdamW state for one slice only.
+
+For every bucket of parameters with the same holders (the gradient sync's grouping,
+``runtime/data_parallel.py``), the members of each reduction group (``hethub.predict.sharding``:
+one rank per holder with equal TP rank, or every rank of every holder when their TP degrees differ)
+split the bucket's flat element range into consecutive slices, member i owning the i-th; slice sizes
+come from ``hethub.predict.sharding.split_elems`` over the members' weights (free device memory by
+default), the same numbers the predictor's memory model uses.
+
+One step:
+
+1. gradients are packed into a padded buffer (``len(group)`` chunks of the largest slice) and
+   reduce-scattered (``Communicator.reduce_scatter``: native inside one vendor's island; across the
+   bridge an all-reduce then a slice, as the bridge has no hierarchical reduce-scatter); each owner
+   divides its slice by the global sample count (the single-device mean, as in GradSync);
+2. the global gradient norm is the square root of the world sum of each owner's squared slice norm,
+   each element counted once (elements replicated over a TP group only on TP rank 0's line), so
+   clipping is exact;
+3. AdamW (``runtime/optim.py``, the same update as unsharded: it is element-wise) steps each owned
+   *piece* (a slice's intersection with one parameter, decayed as its parameter would be). A piece
+   of a same-TP bucket is a view of the rank's own parameter (the fp32 parameter is the master, as in
+   unsharded runs: no copy); a piece of a mixed bucket lies in the full-size layout, which the rank
+   may not hold, so it keeps an fp32 master copy of it;
+4. updated slices are all-gathered (padded) and copied into every member's parameters.
+
+Model gradients are dropped after the reduce-scatter (owners keep only their slice's). ZeRO-2
+(gradients sharded while the backward runs) is not built: gradients accumulate whole over all
+micro-batches before any sync, so sharding them would not lower the step's peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hethub.comm.communicator import Communicator
+from hethub.layout import Topology, block_starts, unit_of
+from hethub.predict.sharding import split_elems
+from hethub.runtime.model import StageModel
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Seg:
+    """Elements [start, stop) of parameter ``param`` (flat, in the bucket's layout) in member ``member``'s
+    slice at offset ``pos``."""
+
+    param: int
+    start: int
+    stop: int
+    member: int
+    pos: int
+
+
+@dataclass
+class _Bucket:
+    line: tuple[int, ...]
+    mixed: bool
+    params: list[tuple[str, nn.Parameter, int | None]] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # per parameter, in the bucket's layout
+    sizes: list[int] = field(default_factory=list)
+    me: int = 0
+    segs: list[_Seg] = field(default_factory=list)
+    pieces: list[tuple[_Seg, torch.Tensor]] = field(default_factory=list)  # this rank's, with their tensors
+
+    @property
+    def pad(self) -> int:
+        return max(self.sizes)
+
+
+class ZeroSync:
+    """Gradient sync, norm, clipping and the post-step parameter gather of a ZeRO-1 run (the same
+    methods the Trainer calls on GradSync, plus :meth:`after_step`); :attr:`pieces` are what the
+    rank's AdamW steps (``optim.build_optimizer_for``)."""
+
+    def __init__(self, model: StageModel, *, topo: Topology, rank: int, comm: Communicator,
+                 weights: dict[int, float]) -> None:
+        self.comm, self.rank, self.model = comm, rank, model
+        place = topo.place(rank)
+        self.tp, self.tp_rank = place.stage.tp, place.tp_rank
+        self.device = next(model.parameters()).device
+        self.params = [p for _, p in sorted(model.named_parameters())]
+        self.steps = 0  # optimizer steps taken (AdamW's per-parameter "step", the same for every piece)
+        by_line: dict[tuple[int, ...], _Bucket] = {}
+        self._first_holder: dict[str, bool] = {}
+        for name, p in sorted(model.named_parameters()):
+            unit = unit_of(name)
+            g = topo.sync_group(unit, rank)
+            dim = model.shard_dim(name)
+            b = by_line.setdefault(g.ranks, _Bucket(line=g.ranks, mixed=g.mixed))
+            b.params.append((name, p, dim))
+            b.shapes.append(self._layout_shape(p, dim) if g.mixed else tuple(p.shape))
+            self._first_holder[name] = rank in topo.unit_holders[unit][0].ranks
+        self.buckets = list(by_line.values())
+        self.pieces: list[tuple[str, torch.Tensor, bool]] = []  # (parameter name, tensor, decayed)
+        self._counted: list[torch.Tensor] = []  # pieces whose gradients count in the global norm
+        for b in self.buckets:
+            self._place(b, weights)
+
+    # ---- layout ---------------------------------------------------------------------------------
+    def _layout_shape(self, p: torch.Tensor, dim: int | None) -> tuple[int, ...]:
+        """A mixed bucket's layout: the full (unsharded) parameter."""
+        shape = list(p.shape)
+        if dim is not None and self.tp > 1:
+            shape[dim] *= self.tp
+        return tuple(shape)
+
+    def _to_layout(self, b: _Bucket, i: int, t: torch.Tensor, *, first_holder_only: bool = False) -> torch.Tensor:
+        """This rank's contribution to parameter i's layout tensor (mixed: its TP shard in place, zeros
+        elsewhere; a replicated one from TP rank 0 only). Same-TP buckets: ``t`` itself."""
+        name, _, dim = b.params[i]
+        if not b.mixed:
+            return t
+        if first_holder_only and not self._first_holder[name]:
+            return torch.zeros(b.shapes[i], dtype=t.dtype, device=t.device)
+        if dim is None or self.tp == 1:
+            return t if self.tp_rank == 0 else torch.zeros_like(t)
+        full = torch.zeros(b.shapes[i], dtype=t.dtype, device=t.device)
+        full.narrow(dim, self.tp_rank * t.shape[dim], t.shape[dim]).copy_(t)
+        return full
+
+    def _from_layout(self, b: _Bucket, i: int, full: torch.Tensor) -> torch.Tensor:
+        """Parameter i's local part of its layout tensor."""
+        _, p, dim = b.params[i]
+        if b.mixed and dim is not None and self.tp > 1:
+            return full.narrow(dim, self.tp_rank * p.shape[dim], p.shape[dim])
+        return full
+
+    def _place(self, b: _Bucket, weights: dict[int, float]) -> None:
+        numels = [int(torch.Size(s).numel()) for s in b.shapes]
+        b.sizes = split_elems(sum(numels), [weights[r] for r in b.line])
+        b.me = b.line.index(self.rank)
+        offsets = block_starts(b.sizes)
+        flat = 0
+        for i, n in enumerate(numels):
+            for j, (off, size) in enumerate(zip(offsets, b.sizes, strict=True)):
+                lo, hi = max(flat, off), min(flat + n, off + size)
+                if lo < hi:
+                    b.segs.append(_Seg(param=i, start=lo - flat, stop=hi - flat, member=j, pos=lo - off))
+            flat += n
+        mine = [s for s in b.segs if s.member == b.me]
+        if b.mixed:  # collective over the line: every member joins, owner of elements or not
+            # Masters of elements this rank may not hold: the full values, summed from the first holder's ranks.
+            full = torch.cat([self._to_layout(b, i, p.detach(), first_holder_only=True).reshape(-1)
+                              for i, (_, p, _) in enumerate(b.params)])
+            self.comm.all_reduce(full, group=b.line)
+        starts = block_starts(numels)
+        for s in mine:
+            name, p, dim = b.params[s.param]
+            if b.mixed:
+                t = full[starts[s.param] + s.start:starts[s.param] + s.stop].clone()
+            else:
+                assert p.is_contiguous(), name
+                t = p.data.view(-1)[s.start:s.stop]  # the parameter is the master: a view, no copy
+            b.pieces.append((s, t))
+            self.pieces.append((name, t, p.ndim >= 2))
+            if b.mixed or dim is not None or self.tp_rank == 0:
+                self._counted.append(t)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def sync(self, *, global_samples: int) -> None:
+        """Reduce-scatter every bucket's gradients to their owners (as the mean over the global batch)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for b in self.buckets:
+            grads = [self._to_layout(b, i, p.grad).reshape(-1) for i, (_, p, _) in enumerate(b.params)]
+            pad = b.pad
+            buf = torch.zeros(pad * len(b.line), dtype=grads[0].dtype, device=self.device)
+            for s in b.segs:
+                buf[s.member * pad + s.pos:s.member * pad + s.pos + s.stop - s.start] = grads[s.param][s.start:s.stop]
+            del grads
+            mine = self.comm.reduce_scatter(buf, group=b.line)[:b.sizes[b.me]]
+            mine.div_(float(global_samples))
+            for s, t in b.pieces:
+                t.grad = mine[s.pos:s.pos + s.stop - s.start]
+        for p in self.params:
+            p.grad = None  # owners keep their slices' gradients only
+
+    def global_norm(self) -> torch.Tensor:
+        """The global gradient norm from every owner's slice (each element once), identical on every rank."""
+        grads = [t.grad for t in self._counted if t.grad is not None and t.numel()]
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        sq = local.double().pow(2).reshape(1)
+        self.comm.all_reduce(sq)
+        return sq.sqrt()
+
+    def clip_with(self, total: torch.Tensor, *, max_norm: float) -> None:
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([t for _, t, _ in self.pieces], max_norm, total.float().reshape(()))
+
+    def unscale(self, scale: float) -> None:
+        if scale != 1.0:
+            grads = [t.grad for _, t, _ in self.pieces if t.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, float(scale))
+
+    def after_step(self) -> None:
+        """All-gather every bucket's updated slices into every member's parameters."""
+        self.steps += 1
+        with torch.no_grad():
+            for b in self.buckets:
+                mine = torch.zeros(b.pad, dtype=self.params[0].dtype, device=self.device)
+                for s, t in b.pieces:
+                    mine[s.pos:s.pos + s.stop - s.start] = t
+                self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line), self._set_param)
+
+    def _set_param(self, b: _Bucket, i: int, full: torch.Tensor) -> None:
+        b.params[i][1].data.copy_(self._from_layout(b, i, full))
+
+    def _scatter_gathered(self, b: _Bucket, gathered: torch.Tensor, put: Any) -> None:
+        """Rebuild each parameter's layout tensor from a padded gather and hand it to ``put``."""
+        pad = b.pad
+        flats = [torch.empty(int(torch.Size(s).numel()), dtype=gathered.dtype, device=gathered.device)
+                 for s in b.shapes]
+        for s in b.segs:
+            flats[s.param][s.start:s.stop] = gathered[s.member * pad + s.pos:s.member * pad + s.pos + s.stop - s.start]
+        for i, f in enumerate(flats):
+            put(b, i, f.view(b.shapes[i]))
+
+    def zero(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for _, t, _ in self.pieces:
+            t.grad = None
+
+    # ---- state ------------------------------------------------------------------------------------
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+        """(AdamW moment bytes, separate master-copy bytes) this rank holds: what the memory model predicts."""
+        moments = sum(v.numel() * v.element_size() for _, t, _ in self.pieces
+                      for k, v in optimizer.state.get(t, {}).items() if k in _MOMENTS)
+        masters = sum(t.numel() * t.element_size() for b in self.buckets if b.mixed for _, t in b.pieces)
+        return moments, masters
+
+    def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """Collective over every bucket's members: each parameter's AdamW state in the parameter's
+        local (TP-shard) shape, as an unsharded run keeps it; {} before the first step."""
+        if self.steps == 0:
+            return {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b in self.buckets:
+            for key in _MOMENTS:
+                mine = torch.zeros(b.pad, dtype=torch.float32, device=self.device)
+                for s, t in b.pieces:
+                    st = optimizer.state.get(t)
+                    if st is not None:
+                        mine[s.pos:s.pos + s.stop - s.start] = st[key]
+
+                def put(b: _Bucket, i: int, full: torch.Tensor, key: str = key) -> None:
+                    out.setdefault(b.params[i][0], {})[key] = self._from_layout(b, i, full).clone()
+
+                self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line), put)
+        for v in out.values():
+            v["step"] = torch.tensor(float(self.steps))
+        return out
+
+    def load_state(self, optimizer: torch.optim.Optimizer, *, full: dict[str, dict[str, torch.Tensor]],
+                   steps: int, shard: Any) -> None:
+        """Take this rank's pieces from full-size tensors (``full[name]``: ``param`` and, once stepped,
+        the moments): re-sharding under any plan and sharding. ``shard(t, name)`` slices a full tensor
+        to this rank's TP shard. Mixed-bucket masters are reloaded from the full parameter."""
+        self.steps = steps
+        for b in self.buckets:
+            for s, t in b.pieces:
+                name = b.params[s.param][0]
+                if b.mixed:
+                    t.copy_(self._piece_of(b, s, full[name]["param"], shard))
+                if "exp_avg" in full[name]:
+                    optimizer.state[t] = {"step": torch.tensor(float(steps)),
+                                          **{k: self._piece_of(b, s, full[name][k], shard).clone() for k in _MOMENTS}}
+
+    def _piece_of(self, b: _Bucket, s: _Seg, x: torch.Tensor, shard: Any) -> torch.Tensor:
+        """Segment ``s`` of a full-size tensor ``x`` of its parameter, in the bucket's layout."""
+        local = x if b.mixed else shard(x, b.params[s.param][0])
+        return local.reshape(-1)[s.start:s.stop].to(self.device)

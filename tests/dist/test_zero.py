@@ -1,0 +1,106 @@
+"""ZeRO-1 across unequal data-parallel holders (runtime/zero.py) trains exactly like one device: loss,
+the gradient norm, each owner's reduced gradient slice of step 0 and the parameters after 3 AdamW
+steps with clipping active, within 1e-5 in fp32; and each rank's AdamW state is what the memory
+model predicts, byte for byte."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, run_ranks
+
+from hethub.comm.factory import make_communicator
+from hethub.plan import Plan
+from hethub.predict.predictor import optimizer_shard_weights, predict
+from hethub.predict.sharding import rank_shards
+from hethub.runtime.tensor_parallel import TPContext, shard
+from hethub.runtime.trainer import Trainer, TrainerConfig
+
+TOL = 1e-5
+
+
+def zero1(plan: Plan, *, shares: str = "proportional", slow_mem_bytes: int = 2**31) -> Plan:
+    """``plan`` sharded; the slow kind gets less memory so proportional slices are visibly unequal."""
+    kinds = dict(plan.cluster.kinds)
+    kinds[S] = replace(kinds[S], mem_bytes=slow_mem_bytes)
+    cluster = replace(plan.cluster, kinds=kinds)
+    return replace(plan, cluster=cluster, optimizer_sharding="zero1", optimizer_shares=shares).validate()
+
+
+def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]) -> dict:
+    comm = make_communicator(plan=plan, rank=rank, timeout=TIMEOUT)
+    trainer = Trainer(plan, rank=rank, comm=comm, cfg=TrainerConfig(optim=OPTIM))
+    zero = trainer.zero
+    assert zero is not None
+    tp = TPContext(size=trainer.place.stage.tp, rank=trainer.place.tp_rank)
+    loss, _ = trainer.forward_backward(data[0])
+    trainer.sync_grads()
+    grad_diff, owned = 0.0, 0
+    for b in zero.buckets:
+        for s, t in b.pieces:
+            name, _, dim = b.params[s.param]
+            full = ref["grads"][name]
+            local = full if b.mixed else shard(full, dim=dim, tp=tp)
+            grad_diff = max(grad_diff, (t.grad - local.reshape(-1)[s.start:s.stop]).abs().max().item())
+            owned += t.numel()
+    assert all(p.grad is None for p in trainer.model.parameters()), "ZeRO-1 keeps only the owned slices' gradients"
+    norm = trainer.clip_and_update()
+    for step in range(1, len(data)):
+        trainer.train_step(data[step], step=step)
+    named = dict(trainer.model.named_parameters())
+    param_diff = max((p.detach() - shard(ref["params"][n], dim=trainer.model.shard_dim(n), tp=tp)).abs().max().item()
+                     for n, p in named.items())
+    moments, masters = zero.state_bytes(trainer.optimizer)
+    return {"loss": loss, "norm": norm, "grad_diff": grad_diff, "param_diff": param_diff, "owned": owned,
+            "moment_bytes": moments, "master_bytes": masters, "names": sorted(named),
+            "sizes": {b.line: b.sizes for b in zero.buckets}}
+
+
+def check(plan: Plan) -> list[dict]:
+    data = batches(plan, steps=3)
+    ref = reference(plan.model, data, optim=OPTIM)
+    assert ref["norms"][0] > OPTIM.grad_clip, "clipping must be active for the test to cover it"
+    res = run_ranks(plan.world_size, _worker, plan, data, ref)
+    assert set().union(*(r["names"] for r in res)) == set(ref["params"])
+    for r in res:
+        assert abs(r["loss"] - ref["loss"]) <= TOL
+        assert abs(r["norm"] - ref["norms"][0]) <= TOL * max(1.0, ref["norms"][0])
+        assert r["grad_diff"] <= TOL, r
+        assert r["param_diff"] <= TOL, r
+    # The memory model's prediction, per rank, equals what each rank's AdamW allocated.
+    shards = rank_shards(plan, optimizer_shard_weights(plan))
+    pred = predict(plan)
+    for rank, r in enumerate(res):
+        assert r["owned"] == shards.moment_elems[rank]
+        assert r["moment_bytes"] == 8 * shards.moment_elems[rank]
+        assert r["master_bytes"] == 4 * shards.master_elems[rank]
+    for sp in pred.stages:
+        ranks = [plan.rank_of_device()[d] for d in sp.devices]
+        assert sp.optimizer_bytes == max(res[q]["moment_bytes"] for q in ranks)
+    return res
+
+
+@pytest.mark.parametrize("bridge", ["auto", "force"])
+def test_uneven_replicas_of_two_kinds_with_tp_stage(bridge: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Replica 0 on the fast kind (TP=2 stage, then TP=1; 3 micro-batches), replica 1 on the slow kind,
+    # split differently (1 micro-batch): every layer group has holders of two kinds, unequal slices.
+    monkeypatch.setenv("HETHUB_BRIDGE", bridge)
+    plan = zero1(make_plan([(2, 3, [(F, 2, 3), (F, 1, 3)]), (2, 1, [(S, 1, 2), (S, 1, 4)])]))
+    res = check(plan)
+    uneven = [sizes for sizes in res[0]["sizes"].values() if len(sizes) > 1 and len(set(sizes)) > 1]
+    assert uneven, "proportional slices of holders with unequal free memory must differ"
+
+
+def test_replicas_with_different_tp_degrees_tied() -> None:
+    # Holders of every group differ in TP degree (full-size layout, master copies), tied embeddings.
+    spec = replace(SPEC, name="t6-tied", tied_embeddings=True)
+    res = check(zero1(make_plan([(2, 2, [(F, 1, 3), (F, 2, 3)]), (2, 2, [(S, 1, 6)])], spec=spec)))
+    assert any(r["master_bytes"] > 0 for r in res)
+
+
+def test_equal_shares_gpt_with_biases() -> None:
+    spec = replace(SPEC, name="gpt6", arch="gpt", activation="gelu", num_kv_heads=4, tied_embeddings=True)
+    check(zero1(make_plan([(2, 2, [(F, 2, 4), (S, 1, 2)]), (2, 2, [(S, 1, 6)])], spec=spec), shares="equal"))
