@@ -220,7 +220,7 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
         speed = f"{t / base:.2f}x" if base else "n/a"
         dollars = f"{usd:,.3f}" if usd is not None else "n/a"
         print(f"{s:<28} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7} {sch:>8} "
-              f"{'zero1' if z == 'zero1' else 'whole':>9}")
+              f"{z:>9}")
     if any(r[6] is None and not r[7] for r in rows):
         print("n/a: a kind used has no price_per_hour (catalog or cluster file)")
     if gain:

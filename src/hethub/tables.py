@@ -63,7 +63,9 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
     kinds = ", ".join(f"{n} x{c}" for n, c in _kinds_used(plan).items())
     out = [
         f"strategy {plan.strategy}: {len(plan.pipelines)} pipelines on {used} of {plan.cluster.num_devices} "
-        f"devices ({kinds}); schedule {plan.schedule}, {plan.precision}",
+        f"devices ({kinds}); schedule {plan.schedule}, {plan.precision}"
+        + (f", optimizer state sharded ({plan.optimizer_sharding}, {plan.optimizer_shares} slices)"
+           if plan.sharded_optimizer else ""),
         f"predicted step time {pred.step_time_s:.3f} s, {pred.tokens_per_s:,.0f} tokens/s "
         f"(global batch {plan.global_batch} x {plan.seq_len} tokens)",
     ]

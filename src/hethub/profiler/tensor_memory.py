@@ -52,7 +52,8 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | No
     grads = [p.grad for p in params if p.grad is not None]
     opt: list[torch.Tensor] = []
     if optimizer is not None:
-        for p in params:
+        # The optimizer's own tensors: the model's parameters, or a sharded run's owned pieces (runtime/zero.py).
+        for p in (t for g in optimizer.param_groups for t in g["params"]):
             for v in optimizer.state.get(p, {}).values():
                 # Per-parameter moments have the parameter's shape; scalar step counters do not.
                 if isinstance(v, torch.Tensor) and v.shape == p.shape:
