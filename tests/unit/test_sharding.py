@@ -48,7 +48,7 @@ def test_plan_records_sharding_and_round_trips(plan: Plan) -> None:
     back = Plan.from_dict(data)
     assert (back.optimizer_sharding, back.optimizer_shares) == ("zero1", "equal")
     del data["training"]["optimizer_sharding"], data["training"]["optimizer_shares"]
-    data["version"] = 2  # older files read as unsharded
+    data["version"] = 3  # older files read as unsharded
     assert Plan.from_dict(data).optimizer_sharding == "none"
 
 
