@@ -78,3 +78,13 @@ def test_device_type_must_match_the_backend() -> None:
     assert parse_kind("m", {"backend": "mccl"}, where="t", base=base).device_type == "musa"
     # A gloo kind may be an accelerator emulated on the host.
     assert parse_kind("e", {"backend": "gloo", "device_type": "cpu"}, where="t", base=base).device_type == "cpu"
+
+
+@pytest.mark.parametrize("name", ["v100-16gb", "titan-rtx", "rtx-2080"])
+def test_pre_ampere_kinds_run_a_bf16_plan_in_fp16_with_loss_scaling(name: str) -> None:
+    # No bf16 units before Ampere: a bf16-mixed plan would otherwise be predicted at the fp16 tensor
+    # peak while torch emulates bf16 far slower.
+    kind = catalog()[name]
+    assert "bf16-mixed" not in kind.precisions
+    assert kind.precision_for("bf16-mixed") == "fp16-mixed"
+    assert catalog()["a100-40gb"].precision_for("bf16-mixed") == "bf16-mixed"
