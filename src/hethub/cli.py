@@ -212,14 +212,14 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
                           for (s, t, st, e, n, d, usd, err, sch), z in zip(rows, shardings, strict=True)], indent=2))
         return 0
     print(f"{'strategy':<28} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
-          f"{'pipelines':>9} {'devices':>7} {'schedule':>8} {'optimizer':>9}")
+          f"{'pipelines':>9} {'devices':>7} {'schedule':>11} {'optimizer':>9}")
     for (s, t, st, e, n, d, usd, err, sch), z in zip(rows, shardings, strict=True):
         if err:
             print(f"{s:<28} {'infeasible':>14}  {err}")
             continue
         speed = f"{t / base:.2f}x" if base else "n/a"
         dollars = f"{usd:,.3f}" if usd is not None else "n/a"
-        print(f"{s:<28} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7} {sch:>8} "
+        print(f"{s:<28} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7} {sch:>11} "
               f"{z:>9}")
     if any(r[6] is None and not r[7] for r in rows):
         print("n/a: a kind used has no price_per_hour (catalog or cluster file)")

@@ -29,14 +29,23 @@ class StagePlace:
     num_stages: int
     kind: str
     ranks: tuple[int, ...]  # torch ranks, TP rank order
-    layers: tuple[int, int]
+    layers: tuple[int, int]  # with chunks: the first chunk's
     embedding: bool
     head: bool
     recompute: Recompute = Recompute.NONE
+    chunks: tuple[tuple[int, int], ...] = ()  # layer ranges of the stage's model chunks (virtual stages)
 
     @property
     def tp(self) -> int:
         return len(self.ranks)
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        return self.chunks or (self.layers,)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layer_ranges)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,29 @@ class RankPlace:
     # gradient back) travels as this rank's 1/tp slice, all-gathered over the TP group on arrival.
     split_in: bool = False
     split_out: bool = False
+    # Virtual stages: the last stage's chunk c sends its output to the first stage's chunk c + 1
+    # (and gets that chunk's input gradient back), routed between the two stages' TP degrees as
+    # between adjacent stages. Set on the first and last stage of a pipeline with v > 1 chunks.
+    wrap_recv_from: int | None = None  # first stage: rank sending chunk c > 0 its input
+    wrap_send_to: tuple[int, ...] = ()  # last stage: ranks chunk c < v - 1 sends its output to
+    wrap_grad_recv_from: int | None = None  # last stage: rank sending chunk c < v - 1 its output gradient
+    wrap_grad_send_to: tuple[int, ...] = ()  # first stage: ranks chunk c > 0 sends its input gradient to
+
+    def fwd_peers(self, chunk: int) -> tuple[int | None, tuple[int, ...]]:
+        """(rank chunk ``chunk``'s forward input comes from or None, ranks its output goes to)."""
+        st = self.stage
+        src = self.fwd_recv_from if st.stage > 0 else self.wrap_recv_from if chunk > 0 else None
+        dst = self.fwd_send_to if st.stage < st.num_stages - 1 else \
+            self.wrap_send_to if chunk < st.num_chunks - 1 else ()
+        return src, dst
+
+    def bwd_peers(self, chunk: int) -> tuple[int | None, tuple[int, ...]]:
+        """(rank chunk ``chunk``'s output gradient comes from or None, ranks its input gradient goes to)."""
+        st = self.stage
+        src = self.bwd_recv_from if st.stage < st.num_stages - 1 else \
+            self.wrap_grad_recv_from if chunk < st.num_chunks - 1 else None
+        dst = self.bwd_send_to if st.stage > 0 else self.wrap_grad_send_to if chunk > 0 else ()
+        return src, dst
 
 
 @dataclass(frozen=True)
@@ -101,18 +133,19 @@ def split_hop(*, a: int, b: int, numel: int) -> bool:
 # ---- parameter units ------------------------------------------------------------------------------
 def stage_units(stage: StagePlace, *, tied: bool, learned_pos: bool) -> tuple[str, ...]:
     """The units a stage holds, in module order."""
-    return _units(stage.layers, embedding=stage.embedding, head=stage.head, tied=tied, learned_pos=learned_pos)
+    return _units(stage.layer_ranges, embedding=stage.embedding, head=stage.head, tied=tied, learned_pos=learned_pos)
 
 
 # Cached: a large plan has thousands of stages but few distinct (layers, embedding, head) shapes.
 @functools.lru_cache(maxsize=4096)
-def _units(layers: tuple[int, int], *, embedding: bool, head: bool, tied: bool, learned_pos: bool) -> tuple[str, ...]:
+def _units(ranges: tuple[tuple[int, int], ...], *, embedding: bool, head: bool, tied: bool,
+           learned_pos: bool) -> tuple[str, ...]:
     units: list[str] = []
     if embedding:
         units.append("embed")
         if learned_pos:
             units.append("pos")
-    units += [f"layer.{i}" for i in range(*layers)]
+    units += [f"layer.{i}" for a, b in ranges for i in range(a, b)]
     if head:
         units.append("final_norm")
         if not tied:
@@ -183,7 +216,7 @@ def stage_places(plan: Plan) -> tuple[StagePlace, ...]:
     rank_of = plan.rank_of_device()
     return tuple(StagePlace(pipeline=pi, stage=si, num_stages=len(p.stages), kind=s.kind,
                             ranks=tuple(rank_of[d] for d in s.devices), layers=s.layers, embedding=s.embedding,
-                            head=s.head, recompute=s.recompute)
+                            head=s.head, recompute=s.recompute, chunks=s.chunks)
                  for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages))
 
 
@@ -208,6 +241,8 @@ def build_topology(plan: Plan) -> Topology:
     for st in stages:
         by_pipeline[st.pipeline].append(st)
     for pi, (p, sp) in enumerate(zip(plan.pipelines, by_pipeline, strict=True)):
+        first, last = sp[0], sp[-1]
+        wraps = first.num_chunks > 1
         for si, st in enumerate(sp):
             prev = sp[si - 1] if si > 0 else None
             nxt = sp[si + 1] if si + 1 < len(sp) else None
@@ -215,6 +250,13 @@ def build_topology(plan: Plan) -> Topology:
             split_in = prev is not None and split_hop(a=prev.tp, b=st.tp, numel=numel)
             split_out = nxt is not None and split_hop(a=st.tp, b=nxt.tp, numel=numel)
             for q, r in enumerate(st.ranks):
+                wrap: dict[str, object] = {}
+                if wraps and si == 0:
+                    wrap.update(wrap_recv_from=last.ranks[fwd_source(a=last.tp, q=q)],
+                                wrap_grad_send_to=tuple(last.ranks[t] for t in bwd_targets(a=last.tp, b=st.tp, q=q)))
+                if wraps and si == len(sp) - 1:
+                    wrap.update(wrap_send_to=tuple(first.ranks[t] for t in fwd_targets(a=st.tp, b=first.tp, j=q)),
+                                wrap_grad_recv_from=first.ranks[bwd_source(b=first.tp, j=q)])
                 places[r] = RankPlace(
                     split_in=split_in, split_out=split_out,
                     rank=r, stage=st, tp_rank=q, micro_batch_size=p.micro_batch_size,
@@ -223,6 +265,7 @@ def build_topology(plan: Plan) -> Topology:
                     fwd_send_to=tuple(nxt.ranks[t] for t in fwd_targets(a=st.tp, b=nxt.tp, j=q)) if nxt else (),
                     bwd_recv_from=nxt.ranks[bwd_source(b=nxt.tp, j=q)] if nxt else None,
                     bwd_send_to=tuple(prev.ranks[t] for t in bwd_targets(a=prev.tp, b=st.tp, q=q)) if prev else (),
+                    **wrap,  # type: ignore[arg-type]
                 )
     topo = Topology(world_size=plan.world_size, places=tuple(places[r] for r in range(plan.world_size)),
                     stages=stages, unit_holders=unit_holders(plan, stages), groups=(),

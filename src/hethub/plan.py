@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
-from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES, get_schedule
 from hethub.spec.cluster import ATTENTION_IMPLS, Cluster
 from hethub.spec.model import PRECISIONS, ModelSpec
 
@@ -29,8 +29,11 @@ PLAN_FORMAT = "hethub-plan"
 # Versions 1 and 2 (true/false) are still read: true is "full", false "none".
 # 4: training.optimizer_sharding / training.optimizer_shares (a version-3 reader would silently train
 # unsharded and could run out of memory). Older files read as unsharded.
+# 5: stages may hold several layer chunks ("chunks", per-pipeline "virtual_stages"); written only for
+# such plans, so that an older reader refuses them by version rather than misreading them.
 PLAN_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+PLAN_VERSION_CHUNKS = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 KIND_SETTINGS = ("precision", "attention")
 # Optimizer-state sharding across a parameter group's data-parallel holders (runtime/zero.py):
 # "zero1" shards the AdamW moments (ZeRO stage 1, Megatron's distributed optimizer). ZeRO-2 (sharded
@@ -78,7 +81,7 @@ RECOMPUTE_MODES = tuple(m.value for m in Recompute)
 class Stage:
     kind: str
     devices: tuple[int, ...]  # cluster device ids; len == tp
-    layers: tuple[int, int]  # decoder layers [start, end)
+    layers: tuple[int, int]  # decoder layers [start, end); with chunks: the first chunk's
     embedding: bool = False
     head: bool = False
     # A Recompute; a bool (as code before plan version 3 passed it) is converted, True to "full".
@@ -87,14 +90,28 @@ class Stage:
     def __post_init__(self) -> None:
         if not isinstance(self.recompute, Recompute):
             object.__setattr__(self, "recompute", Recompute.of(self.recompute, where="stages[].recompute"))
+    # Virtual stages (interleaved schedule): the layer ranges [start, end) of the v model chunks the
+    # stage's devices hold, in chunk order; chunk c of stage s is virtual stage c x p + s. Empty: one
+    # chunk, ``layers``. The embedding is on chunk 0 of the first stage, the head on the last chunk
+    # of the last stage.
+    chunks: tuple[tuple[int, int], ...] = ()
 
     @property
     def tp(self) -> int:
         return len(self.devices)
 
     @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each chunk's decoder layers [start, end), in chunk order (one range without chunks)."""
+        return self.chunks or (self.layers,)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
     def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+        return sum(b - a for a, b in self.layer_ranges)
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,34 @@ class Pipeline:
     @property
     def devices(self) -> tuple[int, ...]:
         return tuple(d for s in self.stages for d in s.devices)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per stage (v; 1 without interleaving)."""
+        return self.stages[0].num_chunks if self.stages else 1
+
+
+def interleave(pipe: Pipeline, chunk_layers: list[list[int]] | tuple[tuple[int, ...], ...]) -> Pipeline:
+    """``pipe`` with stage s holding ``chunk_layers[s][c]`` layers in its chunk c: the ranges are laid
+    out contiguously in virtual-stage order (chunk 0 of every stage, then chunk 1, ...). One chunk
+    per stage gives plain ``layers``. Validate the plan afterwards (the counts must cover the model)."""
+    n, v = len(pipe.stages), len(chunk_layers[0]) if chunk_layers else 1
+    if len(chunk_layers) != n or any(len(c) != v for c in chunk_layers):
+        raise ValueError(f"need {n} stages x {v} chunk layer counts, got {chunk_layers!r}")
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    start = 0
+    for c in range(v):
+        for si in range(n):
+            ranges[si].append((start, start + chunk_layers[si][c]))
+            start += chunk_layers[si][c]
+    stages = tuple(replace(st, layers=r[0], chunks=tuple(r) if v > 1 else ())
+                   for st, r in zip(pipe.stages, ranges, strict=True))
+    return replace(pipe, stages=stages)
+
+
+def split_evenly(n: int, parts: int) -> list[int]:
+    """n layers in ``parts`` chunks as equal as can be, the larger ones first."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
 @dataclass(frozen=True)
@@ -207,20 +252,15 @@ class Plan:
                       f"are {p.micro_batch_size}/{p.num_micro_batches}", "both must be >= 1")
             if not p.stages:
                 _fail(f"{where}.stages", "is empty", "give each pipeline at least one stage")
-            expect_start = 0
             for si, s in enumerate(p.stages):
                 sw = f"{where}.stages[{si}]"
-                _check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1,
-                             expect_start=expect_start)
-                expect_start = s.layers[1]
+                _check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1)
                 for d in s.devices:
                     if d in used:
                         _fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",
                               "give every device to exactly one stage")
                     used[d] = sw
-            if expect_start != m.num_layers:
-                _fail(f"{where}.stages", f"cover layers 0..{expect_start}, but the model has {m.num_layers}",
-                      f"make the last stage's layers end at {m.num_layers}")
+            _check_layer_ranges(p, where, model=m, schedule=self.schedule)
         total = sum(p.num_samples for p in self.pipelines)
         if total != self.global_batch:
             _fail("global_batch", f"is {self.global_batch} but the pipelines take {total} sequences "
@@ -233,7 +273,7 @@ class Plan:
         rank = self.rank_of_device()
         return {
             "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
+            "version": PLAN_VERSION_CHUNKS if any(p.virtual_stages > 1 for p in self.pipelines) else PLAN_VERSION,
             "strategy": self.strategy,
             "training": {"global_batch": self.global_batch, "seq_len": self.seq_len,
                          "schedule": self.schedule, "precision": self.precision,
@@ -245,9 +285,11 @@ class Plan:
                 {
                     "micro_batch_size": p.micro_batch_size,
                     "num_micro_batches": p.num_micro_batches,
+                    **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {}),
                     "stages": [
                         {"kind": s.kind, "tp": s.tp, "devices": list(s.devices),
-                         "ranks": [rank[d] for d in s.devices], "layers": list(s.layers),
+                         "ranks": [rank[d] for d in s.devices],
+                         **({"chunks": [list(r) for r in s.chunks]} if s.chunks else {"layers": list(s.layers)}),
                          "embedding": s.embedding, "head": s.head, "recompute": s.recompute.value}
                         for s in p.stages
                     ],
@@ -314,8 +356,47 @@ def _fail(fieldname: str, problem: str, fix: str) -> None:
     raise PlanError(f"plan field '{fieldname}' {problem}. Fix: {fix}.")
 
 
-def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first: bool, last: bool,
-                 expect_start: int) -> None:
+def _check_layer_ranges(p: Pipeline, where: str, *, model: ModelSpec, schedule: str) -> None:
+    """Every stage holds v chunks, and the chunks in virtual-stage order (chunk 0 of every stage,
+    then chunk 1, ...; without chunks: the stages in order) cover the layers contiguously, once."""
+    v, n = p.virtual_stages, len(p.stages)
+    for si, s in enumerate(p.stages):
+        if s.num_chunks != v:
+            _fail(f"{where}.stages[{si}].chunks", f"holds {s.num_chunks} chunk(s) but stage 0 holds {v}",
+                  "give every stage of a pipeline the same number of layer chunks")
+        if s.chunks and s.layers != s.chunks[0]:
+            _fail(f"{where}.stages[{si}].layers", f"is {list(s.layers)}, not the first chunk {list(s.chunks[0])}",
+                  "leave 'layers' out of a stage that lists 'chunks'")
+    if v > 1:
+        try:
+            get_schedule(schedule, chunks=v)
+        except ValueError:
+            _fail(f"{where}.virtual_stages", f"is {v} but the plan's schedule is {schedule!r}, which runs one "
+                  "chunk per stage", "set training.schedule to \"interleaved\", or give each stage one layer range")
+        if n < 2:
+            _fail(f"{where}.virtual_stages", f"is {v} on a pipeline of one stage (nothing to interleave)",
+                  "give the stage one layer range, or use two or more stages")
+    expect = 0
+    for k in range(v * n):
+        c, si = divmod(k, n)
+        start, end = p.stages[si].layer_ranges[c]
+        fieldname = f"{where}.stages[{si}]." + (f"chunks[{c}]" if v > 1 else "layers")
+        if start != expect or end < start or end > model.num_layers:
+            order = " (virtual stage order: chunk 0 of every stage, then chunk 1, ...)" if v > 1 else ""
+            _fail(fieldname, f"is [{start}, {end}), expected to start at {expect} and end by {model.num_layers}",
+                  f"give contiguous layer ranges covering every layer once{order}")
+        expect = end
+    for si, s in enumerate(p.stages):
+        # An empty chunk of a stage with other layers passes its input on (one more hop, no work).
+        if s.num_layers == 0 and not (s.embedding or s.head):
+            _fail(f"{where}.stages[{si}].{'chunks' if v > 1 else 'layers'}", "is empty and the stage holds no "
+                  "embedding or head", "remove the stage or give it layers")
+    if expect != model.num_layers:
+        _fail(f"{where}.stages", f"cover layers 0..{expect}, but the model has {model.num_layers}",
+              f"make the last {'chunk' if v > 1 else 'stage'}'s layers end at {model.num_layers}")
+
+
+def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first: bool, last: bool) -> None:
     if s.kind not in cluster.kinds:
         _fail(f"{sw}.kind", f"is {s.kind!r}, not a kind of cluster {cluster.name!r}",
               f"use one of {', '.join(cluster.kind_names)}")
@@ -334,17 +415,10 @@ def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first
     if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
         _fail(f"{sw}.tp", f"is {tp}, which does not divide the model's heads ({model.num_heads}), KV heads "
               f"({model.num_kv_heads}) and FFN size ({model.ffn_hidden_size})", "use a TP degree that divides them")
-    start, end = s.layers
-    if start != expect_start or end < start or end > model.num_layers:
-        _fail(f"{sw}.layers", f"is [{start}, {end}), expected to start at {expect_start} and end by "
-              f"{model.num_layers}", "give stages contiguous layer ranges covering every layer once")
     if s.embedding != first:
         _fail(f"{sw}.embedding", f"is {s.embedding}", "put the embedding on the first stage of each pipeline only")
     if s.head != last:
         _fail(f"{sw}.head", f"is {s.head}", "put the head on the last stage of each pipeline only")
-    if s.num_layers == 0 and not (s.embedding or s.head):
-        _fail(f"{sw}.layers", "is empty and the stage holds no embedding or head",
-              "remove the stage or give it layers")
 
 
 _TYPE_WORDS = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
@@ -384,18 +458,38 @@ def _pipeline_from_dict(p: Any, where: str) -> Pipeline:
         devices = _get(s, "devices", sw, list)
         if not all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
             _fail(f"{sw}.devices", f"must be a list of device ids, got {devices!r}", "write e.g. [0, 1]")
-        layers = _get(s, "layers", sw, list)
-        if not (len(layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
-            _fail(f"{sw}.layers", f"must be [start, end), got {layers!r}", "write e.g. [0, 16]")
+        chunks: tuple[tuple[int, int], ...] = ()
+        if "chunks" in s:
+            if "layers" in s:
+                _fail(f"{sw}.layers", "is given beside 'chunks'", "give either 'layers' or 'chunks', not both")
+            raw = _get(s, "chunks", sw, list)
+            if len(raw) < 2:
+                _fail(f"{sw}.chunks", f"lists {len(raw)} range(s)",
+                      "give two or more layer ranges, or write 'layers' for one")
+            chunks = tuple(_layer_range(r, f"{sw}.chunks[{c}]") for c, r in enumerate(raw))
+            layers = chunks[0]
+        else:
+            layers = _layer_range(_get(s, "layers", sw, list), f"{sw}.layers")
         if "tp" in s and s["tp"] != len(devices):
             _fail(f"{sw}.tp", f"is {s['tp']!r} but the stage lists {len(devices)} devices",
                   "a stage's TP degree equals its number of devices")
-        stages.append(Stage(kind=_get(s, "kind", sw, str), devices=tuple(devices), layers=(layers[0], layers[1]),
+        stages.append(Stage(kind=_get(s, "kind", sw, str), devices=tuple(devices), layers=layers,
                             embedding=_get(s, "embedding", sw, bool, default=False),
                             head=_get(s, "head", sw, bool, default=False),
-                            recompute=_recompute(s, sw)))
-    return Pipeline(micro_batch_size=_get(p, "micro_batch_size", where, int),
+                            recompute=_recompute(s, sw), chunks=chunks))
+    pipe = Pipeline(micro_batch_size=_get(p, "micro_batch_size", where, int),
                     num_micro_batches=_get(p, "num_micro_batches", where, int), stages=tuple(stages))
+    v = _get(p, "virtual_stages", where, int, default=1)
+    if stages and v != pipe.virtual_stages:
+        _fail(f"{where}.virtual_stages", f"is {v} but stage 0 lists {pipe.virtual_stages} layer chunk(s)",
+              "make it the number of ranges in each stage's 'chunks' (1: 'layers' only)")
+    return pipe
+
+
+def _layer_range(r: Any, fieldname: str) -> tuple[int, int]:
+    if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+        _fail(fieldname, f"must be [start, end), got {r!r}", "write e.g. [0, 16]")
+    return (r[0], r[1])
 
 
 def _recompute(stage: dict[str, Any], where: str) -> Recompute:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hethub.plan import Plan
 from hethub.predict.result import Prediction
-from hethub.units import GIB, fmt_layers
+from hethub.units import GIB, fmt_chunks
 
 GB = GIB  # memory columns are GiB, as everywhere (hethub.units)
 
@@ -30,7 +30,7 @@ def compact_ids(ids: tuple[int, ...] | list[int]) -> str:
 def _signature(plan: Plan, pi: int) -> tuple:
     p = plan.pipelines[pi]
     return (p.micro_batch_size, p.num_micro_batches,
-            tuple((s.kind, s.tp, s.layers, s.recompute) for s in p.stages))
+            tuple((s.kind, s.tp, s.layer_ranges, s.recompute) for s in p.stages))
 
 
 def format_plan_table(plan: Plan, pred: Prediction) -> str:
@@ -51,7 +51,7 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
             lines.append(
                 f"{label if si == 0 else '':<14} "
                 f"{(f'{first.micro_batch_size}x{first.num_micro_batches}' if si == 0 else ''):>9} "
-                f"{si:>5} {s.kind:<12} {devs:<18} {fmt_layers(s.layers):<9} "
+                f"{si:>5} {s.kind:<12} {devs:<18} {fmt_chunks(s.layer_ranges):<9} "
                 f"{s.tp:>2} {s.recompute:<9} {mem:>14} {(sp.fwd_s + sp.bwd_s) * 1e3:>10.1f} {sp.sync_s * 1e3:>8.1f}"
             )
     return "\n".join(lines)

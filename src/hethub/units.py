@@ -19,6 +19,12 @@ def fmt_layers(layers: tuple[int, int]) -> str:
     return str(start) if end - start == 1 else f"{start}-{end - 1}"
 
 
+def fmt_chunks(ranges: tuple[tuple[int, int], ...]) -> str:
+    """A stage's layer chunks (virtual stages) joined by '|' (``((0, 2), (8, 10))`` -> ``'0-1|8-9'``);
+    one range as :func:`fmt_layers`."""
+    return "|".join(fmt_layers(r) for r in ranges)
+
+
 def fmt_gib(n_bytes: float, *, digits: int = 1) -> str:
     return f"{n_bytes / GIB:.{digits}f} GiB"
 

@@ -118,3 +118,73 @@ def test_recompute_is_a_mode_and_old_booleans_still_load():
     assert dataclasses.replace(st, recompute="selective").recompute
     with pytest.raises(PlanError, match="none, selective, full"):
         dataclasses.replace(st, recompute="some")
+
+
+# ---- virtual stages (interleaved schedule) -----------------------------------------------------------
+def _interleaved_plan(chunk_layers=((1, 2), (2, 1)), schedule="interleaved") -> Plan:
+    from hethub.plan import interleave
+
+    plan = two_stage_plan()
+    pipe = interleave(plan.pipelines[0], [list(c) for c in chunk_layers])
+    return dataclasses.replace(plan, pipelines=(pipe,), schedule=schedule)
+
+
+def test_chunked_stages_round_trip_and_old_plans_load_unchanged(tmp_path):
+    plan = _interleaved_plan().validate()
+    s0, s1 = plan.pipelines[0].stages
+    # Virtual-stage order: s0 c0 = [0,1), s1 c0 = [1,3), s0 c1 = [3,5), s1 c1 = [5,6): unequal chunks.
+    assert s0.layer_ranges == ((0, 1), (3, 5)) and s1.layer_ranges == ((1, 3), (5, 6))
+    assert (s0.num_layers, s1.num_layers, plan.pipelines[0].virtual_stages) == (3, 3, 2)
+    d = plan.to_dict()
+    assert d["version"] == 5 and d["pipelines"][0]["virtual_stages"] == 2
+    s0_json = d["pipelines"][0]["stages"][0]
+    assert s0_json["chunks"] == [[0, 1], [3, 5]] and "layers" not in s0_json
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    # A plan without chunks is written as before (version 4, 'layers', no 'virtual_stages').
+    old = two_stage_plan().to_dict()
+    assert old["version"] == 4 and "virtual_stages" not in old["pipelines"][0]
+    assert Plan.from_dict(old) == two_stage_plan()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["pipelines"][0].__setitem__("virtual_stages", 3),
+         "'pipelines[0].virtual_stages' is 3 but stage 0 lists 2 layer chunk(s)"),
+        (lambda d: d["pipelines"][0]["stages"][1].__setitem__("chunks", [[1, 3], [5, 5], [5, 6]]),
+         "'pipelines[0].stages[1].chunks' holds 3 chunk(s) but stage 0 holds 2"),
+        (lambda d: d["pipelines"][0]["stages"][1].__setitem__("chunks", [[1, 3], [4, 6]]),
+         "'pipelines[0].stages[1].chunks[1]' is [4, 6), expected to start at 5"),
+        (lambda d: d["pipelines"][0]["stages"][0].__setitem__("chunks", [[0, 1]]),
+         "'pipelines[0].stages[0].chunks' lists 1 range(s)"),
+        (lambda d: d["pipelines"][0]["stages"][0].__setitem__("layers", [0, 1]),
+         "'pipelines[0].stages[0].layers' is given beside 'chunks'"),
+        (lambda d: d["pipelines"][0]["stages"][0].__setitem__("chunks", [[0, 1], "3-5"]),
+         "'pipelines[0].stages[0].chunks[1]' must be [start, end)"),
+        (lambda d: d["training"].__setitem__("schedule", "1f1b"),
+         "'pipelines[0].virtual_stages' is 2 but the plan's schedule is '1f1b'"),
+    ],
+)
+def test_chunked_stage_errors_name_the_field(mutate, message):
+    d = _interleaved_plan().validate().to_dict()
+    mutate(d)
+    with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        Plan.from_dict(d)
+
+
+def test_empty_chunks_pass_through_but_empty_stages_and_one_stage_pipelines_are_refused():
+    plan = _interleaved_plan(((1, 0), (2, 3))).validate()  # stage 0's chunk 1 holds no layer: a pass-through
+    assert plan.pipelines[0].stages[0].layer_ranges == ((0, 1), (3, 3))
+    from hethub.plan import interleave
+
+    stages = (Stage("fast", (0,), (0, 3), embedding=True), Stage("fast", (1,), (3, 3)),
+              Stage("slow", (4,), (3, 6), head=True))
+    pipe = interleave(Pipeline(2, 4, stages), [[3, 0], [0, 0], [0, 3]])
+    with pytest.raises(PlanError, match=r"stages\[1\].chunks' is empty and the stage holds no embedding or head"):
+        dataclasses.replace(_interleaved_plan(), pipelines=(pipe,)).validate()
+    one = dataclasses.replace(two_stage_plan(), pipelines=(Pipeline(2, 4, (
+        Stage("fast", (0,), (0, 3), embedding=True, head=True, chunks=((0, 3), (3, 6))),)),), schedule="interleaved")
+    with pytest.raises(PlanError, match="virtual_stages' is 2 on a pipeline of one stage"):
+        one.validate()

@@ -120,6 +120,22 @@ def test_predicted_memory_matches_the_runtime(tp, schedule, attention, recompute
         assert sp.activations_bytes == pytest.approx(got.activations_bytes, rel=ACTIVATION_TOLERANCE)
 
 
+def test_predicted_memory_matches_the_runtime_with_unequal_chunks():
+    # Interleaved: 3 chunks of unequal layer counts per stage (one empty), the peak weighed per chunk.
+    from dataclasses import replace
+
+    from hethub.plan import interleave
+
+    base = _plan(schedule="interleaved")
+    pipe = interleave(replace(base.pipelines[0], num_micro_batches=5), [[2, 0, 1], [1, 2, 0]])
+    plan = replace(base, pipelines=(pipe,), global_batch=pipe.num_samples).validate()
+    for sp in predict(plan).stages:
+        got = measure_stage_memory(plan, pipeline=sp.pipeline, stage=sp.stage)
+        assert sp.in_flight == got.in_flight
+        assert sp.weights_bytes == got.state.weights_bytes and sp.optimizer_bytes == got.state.optimizer_bytes
+        assert sp.activations_bytes == pytest.approx(got.activations_bytes, rel=ACTIVATION_TOLERANCE)
+
+
 @pytest.mark.parametrize("attention", ["flash", "math"])
 def test_selective_recomputation_saves_exactly_what_the_model_drops(attention):
     modes = ("none", "selective", "full")

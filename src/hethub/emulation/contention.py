@@ -15,7 +15,8 @@ Work that starts after its rank sat idle (waiting or sleeping) runs slower than 
 chunk of CPU work gets the extra CPU time of the idle gap before it.
 
 So every stage's program is replayed as phases: CPU work (shared), sleep and waits (not shared),
-in the schedule's op order (1F1B or GPipe), with the same dependencies as
+in the schedule's op order (1F1B, GPipe, ZB-H1, interleaved: a chunk's op runs its share of the
+stage's work, and chunk c of the first stage follows chunk c - 1 of the last), with the same dependencies as
 :mod:`hethub.schedules.simulate` (a forward needs the previous stage's forward plus the transfer, a
 backward the next stage's backward plus the transfer), then the world barrier of the loss
 all-reduce, its gradient-sync groups in layer order (each starts once all its holders arrive), the
@@ -62,6 +63,11 @@ class StageWork:
     # Extra CPU seconds of a chunk after an idle gap (HostEffects.wake_extra_s); None: no such effect.
     wake_extra_s: Callable[[float], float] | None = None
     slowdown: float = 1.0  # emulated kinds sleep (k-1) x a chunk's CPU time, wake penalty included
+    # Virtual stages (interleaved): each model chunk's share of the forward / backward above, and on
+    # the last stage the hop back to the first stage (chunk c to c + 1, and its gradient).
+    chunk_fwd_shares: tuple[float, ...] = (1.0,)
+    chunk_bwd_shares: tuple[float, ...] = (1.0,)
+    wrap_p2p_s: float = 0.0
 
 
 _CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "U": "optimizer"}
@@ -71,7 +77,7 @@ _CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "U": "optimizer"}
 class _Stage:
     sid: StageId
     work: StageWork
-    tasks: list[tuple[str, int]]
+    tasks: list[tuple[str, int, int]]  # (kind, micro-batch or group, model chunk)
     weight: int
     ptr: int = 0
     # ("until", absolute time) | ("cpu", work left at full speed) | ("sleep", seconds, once CPU work is done)
@@ -80,6 +86,7 @@ class _Stage:
     cpu_end_s: float = 0.0  # when its last chunk of CPU work ended (the step starts warm)
     op_start_s: float = 0.0  # when the current task's work began (its inputs had arrived)
     w_share: float = 0.0  # the backward's share a split-backward schedule's W op runs (B runs the rest)
+    n_stages: int = 0  # the pipeline's stages where the stage holds several model chunks (else 0)
     # Arrival of the last message on its incoming links (activations, gradients): one link carries one
     # message at a time (schedules.simulate.link_arrival_s).
     fwd_link_s: float = 0.0
@@ -114,11 +121,13 @@ def simulate_shared_cores(
     groups = [*groups, loss, norm]
     for sid, w in stages.items():
         pi, si = sid
-        ops = get_schedule(schedule).ops(stage=si, num_stages=n_stages[pi], num_micro_batches=num_micro_batches[pi])
-        tasks = ([(o.kind, o.micro_batch) for o in ops] + [("S", loss_g)] + [("S", gi) for gi in my_groups[sid]]
-                 + [("S", norm_g)] + [("U", 0)])
-        split = get_schedule(schedule).split_backward
-        st[sid] = _Stage(sid, w, tasks, max(1, w.ranks), w_share=DEFAULT_WEIGHT_GRAD_SHARE if split else 0.0)
+        sched = get_schedule(schedule, chunks=len(w.chunk_fwd_shares))
+        ops = sched.ops(stage=si, num_stages=n_stages[pi], num_micro_batches=num_micro_batches[pi])
+        tasks = ([(o.kind, o.micro_batch, o.chunk) for o in ops] + [("S", loss_g, 0)]
+                 + [("S", gi, 0) for gi in my_groups[sid]] + [("S", norm_g, 0)] + [("U", 0, 0)])
+        split = sched.split_backward
+        st[sid] = _Stage(sid, w, tasks, max(1, w.ranks), w_share=DEFAULT_WEIGHT_GRAD_SHARE if split else 0.0,
+                         n_stages=n_stages[pi] if len(w.chunk_fwd_shares) > 1 else 0)
     f_end: dict[tuple[int, int, int], float] = {}
     b_end: dict[tuple[int, int, int], float] = {}
     arrived: dict[int, set[StageId]] = {}
@@ -184,26 +193,33 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
     if s.ptr >= len(s.tasks):
         s.done_s = now
         return True
-    kind, i = s.tasks[s.ptr]
+    kind, i, c = s.tasks[s.ptr]
     pi, si = s.sid
     w = s.work
+    # Dependencies are keyed by virtual stage vs = c n + si (si without chunks): chunk c of the
+    # first stage follows chunk c - 1 of the last over the last stage's wrap hop, on the same link.
+    vs, n, v = s.n_stages * c + si, s.n_stages, len(w.chunk_fwd_shares)
     if kind == "F":
         ready = now
-        if si > 0:
-            dep = f_end.get((pi, si - 1, i))
+        if vs > 0:
+            dep = f_end.get((pi, vs - 1, i))
             if dep is None:
                 return False
+            sender = st[(pi, si - 1 if si > 0 else n - 1)].work
             ready = s.fwd_link_s = link_arrival_s(sent_s=dep, link_free_s=s.fwd_link_s,
-                                                  transfer_s=st[(pi, si - 1)].work.p2p_s)
-        s.phases = [("until", ready), ("cpu", w.fwd_cpu_s), ("sleep", w.fwd_idle_s)]
+                                                  transfer_s=sender.p2p_s if si > 0 else sender.wrap_p2p_s)
+        f = w.chunk_fwd_shares[c]
+        s.phases = [("until", ready), ("cpu", w.fwd_cpu_s * f), ("sleep", w.fwd_idle_s * f)]
     elif kind == "B":
         ready = now
-        if (pi, si + 1) in st:
-            dep = b_end.get((pi, si + 1, i))
+        last = (pi, si + 1) not in st
+        if not last or c < v - 1:
+            dep = b_end.get((pi, vs + 1, i))
             if dep is None:
                 return False
-            ready = s.bwd_link_s = link_arrival_s(sent_s=dep, link_free_s=s.bwd_link_s, transfer_s=w.p2p_s)
-        b = 1.0 - s.w_share
+            ready = s.bwd_link_s = link_arrival_s(sent_s=dep, link_free_s=s.bwd_link_s,
+                                                  transfer_s=w.wrap_p2p_s if last else w.p2p_s)
+        b = (1.0 - s.w_share) * w.chunk_bwd_shares[c]
         s.phases = [("until", ready), ("cpu", w.bwd_cpu_s * b), ("sleep", w.bwd_idle_s * b)]
     elif kind == "W":  # needs only its own B, which the stage ran before
         s.phases = [("until", now), ("cpu", w.bwd_cpu_s * s.w_share), ("sleep", w.bwd_idle_s * s.w_share)]
@@ -240,8 +256,9 @@ def _wake(s: _Stage, *, now: float) -> None:
 
 def _finish_task(s: _Stage, *, now: float, f_end: dict, b_end: dict, bwd_done: dict[int, float],
                  record: list[ReplayEvent] | None) -> None:
-    kind, i = s.tasks[s.ptr]
+    kind, i, c = s.tasks[s.ptr]
     pi, si = s.sid
+    si = s.n_stages * c + si  # the virtual stage dependencies are keyed by
     if record is not None and kind in _CATEGORY:
         name = "optimizer" if kind == "U" else f"{kind}{i}"
         record.append(ReplayEvent(s.sid, _CATEGORY[kind], name, s.op_start_s, now, None if kind == "U" else i))

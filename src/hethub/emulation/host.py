@@ -118,7 +118,8 @@ class EmulationModel:
         wake = eff.wake_extra_s if profile is not None and eff is not None and eff.wake_penalty else None
         return StageWork(fwd_cpu_s=st.fwd_s - fwd_idle, fwd_idle_s=fwd_idle, bwd_cpu_s=st.bwd_s - bwd_idle,
                          bwd_idle_s=bwd_idle, p2p_s=st.p2p_s, update_cpu_s=st.update_s, ranks=st.tp, slowdown=k,
-                         wake_extra_s=wake)
+                         wake_extra_s=wake, chunk_fwd_shares=st.chunk_fwd_shares,
+                         chunk_bwd_shares=st.chunk_bwd_shares, wrap_p2p_s=st.wrap_p2p_s)
 
 
 def host_model(cluster: Cluster, *, effects: Mapping[str, HostEffects] | None = None,

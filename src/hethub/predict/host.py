@@ -36,6 +36,11 @@ class StageStep:
     update_s: float  # optimizer step, once per training step
     p2p_s: float  # send to the next stage (and of gradients back from it)
     compute_source: str  # "profile" or "analytic"
+    # Virtual stages (interleaved): each chunk's share of the stage's forward and backward, and on
+    # the last stage the hop back to the first (chunk c to chunk c + 1).
+    chunk_fwd_shares: tuple[float, ...] = (1.0,)
+    chunk_bwd_shares: tuple[float, ...] = (1.0,)
+    wrap_p2p_s: float = 0.0
 
 
 @dataclass(frozen=True)

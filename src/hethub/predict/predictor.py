@@ -115,27 +115,68 @@ class _Costs:
                 sync_bucket_params=sync_bucket_params)
         return mem
 
-    def plan_stage_memory(self, pi: int, si: int, *, in_flight: int) -> StageMemory:
-        """Memory of stage ``si`` of pipeline ``pi`` of the plan, its gradient sync as the runtime does it."""
+    def plan_stage_memory(self, pi: int, si: int, *, in_flight: float) -> StageMemory:
+        """Memory of stage ``si`` of pipeline ``pi`` of the plan, its gradient sync as the runtime does it.
+        ``in_flight``: micro-batches of the whole stage held at the peak (fractional for chunks)."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
         synced, mixed, bucket = self.sync_shape[(pi, si)]
         comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
         return self.stage_memory(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                 mbs=p.micro_batch_size, recompute=s.recompute, in_flight=in_flight, synced=synced,
+                                 mbs=p.micro_batch_size, recompute=s.recompute, in_flight=in_flight,  # type: ignore[arg-type]
+                                 synced=synced,
                                  mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
 
     def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
-                 ops: bool) -> list[float]:
+                 ops: bool, chunks: int = 1) -> list[float]:
+        """Each device's finish; with ``chunks`` > 1 the inputs are per virtual stage (schedules.simulate)."""
         if ops:
             if sig not in self.schedules:
                 self.schedules[sig] = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                        schedule=self.plan.schedule)
+                                                        schedule=self.plan.schedule, chunks=chunks)
             return [st.finish_s for st in self.schedules[sig]]
         if sig not in self.finish:
             self.finish[sig] = simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                      schedule=self.plan.schedule)
+                                                      schedule=self.plan.schedule, chunks=chunks)
         return self.finish[sig]
+
+    def chunk_times(self, p: Pipeline, *, p2p: list[float]) -> tuple[list[float], list[float], list[float]]:
+        """Forward, backward and hop times per virtual stage (k = c x n + s) of an interleaved pipeline:
+        each chunk costed with its own layers (the embedding on chunk 0 of the first stage, the head on
+        the last chunk of the last stage); hops within a chunk are the stages' ``p2p``, the wrap from
+        the last stage to the first is that link's."""
+        n, v, mbs = len(p.stages), p.virtual_stages, p.micro_batch_size
+        fwd, bwd = [0.0] * (n * v), [0.0] * (n * v)
+        for si, s in enumerate(p.stages):
+            for c, (a, b) in enumerate(s.layer_ranges):
+                cost = self.stage_cost(kind=s.kind, layers=b - a, embedding=s.embedding and c == 0,
+                                       head=s.head and c == v - 1, tp=s.tp, mbs=mbs, recompute=s.recompute)
+                fwd[c * n + si], bwd[c * n + si] = cost.fwd_s, cost.bwd_s
+        # The wrap sends whole tensors (the executor never TP-splits it).
+        wrap = stage_hop_time_s(self.plan.cluster, senders=p.stages[-1].devices, receivers=p.stages[0].devices,
+                                nbytes=mbs * self.plan.seq_len * self.plan.model.hidden_size * self.act_bytes)
+        hops = [p2p[k % n] if k % n < n - 1 else wrap for k in range(n * v - 1)]
+        return fwd, bwd, hops
+
+    def chunk_in_flight(self, p: Pipeline, si: int, *, schedule: Schedule) -> float:
+        """The activations an interleaved stage holds at its peak, in units of one micro-batch of the
+        whole stage's (what ``stage_memory``'s ``in_flight`` multiplies): the schedule's peak over its
+        order with each chunk weighed by its own activation bytes (chunks may differ)."""
+        s, v = p.stages[si], p.virtual_stages
+
+        def acts(layers: int, emb: bool, head: bool) -> float:
+            return stage_memory(self.plan.model, layers=layers, embedding=emb, head=head, tp=s.tp,
+                                mbs=p.micro_batch_size, seq_len=self.plan.seq_len, recompute=s.recompute,
+                                precision=self.plan.precision_of(s.kind), in_flight=1,
+                                vocab_parallel=runtime_vocab_parallel(self.plan.model, s.tp),
+                                attention=self.plan.attention_of(s.kind)).activations_bytes
+
+        weights = [acts(b - a, s.embedding and c == 0, s.head and c == v - 1)
+                   for c, (a, b) in enumerate(s.layer_ranges)]
+        whole = acts(s.num_layers, s.embedding, s.head)
+        peak = schedule.peak_held(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches,
+                                  chunk_weights=weights)  # type: ignore[attr-defined]
+        return peak / whole if whole > 0 else 0.0
 
 
 def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[tuple[int, int], bool]:
@@ -169,14 +210,16 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     mem_headroom = check_headroom(mem_headroom)
     model, cluster = plan.model, plan.cluster
     costs = _Costs(plan, profiles)
-    schedule = get_schedule(plan.schedule)
     p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
     partial: list[tuple[int, int, _StageCost, StageMemory, float, int]] = []
     finish: list[list[float]] = []
     updates: list[list[float]] = []
     sigs: list[tuple] = []
+    # Per virtual stage where v > 1: forward, backward, hop times, and the pipeline's stages.
+    chunked: dict[int, tuple[list[float], list[float], list[float], int]] = {}
     for pi, p in enumerate(plan.pipelines):
         mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
+        schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
         fwd, bwd, p2p, upd = [], [], [], []
         for si, s in enumerate(p.stages):
             cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
@@ -193,9 +236,12 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             p2p.append(send)
             upd.append(cost.times.update_s)
             partial.append((pi, si, cost, mem, send, in_flight))
-        sig = (m, tuple(fwd), tuple(bwd), tuple(p2p))
+        if v > 1:
+            fwd, bwd, p2p = costs.chunk_times(p, p2p=p2p)
+            chunked[pi] = (fwd, bwd, p2p, n)
+        sig = (m, v, tuple(fwd), tuple(bwd), tuple(p2p))
         sigs.append(sig)
-        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline and host is None))
+        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline and host is None, chunks=v))
         updates.append(upd)
 
     mems, weights = _with_sharding(plan, {(pi, si): mem for pi, si, _, mem, _, _ in partial}, headroom=mem_headroom)
@@ -220,7 +266,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         steps = {(pi, si): StageStep(kind=s.kind, tp=s.tp, micro_batch_size=plan.pipelines[pi].micro_batch_size,
                                      fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, compute_fwd_s=cost.times.fwd_s,
                                      compute_bwd_s=cost.times.bwd_s, update_s=cost.times.update_s, p2p_s=send,
-                                     compute_source=cost.times.source)
+                                     compute_source=cost.times.source, **_chunk_shares(chunked, pi, si))
                  for pi, si, cost, _, send, _ in partial for s in (plan.pipelines[pi].stages[si],)}
         replayed = host.replay_step(plan, profiles=profiles, stages=steps, groups=groups, world=world,
                                     record=timeline)
@@ -249,8 +295,11 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
 def _stage_mem(costs: _Costs, schedule: Schedule, pi: int, si: int) -> tuple[int, StageMemory]:
     """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``."""
     p = costs.plan.pipelines[pi]
+    if p.virtual_stages > 1:  # in_flight counts (micro-batch, chunk) activations; memory weighs each chunk's
+        schedule = get_schedule(costs.plan.schedule, chunks=p.virtual_stages)
     in_flight = schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)
-    return in_flight, costs.plan_stage_memory(pi, si, in_flight=in_flight)
+    held = in_flight if p.virtual_stages == 1 else costs.chunk_in_flight(p, si, schedule=schedule)
+    return in_flight, costs.plan_stage_memory(pi, si, in_flight=held)
 
 
 def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float,
@@ -288,6 +337,19 @@ def _sharded(plan: Plan, pi: int, si: int, mem: StageMemory, elems: tuple[int, i
                           kind=plan.cluster.kinds[s.kind])
 
 
+def _chunk_shares(chunked: dict[int, tuple[list[float], list[float], list[float], int]], pi: int,
+                  si: int) -> dict[str, object]:
+    """StageStep's virtual-stage fields: each chunk's share of the stage's forward and backward, and
+    the last stage's hop back to the first; nothing without chunks."""
+    if pi not in chunked:
+        return {}
+    fwd, bwd, hops, n = chunked[pi]
+    cf, cb = fwd[si::n], bwd[si::n]
+    return {"chunk_fwd_shares": tuple(x / sum(cf) if sum(cf) else 1.0 / len(cf) for x in cf),
+            "chunk_bwd_shares": tuple(x / sum(cb) if sum(cb) else 1.0 / len(cb) for x in cb),
+            "wrap_p2p_s": hops[n - 1]}
+
+
 def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, object]:
     """What the prediction rests on, part by part: measured inputs or analytic models."""
     cluster = plan.cluster
@@ -320,9 +382,13 @@ def _sync_shape(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
     model = plan.model
     # Layers between consecutive stage boundaries (of any pipeline) have the same holders: one
     # "segment" per such run, so the work is segments x pipelines, not layers x pipelines.
-    bounds = sorted({0, model.num_layers, *(x for p in plan.pipelines for s in p.stages for x in s.layers)})
-    # A stage without layers starts where the next one does, so bisect finds the one holding the layer.
-    starts = [[s.layers[0] for s in p.stages] for p in plan.pipelines]
+    bounds = sorted({0, model.num_layers, *(x for p in plan.pipelines for s in p.stages for r in s.layer_ranges
+                                             for x in r)})
+    # Each pipeline's non-empty layer ranges (a stage's chunks, with virtual stages) by start, and the
+    # stage holding each: bisect finds the one holding a segment's first layer.
+    held = [sorted((a, si) for si, s in enumerate(p.stages) for a, b in s.layer_ranges if b > a)
+            for p in plan.pipelines]
+    starts = [[a for a, _ in h] for h in held]
     groups: dict[tuple, dict[str, int]] = {}
 
     def add(key: tuple, unit: str, count: int) -> None:
@@ -332,7 +398,7 @@ def _sync_shape(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
     for a, b in itertools.pairwise(bounds):
         if b > a:
             key = tuple((pi, si, p.stages[si].tp) for pi, p in enumerate(plan.pipelines)
-                        for si in (bisect.bisect_right(starts[pi], a) - 1,))
+                        for si in (held[pi][bisect.bisect_right(starts[pi], a) - 1][1],))
             add(key, "layer", b - a)
     add(tuple((pi, 0, p.stages[0].tp) for pi, p in enumerate(plan.pipelines)), "embedding", 1)
     add(tuple((pi, len(p.stages) - 1, p.stages[-1].tp) for pi, p in enumerate(plan.pipelines)), "head", 1)

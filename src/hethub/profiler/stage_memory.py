@@ -46,11 +46,13 @@ def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int 
     tp = TPContext(size=st.tp, rank=tp_rank, group=tuple(range(st.tp)),
                    comm=_NoCollectives() if st.tp > 1 else None)  # type: ignore[arg-type]
     model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
-                       recompute=st.recompute, seed=seed, attention=plan.attention_of(st.kind))
+                       recompute=st.recompute, seed=seed, attention=plan.attention_of(st.kind), chunks=st.chunks)
     opt, _ = build_optimizer(model, OptimConfig())
-    in_flight = get_schedule(plan.schedule).in_flight(stage=stage, num_stages=len(pipe.stages),
-                                                      num_micro_batches=pipe.num_micro_batches)
+    sched = get_schedule(plan.schedule, chunks=st.num_chunks)
+    in_flight = sched.in_flight(stage=stage, num_stages=len(pipe.stages), num_micro_batches=pipe.num_micro_batches)
     mbs, s, v = pipe.micro_batch_size, plan.seq_len, plan.model.vocab_size
+    if st.num_chunks > 1:
+        return _chunked(model, opt, st=st, sched=sched, stage=stage, pipe=pipe, seq_len=s, in_flight=in_flight)
     # Model state (parameters, RoPE tables) is not activation memory.
     exclude = [*model.parameters(), *model.buffers()]
     outs = []
@@ -119,3 +121,26 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
     return RankMemory(rank=rank, pipeline=st.pipeline, stage=st.stage, weights_bytes=state.weights_bytes,
                       grads_bytes=grads, optimizer_bytes=state.optimizer_bytes,
                       activations_peak_bytes=tracker.peak_bytes, grad_sync_buffer_bytes=sync_max[0])
+
+
+def _chunked(model: StageModel, opt: Any, *, st: Any, sched: Any, stage: int, pipe: Any, seq_len: int,
+             in_flight: int) -> MeasuredMemory:
+    """Virtual stages: what one micro-batch's forward of each chunk saves (the embedding with chunk
+    0, the head with the last), then the schedule's order walked with those sizes: the peak of
+    what is held at once (``Interleaved.peak_held``)."""
+    mbs, vocab, hidden = pipe.micro_batch_size, model.spec.vocab_size, model.spec.hidden_size
+    exclude = [*model.parameters(), *model.buffers()]
+    last = st.num_chunks - 1
+    sizes = []
+    for c in range(st.num_chunks):
+        with saved_for_backward(exclude=exclude) as rec:
+            x = (torch.randint(0, vocab, (mbs, seq_len)) if st.embedding and c == 0
+                 else torch.randn(mbs, seq_len, hidden).requires_grad_(True))
+            out = model(x, torch.randint(0, vocab, (mbs, seq_len)) if st.head and c == last else None, chunk=c)
+        sizes.append(float(rec.nbytes))
+        head = st.head and c == last
+        torch.autograd.backward(out, grad_tensors=None if head else torch.ones_like(out))
+    opt.step()
+    peak = sched.peak_held(stage=stage, num_stages=len(pipe.stages), num_micro_batches=pipe.num_micro_batches,
+                           chunk_weights=sizes)
+    return MeasuredMemory(state=training_state_bytes(model, opt), activations_bytes=round(peak), in_flight=in_flight)

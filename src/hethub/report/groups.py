@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.units import fmt_layers
+from hethub.units import fmt_chunks
 
 # Beyond this many (pipeline, stage) rows, identical replicas are merged into one row.
 MAX_UNMERGED_ROWS = 24
@@ -34,6 +34,12 @@ class StageRow:
     embedding: bool
     head: bool
     num_devices: int  # devices of this stage over all its replicas
+    chunks: tuple[tuple[int, int], ...] = ()  # virtual stages: every chunk's layers (layers: the first)
+
+    @property
+    def layers_text(self) -> str:
+        """The stage's layers as tables write them: '0-3', or each chunk's, '0-3|20-23'."""
+        return fmt_chunks(self.chunks or (self.layers,))
 
     @property
     def label(self) -> str:
@@ -42,12 +48,12 @@ class StageRow:
     @property
     def detail(self) -> str:
         extra = "".join([" +emb" if self.embedding else "", " +head" if self.head else ""])
-        return f"layers {fmt_layers(self.layers)}{extra} · TP {self.tp} · {self.num_devices} dev"
+        return f"layers {self.layers_text}{extra} · TP {self.tp} · {self.num_devices} dev"
 
 
 def pipeline_shape(p: Pipeline) -> tuple[object, ...]:
     return (p.micro_batch_size, p.num_micro_batches,
-            tuple((s.kind, s.tp, s.layers, s.embedding, s.head, s.recompute) for s in p.stages))
+            tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute) for s in p.stages))
 
 
 def stage_rows(plan: Plan, *, merge: bool | None = None) -> list[StageRow]:
@@ -67,7 +73,8 @@ def stage_rows(plan: Plan, *, merge: bool | None = None) -> list[StageRow]:
 
 def _row(index: int, members: list[int], si: int, s: Stage) -> StageRow:
     return StageRow(index=index, pipeline=members[0], stage=si, replicas=tuple(members), kind=s.kind, tp=s.tp,
-                    layers=s.layers, embedding=s.embedding, head=s.head, num_devices=s.tp * len(members))
+                    layers=s.layers, embedding=s.embedding, head=s.head, num_devices=s.tp * len(members),
+                    chunks=s.chunks)
 
 
 # Plans up to this many devices are traced device by device; larger ones one device per stage row.

@@ -25,7 +25,7 @@ from hethub.report._style import (
     text_colour_on,
 )
 from hethub.report.groups import StageRow, row_of_stage, stage_predictions, stage_rows
-from hethub.units import fmt_flops, fmt_gib, fmt_layers
+from hethub.units import fmt_flops, fmt_gib
 
 DETAILED_MAX_DEVICES = 64
 MAX_TABLE_ROWS = 48
@@ -181,7 +181,7 @@ def _draw_device(ax: Any, x: float, y: float, b: float, *, d: int, stage: tuple[
     ax.add_patch(Rectangle((x, y), s, s, facecolor=colour, edgecolor=OVER_CAPACITY if over else "white",
                            linewidth=2 if over else 0.3))
     tc = text_colour_on(colour)
-    lines = [f"d{d} · p{stage[0]} s{stage[1]}", f"L{fmt_layers(row.layers)} · TP{row.tp}"]
+    lines = [f"d{d} · p{stage[0]} s{stage[1]}", f"L{row.layers_text} · TP{row.tp}"]
     if sp is not None:
         lines.append(f"{sp.peak_mem_bytes / GIB:.1f}/{sp.capacity_bytes / GIB:.0f} GiB")
     ax.text(x + s / 2, y + s * 0.42, "\n".join(lines), fontsize=6.5, ha="center", va="center", color=tc,

@@ -8,7 +8,7 @@ from hethub.report._style import fmt_time
 from hethub.report.analysis import Bubble, bubble, kind_use
 from hethub.report.groups import stage_predictions, stage_rows
 from hethub.report.metrics import MeasuredRun
-from hethub.units import fmt_flops, fmt_layers
+from hethub.units import fmt_flops
 
 GIB = 1024**3
 
@@ -114,7 +114,7 @@ def _stages(plan: Plan, prediction: Prediction) -> list[str]:
         sp = preds.get((r.pipeline, r.stage))
         extra = " +emb" if r.embedding else ""
         extra += " +head" if r.head else ""
-        layers = f"{fmt_layers(r.layers)}{extra}"
+        layers = f"{r.layers_text}{extra}"
         pipes = r.label.split(" · ")[0]
         if sp is None:
             out.append(f"| {pipes} | {r.stage} | {r.kind} | {r.num_devices} | {r.tp} | {layers} | | | | | | | | |")

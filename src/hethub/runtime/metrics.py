@@ -26,7 +26,7 @@ from hethub.runtime.pipeline import StepTrace
 def stage_flops_per_step(plan: Plan, stage: StagePlace, *, samples: int) -> float:
     tokens = samples * plan.seq_len
     m = plan.model
-    fwd = stage.layers[1] - stage.layers[0]
+    fwd = sum(b - a for a, b in stage.layer_ranges)
     flops = fwd * m.layer_fwd_flops(tokens=tokens, seq_len=plan.seq_len)
     if stage.head:
         flops += m.head_fwd_flops(tokens=tokens)

@@ -208,8 +208,12 @@ class StageModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, layers: tuple[int, int], embedding: bool, head: bool,
                  tp: TPContext | None = None, recompute: Recompute | str | bool = Recompute.NONE, seed: int = 0,
-                 rope_len: int | None = None, attention: str = "flash") -> None:
+                 rope_len: int | None = None, attention: str = "flash",
+                 chunks: tuple[tuple[int, int], ...] = ()) -> None:
         super().__init__()
+        # Virtual stages: the module holds every chunk's layers (named as in the full model) and
+        # forward(chunk=c) runs chunk c's; the embedding belongs to chunk 0, the head to the last.
+        self.chunk_layers = [[str(i) for i in range(a, b)] for a, b in (chunks or (layers,))]
         self.spec, self.tp, self.recompute = spec, tp or TPContext(), Recompute.of(recompute)
         self.has_embedding, self.has_head = embedding, head
         # A tied head uses the same shard of the same table, so both uses keep one layout.
@@ -221,8 +225,8 @@ class StageModel(nn.Module):
             self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size)
         # Selective recomputation checkpoints inside each block; full checkpoints whole blocks (forward).
         core = self.recompute is Recompute.SELECTIVE
-        self.layers = nn.ModuleDict({str(i): Block(spec, self.tp, attention, recompute_core=core)
-                                     for i in range(*layers)})
+        self.layers = nn.ModuleDict({i: Block(spec, self.tp, attention, recompute_core=core)
+                                     for c in self.chunk_layers for i in c})
         if head:
             self.norm = _norm(spec)
             if not spec.tied_embeddings:
@@ -240,20 +244,22 @@ class StageModel(nn.Module):
         """Dimension along which this stage's TP splits parameter ``name``; None when replicated."""
         return shard_dim_of(name, vocab_parallel=self.vocab_parallel)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if self.has_embedding:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, *, chunk: int = 0) -> torch.Tensor:
+        last_chunk = chunk == len(self.chunk_layers) - 1
+        if self.has_embedding and chunk == 0:
             h = vocab_parallel_embedding(x, self.embed.weight, self.tp) if self.vocab_parallel else self.embed(x)
             if self.spec.arch == "gpt":
                 h = h + self.pos(torch.arange(x.shape[1], device=x.device))
         else:
             h = x
         rope = (self.rope_cos, self.rope_sin) if self.spec.arch == "llama" else None
-        for block in self.layers.values():
+        for name in self.chunk_layers[chunk]:
+            block = self.layers[name]
             if self.recompute is Recompute.FULL and torch.is_grad_enabled():
                 h = checkpoint(block, h, rope, use_reentrant=False)
             else:
                 h = block(h, rope)
-        if not self.has_head:
+        if not (self.has_head and last_chunk):
             return h
         if targets is None:
             raise ValueError("the head stage needs targets to compute the loss")

@@ -38,12 +38,15 @@ from hethub.runtime.model import StageModel
 from hethub.schedules import Op, get_schedule
 
 
-def fwd_tag(mb: int) -> int:
-    return 2 * mb
+def fwd_tag(mb: int, chunk: int = 0, chunks: int = 1) -> int:
+    """Tag of micro-batch ``mb``'s activation into model chunk ``chunk`` of the receiving stage (the
+    last stage's chunk c sends to the first's chunk c + 1, so tags name the consumer's chunk)."""
+    return 2 * (mb * chunks + chunk)
 
 
-def bwd_tag(mb: int) -> int:
-    return 2 * mb + 1
+def bwd_tag(mb: int, chunk: int = 0, chunks: int = 1) -> int:
+    """Tag of the gradient of that activation, sent back by the consuming chunk ``chunk``."""
+    return 2 * (mb * chunks + chunk) + 1
 
 
 @dataclass
@@ -54,20 +57,23 @@ class StepTrace:
     busy_s: float = 0.0  # compute incl. emulated sleep
     recv_wait_s: float = 0.0
     send_wait_s: float = 0.0
-    max_in_flight: int = 0  # most micro-batches whose saved activations were held at once (F until B, or W)
+    # Most micro-batches whose saved activations were held at once (F until B, or W); with virtual
+    # stages, (micro-batch, chunk) pairs.
+    max_in_flight: int = 0
 
 
 class PipelineExecutor:
     def __init__(self, model: StageModel, *, place: RankPlace, comm: Communicator, schedule: str, seq_len: int,
                  hidden_size: int, emulator: Emulator | None = None, act_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, in_dtype: torch.dtype | None = None,
-                 out_dtype: torch.dtype | None = None) -> None:
+                 out_dtype: torch.dtype | None = None, wrap_dtype: torch.dtype | None = None) -> None:
         self.model, self.place, self.comm = model, place, comm
         st = place.stage
         self.first, self.last = st.stage == 0, st.stage == st.num_stages - 1
-        sched = get_schedule(schedule)
-        if sched.chunks_per_stage != 1:
-            raise ValueError(f"schedule {schedule!r} has virtual stages, which the executor does not run yet")
+        # Virtual stages: this device runs chunks 0..v-1; chunk c of the first stage takes its input
+        # from chunk c - 1 of the last (place.fwd_peers / bwd_peers route it).
+        self.chunks = getattr(st, "num_chunks", 1)
+        sched = get_schedule(schedule, chunks=self.chunks)
         self.split = sched.split_backward
         self.ops: tuple[Op, ...] = sched.ops(stage=st.stage, num_stages=st.num_stages,
                                              num_micro_batches=place.num_micro_batches)
@@ -81,6 +87,8 @@ class PipelineExecutor:
         # back in), what leaves for the next one (and its gradient comes back in). Per-kind precision
         # makes them differ: each is the sending stage's compute dtype (runtime/precision.py).
         self.in_dtype, self.out_dtype = in_dtype or act_dtype, out_dtype or act_dtype
+        # What crosses from the last stage back to the first (its compute dtype), for chunks c > 0.
+        self.wrap_dtype = wrap_dtype or act_dtype
         # The head stage back-propagates loss * loss_scale (fp16 dynamic loss scaling; 1 otherwise).
         self.loss_scale = 1.0
 
@@ -93,34 +101,39 @@ class PipelineExecutor:
         """
         t0 = time.perf_counter() if t0 is None else t0
         trace = StepTrace()
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
         pending: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
         recvs = _Receives(self, lookahead=RECV_LOOKAHEAD)
         loss_sum = 0.0
-        held: set[int] = set()  # micro-batches whose graph (saved activations) this stage still holds
+        held: set[tuple[int, int]] = set()  # (micro-batch, chunk) whose graph this stage still holds
         param_groups: dict[int, list[dict[str, Any]]] = {}
         weights = [q for q in self.model.parameters() if q.requires_grad]
-        for i, (op, mb, _chunk) in enumerate(self.ops):
+        v = self.chunks
+        for i, (op, mb, chunk) in enumerate(self.ops):
             got = recvs.take(i, trace)
+            key = (mb, chunk)
+            first, last = self.is_first(chunk), self.is_last(chunk)
             if op == "F":
                 x = micro_batches[mb][0] if got is None else got.requires_grad_(True)
                 # A 16-bit activation from another stage joins this stage's fp32 residual stream (autocast
                 # casts each op's inputs to this stage's own precision).
                 x_in = x.float() if x.is_floating_point() and x.dtype != torch.float32 else x
+                target = micro_batches[mb][1] if last else None
                 start = time.perf_counter()
                 with self.emulator.chunk():
-                    out = self.model(x_in, micro_batches[mb][1] if self.last else None)
-                self._record(trace, "F", mb, start, t0)
-                if self.last:
+                    out = self.model(x_in, target, chunk=chunk) if v > 1 else self.model(x_in, target)
+                self._record(trace, "F", mb, start, t0, chunk)
+                if last:
                     loss_sum += float(out.detach())
                 else:
                     payload = self._outgoing(out.detach().to(self.out_dtype), split=self.place.split_out)
-                    pending += [(self.comm.isend(payload, dst=d, tag=fwd_tag(mb)), payload)
-                                for d in self.place.fwd_send_to]
+                    into = chunk + 1 if self.last else chunk  # the consumer's chunk (fwd_tag)
+                    pending += [(self.comm.isend(payload, dst=d, tag=fwd_tag(mb, into, v)), payload)
+                                for d in self.peers("F", chunk)[1]]
                     _let_sends_start()
-                inputs[mb], outputs[mb] = x, out
-                held.add(mb)
+                inputs[key], outputs[key] = x, out
+                held.add(key)
                 trace.max_in_flight = max(trace.max_in_flight, len(held))
             elif op == "W":
                 start = time.perf_counter()
@@ -128,10 +141,10 @@ class PipelineExecutor:
                 if groups is not None:
                     with self.emulator.chunk():
                         split_bwd.stage_backward_weight(iter(weights), groups)
-                self._record(trace, "W", mb, start, t0)
-                held.discard(mb)
+                self._record(trace, "W", mb, start, t0, chunk)
+                held.discard(key)
             else:
-                x, out = inputs.pop(mb), outputs.pop(mb)
+                x, out = inputs.pop(key), outputs.pop(key)
                 grad = None if got is None else got.to(out.dtype)
                 start = time.perf_counter()
                 with self.emulator.chunk():
@@ -142,12 +155,15 @@ class PipelineExecutor:
                             [out], None if grad is None else [grad], [x], iter(weights))
                     else:
                         torch.autograd.backward(out, grad_tensors=grad)
-                self._record(trace, "B", mb, start, t0)
+                self._record(trace, "B", mb, start, t0, chunk)
                 if not self.split:
-                    held.discard(mb)
-                if not self.first:
-                    g = self._outgoing(x.grad.to(self.in_dtype), split=self.place.split_in)
-                    pending += [(self.comm.isend(g, dst=d, tag=bwd_tag(mb)), g) for d in self.place.bwd_send_to]
+                    held.discard(key)
+                if not first:
+                    # The wrap hop (first stage, chunk > 0) sends whole tensors: split_in is False there.
+                    g = self._outgoing(x.grad.to(self.wrap_dtype if self.first else self.in_dtype),
+                                       split=self.place.split_in)
+                    pending += [(self.comm.isend(g, dst=d, tag=bwd_tag(mb, chunk, v)), g)
+                                for d in self.peers("B", chunk)[1]]
                     _let_sends_start()
         w = time.perf_counter()
         for work, _ in pending:
@@ -168,11 +184,40 @@ class PipelineExecutor:
         pieces = self.comm.all_gather(part, group=ranks).chunk(len(ranks))
         return torch.cat([pieces[ranks.index(r)] for r in self.tp_order]).view(self.act_shape)
 
+    def is_first(self, chunk: int) -> bool:
+        """Whether (this stage's) chunk ``chunk`` is the pipeline's first virtual stage (reads the data)."""
+        return self.first and chunk == 0
+
+    def is_last(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` is the last virtual stage (computes the loss)."""
+        return self.last and chunk == self.chunks - 1
+
+    def peers(self, op: str, chunk: int) -> tuple[int | None, tuple[int, ...]]:
+        """(rank op ``op`` of chunk ``chunk`` receives from or None, ranks it sends to): a forward
+        receives its input and sends its output; a backward receives its output gradient and sends
+        its input gradient; W neither."""
+        return _op_peers(self, op, chunk)
+
     @staticmethod
-    def _record(trace: StepTrace, op: str, mb: int, start: float, t0: float) -> None:
+    def _record(trace: StepTrace, op: str, mb: int, start: float, t0: float, chunk: int = 0) -> None:
         end = time.perf_counter()
         trace.busy_s += end - start
-        trace.events.append({"op": op, "mb": mb, "start_s": round(start - t0, 6), "end_s": round(end - t0, 6)})
+        event = {"op": op, "mb": mb, "start_s": round(start - t0, 6), "end_s": round(end - t0, 6)}
+        if chunk:
+            event["chunk"] = chunk
+        trace.events.append(event)
+
+
+def _op_peers(ex: Any, op: str, chunk: int) -> tuple[int | None, tuple[int, ...]]:
+    """PipelineExecutor.peers, for anything with its ``place``, ``first``, ``last`` (and ``chunks``)."""
+    if op == "W":
+        return None, ()
+    pl = ex.place
+    if getattr(ex, "chunks", 1) > 1:
+        return pl.fwd_peers(chunk) if op == "F" else pl.bwd_peers(chunk)
+    if op == "F":
+        return (None if ex.first else pl.fwd_recv_from), (() if ex.last else pl.fwd_send_to)
+    return (None if ex.last else pl.bwd_recv_from), (() if ex.first else pl.bwd_send_to)
 
 
 def _let_sends_start() -> None:
@@ -206,25 +251,22 @@ class _Receives:
     def _source(self, j: int) -> tuple[int, int] | None:
         """(peer, tag) op j receives from, or None."""
         ex = self.ex
-        op, mb, _chunk = ex.ops[j]
-        if op == "F" and not ex.first:
-            return ex.place.fwd_recv_from, fwd_tag(mb)  # type: ignore[return-value]
-        if op == "B" and not ex.last:
-            return ex.place.bwd_recv_from, bwd_tag(mb)  # type: ignore[return-value]
-        return None  # W receives nothing
+        op, mb, chunk = ex.ops[j]
+        src = _op_peers(ex, op, chunk)[0]
+        if src is None:
+            return None  # the first virtual stage's F, the last's B, W
+        v = getattr(ex, "chunks", 1)
+        if op == "F":
+            return src, fwd_tag(mb, chunk, v)
+        return src, bwd_tag(mb, chunk + 1 if ex.last else chunk, v)  # from the consumer's chunk
 
     def _split(self, j: int) -> bool:
         """Whether op j receives a TP slice (to all-gather) rather than the whole tensor."""
         return self.ex.place.split_in if self.ex.ops[j][0] == "F" else self.ex.place.split_out
 
     def _sends_to(self, k: int) -> tuple[int, ...]:
-        ex = self.ex
-        op = ex.ops[k][0]
-        if op == "F":
-            return () if ex.last else ex.place.fwd_send_to
-        if op == "W":
-            return ()
-        return () if ex.first else ex.place.bwd_send_to
+        op, _, chunk = self.ex.ops[k]
+        return _op_peers(self.ex, op, chunk)[1]
 
     def _may_post(self, j: int, *, now: int) -> bool:
         src = self._source(j)
@@ -237,7 +279,8 @@ class _Receives:
         if src is None:
             return
         ex = self.ex
-        dtype = ex.in_dtype if ex.ops[j][0] == "F" else ex.out_dtype
+        op, _, chunk = ex.ops[j]
+        dtype = (ex.wrap_dtype if ex.first and chunk > 0 else ex.in_dtype) if op == "F" else ex.out_dtype
         shape = (ex.slice_numel,) if self._split(j) else ex.act_shape
         buf = torch.empty(shape, dtype=dtype, device=ex.device)
         self.posted[j] = (ex.comm.irecv(buf, src=src[0], tag=src[1]), buf)

@@ -60,12 +60,13 @@ class Trainer:
         self.device = torch.device(self.cfg.device)
         self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
                                 recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len,
-                                attention=plan.attention_of(st.kind)).to(self.device)
+                                attention=plan.attention_of(st.kind), chunks=st.chunks).to(self.device)
         self.emulator = Emulator(self.kind.emulated_slowdown)
         self.precisions = {k: kind_precision(plan, k, override=self.cfg.precision, cpu_autocast=self.cfg.cpu_autocast)
                            for k in plan.cluster.kinds}
         self.precision = self.precisions[st.kind]
-        upstream = plan.pipelines[st.pipeline].stages[st.stage - 1].kind if st.stage > 0 else st.kind
+        stages = plan.pipelines[st.pipeline].stages
+        upstream = stages[st.stage - 1].kind if st.stage > 0 else st.kind
         # Emulated slow links (local emulation only) hold back the pipeline's p2p messages.
         host = plan.cluster.host
         p2p = (EmulatedLinks(comm, link_of=emulated_links_of(plan.cluster, plan.devices))
@@ -74,7 +75,9 @@ class Trainer:
                                          seq_len=plan.seq_len, hidden_size=plan.model.hidden_size,
                                          emulator=self.emulator, device=self.device,
                                          in_dtype=boundary_dtype(self.precisions[upstream]),
-                                         out_dtype=boundary_dtype(self.precision))
+                                         out_dtype=boundary_dtype(self.precision),
+                                         # virtual stages: the last stage sends chunk c's output to the first's
+                                         wrap_dtype=boundary_dtype(self.precisions[stages[-1].kind]))
         used = {plan.cluster.devices[d].kind for d in plan.devices}
         self.scaler = (DynamicLossScaler(scale=self.cfg.init_loss_scale,
                                          growth_interval=self.cfg.loss_scale_growth_interval)

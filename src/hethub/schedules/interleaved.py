@@ -89,8 +89,6 @@ class Interleaved(Schedule):
     The registry holds v = 1; ``with_chunks(v)`` gives the schedule a pipeline with v chunks runs."""
 
     name = "interleaved"
-    # Not yet among "auto"'s candidates: the planner must first choose v per pipeline.
-    auto_candidate = False
 
     def __init__(self, chunks: int = 1) -> None:
         if chunks < 1:
@@ -123,6 +121,17 @@ class Interleaved(Schedule):
         if v == 1:
             return _ONE_F_ONE_B.max_in_flight(stage=stage, num_stages=p)
         return max(self.in_flight(stage=stage, num_stages=p, num_micro_batches=m) for m in range(p, 2 * p))
+
+    def planning_in_flight(self, *, stage: int, num_stages: int, expected_micro_batches: int) -> int:
+        """What the planner sizes a stage for, in micro-batches of the whole stage (its memory model's
+        unit): the most chunk activations held at any m (``max_in_flight``) over v, rounded up (equal
+        chunks). The predictor then checks the plan's own m and chunks exactly."""
+        v, p = self.chunks_per_stage, num_stages
+        if v == 1:
+            return _ONE_F_ONE_B.planning_in_flight(stage=stage, num_stages=p,
+                                                   expected_micro_batches=expected_micro_batches)
+        held = self.max_in_flight(stage=stage, num_stages=p)
+        return -(-held // v) if held is not None else expected_micro_batches
 
     def peak_held(self, *, stage: int, num_stages: int, num_micro_batches: int,
                   chunk_weights: Sequence[float]) -> float:

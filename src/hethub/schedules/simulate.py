@@ -34,7 +34,8 @@ device s), ``p2p_s`` one per hop from virtual stage k to k + 1 (p v - 1 entries,
 trailing one ignored; the hop from the last device's chunk c to the first device's chunk c + 1 is
 entry c p + p - 1). The same rules hold per virtual stage: F(k, i) waits for F(k - 1, i) and the
 hop, B(k, i) for B(k + 1, i) and the hop; each device runs its ops (of all its chunks) in the
-registry's order; the result is per device.
+registry's order; the result is per device. Every chunk's messages between two devices share their
+link, one at a time in the order the receiver takes them.
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seq
     orders = [sched.ops(stage=s, num_stages=p, num_micro_batches=m) for s in range(p)]
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
+    # One message at a time per directed link between devices (link_arrival_s), whichever chunk's:
+    # forwards into device s come over link s (from s - 1, or the wrap from the last device into 0),
+    # gradients into device s over link s (from s + 1, or the wrap from device 0 into the last).
+    fwd_link, bwd_link = [0.0] * p, [0.0] * p
     ptr, clock = [0] * p, [0.0] * p
     recs: list[list[TimedOp]] = [[] for _ in range(p)]
     remaining = sum(len(o) for o in orders)
@@ -238,14 +243,18 @@ def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seq
                     if vs > 0:
                         if (vs - 1, i) not in f_end:
                             break
-                        t = max(t, f_end[(vs - 1, i)] + p2p_s[vs - 1])
+                        fwd_link[s] = link_arrival_s(sent_s=f_end[(vs - 1, i)], link_free_s=fwd_link[s],
+                                                     transfer_s=p2p_s[vs - 1])
+                        t = max(t, fwd_link[s])
                     start, t = t, t + fwd_s[vs]
                     f_end[(vs, i)] = t
                 else:
                     if vs < n - 1:
                         if (vs + 1, i) not in b_end:
                             break
-                        t = max(t, b_end[(vs + 1, i)] + p2p_s[vs])
+                        bwd_link[s] = link_arrival_s(sent_s=b_end[(vs + 1, i)], link_free_s=bwd_link[s],
+                                                     transfer_s=p2p_s[vs])
+                        t = max(t, bwd_link[s])
                     start, t = t, t + bwd_s[vs]
                     b_end[(vs, i)] = t
                 recs[s].append(TimedOp(kind, i, start, t, c))

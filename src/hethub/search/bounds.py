@@ -66,11 +66,12 @@ class Capacity:
 def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
     key = (kind, tp, mbs)
     if key not in book.capacity:
-        sched = get_schedule(book.job.schedule)
-        if sched.max_in_flight(stage=0, num_stages=1) is None:
+        sched = get_schedule(book.job.schedule, chunks=book.job.chunks)
+        if sched.max_in_flight(stage=0, num_stages=1) is None or sched.chunks_per_stage > 1:
             # A schedule without an in-flight bound (GPipe) gets 1F1B's capacity: a full pipeline
             # holds no fewer micro-batches under any schedule, so it is an optimistic floor (where the
             # template scan starts; the rate bound skips its recomputation term for such schedules).
+            # So does interleaving, whose bound counts chunks, not whole-stage micro-batches.
             sched = get_schedule("1f1b")
         book.capacity[key] = Capacity(book, kind, tp=tp, mbs=mbs, schedule=sched)
     return book.capacity[key]  # type: ignore[return-value]
@@ -107,7 +108,7 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     w, w_rc = min(w, w_rc), max(w, w_rc)
     work = n_layers * w + e + h
     # A schedule whose in-flight count grows with the batch share (GPipe) has no bound here: skip this term.
-    if get_schedule(job.schedule).max_in_flight(stage=0, num_stages=p) is not None:
+    if get_schedule(job.schedule, chunks=job.chunks).max_in_flight(stage=0, num_stages=p) is not None:
         caps = capacity(book, kind, tp=tp, mbs=mbs)
         cap = caps.total(p, variant=0)
         if cap < n_layers:
@@ -117,7 +118,7 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     bottleneck = max(work / p, _balanced(n_layers, p, w, e, h))
     act = mbs * job.seq_len * job.model.hidden_size * act_bytes_for(job.precision)
     link = links.p2p(Slot(kind, tp), Slot(kind, tp))
-    fill = get_schedule(job.schedule).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
+    fill = get_schedule(job.schedule, chunks=job.chunks).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     return fill + 2 * (p - 1) * (link.latency_s + act / link.bw_bytes_per_s), bottleneck
 
 
@@ -251,7 +252,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
             link = links.p2p(prev, here)
             p2p += link.latency_s + act / link.bw_bytes_per_s
         prev = here
-    fill = get_schedule(job.schedule).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
+    fill = get_schedule(job.schedule, chunks=job.chunks).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     out = PipeFloor(base_s=fill + 2 * p2p - bottleneck, per_mb_s=bottleneck)
     book.pipe_floors[key] = out
     return out

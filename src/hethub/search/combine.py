@@ -145,7 +145,8 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     total_devices = sum(g.count * g.pipe.num_devices for g in groups)
     # When each stage finishes relative to stage 0 is the schedule's (its last ops ripple up).
     cursor: list[list[float]] = [
-        get_schedule(g.pipe.schedule).stage_finish_s(step_s=t, bwd_s=g.pipe.bwd_s, p2p_s=g.pipe.p2p_s)
+        get_schedule(g.pipe.schedule, chunks=g.pipe.chunks).stage_finish_s(step_s=t, bwd_s=g.pipe.bwd_s,
+                                                                           p2p_s=g.pipe.p2p_s)
         for g, t in zip(groups, times_s, strict=True)]
     kinds = frozenset(sl.kind for g in groups for sl in g.pipe.slots)
     world_s = small_allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),

@@ -46,12 +46,15 @@ class PlannerConfig:
     # Holders each parameter group is assumed to have when the search checks a sharded stage's memory
     # (its replicas are not chosen yet); the predictor re-scores each finalist with its real ones.
     shard_holders: int = 1
+    # Model chunks per stage the search sizes stages and prices pipelines for (the interleaved
+    # schedule's v; the planner sets it while choosing v, search/interleave.py).
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> SpecError:
             return SpecError(f"planner option '{field}' {problem}. Fix: {fix}.")
 
-        for name in ("global_batch", "seq_len", "top_k", "finalists"):
+        for name in ("global_batch", "seq_len", "top_k", "finalists", "virtual_stages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, f"must be a positive integer, got {v!r}", "give a positive integer")

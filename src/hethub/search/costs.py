@@ -45,6 +45,7 @@ class Job:
     precision: str
     schedule: str
     profiles: ProfileSet | None = None
+    chunks: int = 1  # model chunks per stage the schedule runs (interleaved: v)
     relax_memory: bool = False  # the upper bound prices kinds that cannot hold the model
     mem_headroom: float = DEFAULT_MEM_HEADROOM  # share of each device's memory plans leave free
     # ZeRO-1: each stage keeps AdamW state for 1/holders of its parameters (an assumption the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
@@ -25,12 +26,16 @@ from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
 from hethub.search.diagnose import infeasible_message
 from hethub.search.hetero import search
+from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
 from hethub.search.polish import polish
 from hethub.search.recompute import choose_recompute
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
+ONE_F_ONE_B, INTERLEAVED = "1f1b", "interleaved"
+INTERLEAVE_STARTS = 3  # the best 1F1B plans tried with virtual stages
+SIZED_CHUNKS = (2,)  # v the search also sizes stages for (each a search of its own, so one)
 POLISH_MIN_S = 0.25
 SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
 POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
@@ -57,12 +62,17 @@ def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     errors: list[InfeasibleError] = []
     for name in AUTO_CANDIDATES:
         try:
+            if name == INTERLEAVED and ONE_F_ONE_B in results:  # interleaving starts from the 1F1B plans
+                results[name] = _plan_interleaved(cluster=cluster, model=model, config=config, profiles=profiles,
+                                                  host=host, base=results[ONE_F_ONE_B])
+                continue
             results[name] = make_plan(cluster=cluster, model=model, config=replace(config, schedule=name),
                                       profiles=profiles, host=host)
         except InfeasibleError as err:
             errors.append(err)
     if not results:
         raise errors[0]
+    # The first of equals wins: interleaving that found no v > 1 worth it is 1F1B, listed first.
     name, best = min(results.items(), key=lambda kv: kv[1].prediction.step_time_s)
     others = ", ".join(f"{n} {r.prediction.step_time_s:.3f} s" for n, r in results.items() if n != name)
     note = f"schedule {name} chosen: predicted step {best.prediction.step_time_s:.3f} s"
@@ -113,6 +123,50 @@ def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     return replace(best, search_time_s=time.perf_counter() - t0, notes=(note, *best.notes))
 
 
+def _plan_interleaved(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
+                      host: HostModel | None, base: PlanResult | None = None) -> PlanResult:
+    """The interleaved schedule's plan: the 1F1B plans (``base``, if already made) interleaved, and,
+    for the hethub strategy, searches with stages sized for v chunks (search/interleave.py)."""
+    if base is None:
+        base = make_plan(cluster=cluster, model=model, config=replace(config, schedule=ONE_F_ONE_B),
+                         profiles=profiles, host=host)
+    sized = []
+    if config.strategy == "hethub":
+        # Stages sized for v chunks' activations (the split's memory and closed form take v).
+        for v in SIZED_CHUNKS:
+            try:
+                sized.append((v, make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
+                                           config=replace(config, schedule=INTERLEAVED, virtual_stages=v,
+                                                          polish=False, top_k=max(config.top_k, INTERLEAVE_STARTS)))))
+            except InfeasibleError:
+                pass
+    return _interleaved(base, config=replace(config, schedule=INTERLEAVED), profiles=profiles, host=host, sized=sized)
+
+
+def _interleaved(base: PlanResult, *, config: PlannerConfig, profiles: ProfileSet | None,
+                 host: HostModel | None, sized: Sequence[tuple[int, PlanResult]] = ()) -> PlanResult:
+    """``base`` (planned under 1F1B) with the interleaved schedule's v chosen per pipeline where the
+    predictor finds it faster within memory (search/interleave.py); and the plans of ``sized``,
+    searched with stages sized for v chunks, laid out in v chunks where each fits."""
+    t0 = time.perf_counter()
+    tried = interleave_all(base.alternatives[:INTERLEAVE_STARTS], profiles=profiles, host=host,
+                           mem_headroom=config.mem_headroom)
+    for v, r in sized:
+        tried += chunked_candidates(r.alternatives, v, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
+    rest = [(replace(p, schedule=INTERLEAVED), r) for p, r in base.alternatives[INTERLEAVE_STARTS:]]
+    elapsed = base.search_time_s + sum(r.search_time_s for _, r in sized) + time.perf_counter() - t0
+    bound = base.upper_bound_tokens_per_s
+    top = []
+    for plan, pred in sorted([*tried, *rest], key=lambda x: x[1].step_time_s)[:config.top_k]:
+        eff = pred.tokens_per_s / bound if bound > 0 else 0.0
+        top.append((plan.with_meta(predicted_tokens_per_s=pred.tokens_per_s, predicted_step_time_s=pred.step_time_s,
+                                   efficiency=eff, search_time_s=elapsed), pred))
+    plan, pred = top[0]
+    note = f"interleaved: virtual stages per pipeline {chunks_note(plan)} (v 1: the 1F1B order)"
+    return replace(base, plan=plan, prediction=pred, search_time_s=elapsed, alternatives=tuple(top),
+                   efficiency=pred.tokens_per_s / bound if bound > 0 else 0.0, notes=(note, *base.notes))
+
+
 def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
               profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
     """Best memory-feasible plan under `config.strategy`, scored by the predictor (with `host`, the
@@ -121,6 +175,8 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     in-flight memory shapes the stages), chosen by predicted step time."""
     if config.schedule == AUTO_SCHEDULE:
         return _best_schedule(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    if config.schedule == INTERLEAVED and config.virtual_stages == 1:
+        return _plan_interleaved(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     if config.optimizer_sharding != "none" and config.strategy in ("uniform", "flops-proportional"):
         # The baselines are plans other systems would run: unsharded (their plans are built as such).
         config = replace(config, optimizer_sharding="none")

@@ -46,6 +46,7 @@ class PipeCost:
     p2p_s: tuple[float, ...]
     params: tuple[float, ...]  # parameters held by one device of each stage
     schedule: str
+    chunks: int = 1  # model chunks per stage (interleaved schedule)
 
     @functools.cached_property
     def num_devices(self) -> int:
@@ -57,13 +58,13 @@ class PipeCost:
 
     @functools.cached_property
     def per_mb_s(self) -> float:
-        return get_schedule(self.schedule).per_micro_batch_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s)
+        return get_schedule(self.schedule, chunks=self.chunks).per_micro_batch_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s)
 
     @functools.cached_property
     def base_s(self) -> float:
         """T(m) = base_s + m * per_mb_s: fill and drain of the pipeline plus the steady state."""
-        return get_schedule(self.schedule).fill_drain_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s, p2p_s=self.p2p_s,
-                                                        per_micro_batch_s=self.per_mb_s)
+        return get_schedule(self.schedule, chunks=self.chunks).fill_drain_s(
+            fwd_s=self.fwd_s, bwd_s=self.bwd_s, p2p_s=self.p2p_s, per_micro_batch_s=self.per_mb_s)
 
     def time_s(self, m: int) -> float:
         return self.base_s + m * self.per_mb_s
@@ -93,7 +94,7 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
         return []
     opts: list[list[_Option]] = []
     lows: list[int] = []
-    sched = get_schedule(job.schedule)
+    sched = get_schedule(job.schedule, chunks=job.chunks)
     for s, slot in enumerate(slots):
         emb, head = s == 0, s == p - 1
         in_flight = sched.planning_in_flight(stage=s, num_stages=p, expected_micro_batches=in_flight_hint)
@@ -167,7 +168,7 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
                 in_flight_hint: int = 1) -> PipeCost | None:
     """Price these stages with a given layer split (recomputing where needed), or None if it cannot fit."""
     job, p = book.job, len(slots)
-    sched = get_schedule(job.schedule)
+    sched = get_schedule(job.schedule, chunks=job.chunks)
     opts = []
     for s, (slot, k) in enumerate(zip(slots, counts, strict=True)):
         in_flight = sched.planning_in_flight(stage=s, num_stages=p, expected_micro_batches=in_flight_hint)
@@ -239,7 +240,7 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
     p2p = tuple(_link_time(p2p_link(slots[s], slots[s + 1]), act) for s in range(p - 1))
     return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
                     fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
-                    schedule=schedule)
+                    schedule=schedule, chunks=job.chunks)
 
 
 def _link_time(link: Link, nbytes: float) -> float:

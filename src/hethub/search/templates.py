@@ -49,7 +49,7 @@ class Searcher:
         self.cluster, self.model, self.config = cluster, model, config
         self.job = Job(model=model, seq_len=config.seq_len, precision=config.precision,
                        schedule=config.schedule, profiles=profiles, relax_memory=relax_memory,
-                       mem_headroom=config.mem_headroom,
+                       mem_headroom=config.mem_headroom, chunks=config.virtual_stages,
                        optimizer_shard_holders=config.shard_holders if config.optimizer_sharding == "zero1" else 1)
         # Searches of one make_plan share stage models and splits (they differ only in kinds used).
         books = {} if books is None else books
