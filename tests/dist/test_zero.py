@@ -13,7 +13,7 @@ import torch
 from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, run_ranks
 
 from hethub.comm.factory import make_communicator
-from hethub.plan import Plan
+from hethub.plan import Plan, interleave
 from hethub.predict.predictor import optimizer_shard_weights, predict
 from hethub.predict.sharding import rank_shards
 from hethub.runtime.tensor_parallel import TPContext, shard
@@ -104,3 +104,11 @@ def test_replicas_with_different_tp_degrees_tied() -> None:
 def test_equal_shares_gpt_with_biases() -> None:
     spec = replace(SPEC, name="gpt6", arch="gpt", activation="gelu", num_kv_heads=4, tied_embeddings=True)
     check(zero1(make_plan([(2, 2, [(F, 2, 4), (S, 1, 2)]), (2, 2, [(S, 1, 6)])], spec=spec), shares="equal"))
+
+
+def test_interleaved_virtual_stages() -> None:
+    # ZeRO-1 under interleaved 1F1B: a stage's chunks hold non-contiguous layers, whose holders differ
+    # (a TP-2 stage's chunks beside another replica's TP-1 stages): the buckets follow the holders.
+    plan = make_plan([(2, 3, [(F, 1, 3), (S, 2, 3)]), (2, 1, [(S, 1, 4), (F, 1, 2)])], schedule="interleaved")
+    p0 = interleave(plan.pipelines[0], [[1, 2], [2, 1]])
+    check(zero1(replace(plan, pipelines=(p0, plan.pipelines[1]))))
