@@ -18,9 +18,10 @@ demo: $(BIN)/hethub
 lint: $(BIN)/hethub
 	$(BIN)/ruff check src tests bench
 
-# Two workers: the suite is mostly single-threaded, and the CI machine has two cores.
+# Two workers: the suite is mostly single-threaded, and the CI machine has two cores. loadgroup: tests
+# marked with one xdist_group share a worker (and so a search cached in tests/conftest.py).
 test: lint
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs

@@ -1,3 +1,4 @@
+import functools
 import pathlib
 
 import pytest
@@ -39,6 +40,21 @@ def two_stage_plan(cluster: Cluster | None = None, model: ModelSpec | None = Non
               Stage("slow", (4,), (split, model.num_layers), head=True))
     return Plan(model=model, cluster=cluster, global_batch=8, seq_len=32,
                 pipelines=(Pipeline(2, 4, stages),)).validate()
+
+
+@functools.cache
+def plan_768():
+    """The paper-scale search (hethub-768, llama-140b, 1536 x 4096, the planner's default settings),
+    once per test process: several tests only read its result, and it is one of the suite's costliest
+    searches (the README tour runs `hethub plan` on it separately, as a command). Tests sharing it
+    carry ``@pytest.mark.xdist_group("plan_768")`` so that `make test`'s workers (``--dist loadgroup``)
+    run them in one process. Callers must not mutate it."""
+    from hethub.search import PlannerConfig, make_plan
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+
+    return make_plan(cluster=load_cluster(EXAMPLES / "hethub-768.toml"), model=get_model("llama-140b"),
+                     config=PlannerConfig(global_batch=1536, seq_len=4096))
 
 
 @pytest.fixture

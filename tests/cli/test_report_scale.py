@@ -1,4 +1,5 @@
-"""The paper-scale report: `hethub plan` on the 768-device cluster, then `hethub report` of that plan.
+"""The paper-scale report: `hethub report` of the 768-device plan (the search shared with
+test_planner.py through conftest.plan_768; the README tour runs `hethub plan` on that cluster).
 
 Identical replicas and TP peers are traced once, named with how many devices they stand for, and
 the prediction builds events only for those devices; the trace stays far under 20 MB (it was 144 MB
@@ -11,17 +12,17 @@ import json
 
 import pytest
 
-from conftest import EXAMPLES
+from conftest import plan_768
 from hethub import cli
 from hethub.plan import Plan
 from hethub.report.groups import stage_rows, timeline_devices
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("plan_768")
 def test_768_device_report_traces_each_stage_shape_once(tmp_path, capsys):
     plan_path, out = tmp_path / "p.json", tmp_path / "r"
-    assert cli.main(["plan", "--cluster", str(EXAMPLES / "hethub-768.toml"), "--model", "llama-140b",
-                     "--global-batch", "1536", "--seq-len", "4096", "--out", str(plan_path)]) == 0
+    plan_768().plan.save(plan_path)
     assert cli.main(["report", "--plan", str(plan_path), "--out", str(out)]) == 0
     capsys.readouterr()
     plan = Plan.load(plan_path)
