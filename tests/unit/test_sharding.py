@@ -27,9 +27,12 @@ def test_split_elems_is_exact_and_proportional() -> None:
     assert split_elems(100, [3, 1]) == [75, 25]
     assert split_elems(7, [0, 0]) == [4, 3]  # nothing free anywhere: equal
     assert split_elems(5, [1, 0]) == [5, 0]
+    weights = [0.3, 2.5, 1.1, 0.0001]
     for n in (0, 1, 997, 10**9 + 7):
-        sizes = split_elems(n, [0.3, 2.5, 1.1, 0.0001])
-        assert sum(sizes) == n and all(s >= 0 for s in sizes)
+        sizes = split_elems(n, weights)
+        # Whole elements that add up, each within one element of its exact proportional share.
+        assert sum(sizes) == n
+        assert all(abs(s - n * w / sum(weights)) < 1 for s, w in zip(sizes, weights, strict=True)), sizes
 
 
 @pytest.fixture(scope="module")
