@@ -23,6 +23,15 @@ from hethub.layout import GradGroup, Topology, unit_of
 from hethub.runtime.model import StageModel
 
 
+def world_grad_norm(grads: list[torch.Tensor], *, comm: Communicator, device: torch.device) -> torch.Tensor:
+    """The L2 norm over every rank's ``grads`` (each rank passing the gradients it alone counts):
+    local norms squared in float64, summed over the world, identical on every rank."""
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    sq = local.double().pow(2).reshape(1)
+    comm.all_reduce(sq)
+    return sq.sqrt()
+
+
 @dataclass
 class _Bucket:
     group: GradGroup
@@ -95,11 +104,7 @@ class GradSync:
     def global_norm(self) -> torch.Tensor:
         """The global gradient norm (each parameter counted once), identical on every rank; inf/nan
         when any gradient anywhere overflowed (what loss scaling checks)."""
-        grads = [p.grad for p in self.norm_params]
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        sq = local.double().pow(2).reshape(1)
-        self.comm.all_reduce(sq)
-        return sq.sqrt()
+        return world_grad_norm([p.grad for p in self.norm_params], comm=self.comm, device=self.device)
 
     def clip_with(self, total: torch.Tensor, *, max_norm: float) -> None:
         """Scale gradients so that ``total`` (from :meth:`global_norm`) becomes at most ``max_norm``."""

@@ -39,6 +39,7 @@ from torch import nn
 from hethub.comm.communicator import Communicator
 from hethub.layout import Topology, block_starts, unit_of
 from hethub.predict.sharding import split_elems
+from hethub.runtime.data_parallel import world_grad_norm
 from hethub.runtime.model import StageModel
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -184,10 +185,7 @@ class ZeroSync:
     def global_norm(self) -> torch.Tensor:
         """The global gradient norm from every owner's slice (each element once), identical on every rank."""
         grads = [t.grad for t in self._counted if t.grad is not None and t.numel()]
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        sq = local.double().pow(2).reshape(1)
-        self.comm.all_reduce(sq)
-        return sq.sqrt()
+        return world_grad_norm(grads, comm=self.comm, device=self.device)
 
     def clip_with(self, total: torch.Tensor, *, max_norm: float) -> None:
         if max_norm > 0:
