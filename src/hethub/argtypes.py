@@ -10,24 +10,22 @@ import argparse
 import math
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
     return v
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def _finite(text: str) -> float:
@@ -59,6 +57,14 @@ def fraction(text: str) -> float:
     v = _finite(text)
     if not 0 <= v <= 1:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return v
+
+
+def headroom_fraction(text: str) -> float:
+    """A share of memory to keep free: a number in [0, 1)."""
+    v = _finite(text)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {v}")
     return v
 
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hethub import __version__
-from hethub.argtypes import HelpFormatter, positive_int
+from hethub.argtypes import HelpFormatter, headroom_fraction, positive_float, positive_int
 from hethub.errors import HethubError, missing_extra
 from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES
@@ -22,28 +22,10 @@ from hethub.spec.model import PRECISIONS
 EXIT_INTERRUPTED = 130
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-def _headroom(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction like 0.1, got {text!r}") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {v}")
-    return v
-
-
 def _add_headroom(sp: argparse.ArgumentParser) -> None:
     from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 
-    sp.add_argument("--mem-headroom", type=_headroom, default=DEFAULT_MEM_HEADROOM, metavar="FRACTION",
+    sp.add_argument("--mem-headroom", type=headroom_fraction, default=DEFAULT_MEM_HEADROOM, metavar="FRACTION",
                     help="share of each device's memory to keep free (default %(default)s: the memory model's "
                          "error; docs/predictor.md)")
 
@@ -345,9 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print every strategy side by side, with $ per million tokens")
     sp.add_argument("--objective", default="throughput", choices=["throughput", "cost"],
                     help="most tokens/s, or fewest dollars per token (may leave devices or kinds idle)")
-    sp.add_argument("--budget-per-hour", type=_positive_float, default=None,
+    sp.add_argument("--budget-per-hour", type=positive_float, default=None,
                     help="dollars per hour the devices used may cost (prices: catalog or cluster file)")
-    sp.add_argument("--min-tokens-per-s", type=_positive_float, default=None,
+    sp.add_argument("--min-tokens-per-s", type=positive_float, default=None,
                     help="the plan must predict at least this many tokens/s")
     sp.add_argument("--out", help="write the plan JSON here")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
