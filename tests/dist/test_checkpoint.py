@@ -35,8 +35,8 @@ _warm_imports()
 
 
 def _train(rank: int, plan: Plan, data: list[torch.Tensor], *, start: int = 0, stop: int = STEPS,
-           resume: str | None = None, save: str | None = None) -> dict[str, Any]:
-    trainer = Trainer(plan, rank=rank, comm=Communicator(timeout=TIMEOUT), cfg=CFG)
+           resume: str | None = None, save: str | None = None, cfg: TrainerConfig = CFG) -> dict[str, Any]:
+    trainer = Trainer(plan, rank=rank, comm=Communicator(timeout=TIMEOUT), cfg=cfg)
     if resume is not None:
         assert load_checkpoint(trainer, resume).step == start
     losses = []
@@ -50,7 +50,7 @@ def _train(rank: int, plan: Plan, data: list[torch.Tensor], *, start: int = 0, s
     return {"losses": losses, "lr": trainer.optimizer.param_groups[0]["lr"],
             # numpy, not torch: torch tensors cross the result queue through shared memory a forked child's
             # os._exit tears down before the parent reads it.
-            "params": {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}}
+            "params": {n: p.detach().float().numpy().copy() for n, p in trainer.model.named_parameters()}}
 
 
 def _run(plan: Plan, data: list[torch.Tensor], **kw: Any) -> list[dict[str, Any]]:

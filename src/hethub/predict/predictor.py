@@ -316,9 +316,9 @@ def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
 def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float) -> dict[int, float]:
     """Each rank's weight in its buckets' optimizer-state split (predict/sharding.py): with
     ``proportional`` shares, its device's usable memory less the stage's predicted peak without
-    optimizer state."""
+    optimizer state and master weights (both sharded in mixed precision; none in fp32)."""
     free = {sid: usable_bytes(plan.cluster.kinds[plan.pipelines[sid[0]].stages[sid[1]].kind], headroom=headroom)
-            - (mem.total_bytes - mem.optimizer_bytes) for sid, mem in mems.items()}
+            - (mem.total_bytes - mem.optimizer_bytes - mem.master_weights_bytes) for sid, mem in mems.items()}
     return rank_weights(plan, free_bytes=free)
 
 

@@ -32,12 +32,14 @@ modelled.)
 With a sharded optimizer (``training.optimizer_sharding`` zero1, ``runtime/zero.py``) a fused group
 is a reduce-scatter of the gradients to their owners and, after the update, an all-gather of the
 updated parameters, each a ring pass of the largest owner's slice (the runtime pads uneven slices):
-2(p-1) x (latency + largest slice / bandwidth), an all-reduce's volume when slices are equal and
-more when they are not. Where the holders' kinds sit in different vendor islands
-(``comm/bridge.py``), the bridge has no reduce-scatter: an all-reduce of the whole group then the
-all-gather. The all-gather is counted in the group's sync slot (it runs after the update in the
-runtime; the update's own waiting is not modelled), and slices are those of ``predict/sharding.py``
-with the holder stages as the members (mixed TP degrees costed as lined up, as for all-reduces).
+(p-1) x (latency + largest slice / bandwidth) each, an all-reduce's volume when slices are equal and
+more when they are not; the gradients pass in fp32, the parameters in their storage dtype (bf16 or
+fp16 when every holder trains in that precision: half the bytes; fp32 otherwise). Where the holders'
+kinds sit in different vendor islands (``comm/bridge.py``), the bridge has no reduce-scatter: an
+all-reduce of the whole group then the all-gather. The all-gather is counted in the group's sync
+slot (it runs after the update in the runtime; the update's own waiting is not modelled), and slices
+are those of ``predict/sharding.py`` with the holder stages as the members (mixed TP degrees costed
+as lined up, as for all-reduces).
 
 Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
 backward still runs, so this overestimates a little); TP ranks of a stage are assumed to run their
@@ -143,21 +145,30 @@ def _islands(cluster: Cluster, devices: Sequence[int]) -> int:
     return len(out)
 
 
+def gather_bytes_per_param(plan: Plan, holders: Sequence[StageId]) -> int:
+    """Bytes per element of a ZeRO-1 group's all-gather of updated parameters (``runtime/zero.py``): the
+    holders' parameter storage when all train in the same precision (2 in bf16/fp16-mixed, whose
+    parameters are stored in the compute dtype), else fp32."""
+    precisions = {plan.precision_of(plan.pipelines[pi].stages[si].kind) for pi, si in holders}
+    return ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
+
+
 def _sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], grad_bytes: float) -> SyncGroup:
     """A fused group under ZeRO-1: reduce-scatter + all-gather of padded slices (module doc)."""
     p = g.participants
     if p <= 1:
         return g
     elems = round(g.nbytes / grad_bytes)
-    chunk = max(split_elems(elems, [weight[x] for x in g.holders])) * grad_bytes
+    chunk_elems = max(split_elems(elems, [weight[x] for x in g.holders]))
+    param_bytes = gather_bytes_per_param(plan, g.holders)
     first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in g.holders]
-    gather = ring_pass_time_s(chunk_bytes=chunk, participants=p, link=g.link)
+    gather = ring_pass_time_s(chunk_bytes=chunk_elems * param_bytes, participants=p, link=g.link)
     if _islands(plan.cluster, first) > 1:
         t = allreduce_time_s(nbytes=g.nbytes, participants=p, link=g.link) + gather
     else:
-        t = 2 * gather
+        t = ring_pass_time_s(chunk_bytes=chunk_elems * grad_bytes, participants=p, link=g.link) + gather
     # nbytes: the volume of an all-reduce of equal cost (what a measured host all-reduce is priced on).
-    return SyncGroup(g.name, g.holders, chunk * p, g.link, t)
+    return SyncGroup(g.name, g.holders, chunk_elems * (grad_bytes + param_bytes) / 2 * p, g.link, t)
 
 
 def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: Cluster,

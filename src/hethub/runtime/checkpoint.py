@@ -111,13 +111,15 @@ def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int 
     states = trainer.zero.gather_state(trainer.optimizer) if trainer.zero is not None else None
     for name, p in sorted(trainer.model.named_parameters()):
         st = states.get(name, {}) if states is not None else trainer.optimizer.state.get(p, {})
-        full = {"param": _full(trainer, name, p)} | {k: _full(trainer, name, st[k]) for k in _OPT_KEYS if k in st}
+        # Sharded fp32 masters (mixed precision, runtime/zero.py) are saved, not their 16-bit rounding.
+        full = ({"param": _full(trainer, name, st.get("param", p))}
+                | {k: _full(trainer, name, st[k]) for k in _OPT_KEYS if k in st})
         if owner_rank(trainer, name) != rank:
             continue
         if "step" in st:
             full["step"] = st["step"].detach().clone()
         owned |= {f"{k}:{name}": v for k, v in full.items()}
-        shapes[name] = {"shape": list(full["param"].shape), "dtype": str(p.dtype).removeprefix("torch."),
+        shapes[name] = {"shape": list(full["param"].shape), "dtype": str(full["param"].dtype).removeprefix("torch."),
                         "optim": "step" in full}
     files: dict[str, dict[str, Any]] = {}
     try:

@@ -24,7 +24,7 @@ from hethub.runtime.metrics import rank_record, step_record
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer, build_optimizer_for
 from hethub.runtime.pipeline import PipelineExecutor
-from hethub.runtime.precision import DynamicLossScaler, autocast, boundary_dtype, kind_precision
+from hethub.runtime.precision import DynamicLossScaler, autocast, boundary_dtype, compute_dtype, kind_precision
 from hethub.runtime.tensor_parallel import TPContext
 from hethub.runtime.zero import ZeroSync
 
@@ -85,8 +85,11 @@ class Trainer:
         self.last_step_skipped = False
         self.zero: ZeroSync | None = None
         if plan.sharded_optimizer:  # ZeRO-1: this rank's AdamW steps only its slices (runtime/zero.py)
+            # Ranks computing in 16 bits store their parameters so and shard the fp32 masters.
+            dtypes = {r: compute_dtype(self.precisions[self.topo.place(r).stage.kind]) or torch.float32
+                      for r in range(plan.world_size)}
             self.zero = ZeroSync(self.model, topo=self.topo, rank=rank, comm=comm,
-                                 weights=optimizer_shard_weights(plan))
+                                 weights=optimizer_shard_weights(plan), param_dtypes=dtypes)
             self.grad_sync: GradSync | ZeroSync = self.zero
             self.optimizer, self.scheduler = build_optimizer_for(self.zero.pieces, self.cfg.optim)
         else:

@@ -17,11 +17,16 @@ One step:
    each element counted once (elements replicated over a TP group only on TP rank 0's line), so
    clipping is exact;
 3. AdamW (``runtime/optim.py``, the same update as unsharded: it is element-wise) steps each owned
-   *piece* (a slice's intersection with one parameter, decayed as its parameter would be). A piece
-   of a same-TP bucket is a view of the rank's own parameter (the fp32 parameter is the master, as in
-   unsharded runs: no copy); a piece of a mixed bucket lies in the full-size layout, which the rank
-   may not hold, so it keeps an fp32 master copy of it;
-4. updated slices are all-gathered (padded) and copied into every member's parameters.
+   *piece* (a slice's intersection with one parameter, decayed as its parameter would be). In fp32
+   a piece of a same-TP bucket is a view of the rank's own parameter (the parameter is the master:
+   no copy); a piece of a mixed bucket lies in the full-size layout, which the rank may not hold, so
+   it keeps an fp32 master copy of it. In mixed precision (bf16/fp16, as Megatron's distributed
+   optimizer) every piece is an fp32 master copy, the rank's parameters are stored in the compute
+   dtype, and gradients accumulate over micro-batches in an fp32 ``main_grad`` beside each
+   parameter (a post-accumulate hook moves each 16-bit gradient there): the master weights are
+   sharded with the moments;
+4. updated slices are all-gathered (padded) and copied into every member's parameters, in the
+   members' parameter dtype when they all store the same one (bf16: half the bytes), else fp32.
 
 Model gradients are dropped after the reduce-scatter (owners keep only their slice's). ZeRO-2
 (gradients sharded while the backward runs) is not built: gradients accumulate whole over all
@@ -65,6 +70,7 @@ class _Bucket:
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # per parameter, in the bucket's layout
     sizes: list[int] = field(default_factory=list)
     me: int = 0
+    gather_dtype: torch.dtype = torch.float32  # the updated slices' all-gather
     segs: list[_Seg] = field(default_factory=list)
     pieces: list[tuple[_Seg, torch.Tensor]] = field(default_factory=list)  # this rank's, with their tensors
 
@@ -79,8 +85,13 @@ class ZeroSync:
     rank's AdamW steps (``optim.build_optimizer_for``)."""
 
     def __init__(self, model: StageModel, *, topo: Topology, rank: int, comm: Communicator,
-                 weights: dict[int, float]) -> None:
+                 weights: dict[int, float], param_dtypes: dict[int, torch.dtype] | None = None) -> None:
+        """``param_dtypes``: every rank's parameter storage dtype (its compute dtype in mixed precision,
+        fp32 otherwise; all fp32 when None). A 16-bit one here shards the fp32 masters."""
         self.comm, self.rank, self.model = comm, rank, model
+        dtypes = param_dtypes or {}
+        self.param_dtype = dtypes.get(rank, torch.float32)
+        self.sharded_masters = self.param_dtype != torch.float32
         place = topo.place(rank)
         self.tp, self.tp_rank = place.stage.tp, place.tp_rank
         self.device = next(model.parameters()).device
@@ -100,7 +111,14 @@ class ZeroSync:
         self.pieces: list[tuple[str, torch.Tensor, bool]] = []  # (parameter name, tensor, decayed)
         self._counted: list[torch.Tensor] = []  # pieces whose gradients count in the global norm
         for b in self.buckets:
+            members = {dtypes.get(r, torch.float32) for r in b.line}
+            b.gather_dtype = members.pop() if len(members) == 1 else torch.float32
             self._place(b, weights)
+        if self.sharded_masters:  # the masters are copied: parameters drop to the compute dtype
+            for p in self.params:
+                p.data = p.data.to(self.param_dtype)
+                p.main_grad = None  # type: ignore[attr-defined]
+                p.register_post_accumulate_grad_hook(_to_main_grad)
 
     # ---- layout ---------------------------------------------------------------------------------
     def _layout_shape(self, p: torch.Tensor, dim: int | None) -> tuple[int, ...]:
@@ -154,6 +172,8 @@ class ZeroSync:
             name, p, dim = b.params[s.param]
             if b.mixed:
                 t = full[starts[s.param] + s.start:starts[s.param] + s.stop].clone()
+            elif self.sharded_masters:
+                t = p.data.view(-1)[s.start:s.stop].float().clone()
             else:
                 assert p.is_contiguous(), name
                 t = p.data.view(-1)[s.start:s.stop]  # the parameter is the master: a view, no copy
@@ -165,13 +185,10 @@ class ZeroSync:
     # ---- the step ---------------------------------------------------------------------------------
     def sync(self, *, global_samples: int) -> None:
         """Reduce-scatter every bucket's gradients to their owners (as the mean over the global batch)."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         for b in self.buckets:
-            grads = [self._to_layout(b, i, p.grad).reshape(-1) for i, (_, p, _) in enumerate(b.params)]
+            grads = [self._to_layout(b, i, self._grad(p)).reshape(-1) for i, (_, p, _) in enumerate(b.params)]
             pad = b.pad
-            buf = torch.zeros(pad * len(b.line), dtype=grads[0].dtype, device=self.device)
+            buf = torch.zeros(pad * len(b.line), dtype=torch.float32, device=self.device)
             for s in b.segs:
                 buf[s.member * pad + s.pos:s.member * pad + s.pos + s.stop - s.start] = grads[s.param][s.start:s.stop]
             del grads
@@ -179,8 +196,18 @@ class ZeroSync:
             mine.div_(float(global_samples))
             for s, t in b.pieces:
                 t.grad = mine[s.pos:s.pos + s.stop - s.start]
+        self._drop_model_grads()  # owners keep their slices' gradients only
+
+    def _grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The parameter's gradient summed over this step's micro-batches, fp32 (zeros if it got none)."""
+        g = p.main_grad if self.sharded_masters else p.grad  # type: ignore[attr-defined]
+        return torch.zeros(p.shape, dtype=torch.float32, device=p.device) if g is None else g
+
+    def _drop_model_grads(self) -> None:
         for p in self.params:
-            p.grad = None  # owners keep their slices' gradients only
+            p.grad = None
+            if self.sharded_masters:
+                p.main_grad = None  # type: ignore[attr-defined]
 
     def global_norm(self) -> torch.Tensor:
         """The global gradient norm from every owner's slice (each element once), identical on every rank."""
@@ -202,7 +229,7 @@ class ZeroSync:
         self.steps += 1
         with torch.no_grad():
             for b in self.buckets:
-                mine = torch.zeros(b.pad, dtype=self.params[0].dtype, device=self.device)
+                mine = torch.zeros(b.pad, dtype=b.gather_dtype, device=self.device)
                 for s, t in b.pieces:
                     mine[s.pos:s.pos + s.stop - s.start] = t
                 self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line), self._set_param)
@@ -221,8 +248,7 @@ class ZeroSync:
             put(b, i, f.view(b.shapes[i]))
 
     def zero(self) -> None:
-        for p in self.params:
-            p.grad = None
+        self._drop_model_grads()
         for _, t, _ in self.pieces:
             t.grad = None
 
@@ -231,20 +257,21 @@ class ZeroSync:
         """(AdamW moment bytes, separate master-copy bytes) this rank holds: what the memory model predicts."""
         moments = sum(v.numel() * v.element_size() for _, t, _ in self.pieces
                       for k, v in optimizer.state.get(t, {}).items() if k in _MOMENTS)
-        masters = sum(t.numel() * t.element_size() for b in self.buckets if b.mixed for _, t in b.pieces)
+        masters = sum(t.numel() * t.element_size() for b in self.buckets if b.mixed or self.sharded_masters
+                      for _, t in b.pieces)
         return moments, masters
 
     def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """Collective over every bucket's members: each parameter's AdamW state in the parameter's
-        local (TP-shard) shape, as an unsharded run keeps it; {} before the first step."""
-        if self.steps == 0:
-            return {}
+        local (TP-shard) shape, as an unsharded run keeps it (moments only once stepped); with sharded
+        masters also ``param``, the fp32 master values (the 16-bit parameters are their rounding)."""
+        keys = (_MOMENTS if self.steps else ()) + (("param",) if self.sharded_masters else ())
         out: dict[str, dict[str, torch.Tensor]] = {}
         for b in self.buckets:
-            for key in _MOMENTS:
+            for key in keys:
                 mine = torch.zeros(b.pad, dtype=torch.float32, device=self.device)
                 for s, t in b.pieces:
-                    st = optimizer.state.get(t)
+                    st = {"param": t} if key == "param" else optimizer.state.get(t)
                     if st is not None:
                         mine[s.pos:s.pos + s.stop - s.start] = st[key]
 
@@ -252,20 +279,21 @@ class ZeroSync:
                     out.setdefault(b.params[i][0], {})[key] = self._from_layout(b, i, full).clone()
 
                 self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line), put)
-        for v in out.values():
-            v["step"] = torch.tensor(float(self.steps))
+        if self.steps:
+            for v in out.values():
+                v["step"] = torch.tensor(float(self.steps))
         return out
 
     def load_state(self, optimizer: torch.optim.Optimizer, *, full: dict[str, dict[str, torch.Tensor]],
                    steps: int, shard: Any) -> None:
         """Take this rank's pieces from full-size tensors (``full[name]``: ``param`` and, once stepped,
         the moments): re-sharding under any plan and sharding. ``shard(t, name)`` slices a full tensor
-        to this rank's TP shard. Mixed-bucket masters are reloaded from the full parameter."""
+        to this rank's TP shard. Master copies are reloaded from the full parameter."""
         self.steps = steps
         for b in self.buckets:
             for s, t in b.pieces:
                 name = b.params[s.param][0]
-                if b.mixed:
+                if b.mixed or self.sharded_masters:
                     t.copy_(self._piece_of(b, s, full[name]["param"], shard))
                 if "exp_avg" in full[name]:
                     optimizer.state[t] = {"step": torch.tensor(float(steps)),
@@ -275,3 +303,14 @@ class ZeroSync:
         """Segment ``s`` of a full-size tensor ``x`` of its parameter, in the bucket's layout."""
         local = x if b.mixed else shard(x, b.params[s.param][0])
         return local.reshape(-1)[s.start:s.stop].to(self.device)
+
+
+def _to_main_grad(p: torch.Tensor) -> None:
+    """Post-accumulate hook of a 16-bit parameter: add its gradient to the fp32 ``main_grad`` (the
+    sum over micro-batches stays fp32, as with fp32 parameters under autocast) and drop it."""
+    g = p.grad.float()  # type: ignore[union-attr]
+    if p.main_grad is None:  # type: ignore[attr-defined]
+        p.main_grad = g if g is not p.grad else g.clone()  # type: ignore[attr-defined]
+    else:
+        p.main_grad.add_(g)  # type: ignore[attr-defined]
+    p.grad = None

@@ -22,7 +22,8 @@ Precision (Adam, bytes per parameter on this device): fp32 keeps fp32 weights (4
 two moments (8). bf16-mixed keeps bf16 compute copies of the weights (2, what autocast's weight cache
 holds in hethub's runtime), fp32 master weights (4, the module's parameters), fp32 gradients (4:
 gradients land on the fp32 parameters, as Megatron's default fp32 gradient accumulation) and two
-fp32 moments (8): 18 in all.
+fp32 moments (8): 18 in all. Under ZeRO-1 (:func:`sharded_memory`) a mixed-precision device stores
+the parameters themselves in 16 bits (2) and keeps masters and moments for its owned slice only.
 """
 
 from __future__ import annotations
@@ -205,18 +206,27 @@ def stage_memory(
 def sharded_memory(mem: StageMemory, *, moment_elems: float, master_elems: float, precision: str,
                    kind: DeviceKind | None) -> StageMemory:
     """``mem`` (a stage's unsharded memory) under ZeRO-1 (``runtime/zero.py``, shard sizes from
-    ``predict/sharding.py``): the device keeps AdamW moments for ``moment_elems`` elements only, plus
-    an fp32 master copy of the ``master_elems`` of them that lie in a bucket whose holders differ in TP
-    degree (it may not hold those parameters). The fp32 parameters stay whole (they are the masters of
-    everything else, and what autocast computes from), so ``master_weights`` is not sharded. The
-    optimizer step's scratch shrinks with the slice (multi-tensor AdamW on accelerators); on CPU it
-    runs piece by piece, at most the slice."""
+    ``predict/sharding.py``): the device keeps AdamW moments for ``moment_elems`` elements only, and
+    their fp32 master copies (:func:`sharded_master_bytes`). The optimizer step's scratch shrinks with
+    the slice (multi-tensor AdamW on accelerators); on CPU it runs piece by piece, at most the slice."""
     per = state_bytes_per_param(precision)
     gpu_like = kind is not None and kind.device_type != "cpu"
     step_tmp = moment_elems * 4 if gpu_like else min(mem.optimizer_temporaries_bytes, moment_elems * 4 * 2)
     return replace(mem, optimizer_bytes=moment_elems * per["optimizer"],
-                   master_weights_bytes=mem.master_weights_bytes + master_elems * 4,
+                   master_weights_bytes=sharded_master_bytes(precision, moment_elems=moment_elems,
+                                                             master_elems=master_elems),
                    optimizer_temporaries_bytes=step_tmp)
+
+
+def sharded_master_bytes(precision: str, *, moment_elems: float, master_elems: float) -> float:
+    """fp32 master bytes a ZeRO-1 rank keeps (``runtime/zero.py``). In mixed precision the parameters
+    are stored in the compute dtype and every owned element has its master (``moment_elems``): the
+    masters are sharded with the moments. In fp32 the parameters are their own masters; only the
+    ``master_elems`` owned in buckets whose holders differ in TP degree (the rank may not hold those
+    parameters) get a copy."""
+    if state_bytes_per_param(precision)["master_weights"]:
+        return moment_elems * 4
+    return master_elems * 4
 
 
 def _largest_tensor(model: ModelSpec, *, embedding: bool, head: bool, tp: int, vtp: int) -> float:
