@@ -117,3 +117,26 @@ def test_planner_shards_where_the_freed_memory_pays() -> None:
     assert float(m[3]) > 1.01
     assert predict(r.plan).step_time_s == r.prediction.step_time_s  # the plan records its sharding
     assert Plan.from_dict(json.loads(r.plan.to_json())).optimizer_sharding == "zero1"
+
+
+def test_sharded_choice_includes_the_unsharded_layouts(plan: Plan) -> None:
+    # The sharded search's result is replaced by the best unsharded layout, sharded as it is (stages'
+    # recomputation chosen again), whenever that one is predicted faster.
+    from hethub.search.planner import PlanResult, _with_unsharded_layouts
+
+    unsharded = replace(plan, optimizer_sharding="none")
+    base_pred = predict(unsharded)
+    base = PlanResult(plan=unsharded, prediction=base_pred, search_time_s=0.0, upper_bound_tokens_per_s=1.0,
+                      efficiency=0.0, alternatives=((unsharded, base_pred),), notes=())
+    slow = replace(base_pred, step_time_s=1e9)
+    zero = replace(base, plan=replace(plan, optimizer_sharding="zero1"), prediction=slow,
+                   alternatives=((plan, slow),))
+    cfg = PlannerConfig(global_batch=64, seq_len=2048, optimizer_sharding="zero1")
+    got = _with_unsharded_layouts(zero, base, config=cfg, profiles=None, host=None)
+    assert got.plan.optimizer_sharding == "zero1" and got.prediction.step_time_s < 1e9
+    assert got.prediction.step_time_s == predict(got.plan).step_time_s
+    assert [p.num_micro_batches for p in got.plan.pipelines] == [p.num_micro_batches for p in plan.pipelines]
+    # Not replaced when the sharded search's plan is faster.
+    fast = replace(base_pred, step_time_s=1e-9)
+    assert _with_unsharded_layouts(replace(zero, prediction=fast), base, config=cfg, profiles=None,
+                                   host=None).prediction is fast
