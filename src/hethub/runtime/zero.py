@@ -23,8 +23,8 @@ One step:
    it keeps an fp32 master copy of it. In mixed precision (bf16/fp16, as Megatron's distributed
    optimizer) every piece is an fp32 master copy, the rank's parameters are stored in the compute
    dtype, and gradients accumulate over micro-batches in an fp32 ``main_grad`` beside each
-   parameter (a post-accumulate hook moves each 16-bit gradient there): the master weights are
-   sharded with the moments;
+   parameter (a tensor hook adds each 16-bit gradient there): the master weights are sharded with
+   the moments;
 4. updated slices are all-gathered (padded) and copied into every member's parameters, in the
    members' parameter dtype when they all store the same one (bf16: half the bytes), else fp32.
 
@@ -35,6 +35,7 @@ micro-batches before any sync, so sharding them would not lower the step's peak.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,7 +119,11 @@ class ZeroSync:
             for p in self.params:
                 p.data = p.data.to(self.param_dtype)
                 p.main_grad = None  # type: ignore[attr-defined]
-                p.register_post_accumulate_grad_hook(_to_main_grad)
+                # A tensor hook sees every gradient reaching the parameter, also those of ZB-H1's split
+                # weight pass (torch's stage_backward_weight adds them to .grad by hand, past any
+                # accumulate hook); the ordinary backward's 16-bit .grad is then dropped at once.
+                p.register_hook(functools.partial(_to_main_grad, p))
+                p.register_post_accumulate_grad_hook(_drop_grad)
 
     # ---- layout ---------------------------------------------------------------------------------
     def _layout_shape(self, p: torch.Tensor, dim: int | None) -> tuple[int, ...]:
@@ -305,12 +310,15 @@ class ZeroSync:
         return local.reshape(-1)[s.start:s.stop].to(self.device)
 
 
-def _to_main_grad(p: torch.Tensor) -> None:
-    """Post-accumulate hook of a 16-bit parameter: add its gradient to the fp32 ``main_grad`` (the
-    sum over micro-batches stays fp32, as with fp32 parameters under autocast) and drop it."""
-    g = p.grad.float()  # type: ignore[union-attr]
+def _to_main_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Tensor hook of a 16-bit parameter: add this gradient to the fp32 ``main_grad`` (the sum over
+    micro-batches stays fp32, as with fp32 parameters under autocast)."""
     if p.main_grad is None:  # type: ignore[attr-defined]
-        p.main_grad = g if g is not p.grad else g.clone()  # type: ignore[attr-defined]
+        p.main_grad = grad.float() if grad.dtype != torch.float32 else grad.clone()  # type: ignore[attr-defined]
     else:
-        p.main_grad.add_(g)  # type: ignore[attr-defined]
+        p.main_grad.add_(grad)  # type: ignore[attr-defined]
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    """The 16-bit gradient, already in ``main_grad``, is not kept."""
     p.grad = None
