@@ -138,3 +138,24 @@ def test_mixed_precision_shards_the_fp32_masters() -> None:
     plan = make_plan([(2, 3, [(F, 2, 3), (F, 1, 3)]), (2, 1, [(S, 1, 2), (S, 1, 4)])], schedule="zb-h1")
     res = check(zero1(replace(plan, precision="bf16-mixed")), tol=MIXED_TOL)
     assert all(r["masters"] == len(r["names"]) for r in res)
+
+
+def _refresh_worker(rank: int, plan: Plan) -> dict:
+    comm = make_communicator(plan=plan, rank=rank, timeout=TIMEOUT)
+    trainer = Trainer(plan, rank=rank, comm=comm,
+                      cfg=TrainerConfig(optim=OPTIM, precision=plan.precision, cpu_autocast=True))
+    zero = trainer.zero
+    assert zero is not None
+    with torch.no_grad():  # as --init-from's load_stage does: new weights copied into the parameters
+        for name, p in trainer.model.named_parameters():
+            p.fill_(0.25 + 0.125 * (sum(map(ord, name)) % 4))
+    zero.refresh_masters()
+    got = {n: st["param"] for n, st in zero.gather_state(trainer.optimizer).items()}
+    return {n: bool(torch.equal(got[n], p.detach().float())) for n, p in trainer.model.named_parameters()}
+
+
+def test_masters_follow_weights_loaded_after_start() -> None:
+    # Holders of different TP degrees (masters built through the line's all-reduce) and same-TP ones.
+    plan = zero1(replace(make_plan([(2, 2, [(F, 1, 3), (F, 2, 3)]), (2, 2, [(S, 1, 6)])]), precision="bf16-mixed"))
+    for r in run_ranks(plan.world_size, _refresh_worker, plan):
+        assert r and all(r.values()), r

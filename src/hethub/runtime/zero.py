@@ -166,19 +166,11 @@ class ZeroSync:
                 if lo < hi:
                     b.segs.append(_Seg(param=i, start=lo - flat, stop=hi - flat, member=j, pos=lo - off))
             flat += n
-        mine = [s for s in b.segs if s.member == b.me]
-        if b.mixed:  # collective over the line: every member joins, owner of elements or not
-            # Masters of elements this rank may not hold: the full values, summed from the first holder's ranks.
-            full = torch.cat([self._to_layout(b, i, p.detach(), first_holder_only=True).reshape(-1)
-                              for i, (_, p, _) in enumerate(b.params)])
-            self.comm.all_reduce(full, group=b.line)
-        starts = block_starts(numels)
-        for s in mine:
+        values = self._master_values(b)
+        for s in (s for s in b.segs if s.member == b.me):
             name, p, dim = b.params[s.param]
-            if b.mixed:
-                t = full[starts[s.param] + s.start:starts[s.param] + s.stop].clone()
-            elif self.sharded_masters:
-                t = p.data.view(-1)[s.start:s.stop].float().clone()
+            if values is not None:
+                t = values(s).clone()
             else:
                 assert p.is_contiguous(), name
                 t = p.data.view(-1)[s.start:s.stop]  # the parameter is the master: a view, no copy
@@ -186,6 +178,30 @@ class ZeroSync:
             self.pieces.append((name, t, p.ndim >= 2))
             if b.mixed or dim is not None or self.tp_rank == 0:
                 self._counted.append(t)
+
+    def _master_values(self, b: _Bucket) -> Any:
+        """segment -> its fp32 values from the parameters, for pieces kept as master copies (None where
+        a piece is a view of the parameter). Collective over the line for a mixed bucket: masters of
+        elements this rank may not hold are the full values, summed from the first holder's ranks."""
+        if b.mixed:
+            full = torch.cat([self._to_layout(b, i, p.detach().float(), first_holder_only=True).reshape(-1)
+                              for i, (_, p, _) in enumerate(b.params)])
+            self.comm.all_reduce(full, group=b.line)
+            starts = block_starts([int(torch.Size(x).numel()) for x in b.shapes])
+            return lambda s: full[starts[s.param] + s.start:starts[s.param] + s.stop]
+        if self.sharded_masters:
+            return lambda s: b.params[s.param][1].detach().reshape(-1)[s.start:s.stop].float()
+        return None
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Collective: set the master copies from the parameters again, after weights were loaded into
+        the model (``--init-from``); views need nothing."""
+        for b in self.buckets:
+            values = self._master_values(b)
+            if values is not None:
+                for s, t in b.pieces:
+                    t.copy_(values(s))
 
     # ---- the step ---------------------------------------------------------------------------------
     def sync(self, *, global_samples: int) -> None:
