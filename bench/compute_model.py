@@ -1,15 +1,25 @@
 """Leave-one-model-out check of the operator-level compute model on Sailor's measured GPU profiles.
 
 For every (GPU, model, micro-batch size, TP) entry of ../shared/reference/sailor/profiles, the
-decoder layer's forward + backward time is predicted by predict/opmodel.py with the kind's numbers
-fitted on the OTHER models measured on that GPU (predict/calibrate.py), and compared with the
-measurement. A GPU with no other model measured gets the median of the other GPUs' fits (also
-without the held-out model) on top of its datasheet numbers. Sailor's TP > 1 entries were measured
-on real TP groups, so their all-reduces are in the times: the bench adds them (ring all-reduce at
-Sailor's measured intra-node bandwidth, intra_node_bandwidths.json).
+decoder layer's forward + backward time is predicted by predict/opmodel.py with numbers fitted on
+the OTHER models only (predict/calibrate.py), and compared with the measurement. Each layer's op
+list is the one Sailor's Megatron-DeepSpeed code runs for its family (SAILOR_CODE below; shapes as
+its profiler profile_all.py passes them). Fitted per GPU: the GEMM efficiency of each math mode,
+the K half-saturation, the host's time per kernel and the TP all-reduce scale; the memory-bound
+kernels' share of DRAM bandwidth is ONE number for all GPUs (calibrate.fit_shared_mem_eff says
+why), fitted in each fold without the held-out model. A GPU with no other model measured
+(RTX-2080, RTX-3090, Titan-RTX: OPT-350 only) is predicted analytically, uncalibrated on itself:
+its datasheet peaks and bandwidth times the median of the other GPUs' fitted fractions; its
+entries are reported apart as well as in the total. Sailor's TP > 1 entries were measured on real
+TP groups, so their all-reduces are in the times: the bench adds them (ring all-reduce at Sailor's
+measured intra-node bandwidth, intra_node_bandwidths.json, times the fitted scale).
 
-Math mode per profile file: where the measured layer reaches more FLOP/s than the kind's non-tensor
-fp32 peak, the file ran fp32 matmuls on TF32 tensor cores; else on the fp32 units.
+Math mode per profile file: where the measured layer is faster than an ideal fp32 layer can be,
+the file ran its matmuls on TF32 tensor cores (Sailor's Dockerfile uses an NGC PyTorch container,
+nvcr.io/nvidia/pytorch:24.10, where cuBLAS TF32 is on by default); else on the fp32 units.
+
+Data defects are reported and kept out of the fit and of the headline figures: a profile file
+byte-identical to another model's on the same GPU whose layer count is not its model's is a copy.
 
 Run: PYTHONPATH=src python bench/compute_model.py [--fit-all] (--fit-all: print the fit on all models
 per GPU, the numbers the catalog carries).
@@ -34,26 +44,47 @@ from hethub.predict.calibrate import (
     DEFAULT_MEM_EFF,
     Fit,
     Sample,
-    fit_kind,
+    fit_shared_mem_eff,
     predicted_layer_s,
 )
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.gemm import KernelParams
-from hethub.predict.opmodel import Shape
+from hethub.predict.opmodel import Recipe, Shape
 from hethub.spec.cluster import Link, catalog
 from hethub.spec.model import PRESETS, ModelSpec
 
 REF = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "sailor"
-# Sailor's model shapes (training_config_*.json, llm_info.json): GPT-Neo with 32 heads of 80 and a
-# padded vocabulary; Sailor's "LLAMA-3-8" is multi-head (32 KV heads) with a gated FFN of 16384.
+# Sailor's model shapes as its profiler ran them (third_party/Megatron-DeepSpeed/profile_all.py): GPT-Neo
+# with 20 heads of 128 (training_config_gpt_neo27.json says 32 of 80; the profiler passes 20), sequence
+# 2048; "LLAMA-3-8" multi-head (32 KV heads), no --swiglu, so Megatron's FFN default 4h = 16384 for gate
+# and up each (llm_info.json's 268.5M parameters per layer confirm it), sequence 8192.
 MODELS: dict[str, tuple[ModelSpec, int]] = {
     "OPT-350": (PRESETS["opt-350m"], 2048),
-    "GPT-Neo-2.7": (ModelSpec(name="sailor-gpt-neo-2.7", num_layers=32, hidden_size=2560, num_heads=32,
-                              num_kv_heads=32, ffn_hidden_size=10240, vocab_size=50304, max_seq_len=2048,
+    "GPT-Neo-2.7": (ModelSpec(name="sailor-gpt-neo-2.7", num_layers=32, hidden_size=2560, num_heads=20,
+                              num_kv_heads=20, ffn_hidden_size=10240, vocab_size=50304, max_seq_len=2048,
                               arch="gpt", activation="gelu", tied_embeddings=True), 2048),
     "OPT-30": (PRESETS["opt-30b"], 2048),
     "LLAMA-3-8": (ModelSpec(name="sailor-llama-3-8", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
                             ffn_hidden_size=16384, vocab_size=50304, max_seq_len=8192), 8192),
+}
+# What Sailor's Megatron-DeepSpeed code runs per family (third_party/Megatron-DeepSpeed/megatron/model/
+# {opt,gpt_neo,llama}_model.py; profile_all.py runs them without --fp16/--bf16, so the masked-softmax
+# fusion (16-bit only) is off and scores are masked by masked_fill_ with a bool mask, then soft-maxed).
+# OPT: fused LayerNorm, QKV bias added, q/k/v read strided, no scale (norm_factor 1), no dropout (its
+# dropout calls are commented out), attention-out and MLP biases skipped (skip_bias_add, discarded).
+# GPT-Neo: the same with torch LayerNorm, GeLU and residual dropout 0.1 after attention-out and the MLP
+# (attn_dropout defined, never applied; the local-attention mask is built but unused: every layer dense).
+# Llama: Python RMSNorm and rotary, q/k/v copied after rotary, scores scaled by a separate pass (query-
+# key layer scaling is on by default, --no-query-key-layer-scaling turns it off), gate and up as two
+# GEMMs, then gate * up and SiLU as two kernels, no dropout.
+_MEGATRON = Recipe(qkv_bias=True, qkv_layout="strided", mask_bytes=1)
+SAILOR_CODE = {
+    "OPT-350": dict(recipe=_MEGATRON, dropout=False, attn_dropout=False),
+    "OPT-30": dict(recipe=_MEGATRON, dropout=False, attn_dropout=False),
+    "GPT-Neo-2.7": dict(recipe=_MEGATRON, dropout=True, attn_dropout=False),
+    "LLAMA-3-8": dict(recipe=Recipe(norm="python-rms", qkv_bias=True, qkv_layout="copy-after-rotary", rotary="python",
+                                    score_scale=True, mask_bytes=1, mlp="mul-then-act", gated_split=True),
+                      dropout=False, attn_dropout=False),
 }
 ELEM_BYTES = 4  # Sailor profiled fp32 (Megatron-DeepSpeed fp32 runs; TF32 where the GPU has it)
 
@@ -104,10 +135,7 @@ def samples_of(profiles: dict, bws: dict) -> dict[tuple[str, str], list[Sample]]
             for tp, layers in by_tp.items():
                 fwd, bwd, _ = layers["2"]
                 shape = Shape.of(spec, mbs=int(mbs), seq_len=seq, tp=int(tp), elem_bytes=ELEM_BYTES,
-                                 attention="math")
-                if model == "GPT-Neo-2.7":
-                    # Sailor's GPTNeoParallelAttention defines attn_dropout but never applies it.
-                    shape = replace(shape, attn_dropout=False)
+                                 attention="math", **SAILOR_CODE[model])
                 rows.append((shape, fwd + bwd, allreduce_fn(gpu, int(tp), bws), f"{mbs}/{tp}"))
         # Math mode of the file: faster than an ideal fp32 layer (every GEMM at the non-tensor fp32
         # peak, memory at full bandwidth, no launch cost) can be, by a margin (10%) beyond the model's own
@@ -120,36 +148,56 @@ def samples_of(profiles: dict, bws: dict) -> dict[tuple[str, str], list[Sample]]
     return out
 
 
-def median_fit(fits: list[Fit]) -> Fit:
+def median_fit(fits: list[Fit], *, mem_eff: float) -> Fit:
+    """A GPU measured on no other model: the median of the other GPUs' fitted fractions (of their own
+    datasheet peaks), the shared memory efficiency."""
     modes = {m for f in fits for m in f.gemm_eff}
     return Fit({m: statistics.median(f.gemm_eff[m] for f in fits if m in f.gemm_eff) for m in modes},
-               statistics.median(f.k_half for f in fits), statistics.median(f.mem_eff for f in fits),
+               statistics.median(f.k_half for f in fits), mem_eff,
                statistics.median(f.launch_s for f in fits), statistics.median(f.comm_scale for f in fits))
 
 
-def lacking(gpu: str, model: str, s: Sample, err: float, *, dup: dict, own: bool, calibrated_mode: bool,
-            tp1_err: dict[int, float], family_errs: list[float]) -> str:
+def lacking(s: Sample, err: float, *, own: bool, tp1_err: dict[int, float], file_errs: list[float],
+            tp1_fwd_s: dict[int, float], fwd_s: float) -> str:
     """Which mechanism the model lacks for an entry outside 15%, reasoned from the data: the entry's
-    TP=1 sibling (same micro-batch) and the spread of the errors over the whole (GPU, model) file."""
-    if (gpu, model) in dup:
-        return f"data: this file is a copy of {dup[(gpu, model)]}'s on {gpu} (not a {model} measurement)"
+    TP=1 sibling (same micro-batch), the file's median error, and how the measured forward falls with TP."""
     if not own:
-        return ("calibration: no other model was measured on this GPU, so its numbers are other GPUs' "
-                "(consumer parts, other clocks and PCIe TP collectives differ)")
-    if not calibrated_mode:
-        return f"calibration: no other model ran {s.mode} on this GPU; its GEMM efficiency is assumed"
+        return ("calibration: analytic, uncalibrated on this GPU (no other model measured on it): its numbers are "
+                "other GPUs' fractions of peak (consumer clocks, PCIe TP collectives through the host differ)")
     base = tp1_err.get(s.shape.tokens)
     if s.shape.tp > 1 and base is not None and abs(base) <= 0.15:
+        t1 = tp1_fwd_s.get(s.shape.tokens)
+        if err < 0 and t1 and fwd_s > 0.5 * t1:
+            return (f"host-bound TP layer: TP={s.shape.tp} cuts the measured forward only to {fwd_s / t1:.2f}x of "
+                    "TP=1 (compute alone would give about 1/TP): the per-layer host and synchronisation cost of "
+                    "a TP group (Python, NCCL launches, waiting for the slowest rank) is not modelled")
         return (f"TP collectives: the TP=1 entry of this micro-batch is within 15% ({base * 100:+.0f}%), so the "
-                "measured all-reduce cost differs from a ring at Sailor's bandwidth x the fitted scale")
-    offset = statistics.median(family_errs)
+                "measured all-reduce cost differs from a ring at Sailor's bandwidth x the GPU's one fitted scale")
+    offset = statistics.median(file_errs)
     if abs(offset) > 0.15 and (err > 0) == (offset > 0):
-        return (f"model-specific kernels: this file's median error is {offset * 100:+.0f}%, so this model's "
-                "implementation (attention score passes, unfused norms/rotary, dropout) costs a different "
-                "constant than the models fitted on")
+        return (f"model-specific: this file's median error is {offset * 100:+.0f}%, so this model's kernels cost a "
+                "different share than on the models fitted on")
     if err > 0:
         return "shape: measured faster than the tile/K-saturation model allows for this shape"
     return "shape: measured slower than the model for this shape (launch-bound small kernels or memory stalls)"
+
+
+def fold(held: str | None, samples: dict, by_gpu: dict, dup: dict) -> tuple[float, dict[str, Fit]]:
+    """Fit every GPU on its models other than `held` (None: on all), with one shared memory efficiency."""
+    groups = {}
+    for g, models in by_gpu.items():
+        train = [s for m in models if m != held and (g, m) not in dup for s in samples[(g, m)]]
+        if train:
+            base, peaks = base_params(g)
+            groups[g] = (train, base, peaks)
+    return fit_shared_mem_eff(groups)
+
+
+def summary(name: str, errs: list[float]) -> str:
+    if not errs:
+        return f"{name}: no entries"
+    return (f"{name}: {len(errs)} entries, median |err| {statistics.median(errs) * 100:.1f}% (target <= 5%), "
+            f"max {max(errs) * 100:.1f}% (target <= 15%), within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}")
 
 
 def main() -> int:
@@ -162,62 +210,73 @@ def main() -> int:
     profiles, bws, dup = load()
     samples = samples_of(profiles, bws)
     gpus = sorted({g for g, _ in samples})
-    by_gpu = defaultdict(list)
-    for g, m in samples:
+    by_gpu: dict[str, list[str]] = defaultdict(list)
+    for g, m in sorted(samples):
         by_gpu[g].append(m)
+    for (g, m), twin in sorted(dup.items()):
+        print(f"DATA DEFECT, EXCLUDED from every fit and from the headline figures: {m}/{g}/profile.json is "
+              f"byte-identical to {twin}/{g}/profile.json and has {twin}'s layer count, not {m}'s: it is not a "
+              f"{m} measurement ({len(samples[(g, m)])} entries).")
     if args.fit_all:
+        mem_eff, fits = fold(None, samples, by_gpu, dup)
+        print(f"shared mem_eff={mem_eff:.3f}")
         for g in gpus:
-            base, peaks = base_params(g)
-            train = [s for m in by_gpu[g] if (g, m) not in dup for s in samples[(g, m)]]
-            f = fit_kind(train, base=base, peaks=peaks)
+            f = fits[g]
             print(f"{g:10s} gemm_eff={ {k: round(v, 3) for k, v in f.gemm_eff.items()} } k_half={f.k_half:.0f} "
-                  f"mem_eff={f.mem_eff:.3f} launch_s={f.launch_s * 1e6:.1f}us comm_scale={f.comm_scale:.2f} "
+                  f"launch_s={f.launch_s * 1e6:.1f}us comm_scale={f.comm_scale:.2f} "
                   f"models={sorted(m for m in by_gpu[g] if (g, m) not in dup)}")
         return 0
-    models = sorted({m for _, m in samples})
-    errors, clean = [], []
+    errors: dict[str, list[float]] = defaultdict(list)  # by GPU, without data defects
+    own_errs, xfer_errs, defect_errs = [], [], []
     reasons: dict[str, int] = defaultdict(int)
     print(f"{'gpu':10s} {'model':12s} {'mode':5s} {'mbs/tp':>7s} {'measured_ms':>11s} {'predicted_ms':>12s} "
           f"{'err':>7s}  calibration / missing mechanism")
-    for held in models:
-        fits: dict[str, Fit] = {}
-        for g in gpus:
-            train = [s for m in by_gpu[g] if m != held and (g, m) not in dup for s in samples[(g, m)]]
-            if train:
-                base, peaks = base_params(g)
-                fits[g] = fit_kind(train, base=base, peaks=peaks)
+    for held in sorted({m for _, m in samples}):
+        mem_eff, fits = fold(held, samples, by_gpu, dup)
         for g in gpus:
             if (g, held) not in samples:
                 continue
             base, peaks = base_params(g)
             own = g in fits
-            fit = fits[g] if own else median_fit([f for gg, f in fits.items() if gg != g])
+            fit = fits[g] if own else median_fit([f for gg, f in fits.items() if gg != g], mem_eff=mem_eff)
+            rows = samples[(g, held)]
             preds = [predicted_layer_s(s, fit.params(base, s.mode, peaks[s.mode]), comm_scale=fit.comm_scale)
-                     for s in samples[(g, held)]]
-            errs = [p / s.measured_s - 1 for p, s in zip(preds, samples[(g, held)], strict=True)]
-            tp1 = {s.shape.tokens: e for s, e in zip(samples[(g, held)], errs, strict=True) if s.shape.tp == 1}
-            for s, pred, err in zip(samples[(g, held)], preds, errs, strict=True):
-                errors.append(abs(err))
-                if (g, held) not in dup:
-                    clean.append(abs(err))
-                note = (f"fit on {', '.join(m for m in sorted(by_gpu[g]) if m != held and (g, m) not in dup)}"
-                        if own else "no other model on this GPU: median of the other GPUs' fits")
-                if own and s.mode not in fit.gemm_eff:
-                    note += f"; {s.mode} efficiency uncalibrated (no other model ran {s.mode})"
-                if abs(err) > 0.15:
-                    why = lacking(g, held, s, err, dup=dup, own=own, tp1_err=tp1,
-                                  calibrated_mode=s.mode in fit.gemm_eff, family_errs=errs)
-                    reasons[why.split(":")[0]] += 1
-                    note += " | OUTSIDE 15%: " + why
+                     for s in rows]
+            errs = [p / s.measured_s - 1 for p, s in zip(preds, rows, strict=True)]
+            tp1 = {s.shape.tokens: e for s, e in zip(rows, errs, strict=True) if s.shape.tp == 1}
+            fwd = {(s.shape.tokens, s.shape.tp): profiles[(g, held)][s.label.split("/")[0]][str(s.shape.tp)]["2"][0]
+                   for s in rows}
+            tp1_fwd = {t: v for (t, tp), v in fwd.items() if tp == 1}
+            defect = (g, held) in dup
+            note = (f"fit on {', '.join(m for m in by_gpu[g] if m != held and (g, m) not in dup)}, "
+                    f"shared mem_eff {mem_eff:.2f}" if own else
+                    "analytic, uncalibrated on this GPU: median of the other GPUs' fitted fractions of peak")
+            if own and rows[0].mode not in fit.gemm_eff:
+                note += f"; {rows[0].mode} efficiency assumed (no other model ran {rows[0].mode} here)"
+            for s, pred, err in zip(rows, preds, errs, strict=True):
+                if defect:
+                    defect_errs.append(abs(err))
+                    why = f" | EXCLUDED (data defect: a copy of {dup[(g, held)]}'s file)"
+                else:
+                    errors[g].append(abs(err))
+                    (own_errs if own else xfer_errs).append(abs(err))
+                    why = ""
+                    if abs(err) > 0.15:
+                        why = lacking(s, err, own=own, tp1_err=tp1, file_errs=errs, tp1_fwd_s=tp1_fwd,
+                                      fwd_s=fwd[(s.shape.tokens, s.shape.tp)])
+                        reasons[why.split(":")[0]] += 1
+                        why = " | OUTSIDE 15%: " + why
                 print(f"{g:10s} {held:12s} {s.mode:5s} {s.label:>7s} {s.measured_s * 1e3:11.3f} {pred * 1e3:12.3f} "
-                      f"{err * 100:+6.1f}%  {note}")
-    def summary(name: str, errs: list[float]) -> None:
-        print(f"{name}: {len(errs)} entries, median |err| {statistics.median(errs) * 100:.1f}% "
-              f"(target <= 5%), max {max(errs) * 100:.1f}% (target <= 15%), "
-              f"within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}")
+                      f"{err * 100:+6.1f}%  {note}{why}")
+    every = [e for g in gpus for e in errors[g]]
     print()
-    summary("all entries", errors)
-    summary("without files that copy another model's profile", clean)
+    print(summary("HEADLINE, all entries without data defects", every))
+    print(summary("  calibrated on their own GPU's other models", own_errs))
+    print(summary("  analytic, uncalibrated on their GPU (RTX-2080/3090/Titan-RTX: one model only)", xfer_errs))
+    if defect_errs:
+        print(summary("  (excluded data defects, for information)", defect_errs))
+    print("per GPU: " + "; ".join(f"{g} median {statistics.median(errors[g]) * 100:.1f}% max "
+                                  f"{max(errors[g]) * 100:.1f}%" for g in gpus if errors[g]))
     print("entries outside 15% by what the model lacks: "
           + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])))
     return 0

@@ -94,3 +94,37 @@ def test_selective_recomputation_adds_the_attention_core_forward(kind_name):
     r_none, r_sel = (stage_times(m, plain, recompute=rc, **kw) for rc in ("none", "selective"))
     core = m.attention_core_fwd_flops(tokens=4096, seq_len=4096) / 2 / plain.effective_flops
     assert r_sel.bwd_s - r_none.bwd_s == pytest.approx(4 * core)
+
+
+def test_recipe_names_the_runtimes_kernels():
+    from hethub.predict.opmodel import Recipe
+
+    m = _llama(2048)
+    plain = Shape.of(m, mbs=1, seq_len=2048, tp=1, elem_bytes=4, attention="math")
+    megatron = Shape.of(m, mbs=1, seq_len=2048, tp=1, elem_bytes=4, attention="math",
+                        recipe=Recipe(norm="python-rms", qkv_layout="strided", rotary="python", score_scale=True))
+    (pf, pb), (mf, mb) = layer_ops(plain), layer_ops(megatron)
+    kernels = lambda ops: sum(1 for op in ops if op[0] != "mem" or op[1] > 0)  # noqa: E731
+    # Python RMSNorm (6 kernels each, twice) and rotary (5 per tensor) instead of one fused kernel each,
+    # a scaling pass, but no copy of q, k, v (read strided): more kernels, the same GEMMs.
+    assert kernels(mf) == kernels(pf) + 2 * 5 + (10 - 1) + 1 - 1
+    assert [op for op in mf if op[0] == "gemm"] == [op for op in pf if op[0] == "gemm"]
+    assert op_flops(mb) == pytest.approx(op_flops(pb))
+    assert sum(op[1] for op in mb if op[0] == "mem") > sum(op[1] for op in pb if op[0] == "mem")
+
+
+def test_shared_memory_efficiency_is_recovered_across_models():
+    from hethub.predict.calibrate import fit_shared_mem_eff
+
+    truth = KernelParams(sm_count=108, matmul_flops=1.5e14, mem_bw_bytes_per_s=1.5e12, gemm_eff=0.6, k_half=64.0,
+                         mem_eff=0.55, launch_s=1e-5)
+    samples = []
+    for h, heads in ((1024, 16), (4096, 32)):  # two models: GEMM and memory shares differ between them
+        m = ModelSpec(name=f"h{h}", num_layers=1, hidden_size=h, num_heads=heads, num_kv_heads=heads,
+                      ffn_hidden_size=4 * h, vocab_size=32000, max_seq_len=2048)
+        for mbs in (1, 4):
+            shape = Shape.of(m, mbs=mbs, seq_len=2048, tp=1, elem_bytes=4, attention="math")
+            samples.append(Sample(shape, "tf32", predicted_layer_s(Sample(shape, "tf32", 1.0), truth)))
+    mem_eff, fits = fit_shared_mem_eff({"k": (samples, truth, {"tf32": 1.5e14})})
+    assert mem_eff == pytest.approx(0.55, rel=0.1)
+    assert fits["k"].gemm_eff["tf32"] == pytest.approx(0.6, rel=0.1)

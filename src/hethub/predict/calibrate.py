@@ -9,18 +9,19 @@ same whatever its size; Nelder-Mead in log-parameter space, no dependencies.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from hethub.predict.gemm import KernelParams
-from hethub.predict.opmodel import Shape, layer_ops, phase_time_s
+from hethub.predict.gemm import KernelParams, wave_utilisation
+from hethub.predict.opmodel import Shape, layer_ops
 
 # Starting point and the values an uncalibrated kind uses (assumed: mid-range of what the fits on
 # Sailor's A100/V100/GH200 profiles give; docs/predictor.md lists them).
 DEFAULT_GEMM_EFF = 0.8
 DEFAULT_K_HALF = 64.0
-DEFAULT_MEM_EFF = 0.7
+DEFAULT_MEM_EFF = 0.57  # the one memory efficiency fitted for all GPUs (calibrate.fit_shared_mem_eff)
 DEFAULT_LAUNCH_S = 10e-6
 
 
@@ -36,15 +37,48 @@ class Sample:
 
 
 def predicted_layer_s(sample: Sample, params: KernelParams, *, comm_scale: float = 1.0) -> float:
-    """Forward + backward of the sample's layer; its all-reduces (if any) scaled by `comm_scale`."""
-    fwd, bwd = layer_ops(sample.shape)
-    e = sample.shape.elem_bytes
-    ar = sample.allreduce_s
-    if ar is not None and comm_scale != 1.0:
-        def ar(nbytes: float, _f: Callable[[float], float] = sample.allreduce_s) -> float:  # type: ignore[misc]
-            return comm_scale * _f(nbytes)
-    return (phase_time_s(fwd, params, elem_bytes=e, allreduce_s=ar)
-            + phase_time_s(bwd, params, elem_bytes=e, allreduce_s=ar))
+    """Forward + backward of the sample's layer; its all-reduces (if any) scaled by `comm_scale`.
+    Same arithmetic as opmodel.phase_time_s, on the sample's operators compiled once (the fit calls
+    this thousands of times)."""
+    return sum(_phase_s(ph, params, comm_scale) for ph in _compiled(sample.shape, sample.allreduce_s,
+                                                                     params.sm_count))
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(shape: Shape, allreduce_s: Callable[[float], float] | None, sm_count: int) -> tuple[tuple, ...]:
+    """Per phase: (0, flops, wave utilisation, K, bytes) per GEMM, (1, bytes) per memory-bound kernel,
+    (2, seconds) per all-reduce."""
+    out = []
+    e = shape.elem_bytes
+    for ops in layer_ops(shape):
+        items: list[tuple] = []
+        for op in ops:
+            if op[0] == "gemm":
+                _, m, n, k, b = op
+                items.append((0, 2.0 * m * n * k * b, wave_utilisation(m=m, n=n, batch=b, sm_count=sm_count), k,
+                              e * (m * k + k * n + m * n) * b))
+            elif op[0] == "mem":
+                if op[1] > 0:
+                    items.append((1, op[1]))
+            elif op[0] == "allreduce" and allreduce_s is not None:
+                items.append((2, allreduce_s(op[1])))
+        out.append(tuple(items))
+    return tuple(out)
+
+
+def _phase_s(items: tuple, p: KernelParams, comm_scale: float) -> float:
+    peak, bw = p.matmul_flops * p.gemm_eff, p.mem_bw_bytes_per_s * p.mem_eff
+    host = gpu = 0.0
+    for it in items:
+        if it[0] == 0:
+            d = max(it[1] * (it[3] + p.k_half) / (peak * it[2] * it[3]), it[4] / bw)
+        elif it[0] == 1:
+            d = it[1] / bw
+        else:
+            d = comm_scale * it[1]
+        host += p.launch_s
+        gpu = max(gpu, host) + d
+    return gpu
 
 
 def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], *, step: float = 0.3,
@@ -103,18 +137,26 @@ class Fit:
 BOUNDS = {"gemm_eff": (0.05, 1.0), "k_half": (1.0, 4096.0), "mem_eff": (0.2, 1.0), "launch_s": (1e-6, 60e-6),
           "comm_scale": (0.3, 5.0)}
 PRIOR_WEIGHT = 0.02
+_DEFAULTS = {"gemm_eff": DEFAULT_GEMM_EFF, "k_half": DEFAULT_K_HALF, "mem_eff": DEFAULT_MEM_EFF,
+             "launch_s": DEFAULT_LAUNCH_S, "comm_scale": 1.0}
 
 
-def fit_kind(samples: Sequence[Sample], *, base: KernelParams, peaks: dict[str, float]) -> Fit:
-    """Least squared log error fit of one kind's numbers on `samples` (all of that kind)."""
+def fit_kind(samples: Sequence[Sample], *, base: KernelParams, peaks: dict[str, float], mem_eff: float | None = None,
+             start: Fit | None = None, iters: int = 600) -> Fit:
+    """Least squared log error fit of one kind's numbers on `samples` (all of that kind).
+
+    ``mem_eff`` given: held at that value (see :func:`fit_shared_mem_eff` for why). ``start``: a
+    previous fit to start from (the search is local; a near start needs fewer iterations)."""
     modes = sorted({s.mode for s in samples})
     comm = any(s.shape.tp > 1 and s.allreduce_s is not None for s in samples)
-    names = [*(("gemm_eff", m) for m in modes), ("k_half", ""), ("mem_eff", ""), ("launch_s", "")]
+    names = [*(("gemm_eff", m) for m in modes), ("k_half", ""), ("launch_s", "")]
+    if mem_eff is None:
+        names.append(("mem_eff", ""))
     if comm:
         names.append(("comm_scale", ""))
-    defaults = {"gemm_eff": DEFAULT_GEMM_EFF, "k_half": DEFAULT_K_HALF, "mem_eff": DEFAULT_MEM_EFF,
-                "launch_s": DEFAULT_LAUNCH_S, "comm_scale": 1.0}
-    x0 = [math.log(defaults[n]) for n, _ in names]
+    prior = [math.log(_DEFAULTS[n]) for n, _ in names]
+    x0 = prior if start is None else [math.log(min(BOUNDS[n][1], max(BOUNDS[n][0], _value(start, n, m))))
+                                      for n, m in names]
 
     def values(x: list[float]) -> list[float]:
         return [min(BOUNDS[n][1], max(BOUNDS[n][0], math.exp(v))) for (n, _), v in zip(names, x, strict=True)]
@@ -123,14 +165,65 @@ def fit_kind(samples: Sequence[Sample], *, base: KernelParams, peaks: dict[str, 
         v = values(x)
         effs = dict(zip(modes, v, strict=False))
         rest = dict(zip((n for n, _ in names[len(modes):]), v[len(modes):], strict=True))
-        return Fit(effs, rest["k_half"], rest["mem_eff"], rest["launch_s"], rest.get("comm_scale", 1.0))
+        return Fit(effs, rest["k_half"], mem_eff if mem_eff is not None else rest["mem_eff"], rest["launch_s"],
+                   rest.get("comm_scale", 1.0))
 
     def loss(x: list[float]) -> float:
-        fit = unpack(x)
-        total = PRIOR_WEIGHT * sum((math.log(v) - x0i) ** 2 for v, x0i in zip(values(x), x0, strict=True))
-        for s in samples:
-            pred = predicted_layer_s(s, fit.params(base, s.mode, peaks[s.mode]), comm_scale=fit.comm_scale)
-            total += math.log(pred / s.measured_s) ** 2
-        return total
+        return sample_loss(samples, unpack(x), base=base, peaks=peaks) + PRIOR_WEIGHT * sum(
+            (math.log(v) - p) ** 2 for v, p in zip(values(x), prior, strict=True))
 
-    return unpack(nelder_mead(loss, x0, iters=600))
+    return unpack(nelder_mead(loss, x0, iters=iters))
+
+
+def _value(fit: Fit, name: str, mode: str) -> float:
+    if name == "gemm_eff":
+        return fit.gemm_eff.get(mode, DEFAULT_GEMM_EFF)
+    return getattr(fit, name)
+
+
+def sample_loss(samples: Sequence[Sample], fit: Fit, *, base: KernelParams, peaks: dict[str, float]) -> float:
+    """Sum of squared log errors of `fit` on `samples`."""
+    return sum(math.log(predicted_layer_s(s, fit.params(base, s.mode, peaks[s.mode]), comm_scale=fit.comm_scale)
+                        / s.measured_s) ** 2 for s in samples)
+
+
+def fit_shared_mem_eff(groups: dict[str, tuple[Sequence[Sample], KernelParams, dict[str, float]]], *,
+                       evals: int = 8) -> tuple[float, dict[str, Fit]]:
+    """Fit every kind of `groups` (name -> samples, base numbers, peaks) with ONE memory efficiency.
+
+    Why one: a GEMM and a memory-bound kernel of a layer both scale with the tokens, so on one
+    model's entries their shares cannot be told apart, and a kind fitted on one or two models trades
+    the one for the other (held-out models then miss by 20-60%). What a memory-bound kernel reaches
+    is the element-wise kernels' share of the datasheet DRAM bandwidth (the same PyTorch kernels on
+    every NVIDIA part), so one number shared by all kinds is fitted where the models differ: the
+    kinds with two or more models. A golden-section search over log(mem_eff) in its bounds, each
+    step refitting every kind from the previous step's fit."""
+    fits: dict[str, Fit] = {}
+    # Only kinds with two or more models tell GEMM from memory time; the rest follow the result.
+    informative = {k: g for k, g in groups.items() if len({(s.shape.hidden, s.shape.seq_len) for s in g[0]}) > 1}
+
+    def total(log_m: float) -> float:
+        out = 0.0
+        for k, (smp, base, peaks) in (informative or groups).items():
+            fits[k] = fit_kind(smp, base=base, peaks=peaks, mem_eff=math.exp(log_m), start=fits.get(k),
+                               iters=200 if k in fits else 500)
+            out += sample_loss(smp, fits[k], base=base, peaks=peaks)
+        return out
+
+    lo, hi = (math.log(b) for b in BOUNDS["mem_eff"])
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = total(a), total(b)
+    for _ in range(max(0, evals - 2)):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = total(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = total(b)
+    best = math.exp(a if fa < fb else b)
+    out = {k: fit_kind(smp, base=base, peaks=peaks, mem_eff=best, start=fits.get(k))
+           for k, (smp, base, peaks) in groups.items()}
+    return best, out
