@@ -77,7 +77,7 @@ MODELS: dict[str, tuple[ModelSpec, int]] = {
 # Llama: Python RMSNorm and rotary, q/k/v copied after rotary, scores scaled by a separate pass (query-
 # key layer scaling is on by default, --no-query-key-layer-scaling turns it off), gate and up as two
 # GEMMs, then gate * up and SiLU as two kernels, no dropout.
-_MEGATRON = Recipe(qkv_bias=True, qkv_layout="strided", mask_bytes=1)
+_MEGATRON = Recipe(qkv_bias=True, qkv_layout="strided", mask_bytes=1, mask_on_view=True)
 SAILOR_CODE = {
     "OPT-350": dict(recipe=_MEGATRON, dropout=False, attn_dropout=False),
     "OPT-30": dict(recipe=_MEGATRON, dropout=False, attn_dropout=False),

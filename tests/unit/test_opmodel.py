@@ -128,3 +128,12 @@ def test_shared_memory_efficiency_is_recovered_across_models():
     mem_eff, fits = fit_shared_mem_eff({"k": (samples, truth, {"tf32": 1.5e14})})
     assert mem_eff == pytest.approx(0.55, rel=0.1)
     assert fits["k"].gemm_eff["tf32"] == pytest.approx(0.6, rel=0.1)
+
+
+def test_k_half_scales_with_the_modes_peak():
+    # A tile's fixed prologue/epilogue is worth peak / fp32 peak more K steps on the tensor cores.
+    kind = catalog()["a100-40gb"]
+    fp32, _ = kernel_params(kind, "fp32")
+    bf16, _ = kernel_params(kind, "bf16-mixed")
+    assert fp32.k_half == pytest.approx(kind.gemm_k_half)
+    assert bf16.k_half == pytest.approx(kind.gemm_k_half * kind.peak_flops / kind.fp32_flops)

@@ -21,7 +21,7 @@ from hethub.predict.opmodel import Shape, layer_ops
 # Sailor's A100/V100/GH200 profiles give; docs/predictor.md lists them).
 DEFAULT_GEMM_EFF = 0.8
 DEFAULT_K_HALF = 64.0
-DEFAULT_MEM_EFF = 0.57  # the one memory efficiency fitted for all GPUs (calibrate.fit_shared_mem_eff)
+DEFAULT_MEM_EFF = 0.68  # the one memory efficiency fitted for all GPUs (calibrate.fit_shared_mem_eff)
 DEFAULT_LAUNCH_S = 10e-6
 
 
@@ -121,20 +121,23 @@ def _towards(centroid: list[float], worst: list[float], a: float) -> list[float]
 @dataclass(frozen=True)
 class Fit:
     gemm_eff: dict[str, float]  # per math mode
-    k_half: float
+    k_half: float  # K of half saturation on the fp32 units (see params)
     mem_eff: float
     launch_s: float
     comm_scale: float = 1.0  # measured TP all-reduce time / the ring model's (only where TP > 1 was measured)
 
     def params(self, base: KernelParams, mode: str, peak_flops: float) -> KernelParams:
+        """The kernel numbers of `mode`; `base.matmul_flops` is the fp32 units' peak. ``k_half`` is in K
+        steps of the fp32 units: a tile's prologue and epilogue take a fixed time, worth as many more
+        K steps as the mode's math runs faster than fp32 (tensor cores: peak_flops / fp32 peak)."""
         eff = self.gemm_eff.get(mode, DEFAULT_GEMM_EFF)
-        return replace(base, matmul_flops=peak_flops, gemm_eff=eff, k_half=self.k_half, mem_eff=self.mem_eff,
-                       launch_s=self.launch_s)
+        return replace(base, matmul_flops=peak_flops, gemm_eff=eff, mem_eff=self.mem_eff, launch_s=self.launch_s,
+                       k_half=self.k_half * peak_flops / base.matmul_flops)
 
 
 # Physical bounds of the fitted numbers, and the weight of a weak pull towards the defaults (so a
 # kind measured on one model only does not drift where its data cannot pin a number down).
-BOUNDS = {"gemm_eff": (0.05, 1.0), "k_half": (1.0, 4096.0), "mem_eff": (0.2, 1.0), "launch_s": (1e-6, 60e-6),
+BOUNDS = {"gemm_eff": (0.05, 1.0), "k_half": (1.0, 4096.0), "mem_eff": (0.2, 1.0), "launch_s": (1e-6, 150e-6),
           "comm_scale": (0.3, 5.0)}
 PRIOR_WEIGHT = 0.02
 _DEFAULTS = {"gemm_eff": DEFAULT_GEMM_EFF, "k_half": DEFAULT_K_HALF, "mem_eff": DEFAULT_MEM_EFF,

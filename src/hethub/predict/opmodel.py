@@ -36,11 +36,6 @@ from hethub.spec.model import ModelSpec
 # backward_bytes: the bytes of each backward kernel of a memory-bound forward kernel, () for none.
 Op = tuple
 
-# Estimate: PyTorch's block softmax (rows > 1024 elements) moves its bytes at about half the rate of
-# a streaming element-wise kernel. A public timing of it on an 8192 x 8192 fp32 tensor, 877 us for
-# 537 MB (github.com/gau-nernst/learn-cuda, softmax notes, PyTorch 2.5), is 18-39% of an H100's or an
-# A100's HBM bandwidth, where streaming kernels reach 80-90%. Not fitted.
-LONG_ROW_SOFTMAX_COST = 2.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +53,7 @@ class Recipe:
     rotary: str = "fused"  # "fused": one kernel over q and k; "python": mul, neg, cat, mul, add per tensor
     score_scale: bool = False  # a separate pass scaling the scores (not folded into the score GEMM)
     mask_bytes: int = 0  # bytes per score the mask adds (1: a bool mask read by masked_fill)
+    mask_on_view: bool = False  # the mask applied in place on a view of the scores (autograd: CopySlices)
     mlp: str = "fused"  # "fused": one activation kernel (gated: act(gate) * up in one); "mul-then-act": two
     gated_split: bool = False  # gate and up projections as two GEMMs, not one of twice the width
 
@@ -187,13 +183,12 @@ def attention_core_ops(s: Shape) -> tuple[Op, ...]:
     if r.score_scale:
         ops.append(_mem(2 * e * scores, 2 * e * scores))
     mask = (2 * e + r.mask_bytes) * scores
-    # Softmax; backward reads the gradient and the output. Rows longer than 1024 go to PyTorch's block
-    # softmax (one row per thread block, the row kept in shared memory: aten/src/ATen/native/cuda/
-    # SoftMax.cu), which its occupancy keeps far below a streaming kernel's bandwidth: priced at
-    # LONG_ROW_SOFTMAX_COST x its bytes (an estimate, see the constant).
-    slow = LONG_ROW_SOFTMAX_COST if s.seq_len > 1024 else 1.0
-    ops += [_mem(mask, mask),  # (scale and) causal mask; backward re-applies the mask
-            _mem(slow * 2 * e * scores, slow * 3 * e * scores)]
+    # Causal mask; backward re-applies the mask. Masked in place on a view of the score GEMM's output
+    # (Megatron's masked_fill_ without a scaling pass before it), autograd's CopySlices runs the mask's
+    # backward on a copy: the gradient copied into the base, the slice cloned, masked, copied back.
+    mask_bwd = (2 * e * scores, 2 * e * scores, mask, 2 * e * scores) if r.mask_on_view else (mask,)
+    ops += [_mem(mask, *mask_bwd),
+            _mem(2 * e * scores, 3 * e * scores)]  # softmax; backward reads the gradient and the output
     if s.attn_dropout:
         ops.append(_mem((2 * e + 1) * scores, (2 * e + 1) * scores))
     ops += [("gemm", s.seq_len, d, s.seq_len, batch),  # context = P V
