@@ -133,18 +133,18 @@ def kernel_params(kind: DeviceKind, precision: str) -> tuple[KernelParams, str] 
     """
     if kind.sm_count is None or not kind.mem_bw_bytes_per_s:
         return None
-    fp32_peak = kind.fp32_flops or kind.peak_flops / 8
     if precision == "fp32":
-        peak, eff = fp32_peak, kind.gemm_eff_fp32
+        peak, eff = kind.fp32_flops or kind.peak_flops / 8, kind.gemm_eff_fp32
     else:
         peak, eff = kind.peak_flops, kind.gemm_eff
     shared = (kind.gemm_k_half, kind.mem_eff, kind.kernel_launch_s)
-    # gemm_k_half is in K of the fp32 units; a tile's fixed prologue/epilogue time is worth as many
-    # more K steps as the mode's math runs faster (tensor cores: peak / fp32 peak times more).
+    # gemm_k_half is in K steps of the fp32 units (calibrate.Fit.params: Sailor's TF32 runs fit with it
+    # scaled by peak / fp32 peak). bf16 keeps the fp32 number unscaled: no bf16 run has measured it,
+    # and 16x (A100) would extrapolate twice beyond what TF32 showed.
     params = KernelParams(
         sm_count=kind.sm_count, matmul_flops=peak, mem_bw_bytes_per_s=kind.mem_bw_bytes_per_s,
         gemm_eff=eff if eff is not None else DEFAULT_GEMM_EFF,
-        k_half=(kind.gemm_k_half if kind.gemm_k_half is not None else DEFAULT_K_HALF) * peak / fp32_peak,
+        k_half=kind.gemm_k_half if kind.gemm_k_half is not None else DEFAULT_K_HALF,
         mem_eff=kind.mem_eff if kind.mem_eff is not None else DEFAULT_MEM_EFF,
         launch_s=kind.kernel_launch_s if kind.kernel_launch_s is not None else DEFAULT_LAUNCH_S)
     if not kind.calibration or all(v is None for v in (eff, *shared)):
