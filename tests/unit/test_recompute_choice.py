@@ -27,9 +27,10 @@ def _with_stage(plan: Plan, pi: int, si: int, mode: str) -> Plan:
 def test_planner_picks_selective_where_it_fits_and_full_would_be_slower():
     # Llama-3-8B at 8k tokens on 16 A100 + 16 V100: the V100s run math attention (pre-Ampere), whose
     # s x s scores selective recomputation drops, so a V100 stage that cannot keep everything fits
-    # with selective instead of full.
+    # with selective instead of full. (Batch 128: at 256 the op model fitted on Sailor's profiles
+    # lays out a plan whose stages all need full recomputation.)
     r = make_plan(cluster=load_cluster(CLUSTERS / "a100-v100-32.toml"), model=get_model("llama-3-8b"),
-                  config=PlannerConfig(global_batch=256, seq_len=8192, schedule="1f1b"))
+                  config=PlannerConfig(global_batch=128, seq_len=8192, schedule="1f1b"))
     plan, pred = r.plan, r.prediction
     assert pred.fits_memory
     chosen = [(pi, si) for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)
