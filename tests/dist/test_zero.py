@@ -43,6 +43,9 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]
     assert zero is not None
     tp = TPContext(size=trainer.place.stage.tp, rank=trainer.place.tp_rank)
     loss, _ = trainer.forward_backward(data[0])
+    # Gradient bytes held at the sync: fp32 main_grads, plus 16-bit .grads a split weight pass left.
+    grad_bytes = sum(t.numel() * t.element_size() for p in trainer.model.parameters()
+                     for t in (p.grad, getattr(p, "main_grad", None)) if t is not None)
     trainer.sync_grads()
     grad_diff, owned = 0.0, 0
     for b in zero.buckets:
@@ -63,7 +66,7 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]
                      .abs().max().item() for n, p in named.items())
     moments, masters = zero.state_bytes(trainer.optimizer)
     return {"loss": loss, "norm": norm, "grad_diff": grad_diff, "param_diff": param_diff, "owned": owned,
-            "dtypes": {str(p.dtype) for p in named.values()}, "masters": len(fp32),
+            "dtypes": {str(p.dtype) for p in named.values()}, "masters": len(fp32), "grad_bytes": grad_bytes,
             "moment_bytes": moments, "master_bytes": masters, "names": sorted(named),
             "sizes": {b.line: b.sizes for b in zero.buckets}}
 
@@ -97,6 +100,8 @@ def check(plan: Plan, *, tol: dict[str, float] | None = None) -> list[dict]:
         ranks = [plan.rank_of_device()[d] for d in sp.devices]
         assert sp.optimizer_bytes == max(res[q]["moment_bytes"] for q in ranks)
         assert sp.memory is not None and sp.memory.master_weights_bytes == max(res[q]["master_bytes"] for q in ranks)
+        if mixed:  # fp32 main_grads (+ ZB-H1's 16-bit .grads past the first stage), as the memory model says
+            assert sp.grads_bytes == max(res[q]["grad_bytes"] for q in ranks), (sp.stage, sp.grads_bytes, ranks)
     return res
 
 
