@@ -1,5 +1,10 @@
 """Elastic runs: a rank SIGKILLed under ``torchrun --max-restarts 1`` resumes and finishes exactly; a
-job that comes back with fewer processes re-plans and resumes under the new plan (resharding)."""
+job that comes back with fewer processes re-plans and resumes under the new plan (resharding).
+
+Only the restart needs torchrun's agent. The runs that give the uninterrupted losses and the job
+that comes back smaller are ``hethub.train``'s same ranks forked from this process
+(``launch_forked``): the same entry point without the agent and without importing torch again in
+every rank, which is most of a torchrun launch's cost here."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from _harness import CLUSTER, F, S, make_plan
 
 from hethub.errors import RuntimeSetupError
 from hethub.runtime.elastic import Fault, maybe_inject_fault, parse_fault
-from hethub.runtime.launch import torchrun_command
+from hethub.runtime.launch import launch_forked, torchrun_command
 from hethub.search.replan import replan, restrict_cluster
 
 TIMEOUT_S = 120
@@ -40,10 +45,25 @@ def _torchrun(tmp: Path, *, nproc: int, steps: int, metrics: str, args: list[str
     return proc.stdout + proc.stderr
 
 
+def _forked(tmp: Path, *, nproc: int, steps: int, metrics: str, args: list[str]) -> None:
+    """The same ranks as `_torchrun` (same flags), forked from this process; their output goes to
+    this process's stdout (read it with ``capfd``)."""
+    codes = launch_forked(tmp / "plan.json", nproc=nproc, steps=steps, metrics=tmp / metrics, quiet=False,
+                          timeout_s=TIMEOUT_S, extra_args=["--timeout-s", "30", *args])
+    assert codes == [0] * nproc, codes
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forked and torchrun ranks alike run one thread each (as `_torchrun` sets), so losses match bit for bit."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("HETHUB_FAULT_INJECT", raising=False)
+
+
 @pytest.mark.slow
 def test_killed_rank_restarts_from_checkpoint_and_matches(tmp_path: Path) -> None:
     make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)])]).save(tmp_path / "plan.json")
-    _torchrun(tmp_path, nproc=2, steps=5, metrics="clean.jsonl", args=[])
+    _forked(tmp_path, nproc=2, steps=5, metrics="clean.jsonl", args=[])
     out = _torchrun(tmp_path, nproc=2, steps=5, metrics="killed.jsonl", restarts=1,
                     env={"HETHUB_FAULT_INJECT": "rank=1,step=3"},
                     args=["--checkpoint-dir", "ck", "--checkpoint-every", "2", "--resume", "auto"])
@@ -55,13 +75,17 @@ def test_killed_rank_restarts_from_checkpoint_and_matches(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_fewer_processes_replan_and_resume(tmp_path: Path) -> None:
+def test_fewer_processes_replan_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capfd: pytest.CaptureFixture[str]) -> None:
     # 4 ranks (TP=2 replica beside a 2-stage replica) save at step 2; 2 processes come back.
+    monkeypatch.chdir(tmp_path)  # the checkpoint flags are relative, as under `_torchrun`'s cwd
     make_plan([(2, 2, [(F, 1, 3), (F, 1, 3)]), (2, 2, [(F, 2, 6)])]).save(tmp_path / "plan.json")
-    _torchrun(tmp_path, nproc=4, steps=4, metrics="full.jsonl",
-              args=["--checkpoint-dir", "ck", "--checkpoint-every", "2"])
-    out = _torchrun(tmp_path, nproc=2, steps=4, metrics="shrunk.jsonl",
-                    args=["--checkpoint-dir", "ck2", "--resume", "ck/step-000002", "--replan-on-shrink"])
+    _forked(tmp_path, nproc=4, steps=4, metrics="full.jsonl",
+            args=["--checkpoint-dir", "ck", "--checkpoint-every", "2"])
+    capfd.readouterr()
+    _forked(tmp_path, nproc=2, steps=4, metrics="shrunk.jsonl",
+            args=["--checkpoint-dir", "ck2", "--resume", "ck/step-000002", "--replan-on-shrink"])
+    out = "".join(capfd.readouterr())
     assert "re-planned" in out and "resharded" in out
     assert (tmp_path / "ck2" / "plan-world2.json").is_file()
     full, shrunk = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "shrunk.jsonl")

@@ -1,7 +1,9 @@
 """Per-kind placement in the training entry point, on CPU: two kinds, each with its own group, the
 bridge forced between them. Checks which group every collective and message of a real training step
-uses, and that `torchrun -m hethub.train` on such a plan logs the per-kind groups and trains like one
-device (1e-5)."""
+uses, and that `hethub.train` on such a plan logs the per-kind groups and trains like one device
+(1e-5). Its ranks are forked from this process (``launch_forked``: the entry point torchrun starts,
+without torchrun's agent and a torch import per rank); tests/dist/test_train_cli.py and
+tests/dist/test_elastic.py launch it under torchrun itself."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from _harness import OPTIM, TIMEOUT, F, S, batches, make_plan, run_ranks
 from hethub.comm.factory import BRIDGE_ENV, make_communicator
 from hethub.runtime.checkpoint_io import latest_dir, read_manifest
 from hethub.runtime.data import BatchSource, byte_tokenize, load_tokens
-from hethub.runtime.launch import launch_local
+from hethub.runtime.launch import launch_forked
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.reference import train_single_device
 from hethub.runtime.trainer import Trainer, TrainerConfig
@@ -91,17 +93,20 @@ def _corpus_batches(plan, steps: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_torchrun_two_kinds_logs_per_kind_groups_and_matches_one_device(tmp_path: Path, monkeypatch) -> None:
+def test_train_two_kinds_logs_per_kind_groups_and_matches_one_device(tmp_path: Path, monkeypatch,
+                                                                     capfd: pytest.CaptureFixture[str]) -> None:
     plan = make_plan(STAGES)
     plan.save(tmp_path / "plan.json")
     steps = 2
     monkeypatch.setenv(BRIDGE_ENV, "force")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = ["--lr", "1e-3", "--warmup-steps", "1", "--grad-clip", "0.5", "--timeout-s", "60",
             "--checkpoint-dir", str(tmp_path / "ck")]
-    proc = launch_local(tmp_path / "plan.json", nproc=4, steps=steps, metrics=tmp_path / "m.jsonl", capture=True,
-                        timeout_s=240, extra_args=args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    capfd.readouterr()
+    codes = launch_forked(tmp_path / "plan.json", nproc=4, steps=steps, metrics=tmp_path / "m.jsonl", quiet=False,
+                          timeout_s=240, extra_args=args)
+    out, err = capfd.readouterr()
+    assert codes == [0] * 4, (codes, err[-3000:])
     assert f"kind {F}: ranks 0-1 on cpu" in out and f"gloo group kind:{F} over ranks 0-1" in out
     assert f"kind {S}: ranks 2-3 on cpu" in out and f"gloo group kind:{S} over ranks 2-3" in out
     assert "through the bridge" in out and "forced" in out

@@ -20,13 +20,15 @@ of kinds: use it on small instances (tests/unit/test_reference_search.py, bench/
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 from dataclasses import dataclass
 
 from hethub.plan import Plan
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.search.bounds import pipe_floor
+from hethub.search.bounds import PipeFloor, pipe_floor
 from hethub.search.combine import Group, water_level
 from hethub.search.config import PlannerConfig
 from hethub.search.hetero import Results
@@ -35,6 +37,8 @@ from hethub.search.split import PipeCost, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
+
+SEED_PER_KIND = 4  # templates per kind whose pure combinations are priced first, to set the bound
 
 
 @dataclass(frozen=True)
@@ -52,26 +56,32 @@ def reference_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     kinds = list(s.counts)
     for mbs in config.usable_micro_batch_sizes:
         total = s.total_mb(mbs)
-        pure = {k: _all_templates(s, k, mbs) for k in kinds}
-        combos = []
-        for choice in itertools.product(*[[None, *pure[k]] for k in kinds]):
-            groups = [Group(p, s.counts[k] // p.num_devices) for k, p in zip(kinds, choice, strict=True)
-                      if p is not None]
-            unused = [k for k, p in zip(kinds, choice, strict=True) if p is None]
-            if groups:
-                combos.append((water_level(groups, total), groups))
-            for segs, c in _mixed_options(s, unused):
-                floor = pipe_floor(s.book, s.links, segs, mbs)
-                if floor is not None:
-                    combos.append((water_level([*groups, Group(floor, c)], total), (groups, segs, c)))
+        pure = [[Group(p, s.counts[k] // p.num_devices) for p in _all_templates(s, k, mbs)] for k in kinds]
+        seeded = _seed(s, results, pure, total, mbs)
+        bound = _bound(results)
+        mixed: dict[tuple[str, ...], _Options] = {}
+        combos: list[tuple[float, list[Group], tuple | None, int]] = []
+        for choice in itertools.product(*[range(-1, len(p)) for p in pure]):
+            groups = [pure[i][j] for i, j in enumerate(choice) if j >= 0]
+            have = sum(_finishes_below(g, bound, total) for g in groups)
+            if groups and have >= total and choice not in seeded:
+                combos.append((water_level(groups, total), groups, None, 0))
+            unused = tuple(k for k, j in zip(kinds, choice, strict=True) if j < 0)
+            opts = mixed.get(unused)
+            if opts is None:
+                opts = mixed[unused] = _Options(s, unused, mbs, bound, total)
+            for floor, segs, c in opts.able(total - have):
+                combos.append((water_level([*groups, Group(floor, c)], total), groups, segs, c))
         combos.sort(key=lambda x: x[0])
-        for level, item in combos:
+        for level, groups, segs, c in combos:
             if not results.may_enter(level):
                 break
-            if isinstance(item, list):
-                results.add(s.estimate(item, mbs))
+            if segs is None:
+                results.add(s.estimate(groups, mbs))
                 continue
-            groups, segs, c = item
+            tight = pipe_floor(s.book, s.links, segs, mbs)  # memory included: tighter, and None if nothing fits
+            if tight is None or not results.may_enter(water_level([*groups, Group(tight, c)], total)):
+                continue
             for pipe in s.mixed(segs, mbs):
                 gs = [*groups, Group(pipe, c)]
                 if results.may_enter(water_level(gs, total)):
@@ -81,6 +91,67 @@ def reference_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     if not scored:
         return None
     return ReferenceResult(plan=scored[0][0], prediction=scored[0][1], candidates=len(results.items))
+
+
+def _seed(s: Searcher, results: Results, pure: list[list[Group]], total: int, mbs: int) -> set[tuple[int, ...]]:
+    """Price the kind-pure combinations of each kind's SEED_PER_KIND best templates (by their level
+    alone), so that `_bound` starts near the optimum; returns the choices priced (by template index)."""
+    tops = [sorted(range(len(p)), key=lambda j, p=p: water_level([p[j]], total))[:SEED_PER_KIND] for p in pure]
+    combos = []
+    for choice in itertools.product(*[[-1, *t] for t in tops]):
+        groups = [pure[i][j] for i, j in enumerate(choice) if j >= 0]
+        if groups:
+            combos.append((water_level(groups, total), choice, groups))
+    combos.sort(key=lambda x: x[0])
+    seeded = set()
+    for level, choice, groups in combos:
+        if not results.may_enter(level):
+            break
+        results.add(s.estimate(groups, mbs))
+        seeded.add(choice)
+    return seeded
+
+
+def _bound(results: Results) -> float:
+    """A step time no candidate reaching it can enter the kept ones with (inf while they are too few).
+    The kept set only improves, so a combination with too few finishes below it never could."""
+    best = results._best  # the planner's kept (step, key) pairs, best first
+    return best[-1][0] * (1 + 1e-6) if len(best) >= results.keep else math.inf
+
+
+def _finishes_below(g: Group, bound_s: float, total: int) -> int:
+    """Micro-batches ``g``'s pipelines finish by ``bound_s`` (at least; capped at ``total``).
+
+    `water_level` is the total-th smallest finish a + k b (k >= 1, per pipeline), so a combination
+    whose groups finish fewer than ``total`` by the bound has its level above it. The bound's margin
+    (1e-6 over `Results.may_enter`'s 1e-9) dwarfs float rounding, so this errs only upwards."""
+    a, b = g.pipe.base_s, g.pipe.per_mb_s
+    if bound_s == math.inf or b <= 0:
+        return total
+    return min(total, g.count * max(0, math.floor((bound_s - a) / b)))
+
+
+class _Options:
+    """The mixed-pipeline groups over some unused kinds, each with `pipe_floor`'s memory-free floor
+    (looser, cheap; the tight one is paid for only by combinations that may enter), ordered by how
+    many micro-batches they finish by the bound, most first."""
+
+    def __init__(self, s: Searcher, kinds: tuple[str, ...], mbs: int, bound_s: float, total: int) -> None:
+        floors: dict[tuple, PipeFloor | None] = {}
+        items = []
+        for segs, c in _mixed_options(s, list(kinds)):
+            if segs not in floors:
+                floors[segs] = pipe_floor(s.book, s.links, segs, mbs, memory=False)
+            floor = floors[segs]
+            if floor is not None:
+                items.append((_finishes_below(Group(floor, c), bound_s, total), floor, segs, c))
+        items.sort(key=lambda x: -x[0])
+        self._neg = [-n for n, *_ in items]
+        self._items = [(floor, segs, c) for _, floor, segs, c in items]
+
+    def able(self, need: int) -> list[tuple[PipeFloor, tuple, int]]:
+        """Those finishing at least ``need`` micro-batches by the bound."""
+        return self._items[:bisect.bisect_right(self._neg, -need)]
 
 
 def _all_templates(s: Searcher, kind: str, mbs: int) -> list[PipeCost]:
