@@ -11,8 +11,11 @@ why), fitted in each fold without the held-out model. A GPU with no other model 
 (RTX-2080, RTX-3090, Titan-RTX: OPT-350 only) is predicted analytically, uncalibrated on itself:
 its datasheet peaks and bandwidth times the median of the other GPUs' fitted fractions; its
 entries are reported apart as well as in the total. Sailor's TP > 1 entries were measured on real
-TP groups, so their all-reduces are in the times: the bench adds them (ring all-reduce at Sailor's
-measured intra-node bandwidth, intra_node_bandwidths.json, times the fitted scale).
+TP groups, so their all-reduces are in the times: the bench adds them as NCCL runs them per link
+kind (link_kind): a ring with a latency per step, on NVLink at Sailor's measured intra-node figure
+(intra_node_bandwidths.json, a send/recv test) times the GPU's fitted scale, on PCIe without P2P
+(NCCL's SHM path through host memory) at the catalog's PCIe bandwidth times an SHM factor fitted on
+the other PCIe GPUs (pcie_shm_link), plus each collective's host and synchronisation time.
 
 Math mode per profile file: where the measured layer is faster than an ideal fp32 layer can be,
 the file ran its matmuls on TF32 tensor cores (Sailor's Dockerfile uses an NGC PyTorch container,
@@ -33,17 +36,19 @@ import json
 import statistics
 import sys
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hethub.interop.sailor import SAILOR_KINDS
 from hethub.predict.calibrate import (
+    DEFAULT_COLLECTIVE_HOST_S,
     DEFAULT_GEMM_EFF,
     DEFAULT_K_HALF,
     DEFAULT_LAUNCH_S,
     DEFAULT_MEM_EFF,
     Fit,
     Sample,
+    fit_kind,
     fit_shared_mem_eff,
     predicted_layer_s,
 )
@@ -116,13 +121,81 @@ def base_params(gpu: str) -> tuple[KernelParams, dict[str, float]]:
     return base, {"fp32": k.fp32_flops, "tf32": k.tf32_flops or k.fp32_flops}
 
 
+# How a TP group's all-reduce travels, per GPU and group size. NVLink parts (A100, V100, GH200): NCCL's
+# P2P transport over NVLink, ring at Sailor's measured bandwidth for that group size. RTX-3090 pairs:
+# an NVLink bridge (Sailor's 2-GPU figure, 49.8 GB/s, is above what PCIe 4.0 x16 carries, 31.5 GB/s
+# per direction). Everything else on the GeForce/Titan parts: PCIe without peer-to-peer (NVIDIA
+# disables P2P on GeForce), so NCCL falls back to its SHM transport: every ring hop is staged through
+# pinned host memory (the sender's PCIe link D2H, the receiver's H2D) and all the group's hops share
+# the host's root complex and memory; its bandwidth is not Sailor's figure (a send/recv test, which
+# measures 2.5-4.8x more than the layers' all-reduces imply) but the catalog's PCIe bandwidth times one
+# SHM factor per link type, fitted on the OTHER PCIe GPUs (see pcie_shm_scale).
+CONSUMER = ("RTX-2080", "RTX-3090", "Titan-RTX")
+
+
+def link_kind(gpu: str, tp: int) -> str:
+    if gpu not in CONSUMER:
+        return "nvlink"
+    return "nvlink-bridge" if gpu == "RTX-3090" and tp == 2 else "pcie-shm"
+
+
 def allreduce_fn(gpu: str, tp: int, bws: dict):
+    """A ring all-reduce as NCCL runs it: 2(p-1) steps, each a latency and n/p bytes over one link
+    (nccl-tests PERFORMANCE.md: busbw = algbw x 2(n-1)/n, the per-link rate a ring needs)."""
     if tp == 1:
         return None
-    sizes = sorted(int(p) for p in bws[gpu])
-    size = max([p for p in sizes if p <= tp] or sizes[:1])
-    link = Link(bws[gpu][str(size)][1], catalog()[SAILOR_KINDS[gpu]].intra_node_latency_s)
-    return lambda nbytes: allreduce_time_s(nbytes=nbytes, participants=tp, link=link)
+    kind = catalog()[SAILOR_KINDS[gpu]]
+    if link_kind(gpu, tp) == "pcie-shm":
+        link = Link(kind.intra_node_bw_bytes_per_s, kind.intra_node_latency_s)
+    else:
+        sizes = sorted(int(p) for p in bws[gpu])
+        size = max([p for p in sizes if p <= tp] or sizes[:1])
+        link = Link(bws[gpu][str(size)][1], kind.intra_node_latency_s)
+    return _Ring(tp, link)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """Hashable (the calibration caches compiled operator lists per all-reduce model)."""
+
+    participants: int
+    link: Link
+
+    def __call__(self, nbytes: float) -> float:
+        return allreduce_time_s(nbytes=nbytes, participants=self.participants, link=self.link)
+
+
+def pcie_shm_link(held_gpu: str, samples: dict, *, mem_eff: float) -> tuple[float, float]:
+    """The SHM factor of PCIe TP groups without P2P (measured all-reduce / the ring at the catalog's
+    PCIe bandwidth) and their host + synchronisation time per collective. Each other PCIe GPU is fitted
+    on its own entries (its TP = 1 entries pin its compute, its TP > 1 ones the link); the median over
+    those of the held GPU's PCIe generation where there are any (RTX-2080 <-> Titan-RTX, PCIe 3.0),
+    else over all of them (RTX-3090, PCIe 4.0: the factor is relative to its own link's bandwidth).
+    Not leave-one-model-out: OPT-350 is the only model measured on these GPUs, so this is
+    leave-one-GPU-out (the held GPU's entries are never in it)."""
+    def pcie_bw(g: str) -> float:
+        return catalog()[SAILOR_KINDS[g]].intra_node_bw_bytes_per_s
+
+    peers = [g for g in CONSUMER if g != held_gpu and any(gg == g for gg, _ in samples)]
+    same_gen = [g for g in peers if pcie_bw(g) == pcie_bw(held_gpu)]
+    fits = [_own_fit(g, samples, mem_eff) for g in (same_gen or peers)]
+    if not fits:
+        return 1.0, DEFAULT_COLLECTIVE_HOST_S
+    return (statistics.median(f.comm_scale for f in fits), statistics.median(f.collective_host_s for f in fits))
+
+
+_OWN_FITS: dict[tuple[str, float], Fit] = {}
+
+
+def _own_fit(gpu: str, samples: dict, mem_eff: float) -> Fit:
+    """A PCIe GPU fitted on its own (OPT-350) entries; only its link factor is transferred."""
+    key = (gpu, mem_eff)
+    if key not in _OWN_FITS:
+        rows = [s for (g, _m), ss in samples.items() if g == gpu for s in ss
+                if s.shape.tp == 1 or link_kind(g, s.shape.tp) == "pcie-shm"]
+        base, peaks = base_params(gpu)
+        _OWN_FITS[key] = fit_kind(rows, base=base, peaks=peaks, mem_eff=mem_eff)
+    return _OWN_FITS[key]
 
 
 def samples_of(profiles: dict, bws: dict) -> dict[tuple[str, str], list[Sample]]:
@@ -154,17 +227,24 @@ def median_fit(fits: list[Fit], *, mem_eff: float) -> Fit:
     modes = {m for f in fits for m in f.gemm_eff}
     return Fit({m: statistics.median(f.gemm_eff[m] for f in fits if m in f.gemm_eff) for m in modes},
                statistics.median(f.k_half for f in fits), mem_eff,
-               statistics.median(f.launch_s for f in fits), statistics.median(f.comm_scale for f in fits))
+               statistics.median(f.launch_s for f in fits), statistics.median(f.comm_scale for f in fits),
+               statistics.median(f.collective_host_s or DEFAULT_COLLECTIVE_HOST_S for f in fits))
 
 
 def lacking(s: Sample, err: float, *, own: bool, tp1_err: dict[int, float], file_errs: list[float],
             tp1_fwd_s: dict[int, float], fwd_s: float) -> str:
     """Which mechanism the model lacks for an entry outside 15%, reasoned from the data: the entry's
     TP=1 sibling (same micro-batch), the file's median error, and how the measured forward falls with TP."""
-    if not own:
-        return ("calibration: analytic, uncalibrated on this GPU (no other model measured on it): its numbers are "
-                "other GPUs' fractions of peak (consumer clocks, PCIe TP collectives through the host differ)")
     base = tp1_err.get(s.shape.tokens)
+    if not own:
+        if base is None and tp1_err:  # no TP=1 entry at this micro-batch (it did not fit): the file's TP=1 median
+            base = statistics.median(tp1_err.values())
+        if s.shape.tp > 1 and base is not None and abs(base) <= 0.15:
+            return (f"PCIe TP collectives: this GPU's TP=1 entries are within 15% ({base * 100:+.0f}%), but "
+                    f"this machine's {s.shape.tp}-GPU all-reduce through host memory is not what the other PCIe "
+                    "GPUs' SHM factor gives (its own host topology: sockets, PCIe switches; no input says it)")
+        return ("calibration: analytic, uncalibrated on this GPU (no other model measured on it): its compute "
+                "numbers are other GPUs' fractions of peak (consumer boost clocks differ)")
     if s.shape.tp > 1 and base is not None and abs(base) <= 0.15:
         t1 = tp1_fwd_s.get(s.shape.tokens)
         if err < 0 and t1 and fwd_s > 0.5 * t1:
@@ -224,6 +304,7 @@ def main() -> int:
             f = fits[g]
             print(f"{g:10s} gemm_eff={ {k: round(v, 3) for k, v in f.gemm_eff.items()} } k_half={f.k_half:.0f} "
                   f"launch_s={f.launch_s * 1e6:.1f}us comm_scale={f.comm_scale:.2f} "
+                  f"collective_host_s={f.collective_host_s * 1e6:.0f}us "
                   f"models={sorted(m for m in by_gpu[g] if (g, m) not in dup)}")
         return 0
     errors: dict[str, list[float]] = defaultdict(list)  # by GPU, without data defects
@@ -240,8 +321,13 @@ def main() -> int:
             own = g in fits
             fit = fits[g] if own else median_fit([f for gg, f in fits.items() if gg != g], mem_eff=mem_eff)
             rows = samples[(g, held)]
-            preds = [predicted_layer_s(s, fit.params(base, s.mode, peaks[s.mode]), comm_scale=fit.comm_scale)
-                     for s in rows]
+            scales = [fit.comm_scale] * len(rows)
+            if not own:  # per link kind: the NVLink GPUs' median scale, or the SHM factor of the other PCIe GPUs
+                shm, host_s = pcie_shm_link(g, samples, mem_eff=mem_eff)
+                fit = replace(fit, collective_host_s=host_s)  # a workstation host like the other PCIe GPUs'
+                scales = [shm if link_kind(g, s.shape.tp) == "pcie-shm" else fit.comm_scale for s in rows]
+            preds = [predicted_layer_s(s, fit.params(base, s.mode, peaks[s.mode]), comm_scale=c)
+                     for s, c in zip(rows, scales, strict=True)]
             errs = [p / s.measured_s - 1 for p, s in zip(preds, rows, strict=True)]
             tp1 = {s.shape.tokens: e for s, e in zip(rows, errs, strict=True) if s.shape.tp == 1}
             fwd = {(s.shape.tokens, s.shape.tp): profiles[(g, held)][s.label.split("/")[0]][str(s.shape.tp)]["2"][0]

@@ -33,6 +33,10 @@ class KernelParams:
     k_half: float  # fitted: K at which the K-saturation curve is at one half
     mem_eff: float  # fitted: fraction of mem_bw element-wise kernels reach
     launch_s: float  # fitted: host time to dispatch one kernel (eager PyTorch)
+    # fitted where TP groups were measured: host time of one TP collective beyond a kernel launch (the
+    # process group's NCCL launch: stream waits, events, the proxy hand-off) plus the wait for the
+    # slowest rank at its synchronisation point; 0 where the predictor prices TP collectives itself
+    collective_host_s: float = 0.0
 
 
 def wave_utilisation(*, m: int, n: int, batch: int, sm_count: int) -> float:
@@ -60,14 +64,18 @@ def memory_time_s(p: KernelParams, nbytes: float) -> float:
     return nbytes / (p.mem_bw_bytes_per_s * p.mem_eff)
 
 
-def stream_time_s(gpu_s: list[float] | tuple[float, ...], *, launch_s: float) -> float:
-    """Wall time of kernels issued one after another by a host that needs `launch_s` per kernel.
+def stream_time_s(gpu_s: list[float] | tuple[float, ...], *, launch_s: float,
+                  host_extra_s: list[float] | tuple[float, ...] | None = None) -> float:
+    """Wall time of kernels issued one after another by a host that needs `launch_s` per kernel
+    (plus `host_extra_s[i]` for kernel i: a collective's launch and synchronisation).
 
     The host runs ahead of the GPU while kernels are long; when they are short the GPU waits for the
-    next launch. (Kernel i starts at max(its launch, end of kernel i-1).)
+    next launch. (Kernel i starts at max(its launch, end of kernel i-1).) A layer whose kernels are
+    shorter than their launches is host-bound: its time is the host's issue time, which TP does not
+    shorten (each rank issues every kernel of the layer, and more collectives).
     """
     host = gpu = 0.0
-    for d in gpu_s:
-        host += launch_s
+    for i, d in enumerate(gpu_s):
+        host += launch_s + (host_extra_s[i] if host_extra_s is not None else 0.0)
         gpu = max(gpu, host) + d
     return gpu
