@@ -14,7 +14,7 @@ entries are reported apart as well as in the total. Sailor's TP > 1 entries were
 TP groups, so their all-reduces are in the times: the bench adds them as NCCL runs them per link
 kind (link_kind): a ring with a latency per step, on NVLink at Sailor's measured intra-node figure
 (intra_node_bandwidths.json, a send/recv test) times the GPU's fitted scale, on PCIe without P2P
-(NCCL's SHM path through host memory) at the catalog's PCIe bandwidth times an SHM factor fitted on
+(NCCL's SHM path through host memory) at the PCIe link's datasheet bandwidth times an SHM factor fitted on
 the other PCIe GPUs (pcie_shm_link), plus each collective's host and synchronisation time.
 
 Math mode per profile file: where the measured layer is faster than an ideal fp32 layer can be,
@@ -128,9 +128,13 @@ def base_params(gpu: str) -> tuple[KernelParams, dict[str, float]]:
 # disables P2P on GeForce), so NCCL falls back to its SHM transport: every ring hop is staged through
 # pinned host memory (the sender's PCIe link D2H, the receiver's H2D) and all the group's hops share
 # the host's root complex and memory; its bandwidth is not Sailor's figure (a send/recv test, which
-# measures 2.5-4.8x more than the layers' all-reduces imply) but the catalog's PCIe bandwidth times one
+# measures 2.5-4.8x more than the layers' all-reduces imply) but the PCIe datasheet bandwidth times one
 # SHM factor per link type, fitted on the OTHER PCIe GPUs (see pcie_shm_scale).
 CONSUMER = ("RTX-2080", "RTX-3090", "Titan-RTX")
+# Their PCIe link per direction (datasheets: RTX 2080 and TITAN RTX PCIe 3.0 x16, RTX 3090 PCIe 4.0
+# x16; PCI-SIG: 8 / 16 GT/s x 16 lanes x 128/130 = 15.75 / 31.5 GB/s). The bench's SHM base, not the
+# catalog's figure (that one is the effective all-reduce rate these fits give, so it would leak).
+PCIE_BW = {"RTX-2080": 15.75e9, "Titan-RTX": 15.75e9, "RTX-3090": 31.5e9}
 
 
 def link_kind(gpu: str, tp: int) -> str:
@@ -146,7 +150,7 @@ def allreduce_fn(gpu: str, tp: int, bws: dict):
         return None
     kind = catalog()[SAILOR_KINDS[gpu]]
     if link_kind(gpu, tp) == "pcie-shm":
-        link = Link(kind.intra_node_bw_bytes_per_s, kind.intra_node_latency_s)
+        link = Link(PCIE_BW[gpu], kind.intra_node_latency_s)
     else:
         sizes = sorted(int(p) for p in bws[gpu])
         size = max([p for p in sizes if p <= tp] or sizes[:1])
@@ -166,15 +170,15 @@ class _Ring:
 
 
 def pcie_shm_link(held_gpu: str, samples: dict, *, mem_eff: float) -> tuple[float, float]:
-    """The SHM factor of PCIe TP groups without P2P (measured all-reduce / the ring at the catalog's
-    PCIe bandwidth) and their host + synchronisation time per collective. Each other PCIe GPU is fitted
+    """The SHM factor of PCIe TP groups without P2P (measured all-reduce / the ring at the PCIe link's
+    datasheet bandwidth) and their host + synchronisation time per collective. Each other PCIe GPU is fitted
     on its own entries (its TP = 1 entries pin its compute, its TP > 1 ones the link); the median over
     those of the held GPU's PCIe generation where there are any (RTX-2080 <-> Titan-RTX, PCIe 3.0),
     else over all of them (RTX-3090, PCIe 4.0: the factor is relative to its own link's bandwidth).
     Not leave-one-model-out: OPT-350 is the only model measured on these GPUs, so this is
     leave-one-GPU-out (the held GPU's entries are never in it)."""
     def pcie_bw(g: str) -> float:
-        return catalog()[SAILOR_KINDS[g]].intra_node_bw_bytes_per_s
+        return PCIE_BW[g]
 
     peers = [g for g in CONSUMER if g != held_gpu and any(gg == g for gg, _ in samples)]
     same_gen = [g for g in peers if pcie_bw(g) == pcie_bw(held_gpu)]
