@@ -301,6 +301,27 @@ def test_wake_penalty_slows_work_after_idle_gaps_on_emulation_hosts():
     assert host_model(c, effects={"a": HostEffects(wake_penalty=((0.001, 0.004),))}) is None
 
 
+def test_measured_split_backward_sets_b_and_w_in_the_emulation_replay():
+    c = replace(cluster((kind("a"), 1, 3)), host=EmulationHost(cores=4))
+    entry = ProfileEntry(embedding=LayerTimes(0.0, 0.0), layer=LayerTimes(0.01, 0.02), head=LayerTimes(0.0, 0.0))
+    prof = ProfileSet({"a": KindProfile(kind="a", model="tiny", seq_len=SEQ, entries={(1, 1): entry})})
+    zb = replace(plan(c, [Pipeline(1, 4, stages("a", [(0, 2), (2, 4), (4, 6)], [(0,), (1,), (2,)]))]),
+                 schedule="zb-h1").validate()
+
+    def ops(split: tuple[float, float] | None) -> dict[tuple[int, str], float]:
+        """Duration of each stage's B0 and W0 in the replayed timeline."""
+        pred = predict(zb, profiles=prof, timeline=True,
+                       host=host_model(c, effects={"a": HostEffects(split_backward=split)}))
+        return {(e.stage, e.name): e.dur_s for e in pred.timeline if e.name in ("B0", "W0")}
+
+    halves, measured = ops(None), ops((0.8, 0.3))
+    bwd = 2 * 0.02  # two layers a stage
+    assert halves[(1, "B0")] == pytest.approx(0.5 * bwd) and halves[(1, "W0")] == pytest.approx(0.5 * bwd)
+    assert measured[(1, "B0")] == pytest.approx(0.8 * bwd) and measured[(1, "W0")] == pytest.approx(0.3 * bwd)
+    # The first stage's B is the whole backward and its W empty, as the runtime runs them.
+    assert measured[(0, "B0")] == pytest.approx(bwd) and measured[(0, "W0")] == pytest.approx(0.0)
+
+
 def test_emulated_kind_stretches_only_the_cpu_share_of_a_profile():
     c = cluster((kind("a"), 1, 1), (replace(kind("s"), emulated_slowdown=3.0), 1, 1))
     entry = ProfileEntry(embedding=LayerTimes(0.0, 0.0), layer=LayerTimes(0.01, 0.02), head=LayerTimes(0.0, 0.0))

@@ -122,6 +122,8 @@ def _write(tmp_path, mutate) -> str:
     (lambda d: d.update(speed_spread=[{"sigma": -0.1, "window_s": 0.1}]), "'speed_spread[0]'"),
     (lambda d: d.update(speed_spread=[{"sigma": 0.1, "window_s": 0.2}, {"sigma": 0.1, "window_s": 0.1}]),
      "'speed_spread[1]'"),
+    (lambda d: d.update(split_backward={"b": 0.0, "w": 0.4}), "'split_backward'"),
+    (lambda d: d.update(split_backward=[0.7, 0.4]), "'split_backward'"),
 ])
 def test_malformed_file_names_the_field(tmp_path, mutate, field):
     path = _write(tmp_path, mutate)
@@ -208,3 +210,16 @@ def test_cpu_fraction_round_trips_and_defaults_to_one(tmp_path):
     again = read_profile(path)
     assert again.entries[(1, 2)].cpu_fraction == 0.6 and again.entries[(1, 1)].cpu_fraction == 1.0
     assert "cpu_fraction" not in json.loads(path.read_text())["entries"][0]
+
+
+def test_split_backward_round_trips_and_is_optional(tmp_path):
+    host = HostEffects(split_backward=(0.78, 0.31))
+    path = tmp_path / "fast.json"
+    write_profile(path, _profile(), model=tiny_model(), device="cpu: test", host=host)
+    assert json.loads(path.read_text())["split_backward"] == {"b": 0.78, "w": 0.31}
+    assert read_profile_file(path).host == host
+    woken = tmp_path / "woken.json"
+    write_profile(woken, _profile(entries=((4, 1),)), model=tiny_model(), device="cpu: test",
+                  host=HostEffects(wake_penalty=((0.01, 1e-3),)))
+    assert "split_backward" not in json.loads(woken.read_text())
+    assert load_host_effects([path, woken]) == {"fast": replace(host, wake_penalty=((0.01, 1e-3),))}

@@ -68,6 +68,10 @@ class StageWork:
     chunk_fwd_shares: tuple[float, ...] = (1.0,)
     chunk_bwd_shares: tuple[float, ...] = (1.0,)
     wrap_p2p_s: float = 0.0
+    # Under a split-backward schedule (ZB-H1): B's and W's work, each as a fraction of the backward
+    # above (HostEffects.split_backward where measured; they may sum to more than 1).
+    split_b_share: float = 1.0 - DEFAULT_WEIGHT_GRAD_SHARE
+    split_w_share: float = DEFAULT_WEIGHT_GRAD_SHARE
 
 
 _CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "U": "optimizer"}
@@ -85,7 +89,8 @@ class _Stage:
     done_s: float | None = None
     cpu_end_s: float = 0.0  # when its last chunk of CPU work ended (the step starts warm)
     op_start_s: float = 0.0  # when the current task's work began (its inputs had arrived)
-    w_share: float = 0.0  # the backward's share a split-backward schedule's W op runs (B runs the rest)
+    b_share: float = 1.0  # the backward's share the B op runs (below 1 under a split-backward schedule)
+    w_share: float = 0.0  # the backward's share a split-backward schedule's W op runs
     n_stages: int = 0  # the pipeline's stages where the stage holds several model chunks (else 0)
     # Arrival of the last message on its incoming links (activations, gradients): one link carries one
     # message at a time (schedules.simulate.link_arrival_s).
@@ -126,7 +131,8 @@ def simulate_shared_cores(
         tasks = ([(o.kind, o.micro_batch, o.chunk) for o in ops] + [("S", loss_g, 0)]
                  + [("S", gi, 0) for gi in my_groups[sid]] + [("S", norm_g, 0)] + [("U", 0, 0)])
         split = sched.split_backward
-        st[sid] = _Stage(sid, w, tasks, max(1, w.ranks), w_share=DEFAULT_WEIGHT_GRAD_SHARE if split else 0.0,
+        st[sid] = _Stage(sid, w, tasks, max(1, w.ranks), b_share=w.split_b_share if split else 1.0,
+                         w_share=w.split_w_share if split else 0.0,
                          n_stages=n_stages[pi] if len(w.chunk_fwd_shares) > 1 else 0)
     f_end: dict[tuple[int, int, int], float] = {}
     b_end: dict[tuple[int, int, int], float] = {}
@@ -219,7 +225,7 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
                 return False
             ready = s.bwd_link_s = link_arrival_s(sent_s=dep, link_free_s=s.bwd_link_s,
                                                   transfer_s=w.wrap_p2p_s if last else w.p2p_s)
-        b = (1.0 - s.w_share) * w.chunk_bwd_shares[c]
+        b = s.b_share * w.chunk_bwd_shares[c]
         s.phases = [("until", ready), ("cpu", w.bwd_cpu_s * b), ("sleep", w.bwd_idle_s * b)]
     elif kind == "W":  # needs only its own B, which the stage ran before
         s.phases = [("until", now), ("cpu", w.bwd_cpu_s * s.w_share), ("sleep", w.bwd_idle_s * s.w_share)]

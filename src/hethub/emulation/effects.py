@@ -1,9 +1,10 @@
-"""What a profile measured about its host beyond layer times: wake penalty and core speed spread.
+"""What a profile measured about its host beyond layer times: wake penalty, core speed spread and
+the split backward's cost.
 
-Both matter only where every rank is a process of one host (local emulation), so they are not part
+They matter only where every rank is a process of one host (local emulation), so they are not part
 of a device kind's profile (:class:`hethub.predict.profiles.KindProfile`); the profile file keeps
-them as two optional fields, ``wake_penalty`` and ``speed_spread`` (docs/profiles.md), read and
-written here and used by :mod:`hethub.emulation.host`.
+them as optional fields, ``wake_penalty``, ``speed_spread`` and ``split_backward``
+(docs/profiles.md), read and written here and used by :mod:`hethub.emulation.host`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ class HostEffects:
     # How much a core's speed wanders against another's, by window length, shortest first
     # (hethub.emulation.measure.spread). Empty: not measured.
     speed_spread: tuple[SpeedSpread, ...] = ()
+    # The runtime's split backward (ZB-H1): (B, W) CPU time, each a fraction of one whole backward
+    # (hethub.emulation.measure.split). None: not measured (the predictor's halves stand).
+    split_backward: tuple[float, float] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.wake_penalty or self.speed_spread)
+        return bool(self.wake_penalty or self.speed_spread or self.split_backward)
 
     def wake_extra_s(self, gap_s: float) -> float:
         """The wake penalty after an idle gap: linear between measured gaps (from 0 at 0), flat beyond."""
@@ -41,12 +45,14 @@ class HostEffects:
         if old is None:
             return self
         return HostEffects(wake_penalty=self.wake_penalty or old.wake_penalty,
-                           speed_spread=self.speed_spread or old.speed_spread)
+                           speed_spread=self.speed_spread or old.speed_spread,
+                           split_backward=self.split_backward or old.split_backward)
 
 
-# ---- the profile file's two fields ------------------------------------------------------------------
+# ---- the profile file's fields ----------------------------------------------------------------------
 def effects_to_dict(effects: HostEffects | None) -> dict[str, Any]:
-    """The profile file's ``wake_penalty`` and ``speed_spread`` fields (absent when not measured)."""
+    """The profile file's ``wake_penalty``, ``speed_spread`` and ``split_backward`` fields (absent when
+    not measured)."""
     if effects is None:
         return {}
     return {
@@ -54,13 +60,16 @@ def effects_to_dict(effects: HostEffects | None) -> dict[str, Any]:
            if effects.wake_penalty else {}),
         **({"speed_spread": [{"window_s": sp.window_s, "sigma": sp.sigma} for sp in effects.speed_spread]}
            if effects.speed_spread else {}),
+        **({"split_backward": {"b": effects.split_backward[0], "w": effects.split_backward[1]}}
+           if effects.split_backward else {}),
     }
 
 
 def effects_from_dict(data: dict[str, Any], *, where: str) -> HostEffects | None:
-    """The two optional fields of a profile file, validated; None when neither is there."""
+    """The optional fields of a profile file, validated; None when none is there."""
     out = HostEffects(wake_penalty=_wake(data.get("wake_penalty", []), where),
-                      speed_spread=_spread(data.get("speed_spread", []), where))
+                      speed_spread=_spread(data.get("speed_spread", []), where),
+                      split_backward=_split(data.get("split_backward"), where))
     return out if out else None
 
 
@@ -103,3 +112,13 @@ def _spread(v: Any, where: str) -> tuple[SpeedSpread, ...]:
         except ValueError as e:
             raise _err(where, f"speed_spread[{i}]", str(e), fix) from None
     return tuple(out)
+
+
+def _split(v: Any, where: str) -> tuple[float, float] | None:
+    """Optional ``split_backward``: {"b": > 0, "w": >= 0}, fractions of one whole backward."""
+    if v is None:
+        return None
+    if not _numbers(v, "b", "w") or v["b"] <= 0 or v["w"] < 0:
+        raise _err(where, "split_backward", f'must be {{"b": > 0, "w": >= 0}}, got {v!r}',
+                   "re-measure with 'hethub profile --split-backward' or leave it out")
+    return float(v["b"]), float(v["w"])

@@ -65,7 +65,7 @@ class EmulationModel:
         """Replay the step with its world barriers (loss and gradient-norm all-reduces) and, with more
         ranks than cores, cores shared among them; the median over speed draws where the profiles
         measured a speed spread. The recorded timeline is the replay's own (of the median draw)."""
-        work = {sid: self._stage_work(plan, st, profiles) for sid, st in stages.items()}
+        work = {sid: self._stage_work(plan, st, profiles, first=sid[1] == 0) for sid, st in stages.items()}
 
         def replay(speeds: SpeedDraws | None, rec: list[ReplayEvent] | None = None) -> tuple[float, list[float]]:
             return simulate_shared_cores(stages=work, schedule=plan.schedule, cores=self.cores, groups=groups,
@@ -97,14 +97,18 @@ class EmulationModel:
                 return min(eff.speed_spread, key=lambda sp: abs(math.log(sp.window_s / max(step_s, 1e-9))))
         return None
 
-    def _stage_work(self, plan: Plan, st: StageStep, profiles: ProfileSet | None) -> StageWork:
+    def _stage_work(self, plan: Plan, st: StageStep, profiles: ProfileSet | None, *, first: bool = False) -> StageWork:
         """Split a stage's times into CPU work and emulation sleep (the part no core is needed for).
 
         The runtime sleeps (k-1) x a chunk's thread CPU time on a kind emulated k times slower. A
         profile measured real speed, of which the CPU share (``cpu_fraction``, below 1 where TP
         collectives wait) is stretched: the sleep is ``stretch / (1 + stretch)`` of the stretched
         compute time. The roofline of an emulated kind already includes its slowdown: the sleep
-        is ``1 - 1/k`` of it."""
+        is ``1 - 1/k`` of it.
+
+        Under a split backward, B and W take the shares of the backward the host measured
+        (``HostEffects.split_backward``), except on a pipeline's first stage, whose B the runtime runs
+        as one whole backward (it sends no input gradient) and whose W is empty."""
         k = plan.cluster.kinds[st.kind].emulated_slowdown
         profile = self._profile(plan, profiles, st.kind)
         if st.compute_source == "profile" and profile is not None:
@@ -116,7 +120,12 @@ class EmulationModel:
         fwd_idle, bwd_idle = st.compute_fwd_s * idle, st.compute_bwd_s * idle
         eff = self.effects.get(st.kind)
         wake = eff.wake_extra_s if profile is not None and eff is not None and eff.wake_penalty else None
-        return StageWork(fwd_cpu_s=st.fwd_s - fwd_idle, fwd_idle_s=fwd_idle, bwd_cpu_s=st.bwd_s - bwd_idle,
+        split = {}
+        if first and st.chunk_fwd_shares == (1.0,):
+            split = {"split_b_share": 1.0, "split_w_share": 0.0}
+        elif profile is not None and eff is not None and eff.split_backward:
+            split = {"split_b_share": eff.split_backward[0], "split_w_share": eff.split_backward[1]}
+        return StageWork(**split, fwd_cpu_s=st.fwd_s - fwd_idle, fwd_idle_s=fwd_idle, bwd_cpu_s=st.bwd_s - bwd_idle,
                          bwd_idle_s=bwd_idle, p2p_s=st.p2p_s, update_cpu_s=st.update_s, ranks=st.tp, slowdown=k,
                          wake_extra_s=wake, chunk_fwd_shares=st.chunk_fwd_shares,
                          chunk_bwd_shares=st.chunk_bwd_shares, wrap_p2p_s=st.wrap_p2p_s)

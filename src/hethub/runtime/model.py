@@ -31,6 +31,7 @@ from hethub.runtime.tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from hethub.runtime.weight_grad import Linear, linear
 from hethub.spec.model import ModelSpec
 
 _COLUMN = ("wq", "wk", "wv", "w1", "w3")  # split along output features (dim 0 of weight and bias)
@@ -127,10 +128,10 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         h, bias = spec.hidden_size, spec.has_bias
         qkv_bias = bias or spec.qkv_bias
-        self.wq = nn.Linear(h, self.heads * self.head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(h, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(h, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.wq = Linear(h, self.heads * self.head_dim, bias=qkv_bias)
+        self.wk = Linear(h, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = Linear(h, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.wo = Linear(self.heads * self.head_dim, h, bias=False)
         # Row-parallel bias is added once, after the reduction, so it stays replicated.
         self.wo_bias = nn.Parameter(torch.zeros(h)) if bias else None
         if attention not in SDPA_BACKENDS:
@@ -171,9 +172,9 @@ class MLP(nn.Module):
         super().__init__()
         self.tp, self.act, bias = tp, spec.activation, spec.has_bias
         h, f = spec.hidden_size, spec.ffn_hidden_size // tp.size
-        self.w1 = nn.Linear(h, f, bias=bias)
-        self.w3 = nn.Linear(h, f, bias=bias) if spec.gated else None
-        self.w2 = nn.Linear(f, h, bias=False)
+        self.w1 = Linear(h, f, bias=bias)
+        self.w3 = Linear(h, f, bias=bias) if spec.gated else None
+        self.w2 = Linear(f, h, bias=False)
         self.w2_bias = nn.Parameter(torch.zeros(h)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +231,7 @@ class StageModel(nn.Module):
         if head:
             self.norm = _norm(spec)
             if not spec.tied_embeddings:
-                self.head = nn.Linear(spec.hidden_size, vocab, bias=False)
+                self.head = Linear(spec.hidden_size, vocab, bias=False)
         if spec.arch == "llama":
             # Positions up to rope_len (the run's sequence length) only: a 128k-context model's full
             # table would be 128 MiB per rank. Each position's angles do not depend on the length.
@@ -265,11 +266,11 @@ class StageModel(nn.Module):
             raise ValueError("the head stage needs targets to compute the loss")
         w = self.embed.weight if self.spec.tied_embeddings else self.head.weight
         if not self.vocab_parallel:  # TP 1, or an indivisible vocabulary: full logits on every rank
-            logits = F.linear(self.norm(h), w).float()
+            logits = linear(self.norm(h), w).float()
             tok = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
             return tok.view(targets.shape).mean(dim=1).sum()
         # Column-parallel over the vocabulary: copy_to_tp sums the partial input gradients in backward.
-        logits = F.linear(copy_to_tp(self.norm(h), self.tp), w).float()
+        logits = linear(copy_to_tp(self.norm(h), self.tp), w).float()
         return vocab_parallel_cross_entropy(logits, targets, self.tp).mean(dim=1).sum()
 
 

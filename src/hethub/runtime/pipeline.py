@@ -12,28 +12,28 @@ receiving stage all-gathers it over its TP group (Megatron's scatter-gather; ``l
 so the slow inter-stage link carries one copy, not one per TP rank.
 
 Split backward (ZB-H1): B computes only the stage input's gradient and W the weight gradients later,
-with torch's own split (``torch.distributed.pipelining._backward``, what its zero-bubble schedules
-run): B runs ``autograd.grad`` to the input on the retained graph and captures the output gradients
-of the ops next to each weight; W runs ``autograd.grad`` from those ops to the weights alone. So the
-work is really split (W does not re-run the input-gradient chain, as ``backward(inputs=params)`` on
-the retained graph would) and the arithmetic is autograd's own, accumulated into ``.grad`` as
-``backward`` does. The first stage has no input gradient to send: its B runs the whole backward and
-its W is empty, which times the same because ZB-H1 runs the first stage's W right after its B.
+by explicit weight-gradient functions (``runtime/weight_grad.py``): every weight GEMM of the stage
+queues its dW (and bias gradient) during B and W computes them, so B + W costs one backward (torch's
+own split, ``torch.distributed.pipelining._backward``, measured ~1.5 backwards here: see that
+module). Norm weights, the embedding and the weightless ops stay in B. The first stage has no input
+gradient to send: its B runs the whole backward and its W is empty, which times the same because
+ZB-H1 runs the first stage's W right after its B.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import _backward as split_bwd
 
 from hethub.comm.communicator import Communicator
 from hethub.emulation.slowdown import Emulator
 from hethub.layout import RankPlace
+from hethub.runtime import weight_grad
 from hethub.runtime.model import StageModel
 from hethub.schedules import Op, get_schedule
 
@@ -107,8 +107,9 @@ class PipelineExecutor:
         recvs = _Receives(self, lookahead=RECV_LOOKAHEAD)
         loss_sum = 0.0
         held: set[tuple[int, int]] = set()  # (micro-batch, chunk) whose graph this stage still holds
-        param_groups: dict[int, list[dict[str, Any]]] = {}
-        weights = [q for q in self.model.parameters() if q.requires_grad]
+        deferred: dict[tuple[int, int], weight_grad.Deferred] = {}  # (micro-batch, chunk) -> its W's work
+        # A split executor builds weight GEMMs whose B can defer their weight gradients (weight_grad.py).
+        recording = weight_grad.recording if self.split else contextlib.nullcontext
         v = self.chunks
         for i, (op, mb, chunk) in enumerate(self.ops):
             got = recvs.take(i, trace)
@@ -121,7 +122,7 @@ class PipelineExecutor:
                 x_in = x.float() if x.is_floating_point() and x.dtype != torch.float32 else x
                 target = micro_batches[mb][1] if last else None
                 start = time.perf_counter()
-                with self.emulator.chunk():
+                with self.emulator.chunk(), recording():
                     out = self.model(x_in, target, chunk=chunk) if v > 1 else self.model(x_in, target)
                 self._record(trace, "F", mb, start, t0, chunk)
                 if last:
@@ -137,10 +138,10 @@ class PipelineExecutor:
                 trace.max_in_flight = max(trace.max_in_flight, len(held))
             elif op == "W":
                 start = time.perf_counter()
-                groups = param_groups.pop(mb, None)
-                if groups is not None:
+                work = deferred.pop(key, None)
+                if work is not None:
                     with self.emulator.chunk():
-                        split_bwd.stage_backward_weight(iter(weights), groups)
+                        work.run()
                 self._record(trace, "W", mb, start, t0, chunk)
                 held.discard(key)
             else:
@@ -151,10 +152,11 @@ class PipelineExecutor:
                     if got is None and self.loss_scale != 1.0:
                         out = out * self.loss_scale
                     if self.split and not self.first:
-                        _, param_groups[mb] = split_bwd.stage_backward_input(
-                            [out], None if grad is None else [grad], [x], iter(weights))
+                        with weight_grad.deferring() as deferred[key]:
+                            torch.autograd.backward(out, grad_tensors=grad)
                     else:
-                        torch.autograd.backward(out, grad_tensors=grad)
+                        with recording():  # B's recomputed forward builds what F built
+                            torch.autograd.backward(out, grad_tensors=grad)
                 self._record(trace, "B", mb, start, t0, chunk)
                 if not self.split:
                     held.discard(key)

@@ -16,6 +16,8 @@ one GEMM for dX = dY A^T (B) and one of the same FLOPs for dA = X^T dY (W); the 
 backward and the elementwise ops have no weights and go to B. So W's share of the backward is
 linear / (2 x linear + 2 x attention) of the forward's FLOPs, just under one half at the sequence
 lengths we train; the predictor and the planner assume one half (``DEFAULT_WEIGHT_GRAD_SHARE``).
+A local emulation host measures its own B and W shares (small CPU layers: W ~0.26 of a backward;
+``hethub.emulation.effects.HostEffects.split_backward``), which its replay uses instead.
 """
 
 from __future__ import annotations
