@@ -73,10 +73,18 @@ def emulated_cluster(fast_slowdown: float) -> Cluster:
 
 
 def deep_plan(*, model: str, seq_len: int, micro_batches: int, layers: int | None = None,
-              cluster: Cluster | None = None, micro_batch_size: int = 2):
+              cluster: Cluster | None = None, micro_batch_size: int = 2, hidden: int | None = None):
     spec = get_model(model)
     if layers is not None:  # the preset, deeper (e.g. so every stage splits evenly into chunks)
         spec = replace(spec, name=f"{spec.name}-{layers}l", num_layers=layers)
+    if hidden is not None:  # wider, same head size, GQA ratio and FFN ratio
+        if hidden % (spec.head_dim * spec.num_heads // spec.num_kv_heads):
+            raise SystemExit(f"--hidden {hidden}: use a multiple of "
+                             f"{spec.head_dim * spec.num_heads // spec.num_kv_heads} for {spec.name}")
+        heads = hidden // spec.head_dim
+        spec = replace(spec, name=f"{spec.name}-h{hidden}", hidden_size=hidden, num_heads=heads,
+                       num_kv_heads=heads * spec.num_kv_heads // spec.num_heads,
+                       ffn_hidden_size=round(spec.ffn_hidden_size * hidden / spec.hidden_size))
     n = spec.num_layers
     # The slow kind is 2.5x slower: it gets about 1/2.5 of a fast stage's layers.
     slow = max(1, round(n / 7))
