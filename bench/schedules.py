@@ -1,16 +1,19 @@
 """1F1B against ZB-H1 and interleaved 1F1B (and any other registered schedule) on one deep local
 plan, measured and predicted.
 
-    python bench/schedules.py [--model small] [--seq-len 128] [--micro-batches 8] [--reps 3]
-                              [--steps 6] [--warmup 2] [--schedules 1f1b,zb-h1,interleaved]
-                              [--chunks 2] [--layers 16] [--fast-slowdown 3] [--json OUT]
+    python bench/schedules.py [--model small] [--layers 16] [--hidden 256] [--seq-len 128]
+                              [--micro-batches 8] [--micro-batch-size 1] [--reps 3] [--steps 5]
+                              [--warmup 2] [--schedules 1f1b,zb-h1,interleaved] [--chunks 2]
+                              [--fast-slowdown 2] [--json OUT]
 
 The plan: 4 stages on examples/clusters/local-cpu.toml, cpu-fast, cpu-fast, cpu-slow, cpu-slow,
-layers split so the stages' times are close, ``--micro-batches`` micro-batches; under
+layers split so the stages' times are close (16 layers: 6, 6, 2, 2), ``--micro-batches``
+micro-batches, the small preset widened to ``--hidden`` (the weight GEMMs that ZB-H1's W runs are a
+larger share of a wider layer's backward); under
 ``interleaved`` each stage's layers are split into ``--chunks`` chunks (the planner's layout,
 ``hethub.search.interleave.with_chunks``; a one-layer stage gets an empty chunk that passes its
 input on). Both kinds are EMULATED here: cpu-fast ``--fast-slowdown`` k times slower than this
-host's core and cpu-slow 2.5 k (the cluster file's ratio), i.e. after each forward, backward (B) or
+host's core and cpu-slow 2.5 k (the cluster file's ratio; default k = 2), i.e. after each forward, backward (B) or
 weight-gradient pass (W) a rank sleeps (k - 1) x the CPU time it used (hethub.emulation.slowdown).
 So a rank needs a core only 1/k of the time and 4 ranks fit on 2 cores: a rank's bubble is idle
 time, as on devices of their own, rather than time another rank computes in (with cpu-fast at full
@@ -99,9 +102,9 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--schedules", default=",".join(s for s in SCHEDULES if s != "gpipe"))
@@ -109,9 +112,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16,
                     help="the model preset with this many layers (default 16: stages of 6, 6, 2, 2 layers, which "
                          "split into equal chunks)")
-    ap.add_argument("--fast-slowdown", type=float, default=3.0,
-                    help="cpu-fast emulated this many times slower than a core, cpu-slow 2.5x that (default 3; 1: "
+    ap.add_argument("--fast-slowdown", type=float, default=2.0,
+                    help="cpu-fast emulated this many times slower than a core, cpu-slow 2.5x that (default 2; 1: "
                          "cpu-fast at full speed, the ranks then fill each other's bubbles)")
+    ap.add_argument("--hidden", type=int, default=256,
+                    help="the preset widened to this hidden size (default 256: the small preset's 128 leaves the "
+                         "weight GEMMs, which W runs, ~1/4 of the backward; 256 ~0.3)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.steps - args.warmup < 1 or args.reps < 1 or args.fast_slowdown < 1:
@@ -123,7 +129,8 @@ def main() -> None:
     t_start, load_start = time.monotonic(), os.getloadavg()
     cluster = emulated_cluster(args.fast_slowdown)
     base = deep_plan(model=args.model, seq_len=args.seq_len, micro_batches=args.micro_batches, layers=args.layers,
-                     cluster=cluster, micro_batch_size=args.micro_batch_size)
+                     cluster=cluster, micro_batch_size=args.micro_batch_size,
+                     hidden=None if args.hidden == get_model(args.model).hidden_size else args.hidden)
     plans = {s: replace(base, schedule=s).validate() for s in names}
     if "interleaved" in plans:
         plans["interleaved"] = replace(base, schedule="interleaved",

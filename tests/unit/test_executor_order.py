@@ -5,7 +5,6 @@ stage's executor with a fake communicator; the model records what autograd reall
 from __future__ import annotations
 
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
@@ -39,8 +38,8 @@ class FakeComm:
 
 class RecordingStage(nn.Module):
     """One weight GEMM (through runtime/weight_grad.linear, as the model's projections); logs each
-    forward it runs and each time its weight's gradient is computed: by autograd (a hook on the
-    weight) or, deferred by a split backward, by W (see _run)."""
+    forward it runs and each gradient that reaches its weight (a hook: in B, or in W, which hands
+    the deferred gradients to autograd's accumulation)."""
 
     def __init__(self, *, last: bool, log: list[str]) -> None:
         super().__init__()
@@ -48,9 +47,8 @@ class RecordingStage(nn.Module):
         self.last, self.log = last, log
         self.w.register_hook(self._backward)
 
-    def _backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        if grad is not None:  # a deferred weight gradient reaches the hook as None in B
-            self.log.append("B")
+    def _backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.log.append("B")
         return grad
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,15 +68,7 @@ def _run(schedule: str, *, stage: int, num_stages: int, m: int) -> tuple[list[tu
     ex = PipelineExecutor(RecordingStage(last=last, log=log), place=place, comm=FakeComm(),  # type: ignore[arg-type]
                           schedule=schedule, seq_len=SEQ, hidden_size=HIDDEN)
     batches = [(torch.ones(MBS, SEQ, HIDDEN), torch.zeros(MBS, SEQ, dtype=torch.long)) for _ in range(m)]
-    compute_deferred = weight_grad._weight_grads_into
-
-    def logged(weight: torch.Tensor | None, *args: object, **kwargs: object) -> None:
-        if weight is not None:
-            log.append("B")  # the weight's gradient, computed now (in W)
-        compute_deferred(weight, *args, **kwargs)  # type: ignore[arg-type]
-
-    with mock.patch.object(weight_grad, "_weight_grads_into", logged):
-        _, trace = ex.run(batches)
+    _, trace = ex.run(batches)
     return [(e["op"], e["mb"]) for e in trace.events], log
 
 

@@ -58,3 +58,22 @@ def test_outside_recording_it_is_f_linear() -> None:
     assert lin(x).grad_fn.name() == "AddmmBackward0"
     with weight_grad.recording():
         assert lin(x).grad_fn.name() != "AddmmBackward0"
+
+
+def test_w_accumulates_through_autograd_with_its_hooks() -> None:
+    """W hands its gradients to autograd's accumulation: a parameter's tensor and post-accumulate hooks
+    (ZeRO-1's fp32 main_grad) see them in W, and B, which never reaches the weight, calls neither."""
+    lin = weight_grad.Linear(4, 3)
+    seen: list[str] = []
+    lin.weight.register_hook(lambda g: seen.append(f"hook {tuple(g.shape)}"))
+    lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append("accumulated"))
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    with weight_grad.recording():
+        out = lin(x)
+    with weight_grad.deferring() as later:
+        out.sum().backward()
+    assert seen == [] and lin.weight.grad is None and x.grad is not None
+    later.run()
+    assert seen == ["hook (3, 4)", "accumulated"]
+    torch.testing.assert_close(lin.weight.grad, torch.ones(2 * 5, 3).t() @ x.detach().reshape(-1, 4))
+    torch.testing.assert_close(lin.bias.grad, torch.full((3,), 10.0))

@@ -108,8 +108,10 @@ class PipelineExecutor:
         loss_sum = 0.0
         held: set[tuple[int, int]] = set()  # (micro-batch, chunk) whose graph this stage still holds
         deferred: dict[tuple[int, int], weight_grad.Deferred] = {}  # (micro-batch, chunk) -> its W's work
-        # A split executor builds weight GEMMs whose B can defer their weight gradients (weight_grad.py).
-        recording = weight_grad.recording if self.split else contextlib.nullcontext
+        # A split executor builds weight GEMMs whose B defers their weight gradients (weight_grad.py);
+        # the first stage sends no input gradient, so its B is the whole backward (and its W empty).
+        defers = self.split and not self.first
+        recording = weight_grad.recording if defers else contextlib.nullcontext
         v = self.chunks
         for i, (op, mb, chunk) in enumerate(self.ops):
             got = recvs.take(i, trace)
@@ -151,12 +153,11 @@ class PipelineExecutor:
                 with self.emulator.chunk():
                     if got is None and self.loss_scale != 1.0:
                         out = out * self.loss_scale
-                    if self.split and not self.first:
+                    if defers:  # (B's recomputed forward, if any, builds what F built)
                         with weight_grad.deferring() as deferred[key]:
                             torch.autograd.backward(out, grad_tensors=grad)
                     else:
-                        with recording():  # B's recomputed forward builds what F built
-                            torch.autograd.backward(out, grad_tensors=grad)
+                        torch.autograd.backward(out, grad_tensors=grad)
                 self._record(trace, "B", mb, start, t0, chunk)
                 if not self.split:
                     held.discard(key)

@@ -4,10 +4,13 @@ ZB-H1 (Qi et al., ICLR 2024) splits a micro-batch's backward into B, the input g
 previous stage waits for, and W, the weight gradients nobody waits for. For each weight GEMM
 Y = X A^T, B runs dX = dY A and W runs dA = dY^T X (and a bias's dY summed over tokens). Here every
 weight GEMM of a stage (the decoder blocks' projections and the head) goes through :func:`linear`;
-while a split executor records (:func:`recording`), it builds :class:`_LinearFn`, whose backward
-inside :func:`deferring` computes only dX and queues dA and the bias gradient; :meth:`Deferred.run`
-later computes them and adds them to ``.grad`` as autograd's accumulation would. Everything else
-(norms, attention, the elementwise ops, the embedding) stays in B, as in the paper.
+while a split executor records (:func:`recording`, its forwards), it builds :class:`_LinearFn` on
+the *detached* weight, so B's autograd never reaches the weight: its backward computes dX and, inside
+:func:`deferring`, queues dA and the bias gradient; :meth:`Deferred.run` (W) computes them and hands
+them to autograd's own accumulation (``torch.autograd.backward`` on the parameters, one engine run
+for all of them), so ``.grad`` and every tensor and post-accumulate hook see them exactly as in a
+whole backward (ZeRO-1's fp32 ``main_grad`` relies on those hooks). Everything else (norms,
+attention, the elementwise ops, the embedding) stays in B, as in the paper.
 
 Why not torch's own split (``torch.distributed.pipelining._backward``, retained graph plus one
 ``autograd.grad`` per parameter group in W): measured on this repository's small preset (3 layers,
@@ -15,9 +18,10 @@ micro-batch 2 x 128 tokens, one CPU thread) its B cost ~0.9 of a whole backward 
 graph walks) and its W another ~0.6 (one autograd engine run per parameter group), B + W ~1.5
 backwards; here B is ~0.8 and W ~0.26, B + W ~1.07 (docs/runtime.md).
 
-Outside :func:`recording` (every other schedule, evaluation) :func:`linear` is ``F.linear``, so
-their graphs and numbers are exactly as before. Under autocast the function casts as autocast does
-(inputs to the autocast dtype, gradients back to each input's dtype).
+Outside :func:`recording` (every other schedule, a pipeline's first stage, evaluation)
+:func:`linear` is ``F.linear``, so those graphs and numbers are exactly as before. Under autocast
+the function casts as autocast does (inputs to the autocast dtype, gradients back to each input's
+dtype).
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# One W entry: (parameter, its gradient) pairs once computed.
+WeightGrads = list[tuple[torch.Tensor, torch.Tensor]]
+
 
 class _State:
     record = False  # build the deferrable function (a split executor's forward, and its B's recompute)
-    queue: list[Callable[[], None]] | None = None  # where B queues the weight gradients
+    queue: list[Callable[[], WeightGrads]] | None = None  # where B queues the weight gradients
 
 
 # One executor runs per process and autograd may call backward on a device thread: a process-wide
@@ -43,7 +50,8 @@ _state = _State()
 
 @contextmanager
 def recording() -> Iterator[None]:
-    """Build the split-able weight GEMMs in this forward (and in B's recomputed forward)."""
+    """Build the split-able weight GEMMs in this forward (their backward must run inside
+    :func:`deferring`, or it computes the weight gradients at once)."""
     old, _state.record = _state.record, True
     try:
         yield
@@ -55,13 +63,20 @@ class Deferred:
     """The weight gradients one B queued, for its W."""
 
     def __init__(self) -> None:
-        self.work: list[Callable[[], None]] = []
+        self.work: list[Callable[[], WeightGrads]] = []
 
     def run(self) -> None:
-        """Compute every queued weight gradient and add it to its parameter's ``.grad``."""
+        """Compute every queued weight gradient and accumulate them through autograd (``.grad``,
+        hooks), a parameter used by several GEMMs (a tied head) getting their sum."""
         work, self.work = self.work, []
+        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for fn in work:
-            fn()
+            for p, g in fn():
+                old = grads.get(id(p))
+                grads[id(p)] = (p, g if old is None else old[1] + g)
+        if grads:
+            params, values = zip(*grads.values(), strict=True)
+            torch.autograd.backward(list(params), grad_tensors=list(values))
 
 
 @contextmanager
@@ -83,7 +98,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-    return _LinearFn.apply(x, weight, bias, dtype)
+    # The parameters travel outside the graph (a tuple is no autograd input): B never touches them.
+    return _LinearFn.apply(x, weight.detach(), None if bias is None else bias.detach(), dtype, (weight, bias))
 
 
 class Linear(nn.Linear):
@@ -93,18 +109,10 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    """Add `g` to ``p.grad`` as autograd's AccumulateGrad does (in place when a gradient is there)."""
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad += g
-
-
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
-                dtype: torch.dtype | None) -> torch.Tensor:
+                dtype: torch.dtype | None, params: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         if dtype is None:
             xc, wc, out = x, weight, F.linear(x, weight, bias)
         else:  # as autocast would: the GEMM in its dtype
@@ -112,8 +120,7 @@ class _LinearFn(torch.autograd.Function):
             with torch.autocast(x.device.type, enabled=False):
                 out = F.linear(xc, wc, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(xc, wc)
-        ctx.x_dtype, ctx.has_bias, ctx.autocast = x.dtype, bias is not None, dtype is not None
-        ctx.params = (weight, bias)
+        ctx.x_dtype, ctx.autocast, ctx.params = x.dtype, dtype is not None, params
         return out
 
     @staticmethod
@@ -121,34 +128,28 @@ class _LinearFn(torch.autograd.Function):
         xc, wc = ctx.saved_tensors
         weight, bias = ctx.params
         # Under autocast the GEMMs run in the forward's dtype, never re-cast by an ambient autocast.
-        no_cast = torch.autocast(dy.device.type, enabled=False) if ctx.autocast else contextlib.nullcontext()
-        with no_cast:
+        with torch.autocast(dy.device.type, enabled=False) if ctx.autocast else contextlib.nullcontext():
             dyc = dy.to(wc.dtype)
             dx = (dyc @ wc).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        want_w, want_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        ac = ctx.autocast
+        later = Deferred()
+        later.work.append(lambda: _weight_grads(weight, bias, xc, dyc, autocast=ac))
         if _state.queue is not None:
-            w, b, ac = weight if want_w else None, bias if want_b else None, ctx.autocast
-            _state.queue.append(lambda: _weight_grads_into(w, b, xc, dyc, autocast=ac))
-            return dx, None, None, None
-        with no_cast:
-            d2 = dyc.reshape(-1, dyc.shape[-1])
-            dw = (d2.t() @ xc.reshape(-1, xc.shape[-1])).to(weight.dtype) if want_w else None
-            db = d2.sum(0).to(bias.dtype) if want_b else None
-        return dx, dw, db, None
+            _state.queue.extend(later.work)
+        else:  # recorded, but not split: the weight gradients now
+            later.run()
+        return dx, None, None, None, None
 
 
-def _weight_grads_into(weight: torch.Tensor | None, bias: torch.Tensor | None, xc: torch.Tensor, dyc: torch.Tensor,
-                       *, autocast: bool) -> None:
-    """W of one weight GEMM: dA = dY^T X (and the bias's dY summed over tokens) added to ``.grad``. Where
-    a gradient of the GEMM's dtype is already there, the GEMM accumulates into it (``addmm_``, as
-    Megatron's gradient-accumulation fusion): no separate product to allocate and add."""
+def _weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, xc: torch.Tensor, dyc: torch.Tensor, *,
+                  autocast: bool) -> WeightGrads:
+    """W of one weight GEMM: dA = dY^T X (in the weight's own layout) and the bias's dY summed over
+    tokens, each in its parameter's dtype."""
     d2 = dyc.reshape(-1, dyc.shape[-1])
+    out: WeightGrads = []
     with torch.autocast(d2.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        if weight is not None:
-            x2 = xc.reshape(-1, xc.shape[-1])
-            if weight.grad is not None and weight.grad.dtype == d2.dtype:
-                weight.grad.addmm_(d2.t(), x2)
-            else:
-                _accumulate(weight, (d2.t() @ x2).to(weight.dtype))
-        if bias is not None:
-            _accumulate(bias, d2.sum(0).to(bias.dtype))
+        if weight.requires_grad:
+            out.append((weight, (d2.t() @ xc.reshape(-1, xc.shape[-1])).to(weight.dtype)))
+        if bias is not None and bias.requires_grad:
+            out.append((bias, d2.sum(0).to(bias.dtype)))
+    return out
