@@ -209,13 +209,13 @@ def sharded_memory(mem: StageMemory, *, moment_elems: float, master_elems: float
     ``predict/sharding.py``): the device keeps AdamW moments for ``moment_elems`` elements only, and
     their fp32 master copies (:func:`sharded_master_bytes`). The optimizer step's scratch shrinks with
     the slice (multi-tensor AdamW on accelerators); on CPU it runs piece by piece, at most the slice.
-    ``split_weight_pass``: the stage runs ZB-H1's split weight pass, which adds the 16-bit weight
-    gradients to ``.grad`` by hand, so in mixed precision they stay beside the fp32 ``main_grad``
-    until the sync (the ordinary backward's are dropped at once)."""
+    ``split_weight_pass`` (the stage runs ZB-H1's split weight pass) changes nothing since
+    2026-12-02: that pass (``runtime/weight_grad.py``) hands hooked parameters' gradients to
+    autograd's accumulation, so ZeRO-1's hooks move them to the fp32 ``main_grad`` and drop the
+    16-bit ``.grad`` as in a whole backward (torch's split, before, left them beside it until the
+    sync). Still accepted from callers (the planner's cost model passes it)."""
     per = state_bytes_per_param(precision)
     grads = mem.grads_bytes
-    if split_weight_pass and per["master_weights"]:
-        grads += mem.grads_bytes / per["grads"] * per["weights"]
     gpu_like = kind is not None and kind.device_type != "cpu"
     step_tmp = moment_elems * 4 if gpu_like else min(mem.optimizer_temporaries_bytes, moment_elems * 4 * 2)
     return replace(mem, optimizer_bytes=moment_elems * per["optimizer"], grads_bytes=grads,
