@@ -17,14 +17,13 @@ import heapq
 import itertools
 import math
 
-from hethub.search.bounds import PipeFloor, pipe_floor
-from hethub.search.combine import Estimate, Group, embedding_sync_floor, water_level
-from hethub.search.split import PipeCost, Slot
+from hethub.search.combine import Estimate, Group, water_level
+from hethub.search.mixed import price_mixed
+from hethub.search.split import PipeCost
 from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
 
 TOP_FOR_MIXED = 4
-MAX_REPLICA_COUNTS = 8  # mixed replica counts tried per kind order (spread geometrically)
-SMALL_POOL = 32  # devices up to which mixed pipelines may leave part of the pool idle
+SMALL_POOL = 32  # devices up to which mixed pipelines may also take one released pure pipeline
 MBS_KEEP = 0.9
 
 
@@ -62,74 +61,6 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
     return groups, left
 
 
-def _spread(lo: int, hi: int, n: int) -> list[int]:
-    if hi - lo + 1 <= n:
-        return list(range(lo, hi + 1))
-    vals, x, ratio = {lo, hi}, float(lo), (hi / lo) ** (1 / (n - 1))
-    for _ in range(n):
-        x *= ratio
-        vals.add(min(hi, round(x)))
-    return sorted(vals)
-
-
-Family = tuple[tuple[str, ...], tuple[int, ...], int, tuple[tuple[int, ...], ...]]  # kinds, tps, replicas, stages
-
-
-def mixed_options(s: Searcher, pool: dict[str, int], tp_hint: dict[str, int]) -> list[Family]:
-    """Identical mixed pipelines over subsets of the pooled devices, as families: (kinds, TP degree per
-    kind, replicas, allowed stage counts per kind); `expand` lists a family's (segments, replicas).
-
-    Every TP degree that fits each kind is tried; a family's floor (`family_floor`, under every
-    member) and each member's (bounds.pipe_floor) drop the hopeless ones before they are split.
-    """
-    key = (tuple(sorted(pool.items())), tuple(sorted(tp_hint.items())))
-    if key in s.mixed_cache:
-        return s.mixed_cache[key]
-    kinds = [k for k, n in pool.items() if n > 0 and s.tps[k]]
-    small = sum(pool[k] for k in kinds) <= SMALL_POOL
-    out: list[Family] = []
-    s.mixed_cache[key] = out
-    for size in range(2, len(kinds) + 1):
-        for subset in itertools.combinations(kinds, size):
-            # Large pools: every TP degree that fits each kind (the families' floors prune). Small pools
-            # enumerate every stage count per kind too, which with every TP degree made 32-device
-            # searches ~15x slower: there, the kind's pure TP degree and its largest (docs/planner.md).
-            tp_choices = [sorted({tp_hint.get(k, s.tps[k][-1]), s.tps[k][-1]}) if small else s.tps[k] for k in subset]
-            for tps in itertools.product(*tp_choices):
-                slots = {k: pool[k] // t for k, t in zip(subset, tps, strict=True)}
-                c_hi = min(slots.values())
-                c_lo = max(1, -(-sum(slots.values()) // (s.model.num_layers + 2)))
-                for c in _spread(c_lo, c_hi, MAX_REPLICA_COUNTS) if c_lo <= c_hi else []:
-                    # Small pools: any number of stages per kind; large ones: use the whole pool.
-                    counts = tuple(tuple(range(1, slots[k] // c + 1)) if small else (slots[k] // c,) for k in subset)
-                    out.append((subset, tps, c, counts))
-    return out
-
-
-def expand(family: Family) -> list[tuple[tuple, int]]:
-    subset, tps, c, counts = family
-    size = len(subset)
-    return [(tuple((subset[i], tps[i], ns[i]) for i in order), c)
-            for ns in itertools.product(*counts) for order in itertools.permutations(range(size))]
-
-
-def family_floor(s: Searcher, family: Family, mbs: int) -> PipeFloor:
-    """A floor under every member of a family, whatever its stage counts and order: each kind k holds
-    at most m_k stages (its largest allowed count), layers cost at least w_k each (the cheaper of with
-    and without recomputation), so the bottleneck is at least L / sum_k m_k / w_k (bases, memory and
-    hops dropped) and the work of a micro-batch at least L min_k w_k (bounds.pipe_floor, relaxed)."""
-    subset, tps, _, counts = family
-    ws = [min(sm.fwd_per_layer_s + sm.bwd_per_layer_s
-              for sm in (s.book.stage(k, tp=t, mbs=mbs, recompute=rc) for rc in (False, True)))
-          for k, t in zip(subset, tps, strict=True)]
-    n_layers = s.model.num_layers
-    if min(ws) <= 0:
-        return PipeFloor(base_s=0.0, per_mb_s=0.0)
-    bottleneck = n_layers / sum(max(ns) / w for ns, w in zip(counts, ws, strict=True))
-    work = max(bottleneck, n_layers * min(ws))
-    return PipeFloor(base_s=work - bottleneck, per_mb_s=bottleneck)
-
-
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
     results = Results(s.config.finalists + s.config.top_k)
@@ -157,10 +88,10 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
             base.append((est.step_time_s if est else float("inf"), list(zip(kinds, choice, strict=True))))
         _aligned(s, results, ranked, mbs)
         base.sort(key=lambda x: x[0])
-        todo: list[tuple] = []
+        todo: list[tuple[list[Group], dict[str, int]]] = []
         for _, choice in base[:TOP_FOR_MIXED] + [b for b in base if all(r is None for _, r in b[1])]:
-            todo += _mixed_around(s, choice, mbs, tie=len(todo))
-        _price_mixed(s, results, todo, mbs)
+            todo += _mixed_around(s, choice)
+        price_mixed(s, results, todo, mbs)
     results.items.sort(key=lambda e: e.step_time_s)
     # The best single-group plan of each kind is always a finalist: its closed form is the predictor's
     # (identical pipelines), whereas a candidate with leftover fill can be rated a few % high.
@@ -249,80 +180,22 @@ def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
     return [b for b in sizes if any(top[k] > 0 and best[(k, b)] >= MBS_KEEP * top[k] for k in s.counts)]
 
 
-def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]], mbs: int, *, tie: int) -> list[tuple]:
-    """Variants of one pure choice whose leftover (or released) devices form mixed pipelines:
-    (floor of the step, tie-break, pure groups, family) each."""
+def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]]) -> list[tuple[list[Group], dict[str, int]]]:
+    """Variants of one pure choice whose leftover (or, on small clusters, one released pipeline's)
+    devices form mixed pipelines: (pure groups, pool of devices) each (mixed.price_mixed)."""
     used = [(k, r) for k, r in choice if r is not None]
     releases = [0, 1] if used and sum(s.counts.values()) <= SMALL_POOL else [0]
-    out: list[tuple] = []
+    out = []
     for release in releases:
         pure: list[Group] = []
         pool: dict[str, int] = {k: s.counts[k] for k, r in choice if r is None}
-        hint: dict[str, int] = {}
         for k, r in used:
             pipe: PipeCost = r.pipe
             c = max(0, s.counts[k] // pipe.num_devices - release)
             pure.append(Group(pipe, c))
             pool[k] = s.counts[k] - c * pipe.num_devices
-            hint[k] = pipe.slots[0].tp
-        pure = [g for g in pure if g.count > 0]
-        for fam in mixed_options(s, pool, hint):
-            # The allocation's makespan under a floor of every member, plus the embedding sync that
-            # must follow it (for the cheapest first kind), is a lower bound of each member's step.
-            subset, tps, c, counts = fam
-            smallest = sum(t * min(ns) for t, ns in zip(tps, counts, strict=True))
-            ends = [Slot(k, t) for k, t in zip(subset, tps, strict=True)]
-            sync = min(_emb_floor(s, pure, a, b, c, smallest) for a in ends for b in ends if a != b)
-            level = water_level([*pure, Group(family_floor(s, fam, mbs), c)], s.total_mb(mbs)) + sync
-            out.append((level, tie + len(out), pure, fam))
+        out.append(([g for g in pure if g.count > 0], pool))
     return out
-
-
-def _emb_floor(s: Searcher, pure: list[Group], first: Slot, last: Slot, c: int, mixed_devices: int) -> float:
-    """combine.embedding_sync_floor for the pure groups plus c mixed pipelines of `mixed_devices`
-    devices each that start with `first` and end with `last`. Fewer devices can only give a faster
-    ring (links.replicas), so a family passes its smallest members' count."""
-    total_devices = sum(g.count * g.pipe.num_devices for g in pure) + c * mixed_devices
-    return embedding_sync_floor([(g.pipe.slots[0], g.count) for g in pure] + [(first, c)],
-                                [(g.pipe.slots[-1], g.count) for g in pure] + [(last, c)],
-                                total_devices=total_devices, links=s.links, model=s.model,
-                                precision=s.config.precision)
-
-
-def _price_mixed(s: Searcher, results: Results, todo: list[tuple], mbs: int) -> None:
-    """Split and price mixed candidates best floor first, so the finalists' bar rises early; once a
-    floor cannot get among the finalists, no later one can (only the planner's finalists are used).
-
-    Three floors, each under the next: a family's (every stage count and order), a member's without
-    memory, a member's with memory (bounds.pipe_floor); a family is expanded, and a member's tight
-    floor paid for, only when the looser one still lets it in.
-    """
-    heap = [(level, tie, 0, pure, fam) for level, tie, pure, fam in todo]
-    heapq.heapify(heap)
-    tie = len(heap)
-    total = s.total_mb(mbs)
-    while heap:
-        level, _, stage, pure, item = heapq.heappop(heap)
-        if not results.may_enter(level):
-            break
-        if stage == 0:  # a family: queue its members under their own (loose) floors
-            for segs, c in expand(item):
-                floor = pipe_floor(s.book, s.links, segs, mbs, memory=False)
-                if floor is not None:
-                    sync = _emb_floor(s, pure, Slot(*segs[0][:2]), Slot(*segs[-1][:2]), c,
-                                      sum(t * n for _, t, n in segs))
-                    heapq.heappush(heap, (water_level([*pure, Group(floor, c)], total) + sync, tie, 1, pure,
-                                          (segs, c, sync)))
-                    tie += 1
-            continue
-        segs, c, sync = item
-        floor = pipe_floor(s.book, s.links, segs, mbs)
-        if floor is None or not results.may_enter(water_level([*pure, Group(floor, c)], total) + sync):
-            continue
-        for pipe in s.mixed(segs, mbs):
-            groups = [*pure, Group(pipe, c)]
-            if results.may_enter(water_level(groups, total)):
-                results.add(s.estimate(groups, mbs))
 
 
 def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs: int) -> None:

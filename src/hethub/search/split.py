@@ -58,7 +58,10 @@ class PipeCost:
 
     @functools.cached_property
     def per_mb_s(self) -> float:
-        return get_schedule(self.schedule, chunks=self.chunks).per_micro_batch_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s)
+        per = get_schedule(self.schedule, chunks=self.chunks).per_micro_batch_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s)
+        if self.schedule == "1f1b" and self.chunks == 1 and any(self.p2p_s):
+            per = max(per, round_trip_period_s(self.fwd_s, self.bwd_s, self.p2p_s))
+        return per
 
     @functools.cached_property
     def base_s(self) -> float:
@@ -74,6 +77,29 @@ class PipeCost:
         for s in self.slots:
             out[s.kind] = out.get(s.kind, 0) + s.tp
         return out
+
+
+def round_trip_period_s(fwd_s: tuple[float, ...], bwd_s: tuple[float, ...], p2p_s: tuple[float, ...]) -> float:
+    """A floor under 1F1B's steady-state period with transfers (the event simulation's, which the
+    predictor runs): for stages s..t, B(t, i) -> B(s, i) -> F(s, i + p - s) -> F(t, i + p - s) ->
+    B(t, i + t - s + 1) is a cycle of the schedule's dependencies, so the period is at least the
+    window's forwards and backwards plus both transfers per hop inside it, over t - s + 1; and a
+    link carries one message at a time. The bottleneck alone left out 10-40 % where a cross-kind hop
+    is a third of a stage (tests/unit/test_planner_closed_form.py). Every window is O(p^2); this
+    takes the whole pipeline's prefixes and suffixes and every adjacent pair, O(p), which includes
+    the uniform pipeline's 2 c (p - 1) / p and the slow hop between two kinds."""
+    p = len(fwd_s)
+    work = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
+    hops = p2p_s[:p - 1]
+    best = max(hops, default=0.0)
+    for s in range(p - 1):
+        best = max(best, (work[s] + work[s + 1] + 2 * hops[s]) / 2)
+    head = tail = 0.0
+    for n in range(1, p + 1):
+        head += work[n - 1] + (2 * hops[n - 2] if n > 1 else 0.0)
+        tail += work[p - n] + (2 * hops[p - n] if n > 1 else 0.0)
+        best = max(best, head / n, tail / n)
+    return best
 
 
 class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
