@@ -5,16 +5,13 @@ Instances are seeded: 2-3 kinds, 8-128 devices, four model shapes (few layers, s
 exhaustive mixed-pipeline enumeration stays small), several global batches, both schedules. Both
 sides run without the predictor-driven polish, so the test compares the searches themselves.
 
-KNOWN_MISSES: instances where the planner is more than 1% behind (measured on the operator-level
-compute model, tree/ring world all-reduces, the named-part memory model and the link rules of
-predict/comm.py: 11 of 30; 10 once each laid-out stage takes the fastest recomputation mode that
-fits, selective included: seed 5 then within 1%; 8 with the operator model refitted on Sailor's
-profiles (per-runtime op lists, one shared memory efficiency): seeds 17 and 26 then within 1%); they are strict
-xfails, so a fix (or a predictor change that moves them) shows up as a failure to update. One
-examined on the previous compute model: the reference's best was a mixed pipeline whose second
-kind holds only the head ([MI300X TP4 x 2 stages | MI250X TP4, head only] x 2); on pools over 32
-devices the planner's mixed pipelines use every stage of each kind, so it cannot form that.
-Allowing 1-3 stages per kind there found it, but made the 512-device search ~3x slower again.
+KNOWN_MISSES: instances where the planner is more than 1% behind; they are strict xfails, so a fix
+(or a predictor change that moves them) shows up as a failure to update. None since the mixed
+pipelines are searched by branch-and-bound over every TP degree, replica count and stage count per
+kind (search/mixed.py; before, small pools combined two TP degrees per kind, large pools used every
+stage of each kind and replica counts were spread geometrically), pure templates may have L + 2
+stages (embedding-only and head-only ends), and the 1F1B closed form carries the round-trip period
+and the predictor's hop rule (search/split.py, search/links.py): 11 of 30 were behind before.
 """
 
 import random
@@ -40,7 +37,7 @@ MODELS = (
 NETWORK = {"inter_node_bw_bytes_per_s": 25e9, "inter_node_latency_s": 10e-6,
            "cross_kind_bw_bytes_per_s": 12.5e9, "cross_kind_latency_s": 40e-6}
 N_INSTANCES = 30
-KNOWN_MISSES = {1, 7, 9, 10, 12, 20, 23, 29}
+KNOWN_MISSES: set[int] = set()
 
 
 def instance(seed: int):

@@ -116,10 +116,10 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
                 return None  # split.split_layers finds no split either
             work += (n_layers - cap) * (w_rc - w)
     bottleneck = max(work / p, _balanced(n_layers, p, w, e, h))
-    act = mbs * job.seq_len * job.model.hidden_size * act_bytes_for(job.precision)
-    link = links.p2p(Slot(kind, tp), Slot(kind, tp))
+    numel = mbs * job.seq_len * job.model.hidden_size
+    hop = links.hop_s(Slot(kind, tp), Slot(kind, tp), numel=numel, nbytes=numel * act_bytes_for(job.precision))
     fill = get_schedule(job.schedule, chunks=job.chunks).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
-    return fill + 2 * (p - 1) * (link.latency_s + act / link.bw_bytes_per_s), bottleneck
+    return fill + 2 * (p - 1) * hop, bottleneck
 
 
 def _balanced(n_layers: int, p: int, w: float, e: float, h: float) -> float:
@@ -151,7 +151,7 @@ class PipeFloor:
 
 
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
-               mbs: int, *, memory: bool = True) -> PipeFloor | None:
+               mbs: int, *, memory: bool = True, in_flight_hint: int = 1) -> PipeFloor | None:
     """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
 
     ``segments`` are (kind, tp, stages) in pipeline order. Stage s costs at least base_s + k_s w_s for
@@ -160,7 +160,8 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     B >= (L + sum base_s / w_s) / sum 1 / w_s.
 
     Memory: a stage holds at most cap_v layers in variant v (without / with recomputation), with its
-    micro-batches in flight (1F1B: p - s at position s; GPipe: at least 1), so a stage's whole layer
+    micro-batches in flight as split.split_layers sizes it (the schedule's planning_in_flight: 1F1B
+    p - s at position s; GPipe the pipeline's ``in_flight_hint``, 1 by default), so a stage's whole layer
     count under B is at most max_v min(cap_v, floor((B - base_v) / w_v)), and B is at least the
     smallest value where those reach L in total (bisection; no fit at all: None).
     Layers beyond what the stages hold without recomputation are recomputed at least at the smallest
@@ -175,7 +176,8 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     p = sum(n for _, _, n in segments)
     if not segments or p > n_layers + 2:
         return None
-    key = (segments, mbs, memory)
+    key = (segments, mbs, memory, in_flight_hint)
+    sched = get_schedule(job.schedule, chunks=job.chunks)
     hit = book.pipe_floors.get(key, ())
     if hit != ():
         return hit  # type: ignore[return-value]
@@ -204,7 +206,8 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
             continue
         by_cap: dict[tuple, int] = {}  # stages of the segment by their capacities and bases
         for s in range(pos, pos + n):
-            in_flight = p - s if job.schedule == "1f1b" else 1
+            # what split.split_layers sizes the stage for (Searcher.in_flight_hint's hint for GPipe)
+            in_flight = sched.planning_in_flight(stage=s, num_stages=p, expected_micro_batches=in_flight_hint)
             emb, head = s == 0, s == p - 1
             cp, cr = (max(-1, v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers))
                       for v in variants)
@@ -241,16 +244,15 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     forced = max(0.0, n_layers - plain_total) if memory else 0.0
     work = max(bottleneck, base_sum + n_layers * w_min + (forced * extra_min if forced and extra_min < math.inf
                                                            else 0.0))
-    act = mbs * job.seq_len * job.model.hidden_size * act_bytes_for(job.precision)
+    numel = mbs * job.seq_len * job.model.hidden_size
+    act = numel * act_bytes_for(job.precision)
     p2p, prev = 0.0, None
     for kind, tp, n in segments:
         here = Slot(kind, tp)
         if n > 1:
-            link = links.p2p(here, here)
-            p2p += (n - 1) * (link.latency_s + act / link.bw_bytes_per_s)
+            p2p += (n - 1) * links.hop_s(here, here, numel=numel, nbytes=act)
         if prev is not None:
-            link = links.p2p(prev, here)
-            p2p += link.latency_s + act / link.bw_bytes_per_s
+            p2p += links.hop_s(prev, here, numel=numel, nbytes=act)
         prev = here
     fill = get_schedule(job.schedule, chunks=job.chunks).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     out = PipeFloor(base_s=fill + 2 * p2p - bottleneck, per_mb_s=bottleneck)

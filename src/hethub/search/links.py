@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 
+from hethub.layout import split_hop
+from hethub.predict.comm import stage_hop_time_s
 from hethub.search.split import Slot
 from hethub.spec.cluster import Cluster, Link
 
@@ -21,6 +23,13 @@ class LinkBook:
         self.node_size: dict[str, int] = {}
         self._p2p: dict[tuple[str, int, str, int], Link] = {}
         self._nic: dict[str, float] = {}
+        self._hops: dict[tuple, float] = {}
+        self._nodes: dict[str, list[list[int]]] = {}  # device ids of each node, by kind
+        for d in cluster.devices:
+            nodes = self._nodes.setdefault(d.kind, [])
+            if not nodes or cluster.devices[nodes[-1][0]].node != d.node:
+                nodes.append([])
+            nodes[-1].append(d.id)
         for g in cluster.groups:
             nic = g.inter_node_bw_bytes_per_s or cluster.inter_node.bw_bytes_per_s
             self.node_size[g.kind] = min(self.node_size.get(g.kind, g.devices_per_node), g.devices_per_node)
@@ -48,6 +57,38 @@ class LinkBook:
             else:
                 link = self._p2p[key] = self.between(a.kind, b.kind)
         return link
+
+    def hop_s(self, a: Slot, b: Slot, *, numel: int, nbytes: float) -> float:
+        """One micro-batch's activations (``numel`` elements, ``nbytes``) from a stage of `a` to the next
+        of `b`, by the predictor's rule (predict.comm.stage_hop_time_s: the executor's rank pairs, a
+        node's NIC shared by its cross-node messages, TP-split hops between equal degrees) on
+        representative devices: consecutive stages of one kind share a node where both fit in it
+        (as `p2p` assumes), else they sit on two nodes."""
+        key = (a, b, numel, nbytes)
+        t = self._hops.get(key)
+        if t is None:
+            place = self._place(a, b)
+            if place is None:
+                link = self.p2p(a, b)
+                t = link.latency_s + nbytes / link.bw_bytes_per_s
+            else:
+                t = stage_hop_time_s(self.cluster, senders=place[0], receivers=place[1], nbytes=nbytes,
+                                     split=split_hop(a=a.tp, b=b.tp, numel=numel))
+            self._hops[key] = t
+        return t
+
+    def _place(self, a: Slot, b: Slot) -> tuple[list[int], list[int]] | None:
+        src = [n for n in self._nodes.get(a.kind, []) if len(n) >= a.tp]
+        dst = [n for n in self._nodes.get(b.kind, []) if len(n) >= b.tp]
+        if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind]:
+            both = [n for n in src if len(n) >= a.tp + b.tp]
+            return (both[0][:a.tp], both[0][a.tp:a.tp + b.tp]) if both else None
+        if not src or not dst:
+            return None
+        other = [n for n in dst if n is not src[0]]
+        if not other:
+            return None
+        return src[0][:a.tp], other[0][:b.tp]
 
     def replicas(self, kinds: frozenset[str], *, devices: int) -> Link:
         """Slowest link of a data-parallel ring over pipelines made of these kinds."""

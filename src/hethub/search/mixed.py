@@ -44,11 +44,13 @@ class Family:
         self.pairs = [(a, b) for a in self.ends for b in self.ends if a != b]
         n_layers = s.model.num_layers
         cs = [_consts(s, k, t, mbs) for k, t in zip(subset, tps, strict=True)]
+        self.s, self.mbs = s, mbs
         self.w = [c[0] for c in cs]
         self.hop = [c[3] for c in cs]
-        self.cap = [c[4] for c in cs]  # most layers one stage holds (any variant, one micro-batch in flight)
-        self.cap_plain = [c[5] for c in cs]  # the same without recomputation
-        self.extra = min([c[6] for c in cs if c[6] > 0] or [0.0])  # cheapest recomputation per layer
+        self.extra = min([c[4] for c in cs if c[4] > 0] or [0.0])  # cheapest recomputation per layer
+        self._caps: dict[int, tuple[list[int], list[int]]] = {}
+        self._in_flight: dict[tuple[int, int], int] = {}
+        self.cap, self.cap_plain = self.caps(1)
         self.feasible = min(self.cap) >= 0 and min(self.w) > 0
         e, h = min(c[1] for c in cs), min(c[2] for c in cs)
         self.base_over_w = min(c[1] / c[0] for c in cs) + min(c[2] / c[0] for c in cs) if self.feasible else 0.0
@@ -56,42 +58,70 @@ class Family:
         self.base_min = max(e, h)
         self.cross = min(_hop(s, a, b, mbs) for a, b in self.pairs)
         self.sched = get_schedule(s.book.job.schedule)
-        # saturation order for the memory relaxation: kinds by cap * w
-        self.order = sorted(range(len(subset)), key=lambda i: self.cap[i] * self.w[i])
 
-    def bottleneck(self, top: list[int], n_layers: int) -> float | None:
+    def caps(self, in_flight: int) -> tuple[list[int], list[int]]:
+        """Most layers a middle stage of each kind holds with `in_flight` micro-batches (any variant;
+        -1: not even none), and the same without recomputation."""
+        hit = self._caps.get(in_flight)
+        if hit is None:
+            s, n_layers = self.s, self.s.model.num_layers
+            hit = ([], [])
+            for k, t in zip(self.subset, self.tps, strict=True):
+                variants = [s.book.stage(k, tp=t, mbs=self.mbs, recompute=rc)
+                            for rc in ((False, True) if s.config.allow_recompute else (False,))]
+                got = [v.max_layers(emb=False, head=False, in_flight=in_flight, limit=n_layers) for v in variants]
+                hit[0].append(max(got))
+                hit[1].append(max(got[0], 0))
+            self._caps[in_flight] = hit
+        return hit
+
+    def in_flight_floor(self, stages: int, devices: int) -> int:
+        """Fewest micro-batches any stage of a member with at least `stages` stages and `devices`
+        devices is sized for (split.split_layers' planning_in_flight): in the registry's schedules that
+        count never falls as a pipeline gains stages or devices (1F1B: p - s >= 1; GPipe: the hint,
+        which grows with the devices; ZB-H1: p)."""
+        key = (stages, devices)
+        hit = self._in_flight.get(key)
+        if hit is None:
+            hint = self.s.in_flight_hint(devices, self.mbs)
+            hit = min(self.sched.planning_in_flight(stage=i, num_stages=stages, expected_micro_batches=hint)
+                      for i in range(stages))
+            self._in_flight[key] = hit
+        return hit
+
+    def bottleneck(self, top: list[int], n_layers: int, cap: list[int]) -> float | None:
         """A floor under the slowest stage with at most top[k] stages per kind; None: no fit.
 
         Time: L <= sum_s (B - base_s) / w_s, bases at their smallest. Memory: stage s holds at most
         min(cap_k, B / w_k) layers (every stage holds at least one micro-batch), and they hold L.
         """
-        if sum(t * c for t, c in zip(top, self.cap, strict=True)) < n_layers:
+        if min(cap) < 0 or sum(t * c for t, c in zip(top, cap, strict=True)) < n_layers:
             return None
         inv = sum(t / w for t, w in zip(top, self.w, strict=True))
         b = (n_layers + self.base_over_w) / inv
         # smallest B with sum_k top_k min(cap_k, B / w_k) >= L (piecewise linear in B)
         held, slope = 0.0, inv
-        for i in self.order:
-            sat = self.cap[i] * self.w[i]
+        for i in sorted(range(len(top)), key=lambda j: cap[j] * self.w[j]):
+            sat = cap[i] * self.w[i]
             if held + slope * sat >= n_layers:
                 break
-            held += top[i] * self.cap[i]
+            held += top[i] * cap[i]
             slope -= top[i] / self.w[i]
         b = max(b, self.base_min, (n_layers - held) / slope if slope > 0 else b)
         # Whole layers: from there, walk the next layer a stage of some kind can take, in time order,
         # until they hold L (each step adds top_k layers); rounding errs towards more layers held.
         whole, heap = 0, []
-        for i, (t, w, cap) in enumerate(zip(top, self.w, self.cap, strict=True)):
-            j = min(cap, math.floor(b / w + 1e-9))
+        for i, (t, w, most) in enumerate(zip(top, self.w, cap, strict=True)):
+            j = min(most, math.floor(b / w + 1e-9))
             whole += t * j
-            if j < cap and t:
+            if j < most and t:
                 heap.append(((j + 1) * w, i, j + 1))
         heapq.heapify(heap)
         while whole < n_layers and heap:
             b_next, i, j = heapq.heappop(heap)
             whole += top[i]
             b = max(b, b_next * (1 - 1e-12))
-            if j < self.cap[i]:
+            if j < cap[i]:
                 heapq.heappush(heap, ((j + 1) * self.w[i], i, j + 1))
         return b
 
@@ -117,24 +147,21 @@ def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, 
 
 
 def _consts(s: Searcher, kind: str, tp: int, mbs: int) -> tuple:
-    """(w, e, h, hop, cap, cap_plain, extra) of (kind, tp): the cheapest per-layer forward + backward
-    with or without recomputation, the embedding's and the head's extra cost, a hop between two
-    such stages, the most layers a middle stage holds with one micro-batch in flight (any variant;
-    -1: not even none), the same without recomputation, and recomputation's extra per layer."""
+    """(w, e, h, hop, extra) of (kind, tp): the cheapest per-layer forward + backward with or without
+    recomputation, the embedding's and the head's extra cost, a hop between two such stages, and
+    recomputation's extra per layer."""
     key = ("mixed-consts", kind, tp, mbs)
     hit = s.book.stage_floors.get(key)
     if hit is None:
         variants = [s.book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
         if not s.config.allow_recompute:
             variants = variants[:1]
-        n_layers = s.model.num_layers
-        caps = [v.max_layers(emb=False, head=False, in_flight=1, limit=n_layers) for v in variants]
         wp = variants[0].fwd_per_layer_s + variants[0].bwd_per_layer_s
         extra = (variants[-1].fwd_per_layer_s + variants[-1].bwd_per_layer_s - wp) if len(variants) > 1 else 0.0
         hit = s.book.stage_floors[key] = (
             min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants),
             min(v.emb_fwd_s + v.emb_bwd_s for v in variants), min(v.head_fwd_s + v.head_bwd_s for v in variants),
-            _hop(s, Slot(kind, tp), Slot(kind, tp), mbs), max(caps), max(caps[0], 0), extra)
+            _hop(s, Slot(kind, tp), Slot(kind, tp), mbs), extra)
     return hit  # type: ignore[return-value]
 
 
@@ -143,9 +170,8 @@ def _hop(s: Searcher, a: Slot, b: Slot, mbs: int) -> float:
     hit = s.book.stage_floors.get(key)
     if hit is None:
         job = s.book.job
-        act = mbs * job.seq_len * job.model.hidden_size * act_bytes_for(job.precision)
-        link = s.links.p2p(a, b)
-        hit = s.book.stage_floors[key] = link.latency_s + act / link.bw_bytes_per_s
+        numel = mbs * job.seq_len * job.model.hidden_size
+        hit = s.book.stage_floors[key] = s.links.hop_s(a, b, numel=numel, nbytes=numel * act_bytes_for(job.precision))
     return hit  # type: ignore[return-value]
 
 
@@ -188,16 +214,53 @@ def _box_level(s: Searcher, ctx: _Context, fam: Family, box: tuple, mbs: int) ->
     top = [min(h, n // clo) for h, n in zip(hi, fam.slots, strict=True)]
     if any(a > b for a, b in zip(lo, top, strict=True)) or sum(lo) > n_layers + 2:
         return None
-    bottleneck = fam.bottleneck(top, n_layers)
+    devices = sum(t * n for t, n in zip(fam.tps, lo, strict=True))
+    cap, cap_plain = fam.caps(fam.in_flight_floor(sum(lo), devices))
+    bottleneck = fam.bottleneck(top, n_layers, cap)
     if bottleneck is None:
         return None
-    forced = n_layers - sum(t * c for t, c in zip(top, fam.cap_plain, strict=True))
+    forced = n_layers - sum(t * c for t, c in zip(top, cap_plain, strict=True))
     work = max(bottleneck, fam.work_min + (forced * fam.extra if forced > 0 else 0.0))
     hops = sum((n - 1) * h for n, h in zip(lo, fam.hop, strict=True)) + (len(lo) - 1) * fam.cross
     fill = fam.sched.fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     floor = PipeFloor(base_s=fill + 2 * hops - bottleneck, per_mb_s=bottleneck)
-    devices = sum(t * n for t, n in zip(fam.tps, lo, strict=True))
-    return water_level([*ctx.pure, Group(floor, chi)], s.total_mb(mbs)) + ctx.sync_floor(fam.pairs, clo, devices)
+    total = s.total_mb(mbs)
+    level = water_level([*ctx.pure, Group(floor, chi)], total)
+    # c pipelines of n_k stages each run at most c sum_k n_k / w_k / L micro-batches per second, and
+    # c n_k <= slots_k: a box's pipelines together cannot beat its devices' rate, however many there are.
+    rate = sum(min(n, chi * t) / w for n, t, w in zip(fam.slots, top, fam.w, strict=True)) / n_layers
+    if bottleneck > 0 and rate * bottleneck < chi:
+        level = max(level, _capped_level(ctx.pure, floor, chi, rate, total))
+    return level + ctx.sync_floor(fam.pairs, clo, devices)
+
+
+def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, total: int) -> float:
+    """A floor under the makespan (combine.water_level) when `count` pipelines above `floor` also run
+    at most `rate` micro-batches per second together after floor.base_s: the largest T found where
+    the pure groups and those pipelines finish fewer than `total` micro-batches (bisection)."""
+    a, b = floor.base_s, floor.per_mb_s
+
+    def done(t: float) -> float:
+        n = sum(g.count * max(0, math.floor((t - g.pipe.base_s) / g.pipe.per_mb_s)) for g in pure)
+        if t > a:
+            n += min(count * max(0, math.floor((t - a) / b)), math.floor(rate * (t - a)))
+        return n
+
+    lo = water_level([*pure, Group(floor, count)], total)
+    hi = a + max(-(-total // count) * b, total / rate) * (1 + 1e-9) + 1e-12
+    if pure:
+        hi = min(hi, water_level(pure, total) * (1 + 1e-9) + 1e-12)
+    if done(lo) >= total:
+        return lo
+    for _ in range(40):
+        if hi - lo <= 1e-7 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if done(mid) >= total:
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 def _split(fam: Family, box: tuple) -> list[tuple]:
@@ -257,7 +320,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
             continue
         segs, c, sync = item
         if stage == 1:
-            floor = pipe_floor(s.book, s.links, segs, mbs)
+            hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
+            floor = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)
             if floor is not None:
                 lv = max(level, water_level([*ctx.pure, Group(floor, c)], total) + sync)
                 heapq.heappush(heap, (lv, next(tie), 2, ctx, fam, item))

@@ -14,16 +14,20 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from hethub.plan import Recompute
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.costs import CostBook, StageCost
-from hethub.spec.cluster import Link
 from hethub.spec.model import ModelSpec
+
+
+class HopTime(Protocol):
+    """One micro-batch's activations from a stage to the next (search.links.LinkBook.hop_s)."""
+
+    def __call__(self, a: Slot, b: Slot, *, numel: int, nbytes: float) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
 
 
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
-                 p2p_link: Callable[[Slot, Slot], Link], in_flight_hint: int = 1,
+                 hop_s: HopTime, in_flight_hint: int = 1,
                  slacks: tuple[float, ...] = (1.0,)) -> list[PipeCost]:
     """Good layer splits for these stages (one per bottleneck slack), or [] when the model cannot fit."""
     job = book.job
@@ -148,7 +152,7 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
     for slack in slacks:
         cand = _greedy(opts, lows, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
-            pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, p2p_link=p2p_link,
+            pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, hop_s=hop_s,
                           schedule=job.schedule)
             if all(pipe.layers != o.layers or pipe.recompute != o.recompute for o in out):
                 out.append(pipe)
@@ -190,7 +194,7 @@ def _greedy(opts: list[list[_Option]], lows: list[int], n_layers: int, *, margin
 
 
 def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...], *, mbs: int,
-                allow_recompute: bool, p2p_link: Callable[[Slot, Slot], Link],
+                allow_recompute: bool, hop_s: HopTime,
                 in_flight_hint: int = 1) -> PipeCost | None:
     """Price these stages with a given layer split (recomputing where needed), or None if it cannot fit."""
     job, p = book.job, len(slots)
@@ -203,7 +207,7 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
         if not ops:
             return None
         opts.append(ops)
-    return _price(job_model=job.model, slots=slots, opts=opts, counts=list(counts), mbs=mbs, p2p_link=p2p_link,
+    return _price(job_model=job.model, slots=slots, opts=opts, counts=list(counts), mbs=mbs, hop_s=hop_s,
                   schedule=job.schedule)
 
 
@@ -242,13 +246,13 @@ def _cheapest(ops: list[_Option], k: int) -> _Option:
 
 
 def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Option]], counts: list[int],
-           mbs: int, p2p_link: Callable[[Slot, Slot], Link], schedule: str) -> PipeCost:
+           mbs: int, hop_s: HopTime, schedule: str) -> PipeCost:
     models = [_cheapest(ops, k).sm for ops, k in zip(opts, counts, strict=True)]
-    return price(models, counts, model=job_model, slots=slots, mbs=mbs, p2p_link=p2p_link, schedule=schedule)
+    return price(models, counts, model=job_model, slots=slots, mbs=mbs, hop_s=hop_s, schedule=schedule)
 
 
 def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots: tuple[Slot, ...], mbs: int,
-          p2p_link: Callable[[Slot, Slot], Link], schedule: str) -> PipeCost:
+          hop_s: HopTime, schedule: str) -> PipeCost:
     """Closed-form costs of a pipeline whose stage models and layer counts are given.
 
     StageCost.fwd_s / bwd_s / update_s / params inlined (same arithmetic): this runs for every split.
@@ -263,11 +267,9 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
         params.append(k * sm.params_per_layer + emb * sm.emb_params + head * sm.head_params)
     job = models[0].job
     act = mbs * job.seq_len * model.hidden_size * act_bytes_for(job.precision)
-    p2p = tuple(_link_time(p2p_link(slots[s], slots[s + 1]), act) for s in range(p - 1))
+    numel = mbs * job.seq_len * model.hidden_size
+    p2p = tuple(hop_s(slots[s], slots[s + 1], numel=numel, nbytes=act) for s in range(p - 1))
     return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
                     fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
                     schedule=schedule, chunks=job.chunks)
 
-
-def _link_time(link: Link, nbytes: float) -> float:
-    return link.latency_s + nbytes / link.bw_bytes_per_s

@@ -74,15 +74,13 @@ class Searcher:
         """
         key = (slots, mbs)
         if key not in self.book.splits:
-            # GPipe holds all of a pipeline's micro-batches; expect its device share of them, with room.
-            share = sum(sl.tp for sl in slots) / sum(self.counts.values())
-            hint = max(1, math.ceil(1.5 * share * self.config.global_batch / mbs))
+            hint = self.in_flight_hint(sum(sl.tp for sl in slots), mbs)
             out: list[PipeCost] = []
             # Small clusters run few micro-batches per pipeline, where trading bottleneck for fill
             # and drain pays; large ones do not, and the variants would cost search time.
             slacks = (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
             for rc in (True, False) if self.config.allow_recompute else (False,):
-                pipes = split_layers(self.book, slots, mbs=mbs, allow_recompute=rc, p2p_link=self.links.p2p,
+                pipes = split_layers(self.book, slots, mbs=mbs, allow_recompute=rc, hop_s=self.links.hop_s,
                                      in_flight_hint=hint, slacks=slacks)
                 out.extend(pipes)
                 if not pipes or not any(any(pc.recompute) for pc in pipes):
@@ -90,11 +88,17 @@ class Searcher:
             self.book.splits[key] = out
         return self.book.splits[key]  # type: ignore[return-value]
 
+    def in_flight_hint(self, devices: int, mbs: int) -> int:
+        """Micro-batches a pipeline of `devices` devices is sized for where the schedule holds all of
+        them (GPipe): its device share of the batch, with room. Grows with `devices`."""
+        share = devices / sum(self.counts.values())
+        return max(1, math.ceil(1.5 * share * self.config.global_batch / mbs))
+
     def fixed(self, slots: tuple[Slot, ...], counts: tuple[int, ...], mbs: int) -> PipeCost | None:
         key = (slots, mbs, counts)
         if key not in self.book.splits:
             self.book.splits[key] = fixed_split(self.book, slots, counts, mbs=mbs,
-                                                allow_recompute=self.config.allow_recompute, p2p_link=self.links.p2p,
+                                                allow_recompute=self.config.allow_recompute, hop_s=self.links.hop_s,
                                                 in_flight_hint=max(1, self.config.global_batch // mbs))
         return self.book.splits[key]  # type: ignore[return-value]
 
@@ -139,7 +143,8 @@ class Searcher:
         top: list[tuple[float, tuple]] = []  # the best TOP_PER_KIND distinct (rate, key) so far
         # Largest TP first: on the models that need pruning it is usually best, which raises the bar early.
         for tp in sorted(self.tps[kind], reverse=prune):
-            p_max = min(n // tp, self.model.num_layers)
+            # up to L + 2 stages: the first and the last may hold only the embedding / the head
+            p_max = min(n // tp, self.model.num_layers + 2)
             # Scan upwards from the first stage count that fits; stop PATIENCE past the best. The
             # rate can jump again where recomputation stops being needed, so scan that window too.
             p_free = self._first_without_recompute(kind, tp, mbs, p_max)
@@ -177,7 +182,7 @@ class Searcher:
 
     def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float) -> float:
         """bounds.rate_bound of p stages of (kind, tp) over all the kind's devices."""
-        if p > self.model.num_layers:
+        if p > self.model.num_layers + 2:
             return 0.0
         return rate_bound(self.book, self.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=self.counts[kind],
                           global_batch=self.config.global_batch, share=share)
