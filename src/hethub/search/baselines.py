@@ -91,7 +91,7 @@ def _shape(s: Searcher, *, strategy: str, ids: list[int], tp: int, pp: int, dp: 
                     break
             else:
                 return None
-        pc = price(models, layer_split[i], model=model, slots=slots, mbs=mbs, hop_s=s.links.hop_s,
+        pc = price(models, layer_split[i], model=model, slots=slots, mbs=mbs, hops=s.links.pipe_hops,
                    schedule=cfg.schedule)
         groups.append((Group(pc, 1), m))
         stages, start = [], 0

@@ -9,6 +9,7 @@ cross-kind path at a kind boundary. Final scoring uses the real devices.
 from __future__ import annotations
 
 import functools
+import itertools
 
 from hethub.layout import split_hop
 from hethub.predict.comm import stage_hop_time_s
@@ -24,6 +25,7 @@ class LinkBook:
         self._p2p: dict[tuple[str, int, str, int], Link] = {}
         self._nic: dict[str, float] = {}
         self._hops: dict[tuple, float] = {}
+        self._pipes: dict[tuple, tuple[float, ...]] = {}
         self._nodes: dict[str, list[list[int]]] = {}  # device ids of each node, by kind
         for d in cluster.devices:
             nodes = self._nodes.setdefault(d.kind, [])
@@ -58,16 +60,39 @@ class LinkBook:
                 link = self._p2p[key] = self.between(a.kind, b.kind)
         return link
 
-    def hop_s(self, a: Slot, b: Slot, *, numel: int, nbytes: float) -> float:
+    def pipe_hops(self, slots: tuple[Slot, ...], *, numel: int, nbytes: float) -> tuple[float, ...]:
+        """Each hop of a pipeline of these stages (`hop_s`), its kinds' segments laid out from a node's
+        first device as the allocator does at best: consecutive stages of a kind share a node until
+        it is full, then the next stage starts on the next node (ceil(devices / node) - 1 crossings)."""
+        key = (slots, numel, nbytes)
+        out = self._pipes.get(key)
+        if out is None:
+            hops, used = [], 0
+            for a, b in itertools.pairwise(slots):
+                across = None
+                if a.kind == b.kind:
+                    used += a.tp
+                    across = used % self.node_size[a.kind] == 0 or used % self.node_size[a.kind] + b.tp > \
+                        self.node_size[a.kind]
+                    if across:
+                        used = 0
+                else:
+                    used = 0
+                hops.append(self.hop_s(a, b, numel=numel, nbytes=nbytes, across=across))
+            out = self._pipes[key] = tuple(hops)
+        return out
+
+    def hop_s(self, a: Slot, b: Slot, *, numel: int, nbytes: float, across: bool | None = None) -> float:
         """One micro-batch's activations (``numel`` elements, ``nbytes``) from a stage of `a` to the next
         of `b`, by the predictor's rule (predict.comm.stage_hop_time_s: the executor's rank pairs, a
         node's NIC shared by its cross-node messages, TP-split hops between equal degrees) on
         representative devices: consecutive stages of one kind share a node where both fit in it
-        (as `p2p` assumes), else they sit on two nodes."""
-        key = (a, b, numel, nbytes)
+        (as `p2p` assumes) unless `across`, else they sit on two nodes (the cheapest, as the floors in
+        bounds.py need)."""
+        key = (a, b, numel, nbytes, across)
         t = self._hops.get(key)
         if t is None:
-            place = self._place(a, b)
+            place = self._place(a, b, across=bool(across))
             if place is None:
                 link = self.p2p(a, b)
                 t = link.latency_s + nbytes / link.bw_bytes_per_s
@@ -77,10 +102,10 @@ class LinkBook:
             self._hops[key] = t
         return t
 
-    def _place(self, a: Slot, b: Slot) -> tuple[list[int], list[int]] | None:
+    def _place(self, a: Slot, b: Slot, *, across: bool) -> tuple[list[int], list[int]] | None:
         src = [n for n in self._nodes.get(a.kind, []) if len(n) >= a.tp]
         dst = [n for n in self._nodes.get(b.kind, []) if len(n) >= b.tp]
-        if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind]:
+        if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind] and not across:
             both = [n for n in src if len(n) >= a.tp + b.tp]
             return (both[0][:a.tp], both[0][a.tp:a.tp + b.tp]) if both else None
         if not src or not dst:

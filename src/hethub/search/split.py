@@ -24,10 +24,10 @@ from hethub.search.costs import CostBook, StageCost
 from hethub.spec.model import ModelSpec
 
 
-class HopTime(Protocol):
-    """One micro-batch's activations from a stage to the next (search.links.LinkBook.hop_s)."""
+class PipeHops(Protocol):
+    """One micro-batch's activations from each stage to the next (search.links.LinkBook.pipe_hops)."""
 
-    def __call__(self, a: Slot, b: Slot, *, numel: int, nbytes: float) -> float: ...
+    def __call__(self, slots: tuple[Slot, ...], *, numel: int, nbytes: float) -> tuple[float, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
 
 
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
-                 hop_s: HopTime, in_flight_hint: int = 1,
+                 hops: PipeHops, in_flight_hint: int = 1,
                  slacks: tuple[float, ...] = (1.0,)) -> list[PipeCost]:
     """Good layer splits for these stages (one per bottleneck slack), or [] when the model cannot fit."""
     job = book.job
@@ -152,7 +152,7 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
     for slack in slacks:
         cand = _greedy(opts, lows, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
-            pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, hop_s=hop_s,
+            pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, hops=hops,
                           schedule=job.schedule)
             if all(pipe.layers != o.layers or pipe.recompute != o.recompute for o in out):
                 out.append(pipe)
@@ -194,7 +194,7 @@ def _greedy(opts: list[list[_Option]], lows: list[int], n_layers: int, *, margin
 
 
 def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...], *, mbs: int,
-                allow_recompute: bool, hop_s: HopTime,
+                allow_recompute: bool, hops: PipeHops,
                 in_flight_hint: int = 1) -> PipeCost | None:
     """Price these stages with a given layer split (recomputing where needed), or None if it cannot fit."""
     job, p = book.job, len(slots)
@@ -207,7 +207,7 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
         if not ops:
             return None
         opts.append(ops)
-    return _price(job_model=job.model, slots=slots, opts=opts, counts=list(counts), mbs=mbs, hop_s=hop_s,
+    return _price(job_model=job.model, slots=slots, opts=opts, counts=list(counts), mbs=mbs, hops=hops,
                   schedule=job.schedule)
 
 
@@ -246,13 +246,13 @@ def _cheapest(ops: list[_Option], k: int) -> _Option:
 
 
 def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Option]], counts: list[int],
-           mbs: int, hop_s: HopTime, schedule: str) -> PipeCost:
+           mbs: int, hops: PipeHops, schedule: str) -> PipeCost:
     models = [_cheapest(ops, k).sm for ops, k in zip(opts, counts, strict=True)]
-    return price(models, counts, model=job_model, slots=slots, mbs=mbs, hop_s=hop_s, schedule=schedule)
+    return price(models, counts, model=job_model, slots=slots, mbs=mbs, hops=hops, schedule=schedule)
 
 
 def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots: tuple[Slot, ...], mbs: int,
-          hop_s: HopTime, schedule: str) -> PipeCost:
+          hops: PipeHops, schedule: str) -> PipeCost:
     """Closed-form costs of a pipeline whose stage models and layer counts are given.
 
     StageCost.fwd_s / bwd_s / update_s / params inlined (same arithmetic): this runs for every split.
@@ -268,7 +268,7 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
     job = models[0].job
     act = mbs * job.seq_len * model.hidden_size * act_bytes_for(job.precision)
     numel = mbs * job.seq_len * model.hidden_size
-    p2p = tuple(hop_s(slots[s], slots[s + 1], numel=numel, nbytes=act) for s in range(p - 1))
+    p2p = hops(slots, numel=numel, nbytes=act)
     return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
                     fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
                     schedule=schedule, chunks=job.chunks)

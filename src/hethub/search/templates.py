@@ -80,7 +80,7 @@ class Searcher:
             # and drain pays; large ones do not, and the variants would cost search time.
             slacks = (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
             for rc in (True, False) if self.config.allow_recompute else (False,):
-                pipes = split_layers(self.book, slots, mbs=mbs, allow_recompute=rc, hop_s=self.links.hop_s,
+                pipes = split_layers(self.book, slots, mbs=mbs, allow_recompute=rc, hops=self.links.pipe_hops,
                                      in_flight_hint=hint, slacks=slacks)
                 out.extend(pipes)
                 if not pipes or not any(any(pc.recompute) for pc in pipes):
@@ -98,7 +98,7 @@ class Searcher:
         key = (slots, mbs, counts)
         if key not in self.book.splits:
             self.book.splits[key] = fixed_split(self.book, slots, counts, mbs=mbs,
-                                                allow_recompute=self.config.allow_recompute, hop_s=self.links.hop_s,
+                                                allow_recompute=self.config.allow_recompute, hops=self.links.pipe_hops,
                                                 in_flight_hint=max(1, self.config.global_batch // mbs))
         return self.book.splits[key]  # type: ignore[return-value]
 
