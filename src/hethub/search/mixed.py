@@ -26,6 +26,18 @@ from hethub.search.combine import Estimate, Group, embedding_sync_floor, water_l
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 
+COMPLETE_POOL = 128  # cluster devices up to which mixed shapes are searched completely
+
+
+def _spread(lo: int, hi: int, n: int) -> list[int]:
+    if hi - lo + 1 <= n:
+        return list(range(lo, hi + 1))
+    vals, x, ratio = {lo, hi}, float(lo), (hi / lo) ** (1 / (n - 1))
+    for _ in range(n):
+        x *= ratio
+        vals.add(min(hi, round(x)))
+    return sorted(vals)
+
 
 class Sink(Protocol):
     def may_enter(self, step_lower_bound: float) -> bool: ...
@@ -139,9 +151,19 @@ def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, 
         for subset in itertools.combinations(kinds, size):
             for tps in itertools.product(*[[t for t in s.tps[k] if t <= pool[k]] for k in subset]):
                 fam = Family(s, subset, tps, pool, mbs)
-                if fam.feasible:
-                    hi = tuple(min(n, most - (size - 1)) for n in fam.slots)
+                if not fam.feasible:
+                    continue
+                hi = tuple(min(n, most - (size - 1)) for n in fam.slots)
+                if s.cluster.num_devices <= COMPLETE_POOL:
                     out.append((fam, (1, min(fam.slots), (1,) * size, hi)))
+                    continue
+                # Larger pools: the whole pool, replica counts spread geometrically (not complete; the
+                # complete boxes took minutes at 512 devices, their floors too loose there).
+                c_lo = max(1, -(-sum(fam.slots) // most))
+                for c in _spread(c_lo, min(fam.slots), 8) if c_lo <= min(fam.slots) else []:
+                    ns = tuple(n // c for n in fam.slots)
+                    if sum(ns) <= most:
+                        out.append((fam, (c, c, ns, ns)))
     s.mixed_cache[key] = out
     return out
 
