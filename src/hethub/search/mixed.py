@@ -69,7 +69,7 @@ class Family:
         self.work_min = n_layers * min(self.w) + e + h
         self.base_min = max(e, h)
         self.cross = min(_hop(s, a, b, mbs) for a, b in self.pairs)
-        self.sched = get_schedule(s.book.job.schedule)
+        self.sched = get_schedule(s.book.job.schedule, chunks=s.book.job.chunks)
 
     def caps(self, in_flight: int) -> tuple[list[int], list[int]]:
         """Most layers a middle stage of each kind holds with `in_flight` micro-batches (any variant;
