@@ -16,6 +16,7 @@ import bisect
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 
 from hethub.search.combine import Estimate, Group, water_level
 from hethub.search.mixed import price_mixed
@@ -63,7 +64,7 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
 
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
-    results = Results(s.config.finalists + s.config.top_k)
+    results = Results(s.config.finalists + s.config.top_k, fits=s.fits)
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
     for mbs in _promising_mbs(s, kinds_alone=kinds_alone):
@@ -75,7 +76,7 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
             continue
         ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
         tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
-        base: list[tuple[float, list[tuple[str, Ranked | None]]]] = []
+        base: list[tuple[float, Estimate | None, list[tuple[str, Ranked | None]]]] = []
         for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
             groups: list[Group] = []
             for k, r in zip(kinds, choice, strict=True):
@@ -85,11 +86,19 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
                     groups += [Group(r.pipe, c), *fill]
             est = s.estimate(groups, mbs) if groups else None
             results.add(est)
-            base.append((est.step_time_s if est else float("inf"), list(zip(kinds, choice, strict=True))))
+            base.append((est.step_time_s if est else float("inf"), est, list(zip(kinds, choice, strict=True))))
         _aligned(s, results, ranked, mbs)
         base.sort(key=lambda x: x[0])
+        # The best choices whose pure groups fit memory as laid out (Searcher.fits: replicas of other
+        # TP degrees add full-size gradient copies), plus the all-unused one.
+        chosen = [b for b in base if b[1] is None and all(r is None for _, r in b[2])]
+        for b in base:
+            if len(chosen) > TOP_FOR_MIXED:
+                break
+            if b[1] is not None and s.fits(b[1]):
+                chosen.append(b)
         todo: list[tuple[list[Group], dict[str, int]]] = []
-        for _, choice in base[:TOP_FOR_MIXED] + [b for b in base if all(r is None for _, r in b[1])]:
+        for _, _, choice in chosen:
             todo += _mixed_around(s, choice)
         price_mixed(s, results, todo, mbs)
     results.items.sort(key=lambda e: e.step_time_s)
@@ -233,9 +242,10 @@ def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs
 class Results:
     """Every priced candidate, plus the `keep` best distinct ones (the planner builds only those)."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, fits: Callable[[Estimate], bool] | None = None) -> None:
         self.items: list[Estimate] = []
         self.keep = keep
+        self.fits = fits  # whether a candidate that would be kept fits memory laid out (Searcher.fits)
         self._best: list[tuple[float, tuple]] = []  # (step, key) of the best distinct so far, sorted
 
     def may_enter(self, step_lower_bound: float) -> bool:
@@ -247,12 +257,16 @@ class Results:
     def add(self, est: Estimate | None) -> None:
         if est is None or est.step_time_s == math.inf:
             return
-        self.items.append(est)
         if len(self._best) == self.keep and est.step_time_s >= self._best[-1][0]:
+            self.items.append(est)
             return
         # planner._plans's identity of a plan: identical candidates take one finalist place.
         key = (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
         if any(k == key for _, k in self._best):
+            self.items.append(est)
             return
+        if self.fits is not None and not self.fits(est):
+            return  # neither kept nor built: the pruning bar is the kept candidates', which fit
+        self.items.append(est)
         bisect.insort(self._best, (est.step_time_s, key), key=lambda x: x[0])
         del self._best[self.keep:]
