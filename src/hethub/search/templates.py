@@ -121,7 +121,15 @@ class Searcher:
         hit = self._fits.get(key)
         if hit is None:
             cfg = self.config
-            plan = build_plan(cluster=self.cluster, model=self.model, est=est, global_batch=cfg.global_batch,
+            if cfg.optimizer_sharding != "zero1":
+                # Two replicas per group have the same sync shape as all of them (whether a stage is
+                # synced, whether its buckets mix TP degrees, their sizes), and each stage's memory
+                # depends on nothing else but its own micro-batches (the most are kept).
+                ms = tuple(tuple(sorted(m, reverse=True)[:2]) for m in est.micro_batches)
+                est = replace(est, groups=tuple(replace(g, count=len(m)) for g, m in zip(est.groups, ms, strict=True)),
+                              micro_batches=ms)
+            total = sum(sum(m) * g.pipe.mbs for g, m in zip(est.groups, est.micro_batches, strict=True))
+            plan = build_plan(cluster=self.cluster, model=self.model, est=est, global_batch=total,
                               seq_len=cfg.seq_len, schedule=cfg.schedule, precision=cfg.precision, strategy="hethub")
             if cfg.optimizer_sharding == "zero1":
                 plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=cfg.optimizer_shares)
