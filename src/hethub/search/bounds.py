@@ -150,6 +150,29 @@ class PipeFloor:
         return self.base_s + m * self.per_mb_s
 
 
+def _least_layer_work(caps: list[tuple[int, int, float, float, int, float, float]], n_layers: int) -> float:
+    """A floor under the layers' share of one micro-batch's work over all stages (bases apart): a
+    stage holding k layers costs k w_plain for k <= cap_plain, else k w_rc up to cap_rc, which is at
+    least its lower convex envelope (slope w_plain up to cap_plain, then the chord to cap_rc x w_rc);
+    the cheapest slopes first then give the least total for L layers."""
+    pieces: list[tuple[float, int]] = []  # (cost per layer, layers) over all stages
+    for k, cp, wp, _bp, cr, wr, _br in caps:
+        held = max(cp, 0)
+        if held:
+            pieces.append((wp, k * held))
+        if cr > held:
+            pieces.append(((cr * wr - held * wp) / (cr - held), k * (cr - held)))
+    pieces.sort()
+    total, left = 0.0, n_layers
+    for cost, n in pieces:
+        take = min(n, left)
+        total += take * cost
+        left -= take
+        if left <= 0:
+            break
+    return total
+
+
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
                mbs: int, *, memory: bool = True, in_flight_hint: int = 1) -> PipeFloor | None:
     """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
@@ -184,21 +207,32 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     inv_w, base_over_w, base_sum, w_min = 0.0, 0.0, 0.0, math.inf
     caps: list[tuple[int, int, float, float, int, float, float]] = []  # (stages, cap, w, base) x (plain, rc)
     pos, extra_min, plain_total = 0, math.inf, 0.0
+    one_layer = [0.0] * p  # a floor under each stage's work: middle stages hold at least one layer
     for kind, tp, n in segments:
         variants = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
-        for s in (pos, pos + n - 1) if n > 1 else (pos,):
-            emb, head = s == 0, s == p - 1
+        mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
+        for s in range(pos, pos + n):
+            if 0 < s < p - 1:
+                one_layer[s] = mid
+        # The segment's stages by what they hold besides layers: the embedding (first stage of the
+        # pipeline), the head (its last), both (one stage), neither (k of them).
+        ends = {(s == 0, s == p - 1) for s in (pos, pos + n - 1)} - {(False, False)}
+        shapes = [(emb, head, 1) for emb, head in ends]
+        middle = n - len({s for s in (pos, pos + n - 1) if s in (0, p - 1)})
+        if middle:
+            shapes.append((False, False, middle))
+        for emb, head, k in shapes:
             cost = book.stage_floors.get((kind, tp, mbs, emb, head))
             if cost is None:
                 costs = [v.work(emb=emb, head=head) for v in variants]
                 cost = book.stage_floors[(kind, tp, mbs, emb, head)] = (min(c.per_layer for c in costs),
                                                                         min(c.base for c in costs))
-            k = 1 if n == 1 else (1 if s == pos else n - 1)  # the first stage of the segment, then the rest
             inv_w += k / cost[0] if cost[0] > 0 else math.inf
             base_over_w += k * cost[1] / cost[0] if cost[0] > 0 else 0.0
             base_sum += k * cost[1]
             w_min = min(w_min, cost[0])
-        wp, wr = (v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
+        wpr = [v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants]
+        wp, wr = wpr
         if wr > wp:
             extra_min = min(extra_min, wr - wp)
         if not memory:
@@ -215,6 +249,8 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
                 book.pipe_floors[key] = None
                 return None
             bp, br = (v.work(emb=emb, head=head).base for v in variants) if emb or head else (0.0, 0.0)
+            if not (emb or head):  # one layer in a variant that holds it
+                one_layer[s] = min([w for w, c in zip(wpr, (cp, cr), strict=True) if c >= 1] or [one_layer[s]])
             k = (cp, bp, cr, br)
             by_cap[k] = by_cap.get(k, 0) + 1
             plain_total += max(cp, 0)
@@ -232,7 +268,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
 
     # Every B below the continuous balance holds fewer than L layers, so start there; lo stays below
     # the smallest feasible B, so it is a floor however few the steps.
-    balance = (n_layers + base_over_w) / inv_w
+    balance = max((n_layers + base_over_w) / inv_w, max(one_layer))
     lo, hi = balance, max([max(bp + cp * wp, br + cr * wr) for _, cp, wp, bp, cr, wr, br in caps] + [balance])
     for _ in range(12 if memory else 0):
         mid = 0.5 * (lo + hi)
@@ -244,17 +280,21 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     forced = max(0.0, n_layers - plain_total) if memory else 0.0
     work = max(bottleneck, base_sum + n_layers * w_min + (forced * extra_min if forced and extra_min < math.inf
                                                            else 0.0))
+    if memory:
+        work = max(work, base_sum + _least_layer_work(caps, n_layers))
     numel = mbs * job.seq_len * job.model.hidden_size
-    act = numel * act_bytes_for(job.precision)
-    p2p, prev = 0.0, None
-    for kind, tp, n in segments:
-        here = Slot(kind, tp)
-        if n > 1:
-            p2p += (n - 1) * links.hop_s(here, here, numel=numel, nbytes=act)
-        if prev is not None:
-            p2p += links.hop_s(prev, here, numel=numel, nbytes=act)
-        prev = here
-    fill = get_schedule(job.schedule, chunks=job.chunks).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
-    out = PipeFloor(base_s=fill + 2 * p2p - bottleneck, per_mb_s=bottleneck)
+    # The hops as every split of these stages pays them (split.split_layers prices with pipe_hops).
+    hops = links.pipe_hops(tuple(Slot(kind, tp) for kind, tp, n in segments for _ in range(n)), numel=numel,
+                           nbytes=numel * act_bytes_for(job.precision))
+    p2p = sum(hops)
+    fill = sched.fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
+    period = bottleneck
+    if job.schedule == "1f1b" and job.chunks == 1 and p2p > 0:
+        # split.round_trip_period_s's windows under floors of their stages' work: the whole pipeline,
+        # each adjacent pair, the slowest hop (PipeCost.per_mb_s takes the largest of them).
+        period = max(period, (work + 2 * p2p) / p, max(hops),
+                     max((one_layer[s] + one_layer[s + 1] + 2 * hops[s]) / 2 for s in range(p - 1)))
+    # T(m) >= work + 2 p2p + (m - 1) period (fill_drain_s + m per_micro_batch_s)
+    out = PipeFloor(base_s=fill + 2 * p2p - period, per_mb_s=period)
     book.pipe_floors[key] = out
     return out
