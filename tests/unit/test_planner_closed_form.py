@@ -114,3 +114,48 @@ def test_box_floors_are_below_every_member_they_stand_for():
                     assert level is not None and level <= min(inside) * (1 + 1e-9), (fam.subset, fam.tps, box)
                 boxes += _split(fam, box)
         assert checked > 100
+
+
+def test_mixed_floors_beside_pure_groups_are_below_every_member():
+    # Beside pure groups of different stage counts, the layer syncs chain through the replicas (a
+    # stage runs its blocks in layer order): tail_floor prices the pure groups' longest chain and one
+    # mixed stage's rings. Box and order floors must stay below every member's closed-form step.
+    cluster = _cluster()
+    s = Searcher(cluster=cluster, model=SMALL, config=PlannerConfig(global_batch=16, seq_len=1024), profiles=None)
+    mbs, checked = 2, 0
+    kinds = list(s.counts)
+    # One pure pipeline of each of two kinds, with different stage counts (so their boundaries differ).
+    pure = []
+    for kind in kinds[:2]:
+        ranked = [r for r in s.pure(kind, mbs, share=1.0) if r.pipe.num_devices <= s.counts[kind] // 2]
+        pure.append(Group(ranked[0].pipe if not pure or len(ranked[0].pipe.slots) != len(pure[0].pipe.slots)
+                          else next(r.pipe for r in ranked if len(r.pipe.slots) != len(pure[0].pipe.slots)), 1))
+    assert len({len(g.pipe.slots) for g in pure}) == 2
+    ctx = _Context(s, pure)
+    pool = {k: s.counts[k] - sum(g.pipe.devices_by_kind().get(k, 0) for g in pure) for k in kinds}
+    assert ctx.tail_floor((), 1, 0) > 0
+    for fam, root in families(s, pool, mbs):
+        best: dict[tuple, float] = {}
+        for c in range(1, root[1] + 1):
+            for ns in itertools.product(*[range(1, min(h, n // c) + 1) for h, n in zip(root[3], fam.slots,
+                                                                                      strict=True)]):
+                for order in itertools.permutations(range(len(ns))):
+                    segs = tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
+                    devices = sum(t * n for _, t, n in segs)
+                    for pipe in s.mixed(segs, mbs):
+                        est = s.estimate([*pure, Group(pipe, c)], mbs)
+                        if est is not None:
+                            best[(c, ns)] = min(best.get((c, ns), math.inf), est.step_time_s)
+                            assert ctx.tail_floor(segs, c, devices) <= est.step_time_s
+        boxes = [root]
+        while boxes:
+            box = boxes.pop()
+            clo, chi, lo, hi = box
+            inside = [v for (c, ns), v in best.items() if clo <= c <= chi
+                      and all(a <= n <= b for a, n, b in zip(lo, ns, hi, strict=True))]
+            level = _box_level(s, ctx, fam, box, mbs)
+            if inside:
+                checked += 1
+                assert level is not None and level <= min(inside) * (1 + 1e-9), (fam.subset, fam.tps, box)
+            boxes += _split(fam, box)
+    assert checked > 20

@@ -14,17 +14,21 @@ reference search (search/reference.py) whose closed form could be a finalist.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 from typing import Protocol
 
+from hethub.layout import block_starts
+from hethub.predict.comm import allreduce_time_s
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, pipe_floor
 from hethub.search.combine import Estimate, Group, embedding_sync_floor, water_level
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
+from hethub.spec.model import ModelSpec
 
 COMPLETE_POOL = 128  # cluster devices up to which mixed shapes are searched completely
 
@@ -206,6 +210,51 @@ class _Context:
         self.firsts = [(g.pipe.slots[0], g.count) for g in pure]
         self.lasts = [(g.pipe.slots[-1], g.count) for g in pure]
         self._sync: dict[tuple, float] = {}
+        self.replicas = sum(g.count for g in pure)
+        self._rings: dict[tuple, float] = {}
+        self._pure_tail: dict[tuple, float] = {}
+
+    def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int) -> float:
+        """A floor under one layer's gradient all-reduce (combine.step_time_s's ring) among `replicas`
+        holders that include stages of `kinds` with TP degrees down to tp: the holders' smallest TP is
+        at most tp, and more kinds only make the ring's slowest link slower."""
+        key = (kinds, tp, replicas, devices)
+        hit = self._rings.get(key)
+        if hit is None:
+            m, s = self.s.model, self.s
+            gb = ModelSpec.state_bytes_per_param(s.config.precision)["grads"]
+            nbytes = (m.layer_matmul_params / tp + m.layer_params - m.layer_matmul_params) * gb
+            hit = self._rings[key] = allreduce_time_s(nbytes=nbytes, participants=replicas,
+                                                      link=s.links.replicas(kinds, devices=devices))
+        return hit
+
+    def _chains(self, replicas: int, devices: int) -> float:
+        """The longest chain of layer syncs the pure groups force, whatever the mixed pipelines' split:
+        two consecutive blocks of layers (between any replica's stage boundaries) run one after the
+        other when some replica holds both on one stage (step_time_s runs a stage's blocks in layer
+        order), so between two cuts where *every* replica has a stage boundary the blocks form one
+        chain; the mixed pipelines can only remove such cuts. Each block is priced with the pure
+        holders' kinds and smallest TP (combine's ring with fewer holders known: a floor)."""
+        key = (replicas, devices)
+        hit = self._pure_tail.get(key)
+        if hit is None:
+            n_layers = self.s.model.num_layers
+            bounds = [set(block_starts(g.pipe.layers)) | {n_layers} for g in self.pure]
+            common = set.intersection(*bounds) | {0, n_layers}
+            cuts = sorted(set.union(*bounds) | {0})
+            stages = [[sl for sl, k in zip(g.pipe.slots, g.pipe.layers, strict=True) if k] for g in self.pure]
+            starts = [[a for a, k in zip(block_starts(g.pipe.layers), g.pipe.layers, strict=True) if k]
+                      for g in self.pure]
+            hit = chain = 0.0
+            for a, b in itertools.pairwise(cuts):
+                if a in common:
+                    chain = 0.0
+                holders = [st[bisect.bisect_right(sa, a) - 1] for st, sa in zip(stages, starts, strict=True)]
+                chain += (b - a) * self._ring(frozenset(h.kind for h in holders), min(h.tp for h in holders),
+                                              replicas, devices)
+                hit = max(hit, chain)
+            self._pure_tail[key] = hit
+        return hit
 
     def sync_floor(self, pairs: list[tuple[Slot, Slot]], c: int, devices: int) -> float:
         """The embedding sync after the makespan (combine.embedding_sync_floor) for c mixed pipelines
@@ -220,6 +269,22 @@ class _Context:
                                      total_devices=self.devices + c * devices, links=s.links, model=s.model,
                                      precision=s.config.precision) for a, b in pairs)
         return hit
+
+    def tail_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
+        """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of
+        these segments (at most n stages of each; at least `devices` devices each) beside the pure
+        groups: after the loss barrier every stage syncs its layers block by block, so the step is at
+        least the barrier plus the pure groups' longest chain of syncs (`_chains`), and plus one mixed
+        stage's layer rings: the mixed stages hold all L layers, so one holds k_s layers with
+        k_s r_s >= L / sum_s 1 / r_s (r_s its ring per layer). Fewer replicas or devices only make
+        rings faster, so c and `devices` may be a box's smallest."""
+        replicas = self.replicas + c
+        if replicas <= 1:
+            return 0.0
+        total = self.devices + c * devices
+        pure = self._chains(replicas, total) if self.pure else 0.0
+        inv = sum(n / r for kind, tp, n in segs if (r := self._ring(frozenset([kind]), tp, replicas, total)) > 0)
+        return max(pure, self.s.model.num_layers / inv if inv > 0 else 0.0)
 
 
 def _box_level(s: Searcher, ctx: _Context, fam: Family, box: tuple, mbs: int) -> float | None:
@@ -253,7 +318,8 @@ def _box_level(s: Searcher, ctx: _Context, fam: Family, box: tuple, mbs: int) ->
     rate = sum(min(n, chi * t) / w for n, t, w in zip(fam.slots, top, fam.w, strict=True)) / n_layers
     if bottleneck > 0 and rate * bottleneck < chi:
         level = max(level, _capped_level(ctx.pure, floor, chi, rate, total))
-    return level + ctx.sync_floor(fam.pairs, clo, devices)
+    segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
+    return level + max(ctx.sync_floor(fam.pairs, clo, devices), ctx.tail_floor(segs, clo, devices))
 
 
 def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, total: int) -> float:
@@ -336,7 +402,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                 if floor is None:
                     continue
                 devices = sum(t * n for _, t, n in segs)
-                sync = ctx.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices)
+                sync = max(ctx.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
+                           ctx.tail_floor(segs, c, devices))
                 lv = max(level, water_level([*ctx.pure, Group(floor, c)], total) + sync)
                 heapq.heappush(heap, (lv, next(tie), 1, ctx, fam, (segs, c, sync)))
             continue

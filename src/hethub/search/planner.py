@@ -34,7 +34,8 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 ONE_F_ONE_B, INTERLEAVED = "1f1b", "interleaved"
-INTERLEAVE_STARTS = 3  # the best 1F1B plans tried with virtual stages
+INTERLEAVE_STARTS = 3  # the best 1F1B plans of distinct shapes tried with virtual stages
+INTERLEAVE_POOL = 6  # 1F1B plans (predicted anyway as finalists) the starts are chosen among
 SIZED_CHUNKS = (2,)  # v the search also sizes stages for (each a search of its own, so one)
 POLISH_MIN_S = 0.25
 SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
@@ -66,12 +67,16 @@ def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 results[name] = _plan_interleaved(cluster=cluster, model=model, config=config, profiles=profiles,
                                                   host=host, base=results[ONE_F_ONE_B])
                 continue
-            results[name] = make_plan(cluster=cluster, model=model, config=replace(config, schedule=name),
+            top_k = max(config.top_k, INTERLEAVE_POOL) if name == ONE_F_ONE_B else config.top_k
+            results[name] = make_plan(cluster=cluster, model=model, config=replace(config, schedule=name, top_k=top_k),
                                       profiles=profiles, host=host)
         except InfeasibleError as err:
             errors.append(err)
     if not results:
         raise errors[0]
+    if ONE_F_ONE_B in results:  # its extra alternatives were the interleaving's starts
+        one = results[ONE_F_ONE_B]
+        results[ONE_F_ONE_B] = replace(one, alternatives=one.alternatives[:config.top_k])
     # The first of equals wins: interleaving that found no v > 1 worth it is 1F1B, listed first.
     name, best = min(results.items(), key=lambda kv: kv[1].prediction.step_time_s)
     others = ", ".join(f"{n} {r.prediction.step_time_s:.3f} s" for n, r in results.items() if n != name)
@@ -155,8 +160,8 @@ def _plan_interleaved(*, cluster: Cluster, model: ModelSpec, config: PlannerConf
     """The interleaved schedule's plan: the 1F1B plans (``base``, if already made) interleaved, and,
     for the hethub strategy, searches with stages sized for v chunks (search/interleave.py)."""
     if base is None:
-        base = make_plan(cluster=cluster, model=model, config=replace(config, schedule=ONE_F_ONE_B),
-                         profiles=profiles, host=host)
+        base = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
+                         config=replace(config, schedule=ONE_F_ONE_B, top_k=max(config.top_k, INTERLEAVE_POOL)))
     sized = []
     if config.strategy == "hethub":
         # Stages sized for v chunks' activations (the split's memory and closed form take v).
@@ -176,11 +181,19 @@ def _interleaved(base: PlanResult, *, config: PlannerConfig, profiles: ProfileSe
     predictor finds it faster within memory (search/interleave.py); and the plans of ``sized``,
     searched with stages sized for v chunks, laid out in v chunks where each fits."""
     t0 = time.perf_counter()
-    tried = interleave_all(base.alternatives[:INTERLEAVE_STARTS], profiles=profiles, host=host,
-                           mem_headroom=config.mem_headroom)
+    # The best of each shape (kinds and TP degrees per stage): a runner-up of fewer, larger stages
+    # may interleave better than the best 1F1B plan and its re-splits (nvidia-amd-32, llama-3-70b).
+    starts, rest, shapes = [], [], set()
+    for plan, pred in base.alternatives:
+        shape = tuple(sorted(tuple((st.kind, len(st.devices)) for st in p.stages) for p in plan.pipelines))
+        if shape not in shapes and len(starts) < INTERLEAVE_STARTS:
+            shapes.add(shape)
+            starts.append((plan, pred))
+        else:
+            rest.append((replace(plan, schedule=INTERLEAVED), pred))
+    tried = interleave_all(starts, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
     for v, r in sized:
         tried += chunked_candidates(r.alternatives, v, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
-    rest = [(replace(p, schedule=INTERLEAVED), r) for p, r in base.alternatives[INTERLEAVE_STARTS:]]
     elapsed = base.search_time_s + sum(r.search_time_s for _, r in sized) + time.perf_counter() - t0
     bound = base.upper_bound_tokens_per_s
     top = []
