@@ -283,17 +283,32 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     if memory:
         work = max(work, base_sum + _least_layer_work(caps, n_layers))
     numel = mbs * job.seq_len * job.model.hidden_size
-    # The hops as every split of these stages pays them (split.split_layers prices with pipe_hops).
-    hops = links.pipe_hops(tuple(Slot(kind, tp) for kind, tp, n in segments for _ in range(n)), numel=numel,
-                           nbytes=numel * act_bytes_for(job.precision))
-    p2p = sum(hops)
+    # The hops as every split of these stages pays them (split.split_layers prices with pipe_hops,
+    # which lays each kind's segment out on its own: one segment's hops depend on it alone).
+    nbytes = numel * act_bytes_for(job.precision)
+    p2p = hop_max = pair = 0.0
+    pos, prev = 0, None
+    for kind, tp, n in segments:
+        here = Slot(kind, tp)
+        if prev is not None:
+            h = links.hop_s(prev, here, numel=numel, nbytes=nbytes)
+            p2p += h
+            hop_max = max(hop_max, h)
+            pair = max(pair, (one_layer[pos - 1] + one_layer[pos] + 2 * h) / 2)
+        if n > 1:
+            seg = book.stage_floors.get(("segment-hops", kind, tp, n, mbs))
+            if seg is None:
+                inner = links.pipe_hops((here,) * n, numel=numel, nbytes=nbytes)
+                seg = book.stage_floors[("segment-hops", kind, tp, n, mbs)] = (sum(inner), max(inner))
+            p2p += seg[0]
+            hop_max = max(hop_max, seg[1])
+        prev, pos = here, pos + n
     fill = sched.fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     period = bottleneck
     if job.schedule == "1f1b" and job.chunks == 1 and p2p > 0:
         # split.round_trip_period_s's windows under floors of their stages' work: the whole pipeline,
-        # each adjacent pair, the slowest hop (PipeCost.per_mb_s takes the largest of them).
-        period = max(period, (work + 2 * p2p) / p, max(hops),
-                     max((one_layer[s] + one_layer[s + 1] + 2 * hops[s]) / 2 for s in range(p - 1)))
+        # the pairs across kinds, the slowest hop (PipeCost.per_mb_s takes the largest of them).
+        period = max(period, (work + 2 * p2p) / p, hop_max, pair)
     # T(m) >= work + 2 p2p + (m - 1) period (fill_drain_s + m per_micro_batch_s)
     out = PipeFloor(base_s=fill + 2 * p2p - period, per_mb_s=period)
     book.pipe_floors[key] = out
