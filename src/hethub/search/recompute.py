@@ -43,7 +43,8 @@ def choose_recompute(plan: Plan, *, allow_recompute: bool = True,
 def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> bool:
     """Whether every stage of ``plan`` fits its memory under some recomputation mode (what
     ``choose_recompute`` then picks), with the plan's real gradient-sync shape."""
-    modes = RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
+    # Full recomputation first: it holds the fewest activations, so it alone usually settles it.
+    modes = tuple(reversed(RECOMPUTE_ORDER)) if allow_recompute else (Recompute.NONE,)
     ok: dict[tuple[int, int], bool] = {}
     for m in modes:
         for key, fits in stage_memory_fits(with_recompute(plan, m), mem_headroom=mem_headroom).items():
