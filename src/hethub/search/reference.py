@@ -12,10 +12,15 @@ sub-space of the documented plan space (docs/planner.md):
   replica count.
 
 Candidates are priced in closed form (`combine.estimate`), the best `finalists` are scored with
-`predict()` like the planner's; the only pruning is proven: a candidate whose allocation makespan
-(or, for mixed pipelines, `bounds.pipe_floor`'s floor under it) cannot get among the finalists is
-not priced (the step only adds syncs and updates to the makespan). It is exponential in the number
-of kinds: use it on small instances (tests/unit/test_reference_search.py, bench/planner_reference.py).
+`predict()` like the planner's; the only pruning is proven, and changes how many candidates are
+priced, never which are kept (same plan as the plain enumeration on all 30 test instances): a
+candidate whose allocation makespan (for mixed pipelines, under `bounds.pipe_floor`'s floor: the
+memory-free one to order them, the tight one before splitting) cannot get among the finalists is
+not priced (the step only adds syncs and updates to the makespan). To skip even the makespan of
+most combinations, each kind's few best pure templates are priced first; their finalists' step is
+a bound, and a combination whose pipelines cannot finish the global batch's micro-batches by it
+(counted per group, erring upwards) is dropped before its water level is computed. It is
+exponential in the number of kinds: use it on small instances (tests/unit/test_reference_search.py).
 """
 
 from __future__ import annotations
