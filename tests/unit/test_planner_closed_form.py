@@ -102,17 +102,7 @@ def test_box_floors_are_below_every_member_they_stand_for():
                             est = s.estimate([Group(pipe, c)], mbs)
                             if est is not None:
                                 best[(c, ns)] = min(best.get((c, ns), math.inf), est.step_time_s)
-            boxes = [root]
-            while boxes:
-                box = boxes.pop()
-                clo, chi, lo, hi = box
-                inside = [v for (c, ns), v in best.items() if clo <= c <= chi
-                          and all(a <= n <= b for a, n, b in zip(lo, ns, hi, strict=True))]
-                level = _box_level(s, ctx, fam, box, mbs)
-                if inside:
-                    checked += 1
-                    assert level is not None and level <= min(inside) * (1 + 1e-9), (fam.subset, fam.tps, box)
-                boxes += _split(fam, box)
+            checked += _boxes_below_members(s, ctx, fam=fam, root=root, best=best, mbs=mbs)
         assert checked > 100
 
 
@@ -147,15 +137,22 @@ def test_mixed_floors_beside_pure_groups_are_below_every_member():
                         if est is not None:
                             best[(c, ns)] = min(best.get((c, ns), math.inf), est.step_time_s)
                             assert ctx.tail_floor(segs, c, devices) <= est.step_time_s
-        boxes = [root]
-        while boxes:
-            box = boxes.pop()
-            clo, chi, lo, hi = box
-            inside = [v for (c, ns), v in best.items() if clo <= c <= chi
-                      and all(a <= n <= b for a, n, b in zip(lo, ns, hi, strict=True))]
-            level = _box_level(s, ctx, fam, box, mbs)
-            if inside:
-                checked += 1
-                assert level is not None and level <= min(inside) * (1 + 1e-9), (fam.subset, fam.tps, box)
-            boxes += _split(fam, box)
+        checked += _boxes_below_members(s, ctx, fam=fam, root=root, best=best, mbs=mbs)
     assert checked > 20
+
+
+def _boxes_below_members(s, ctx, *, fam, root, best: dict[tuple, float], mbs: int) -> int:
+    """Walk the box tree from `root` as the search splits it and assert every box's floor is at most
+    the best closed-form step of the shapes (c, stage counts) inside it; returns the boxes checked."""
+    checked, boxes = 0, [root]
+    while boxes:
+        box = boxes.pop()
+        clo, chi, lo, hi = box
+        inside = [v for (c, ns), v in best.items() if clo <= c <= chi
+                  and all(a <= n <= b for a, n, b in zip(lo, ns, hi, strict=True))]
+        level = _box_level(s, ctx, fam, box, mbs)
+        if inside:
+            checked += 1
+            assert level is not None and level <= min(inside) * (1 + 1e-9), (fam.subset, fam.tps, box)
+        boxes += _split(fam, box)
+    return checked
