@@ -12,6 +12,7 @@ import bisect
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hethub.layout import block_starts
@@ -39,6 +40,26 @@ class Estimate:
         return sum(g.pipe.num_devices * g.count for g in self.groups)
 
 
+def finished_mb(groups: list[Group], t_s: float) -> int:
+    """Micro-batches the groups' pipelines finish by time t_s (each at its base plus per-batch rate)."""
+    return sum(g.count * max(0, math.floor((t_s - g.pipe.base_s) / g.pipe.per_mb_s)) for g in groups)
+
+
+def bisect_time(ok: Callable[[float], bool], *, lo_s: float, hi_s: float, rel_tol: float,
+                max_iter: int) -> tuple[float, float]:
+    """Narrow [lo_s, hi_s] around the first time where the monotone `ok` holds (ok(hi_s) assumed),
+    until it is within rel_tol of hi_s or max_iter halvings; returns the final (lo_s, hi_s)."""
+    for _ in range(max_iter):
+        if hi_s - lo_s <= rel_tol * hi_s:
+            break
+        mid = 0.5 * (lo_s + hi_s)
+        if ok(mid):
+            hi_s = mid
+        else:
+            lo_s = mid
+    return lo_s, hi_s
+
+
 def allocate(groups: list[Group], total_mb: int) -> tuple[list[list[int]], float] | None:
     """Micro-batches per pipeline minimising the latest finish; pipelines left with none are dropped."""
     if not groups or total_mb < 1:
@@ -48,19 +69,9 @@ def allocate(groups: list[Group], total_mb: int) -> tuple[list[list[int]], float
         ms = [total_mb // c + (i < total_mb % c) for i in range(c)]
         return [ms], groups[0].pipe.time_s(ms[0])
 
-    def level(t: float) -> int:
-        return sum(g.count * max(0, math.floor((t - g.pipe.base_s) / g.pipe.per_mb_s)) for g in groups)
-
     lo = min(g.pipe.time_s(1) for g in groups) * (1 - 1e-12)
     hi = max(g.pipe.time_s(math.ceil(total_mb / sum(g.count for g in groups))) for g in groups) * (1 + 1e-12)
-    for _ in range(100):
-        if hi - lo <= 1e-10 * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if level(mid) >= total_mb:
-            hi = mid
-        else:
-            lo = mid
+    _, hi = bisect_time(lambda t: finished_mb(groups, t) >= total_mb, lo_s=lo, hi_s=hi, rel_tol=1e-10, max_iter=100)
     # Capped at total_mb: where one pipeline's per_mb_s is tiny next to the finish times (extreme but
     # valid device speeds), the float level can put its floor far above anything it could be given.
     per = [min(total_mb, max(0, math.floor((hi - g.pipe.base_s) / g.pipe.per_mb_s))) for g in groups]

@@ -25,7 +25,7 @@ from hethub.predict.comm import allreduce_time_s
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, pipe_floor
-from hethub.search.combine import Estimate, Group, embedding_sync_floor, water_level
+from hethub.search.combine import Estimate, Group, bisect_time, embedding_sync_floor, finished_mb, water_level
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
@@ -329,7 +329,7 @@ def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, 
     a, b = floor.base_s, floor.per_mb_s
 
     def done(t: float) -> float:
-        n = sum(g.count * max(0, math.floor((t - g.pipe.base_s) / g.pipe.per_mb_s)) for g in pure)
+        n = finished_mb(pure, t)
         if t > a:
             n += min(count * max(0, math.floor((t - a) / b)), math.floor(rate * (t - a)))
         return n
@@ -340,14 +340,7 @@ def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, 
         hi = min(hi, water_level(pure, total) * (1 + 1e-9) + 1e-12)
     if done(lo) >= total:
         return lo
-    for _ in range(40):
-        if hi - lo <= 1e-7 * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if done(mid) >= total:
-            hi = mid
-        else:
-            lo = mid
+    lo, _ = bisect_time(lambda t: done(t) >= total, lo_s=lo, hi_s=hi, rel_tol=1e-7, max_iter=40)
     return lo
 
 
