@@ -333,10 +333,8 @@ def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEA
 
 def _sharded(plan: Plan, pi: int, si: int, mem: StageMemory, elems: tuple[int, int]) -> StageMemory:
     s = plan.pipelines[pi].stages[si]
-    # ZB-H1's first stage runs the whole backward at once (runtime/pipeline.py): no split weight pass.
-    split = get_schedule(plan.schedule).split_backward and si > 0
     return sharded_memory(mem, moment_elems=elems[0], master_elems=elems[1], precision=plan.precision_of(s.kind),
-                          kind=plan.cluster.kinds[s.kind], split_weight_pass=split)
+                          kind=plan.cluster.kinds[s.kind])
 
 
 def _chunk_shares(chunked: dict[int, tuple[list[float], list[float], list[float], int]], pi: int,

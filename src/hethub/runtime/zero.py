@@ -119,9 +119,9 @@ class ZeroSync:
             for p in self.params:
                 p.data = p.data.to(self.param_dtype)
                 p.main_grad = None  # type: ignore[attr-defined]
-                # A tensor hook sees every gradient reaching the parameter, also those of ZB-H1's split
-                # weight pass (torch's stage_backward_weight adds them to .grad by hand, past any
-                # accumulate hook); the ordinary backward's 16-bit .grad is then dropped at once.
+                # A tensor hook sees every gradient reaching the parameter, also those ZB-H1's split
+                # weight pass hands to autograd's accumulation (runtime/weight_grad.py); the 16-bit
+                # .grad is then dropped at once.
                 p.register_hook(functools.partial(_to_main_grad, p))
                 p.register_post_accumulate_grad_hook(_drop_grad)
 

@@ -24,7 +24,6 @@ from hethub.predict.memory import (
     usable_bytes,
 )
 from hethub.predict.profiles import ProfileSet
-from hethub.schedules import get_schedule
 from hethub.spec.cluster import DeviceKind, Link
 from hethub.spec.model import ModelSpec
 
@@ -129,8 +128,7 @@ class StageCost:
                            attention=k.attention, kind=k, synced=True, communicators=1 + (self.tp > 1) + 1 + 2)
         if j.optimizer_shard_holders > 1:
             mem = sharded_memory(mem, moment_elems=self.params(layers, emb=emb, head=head) / j.optimizer_shard_holders,
-                                 master_elems=0.0, precision=k.precision_for(j.precision), kind=k,
-                                 split_weight_pass=get_schedule(j.schedule).split_backward and not emb)
+                                 master_elems=0.0, precision=k.precision_for(j.precision), kind=k)
         return mem
 
     def memory_bytes(self, layers: int, *, emb: bool, head: bool, in_flight: int) -> float:

@@ -204,21 +204,18 @@ def stage_memory(
 
 
 def sharded_memory(mem: StageMemory, *, moment_elems: float, master_elems: float, precision: str,
-                   kind: DeviceKind | None, split_weight_pass: bool = False) -> StageMemory:
+                   kind: DeviceKind | None) -> StageMemory:
     """``mem`` (a stage's unsharded memory) under ZeRO-1 (``runtime/zero.py``, shard sizes from
     ``predict/sharding.py``): the device keeps AdamW moments for ``moment_elems`` elements only, and
     their fp32 master copies (:func:`sharded_master_bytes`). The optimizer step's scratch shrinks with
     the slice (multi-tensor AdamW on accelerators); on CPU it runs piece by piece, at most the slice.
-    ``split_weight_pass`` (the stage runs ZB-H1's split weight pass) changes nothing since
-    2026-12-02: that pass (``runtime/weight_grad.py``) hands hooked parameters' gradients to
-    autograd's accumulation, so ZeRO-1's hooks move them to the fp32 ``main_grad`` and drop the
-    16-bit ``.grad`` as in a whole backward (torch's split, before, left them beside it until the
-    sync). Still accepted from callers (the planner's cost model passes it)."""
+    Gradient bytes are unchanged, also under ZB-H1: its split weight pass (``runtime/weight_grad.py``)
+    hands hooked parameters' gradients to autograd's accumulation, so ZeRO-1's hooks move them to
+    the fp32 ``main_grad`` and drop the 16-bit ``.grad`` as in a whole backward."""
     per = state_bytes_per_param(precision)
-    grads = mem.grads_bytes
     gpu_like = kind is not None and kind.device_type != "cpu"
     step_tmp = moment_elems * 4 if gpu_like else min(mem.optimizer_temporaries_bytes, moment_elems * 4 * 2)
-    return replace(mem, optimizer_bytes=moment_elems * per["optimizer"], grads_bytes=grads,
+    return replace(mem, optimizer_bytes=moment_elems * per["optimizer"],
                    master_weights_bytes=sharded_master_bytes(precision, moment_elems=moment_elems,
                                                              master_elems=master_elems),
                    optimizer_temporaries_bytes=step_tmp)
