@@ -14,8 +14,9 @@ entries are reported apart as well as in the total. Sailor's TP > 1 entries were
 TP groups, so their all-reduces are in the times: the bench adds them as NCCL runs them per link
 kind (link_kind): a ring with a latency per step, on NVLink at Sailor's measured intra-node figure
 (intra_node_bandwidths.json, a send/recv test) times the GPU's fitted scale, on PCIe without P2P
-(NCCL's SHM path through host memory) at the PCIe link's datasheet bandwidth times an SHM factor fitted on
-the other PCIe GPUs (pcie_shm_link), plus each collective's host and synchronisation time.
+(NCCL's SHM path through host memory) at one host SHM rate (SHM_REF_BW times a factor fitted on the
+other PCIe GPUs, pcie_shm_link), plus each collective's host and synchronisation time. Sailor's
+"RTX-2080" is priced as the RTX 2080 Ti its 11 GiB say it is (BENCH_KINDS).
 
 Math mode per profile file: where the measured layer is faster than an ideal fp32 layer can be,
 the file ran its matmuls on TF32 tensor cores (Sailor's Dockerfile uses an NGC PyTorch container,
@@ -113,8 +114,14 @@ def load() -> tuple[dict, dict, dict[tuple[str, str], str]]:
     return profiles, bws, dup
 
 
+# Sailor's "RTX-2080" GPUs are RTX 2080 Ti cards: its basic_cluster_config.json gives them 11 GiB
+# (11811160064 bytes), the RTX 2080 has 8 GB, the 2080 Ti 11 GB (Turing whitepaper). Priced at the
+# 2080 Ti's datasheet (68 SMs, 13.4 TFLOPS fp32, 616 GB/s), not the 2080's (46, 10.1, 448).
+BENCH_KINDS = {**SAILOR_KINDS, "RTX-2080": "rtx-2080-ti"}
+
+
 def base_params(gpu: str) -> tuple[KernelParams, dict[str, float]]:
-    k = catalog()[SAILOR_KINDS[gpu]]
+    k = catalog()[BENCH_KINDS[gpu]]
     base = KernelParams(sm_count=k.sm_count, matmul_flops=k.fp32_flops, mem_bw_bytes_per_s=k.mem_bw_bytes_per_s,
                         gemm_eff=DEFAULT_GEMM_EFF, k_half=DEFAULT_K_HALF, mem_eff=DEFAULT_MEM_EFF,
                         launch_s=DEFAULT_LAUNCH_S)
@@ -126,15 +133,19 @@ def base_params(gpu: str) -> tuple[KernelParams, dict[str, float]]:
 # an NVLink bridge (Sailor's 2-GPU figure, 49.8 GB/s, is above what PCIe 4.0 x16 carries, 31.5 GB/s
 # per direction). Everything else on the GeForce/Titan parts: PCIe without peer-to-peer (NVIDIA
 # disables P2P on GeForce), so NCCL falls back to its SHM transport: every ring hop is staged through
-# pinned host memory (the sender's PCIe link D2H, the receiver's H2D) and all the group's hops share
-# the host's root complex and memory; its bandwidth is not Sailor's figure (a send/recv test, which
-# measures 2.5-4.8x more than the layers' all-reduces imply) but the PCIe datasheet bandwidth times one
-# SHM factor per link type, fitted on the OTHER PCIe GPUs (see pcie_shm_scale).
+# pinned host memory (the sender's copy into a host buffer, the receiver's copy out of it). Its rate
+# is set by those copies through the host, not by the PCIe generation: published SHM all-reduces
+# reach 6-9 GB/s on PCIe 3.0 hosts (nccl#406) and 6.1 GB/s on a PCIe 4.0 host (nccl#1817, 8 x L20),
+# and Sailor's layers imply the same ~4-5 GB/s bus rate at TP 4 on the RTX-3090 (PCIe 4.0) box as on
+# the Titan-RTX and RTX-2080 (PCIe 3.0) ones. So one SHM hop rate for every PCIe GPU: SHM_REF_BW times
+# a factor fitted on the OTHER PCIe GPUs (see pcie_shm_link); not Sailor's send/recv figure (which
+# measures 2.5-4.8x more than the layers' all-reduces imply).
 CONSUMER = ("RTX-2080", "RTX-3090", "Titan-RTX")
-# Their PCIe link per direction (datasheets: RTX 2080 and TITAN RTX PCIe 3.0 x16, RTX 3090 PCIe 4.0
-# x16; PCI-SIG: 8 / 16 GT/s x 16 lanes x 128/130 = 15.75 / 31.5 GB/s). The bench's SHM base, not the
-# catalog's figure (that one is the effective all-reduce rate these fits give, so it would leak).
-PCIE_BW = {"RTX-2080": 15.75e9, "Titan-RTX": 15.75e9, "RTX-3090": 31.5e9}
+# The nominal rate the fitted SHM factor divides (PCIe 3.0 x16 per direction, PCI-SIG: 8 GT/s x 16
+# lanes x 128/130 = 15.75 GB/s); only the product rate / factor is a claim, fitted leave-one-GPU-out.
+# The bench's SHM base, not the catalog's figure (that one is the effective all-reduce rate these fits
+# give, so it would leak).
+SHM_REF_BW = 15.75e9
 
 
 def link_kind(gpu: str, tp: int) -> str:
@@ -148,9 +159,9 @@ def allreduce_fn(gpu: str, tp: int, bws: dict):
     (nccl-tests PERFORMANCE.md: busbw = algbw x 2(n-1)/n, the per-link rate a ring needs)."""
     if tp == 1:
         return None
-    kind = catalog()[SAILOR_KINDS[gpu]]
+    kind = catalog()[BENCH_KINDS[gpu]]
     if link_kind(gpu, tp) == "pcie-shm":
-        link = Link(PCIE_BW[gpu], kind.intra_node_latency_s)
+        link = Link(SHM_REF_BW, kind.intra_node_latency_s)
     else:
         sizes = sorted(int(p) for p in bws[gpu])
         size = max([p for p in sizes if p <= tp] or sizes[:1])
@@ -170,19 +181,13 @@ class _Ring:
 
 
 def pcie_shm_link(held_gpu: str, samples: dict, *, mem_eff: float) -> tuple[float, float]:
-    """The SHM factor of PCIe TP groups without P2P (measured all-reduce / the ring at the PCIe link's
-    datasheet bandwidth) and their host + synchronisation time per collective. Each other PCIe GPU is fitted
-    on its own entries (its TP = 1 entries pin its compute, its TP > 1 ones the link); the median over
-    those of the held GPU's PCIe generation where there are any (RTX-2080 <-> Titan-RTX, PCIe 3.0),
-    else over all of them (RTX-3090, PCIe 4.0: the factor is relative to its own link's bandwidth).
-    Not leave-one-model-out: OPT-350 is the only model measured on these GPUs, so this is
+    """The SHM factor of PCIe TP groups without P2P (measured all-reduce / the ring at SHM_REF_BW) and
+    their host + synchronisation time per collective: the median over the other PCIe GPUs, each fitted
+    on its own entries (its TP = 1 entries pin its compute, its TP > 1 ones the link). Not
+    leave-one-model-out: OPT-350 is the only model measured on these GPUs, so this is
     leave-one-GPU-out (the held GPU's entries are never in it)."""
-    def pcie_bw(g: str) -> float:
-        return PCIE_BW[g]
-
     peers = [g for g in CONSUMER if g != held_gpu and any(gg == g for gg, _ in samples)]
-    same_gen = [g for g in peers if pcie_bw(g) == pcie_bw(held_gpu)]
-    fits = [_own_fit(g, samples, mem_eff) for g in (same_gen or peers)]
+    fits = [_own_fit(g, samples, mem_eff) for g in peers]
     if not fits:
         return 1.0, DEFAULT_COLLECTIVE_HOST_S
     return (statistics.median(f.comm_scale for f in fits), statistics.median(f.collective_host_s for f in fits))
@@ -192,11 +197,18 @@ _OWN_FITS: dict[tuple[str, float], Fit] = {}
 
 
 def _own_fit(gpu: str, samples: dict, mem_eff: float) -> Fit:
-    """A PCIe GPU fitted on its own (OPT-350) entries; only its link factor is transferred."""
+    """A PCIe GPU fitted on its own (OPT-350) entries; only its link factor is transferred. The link is
+    fitted on the GPU's smallest SHM group (TP 2, or TP 4 where pairs are bridged): a ring's hop
+    rate does not depend on the group size while its hops share one host path (Sailor's Titan-RTX and
+    RTX-2080 layers: 3.9, 4.6, 4.9 GB/s bus rate at TP 2, 4, 8), and a larger group that is slower
+    per hop (the RTX-3090 box at TP 8: 1.5 GB/s against 4.7 at TP 4) is that box's own topology,
+    which no input gives and which the bench reports instead of spreading it over the other GPUs."""
     key = (gpu, mem_eff)
     if key not in _OWN_FITS:
+        shm = [s.shape.tp for (g, _m), ss in samples.items() if g == gpu for s in ss
+               if s.shape.tp > 1 and link_kind(g, s.shape.tp) == "pcie-shm"]
         rows = [s for (g, _m), ss in samples.items() if g == gpu for s in ss
-                if s.shape.tp == 1 or link_kind(g, s.shape.tp) == "pcie-shm"]
+                if s.shape.tp == 1 or s.shape.tp == min(shm, default=0)]
         base, peaks = base_params(gpu)
         _OWN_FITS[key] = fit_kind(rows, base=base, peaks=peaks, mem_eff=mem_eff)
     return _OWN_FITS[key]
@@ -236,7 +248,8 @@ def median_fit(fits: list[Fit], *, mem_eff: float) -> Fit:
 
 
 def lacking(s: Sample, err: float, *, own: bool, tp1_err: dict[int, float], file_errs: list[float],
-            tp1_fwd_s: dict[int, float], fwd_s: float) -> str:
+            tp1_fwd_s: dict[int, float], fwd_s: float, linear_s: float | None = None,
+            sendrecv: dict[int, float] | None = None) -> str:
     """Which mechanism the model lacks for an entry outside 15%, reasoned from the data: the entry's
     TP=1 sibling (same micro-batch), the file's median error, and how the measured forward falls with TP."""
     base = tp1_err.get(s.shape.tokens)
@@ -244,6 +257,17 @@ def lacking(s: Sample, err: float, *, own: bool, tp1_err: dict[int, float], file
         if base is None and tp1_err:  # no TP=1 entry at this micro-batch (it did not fit): the file's TP=1 median
             base = statistics.median(tp1_err.values())
         if s.shape.tp > 1 and base is not None and abs(base) <= 0.15:
+            if err > 0 and linear_s and s.measured_s < 0.9 * linear_s:
+                return (f"measurement: this entry takes {s.measured_s / linear_s:.2f}x the time of a smaller "
+                        "micro-batch at the same TP scaled by its work (and bytes), so its all-reduces ran "
+                        "faster per byte than this box's others (TP=1 within 15%); no mechanism of a ring gives that")
+            small = {p: v for p, v in (sendrecv or {}).items() if p < s.shape.tp}
+            if err < 0 and small and sendrecv and s.shape.tp in sendrecv:
+                p0 = max(small)
+                return (f"host topology: this box's {s.shape.tp}-GPU ring is slower per hop than its {p0}-GPU one "
+                        f"(the other PCIe boxes' are not), and Sailor's send/recv test on it also falls from "
+                        f"{small[p0] / 1e9:.1f} to {sendrecv[s.shape.tp] / 1e9:.1f} GB/s: the group spans a slower "
+                        "host path (e.g. two CPU sockets), which no input describes")
             return (f"PCIe TP collectives: this GPU's TP=1 entries are within 15% ({base * 100:+.0f}%), but "
                     f"this machine's {s.shape.tp}-GPU all-reduce through host memory is not what the other PCIe "
                     "GPUs' SHM factor gives (its own host topology: sockets, PCIe switches; no input says it)")
@@ -352,7 +376,10 @@ def main() -> int:
                     (own_errs if own else xfer_errs).append(abs(err))
                     why = ""
                     if abs(err) > 0.15:
+                        small = min((r for r in rows if r.shape.tp == s.shape.tp), key=lambda r: r.shape.tokens)
+                        half = small.measured_s * s.shape.tokens / small.shape.tokens if small is not s else None
                         why = lacking(s, err, own=own, tp1_err=tp1, file_errs=errs, tp1_fwd_s=tp1_fwd,
+                                      linear_s=half, sendrecv={int(k): v[1] for k, v in bws.get(g, {}).items()},
                                       fwd_s=fwd[(s.shape.tokens, s.shape.tp)])
                         reasons[why.split(":")[0]] += 1
                         why = " | OUTSIDE 15%: " + why
