@@ -7,21 +7,28 @@
 A planner needs its predictor to order the candidate plans of one job right: above all, the plan it
 ranks first should really be (close to) the fastest. This machine cannot settle absolute errors of a
 few percent (its own run-to-run noise is 5-10 %), but it can settle a ranking of plans that differ by
-more than that. So, as a user would: first, once, measure this host (links and all-reduce among 2-4
+more than that. So, as a user would, first, once, measure this host (links and all-reduce among 2-4
 local ranks as ``hethub bench comm``, wake penalty and core speed spread as ``hethub profile
---wake-penalty --speed-spread``) and profile its layers (``hethub profile``'s code) for every
-(micro-batch size, TP degree) the plans use, and predict every plan from that one profile; then run
-every plan of the set (bench/_accuracy_plans.py, default ``ranking``: 17 plans of one job, global
-batch 8 x seq 128 of model ``small`` on examples/clusters/local-cpu.toml with this machine's usable
-cores) ``--reps`` times through the runtime (``hethub.train`` ranks forked from this process, or
-under torchrun), all plans in a freshly shuffled order each repetition, and take the median step
-after ``--warmup`` steps of each run and the median over runs.
+--wake-penalty --speed-spread``); then run every plan of the set (bench/_accuracy_plans.py, default
+``ranking``: 17 plans of one job, global batch 8 x seq 128 of model ``small`` on
+examples/clusters/local-cpu.toml with this machine's usable cores) ``--reps`` times through the
+runtime (``hethub.train`` ranks forked from this process, or under torchrun), all plans in a freshly
+shuffled order each repetition, and take the median step after ``--warmup`` steps of each run and
+the median over runs. The layers (``hethub profile``'s code, every (micro-batch size, TP degree)
+entry the plans use) are profiled once per repetition, each entry at a shuffled point among that
+repetition's runs, and every plan is predicted from the median of those profiles: this VM's cores
+change speed by 30 % and more over minutes (in thread CPU time too), so one profile taken at one
+moment moves every prediction by that much, while profiles spread over the session see the machine
+the runs saw. (Before 2026-12-02 the bench profiled once at the start; the figures each single
+profile would have given are printed as information.)
 
 Prints one row per plan, then per set: Spearman's rank correlation between predicted and measured
 step time per sample (target >= 0.9; for one job, the same order as step time), the regret (the
 measured time of the plan the predictor ranks first over the best measured; target <= 5 %), the
-pairs ordered wrongly with their measured gap, the absolute errors (information only), the
-measurement's own repeatability (odd against even runs) and the CPU other processes used.
+pairs ordered wrongly with their measured gap and whether the measurement separates them at all
+(every run of one plan faster than every run of the other), the absolute errors (information only),
+the measurement's own repeatability (odd against even runs), the CPU other processes used, and the
+profile's drift over the session.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _accuracy_plans import HELD_OUT, RANKING, SEEN, TUNING, PlanDef, build_plan
-from _ranking import misordered_pairs, regret, spearman
+from _ranking import misordered_pairs, regret, separated, spearman
 from hethub.emulation.effects import HostEffects
 from hethub.emulation.host import host_model, usable_cores
 from hethub.emulation.measure.collbench import measure_host_links
@@ -69,19 +76,23 @@ def profile_for_plan(plan: Plan, *, reps: Repetitions) -> ProfileSet:
     return profile_for_plans([plan], reps=reps)
 
 
-def profile_for_plans(plans: list[Plan], *, reps: Repetitions) -> ProfileSet:
-    """Profile this machine once for every (micro-batch size, TP degree) entry any of `plans` uses.
+def plan_entries(plans: list[Plan]) -> list[tuple[int, int]]:
+    """Every (micro-batch size, TP degree) profile entry any of `plans` uses, sorted."""
+    return sorted({(p.micro_batch_size, s.tp) for plan in plans for p in plan.pipelines for s in p.stages})
+
+
+def profile_entry(plan: Plan, entry: tuple[int, int], *, reps: Repetitions) -> ProfileSet:
+    """Profile this machine for one (micro-batch size, TP degree) entry of `plan`'s model and sequence.
 
     cpu-slow gets the same profile; the predictor multiplies it by the kind's emulated slowdown."""
-    by_tp: dict[int, set[int]] = {}
-    for plan in plans:
-        for p in plan.pipelines:
-            for s in p.stages:
-                by_tp.setdefault(s.tp, set()).add(p.micro_batch_size)
-    return merge_profiles(profile_for_kinds(model=plans[0].model, kinds=("cpu-fast", "cpu-slow"),
-                                            seq_len=plans[0].seq_len, mbs=tuple(sorted(mbs)), tp=(tp,), reps=reps,
-                                            show=False)
-                          for tp, mbs in sorted(by_tp.items()))
+    mbs, tp = entry
+    return profile_for_kinds(model=plan.model, kinds=("cpu-fast", "cpu-slow"), seq_len=plan.seq_len, mbs=(mbs,),
+                             tp=(tp,), reps=reps, show=False)
+
+
+def profile_for_plans(plans: list[Plan], *, reps: Repetitions) -> ProfileSet:
+    """Profile this machine once for every (micro-batch size, TP degree) entry any of `plans` uses."""
+    return merge_profiles(profile_entry(plans[0], e, reps=reps) for e in plan_entries(plans))
 
 
 def host_effects(wake: tuple[tuple[float, float], ...], spread: tuple[SpeedSpread, ...]) -> dict[str, HostEffects]:
@@ -124,15 +135,20 @@ def median_profiles(sets: list[ProfileSet]) -> ProfileSet:
     return ProfileSet(by_kind=by_kind)
 
 
-def run_order(n: int, *, rep: int) -> list[int]:
-    """The order of the plans in repetition `rep`: a fresh shuffle each time (seeded, so reproducible).
+def session_order(n_plans: int, n_entries: int, *, rep: int) -> list[tuple[str, int]]:
+    """What repetition `rep` does, in order: ("run", plan) for every plan and ("profile", entry) for
+    every profile entry, freshly shuffled (seeded, so reproducible).
 
     A fixed order would tie each plan to one slot: the same neighbours before it and, for the first,
     the host measurements just before; whatever those leave behind (a busy helper thread, a cold
-    cache, the host's scheduler reacting to a burst) would read as that plan's error every time."""
-    order = list(range(n))
-    random.Random(rep).shuffle(order)
-    return order
+    cache, the host's scheduler reacting to a burst) would read as that plan's error every time.
+    The profile entries are shuffled in among the runs because this VM's cores change speed over
+    seconds to minutes (thread CPU time of one fixed piece of work by 30 % and more): a profile
+    taken at one moment carries that moment's speed into every prediction, while profiles spread
+    over the session see the machine the runs saw."""
+    tasks = [("run", i) for i in range(n_plans)] + [("profile", e) for e in range(n_entries)]
+    random.Random(rep).shuffle(tasks)
+    return tasks
 
 
 def _cpu_busy_s() -> float:
@@ -190,20 +206,68 @@ def time_per_sample_s(plan: Plan, step_s: float) -> float:
 
 def ranking_summary(rows: list[dict]) -> dict:
     """Spearman, regret and misordered pairs over one set's rows (time per sample), plus the absolute
-    errors and the measurement's own repeatability, as numbers for the printout and the JSON."""
+    errors and the measurement's own repeatability, as numbers for the printout and the JSON.
+
+    A pair counts as separated by the measurement when the runs of one plan all beat those of the other
+    (_ranking.separated); misordered pairs that are not say nothing about the predictor."""
     pred = [r["predicted_per_sample_s"] for r in rows]
     meas = [r["measured_per_sample_s"] for r in rows]
+    per_sample = [[t / r["global_batch"] for t in r["runs_s"]] for r in rows]
     chosen, chosen_regret = regret(pred, meas)
     errs = [abs(r["error"]) for r in rows]
+    n = len(rows)
     return {"spearman": spearman(pred, meas), "regret": chosen_regret, "chosen": rows[chosen]["plan"],
-            "best_measured": rows[min(range(len(rows)), key=meas.__getitem__)]["plan"],
-            "misordered": [(rows[m.faster]["plan"], rows[m.slower]["plan"], m.measured_gap)
+            "best_measured": rows[min(range(n), key=meas.__getitem__)]["plan"],
+            "misordered": [(rows[m.faster]["plan"], rows[m.slower]["plan"], m.measured_gap,
+                            separated(per_sample[m.faster], per_sample[m.slower]))
                            for m in misordered_pairs(pred, meas)],
-            "pairs": len(rows) * (len(rows) - 1) // 2,
+            "pairs": n * (n - 1) // 2,
+            "separated_pairs": sum(separated(per_sample[i], per_sample[j]) for i in range(n) for j in range(i + 1, n)),
             "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
             "repeatability_median": statistics.median(r["halves"] for r in rows),
             "repeatability_max": max(r["halves"] for r in rows),
             "foreign_cores_median": statistics.median(r["foreign_load_cores"] for r in rows)}
+
+
+def _profile_drift(entries: list[tuple[int, int]], rep_profiles: list[ProfileSet]) -> list[dict]:
+    """Per profile entry, forward + backward of one decoder layer (cpu-fast) in each repetition's profile
+    and their spread ((max - min) / median): how far the machine moved under the profile."""
+    out = []
+    for mbs, tp in entries:
+        ts = [(e.layer.fwd_s + e.layer.bwd_s) for prof in rep_profiles
+              if (e := prof.by_kind["cpu-fast"].entries.get((mbs, tp))) is not None]
+        out.append({"mbs": mbs, "tp": tp, "layer_fwd_bwd_s": ts,
+                    "spread": (max(ts) - min(ts)) / statistics.median(ts) if ts else 0.0})
+    return out
+
+
+def _single_profile_figures(plans: list[tuple[str, PlanDef, Plan]], runs: list[list[dict]],
+                            predicted_by_rep: list[list[float]]) -> list[dict]:
+    """Per repetition, the ranking figures had every plan been predicted from that repetition's profile
+    alone (a profile taken at one moment, as a user who profiles once would): Spearman, regret and the
+    median |error| per set, against the same measured medians."""
+    measured = [statistics.median(r["step_s"] for r in plan_runs) for plan_runs in runs]
+    out = []
+    for rep, preds in enumerate(predicted_by_rep):
+        sets: dict[str, dict] = {}
+        for name in dict.fromkeys(n for n, _, _ in plans):
+            idx = [i for i, (n, _, _) in enumerate(plans) if n == name]
+            pred = [time_per_sample_s(plans[i][2], preds[i]) for i in idx]
+            meas = [time_per_sample_s(plans[i][2], measured[i]) for i in idx]
+            sets[name] = {"spearman": spearman(pred, meas), "regret": regret(pred, meas)[1],
+                          "median_error": statistics.median((preds[i] - measured[i]) / measured[i] for i in idx)}
+        out.append({"repetition": rep + 1, "sets": sets})
+    return out
+
+
+def _print_profile_drift(drift: list[dict], single: list[dict]) -> None:
+    print("the layer profile, one per repetition (forward + backward of one decoder layer, cpu-fast): "
+          + "; ".join(f"mbs {d['mbs']} TP {d['tp']}: " + "/".join(f"{t * 1e3:.1f}" for t in d["layer_fwd_bwd_s"])
+                      + f" ms (spread {d['spread']:.0%})" for d in drift))
+    for name in single[0]["sets"] if single else ():
+        print(f"{name}, predicted from one repetition's profile alone (information): "
+              + "; ".join(f"Spearman {s['sets'][name]['spearman']:.3f}, regret {s['sets'][name]['regret']:+.1%}, "
+                          f"median error {s['sets'][name]['median_error']:+.1%}" for s in single))
 
 
 TARGET_SPEARMAN, TARGET_REGRET = 0.9, 0.05  # issue 14's local targets
@@ -215,9 +279,12 @@ def _print_summary(name: str, s: dict) -> None:
           f"(target <= {TARGET_REGRET:.0%}): {'met' if met else 'NOT met'}")
     print(f"  ranked first: {s['chosen']!r}; fastest measured: {s['best_measured']!r}")
     wrong = s["misordered"]
-    print(f"  pairs ordered wrongly: {len(wrong)} of {s['pairs']}"
-          + ("; largest measured gaps: " + "; ".join(f"{a!r} {g:.1%} faster than {b!r}" for a, b, g in wrong[:3])
-             if wrong else ""))
+    unseparated = sum(not sep for *_, sep in wrong)
+    print(f"  pairs ordered wrongly: {len(wrong)} of {s['pairs']}, of which {unseparated} the measurement does not "
+          f"separate (their runs overlap; it separates {s['separated_pairs']} of {s['pairs']} pairs)"
+          + ("; largest measured gaps: " + "; ".join(f"{a!r} {g:.1%} faster than {b!r}"
+                                                     + ("" if sep else " (runs overlap)")
+                                                     for a, b, g, sep in wrong[:3]) if wrong else ""))
     print(f"  absolute step time error (information): median {s['median_abs_error']:.1%}, "
           f"max {s['max_abs_error']:.1%}")
     print(f"  the measurement's own repeatability (odd vs even runs of a plan): median "
@@ -267,23 +334,35 @@ def main() -> None:
           f"{model.name} ({model.num_params / 1e6:.2f} M params), seq_len {args.seq_len}", flush=True)
     plans = [(name, pd, build_plan(pd, cluster=cluster, model=model, seq_len=args.seq_len))
              for name in chosen for pd in sets[name]]
-    # Once, as a user would before planning: the host, then the layers of every entry the plans use.
+    # Once, as a user would before planning: the host (links, all-reduce, wake penalty, speed spread).
     links = measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
     effects = host_effects(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len),
                            measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
-    profile = profile_for_plans([p for _, _, p in plans], reps=Repetitions(warmup=1, repeats=args.profile_repeats))
-    predicted = [predict_here(with_host_links(p, links), profiles=profile, effects=effects) for _, _, p in plans]
-    print(f"host measured, layers profiled and {len(plans)} plans predicted in {time.monotonic() - t_start:.0f} s",
-          flush=True)
+    print(f"host measured in {time.monotonic() - t_start:.0f} s", flush=True)
+    # The layers: every entry the plans use, profiled once per repetition at a shuffled point among the
+    # runs (session_order); the prediction is from the median of those profiles, entry by entry.
+    entries = plan_entries([p for _, _, p in plans])
+    prof_reps = Repetitions(warmup=1, repeats=args.profile_repeats)
     runs: list[list[dict]] = [[] for _ in plans]
+    rep_profiles: list[ProfileSet] = []
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.reps):
-            t_rep = time.monotonic()
-            for i in run_order(len(plans), rep=rep):
-                runs[i].append(measure_once(plans[i][2], steps=args.steps, warmup=args.warmup, workdir=Path(d),
-                                            launcher=args.launcher, quiet_wait_s=args.quiet_wait_s))
-            print(f"repetition {rep + 1}/{args.reps}: {len(plans)} plans in {time.monotonic() - t_rep:.0f} s",
-                  flush=True)
+            t_rep, got = time.monotonic(), []
+            for what, i in session_order(len(plans), len(entries), rep=rep):
+                if what == "profile":
+                    got.append(profile_entry(plans[0][2], entries[i], reps=prof_reps))
+                else:
+                    runs[i].append(measure_once(plans[i][2], steps=args.steps, warmup=args.warmup,
+                                                workdir=Path(d), launcher=args.launcher,
+                                                quiet_wait_s=args.quiet_wait_s))
+            rep_profiles.append(merge_profiles(got))
+            print(f"repetition {rep + 1}/{args.reps}: {len(plans)} plans and {len(entries)} profile entries in "
+                  f"{time.monotonic() - t_rep:.0f} s", flush=True)
+    profile = median_profiles(rep_profiles)
+    on_host = [with_host_links(p, links) for _, _, p in plans]
+    predicted = [predict_here(p, profiles=profile, effects=effects) for p in on_host]
+    # What one profile taken at one moment would have predicted (the bench before 2026-12-02).
+    predicted_by_rep = [[predict_here(p, profiles=prof, effects=effects) for p in on_host] for prof in rep_profiles]
     out: dict[str, dict] = {}
     print(f"\n{'set':<8} {'plan':<40} {'ranks':>5} {'predicted':>10} {'measured':>10} {'runs min-max':>17} "
           f"{'error':>7} {'foreign':>7}")
@@ -308,12 +387,16 @@ def main() -> None:
     for name, got in out.items():
         got["summary"] = ranking_summary(got["rows"])
         _print_summary(name, got["summary"])
+    profile_drift = _profile_drift(entries, rep_profiles)
+    single = _single_profile_figures(plans, runs, predicted_by_rep)
+    _print_profile_drift(profile_drift, single)
     load_end = os.getloadavg()
     print(f"load average at the end {load_end[0]:.2f} / {load_end[1]:.2f} / {load_end[2]:.2f}; "
           f"total {time.monotonic() - t_start:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"load_average_start": load_start, "load_average_end": load_end,
-                                               "sets": out}, indent=2) + "\n", encoding="utf-8")
+                                               "sets": out, "profile_drift": profile_drift,
+                                               "single_profile": single}, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from _ranking import average_ranks, misordered_pairs, regret, spearman
+from _ranking import average_ranks, misordered_pairs, regret, separated, spearman
 
 
 def test_average_ranks_share_ties():
@@ -51,3 +51,12 @@ def test_misordered_pairs_largest_gap_first():
     assert [(p.faster, p.slower) for p in pairs] == [(3, 2), (3, 1), (1, 2)]
     assert pairs[0].measured_gap == pytest.approx(2.4 / 1.5 - 1)
     assert misordered_pairs([1, 2, 3], [1, 2, 3]) == []
+
+
+def test_separated_only_when_the_runs_do_not_overlap():
+    assert separated([1.0, 1.1, 1.05], [1.2, 1.3])
+    assert separated([1.2, 1.3], [1.0, 1.1])
+    assert not separated([1.0, 1.25], [1.2, 1.3])  # one slow run of the faster plan: cannot tell
+    assert not separated([1.0], [1.0])
+    with pytest.raises(ValueError, match="at least one run"):
+        separated([], [1.0])
