@@ -56,7 +56,8 @@ from hethub.predict.calibrate import (
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.gemm import KernelParams
 from hethub.predict.opmodel import Recipe, Shape
-from hethub.spec.cluster import Link, catalog
+from hethub.spec.cluster import Link
+from hethub.spec.kind import catalog
 from hethub.spec.model import PRESETS, ModelSpec
 
 REF = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "sailor"

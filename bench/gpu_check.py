@@ -44,7 +44,8 @@ from hethub.runtime.data import BatchSource, byte_tokenize, load_tokens
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.precision import kind_precision
 from hethub.runtime.reference import train_single_device
-from hethub.spec.cluster import Cluster, Link, NodeGroup, catalog
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import catalog
 from hethub.spec.model import ModelSpec
 
 SPEC = ModelSpec(name="gpucheck6", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,

@@ -33,7 +33,8 @@ def _kind_for(device_name: str) -> str:
 
 def _plans(kind: str, *, model_name: str, seq_len: int) -> list:
     from hethub.plan import Pipeline, Plan, Stage
-    from hethub.spec.cluster import Cluster, Link, NodeGroup, catalog
+    from hethub.spec.cluster import Cluster, Link, NodeGroup
+    from hethub.spec.kind import catalog
     from hethub.spec.model import get_model
 
     model = get_model(model_name)

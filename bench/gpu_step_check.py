@@ -42,7 +42,8 @@ GIB = 1024**3
 
 
 def _cluster(kind_name: str, *, devices: int, dry_run: bool):
-    from hethub.spec.cluster import Cluster, Link, NodeGroup, catalog
+    from hethub.spec.cluster import Cluster, Link, NodeGroup
+    from hethub.spec.kind import catalog
 
     kind = catalog()[kind_name]
     if dry_run:  # gloo ranks on the CPU, whatever the kind says

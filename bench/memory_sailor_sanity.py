@@ -21,7 +21,8 @@ from pathlib import Path
 
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.predictor import predict
-from hethub.spec.cluster import Cluster, Link, NodeGroup, catalog
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import catalog
 from hethub.spec.model import PRESETS
 
 SAILOR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "sailor"

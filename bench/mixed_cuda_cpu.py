@@ -32,7 +32,8 @@ from hethub.plan import Pipeline, Plan, Stage
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.reference import train_single_device
 from hethub.runtime.trainer import Trainer, TrainerConfig
-from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 TIMEOUT = timedelta(seconds=60)

@@ -32,7 +32,8 @@ from hethub.runtime.launch import launch_forked, launch_local
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.trainer import Trainer, TrainerConfig
-from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import get_model
 
 

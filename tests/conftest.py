@@ -4,7 +4,8 @@ import pathlib
 import pytest
 
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

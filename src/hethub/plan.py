@@ -19,7 +19,8 @@ from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
 from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES, get_schedule
-from hethub.spec.cluster import ATTENTION_IMPLS, Cluster
+from hethub.spec.cluster import Cluster
+from hethub.spec.kind import ATTENTION_IMPLS
 from hethub.spec.model import PRECISIONS, ModelSpec
 
 PLAN_FORMAT = "hethub-plan"

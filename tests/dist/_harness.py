@@ -13,7 +13,8 @@ from hethub.comm.local_ranks import run_local_ranks
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.reference import train_single_device
-from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 TIMEOUT = timedelta(seconds=30)

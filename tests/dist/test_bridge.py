@@ -29,7 +29,8 @@ from hethub.predict.predictor import predict
 from hethub.predict.sync import sync_groups
 from hethub.runtime.tensor_parallel import TPContext, shard
 from hethub.runtime.trainer import Trainer, TrainerConfig
-from hethub.spec.cluster import catalog, load_cluster
+from hethub.spec.cluster import load_cluster
+from hethub.spec.kind import catalog
 from hethub.spec.model import PRESETS
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16)

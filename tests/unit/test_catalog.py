@@ -10,7 +10,7 @@ from importlib import resources
 import pytest
 
 from hethub.errors import SpecError
-from hethub.spec.cluster import DEVICE_TYPE_OF_BACKEND, DEVICE_TYPES, catalog, parse_kind
+from hethub.spec.kind import DEVICE_TYPE_OF_BACKEND, DEVICE_TYPES, catalog, parse_kind
 
 TEXT = resources.files("hethub.spec").joinpath("catalog.toml").read_text(encoding="utf-8")
 RAW = tomllib.loads(TEXT)["kinds"]

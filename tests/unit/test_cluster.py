@@ -7,14 +7,8 @@ from pathlib import Path
 import pytest
 
 from hethub.errors import SpecError
-from hethub.spec.cluster import (
-    BACKENDS,
-    Cluster,
-    Link,
-    catalog,
-    load_cluster,
-    parse_cluster,
-)
+from hethub.spec.cluster import Cluster, Link, load_cluster, parse_cluster
+from hethub.spec.kind import BACKENDS, catalog
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 

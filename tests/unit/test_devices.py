@@ -14,7 +14,8 @@ from hethub.errors import RuntimeSetupError
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.runtime import train
 from hethub.runtime.devices import device_types_of_kinds, place_rank, plan_placement, world_backend
-from hethub.spec.cluster import Cluster, Link, NodeGroup, catalog
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import catalog
 from hethub.spec.model import ModelSpec
 
 SPEC = ModelSpec(name="t4", num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,

@@ -17,7 +17,8 @@ from hethub.layout import (
     unit_of,
 )
 from hethub.plan import Pipeline, Plan, Stage
-from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup
+from hethub.spec.cluster import Cluster, Link, NodeGroup
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 SPEC = ModelSpec(name="t", num_layers=6, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,

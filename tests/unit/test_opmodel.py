@@ -10,7 +10,7 @@ from hethub.predict.calibrate import Sample, fit_kind, predicted_layer_s
 from hethub.predict.compute import kernel_params, stage_times
 from hethub.predict.gemm import KernelParams, gemm_time_s
 from hethub.predict.opmodel import Shape, layer_ops, op_flops
-from hethub.spec.cluster import catalog
+from hethub.spec.kind import catalog
 from hethub.spec.model import ModelSpec
 
 

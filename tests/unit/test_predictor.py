@@ -12,7 +12,8 @@ from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.predict.sync import sync_groups, world_collectives
-from hethub.spec.cluster import Cluster, DeviceKind, EmulationHost, Link, NodeGroup
+from hethub.spec.cluster import Cluster, EmulationHost, Link, NodeGroup
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import PRESETS
 
 TINY = PRESETS["tiny"]  # 6 layers, hidden 64

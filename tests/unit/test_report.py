@@ -15,7 +15,8 @@ from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.report import read_metrics, write_report
 from hethub.report.groups import stage_rows
-from hethub.spec.cluster import Cluster, DeviceKind, Link, NodeGroup, load_cluster
+from hethub.spec.cluster import Cluster, Link, NodeGroup, load_cluster
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import PRESETS, ModelSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"

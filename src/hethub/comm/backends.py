@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch.distributed as dist
 
 from hethub.errors import RuntimeSetupError
-from hethub.spec.cluster import DEVICE_TYPE_OF_BACKEND, DeviceKind
+from hethub.spec.kind import DEVICE_TYPE_OF_BACKEND, DeviceKind
 
 # The torch device type each backend moves tensors of (host memory: gloo and mpi). Its home is the
 # pure spec, beside the kinds that name the backends.

@@ -23,7 +23,7 @@ from hethub.predict.calibrate import DEFAULT_GEMM_EFF, DEFAULT_K_HALF, DEFAULT_L
 from hethub.predict.gemm import KernelParams
 from hethub.predict.memory import act_bytes_for, stage_params
 from hethub.predict.profiles import KindProfile
-from hethub.spec.cluster import DeviceKind
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 

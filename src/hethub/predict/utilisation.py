@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from hethub.plan import Plan
-from hethub.spec.cluster import DeviceKind
+from hethub.spec.kind import DeviceKind
 
 
 @dataclass(frozen=True)

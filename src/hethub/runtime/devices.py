@@ -1,7 +1,7 @@
 """The runtime's device map: where each rank computes, read from its device kind.
 
 A kind names its torch device type (``cuda``, ``npu``, ``musa``, ``xpu``, ``cpu``), its collective
-backend and the package that provides them (``spec.cluster.DeviceKind``; the data lives in the pure
+backend and the package that provides them (``spec.kind.DeviceKind``; the data lives in the pure
 catalog). Nothing here names a vendor: a device type that stock torch does not know (``npu``,
 ``musa``) is registered by the kind's extension when it is imported (``torch_npu``, ``torch_musa``),
 after which ``torch.<type>`` answers ``is_available()`` and ``device_count()`` like ``torch.cuda``.
@@ -25,7 +25,7 @@ from hethub.comm.backends import available_backends, install_hint
 from hethub.errors import RuntimeSetupError
 from hethub.plan import Plan
 from hethub.runtime.precision import kind_precision
-from hethub.spec.cluster import DeviceKind
+from hethub.spec.kind import DeviceKind
 
 Importer = Callable[[str], ModuleType]
 EMULATION_HINT = "or, to emulate the kind on this host's CPU, give it backend = \"gloo\" (device_type \"cpu\")"

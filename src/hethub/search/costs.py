@@ -24,7 +24,8 @@ from hethub.predict.memory import (
     usable_bytes,
 )
 from hethub.predict.profiles import ProfileSet
-from hethub.spec.cluster import DeviceKind, Link
+from hethub.spec.cluster import Link
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 # The recomputation modes, by falling memory and rising backward time: a stage takes the first that fits.

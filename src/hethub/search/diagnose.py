@@ -6,7 +6,8 @@ from hethub.predict.memory import describe_peak, stage_memory, state_bytes_per_p
 from hethub.schedules import SCHEDULES, get_schedule
 from hethub.search.config import PlannerConfig
 from hethub.search.templates import tp_options
-from hethub.spec.cluster import GIB, Cluster
+from hethub.spec.cluster import Cluster
+from hethub.spec.kind import GIB
 from hethub.spec.model import ModelSpec
 
 

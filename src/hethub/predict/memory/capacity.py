@@ -12,7 +12,7 @@ when the model is 10% low.
 from __future__ import annotations
 
 from hethub.predict.memory.model import StageMemory
-from hethub.spec.cluster import GIB, DeviceKind
+from hethub.spec.kind import GIB, DeviceKind
 
 DEFAULT_MEM_HEADROOM = 0.1
 _LABELS = {"weights": "weights", "master_weights": "master weights", "grads": "gradients",

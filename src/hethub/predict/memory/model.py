@@ -33,7 +33,7 @@ from functools import cached_property
 
 from hethub.plan import Recompute
 from hethub.predict.memory import activations as act
-from hethub.spec.cluster import DeviceKind
+from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 # Bytes per parameter of each persistent part, by precision (see the module docstring).
