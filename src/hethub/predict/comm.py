@@ -93,7 +93,9 @@ def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], 
     if split:
         gather_s = group_allreduce_time_s(cluster, nbytes=nbytes, devices=list(receivers)) / 2
         nbytes /= a
-    node = [d.node for d in cluster.devices]
+    # Only the pairs' own devices' nodes: a list over the whole cluster cost O(devices) per hop
+    # (4,096-device plans spent a fifth of their search here).
+    node = {d: cluster.devices[d].node for pair in pairs for d in pair}
     out: dict[int, int] = {}
     inn: dict[int, int] = {}
     if cluster.host is None:

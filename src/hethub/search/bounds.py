@@ -42,13 +42,18 @@ class Capacity:
         self.limit = book.job.model.num_layers
         self.schedule = schedule
         self._totals: dict[tuple[int, int], int] = {}
+        self._ats: dict[tuple[int, bool, bool, int], int] = {}
 
     def _at(self, variant: int, *, emb: bool, head: bool, in_flight: int) -> int:
         """Best layer count of one stage: 0 = without recomputation, 1 = the better of both."""
-        n = self.models[0].max_layers(emb=emb, head=head, in_flight=in_flight, limit=self.limit)
-        if variant:
-            n = max(n, self.models[1].max_layers(emb=emb, head=head, in_flight=in_flight, limit=self.limit))
-        return max(0, n)
+        key = (variant, emb, head, in_flight)
+        hit = self._ats.get(key)
+        if hit is None:  # totals for every p ask the same few stage shapes again (O(p^2) calls)
+            n = self.models[0].max_layers(emb=emb, head=head, in_flight=in_flight, limit=self.limit)
+            if variant:
+                n = max(n, self.models[1].max_layers(emb=emb, head=head, in_flight=in_flight, limit=self.limit))
+            hit = self._ats[key] = max(0, n)
+        return hit
 
     def total(self, p: int, *, variant: int) -> int:
         key = (p, variant)

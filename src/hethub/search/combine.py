@@ -223,8 +223,14 @@ def embedding_sync_floor(first: list[tuple[Slot, int]], last: list[tuple[Slot, i
     if replicas <= 1:
         return 0.0
     holders = first + (last if model.tied_embeddings else [])
-    kinds = frozenset(sl.kind for sl, _ in holders)
-    tp = min(sl.tp for sl, _ in holders)
+    return embedding_ring_s(frozenset(sl.kind for sl, _ in holders), min(sl.tp for sl, _ in holders), replicas,
+                            total_devices=total_devices, links=links, model=model, precision=precision)
+
+
+def embedding_ring_s(kinds: frozenset[str], tp: int, replicas: int, *, total_devices: int, links: LinkBook,
+                     model: ModelSpec, precision: str) -> float:
+    """`embedding_sync_floor`'s ring: the embedding's gradients all-reduced among `replicas` holders of
+    these kinds whose smallest TP degree is `tp` (the floors cache it by these four values)."""
     gb = ModelSpec.state_bytes_per_param(precision)["grads"]
     vh = model.vocab_size * model.hidden_size
     link = links.replicas(kinds, devices=total_devices)

@@ -25,7 +25,7 @@ from hethub.predict.comm import allreduce_time_s
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, pipe_floor
-from hethub.search.combine import Estimate, Group, bisect_time, embedding_sync_floor, finished_mb, water_level
+from hethub.search.combine import Estimate, Group, bisect_time, embedding_ring_s, finished_mb, water_level
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
@@ -96,10 +96,10 @@ class Family:
         devices is sized for (split.split_layers' planning_in_flight): in the registry's schedules that
         count never falls as a pipeline gains stages or devices (1F1B: p - s >= 1; GPipe: the hint,
         which grows with the devices; ZB-H1: p)."""
-        key = (stages, devices)
+        hint = self.s.in_flight_hint(devices, self.mbs)
+        key = (stages, hint)  # the devices matter only through the hint
         hit = self._in_flight.get(key)
         if hit is None:
-            hint = self.s.in_flight_hint(devices, self.mbs)
             hit = min(self.sched.planning_in_flight(stage=i, num_stages=stages, expected_micro_batches=hint)
                       for i in range(stages))
             self._in_flight[key] = hit
@@ -211,7 +211,13 @@ class _Context:
         self.lasts = [(g.pipe.slots[-1], g.count) for g in pure]
         self._sync: dict[tuple, float] = {}
         self.replicas = sum(g.count for g in pure)
+        # The embedding's holders among the pure groups (combine.embedding_sync_floor's `first` and,
+        # with tied embeddings, `last`): their kinds and smallest TP degree.
+        ends = self.firsts + (self.lasts if s.model.tied_embeddings else [])
+        self.end_kinds = frozenset(sl.kind for sl, _ in ends)
+        self.end_tp = min([sl.tp for sl, _ in ends], default=math.inf)
         self._rings: dict[tuple, float] = {}
+        self._emb_rings: dict[tuple, float] = {}
         self._pure_tail: dict[tuple, float] = {}
 
     def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int) -> float:
@@ -263,11 +269,25 @@ class _Context:
         key = (tuple(pairs), c, devices)
         hit = self._sync.get(key)
         if hit is None:
+            replicas, total = self.replicas + c, self.devices + c * devices
+            hit = 0.0
+            if replicas > 1:  # combine.embedding_sync_floor, its ring cached by (kinds, smallest TP)
+                tied = self.s.model.tied_embeddings
+                hit = min(self._embedding_ring(frozenset([a.kind, *((b.kind,) if tied else ())]),
+                                               min(a.tp, b.tp) if tied else a.tp, replicas, total)
+                          for a, b in pairs)
+            self._sync[key] = hit
+        return hit
+
+    def _embedding_ring(self, kinds: frozenset[str], tp: int, replicas: int, total: int) -> float:
+        """combine.embedding_ring_s for the pure groups' first (and, tied, last) stages plus these."""
+        kinds, tp = kinds | self.end_kinds, min(tp, self.end_tp)
+        key = (kinds, tp, replicas, total)
+        hit = self._emb_rings.get(key)
+        if hit is None:
             s = self.s
-            hit = self._sync[key] = min(
-                embedding_sync_floor([*self.firsts, (a, c)], [*self.lasts, (b, c)],
-                                     total_devices=self.devices + c * devices, links=s.links, model=s.model,
-                                     precision=s.config.precision) for a, b in pairs)
+            hit = self._emb_rings[key] = embedding_ring_s(kinds, tp, replicas, total_devices=total, links=s.links,
+                                                      model=s.model, precision=s.config.precision)
         return hit
 
     def tail_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
