@@ -170,6 +170,42 @@ def test_all_gather_and_objects_across_kinds() -> None:
     assert res[0]["describe"]["bridged"] and len(res[0]["describe"]["islands"]) == 2
 
 
+# ---- reduce-scatter and all-gather (the sharded sync's two-level exchange) ------------------------------
+def _sharded_worker(rank: int, kinds: list[str], groups: list[tuple[int, ...]], stage_host: bool) -> int:
+    comm = _bridge(kinds, stage_host=stage_host)
+    comm.create_groups(groups)
+    plain = {g: dist.new_group(list(g), backend="gloo") for g in groups}  # reference, same order everywhere
+    checked = 0
+    for group in groups:
+        if rank not in group:
+            continue
+        k = len(group)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _data(rank, 7 * k, dtype) // (64 if dtype == torch.bfloat16 else 1)
+            expect = torch.empty(7, dtype=dtype)
+            dist.reduce_scatter_tensor(expect, x.clone(), group=plain[group])
+            got = comm.reduce_scatter(x, group=group)
+            assert got.shape == (7,) and torch.equal(got, expect), (group, dtype, got, expect)
+            mine = _data(rank, 6, dtype).view(2, 3)
+            parts = [torch.empty_like(mine) for _ in group]
+            dist.all_gather(parts, mine, group=plain[group])
+            for dim in (0, 1):
+                assert torch.equal(comm.all_gather(mine, group=group, dim=dim), torch.cat(parts, dim=dim)), group
+            checked += 1
+    comm.barrier()
+    return checked
+
+
+@pytest.mark.parametrize("stage_host", [False, True])
+def test_reduce_scatter_and_all_gather_across_islands_equal_plain_gloo(stage_host: bool) -> None:
+    # Unequal islands (3 a's, 1 b, 2 c's): proxies with several foreign chunks, blocks padded, one-rank
+    # islands, and a group inside one island (the native path).
+    kinds = ["a", "b", "a", "c", "a", "c"]
+    groups = [(0, 1, 2, 3, 4, 5), (0, 1, 3), (1, 2, 4, 5), (0, 2, 4), (1, 3)]
+    checked = run_ranks(len(kinds), _sharded_worker, kinds, groups, stage_host)
+    assert all(c > 0 for c in checked)
+
+
 # ---- backends and the factory ----------------------------------------------------------------------
 def test_missing_backend_error_names_backend_kind_and_fix() -> None:
     with pytest.raises(RuntimeSetupError) as err:

@@ -4,9 +4,10 @@ Ranks are grouped into *islands* whose native library can talk among itself. Ins
 point-to-point and collectives use that island's backend (nccl, hccl, gloo, ...). Across islands,
 tensors are staged in host memory (pinned for CUDA) and moved over gloo (TCP), then copied onto the
 receiving device: every vendor's torch can reach host memory and gloo, none can reach another
-vendor's collective library. All-reduces over groups that span islands are hierarchical (see
-:mod:`hethub.comm.hierarchical`). The runtime calls the same methods as on :class:`Communicator`
-and never learns which path a message took.
+vendor's collective library. All-reduces, reduce-scatters and all-gathers over groups that span
+islands are hierarchical (see :mod:`hethub.comm.hierarchical` and :mod:`hethub.islands`). The
+runtime calls the same methods as on :class:`Communicator` and never learns which path a message
+took.
 
 Islands: with ``force_bridge`` every kind is its own island (how CPU tests emulate two vendors);
 otherwise kinds share an island when they share a backend and, for accelerator backends, a vendor
@@ -35,12 +36,16 @@ from hethub.comm.hierarchical import (
     HostPool,
     Route,
     build_route,
+    hierarchical_all_gather,
     hierarchical_all_reduce,
+    hierarchical_reduce_scatter,
 )
 from hethub.errors import RuntimeSetupError
+from hethub.islands import HOST_BACKENDS as _HOST_BACKENDS
+from hethub.islands import island_of_kind
 
+__all__ = ["BridgedCommunicator", "StagedWork", "island_of_kind"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_HOST_BACKENDS = ("gloo", "mpi")  # host memory: any two CPUs interoperate whatever their vendor
 
 
 @dataclass
@@ -66,15 +71,6 @@ class StagedWork:
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
-
-
-def island_of_kind(kind: str, *, backend: str, vendor: str | None, force_bridge: bool) -> str:
-    """The island a kind's ranks belong to (kinds with equal names share one native group)."""
-    if force_bridge:
-        return f"kind:{kind}"
-    if backend in _HOST_BACKENDS or not vendor:
-        return backend
-    return f"{backend}:{vendor}"
 
 
 class BridgedCommunicator(Communicator):
@@ -205,25 +201,27 @@ class BridgedCommunicator(Communicator):
             dist.all_reduce(tensor, op=rop, group=route.local.pg_for(tensor))
         return tensor
 
-    def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int]) -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int],
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
         """As :meth:`Communicator.reduce_scatter`. Inside one island: the native reduce-scatter. Across
-        islands there is no hierarchical reduce-scatter: the group all-reduces (hierarchically, through
-        the host bridge) and each member keeps its chunk, twice the volume of a reduce-scatter on the
-        bridged links (the predictor's sync model prices it so: ``predict/sync.py``)."""
+        islands: native inside each island, then only each owner's chunk over the bridge
+        (:func:`hierarchical_reduce_scatter`, priced the same way by ``predict/sync.py``)."""
         route = self._route(group)
         k = len(route.members)
         if k == 1:
             return tensor
         if route.bridged:
-            full = self.all_reduce(tensor.clone(), group=group)
-            i = sorted(route.members).index(self.rank)
-            return full.chunk(k)[i].clone()
+            return hierarchical_reduce_scatter(tensor, route=route, rank=self.rank, pool=self._pool,
+                                               stage_host=self.stage_host, sizes=sizes)
         assert route.local is not None
         out = torch.empty(tensor.numel() // k, dtype=tensor.dtype, device=tensor.device)
         dist.reduce_scatter_single(out, tensor.contiguous(), group=route.local.pg_for(tensor))
         return out
 
-    def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0,
+                   sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """As :meth:`Communicator.all_gather`; across islands each member's tensor crosses the bridge
+        once per other island, then each island gathers natively (:func:`hierarchical_all_gather`)."""
         route = self._route(group)
         if len(route.members) == 1:
             return tensor
@@ -232,10 +230,9 @@ class BridgedCommunicator(Communicator):
             parts = [torch.empty_like(tensor) for _ in route.members]
             dist.all_gather(parts, tensor.contiguous(), group=route.local.pg_for(tensor))
             return torch.cat(parts, dim=dim)
-        host = tensor.contiguous().to("cpu")  # gathers are small (TP pieces, metrics): no pooling
-        parts = [torch.empty_like(host) for _ in route.members]
-        dist.all_gather(parts, host, group=route.host_pg)
-        return torch.cat(parts, dim=dim).to(tensor.device)
+        rows = hierarchical_all_gather(tensor, route=route, rank=self.rank, pool=self._pool,
+                                       stage_host=self.stage_host, sizes=sizes)
+        return torch.cat([r.view(tensor.shape) for r in rows], dim=dim)
 
     def gather_objects(self, obj: Any, *, dst: int) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None

@@ -85,9 +85,13 @@ class Communicator:
         dist.all_reduce(tensor, op=rop, group=self._pg(group))
         return tensor
 
-    def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int]) -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int],
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
         """Sum ``tensor`` (1-D, ``len(group)`` equal chunks) over ``group``; return this member's chunk
-        (the i-th in ascending rank order), a new tensor. Uneven shards pad their chunks (the caller)."""
+        (the i-th in ascending rank order), a new tensor. Uneven shards pad their chunks (the caller);
+        ``sizes`` (each member's real chunk length) lets a bridge leave the padding out of its
+        messages; a native collective moves the padded chunks."""
+        del sizes
         key = sorted(group)
         if len(key) == 1:
             return tensor
@@ -95,8 +99,12 @@ class Communicator:
         dist.reduce_scatter_single(out, tensor.contiguous(), group=self._pg(group))
         return out
 
-    def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0) -> torch.Tensor:
-        """Concatenate every member's ``tensor`` along ``dim``, in ascending rank order."""
+    def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0,
+                   sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """Concatenate every member's ``tensor`` along ``dim``, in ascending rank order. ``sizes``: as
+        for :meth:`reduce_scatter`, for 1-D padded chunks (what lies past a member's size may then
+        come back as zeros)."""
+        del sizes
         if len(group) == 1:
             return tensor
         parts = [torch.empty_like(tensor) for _ in group]

@@ -10,6 +10,9 @@ data-parallel group, the world) may span islands; then an all-reduce runs in thr
    transfer of chunk i, and results are copied back as their chunks complete;
 3. broadcast inside each island from its leader.
 
+Reduce-scatters and all-gathers over such groups run the two-level schedule of
+:mod:`hethub.islands` (native inside each island, only each owner's chunk over the bridge).
+
 Every rank builds the same groups in the same order (``new_group`` is collective over the world),
 including groups it is not a member of.
 
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
+from hethub.islands import Exchange, exchange
 
 GroupKey = tuple[int, ...]
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # big enough to amortise gloo's per-op latency, small enough to overlap
@@ -87,7 +91,8 @@ class Route:
     islands: tuple[GroupKey, ...]  # each island's ranks in this group, ordered by first rank
     local: IslandPart | None  # this rank's island; None when this rank is not a member
     leaders_pg: Any  # gloo over the islands' leaders (bridged groups only)
-    host_pg: Any  # gloo over all members, for gathers of staged tensors (bridged groups only)
+    host_pg: Any  # gloo over all members: gathers and the sharded exchange's p2p (bridged groups only)
+    exchange: Exchange  # the hierarchical reduce-scatter / all-gather schedule (hethub.islands)
 
     @property
     def bridged(self) -> bool:
@@ -114,7 +119,8 @@ def build_route(members: Sequence[int], *, rank: int, island_of_rank: Sequence[s
         host_pg = groups.get(key, "gloo")
     local = parts[island_of_rank[rank]] if rank in key else None
     return Route(members=key, islands=tuple(p.ranks for p in parts.values()), local=local,
-                 leaders_pg=leaders_pg, host_pg=host_pg)
+                 leaders_pg=leaders_pg, host_pg=host_pg,
+                 exchange=exchange(key, {r: island_of_rank[r] for r in key}))
 
 
 # ---- host staging -----------------------------------------------------------------------------------
@@ -193,3 +199,112 @@ def hierarchical_all_reduce(tensor: torch.Tensor, *, route: Route, rank: int, op
         dist.broadcast(work, src=local.leader, group=local.pg_for(work))
     if work is not tensor:
         tensor.copy_(work)
+
+
+# ---- the sharded (reduce-scatter / all-gather) exchange ---------------------------------------------
+def _staged_p2p(flat: torch.Tensor, *, peer: int, send: bool, group: Any, pool: HostPool,
+                stage_host: bool) -> tuple[Any, torch.Tensor | None]:
+    """isend/irecv of a contiguous 1-D tensor over gloo, through a pooled host copy unless it is a host
+    tensor and ``stage_host`` is off. Returns (work, host copy or None); a received host copy must be
+    copied into ``flat`` after the wait."""
+    if flat.device.type == "cpu" and not stage_host:
+        return (dist.isend if send else dist.irecv)(flat, peer, group=group), None
+    host = pool.take(flat)
+    if send:
+        host.copy_(flat)  # blocking for device tensors: on the host when this returns
+    return (dist.isend if send else dist.irecv)(host, peer, group=group), host
+
+
+def hierarchical_reduce_scatter(tensor: torch.Tensor, *, route: Route, rank: int, pool: HostPool,
+                                stage_host: bool, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum a 1-D ``tensor`` of ``len(route.members)`` equal chunks over a bridged route; return this
+    member's chunk (a new tensor). Native reduce-scatter of each island's blocks, then each proxy sends
+    its proxied partial sums to their owners over the bridge (:mod:`hethub.islands`). ``sizes``: each
+    member's real chunk length (the rest is padding, left out of the bridge's messages; it comes
+    back as this island's partial sums)."""
+    local, ex = route.local, route.exchange
+    if local is None:
+        raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
+    chunks = tensor.contiguous().view(len(ex.members), -1)
+    index = {m: i for i, m in enumerate(ex.members)}
+    real = {m: chunks.shape[1] if sizes is None else int(sizes[i]) for i, m in enumerate(ex.members)}
+    slots = ex.slots[rank]
+    me = ex.island_index(rank)
+    # Receives are posted first, so that proxies which need no island step (one-rank islands) can
+    # send while this island reduces (the overlap ``Exchange.pass_time_s`` prices).
+    partials = [chunks.new_empty(real[rank]) for _ in range(len(ex.islands) - 1)]
+    recvs = [_staged_p2p(part, peer=ex.proxy(rank, i), send=False, group=route.host_pg, pool=pool,
+                         stage_host=stage_host)
+             for part, i in zip(partials, (i for i in range(len(ex.islands)) if i != me), strict=True)]
+    island = local.ranks
+    if len(island) > 1:
+        # The island's blocks in member order, a permuted copy of the buffer (predict/sync.py counts it).
+        buf = chunks.new_zeros(len(island) * slots, chunks.shape[1])
+        for j, m in enumerate(island):
+            for t, owner in enumerate(ex.blocks[m]):
+                buf[j * slots + t] = chunks[index[owner]]
+        block = chunks.new_empty(slots, chunks.shape[1])
+        dist.reduce_scatter_single(block.view(-1), buf.view(-1), group=local.pg_for(tensor))
+        del buf
+        rows = list(block.unbind(0))
+    else:  # alone in its island: the block is the buffer's own rows, no copy
+        rows = [chunks[index[owner]] for owner in ex.blocks[rank]]
+    sends = [(rows[t][:real[owner]], *_staged_p2p(rows[t][:real[owner]], peer=owner, send=True,
+                                                  group=route.host_pg, pool=pool, stage_host=stage_host))
+             for t, owner in enumerate(ex.blocks[rank]) if t > 0]
+    out = rows[0].clone()
+    for part, (work, host) in zip(partials, recvs, strict=True):
+        work.wait()
+        if host is not None:
+            part.copy_(host)
+            pool.give(host, like=part)
+        out[:real[rank]].add_(part)  # other islands' partial sums, in island order: the same on every run
+    for sent, work, host in sends:
+        work.wait()
+        if host is not None:
+            pool.give(host, like=sent)
+    return out
+
+
+def hierarchical_all_gather(tensor: torch.Tensor, *, route: Route, rank: int, pool: HostPool,
+                            stage_host: bool, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Every member's ``tensor`` (equal shapes), as rows of a ``(len(members), numel)`` tensor in member
+    order: each owner sends its chunk to its proxy in every other island over the bridge, then each
+    island all-gathers its blocks natively (:mod:`hethub.islands`). ``sizes``: each member's real
+    length of its 1-D chunk; only that crosses the bridge (the rest of a proxied row is zeros)."""
+    local, ex = route.local, route.exchange
+    if local is None:
+        raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
+    flat = tensor.contiguous().view(-1)
+    real = {m: flat.numel() if sizes is None else int(sizes[i]) for i, m in enumerate(ex.members)}
+    slots = ex.slots[rank]
+    me = ex.island_index(rank)
+    mine = flat[:real[rank]]
+    sends = [_staged_p2p(mine, peer=ex.proxy(rank, i), send=True, group=route.host_pg, pool=pool,
+                         stage_host=stage_host) for i in range(len(ex.islands)) if i != me]
+    block = flat.new_zeros(slots, flat.numel())
+    block[0] = flat
+    recvs = [(block[t][:real[owner]], *_staged_p2p(block[t][:real[owner]], peer=owner, send=False,
+                                                   group=route.host_pg, pool=pool, stage_host=stage_host))
+             for t, owner in enumerate(ex.blocks[rank]) if t > 0]
+    for row, work, host in recvs:
+        work.wait()
+        if host is not None:
+            row.copy_(host)
+            pool.give(host, like=row)
+    for work, host in sends:
+        work.wait()
+        if host is not None:
+            pool.give(host, like=mine)
+    island = local.ranks
+    if len(island) > 1:
+        parts = [torch.empty_like(block) for _ in island]
+        dist.all_gather(parts, block, group=local.pg_for(tensor))
+    else:
+        parts = [block]
+    out = flat.new_empty(len(ex.members), flat.numel())
+    index = {m: i for i, m in enumerate(ex.members)}
+    for m, part in zip(island, parts, strict=True):
+        for t, owner in enumerate(ex.blocks[m]):
+            out[index[owner]] = part[t]
+    return out

@@ -31,15 +31,18 @@ modelled.)
 
 With a sharded optimizer (``training.optimizer_sharding`` zero1, ``runtime/zero.py``) a fused group
 is a reduce-scatter of the gradients to their owners and, after the update, an all-gather of the
-updated parameters, each a ring pass of the largest owner's slice (the runtime pads uneven slices):
-(p-1) x (latency + largest slice / bandwidth) each, an all-reduce's volume when slices are equal and
-more when they are not; the gradients pass in fp32, the parameters in their storage dtype (bf16 or
-fp16 when every holder trains in that precision: half the bytes; fp32 otherwise). Where the holders'
-kinds sit in different vendor islands (``comm/bridge.py``), the bridge has no reduce-scatter: an
-all-reduce of the whole group then the all-gather. The all-gather is counted in the group's sync
-slot (it runs after the update in the runtime; the update's own waiting is not modelled), and slices
-are those of ``predict/sharding.py`` with the holder stages as the members (mixed TP degrees costed
-as lined up, as for all-reduces).
+updated parameters. Inside one vendor island each is a ring pass of the largest owner's slice (the
+runtime pads uneven slices): (p-1) x (latency + largest slice / bandwidth) each, an all-reduce's
+volume when slices are equal and more when they are not. Where the holders' kinds sit in several
+islands (``comm/bridge.py``), both run the bridge's two-level exchange (``hethub.islands``, the one
+home of that schedule and of its critical path): each island's native ring pass of its padded
+blocks over the island's slowest link, then each owner's real (unpadded) slice over the slowest
+bridge pair used, a member's messages one after another. The gradients pass in the timing model's
+gradient bytes (``ModelSpec.state_bytes_per_param``, as the all-reduce), the parameters in their
+storage dtype (bf16 or fp16 when every holder trains in that precision, fp32 otherwise). The
+all-gather is counted in the group's sync slot (it runs after the update in the runtime; the
+update's own waiting is not modelled), and slices are those of ``predict/sharding.py`` with the
+holder stages as the members (mixed TP degrees costed as lined up, as for all-reduces).
 
 Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
 backward still runs, so this overestimates a little); TP ranks of a stage are assumed to run their
@@ -52,10 +55,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hethub.islands import Exchange, exchange, island_of_kind
 from hethub.layout import stage_places, unit_holders, unit_param_prefix
 from hethub.plan import Plan
 from hethub.predict.comm import (
-    allreduce_time_s,
     group_allreduce_time_s,
     ring_pass_time_s,
     slowest_link,
@@ -136,13 +139,25 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
                            grad_bytes=grad_bytes) for g in fused]
 
 
-def _islands(cluster: Cluster, devices: Sequence[int]) -> int:
-    """Vendor islands among ``devices`` (comm/bridge.py's island_of_kind, without forcing)."""
-    out = set()
-    for d in devices:
-        k = cluster.kinds[cluster.devices[d].kind]
-        out.add(k.backend if k.backend in ("gloo", "mpi") or not k.vendor else f"{k.backend}:{k.vendor}")
-    return len(out)
+def island_labels(plan: Plan, stages: Sequence[StageId]) -> dict[StageId, str]:
+    """Each holder stage's vendor island (``hethub.islands.island_of_kind``, as the bridge forms them
+    unforced)."""
+    out = {}
+    for pi, si in stages:
+        kind = plan.pipelines[pi].stages[si].kind
+        k = plan.cluster.kinds[kind]
+        out[(pi, si)] = island_of_kind(kind, backend=k.backend, vendor=k.vendor, force_bridge=False)
+    return out
+
+
+def holder_exchange(plan: Plan, holders: Sequence[StageId]) -> Exchange:
+    """The hierarchical schedule among a group's holders, members (indices into ``holders``) in the
+    runtime's chunk order: ascending rank of each holder's first device."""
+    rank_of = plan.rank_of_device()
+    first = [rank_of[plan.pipelines[pi].stages[si].devices[0]] for pi, si in holders]
+    labels = island_labels(plan, holders)
+    order = sorted(range(len(holders)), key=lambda i: first[i])
+    return exchange(order, {i: labels[holders[i]] for i in order})
 
 
 def gather_bytes_per_param(plan: Plan, holders: Sequence[StageId]) -> int:
@@ -159,16 +174,32 @@ def _sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], gr
     if p <= 1:
         return g
     elems = round(g.nbytes / grad_bytes)
-    chunk_elems = max(split_elems(elems, [weight[x] for x in g.holders]))
+    slices = split_elems(elems, [weight[x] for x in g.holders])
+    chunk_elems = max(slices)
     param_bytes = gather_bytes_per_param(plan, g.holders)
-    first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in g.holders]
-    gather = ring_pass_time_s(chunk_bytes=chunk_elems * param_bytes, participants=p, link=g.link)
-    if _islands(plan.cluster, first) > 1:
-        t = allreduce_time_s(nbytes=g.nbytes, participants=p, link=g.link) + gather
+    ex = holder_exchange(plan, g.holders)
+    if len(ex.islands) == 1:
+        t = sum(ring_pass_time_s(chunk_bytes=chunk_elems * b, participants=p, link=g.link)
+                for b in (grad_bytes, param_bytes))
     else:
-        t = ring_pass_time_s(chunk_bytes=chunk_elems * grad_bytes, participants=p, link=g.link) + gather
+        t = sum(_hierarchical_pass_s(plan, g.holders, ex, slices=slices, elem_bytes=b)
+                for b in (grad_bytes, param_bytes))
     # nbytes: the volume of an all-reduce of equal cost (what a measured host all-reduce is priced on).
     return SyncGroup(g.name, g.holders, chunk_elems * (grad_bytes + param_bytes) / 2 * p, g.link, t)
+
+
+def _hierarchical_pass_s(plan: Plan, holders: Sequence[StageId], ex: Exchange, *, slices: Sequence[int],
+                         elem_bytes: float) -> float:
+    """One pass of the bridged two-level exchange (``hethub.islands``): each island's ring pass of
+    its padded blocks over its own slowest link, and each owner's real slice over the slowest bridge
+    pair used."""
+    first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in holders]
+    pad_bytes = max(slices) * elem_bytes
+    island_s = [ring_pass_time_s(chunk_bytes=ex.slots[isl[0]] * pad_bytes, participants=len(isl),
+                                 link=slowest_link(plan.cluster, [first[m] for m in isl])) for isl in ex.islands]
+    pairs = [plan.cluster.link(first[m], first[o]) for m in ex.members for o in ex.blocks[m][1:]]
+    bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+    return ex.pass_time_s(island_s=island_s, message_s={m: bridge.time_s(slices[m] * elem_bytes) for m in ex.members})
 
 
 def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: Cluster,

@@ -11,8 +11,9 @@ One step:
 
 1. gradients are packed into a padded buffer (``len(group)`` chunks of the largest slice) and
    reduce-scattered (``Communicator.reduce_scatter``: native inside one vendor's island; across the
-   bridge an all-reduce then a slice, as the bridge has no hierarchical reduce-scatter); each owner
-   divides its slice by the global sample count (the single-device mean, as in GradSync);
+   bridge native inside each island and only each owner's slice, unpadded, over the bridge:
+   ``hethub.islands``); each owner divides its slice by the global sample count (the single-device
+   mean, as in GradSync);
 2. the global gradient norm is the square root of the world sum of each owner's squared slice norm,
    each element counted once (elements replicated over a TP group only on TP rank 0's line), so
    clipping is exact;
@@ -25,8 +26,9 @@ One step:
    dtype, and gradients accumulate over micro-batches in an fp32 ``main_grad`` beside each
    parameter (a tensor hook adds each 16-bit gradient there): the master weights are sharded with
    the moments;
-4. updated slices are all-gathered (padded) and copied into every member's parameters, in the
-   members' parameter dtype when they all store the same one (bf16: half the bytes), else fp32.
+4. updated slices are all-gathered (padded; unpadded over a bridge) and copied into every member's
+   parameters, in the members' parameter dtype when they all store the same one (bf16: half the
+   bytes), else fp32.
 
 Model gradients are dropped after the reduce-scatter (owners keep only their slice's). ZeRO-2
 (gradients sharded while the backward runs) is not built: gradients accumulate whole over all
@@ -213,7 +215,7 @@ class ZeroSync:
             for s in b.segs:
                 buf[s.member * pad + s.pos:s.member * pad + s.pos + s.stop - s.start] = grads[s.param][s.start:s.stop]
             del grads
-            mine = self.comm.reduce_scatter(buf, group=b.line)[:b.sizes[b.me]]
+            mine = self.comm.reduce_scatter(buf, group=b.line, sizes=b.sizes)[:b.sizes[b.me]]
             mine.div_(float(global_samples))
             for s, t in b.pieces:
                 t.grad = mine[s.pos:s.pos + s.stop - s.start]
@@ -253,7 +255,7 @@ class ZeroSync:
                 mine = torch.zeros(b.pad, dtype=b.gather_dtype, device=self.device)
                 for s, t in b.pieces:
                     mine[s.pos:s.pos + s.stop - s.start] = t
-                self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line), self._set_param)
+                self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line, sizes=b.sizes), self._set_param)
 
     def _set_param(self, b: _Bucket, i: int, full: torch.Tensor) -> None:
         b.params[i][1].data.copy_(self._from_layout(b, i, full))
@@ -299,7 +301,7 @@ class ZeroSync:
                 def put(b: _Bucket, i: int, full: torch.Tensor, key: str = key) -> None:
                     out.setdefault(b.params[i][0], {})[key] = self._from_layout(b, i, full).clone()
 
-                self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line), put)
+                self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line, sizes=b.sizes), put)
         if self.steps:
             for v in out.values():
                 v["step"] = torch.tensor(float(self.steps))

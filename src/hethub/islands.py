@@ -1,0 +1,119 @@
+"""Vendor islands, and the hierarchical reduce-scatter / all-gather across them (pure: no torch).
+
+An *island* is a set of ranks whose native collective library can talk among itself (all NVIDIA
+ranks over NCCL, all AMD ranks over RCCL, every host-memory rank over gloo). Between islands, data
+is staged through host memory over gloo (``comm/bridge.py``), a slow path.
+
+A sharded gradient sync (ZeRO, ``runtime/zero.py``) reduce-scatters a buffer of ``len(members)``
+equal (padded) chunks, member i owning the i-th, then all-gathers the updated chunks. Across islands
+that runs in two levels, so that only each owner's chunk crosses the bridge (this module is the one
+home of the schedule: ``comm/hierarchical.py`` runs it, ``predict/sync.py`` prices it):
+
+* every member of an island is the island's *proxy* for some foreign owners (owners in other
+  islands): the island's foreign owners, in rank order, dealt round-robin to its members. A member's
+  *block* is its own chunk then the chunks of the owners it proxies; every block of an island has
+  the island's number of *slots* (shorter ones padded with zeros);
+* reduce-scatter: (1) inside each island, a native reduce-scatter of the blocks: each member ends
+  with the island's partial sums of its block; (2) each proxy sends each proxied chunk's partial sum
+  to its owner over the bridge (the chunk's real size: uneven shards pad only the native step);
+  each owner adds the partial sums from every other island to its own;
+* all-gather, the reverse: (1) each owner sends its updated chunk to its proxy in every other island;
+  (2) inside each island, a native all-gather of the blocks gives every member every chunk.
+
+Bytes: a ring reduce-scatter plus a ring all-gather move what a ring all-reduce moves (each a ring
+pass of one chunk per step); over the bridge, an owner receives (islands - 1) chunks and a proxy
+sends at most its block's foreign chunks, instead of the whole buffer through every island leader
+as the bridge's all-reduce does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+HOST_BACKENDS = ("gloo", "mpi")  # host memory: any two CPUs interoperate whatever their vendor
+
+
+def island_of_kind(kind: str, *, backend: str, vendor: str | None, force_bridge: bool) -> str:
+    """The island a kind's ranks belong to (kinds with equal names share one native group). With
+    ``force_bridge`` every kind is its own island (how CPU tests emulate two vendors); otherwise
+    kinds share an island when they share a backend and, for accelerator backends, a vendor (A100
+    and V100 share NCCL; an NVIDIA and an AMD GPU both say "nccl" but NCCL and RCCL do not
+    interoperate)."""
+    if force_bridge:
+        return f"kind:{kind}"
+    if backend in HOST_BACKENDS or not vendor:
+        return backend
+    return f"{backend}:{vendor}"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The hierarchical schedule of one group (module doc). Members are whatever ids the caller uses
+    (ranks in the runtime, holder indices in the predictor), ``members`` in the collective's chunk
+    order."""
+
+    members: tuple[int, ...]
+    islands: tuple[tuple[int, ...], ...]  # members by island, each in member order, ordered by first member
+    blocks: Mapping[int, tuple[int, ...]]  # member -> owners of its block's chunks: itself first, then proxied
+    slots: Mapping[int, int]  # member -> its island's block length (the island's reduce-scatter chunk count)
+
+    def island_index(self, member: int) -> int:
+        return next(i for i, isl in enumerate(self.islands) if member in isl)
+
+    def proxy(self, owner: int, island: int) -> int:
+        """The member of island ``island`` that collects (reduce-scatter) or receives (all-gather)
+        ``owner``'s chunk for that island; ``owner`` itself in its own island."""
+        return next(m for m in self.islands[island] if owner in self.blocks[m])
+
+    def sends(self, member: int) -> int:
+        """Chunks ``member`` sends over the bridge in a reduce-scatter (its proxied ones); in an
+        all-gather it receives as many."""
+        return len(self.blocks[member]) - 1
+
+    def receives(self, member: int) -> int:
+        """Chunks ``member`` receives over the bridge in a reduce-scatter (one per other island); in an
+        all-gather it sends as many."""
+        return len(self.islands) - 1
+
+    def pass_time_s(self, *, island_s: Sequence[float], message_s: Mapping[int, float]) -> float:
+        """One hierarchical reduce-scatter (or all-gather: the same steps reversed), given each island's
+        native ring pass of its padded blocks (``island_s``, by island) and the transfer of each
+        owner's chunk over the bridge (``message_s``: the bridge carries each chunk's real size,
+        not the padding). A member's bridge messages go one after another (its link); they start
+        once its island's step is done (reduce-scatter: proxies send island sums; all-gather: the
+        island gathers once its proxies have received), and owners post their receives first, so a
+        proxy alone in its island sends while the others reduce. The critical path: the slowest
+        member's island step plus its proxied chunks, or an owner's (islands - 1) receives."""
+        if len(self.islands) == 1:
+            return island_s[0]
+        step = max(island_s[self.island_index(m)] + sum(message_s[o] for o in self.blocks[m][1:])
+                   for m in self.members)
+        return max(step, max(message_s.values()) * (len(self.islands) - 1), max(island_s))
+
+    def permuted_copy_rows(self, member: int) -> int:
+        """Chunk-sized rows of the copy a member's island reduce-scatter permutes its buffer into (0
+        when it is alone in its island: it sends its buffer's rows as they are)."""
+        island = self.islands[self.island_index(member)]
+        return len(island) * self.slots[member] if len(island) > 1 else 0
+
+
+def exchange(members: Sequence[int], island_of: Mapping[int, str]) -> Exchange:
+    """The schedule for ``members`` (chunk order) whose islands ``island_of`` names (module doc)."""
+    order = tuple(members)
+    by_island: dict[str, list[int]] = {}
+    for m in order:
+        by_island.setdefault(island_of[m], []).append(m)
+    islands = tuple(tuple(ms) for ms in by_island.values())
+    blocks: dict[int, tuple[int, ...]] = {}
+    slots: dict[int, int] = {}
+    for isl in islands:
+        foreign = [m for m in order if m not in isl]
+        dealt: dict[int, list[int]] = {m: [m] for m in isl}
+        for t, owner in enumerate(foreign):
+            dealt[isl[t % len(isl)]].append(owner)
+        width = max(len(v) for v in dealt.values())
+        for m in isl:
+            blocks[m] = tuple(dealt[m])
+            slots[m] = width
+    return Exchange(members=order, islands=islands, blocks=blocks, slots=slots)
