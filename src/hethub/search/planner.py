@@ -95,8 +95,8 @@ def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     its real holders and slices and drops those that do not fit (measured: with exactly the unsharded
     plan's replica count the search missed the better sharded plans on both README clusters). If none
     fits, it plans again assuming the unsharded plan's count. Sharding pays where the freed memory
-    buys such a change; otherwise its padded reduce-scatter + all-gather costs at least the
-    all-reduce (more across vendors' bridges) and the unsharded plan stays."""
+    buys such a change; otherwise its reduce-scatter + all-gather costs about the all-reduce (padded
+    slices inside an island; a two-level exchange across vendors' bridges) and the unsharded plan stays."""
     t0 = time.perf_counter()
     base: PlanResult | None = None
     with contextlib.suppress(InfeasibleError):  # perhaps only sharded state fits
