@@ -12,7 +12,10 @@ affects all alike:
 
 ``--allreduce`` adds 4 ranks (kinds a, a, b, b): flat gloo all-reduce vs the hierarchical one
 (reduce in kind, leaders over the bridge in chunks, broadcast). Bandwidth is message bytes / one-way
-time (p2p) or bytes / all-reduce time. Everything here is TCP loopback on one host.
+time (p2p) or bytes / all-reduce time. ``--sharded`` adds 4 ranks (kinds a, b, b, b: one rank alone
+in its island, as hethub-768's one MI250X pipeline beside seven others): the bridge's all-reduce of
+an fp32 buffer vs ZeRO-1's sync of it, the bridge's two-level reduce-scatter plus the all-gather of
+the slices in bf16 (``hethub.islands``). Everything here is TCP loopback on one host.
 """
 
 from __future__ import annotations
@@ -69,6 +72,30 @@ def _allreduce_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]
     return out
 
 
+def _sharded_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
+    group = (0, 1, 2, 3)
+    bridge = BridgedCommunicator(kind_of_rank=["a", "b", "b", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
+                                 timeout=TIMEOUT, force_bridge=True)
+    bridge.create_groups([group])
+    out: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        x = torch.ones(n // 4, dtype=torch.float32)
+        best = {"all-reduce": float("inf"), "rs+ag": float("inf")}
+        for i in range(repetitions(n) + 1):
+            for mode in best:
+                dist.barrier()
+                start = time.perf_counter()
+                if mode == "all-reduce":
+                    bridge.all_reduce(x, group=group)
+                else:
+                    mine = bridge.reduce_scatter(x, group=group)
+                    bridge.all_gather(mine.to(torch.bfloat16), group=group)
+                if i:  # the first round warms up
+                    best[mode] = min(best[mode], time.perf_counter() - start)
+        out[n] = best
+    return out
+
+
 def _fmt(n: int) -> str:
     return f"{n // 1024**2} MiB" if n >= 1024**2 else f"{n // 1024} KiB"
 
@@ -77,6 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-bytes", type=parse_bytes, default=256 * 1024**2)
     ap.add_argument("--allreduce", action="store_true", help="also compare flat vs hierarchical all-reduce")
+    ap.add_argument("--sharded", action="store_true",
+                    help="also compare the bridge's all-reduce with its reduce-scatter + bf16 all-gather")
     args = ap.parse_args()
     sizes = message_sizes(max_bytes=args.max_bytes)
     start = time.perf_counter()
@@ -95,6 +124,13 @@ def main() -> None:
         for n in sizes:
             flat, hier = n / ar[n]["flat"] / 1e9, n / ar[n]["hierarchical"] / 1e9
             print(f"{_fmt(n):>9} {flat:>10.3f} {hier:>10.3f} {hier / flat:>10.2f}")
+    if args.sharded:
+        sh = run_local_ranks(4, _sharded_worker, sizes)[0]
+        print("\nbridged sync, 4 ranks (kinds a,b,b,b), fp32 buffer; time per sync")
+        print(f"{'size':>9} {'all-reduce ms':>14} {'rs+ag ms':>9} {'rs+ag/all-reduce':>17}")
+        for n in sizes:
+            ar_s, zs = sh[n]["all-reduce"], sh[n]["rs+ag"]
+            print(f"{_fmt(n):>9} {ar_s * 1e3:>14.2f} {zs * 1e3:>9.2f} {zs / ar_s:>17.2f}")
     print(f"\n{time.perf_counter() - start:.1f} s")
 
 
