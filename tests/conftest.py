@@ -43,6 +43,23 @@ def two_stage_plan(cluster: Cluster | None = None, model: ModelSpec | None = Non
                 pipelines=(Pipeline(2, 4, stages),)).validate()
 
 
+def gpu_two_kind_plan() -> Plan:
+    """A hand-made plan of the tiny model over one A100-40GB (stage 0) and one V100-16GB (stage 1) of
+    examples/clusters/a100-v100-32.toml: for tests that need a plan on two GPU kinds, not a search
+    (`hethub plan` there searches for ~15 CPU s)."""
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.toml")
+    model = get_model("tiny")
+    first = {kind: min(d.id for d in cluster.devices if d.kind == kind) for kind in ("a100-40gb", "v100-16gb")}
+    half = model.num_layers // 2
+    stages = (Stage("a100-40gb", (first["a100-40gb"],), (0, half), embedding=True),
+              Stage("v100-16gb", (first["v100-16gb"],), (half, model.num_layers), head=True))
+    return Plan(model=model, cluster=cluster, global_batch=8, seq_len=32,
+                pipelines=(Pipeline(1, 8, stages),)).validate()
+
+
 @functools.cache
 def plan_768():
     """The paper-scale search (hethub-768, llama-140b, 1536 x 4096, the planner's default settings),

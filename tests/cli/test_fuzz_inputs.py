@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EXAMPLES, two_stage_plan
+from conftest import EXAMPLES, gpu_two_kind_plan, two_stage_plan
 from hethub import cli
 from hethub.plan import Pipeline, Stage
 from hethub.spec._toml import read_toml
@@ -346,8 +346,7 @@ def bad(tmp_path_factory):
         f[name] = str(d / f"{name}.json")
     (d / "plan_cut.json").write_text((d / "plan.json").read_text()[:200])
     f["plan_cut"] = str(d / "plan_cut.json")
-    assert cli.main(["plan", "--cluster", A100, "--model", "llama-3-8b", "--global-batch", "64", "--seq-len", "2048",
-                     "--out", str(d / "gpu.json")]) == 0
+    gpu_two_kind_plan().save(d / "gpu.json")
     f["plan_gpu"] = str(d / "gpu.json")
     cluster = load_cluster_for_big()
     model = get_model("llama-2-7b")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import EXAMPLES, two_stage_plan
+from conftest import EXAMPLES, gpu_two_kind_plan, two_stage_plan
 from hethub import cli
 from hethub.errors import MemoryFitError
 from hethub.plan import Plan
@@ -28,11 +28,9 @@ def _train(argv, capsys) -> tuple[int, str]:
 
 
 @pytest.fixture
-def gpu_plan(tmp_path, capsys) -> str:
+def gpu_plan(tmp_path) -> str:
     path = tmp_path / "gpu.json"
-    assert cli.main(["plan", "--cluster", str(EXAMPLES / "a100-v100-32.toml"), "--model", "llama-3-8b",
-                     "--global-batch", "64", "--seq-len", "2048", "--out", str(path)]) == 0
-    capsys.readouterr()
+    gpu_two_kind_plan().save(path)
     return str(path)
 
 

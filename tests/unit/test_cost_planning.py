@@ -77,7 +77,21 @@ def test_cost_objective_under_a_budget_picks_a_cheaper_subset_than_the_throughpu
                                            min_tokens_per_s=10 * full.tokens_per_s))
 
 
-def test_cli_cost_plan_prints_both_plans(tmp_path, capsys):
+def test_cli_cost_plan_prints_both_plans(tmp_path, capsys, monkeypatch):
+    from hethub.search import cost
+
+    # The text and the --json run ask for the same search (the CLI's `auto` schedule, ~20 CPU s):
+    # run it once and hand the second run the first one's result, after checking it asks the same.
+    searched: list[tuple[dict, object]] = []
+    search = cost.plan_for_cost
+
+    def plan_once(**kwargs):
+        if not searched:
+            searched.append((kwargs, search(**kwargs)))
+        assert kwargs == searched[0][0]
+        return searched[0][1]
+
+    monkeypatch.setattr(cost, "plan_for_cost", plan_once)
     path = tmp_path / "t3.toml"
     path.write_text("name = 't3'\n" + "".join(
         f"[[group]]\nkind = '{k}'\nnodes = 1\ndevices_per_node = 4\n" for k in ("h100-sxm", "a100-80gb", "mi300x"))
@@ -91,3 +105,4 @@ def test_cli_cost_plan_prints_both_plans(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["chosen"]["price_per_hour"] < out["throughput_plan"]["price_per_hour"]
     assert out["chosen"]["devices_left_out"]
+    assert len(searched) == 1
