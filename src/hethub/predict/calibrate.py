@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from hethub.predict.gemm import KernelParams, wave_utilisation
+from hethub.predict.gemm import KernelParams, split_k_options
 from hethub.predict.opmodel import Shape, layer_ops
 
 # Starting point and the values an uncalibrated kind uses (assumed: mid-range of what the fits on
@@ -50,7 +50,7 @@ def predicted_layer_s(sample: Sample, params: KernelParams, *, comm_scale: float
 
 @functools.lru_cache(maxsize=4096)
 def _compiled(shape: Shape, allreduce_s: Callable[[float], float] | None, sm_count: int) -> tuple[tuple, ...]:
-    """Per phase: (0, flops, wave utilisation, K, bytes) per GEMM, (1, bytes) per memory-bound kernel,
+    """Per phase: (0, flops, split-K options, bytes) per GEMM, (1, bytes) per memory-bound kernel,
     (2, seconds) per all-reduce."""
     out = []
     e = shape.elem_bytes
@@ -59,7 +59,7 @@ def _compiled(shape: Shape, allreduce_s: Callable[[float], float] | None, sm_cou
         for op in ops:
             if op[0] == "gemm":
                 _, m, n, k, b = op
-                items.append((0, 2.0 * m * n * k * b, wave_utilisation(m=m, n=n, batch=b, sm_count=sm_count), k,
+                items.append((0, 2.0 * m * n * k * b, split_k_options(m=m, n=n, k=k, batch=b, sm_count=sm_count),
                               e * (m * k + k * n + m * n) * b))
             elif op[0] == "mem":
                 if op[1] > 0:
@@ -75,7 +75,8 @@ def _phase_s(items: tuple, p: KernelParams, comm_scale: float) -> float:
     host = gpu = 0.0
     for it in items:
         if it[0] == 0:
-            d = max(it[1] * (it[3] + p.k_half) / (peak * it[2] * it[3]), it[4] / bw)
+            d = min(max(it[1] * (ks + p.k_half) / (peak * util * ks), it[3] / bw) + red / bw
+                    for util, ks, red in it[2])
         elif it[0] == 1:
             d = it[1] / bw
         else:  # a TP collective: its launch and wait for the slowest rank hold the host up

@@ -46,17 +46,44 @@ def wave_utilisation(*, m: int, n: int, batch: int, sm_count: int) -> float:
     return tiles / (waves * sm_count)
 
 
+# Split-K: a GEMM whose output has fewer tiles than the GPU has compute units (a weight gradient
+# of a narrow, TP-sharded layer: m x n = h x h/tp, K = the tokens) leaves most units idle for a
+# whole wave; cuBLAS and CUTLASS then cut K into slices run by separate blocks and add the partial
+# tiles afterwards (CUTLASS docs, "Split-K"; Osama et al., Stream-K, PPoPP 2023). Assumed: a slice
+# keeps at least MIN_SPLIT_K of K (a handful of the tile's 32-deep K steps), splits are powers of
+# two, and the library takes the split this model finds fastest.
+MIN_SPLIT_K = 256
+PARTIAL_BYTES = 4  # partial tiles accumulate in fp32
+
+
+def split_k_options(*, m: int, n: int, k: int, batch: int, sm_count: int) -> tuple[tuple[float, int, float], ...]:
+    """(wave utilisation, K per slice, bytes of the partial-tile reduction) for each split the
+    library may take: no split, and, where one wave is not filled, K cut in 2, 4, ... slices."""
+    tiles = math.ceil(m / TILE) * math.ceil(n / TILE) * batch
+    out = [(wave_utilisation(m=m, n=n, batch=batch, sm_count=sm_count), k, 0.0)]
+    s = 2
+    while tiles * s <= 2 * sm_count and k // s >= MIN_SPLIT_K:
+        used = tiles * s
+        util = used / (math.ceil(used / sm_count) * sm_count)
+        # each slice writes its partial tile, a reduction reads them all and writes the result
+        out.append((util, k // s, PARTIAL_BYTES * (s + 1) * m * n * batch))
+        s *= 2
+    return tuple(out)
+
+
 def gemm_efficiency(p: KernelParams, *, m: int, n: int, k: int, batch: int = 1) -> float:
-    """Fraction of `matmul_flops` one GEMM reaches (before the memory floor)."""
+    """Fraction of `matmul_flops` one GEMM reaches without split-K (before the memory floor)."""
     return p.gemm_eff * wave_utilisation(m=m, n=n, batch=batch, sm_count=p.sm_count) * k / (k + p.k_half)
 
 
 def gemm_time_s(p: KernelParams, *, m: int, n: int, k: int, batch: int = 1, elem_bytes: int) -> float:
-    """GPU time of C[m, n] = A[m, k] @ B[k, n] (`batch` of them): compute or memory, whichever binds."""
+    """GPU time of C[m, n] = A[m, k] @ B[k, n] (`batch` of them): compute or memory, whichever binds,
+    at the fastest split of K (:func:`split_k_options`)."""
     flops = 2.0 * m * n * k * batch
-    compute = flops / (p.matmul_flops * gemm_efficiency(p, m=m, n=n, k=k, batch=batch))
-    memory = elem_bytes * (m * k + k * n + m * n) * batch / (p.mem_bw_bytes_per_s * p.mem_eff)
-    return max(compute, memory)
+    bw = p.mem_bw_bytes_per_s * p.mem_eff
+    memory = elem_bytes * (m * k + k * n + m * n) * batch / bw
+    return min(max(flops * (ks + p.k_half) / (p.matmul_flops * p.gemm_eff * util * ks), memory) + red / bw
+               for util, ks, red in split_k_options(m=m, n=n, k=k, batch=batch, sm_count=p.sm_count))
 
 
 def memory_time_s(p: KernelParams, nbytes: float) -> float:
