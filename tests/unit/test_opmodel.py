@@ -171,3 +171,17 @@ def test_tp_collectives_make_a_small_layer_host_bound():
     ar4 = lambda n: allreduce_time_s(nbytes=n, participants=4, link=link)  # noqa: E731
     assert phase_time_s(layer_ops(s1)[0], no_sync, elem_bytes=4, allreduce_s=ar4) < phase_time_s(
         layer_ops(s1)[0], p, elem_bytes=4, allreduce_s=ar4)
+
+
+def test_split_k_fills_the_gpu_for_a_small_output_with_long_k():
+    # A weight gradient of a narrow TP-sharded layer: 4 x 8 = 32 output tiles on 100 SMs, K = 16384.
+    # Without split-K a third of the units work; cuBLAS cuts K (here into 2) and adds the partial tiles.
+    p = KernelParams(sm_count=100, matmul_flops=1e14, mem_bw_bytes_per_s=1e15, gemm_eff=1.0, k_half=64.0,
+                     mem_eff=1.0, launch_s=0.0)
+    t = gemm_time_s(p, m=512, n=1024, k=16384, elem_bytes=4)
+    one_split = 2.0 * 512 * 1024 * 16384 / (1e14 * 0.32) * (16384 + 64) / 16384
+    assert t < 0.6 * one_split  # two slices: 64 blocks busy, not 32
+    assert t > 2.0 * 512 * 1024 * 16384 / 1e14  # never faster than the peak
+    # A GEMM that fills a wave is not split: its time is the plain tile model's.
+    full = gemm_time_s(p, m=128 * 10, n=128 * 10, k=16384, elem_bytes=4)
+    assert full == pytest.approx(2.0 * 1280 * 1280 * 16384 / 1e14 * (16384 + 64) / 16384, rel=1e-6)
