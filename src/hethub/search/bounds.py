@@ -39,6 +39,8 @@ class Capacity:
 
     def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int, schedule: Schedule) -> None:
         self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
+        # Each stage's in-flight bound by stage count, shared by every (kind, TP, micro-batch size).
+        self._in_flights: dict[int, tuple[int, ...]] = book.capacity.setdefault(("in-flight", schedule.name), {})
         self.limit = book.job.model.num_layers
         self.schedule = schedule
         self._totals: dict[tuple[int, int], int] = {}
@@ -59,12 +61,13 @@ class Capacity:
         key = (p, variant)
         if key not in self._totals:
             # O(p) per p: each stage's count is cached in its StageCost (max_layers).
-            total = 0
-            for s in range(p):
-                in_flight = self.schedule.max_in_flight(stage=s, num_stages=p)
-                assert in_flight is not None, "Capacity needs a schedule with an in-flight bound"
-                total += self._at(variant, emb=s == 0, head=s == p - 1, in_flight=in_flight)
-            self._totals[key] = total
+            bounds = self._in_flights.get(p)
+            if bounds is None:
+                bounds = self._in_flights[p] = tuple(self.schedule.max_in_flight(stage=s, num_stages=p)
+                                                     for s in range(p))  # type: ignore[misc]
+                assert None not in bounds, "Capacity needs a schedule with an in-flight bound"
+            self._totals[key] = sum(self._at(variant, emb=s == 0, head=s == p - 1, in_flight=f)
+                                    for s, f in enumerate(bounds))
         return self._totals[key]
 
 
@@ -266,16 +269,24 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
         return None
 
     def held(b: float) -> int:
-        """Most whole layers the stages hold with every stage's time <= b."""
-        return sum(k * max(min(cp, math.floor((b - bp) / wp)) if cp >= 0 and b >= bp else -1,
-                           min(cr, math.floor((b - br) / wr)) if cr >= 0 and b >= br else -1, -1)
-                   for k, cp, wp, bp, cr, wr, br in caps)
+        """Most whole layers the stages hold with every stage's time <= b (-1 for a stage that holds
+        none in time). A plain loop: the search's hottest floor (12 calls per tight floor)."""
+        n, floor = 0, math.floor
+        for k, cp, wp, bp, cr, wr, br in caps:
+            x = -1
+            if cp >= 0 and b >= bp:
+                x = min(cp, floor((b - bp) / wp))
+            if cr >= 0 and b >= br:
+                x = max(x, min(cr, floor((b - br) / wr)))
+            n += k * x
+        return n
 
     # Every B below the continuous balance holds fewer than L layers, so start there; lo stays below
     # the smallest feasible B, so it is a floor however few the steps.
     balance = max((n_layers + base_over_w) / inv_w, max(one_layer))
     lo, hi = balance, max([max(bp + cp * wp, br + cr * wr) for _, cp, wp, bp, cr, wr, br in caps] + [balance])
-    for _ in range(12 if memory else 0):
+    # Where the balance itself holds L layers it is the answer (every bisection step would keep lo).
+    for _ in range(12 if memory and held(lo) < n_layers else 0):
         mid = 0.5 * (lo + hi)
         if held(mid) >= n_layers:
             hi = mid
