@@ -3,6 +3,9 @@ memory, the checkpoint directory's lock. No rank is launched in these tests."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 
 from conftest import EXAMPLES, gpu_two_kind_plan, two_stage_plan
@@ -34,12 +37,14 @@ def gpu_plan(tmp_path) -> str:
     return str(path)
 
 
-@pytest.fixture
-def cpu_plan(tmp_path, capsys) -> str:
-    path = tmp_path / "cpu.json"
-    assert cli.main(["plan", "--cluster", str(EXAMPLES / "local-cpu.toml"), "--model", "tiny",
-                     "--global-batch", "4", "--seq-len", "32", "--precision", "fp32", "--out", str(path)]) == 0
-    capsys.readouterr()
+@pytest.fixture(scope="module")
+def cpu_plan(tmp_path_factory) -> str:
+    """The planner's plan for the local CPU cluster, searched once for the module's tests (each only
+    reads the file)."""
+    path = tmp_path_factory.mktemp("cpu") / "cpu.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["plan", "--cluster", str(EXAMPLES / "local-cpu.toml"), "--model", "tiny",
+                         "--global-batch", "4", "--seq-len", "32", "--precision", "fp32", "--out", str(path)]) == 0
     return str(path)
 
 
