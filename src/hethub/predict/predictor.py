@@ -67,6 +67,9 @@ class _StageCost:
 _MEMORY: dict[tuple, StageMemory] = {}
 _MEMORY_PINS: dict[int, object] = {}
 _MEMORY_KEPT = 100_000
+# Pipeline finishes by the event simulation's inputs (pure: floats, counts and the schedule's name).
+_FINISH: dict[tuple, tuple[float, ...]] = {}
+_FINISH_KEPT = 4096
 
 
 class _Costs:
@@ -153,8 +156,16 @@ class _Costs:
                                                         schedule=self.plan.schedule, chunks=chunks)
             return [st.finish_s for st in self.schedules[sig]]
         if sig not in self.finish:
-            self.finish[sig] = simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                      schedule=self.plan.schedule, chunks=chunks)
+            # Shared between predictions: the planner predicts the same pipelines again under each
+            # optimizer sharding, in the kind-alone and combined searches and in the polish.
+            key = (tuple(fwd), tuple(bwd), tuple(p2p), m, self.plan.schedule, chunks)
+            hit = _FINISH.get(key)
+            if hit is None:
+                if len(_FINISH) >= _FINISH_KEPT:
+                    _FINISH.clear()
+                hit = _FINISH[key] = tuple(simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
+                                                                  schedule=self.plan.schedule, chunks=chunks))
+            self.finish[sig] = list(hit)
         return self.finish[sig]
 
     def chunk_times(self, p: Pipeline, *, p2p: list[float]) -> tuple[list[float], list[float], list[float]]:

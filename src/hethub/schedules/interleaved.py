@@ -84,6 +84,14 @@ def warmup_forwards(*, stage: int, num_stages: int, num_micro_batches: int, chun
     return min(2 * (p - stage - 1) + (v - 1) * group_size(num_stages=p, num_micro_batches=m), total)
 
 
+@functools.lru_cache(maxsize=65536)
+def _max_in_flight(stage: int, p: int, v: int) -> int:
+    """Interleaved.max_in_flight for v > 1: O(p) each, and the planner asks it per stage of every
+    template it sizes (O(p^2) per template), so it is kept."""
+    sched = Interleaved(v)
+    return max(sched.in_flight(stage=stage, num_stages=p, num_micro_batches=m) for m in range(p, 2 * p))
+
+
 class Interleaved(Schedule):
     """Interleaved 1F1B with ``chunks`` (v) model chunks per device; see the module docstring.
     The registry holds v = 1; ``with_chunks(v)`` gives the schedule a pipeline with v chunks runs."""
@@ -120,7 +128,7 @@ class Interleaved(Schedule):
         v, p = self.chunks_per_stage, num_stages
         if v == 1:
             return _ONE_F_ONE_B.max_in_flight(stage=stage, num_stages=p)
-        return max(self.in_flight(stage=stage, num_stages=p, num_micro_batches=m) for m in range(p, 2 * p))
+        return _max_in_flight(stage, p, v)
 
     def planning_in_flight(self, *, stage: int, num_stages: int, expected_micro_batches: int) -> int:
         """What the planner sizes a stage for, in micro-batches of the whole stage (its memory model's
