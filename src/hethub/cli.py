@@ -153,9 +153,10 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
     from hethub.search.cost import plan_price_per_hour, usd_per_million_tokens
-    from hethub.search.planner import make_plan
+    from hethub.search.planner import make_plan, merged_bound
 
     rows: list[tuple] = []
+    results = []  # every row's search, whose kinds-alone bounds merge into the one the rows are read against
     shardings: list[str | None] = []  # each row's plan's optimizer sharding
     notes: list[str] = []  # the planner's sharding choice for hethub's row
     # With the schedule left to the planner, hethub's row under each candidate schedule too.
@@ -176,6 +177,7 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
                 usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)
             except HethubError:
                 usd = None
+            results.append(r)
             rows.append((label, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
                          len(r.plan.pipelines), r.plan.world_size, usd, "", r.plan.schedule))
             shardings.append(r.plan.optimizer_sharding)
@@ -184,6 +186,11 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
         except HethubError as err:
             rows.append((label, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0], schedule))
             shardings.append(None)
+    # One bound for every row: each kind's best alone over all the rows' searches (a row's own bound
+    # covers only its schedule and sharding, so another row's plan could read above 1 against it).
+    bound = sum(merged_bound(results)[0].values())
+    if bound > 0:
+        rows = [(*r[:3], r[1] / bound, *r[4:]) if not r[7] else r for r in rows]
     base = next((r[1] for r in rows if r[0] == "uniform"), 0.0)
     gain = _sharding_gain(rows, shardings, notes)
     if as_json:

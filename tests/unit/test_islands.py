@@ -72,15 +72,17 @@ def test_bridged_sharded_sync_is_priced_as_the_two_level_exchange(bridged_plan: 
     for g0, g1 in zip(plain, sharded, strict=True):
         ex = holder_exchange(zero, g1.holders)
         assert [len(i) for i in ex.islands] == [4, 2]
-        p, elems = g0.participants, g0.nbytes / 2  # bf16-mixed: the timing model's 2-byte gradients
-        chunk = elems / p * 2
+        # bf16-mixed: fp32 gradients (4 bytes) reduce-scattered, bf16 parameters (2) gathered back.
+        p, elems = g0.participants, g0.nbytes / 4
+        grad_chunk, param_chunk = elems / p * 4, elems / p * 2
         cross = zero.cluster.link(zero.pipelines[0].stages[0].devices[0], zero.pipelines[4].stages[0].devices[0])
         # Slowest member: an MI250X proxy (2 members for 4 foreign chunks: 3 slots) sends 2 chunks
         # after its island's ring pass of 3 chunks, in each pass (gradients, then parameters).
         amd_link = zero.cluster.link(zero.pipelines[4].stages[0].devices[0], zero.pipelines[5].stages[0].devices[0])
-        want = 2 * (ring_pass_time_s(chunk_bytes=3 * chunk, participants=2, link=amd_link) + 2 * cross.time_s(chunk))
+        want = sum(ring_pass_time_s(chunk_bytes=3 * c, participants=2, link=amd_link) + 2 * cross.time_s(c)
+                   for c in (grad_chunk, param_chunk))
         assert g1.time_s == pytest.approx(want, rel=1e-3)
         # The bridge's all-reduce then all-gather (what it ran before the exchange) cost more.
-        old = g0.time_s + ring_pass_time_s(chunk_bytes=chunk, participants=p, link=g0.link)
+        old = g0.time_s + ring_pass_time_s(chunk_bytes=param_chunk, participants=p, link=g0.link)
         assert g1.time_s < old
         assert g1.time_s < allreduce_time_s(nbytes=g0.nbytes, participants=p, link=g0.link)

@@ -36,8 +36,10 @@ def test_hethub_768_llama_140b_is_fast_efficient_and_reproduced_by_predict():
     # machine is not the code's. The search is shared with test_report_scale.py (conftest.plan_768).
     r = plan_768()
     # Against the honest bound (each kind searched over all its templates, issue 17) efficiency is
-    # lower than against the old top-3 one: 0.985 then, 0.963 on the operator-level compute model.
-    assert r.efficiency >= 0.95
+    # lower than against the old top-3 one: 0.985 then, 0.963 on the operator-level compute model,
+    # 0.941 since the split prices selective recomputation (the plan gained 0.4%, 62,045 -> 62,285
+    # tokens/s, and gpu-b's part of the bound 2.6%) and gradients are synced as fp32.
+    assert r.efficiency >= 0.93
     assert r.prediction.fits_memory
     again = predict(Plan.from_dict(r.plan.to_dict()))  # through the JSON form, as `hethub predict` reads it
     assert again.step_time_s == r.prediction.step_time_s

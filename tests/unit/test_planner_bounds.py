@@ -119,3 +119,19 @@ def test_results_track_the_best_distinct_candidates():
     best = sorted({e.step_time_s for e in ests if e is not None})[:5]
     assert [step for step, _ in results._best] == best
     assert not results.may_enter(best[-1] * 1.001) and results.may_enter(best[-1] * 0.999)
+
+
+def test_merged_bound_takes_each_kinds_best_fitting_part_over_the_variants():
+    from types import SimpleNamespace
+
+    from hethub.search.planner import merged_bound
+
+    def result(parts, relaxed=()):
+        return SimpleNamespace(upper_bound_by_kind=parts, relaxed_kinds=frozenset(relaxed))
+
+    # A relaxed-memory part (no plan that fits) loses to a smaller part that fits from another search.
+    parts, relaxed = merged_bound([result({"a": 10.0, "b": 5.0}, relaxed={"b"}), result({"a": 8.0, "b": 4.0})])
+    assert parts == {"a": 10.0, "b": 4.0} and relaxed == frozenset()
+    # Where no search fits a kind, its best relaxed part stands, and it is reported as relaxed.
+    parts, relaxed = merged_bound([result({"a": 7.0, "b": 5.0}, relaxed={"b"}), result({"a": 9.0, "b": 6.0}, {"b"})])
+    assert parts == {"a": 9.0, "b": 6.0} and relaxed == frozenset({"b"})

@@ -167,7 +167,7 @@ def test_tied_embedding_on_another_stage_joins_the_embedding_group():
     assert groups["embedding"].holders == ((0, 0), (1, 0), (0, 1))
     # The head keeps only the final norm; layers 2-3 have the same holders, so they share its all-reduce.
     assert groups["head"] is groups["layer 2"] is groups["layer 3"]
-    assert groups["head"].nbytes == (gpt.final_norm_params + 2 * gpt.layer_params) * 2
+    assert groups["head"].nbytes == (gpt.final_norm_params + 2 * gpt.layer_params) * 4  # fp32 gradients
 
 
 def _by_member(groups):
@@ -180,7 +180,9 @@ def test_replicas_sync_with_one_all_reduce_like_the_runtime():
     pl = plan(c, [Pipeline(1, 2, stages("a", [(0, 6)], [(d,)])) for d in range(3)])
     (only,) = sync_groups(pl)
     assert only.holders == ((0, 0), (1, 0), (2, 0))
-    assert only.nbytes == pl.model.num_params * 2  # bf16 gradients of every parameter
+    # fp32 gradients of every parameter: bf16-mixed accumulates and syncs them in fp32 (the runtime's
+    # fp32 parameters, Megatron's accumulate_allreduce_grads_in_fp32), twice what bf16 would move.
+    assert only.nbytes == pl.model.num_params * 4
     assert only.name == ", ".join(["embedding", *(f"layer {i}" for i in range(pl.model.num_layers)), "head"])
 
 
@@ -188,7 +190,7 @@ def test_measured_host_allreduce_replaces_the_ring_model_on_emulation_hosts():
     c = cluster((kind("a"), 1, 2))
     pl = plan(c, [Pipeline(1, 2, stages("a", [(0, 6)], [(d,)])) for d in range(2)])
     measured = Link(bw_bytes_per_s=1e8, latency_s=2e-3)
-    nbytes = pl.model.num_params * 2
+    nbytes = pl.model.num_params * 4  # fp32 gradients
     host = replace(pl, cluster=replace(c, host=EmulationHost(cores=2, allreduce=((2, measured),))))
     hook = host_model(host.cluster)
     assert hook.price_collectives(sync_groups(host))[0].time_s == pytest.approx(measured.time_s(nbytes))

@@ -7,7 +7,8 @@ Splitting a template (split.py) and pricing its sync dominate the template scan.
   recomputation) plus, for the layers beyond what the stages hold without recomputation (the
   schedule's in-flight bound, e.g. 1F1B stage s holds p - s micro-batches; skipped for a schedule
   whose in-flight count grows with the batch share, GPipe), the extra forward recomputation costs: a
-  stage over its no-recompute capacity recomputes all its layers;
+  stage over its no-recompute capacity recomputes all its layers, at the cheaper recomputing mode's
+  cost and the larger one's capacity (``costs.RecomputeFloor``);
 * the bottleneck stage >= W / p, and >= the smallest B for which whole layers fit under B when
   memory is ignored (integer balance, closed form in `_balanced`);
 * T(m) = W + 2 (p - 1) p2p + (m - 1) bottleneck, m = ceil(mb / c) micro-batches on each of the
@@ -38,7 +39,7 @@ class Capacity:
     every p, without recomputation and with the better of both per stage."""
 
     def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int, schedule: Schedule) -> None:
-        self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
+        self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=False), book.recompute_floor(kind, tp=tp, mbs=mbs)]
         # Each stage's in-flight bound by stage count, shared by every (kind, TP, micro-batch size).
         self._in_flights: dict[int, tuple[int, ...]] = book.capacity.setdefault(("in-flight", schedule.name), {})
         self.limit = book.job.model.num_layers
@@ -108,7 +109,7 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     if p > n_layers + 2:
         return None
     plain = book.stage(kind, tp=tp, mbs=mbs, recompute=False)
-    rc = book.stage(kind, tp=tp, mbs=mbs, recompute=True)
+    rc = book.recompute_floor(kind, tp=tp, mbs=mbs)
     w = plain.fwd_per_layer_s + plain.bwd_per_layer_s
     w_rc = rc.fwd_per_layer_s + rc.bwd_per_layer_s
     e = min(plain.emb_fwd_s + plain.emb_bwd_s, rc.emb_fwd_s + rc.emb_bwd_s)
@@ -217,7 +218,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     pos, extra_min, plain_total = 0, math.inf, 0.0
     one_layer = [0.0] * p  # a floor under each stage's work: middle stages hold at least one layer
     for kind, tp, n in segments:
-        variants = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
+        variants = [book.stage(kind, tp=tp, mbs=mbs, recompute=False), book.recompute_floor(kind, tp=tp, mbs=mbs)]
         mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
         for s in range(pos, pos + n):
             if 0 < s < p - 1:

@@ -63,6 +63,25 @@ class Affine:
         return self.base + layers * self.per_layer
 
 
+class RecomputeFloor:
+    """What the search's floors (bounds.py, mixed.py) take for "a stage that recomputes": the most
+    layers either recomputing mode holds (full's, in practice) at the least time either takes
+    (selective's). The split prices both modes (split._options), so a floor built from none and this
+    stays below every split whichever mode each stage takes."""
+
+    def __init__(self, selective: StageCost, full: StageCost) -> None:
+        self.modes = (selective, full)
+        for name in ("fwd_per_layer_s", "bwd_per_layer_s", "emb_fwd_s", "emb_bwd_s", "head_fwd_s", "head_bwd_s"):
+            setattr(self, name, min(getattr(m, name) for m in self.modes))
+
+    def work(self, *, emb: bool, head: bool) -> Affine:
+        works = [m.work(emb=emb, head=head) for m in self.modes]
+        return Affine(min(w.per_layer for w in works), min(w.base for w in works))
+
+    def max_layers(self, *, emb: bool, head: bool, in_flight: int, limit: int) -> int:
+        return max(m.max_layers(emb=emb, head=head, in_flight=in_flight, limit=limit) for m in self.modes)
+
+
 class StageCost:
     """Costs of one stage shape: (kind, tp, micro-batch size, recompute mode)."""
 
@@ -247,6 +266,15 @@ class CostBook:
         self.stage_floors: dict[tuple, tuple[float, float]] = {}  # bounds.py: (per layer, base) of a stage
         self.pipe_floors: dict[tuple, object] = {}  # bounds.pipe_floor by (segments, micro-batch size)
         self.solo: dict[tuple[int, int], tuple[object, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
+
+    def recompute_floor(self, kind: str, *, tp: int, mbs: int) -> RecomputeFloor:
+        """The floors' stand-in for every recomputing mode of one stage shape (see RecomputeFloor)."""
+        key = ("floor", kind, tp, mbs)
+        hit = self.options.get(key)
+        if hit is None:
+            hit = self.options[key] = RecomputeFloor(self.stage(kind, tp=tp, mbs=mbs, recompute=Recompute.SELECTIVE),
+                                                     self.stage(kind, tp=tp, mbs=mbs, recompute=Recompute.FULL))
+        return hit  # type: ignore[return-value]
 
     def stage(self, kind: str, *, tp: int, mbs: int, recompute: Recompute | bool) -> StageCost:
         """The cost model of one stage shape (a bool ``recompute`` means full or none)."""

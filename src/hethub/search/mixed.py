@@ -83,8 +83,9 @@ class Family:
             s, n_layers = self.s, self.s.model.num_layers
             hit = ([], [])
             for k, t in zip(self.subset, self.tps, strict=True):
-                variants = [s.book.stage(k, tp=t, mbs=self.mbs, recompute=rc)
-                            for rc in ((False, True) if s.config.allow_recompute else (False,))]
+                variants = [s.book.stage(k, tp=t, mbs=self.mbs, recompute=False)]
+                if s.config.allow_recompute:
+                    variants.append(s.book.recompute_floor(k, tp=t, mbs=self.mbs))
                 got = [v.max_layers(emb=False, head=False, in_flight=in_flight, limit=n_layers) for v in variants]
                 hit[0].append(max(got))
                 hit[1].append(max(got[0], 0))
@@ -179,7 +180,7 @@ def _consts(s: Searcher, kind: str, tp: int, mbs: int) -> tuple:
     key = ("mixed-consts", kind, tp, mbs)
     hit = s.book.stage_floors.get(key)
     if hit is None:
-        variants = [s.book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in (False, True)]
+        variants = [s.book.stage(kind, tp=tp, mbs=mbs, recompute=False), s.book.recompute_floor(kind, tp=tp, mbs=mbs)]
         if not s.config.allow_recompute:
             variants = variants[:1]
         wp = variants[0].fwd_per_layer_s + variants[0].bwd_per_layer_s

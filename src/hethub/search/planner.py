@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
@@ -54,6 +54,8 @@ class PlanResult:
     notes: tuple[str, ...]
     # Each kind's part of the upper bound: the best tokens/s it reaches alone (docs/planner.md).
     upper_bound_by_kind: dict[str, float] | None = None
+    # Kinds whose part is a plan with the memory limit relaxed (none of its own plans fit).
+    relaxed_kinds: frozenset[str] = frozenset()
 
 
 def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
@@ -79,6 +81,7 @@ def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         results[ONE_F_ONE_B] = replace(one, alternatives=one.alternatives[:config.top_k])
     # The first of equals wins: interleaving that found no v > 1 worth it is 1F1B, listed first.
     name, best = min(results.items(), key=lambda kv: kv[1].prediction.step_time_s)
+    best = against_bound(best, *merged_bound(results.values()))
     others = ", ".join(f"{n} {r.prediction.step_time_s:.3f} s" for n, r in results.items() if n != name)
     note = f"schedule {name} chosen: predicted step {best.prediction.step_time_s:.3f} s"
     note += f" vs {others}" if others else ""
@@ -122,6 +125,7 @@ def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         best, other = zero, base
     else:
         best, other = base, zero
+    best = against_bound(best, *merged_bound([r for r in (zero, base) if r is not None]))
     note = f"optimizer sharding: {best.plan.optimizer_sharding}"
     if other is not None:
         gain = other.prediction.step_time_s / best.prediction.step_time_s
@@ -229,7 +233,7 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
     bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
-    parts, notes, alone = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books,
+    parts, notes, alone, relaxed = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books,
                                  host=host)
     bound = sum(parts.values())
     bar.update()
@@ -283,15 +287,50 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     best_plan, best_pred = top[0]
     return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
                       efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
-                      notes=notes, upper_bound_by_kind=parts)
+                      notes=notes, upper_bound_by_kind=parts, relaxed_kinds=relaxed)
 
 
 def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 profiles: ProfileSet | None = None, host: HostModel | None = None) -> tuple[float, tuple[str, ...]]:
     """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
     _check_job(model, config)
-    parts, notes, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    parts, notes, _, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     return sum(parts.values()), notes
+
+
+def merged_bound(results: Iterable[PlanResult]) -> tuple[dict[str, float], frozenset[str]]:
+    """Each kind's part of the bound over several searches of the same job (schedules, sharding): the
+    best any of them found for that kind alone. A result's own bound covers only its own variant, so
+    a plan of another variant could beat it (hethub-768: the 1F1B-sharded plan read 1.009 against the
+    1F1B-sharded bound, 0.877 against the ZB-H1-sharded one). Also the kinds whose merged part is
+    still a relaxed-memory plan."""
+    fitting: dict[str, float] = {}
+    relaxed: dict[str, float] = {}
+    for r in results:
+        for kind, tps in (r.upper_bound_by_kind or {}).items():
+            into = relaxed if kind in r.relaxed_kinds else fitting
+            into[kind] = max(into.get(kind, 0.0), tps)
+    # A relaxed-memory plan is no plan: it counts only where no search found one that fits (hethub-768:
+    # the sharded search's mi250x part was relaxed, 1.5x the unsharded search's fitting one).
+    parts = {k: fitting.get(k, relaxed.get(k, 0.0)) for k in dict.fromkeys([*fitting, *relaxed])}
+    return parts, frozenset(relaxed) - frozenset(fitting)
+
+
+def against_bound(result: PlanResult, parts: dict[str, float], relaxed: frozenset[str] = frozenset()) -> PlanResult:
+    """``result`` with its bound (``parts``; ``relaxed``: the kinds whose part is a relaxed-memory
+    plan), efficiency and its alternatives' efficiencies taken against it."""
+    bound = sum(parts.values())
+    if bound <= 0:
+        return result
+
+    def eff(tokens_per_s: float) -> float:
+        return tokens_per_s / bound
+
+    alts = tuple((plan.with_meta(efficiency=eff(pred.tokens_per_s), upper_bound_tokens_per_s=bound), pred)
+                 for plan, pred in result.alternatives)
+    plan = result.plan.with_meta(efficiency=eff(result.prediction.tokens_per_s), upper_bound_tokens_per_s=bound)
+    return replace(result, plan=plan, alternatives=alts, upper_bound_tokens_per_s=bound, upper_bound_by_kind=parts,
+                   efficiency=eff(result.prediction.tokens_per_s), relaxed_kinds=relaxed)
 
 
 def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
@@ -316,10 +355,12 @@ def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig)
 
 def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
            profiles: ProfileSet | None, books: dict | None = None,
-           host: HostModel | None = None) -> tuple[dict[str, float], tuple[str, ...], list[tuple[Plan, Prediction]]]:
-    """Each kind's part of the upper bound, its notes, and each kind's best feasible single-kind
-    candidates, scored."""
+           host: HostModel | None = None) -> tuple[dict[str, float], tuple[str, ...], list[tuple[Plan, Prediction]],
+                                                   frozenset[str]]:
+    """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
+    candidates, scored, and the kinds whose part is a relaxed-memory plan."""
     parts: dict[str, float] = {}
+    relaxed_kinds: set[str] = set()
     notes, feasible = [], []
     for kind in cluster.kind_names:
         plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
@@ -335,12 +376,13 @@ def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         n = cluster.count_by_kind()[kind]
         parts[kind] = relaxed[0][1].tokens_per_s if relaxed else 0.0
         if relaxed:
+            relaxed_kinds.add(kind)
             notes.append(f"kind {kind} alone ({n} devices) cannot hold {model.name} at seq_len {config.seq_len}; "
                          "the upper bound uses its best plan with the memory limit relaxed")
         else:
             notes.append(f"kind {kind} alone ({n} devices) has no plan for {model.name} even with memory relaxed "
                          "(no usable TP degree or too few devices); it adds nothing to the upper bound")
-    return parts, tuple(notes), feasible
+    return parts, tuple(notes), feasible, frozenset(relaxed_kinds)
 
 
 def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 from hethub.plan import Recompute
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
-from hethub.search.costs import CostBook, StageCost
+from hethub.search.costs import CostBook, StageCost, recompute_options
 from hethub.spec.model import ModelSpec
 
 
@@ -213,14 +213,16 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
 
 def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_flight: int, low: int,
              allow_recompute: bool) -> list[_Option]:
-    """With and without full recomputation, where each fits; cached (templates share stage positions).
-    Selective recomputation is chosen per stage once the plan is laid out (search/recompute.py)."""
+    """Each recomputation mode (none, selective, full) where it fits; cached (templates share stage
+    positions). Selective is an option of the split itself, not only of the laid-out plan
+    (search/recompute.py): a stage that fits only with selective would otherwise be priced with full
+    recomputation and its template could rank out of the finalists (test_space's first case)."""
     key = (slot.kind, slot.tp, mbs, emb, head, in_flight, low, allow_recompute)
     here = book.options.get(key)
     if here is None:
         n_layers = book.job.model.num_layers
         here = book.options[key] = []
-        for rc in ((Recompute.NONE, Recompute.FULL) if allow_recompute else (Recompute.NONE,)):
+        for rc in recompute_options(allow_recompute):
             sm = book.stage(slot.kind, tp=slot.tp, mbs=mbs, recompute=rc)
             u = sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
             if u >= low:
@@ -233,7 +235,7 @@ def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_
 
 def _cost(ops: list[_Option], k: int) -> float:
     best = math.inf
-    for base, per_layer, most, _sm in ops:  # at most two options: a plain loop is the hot path of the search
+    for base, per_layer, most, _sm in ops:  # at most three options: a plain loop is the hot path of the search
         if most >= k:
             c = base + k * per_layer
             if c < best:

@@ -144,13 +144,16 @@ class ModelSpec:
     # ---- memory -----------------------------------------------------------------------------------
     @staticmethod
     def state_bytes_per_param(precision: str) -> dict[str, int]:
-        """Bytes per parameter the timing model streams (optimizer update, gradient all-reduce) with Adam:
-        bf16-mixed: bf16 weights and grads, fp32 master weights and two fp32 Adam moments; fp32:
-        everything fp32. What a device holds, part by part, is the memory model's
-        (``hethub.predict.memory.STATE_BYTES_PER_PARAM``).
+        """Bytes per parameter the timing model streams (optimizer update, gradient sync) with Adam:
+        mixed precision: 16-bit weights (what a ZeRO-1 all-gather moves), fp32 gradients, fp32 master
+        weights and two fp32 Adam moments; fp32: everything fp32. Gradients are 4 bytes in mixed
+        precision too because that is what gets synced: hethub's runtime accumulates them in fp32
+        (``runtime/precision.py``'s fp32 parameters; ZeRO-1's fp32 ``main_grad``), as Megatron-LM does
+        under bf16 (``accumulate_allreduce_grads_in_fp32``). What a device holds, part by part, is
+        the memory model's (``hethub.predict.memory.STATE_BYTES_PER_PARAM``).
         """
         if precision in ("bf16-mixed", "fp16-mixed"):
-            return {"weights": 2, "grads": 2, "optimizer": 12}
+            return {"weights": 2, "grads": 4, "optimizer": 12}
         if precision == "fp32":
             return {"weights": 4, "grads": 4, "optimizer": 8}
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
