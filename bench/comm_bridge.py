@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -51,25 +52,28 @@ def _p2p_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
     return out
 
 
-def _allreduce_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
-    hier = BridgedCommunicator(kind_of_rank=["a", "a", "b", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
-                               timeout=TIMEOUT, force_bridge=True)
+def _best_times(sizes: list[int], modes: dict[str, Callable[[torch.Tensor], object]]) -> dict[int, dict[str, float]]:
+    """Per message size, each mode's fastest run over the repetitions (modes interleaved, all ranks
+    starting together; the first round warms up)."""
     out: dict[int, dict[str, float]] = {}
     for n in sizes:
         x = torch.ones(n // 4, dtype=torch.float32)
-        best = {"flat": float("inf"), "hierarchical": float("inf")}
+        best = dict.fromkeys(modes, float("inf"))
         for i in range(repetitions(n) + 1):
-            for mode in best:
+            for mode, run in modes.items():
                 dist.barrier()
                 start = time.perf_counter()
-                if mode == "flat":
-                    dist.all_reduce(x)
-                else:
-                    hier.all_reduce(x)
-                if i:  # the first round warms up
+                run(x)
+                if i:
                     best[mode] = min(best[mode], time.perf_counter() - start)
         out[n] = best
     return out
+
+
+def _allreduce_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
+    hier = BridgedCommunicator(kind_of_rank=["a", "a", "b", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
+                               timeout=TIMEOUT, force_bridge=True)
+    return _best_times(sizes, {"flat": dist.all_reduce, "hierarchical": hier.all_reduce})
 
 
 def _sharded_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
@@ -77,23 +81,12 @@ def _sharded_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
     bridge = BridgedCommunicator(kind_of_rank=["a", "b", "b", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
                                  timeout=TIMEOUT, force_bridge=True)
     bridge.create_groups([group])
-    out: dict[int, dict[str, float]] = {}
-    for n in sizes:
-        x = torch.ones(n // 4, dtype=torch.float32)
-        best = {"all-reduce": float("inf"), "rs+ag": float("inf")}
-        for i in range(repetitions(n) + 1):
-            for mode in best:
-                dist.barrier()
-                start = time.perf_counter()
-                if mode == "all-reduce":
-                    bridge.all_reduce(x, group=group)
-                else:
-                    mine = bridge.reduce_scatter(x, group=group)
-                    bridge.all_gather(mine.to(torch.bfloat16), group=group)
-                if i:  # the first round warms up
-                    best[mode] = min(best[mode], time.perf_counter() - start)
-        out[n] = best
-    return out
+
+    def rs_ag(x: torch.Tensor) -> None:
+        mine = bridge.reduce_scatter(x, group=group)
+        bridge.all_gather(mine.to(torch.bfloat16), group=group)
+
+    return _best_times(sizes, {"all-reduce": lambda x: bridge.all_reduce(x, group=group), "rs+ag": rs_ag})
 
 
 def _fmt(n: int) -> str:
