@@ -9,7 +9,8 @@ from conftest import small_cluster, tiny_model
 from hethub.layout import build_topology, stage_places, stage_units
 from hethub.plan import Pipeline, Plan, Stage, interleave, split_evenly
 from hethub.predict.memory import stage_memory
-from hethub.predict.predictor import _Costs, predict
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import predict
 from hethub.schedules import get_schedule
 from hethub.schedules.simulate import simulate_pipeline_time
 
@@ -66,7 +67,7 @@ def test_prediction_simulates_each_chunk_and_weighs_in_flight_memory():
         assert sp.activations_bytes == pytest.approx(want, rel=1e-9)
     # The pipeline's time is the simulation over the 8 virtual stages, each chunk costed on its own,
     # the hop from the last stage back to the first included.
-    costs = _Costs(plan, None)
+    costs = PlanCosts(plan, None)
     fwd, bwd, hops = costs.chunk_times(plan.pipelines[0], p2p=[sp.p2p_s for sp in pred.stages])
     assert len(fwd) == len(bwd) == 8 and len(hops) == 7 and hops[3] > 0
     assert pred.pipeline_times_s[0] == pytest.approx(max(simulate_pipeline_time(

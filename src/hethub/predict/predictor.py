@@ -14,7 +14,8 @@ prices the all-reduces and replays the step with the stage costs computed here
 (:mod:`hethub.predict.host`). Without it (any real cluster) nothing of such a host is modelled.
 
 Large plans are mostly identical replicas, so stage costs are cached by what determines them and
-each distinct pipeline (same micro-batch count and per-stage times) is simulated once.
+each distinct pipeline (same micro-batch count and per-stage times) is simulated once
+(:mod:`hethub.predict.plan_costs`).
 
 `predict` expects a valid plan (see :meth:`hethub.plan.Plan.validate`); it does not re-validate,
 because the planner calls it in a loop.
@@ -22,195 +23,35 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from hethub.layout import split_hop
 from hethub.plan import Pipeline, Plan, Recompute
-from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
-from hethub.predict.compute import StageTimes, stage_times
+from hethub.predict.comm import stage_hop_time_s
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
     DEFAULT_MEM_HEADROOM,
     StageMemory,
-    act_bytes_for,
     check_headroom,
     describe_peak,
-    runtime_vocab_parallel,
     sharded_memory,
-    stage_memory,
-    stage_params,
     usable_bytes,
 )
-from hethub.predict.profiles import KindProfile, ProfileSet
+from hethub.predict.plan_costs import PlanCosts, StageStepCost
+from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems
 from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_collectives
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.schedules import Schedule, get_schedule
-from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
-from hethub.spec.cluster import Link
-
-
-@dataclass(frozen=True)
-class _StageCost:
-    times: StageTimes
-    fwd_s: float  # compute + TP collectives
-    bwd_s: float
-
-
-# stage_memory's results shared by every plan of one model and device kind (the planner lays out and
-# checks hundreds of plans of one job, each with its own _Costs). Keyed by the objects' ids, which the
-# pins keep alive (so not reused) until both are cleared together.
-_MEMORY: dict[tuple, StageMemory] = {}
-_MEMORY_PINS: dict[int, object] = {}
-_MEMORY_KEPT = 100_000
-# Pipeline finishes by the event simulation's inputs (pure: floats, counts and the schedule's name).
-_FINISH: dict[tuple, tuple[float, ...]] = {}
-_FINISH_KEPT = 4096
-
-
-class _Costs:
-    """Caches of stage costs and pipeline simulations, keyed by everything that determines them."""
-
-    def __init__(self, plan: Plan, profiles: ProfileSet | None) -> None:
-        self.plan = plan
-        self.profiles = profiles
-        self.act_bytes = act_bytes_for(plan.precision)
-        self.sync_shape = _sync_shape(plan)
-        self.stage: dict[tuple, _StageCost] = {}
-        self.memory: dict[tuple, StageMemory] = {}
-        self.finish: dict[tuple, list[float]] = {}
-        self.schedules: dict[tuple, list[StageSchedule]] = {}
-
-    def profile(self, kind: str) -> KindProfile | None:
-        prof = self.profiles.get(kind) if self.profiles is not None else None
-        # Attention cost grows faster than linearly with sequence length, so a profile measured at
-        # another length is not rescaled: the roofline is used instead (visible in compute_source).
-        return prof if prof is not None and prof.seq_len == self.plan.seq_len else None
-
-    def stage_cost(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
-                   recompute: Recompute) -> _StageCost:
-        key = (kind, layers, embedding, head, tp, mbs, recompute)
-        cost = self.stage.get(key)
-        if cost is None:
-            plan = self.plan
-            k = plan.cluster.kinds[kind]
-            times = stage_times(plan.model, k, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
-                                seq_len=plan.seq_len, recompute=recompute, precision=plan.precision_of(kind),
-                                profile=self.profile(kind))
-            act = mbs * plan.seq_len * plan.model.hidden_size * self.act_bytes
-            intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
-            tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
-            if times.tp_comm_included:
-                # Profiles measured on a real TP group have its collectives inside already.
-                tp_f = tp_b = 0.0
-            cost = self.stage[key] = _StageCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
-        return cost
-
-    def stage_memory(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
-                     recompute: Recompute, in_flight: int, synced: bool, mixed_sync: bool, communicators: int,
-                     sync_bucket_params: float) -> StageMemory:
-        key = (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
-               sync_bucket_params)
-        mem = self.memory.get(key)
-        if mem is None:
-            plan = self.plan
-            k, precision, attention = plan.cluster.kinds[kind], plan.precision_of(kind), plan.attention_of(kind)
-            shared = (id(plan.model), id(k), plan.seq_len, precision, attention, key)
-            mem = _MEMORY.get(shared)
-            if mem is None:
-                if len(_MEMORY) >= _MEMORY_KEPT:
-                    _MEMORY.clear()
-                    _MEMORY_PINS.clear()
-                _MEMORY_PINS[id(plan.model)], _MEMORY_PINS[id(k)] = plan.model, k
-                mem = _MEMORY[shared] = stage_memory(
-                    plan.model, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs, seq_len=plan.seq_len,
-                    recompute=recompute, precision=precision, in_flight=in_flight,
-                    vocab_parallel=runtime_vocab_parallel(plan.model, tp), attention=attention, kind=k,
-                    synced=synced, mixed_sync=mixed_sync, communicators=communicators,
-                    sync_bucket_params=sync_bucket_params)
-            self.memory[key] = mem
-        return mem
-
-    def plan_stage_memory(self, pi: int, si: int, *, in_flight: float) -> StageMemory:
-        """Memory of stage ``si`` of pipeline ``pi`` of the plan, its gradient sync as the runtime does it.
-        ``in_flight``: micro-batches of the whole stage held at the peak (fractional for chunks)."""
-        p = self.plan.pipelines[pi]
-        s, n = p.stages[si], len(p.stages)
-        synced, mixed, bucket = self.sync_shape[(pi, si)]
-        comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
-        return self.stage_memory(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                 mbs=p.micro_batch_size, recompute=s.recompute, in_flight=in_flight,  # type: ignore[arg-type]
-                                 synced=synced,
-                                 mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
-
-    def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
-                 ops: bool, chunks: int = 1) -> list[float]:
-        """Each device's finish; with ``chunks`` > 1 the inputs are per virtual stage (schedules.simulate)."""
-        if ops:
-            if sig not in self.schedules:
-                self.schedules[sig] = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                        schedule=self.plan.schedule, chunks=chunks)
-            return [st.finish_s for st in self.schedules[sig]]
-        if sig not in self.finish:
-            # Shared between predictions: the planner predicts the same pipelines again under each
-            # optimizer sharding, in the kind-alone and combined searches and in the polish.
-            key = (tuple(fwd), tuple(bwd), tuple(p2p), m, self.plan.schedule, chunks)
-            hit = _FINISH.get(key)
-            if hit is None:
-                if len(_FINISH) >= _FINISH_KEPT:
-                    _FINISH.clear()
-                hit = _FINISH[key] = tuple(simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                                  schedule=self.plan.schedule, chunks=chunks))
-            self.finish[sig] = list(hit)
-        return self.finish[sig]
-
-    def chunk_times(self, p: Pipeline, *, p2p: list[float]) -> tuple[list[float], list[float], list[float]]:
-        """Forward, backward and hop times per virtual stage (k = c x n + s) of an interleaved pipeline:
-        each chunk costed with its own layers (the embedding on chunk 0 of the first stage, the head on
-        the last chunk of the last stage); hops within a chunk are the stages' ``p2p``, the wrap from
-        the last stage to the first is that link's."""
-        n, v, mbs = len(p.stages), p.virtual_stages, p.micro_batch_size
-        fwd, bwd = [0.0] * (n * v), [0.0] * (n * v)
-        for si, s in enumerate(p.stages):
-            for c, (a, b) in enumerate(s.layer_ranges):
-                cost = self.stage_cost(kind=s.kind, layers=b - a, embedding=s.embedding and c == 0,
-                                       head=s.head and c == v - 1, tp=s.tp, mbs=mbs, recompute=s.recompute)
-                fwd[c * n + si], bwd[c * n + si] = cost.fwd_s, cost.bwd_s
-        # The wrap sends whole tensors (the executor never TP-splits it).
-        wrap = stage_hop_time_s(self.plan.cluster, senders=p.stages[-1].devices, receivers=p.stages[0].devices,
-                                nbytes=mbs * self.plan.seq_len * self.plan.model.hidden_size * self.act_bytes)
-        hops = [p2p[k % n] if k % n < n - 1 else wrap for k in range(n * v - 1)]
-        return fwd, bwd, hops
-
-    def chunk_in_flight(self, p: Pipeline, si: int, *, schedule: Schedule) -> float:
-        """The activations an interleaved stage holds at its peak, in units of one micro-batch of the
-        whole stage's (what ``stage_memory``'s ``in_flight`` multiplies): the schedule's peak over its
-        order with each chunk weighed by its own activation bytes (chunks may differ)."""
-        s, v = p.stages[si], p.virtual_stages
-
-        def acts(layers: int, emb: bool, head: bool) -> float:
-            return stage_memory(self.plan.model, layers=layers, embedding=emb, head=head, tp=s.tp,
-                                mbs=p.micro_batch_size, seq_len=self.plan.seq_len, recompute=s.recompute,
-                                precision=self.plan.precision_of(s.kind), in_flight=1,
-                                vocab_parallel=runtime_vocab_parallel(self.plan.model, s.tp),
-                                attention=self.plan.attention_of(s.kind)).activations_bytes
-
-        weights = [acts(b - a, s.embedding and c == 0, s.head and c == v - 1)
-                   for c, (a, b) in enumerate(s.layer_ranges)]
-        whole = acts(s.num_layers, s.embedding, s.head)
-        peak = schedule.peak_held(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches,
-                                  chunk_weights=weights)  # type: ignore[attr-defined]
-        return peak / whole if whole > 0 else 0.0
+from hethub.schedules.simulate import StageSchedule
 
 
 def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[tuple[int, int], bool]:
     """Per (pipeline, stage): whether its predicted peak is within its usable memory, as ``predict``'s
     ``StagePrediction.fits`` says, without the timing (cheap: the planner asks it per candidate)."""
-    costs = _Costs(plan, None)
+    costs = PlanCosts(plan, None)
     schedule = get_schedule(plan.schedule)
     mem_headroom = check_headroom(mem_headroom)
     mems: dict[tuple[int, int], StageMemory] = {}
@@ -248,9 +89,9 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     timeline = timeline is not False
     mem_headroom = check_headroom(mem_headroom)
     model, cluster = plan.model, plan.cluster
-    costs = _Costs(plan, profiles)
+    costs = PlanCosts(plan, profiles)
     p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
-    partial: list[tuple[int, int, _StageCost, StageMemory, float, int]] = []
+    partial: list[tuple[int, int, StageStepCost, StageMemory, float, int]] = []
     finish: list[list[float]] = []
     updates: list[list[float]] = []
     sigs: list[tuple] = []
@@ -331,7 +172,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     )
 
 
-def _stage_mem(costs: _Costs, schedule: Schedule, pi: int, si: int) -> tuple[int, StageMemory]:
+def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int) -> tuple[int, StageMemory]:
     """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``."""
     p = costs.plan.pipelines[pi]
     if p.virtual_stages > 1:  # in_flight counts (micro-batch, chunk) activations; memory weighs each chunk's
@@ -363,7 +204,7 @@ def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
 
 def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[int, float]:
     """The weights the runtime's ZeRO-1 splits each bucket by (the same the prediction uses), per rank."""
-    costs = _Costs(plan, None)
+    costs = PlanCosts(plan, None)
     schedule = get_schedule(plan.schedule)
     mems = {(pi, si): _stage_mem(costs, schedule, pi, si)[1]
             for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))}
@@ -413,78 +254,6 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
                    f"plan's precision ({plan.precision})"}
 
 
-_SYNC_SHAPES: dict[tuple, tuple[object, dict]] = {}  # _sync_shape by layout, the last few
-_SYNC_SHAPES_KEPT = 64
-
-
-def _sync_shape(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
-    """`_sync_shape_of`, kept for the last few layouts: it depends only on the model, each stage's TP
-    degree and layer ranges, and the planner asks it again for the same layout under each
-    recomputation mode and each move of the local search (0.1 s on a 768-stage plan). Read-only."""
-    key = (id(plan.model), tuple(tuple((s.tp, s.layer_ranges) for s in p.stages) for p in plan.pipelines))
-    hit = _SYNC_SHAPES.get(key)
-    if hit is None or hit[0] is not plan.model:  # the model kept with it: its id cannot be reused
-        if len(_SYNC_SHAPES) >= _SYNC_SHAPES_KEPT:
-            _SYNC_SHAPES.clear()
-        hit = _SYNC_SHAPES[key] = (plan.model, _sync_shape_of(plan))
-    return hit[1]
-
-
-def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
-    """Per stage: whether other replicas hold its parameters, and, of the groups the runtime flattens
-    into one all-reduce buffer (units with the same holders, runtime/data_parallel.py), whether the
-    largest one on this stage mixes TP degrees (full-size gradients are built first) and its
-    parameters on one device."""
-    model = plan.model
-    # Layers between consecutive stage boundaries (of any pipeline) have the same holders: one
-    # "segment" per such run, so the work is segments x pipelines, not layers x pipelines.
-    bounds = sorted({0, model.num_layers, *(x for p in plan.pipelines for s in p.stages for r in s.layer_ranges
-                                             for x in r)})
-    # Each pipeline's non-empty layer ranges (a stage's chunks, with virtual stages) by start, and the
-    # stage holding each: bisect finds the one holding a segment's first layer.
-    held = [sorted((a, si) for si, s in enumerate(p.stages) for a, b in s.layer_ranges if b > a)
-            for p in plan.pipelines]
-    starts = [[a for a, _ in h] for h in held]
-    groups: dict[tuple, dict[str, int]] = {}
-
-    def add(key: tuple, unit: str, count: int) -> None:
-        counts = groups.setdefault(key, {})
-        counts[unit] = counts.get(unit, 0) + count
-
-    for a, b in itertools.pairwise(bounds):
-        if b > a:
-            key = tuple((pi, si, p.stages[si].tp) for pi, p in enumerate(plan.pipelines)
-                        for si in (held[pi][bisect.bisect_right(starts[pi], a) - 1][1],))
-            add(key, "layer", b - a)
-    add(tuple((pi, 0, p.stages[0].tp) for pi, p in enumerate(plan.pipelines)), "embedding", 1)
-    add(tuple((pi, len(p.stages) - 1, p.stages[-1].tp) for pi, p in enumerate(plan.pipelines)), "head", 1)
-    sizes: dict[tuple[str, int], float] = {}  # (unit type, TP) -> parameters on one device
-
-    def size(u: str, tp: int) -> float:
-        t = u if u in ("embedding", "head") else "layer"
-        if (t, tp) not in sizes:
-            sizes[(t, tp)] = stage_params(model, layers=t == "layer", embedding=t == "embedding", head=t == "head",
-                                          tp=tp, vocab_parallel=runtime_vocab_parallel(model, tp))
-        return sizes[(t, tp)]
-
-    buckets: dict[tuple[int, int], dict[tuple, list]] = {}
-    for hs, counts in groups.items():
-        mixed = len({tp for _, _, tp in hs}) > 1
-        for pi, si, tp in hs:
-            n = sum(c * size(t, tp) for t, c in counts.items())
-            buckets.setdefault((pi, si), {})[hs] = [n, mixed]
-    out: dict[tuple[int, int], tuple[bool, bool, float]] = {}
-    for sid, mine in buckets.items():
-        synced = [(n, mixed) for key, (n, mixed) in mine.items() if len(key) > 1]
-        if not synced:
-            out[sid] = (False, False, 0.0)
-            continue
-        tp = plan.pipelines[sid[0]].stages[sid[1]].tp
-        n, mixed = max(synced, key=lambda g: g[0] * (2 * tp if g[1] and tp > 1 else 1))
-        out[sid] = (True, mixed, n)
-    return out
-
-
 def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) -> tuple[str, ...]:
     """One line per distinct (kind, peak) that is over the device's memory or inside its headroom."""
     out: dict[tuple[str, float], str] = {}
@@ -504,7 +273,7 @@ def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) ->
     return tuple(out.values())
 
 
-def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: _StageCost, mem: StageMemory, send: float,
+def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem: StageMemory, send: float,
                       sync: SyncResult, last_backward_s: float, in_flight: int, headroom: float) -> StagePrediction:
     s = plan.pipelines[pi].stages[si]
     kind = plan.cluster.kinds[s.kind]
