@@ -15,7 +15,8 @@ TP groups, so their all-reduces are in the times: the bench adds them as NCCL ru
 kind (link_kind): a ring with a latency per step, on NVLink at Sailor's measured intra-node figure
 (intra_node_bandwidths.json, a send/recv test) times the GPU's fitted scale, on PCIe without P2P
 (NCCL's SHM path through host memory) at one host SHM rate (SHM_REF_BW times a factor fitted on the
-other PCIe GPUs, pcie_shm_link), plus each collective's host and synchronisation time. Sailor's
+other PCIe GPUs, pcie_shm_link), plus each collective's wait on the GPU for the group's slowest rank
+(fitted per GPU: a layer-by-layer profiler's ranks drift apart between layers). Sailor's
 "RTX-2080" is priced as the RTX 2080 Ti its 11 GiB say it is (BENCH_KINDS).
 
 Math mode per profile file: where the measured layer is faster than an ideal fp32 layer can be,
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from hethub.interop.sailor import SAILOR_KINDS
 from hethub.predict.calibrate import (
-    DEFAULT_COLLECTIVE_HOST_S,
+    DEFAULT_COLLECTIVE_WAIT_S,
     DEFAULT_GEMM_EFF,
     DEFAULT_K_HALF,
     DEFAULT_LAUNCH_S,
@@ -55,7 +56,7 @@ from hethub.predict.calibrate import (
 )
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.gemm import KernelParams
-from hethub.predict.opmodel import Recipe, Shape
+from hethub.predict.opmodel import Recipe, Shape, layer_ops
 from hethub.spec.cluster import Link
 from hethub.spec.kind import catalog
 from hethub.spec.model import PRESETS, ModelSpec
@@ -183,15 +184,15 @@ class _Ring:
 
 def pcie_shm_link(held_gpu: str, samples: dict, *, mem_eff: float) -> tuple[float, float]:
     """The SHM factor of PCIe TP groups without P2P (measured all-reduce / the ring at SHM_REF_BW) and
-    their host + synchronisation time per collective: the median over the other PCIe GPUs, each fitted
+    their wait per collective for the slowest rank: the median over the other PCIe GPUs, each fitted
     on its own entries (its TP = 1 entries pin its compute, its TP > 1 ones the link). Not
     leave-one-model-out: OPT-350 is the only model measured on these GPUs, so this is
     leave-one-GPU-out (the held GPU's entries are never in it)."""
     peers = [g for g in CONSUMER if g != held_gpu and any(gg == g for gg, _ in samples)]
     fits = [_own_fit(g, samples, mem_eff) for g in peers]
     if not fits:
-        return 1.0, DEFAULT_COLLECTIVE_HOST_S
-    return (statistics.median(f.comm_scale for f in fits), statistics.median(f.collective_host_s for f in fits))
+        return 1.0, DEFAULT_COLLECTIVE_WAIT_S
+    return (statistics.median(f.comm_scale for f in fits), statistics.median(f.collective_wait_s for f in fits))
 
 
 _OWN_FITS: dict[tuple[str, float], Fit] = {}
@@ -245,15 +246,34 @@ def median_fit(fits: list[Fit], *, mem_eff: float) -> Fit:
     return Fit({m: statistics.median(f.gemm_eff[m] for f in fits if m in f.gemm_eff) for m in modes},
                statistics.median(f.k_half for f in fits), mem_eff,
                statistics.median(f.launch_s for f in fits), statistics.median(f.comm_scale for f in fits),
-               statistics.median(f.collective_host_s or DEFAULT_COLLECTIVE_HOST_S for f in fits))
+               statistics.median(f.collective_wait_s or DEFAULT_COLLECTIVE_WAIT_S for f in fits))
 
 
-def lacking(s: Sample, err: float, *, own: bool, tp1_err: dict[int, float], file_errs: list[float],
-            tp1_fwd_s: dict[int, float], fwd_s: float, linear_s: float | None = None,
-            sendrecv: dict[int, float] | None = None) -> str:
+@dataclass(frozen=True)
+class Siblings:
+    """What lacking() compares an entry with, all from the same file: errors of the TP=1 entries by
+    tokens, their measured forwards, the entries' measured times and errors by (tokens, TP)."""
+
+    tp1_err: dict[int, float]
+    tp1_fwd_s: dict[int, float]
+    measured_s: dict[tuple[int, int], float]
+    err: dict[tuple[int, int], float]
+
+
+def lacking(s: Sample, err: float, *, own: bool, sib: Siblings, file_errs: list[float], fwd_s: float,
+            linear_s: float | None = None, sendrecv: dict[int, float] | None = None, wait_s: float = 0.0,
+            collectives: int = 0) -> str:
     """Which mechanism the model lacks for an entry outside 15%, reasoned from the data: the entry's
-    TP=1 sibling (same micro-batch), the file's median error, and how the measured forward falls with TP."""
-    base = tp1_err.get(s.shape.tokens)
+    TP=1 sibling (same micro-batch), its siblings at other micro-batches and TP degrees, the file's
+    median error, and how the measured forward falls with TP."""
+    t, tp = s.shape.tokens, s.shape.tp
+    more = [v for (tt, p), v in sib.measured_s.items() if p == tp and tt > t]
+    if err < 0 and more and min(more) < s.measured_s:
+        return (f"measurement: this entry ({s.measured_s * 1e3:.2f} ms) takes longer than the same TP at a larger "
+                f"micro-batch ({min(more) * 1e3:.2f} ms): no mechanism makes less work take longer (run-to-run "
+                "variation or rank skew of this one measurement)")
+    tp1_err = sib.tp1_err
+    base = tp1_err.get(t)
     if not own:
         if base is None and tp1_err:  # no TP=1 entry at this micro-batch (it did not fit): the file's TP=1 median
             base = statistics.median(tp1_err.values())
@@ -274,20 +294,34 @@ def lacking(s: Sample, err: float, *, own: bool, tp1_err: dict[int, float], file
                     "GPUs' SHM factor gives (its own host topology: sockets, PCIe switches; no input says it)")
         return ("calibration: analytic, uncalibrated on this GPU (no other model measured on it): its compute "
                 "numbers are other GPUs' fractions of peak (consumer boost clocks differ)")
-    if s.shape.tp > 1 and base is not None and abs(base) <= 0.15:
-        t1 = tp1_fwd_s.get(s.shape.tokens)
-        if err < 0 and t1 and fwd_s > 0.5 * t1:
-            return (f"host-bound TP layer: TP={s.shape.tp} cuts the measured forward only to {fwd_s / t1:.2f}x of "
-                    "TP=1 (compute alone would give about 1/TP): the per-layer host and synchronisation cost of "
-                    "a TP group (Python, NCCL launches, waiting for the slowest rank) is not modelled")
+    if tp > 1 and base is not None and abs(base) <= 0.15:
+        t1 = sib.tp1_fwd_s.get(t)
+        if err < 0 and t1 and fwd_s > 0.5 * t1 and collectives:
+            need = wait_s - err * s.measured_s / (1 + err) / collectives
+            return (f"rank skew beyond this GPU's other models: TP={tp} cuts the measured forward only to "
+                    f"{fwd_s / t1:.2f}x of TP=1; the wait of a TP collective for the group's slowest rank is "
+                    f"modelled at {wait_s * 1e6:.0f} us (fitted on this GPU's other models), this entry needs "
+                    f"~{need * 1e6:.0f} us per collective; the skew of a layer-by-layer profiler's ranks is not "
+                    "a fixed number per GPU, and no other model is this short")
         return (f"TP collectives: the TP=1 entry of this micro-batch is within 15% ({base * 100:+.0f}%), so the "
                 "measured all-reduce cost differs from a ring at Sailor's bandwidth x the GPU's one fitted scale")
+    half = (t // 2, tp // 2)
+    if tp > 1 and err > 0 and half in sib.err and abs(sib.err[half]) <= 0.15:
+        step = s.measured_s / sib.measured_s[half]
+        return (f"TP collectives by group size: the same work per rank at TP={tp // 2} is within 15% "
+                f"({sib.err[half] * 100:+.0f}%), and TP={tp} measures only {step:.2f}x its time: this box's "
+                f"{tp}-GPU all-reduce runs at a higher bus rate than its {tp // 2}-GPU one relative to Sailor's "
+                f"send/recv figures (NCCL rings over the links the group spans), and no other model measured "
+                f"TP={tp} on this GPU to fit its own scale")
     offset = statistics.median(file_errs)
     if abs(offset) > 0.15 and (err > 0) == (offset > 0):
         return (f"model-specific: this file's median error is {offset * 100:+.0f}%, so this model's kernels cost a "
                 "different share than on the models fitted on")
     if err > 0:
-        return "shape: measured faster than the tile/K-saturation model allows for this shape"
+        return ("shape: measured faster than the one-tile K-saturation model (128 x 128 tiles, a fixed per-tile "
+                "cost worth k_half K steps, fitted on this GPU's other models) allows: cuBLAS picks its tile "
+                "and kernel per shape (wider tiles for wide GEMMs amortise the prologue over more output), "
+                "which one tile shape cannot follow")
     return "shape: measured slower than the model for this shape (launch-bound small kernels or memory stalls)"
 
 
@@ -330,10 +364,16 @@ def main() -> int:
         mem_eff, fits = fold(None, samples, by_gpu, dup)
         print(f"shared mem_eff={mem_eff:.3f}")
         for g in gpus:
+            if g in CONSUMER:  # the SHM rate a planner's catalog carries: own, and leave-one-GPU-out
+                own = SHM_REF_BW / _own_fit(g, samples, mem_eff).comm_scale
+                held = SHM_REF_BW / pcie_shm_link(g, samples, mem_eff=mem_eff)[0]
+                print(f"{g:10s} SHM all-reduce bus rate: own fit {own / 1e9:.2f} GB/s at its smallest SHM group, "
+                      f"leave-one-GPU-out (the other PCIe GPUs' median) {held / 1e9:.2f} GB/s")
+        for g in gpus:
             f = fits[g]
             print(f"{g:10s} gemm_eff={ {k: round(v, 3) for k, v in f.gemm_eff.items()} } k_half={f.k_half:.0f} "
                   f"launch_s={f.launch_s * 1e6:.1f}us comm_scale={f.comm_scale:.2f} "
-                  f"collective_host_s={f.collective_host_s * 1e6:.0f}us "
+                  f"collective_wait_s={f.collective_wait_s * 1e6:.0f}us "
                   f"models={sorted(m for m in by_gpu[g] if (g, m) not in dup)}")
         return 0
     errors: dict[str, list[float]] = defaultdict(list)  # by GPU, without data defects
@@ -352,8 +392,8 @@ def main() -> int:
             rows = samples[(g, held)]
             scales = [fit.comm_scale] * len(rows)
             if not own:  # per link kind: the NVLink GPUs' median scale, or the SHM factor of the other PCIe GPUs
-                shm, host_s = pcie_shm_link(g, samples, mem_eff=mem_eff)
-                fit = replace(fit, collective_host_s=host_s)  # a workstation host like the other PCIe GPUs'
+                shm, wait_s = pcie_shm_link(g, samples, mem_eff=mem_eff)
+                fit = replace(fit, collective_wait_s=wait_s)  # rank skew of a workstation like the other PCIe GPUs'
                 scales = [shm if link_kind(g, s.shape.tp) == "pcie-shm" else fit.comm_scale for s in rows]
             preds = [predicted_layer_s(s, fit.params(base, s.mode, peaks[s.mode]), comm_scale=c)
                      for s, c in zip(rows, scales, strict=True)]
@@ -361,7 +401,9 @@ def main() -> int:
             tp1 = {s.shape.tokens: e for s, e in zip(rows, errs, strict=True) if s.shape.tp == 1}
             fwd = {(s.shape.tokens, s.shape.tp): profiles[(g, held)][s.label.split("/")[0]][str(s.shape.tp)]["2"][0]
                    for s in rows}
-            tp1_fwd = {t: v for (t, tp), v in fwd.items() if tp == 1}
+            sib = Siblings(tp1, {t: v for (t, tp), v in fwd.items() if tp == 1},
+                           {(s.shape.tokens, s.shape.tp): s.measured_s for s in rows},
+                           {(s.shape.tokens, s.shape.tp): e for s, e in zip(rows, errs, strict=True)})
             defect = (g, held) in dup
             note = (f"fit on {', '.join(m for m in by_gpu[g] if m != held and (g, m) not in dup)}, "
                     f"shared mem_eff {mem_eff:.2f}" if own else
@@ -379,9 +421,10 @@ def main() -> int:
                     if abs(err) > 0.15:
                         small = min((r for r in rows if r.shape.tp == s.shape.tp), key=lambda r: r.shape.tokens)
                         half = small.measured_s * s.shape.tokens / small.shape.tokens if small is not s else None
-                        why = lacking(s, err, own=own, tp1_err=tp1, file_errs=errs, tp1_fwd_s=tp1_fwd,
-                                      linear_s=half, sendrecv={int(k): v[1] for k, v in bws.get(g, {}).items()},
-                                      fwd_s=fwd[(s.shape.tokens, s.shape.tp)])
+                        why = lacking(s, err, own=own, sib=sib, file_errs=errs, linear_s=half,
+                                      sendrecv={int(k): v[1] for k, v in bws.get(g, {}).items()},
+                                      fwd_s=fwd[(s.shape.tokens, s.shape.tp)], wait_s=fit.collective_wait_s,
+                                      collectives=sum(op[0] == "allreduce" for ph in layer_ops(s.shape) for op in ph))
                         reasons[why.split(":")[0]] += 1
                         why = " | OUTSIDE 15%: " + why
                 print(f"{g:10s} {held:12s} {s.mode:5s} {s.label:>7s} {s.measured_s * 1e3:11.3f} {pred * 1e3:12.3f} "

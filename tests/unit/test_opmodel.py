@@ -144,16 +144,16 @@ def test_k_half_scales_with_the_modes_peak():
     assert kernel_params(kind, "bf16-mixed")[0].k_half == kernel_params(kind, "fp32")[0].k_half == kind.gemm_k_half
 
 
-def test_tp_collectives_make_a_small_layer_host_bound():
-    """A TP collective's launch and wait for the slowest rank hold the host up: at a small micro-batch
-    the layer's time is the host's issue time, which TP does not shorten; at a large one the GPU binds
-    and TP still cuts it."""
+def test_a_tp_collectives_wait_for_the_slowest_rank_keeps_a_small_layer_from_shrinking():
+    """A TP collective waits on the GPU for the group's slowest rank: a fixed cost per collective that
+    TP does not shorten, so at a small micro-batch TP 4 barely cuts the layer; at a large one the
+    compute binds and TP still cuts it."""
     from hethub.predict.comm import allreduce_time_s
     from hethub.predict.opmodel import phase_time_s
     from hethub.spec.cluster import Link
 
     p = KernelParams(sm_count=108, matmul_flops=156e12, mem_bw_bytes_per_s=1.5e12, gemm_eff=0.8, k_half=64.0,
-                     mem_eff=0.7, launch_s=10e-6, collective_host_s=400e-6)
+                     mem_eff=0.7, launch_s=10e-6, collective_wait_s=400e-6)
     link = Link(240e9, 5e-6)
 
     def layer_s(mbs: int, tp: int) -> float:
@@ -164,13 +164,21 @@ def test_tp_collectives_make_a_small_layer_host_bound():
 
     small = layer_s(1, 4) / layer_s(1, 1)
     large = layer_s(16, 4) / layer_s(16, 1)
-    assert small > 0.9  # host-bound: TP 4 does not shorten it (the measured A100/GH200 OPT-350 pattern)
+    assert small > 0.9  # the wait binds: TP 4 does not shorten it (the measured A100/GH200 OPT-350 pattern)
     assert large < 0.5  # GPU-bound: TP 4 cuts it towards a quarter
-    no_sync = KernelParams(**{**p.__dict__, "collective_host_s": 0.0})
+    no_sync = KernelParams(**{**p.__dict__, "collective_wait_s": 0.0})
     s1 = Shape.of(_llama(1024), mbs=1, seq_len=1024, tp=4, elem_bytes=4, attention="math")
     ar4 = lambda n: allreduce_time_s(nbytes=n, participants=4, link=link)  # noqa: E731
     assert phase_time_s(layer_ops(s1)[0], no_sync, elem_bytes=4, allreduce_s=ar4) < phase_time_s(
         layer_ops(s1)[0], p, elem_bytes=4, allreduce_s=ar4)
+    # The wait is spent on the GPU: a GPU-bound layer (the host far ahead) still pays it in full, once
+    # per collective (its forward has two), where a host-side cost would hide behind the kernels.
+    s16 = Shape.of(_llama(1024), mbs=16, seq_len=1024, tp=4, elem_bytes=4, attention="math")
+    fwd16 = layer_ops(s16)[0]
+    paid = phase_time_s(fwd16, p, elem_bytes=4, allreduce_s=ar4) - phase_time_s(fwd16, no_sync, elem_bytes=4,
+                                                                                allreduce_s=ar4)
+    assert sum(op[0] == "allreduce" for op in fwd16) == 2
+    assert paid == pytest.approx(2 * p.collective_wait_s, rel=1e-6)
 
 
 def test_split_k_fills_the_gpu_for_a_small_output_with_long_k():

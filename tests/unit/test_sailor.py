@@ -77,7 +77,7 @@ def test_v100_is_slower_than_a100_per_layer(model):
 def test_loading_the_tree_for_one_model_skips_the_others():
     with pytest.warns(UserWarning, match="profile skipped"):
         ps = load_profiles(PROFILES, model=PRESETS["opt-350m"], seq_len=2048)
-    assert set(ps.by_kind) == {"a100-40gb", "a100-80gb", "v100-16gb", "gh200", "rtx-2080", "rtx-3090", "titan-rtx"}
+    assert set(ps.by_kind) == {"a100-40gb", "a100-80gb", "v100-16gb", "gh200", "rtx-2080-ti", "rtx-3090", "titan-rtx"}
     assert all(p.model == "opt-350m" for p in ps.by_kind.values())
 
 
@@ -153,6 +153,29 @@ def test_sailor_planner_form_one_entry_per_replica():
     data = _sailor([([0, 1, 2, 3, 4, 5, 6, 7], [[[["fast", 2, "z"]], 1], [[["fast", 2, "z"]], 1]])], dp=2, gbs=4)
     plan = import_sailor_plan(data, cluster=small_cluster(), model=tiny_model(), seq_len=32)
     assert [p.stages[0].devices for p in plan.pipelines] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize("kind", ["rtx-2080-ti", "rtx-2080"])
+def test_sailors_rtx_2080_is_the_2080_ti_and_older_clusters_still_match(kind, tmp_path):
+    """Sailor's RTX-2080 machines have 11 GiB (its basic_cluster_config.json): RTX 2080 Ti cards. Its
+    profiles load as rtx-2080-ti; a plan naming RTX-2080 imports onto rtx-2080-ti nodes, and onto a
+    cluster that still names its cards rtx-2080, and exports back as RTX-2080."""
+    from hethub.interop.sailor import read_sailor_profile
+    from hethub.spec.cluster import Cluster, Link, NodeGroup
+    from hethub.spec.kind import catalog
+
+    assert catalog()["rtx-2080-ti"].mem_bytes > 10e9 > catalog()["rtx-2080"].mem_bytes
+    model = tiny_model()
+    f = tmp_path / "OPT-350" / "RTX-2080" / "profile.json"
+    f.parent.mkdir(parents=True)
+    data = {"1": {"1": {str(i): [1e-3, 2e-3, 1e-4] for i in range(model.num_layers + 2)}}}
+    assert read_sailor_profile(f, data=data, model=model, seq_len=32).profile.kind == "rtx-2080-ti"
+    cluster = Cluster(name="turing", kinds={kind: catalog()[kind]}, groups=(NodeGroup(kind, 1, 2),),
+                      inter_node=Link(12.5e9, 1e-5), cross_kind=Link(5e9, 5e-5))
+    plan_in = _sailor([(list(range(model.num_layers + 2)), [[[["RTX-2080", 2, "z"]], 2]])], dp=1, gbs=2)
+    plan = import_sailor_plan(plan_in, cluster=cluster, model=model, seq_len=32)
+    assert [s.kind for s in plan.pipelines[0].stages] == [kind]
+    assert export_sailor_plan(plan)["pipeline_list"][0]["tmp_per_stage"][0][0][0][0][0] == "RTX-2080"
 
 
 @pytest.mark.parametrize(("change", "match"), [

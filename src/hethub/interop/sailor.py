@@ -24,8 +24,13 @@ from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import PRESETS, ModelSpec
 
+# Sailor's "RTX-2080" GPUs are RTX 2080 Ti cards: its basic_cluster_config.json gives them 11 GiB
+# (11811160064 bytes); the RTX 2080 has 8 GB, the 2080 Ti 11 GB (NVIDIA Turing whitepaper).
 SAILOR_KINDS = {"A100-40": "a100-40gb", "A100-80": "a100-80gb", "V100-16": "v100-16gb", "GH-96": "gh200",
-                "RTX-2080": "rtx-2080", "RTX-3090": "rtx-3090", "Titan-RTX": "titan-rtx"}
+                "RTX-2080": "rtx-2080-ti", "RTX-3090": "rtx-3090", "Titan-RTX": "titan-rtx"}
+# A Sailor plan's GPU name also matches these hethub kinds (a cluster written before the mapping above
+# named Sailor's cards rtx-2080); profiles are not registered under them: they are 2080 Ti measurements.
+SAILOR_KIND_ALIASES = {"RTX-2080": ("rtx-2080",)}
 # Sailor model dir -> (hethub preset, seq_len). Sequence lengths from llm_info.json (activation floats
 # per sample / hidden size) and training_config_*.json; Sailor's LLAMA-3-8 is not exactly Llama-3-8B
 # (multi-head KV, FFN 16384, vocab 50304 per llm_info.json), so its layer times are ~10% high for it.
@@ -249,7 +254,7 @@ def _replicas(groups: Any, dp: int, *, where: str, f: str, cluster: Cluster, zon
 
 
 def _kind(name: str, *, cluster: Cluster, where: str, f: str) -> str:
-    for k in (SAILOR_KINDS.get(name), name):
+    for k in (SAILOR_KINDS.get(name), *SAILOR_KIND_ALIASES.get(name, ()), name):
         if k in cluster.kinds:
             return k
     raise _perr(where, f, f"names GPU {name!r} (hethub kind {SAILOR_KINDS.get(name, name)!r}), which cluster "
@@ -332,7 +337,7 @@ def _entries(ps: tuple[Pipeline, ...], counts: Any) -> list[list[Pipeline]]:
 
 
 def _entry_out(group: list[Pipeline], *, zone: str, apart: bool, n_layers: int) -> dict[str, Any]:
-    names = {v: k for k, v in SAILOR_KINDS.items()}
+    names = {a: k for k, al in SAILOR_KIND_ALIASES.items() for a in al} | {v: k for k, v in SAILOR_KINDS.items()}
     layers_ps, tmps = [], []
     stages = group[0].stages
     for si, stage in enumerate(stages):

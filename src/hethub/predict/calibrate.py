@@ -21,12 +21,12 @@ from hethub.predict.opmodel import Shape, layer_ops
 # Sailor's A100/V100/GH200 profiles give; docs/predictor.md lists them).
 DEFAULT_GEMM_EFF = 0.8
 DEFAULT_K_HALF = 64.0
-DEFAULT_MEM_EFF = 0.68  # the one memory efficiency fitted for all GPUs (calibrate.fit_shared_mem_eff)
+DEFAULT_MEM_EFF = 0.66  # the one memory efficiency fitted for all GPUs (calibrate.fit_shared_mem_eff; 0.661)
 DEFAULT_LAUNCH_S = 10e-6
-# Assumed start/prior of a TP collective's host and synchronisation time per call: NCCL's launch
-# overhead is a few microseconds to tens of them (nccl-tests' small-message all-reduce times on one
-# node), PyTorch's process group adds its stream/event bookkeeping; the fits replace it.
-DEFAULT_COLLECTIVE_HOST_S = 30e-6
+# Assumed start/prior of a TP collective's wait for the group's slowest rank, per call: a few tens of
+# microseconds, the order of NCCL's small-message all-reduce times on one node (nccl-tests); the
+# fits replace it (what they give is in docs/predictor.md).
+DEFAULT_COLLECTIVE_WAIT_S = 30e-6
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,8 @@ def _phase_s(items: tuple, p: KernelParams, comm_scale: float) -> float:
                     for util, ks, red in it[2])
         elif it[0] == 1:
             d = it[1] / bw
-        else:  # a TP collective: its launch and wait for the slowest rank hold the host up
-            d = comm_scale * it[1]
-            host += p.collective_host_s
+        else:  # a TP collective: on the GPU, the wait for the group's slowest rank, then the ring
+            d = comm_scale * it[1] + p.collective_wait_s
         host += p.launch_s
         gpu = max(gpu, host) + d
     return gpu
@@ -131,7 +130,7 @@ class Fit:
     mem_eff: float
     launch_s: float
     comm_scale: float = 1.0  # measured TP all-reduce time / the ring model's (only where TP > 1 was measured)
-    collective_host_s: float = 0.0  # host + synchronisation time per TP collective (only where TP > 1 measured)
+    collective_wait_s: float = 0.0  # GPU wait per TP collective for the slowest rank (only where TP > 1 measured)
 
     def params(self, base: KernelParams, mode: str, peak_flops: float) -> KernelParams:
         """The kernel numbers of `mode`; `base.matmul_flops` is the fp32 units' peak. ``k_half`` is in K
@@ -139,16 +138,16 @@ class Fit:
         K steps as the mode's math runs faster than fp32 (tensor cores: peak_flops / fp32 peak)."""
         eff = self.gemm_eff.get(mode, DEFAULT_GEMM_EFF)
         return replace(base, matmul_flops=peak_flops, gemm_eff=eff, mem_eff=self.mem_eff, launch_s=self.launch_s,
-                       k_half=self.k_half * peak_flops / base.matmul_flops, collective_host_s=self.collective_host_s)
+                       k_half=self.k_half * peak_flops / base.matmul_flops, collective_wait_s=self.collective_wait_s)
 
 
 # Physical bounds of the fitted numbers, and the weight of a weak pull towards the defaults (so a
 # kind measured on one model only does not drift where its data cannot pin a number down).
 BOUNDS = {"gemm_eff": (0.05, 1.0), "k_half": (1.0, 4096.0), "mem_eff": (0.2, 1.0), "launch_s": (1e-6, 150e-6),
-          "comm_scale": (0.3, 5.0), "collective_host_s": (1e-6, 3e-3)}
+          "comm_scale": (0.3, 5.0), "collective_wait_s": (1e-6, 3e-3)}
 PRIOR_WEIGHT = 0.02
 _DEFAULTS = {"gemm_eff": DEFAULT_GEMM_EFF, "k_half": DEFAULT_K_HALF, "mem_eff": DEFAULT_MEM_EFF,
-             "launch_s": DEFAULT_LAUNCH_S, "comm_scale": 1.0, "collective_host_s": DEFAULT_COLLECTIVE_HOST_S}
+             "launch_s": DEFAULT_LAUNCH_S, "comm_scale": 1.0, "collective_wait_s": DEFAULT_COLLECTIVE_WAIT_S}
 
 
 def fit_kind(samples: Sequence[Sample], *, base: KernelParams, peaks: dict[str, float], mem_eff: float | None = None,
@@ -163,7 +162,7 @@ def fit_kind(samples: Sequence[Sample], *, base: KernelParams, peaks: dict[str, 
     if mem_eff is None:
         names.append(("mem_eff", ""))
     if comm:
-        names += [("comm_scale", ""), ("collective_host_s", "")]
+        names += [("comm_scale", ""), ("collective_wait_s", "")]
     prior = [math.log(_DEFAULTS[n]) for n, _ in names]
     x0 = prior if start is None else [math.log(min(BOUNDS[n][1], max(BOUNDS[n][0], _value(start, n, m))))
                                       for n, m in names]
@@ -176,7 +175,7 @@ def fit_kind(samples: Sequence[Sample], *, base: KernelParams, peaks: dict[str, 
         effs = dict(zip(modes, v, strict=False))
         rest = dict(zip((n for n, _ in names[len(modes):]), v[len(modes):], strict=True))
         return Fit(effs, rest["k_half"], mem_eff if mem_eff is not None else rest["mem_eff"], rest["launch_s"],
-                   rest.get("comm_scale", 1.0), rest.get("collective_host_s", 0.0))
+                   rest.get("comm_scale", 1.0), rest.get("collective_wait_s", 0.0))
 
     def loss(x: list[float]) -> float:
         return sample_loss(samples, unpack(x), base=base, peaks=peaks) + PRIOR_WEIGHT * sum(

@@ -36,7 +36,7 @@ class KernelParams:
     # fitted where TP groups were measured: host time of one TP collective beyond a kernel launch (the
     # process group's NCCL launch: stream waits, events, the proxy hand-off) plus the wait for the
     # slowest rank at its synchronisation point; 0 where the predictor prices TP collectives itself
-    collective_host_s: float = 0.0
+    collective_wait_s: float = 0.0
 
 
 def wave_utilisation(*, m: int, n: int, batch: int, sm_count: int) -> float:
@@ -91,10 +91,8 @@ def memory_time_s(p: KernelParams, nbytes: float) -> float:
     return nbytes / (p.mem_bw_bytes_per_s * p.mem_eff)
 
 
-def stream_time_s(gpu_s: list[float] | tuple[float, ...], *, launch_s: float,
-                  host_extra_s: list[float] | tuple[float, ...] | None = None) -> float:
-    """Wall time of kernels issued one after another by a host that needs `launch_s` per kernel
-    (plus `host_extra_s[i]` for kernel i: a collective's launch and synchronisation).
+def stream_time_s(gpu_s: list[float] | tuple[float, ...], *, launch_s: float) -> float:
+    """Wall time of kernels issued one after another by a host that needs `launch_s` per kernel.
 
     The host runs ahead of the GPU while kernels are long; when they are short the GPU waits for the
     next launch. (Kernel i starts at max(its launch, end of kernel i-1).) A layer whose kernels are
@@ -102,7 +100,7 @@ def stream_time_s(gpu_s: list[float] | tuple[float, ...], *, launch_s: float,
     shorten (each rank issues every kernel of the layer, and more collectives).
     """
     host = gpu = 0.0
-    for i, d in enumerate(gpu_s):
-        host += launch_s + (host_extra_s[i] if host_extra_s is not None else 0.0)
+    for d in gpu_s:
+        host += launch_s
         gpu = max(gpu, host) + d
     return gpu

@@ -233,21 +233,14 @@ def phase_time_s(ops: tuple[Op, ...], p: KernelParams, *, elem_bytes: int,
     where given (a profile measured on a real TP group includes them), else nothing: the predictor
     adds TP collectives itself. A forward op that launches no kernel (a view) costs nothing."""
     durations: list[float] = []
-    extra: list[float] = []  # host time beyond a launch: a TP collective's launch and synchronisation
     for op in ops:
         if op[0] == "gemm":
             durations.append(gemm_time_s(p, m=op[1], n=op[2], k=op[3], batch=op[4], elem_bytes=elem_bytes))
         elif op[0] == "mem":
-            if op[1] <= 0:
-                continue
-            durations.append(memory_time_s(p, op[1]))
+            if op[1] > 0:
+                durations.append(memory_time_s(p, op[1]))
         elif op[0] == "flash":
             durations.append(op[1] / (p.matmul_flops * p.gemm_eff))
-        elif allreduce_s is not None:
-            durations.append(allreduce_s(op[1]))
-            extra.append(p.collective_host_s)
-            continue
-        else:
-            continue
-        extra.append(0.0)
-    return stream_time_s(durations, launch_s=p.launch_s, host_extra_s=extra)
+        elif allreduce_s is not None:  # the GPU also waits for the group's slowest rank
+            durations.append(allreduce_s(op[1]) + p.collective_wait_s)
+    return stream_time_s(durations, launch_s=p.launch_s)
