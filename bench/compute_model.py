@@ -318,10 +318,11 @@ def lacking(s: Sample, err: float, *, own: bool, sib: Siblings, file_errs: list[
         return (f"model-specific: this file's median error is {offset * 100:+.0f}%, so this model's kernels cost a "
                 "different share than on the models fitted on")
     if err > 0:
-        return ("shape: measured faster than the one-tile K-saturation model (128 x 128 tiles, a fixed per-tile "
-                "cost worth k_half K steps, fitted on this GPU's other models) allows: cuBLAS picks its tile "
-                "and kernel per shape (wider tiles for wide GEMMs amortise the prologue over more output), "
-                "which one tile shape cannot follow")
+        return ("shape: measured faster than the tile model (the fastest of gemm.TILES, each tile's fixed cost "
+                "worth k_half K steps of a 128 x 128 tile, fitted on this GPU's other models) allows: this "
+                "model's time grows in proportion to its work from here up while the model still charges the "
+                "tile's fixed cost against a short K (the tokens, for the weight gradients); which kernel "
+                "cuBLAS ran is not in the data")
     return "shape: measured slower than the model for this shape (launch-bound small kernels or memory stalls)"
 
 

@@ -21,7 +21,7 @@ from hethub.predict.opmodel import Shape, layer_ops
 # Sailor's A100/V100/GH200 profiles give; docs/predictor.md lists them).
 DEFAULT_GEMM_EFF = 0.8
 DEFAULT_K_HALF = 64.0
-DEFAULT_MEM_EFF = 0.66  # the one memory efficiency fitted for all GPUs (calibrate.fit_shared_mem_eff; 0.661)
+DEFAULT_MEM_EFF = 0.66  # prior of the one memory efficiency fitted for all GPUs (fit_shared_mem_eff; 0.625)
 DEFAULT_LAUNCH_S = 10e-6
 # Assumed start/prior of a TP collective's wait for the group's slowest rank, per call: a few tens of
 # microseconds, the order of NCCL's small-message all-reduce times on one node (nccl-tests); the
@@ -75,8 +75,8 @@ def _phase_s(items: tuple, p: KernelParams, comm_scale: float) -> float:
     host = gpu = 0.0
     for it in items:
         if it[0] == 0:
-            d = min(max(it[1] * (ks + p.k_half) / (peak * util * ks), it[3] / bw) + red / bw
-                    for util, ks, red in it[2])
+            d = min(max(it[1] * (ks + p.k_half * c) / (peak * util * ks), it[3] / bw) + red / bw
+                    for util, ks, red, c in it[2])
         elif it[0] == 1:
             d = it[1] / bw
         else:  # a TP collective: on the GPU, the wait for the group's slowest rank, then the ring
