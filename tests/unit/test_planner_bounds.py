@@ -135,3 +135,37 @@ def test_merged_bound_takes_each_kinds_best_fitting_part_over_the_variants():
     # Where no search fits a kind, its best relaxed part stands, and it is reported as relaxed.
     parts, relaxed = merged_bound([result({"a": 7.0, "b": 5.0}, relaxed={"b"}), result({"a": 9.0, "b": 6.0}, {"b"})])
     assert parts == {"a": 9.0, "b": 6.0} and relaxed == frozenset({"b"})
+
+
+def test_pipe_floor_per_recompute_mode_is_below_random_splits():
+    # The floors take each recomputation mode with its own capacity and cost (none, selective, full);
+    # on random mixed pipelines of a large model, where stages need full recomputation, every split
+    # (with and without recomputation) must stay above the floor, and the no-recomputation floor above
+    # nothing but the no-recomputation splits.
+    import random
+
+    from hethub.search.split import split_layers
+
+    rng = random.Random(17)
+    cluster = _cluster()
+    checked = 0
+    for model_name, seq in (("llama-2-70b", 4096), ("llama-2-13b", 4096), ("llama-3-8b", 8192)):
+        s = Searcher(cluster=cluster, model=get_model(model_name),
+                     config=PlannerConfig(global_batch=256, seq_len=seq), profiles=None)
+        for _ in range(12):
+            kinds = rng.sample(KINDS, rng.choice((2, 3)))
+            segs = tuple((k, rng.choice(s.tps[k]), rng.randint(1, 12)) for k in kinds)
+            mbs = rng.choice((1, 2))
+            hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
+            slots = s.mixed_slots(segs)
+            for recompute in (True, False):
+                floor = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint, recompute=recompute)
+                pipes = split_layers(s.book, slots, mbs=mbs, allow_recompute=recompute, hops=s.links.pipe_hops,
+                                     in_flight_hint=hint, slacks=(1.0, 1.5, float("inf")))
+                if floor is None:
+                    assert not pipes
+                for pipe in pipes:
+                    checked += 1
+                    for m in (1, 4, 32):
+                        assert floor.time_s(m) <= pipe.time_s(m) * (1 + 1e-9), (segs, mbs, recompute, m)
+    assert checked > 40

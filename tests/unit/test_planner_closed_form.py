@@ -151,8 +151,10 @@ def _boxes_below_members(s, ctx, *, fam, root, best: dict[tuple, float], mbs: in
         inside = [v for (c, ns), v in best.items() if clo <= c <= chi
                   and all(a <= n <= b for a, n, b in zip(lo, ns, hi, strict=True))]
         level = _box_level(s, ctx, fam, box, mbs)
+        loose = _box_level(s, ctx, fam, box, mbs, refine=False)  # the heap's first floor of a box
         if inside:
             checked += 1
             assert level is not None and level <= min(inside) * (1 + 1e-9), (fam.subset, fam.tps, box)
+            assert loose is not None and loose <= level * (1 + 1e-12), (fam.subset, fam.tps, box)
         boxes += _split(fam, box)
     return checked

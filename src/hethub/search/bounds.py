@@ -23,12 +23,15 @@ could not become finalists (hetero._mixed_around).
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import Schedule, get_schedule
-from hethub.search.costs import CostBook
+from hethub.search.costs import RECOMPUTE_ORDER, CostBook
 from hethub.search.links import LinkBook
 from hethub.search.split import Slot
 
@@ -46,6 +49,7 @@ class Capacity:
         self.schedule = schedule
         self._totals: dict[tuple[int, int], int] = {}
         self._ats: dict[tuple[int, bool, bool, int], int] = {}
+        self._mid: dict[int, dict[int, int]] = {}
 
     def _at(self, variant: int, *, emb: bool, head: bool, in_flight: int) -> int:
         """Best layer count of one stage: 0 = without recomputation, 1 = the better of both."""
@@ -67,8 +71,16 @@ class Capacity:
                 bounds = self._in_flights[p] = tuple(self.schedule.max_in_flight(stage=s, num_stages=p)
                                                      for s in range(p))  # type: ignore[misc]
                 assert None not in bounds, "Capacity needs a schedule with an in-flight bound"
-            self._totals[key] = sum(self._at(variant, emb=s == 0, head=s == p - 1, in_flight=f)
-                                    for s, f in enumerate(bounds))
+            if p == 1:
+                self._totals[key] = self._at(variant, emb=True, head=True, in_flight=bounds[0])
+            else:  # the middle stages' counts by in-flight count, filled once (a dict lookup each after)
+                mid = self._mid.setdefault(variant, {})
+                for f in bounds[1:-1]:
+                    if f not in mid:
+                        mid[f] = self._at(variant, emb=False, head=False, in_flight=f)
+                self._totals[key] = (self._at(variant, emb=True, head=False, in_flight=bounds[0])
+                                     + self._at(variant, emb=False, head=True, in_flight=bounds[-1])
+                                     + sum(map(mid.__getitem__, bounds[1:-1])))
         return self._totals[key]
 
 
@@ -159,18 +171,13 @@ class PipeFloor:
         return self.base_s + m * self.per_mb_s
 
 
-def _least_layer_work(caps: list[tuple[int, int, float, float, int, float, float]], n_layers: int) -> float:
-    """A floor under the layers' share of one micro-batch's work over all stages (bases apart): a
-    stage holding k layers costs k w_plain for k <= cap_plain, else k w_rc up to cap_rc, which is at
-    least its lower convex envelope (slope w_plain up to cap_plain, then the chord to cap_rc x w_rc);
-    the cheapest slopes first then give the least total for L layers."""
+def _least_layer_work(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int) -> float:
+    """A floor under the layers' share of one micro-batch's work over all stages (bases apart): each
+    stage's cost is above its lower convex hull (`_hull`); the hulls' cheapest slopes first (over all
+    stages) then give the least total for L layers."""
     pieces: list[tuple[float, int]] = []  # (cost per layer, layers) over all stages
-    for k, cp, wp, _bp, cr, wr, _br in caps:
-        held = max(cp, 0)
-        if held:
-            pieces.append((wp, k * held))
-        if cr > held:
-            pieces.append(((cr * wr - held * wp) / (cr - held), k * (cr - held)))
+    for k, modes in caps:
+        pieces += [(slope, k * n) for slope, n in _hull(modes)]
     pieces.sort()
     total, left = 0.0, n_layers
     for cost, n in pieces:
@@ -182,8 +189,105 @@ def _least_layer_work(caps: list[tuple[int, int, float, float, int, float, float
     return total
 
 
+@functools.lru_cache(maxsize=4096)
+def _hull(modes: tuple[tuple[int, float, float], ...]) -> tuple[tuple[float, int], ...]:
+    """(slope, layers) pieces of the lower convex hull of a stage's layer work (bases apart). Holding k
+    layers costs k w_m in the cheapest mode m whose capacity cap_m >= k; between two consecutive
+    capacities that is a line through the origin above the chord of its end points, so the cost is
+    at least the lower convex hull of (0, 0) and each (cap_m, cost at cap_m)."""
+    points = sorted({(c, min(w for cm, w, _ in modes if cm >= c) * c) for c, _, _ in modes if c > 0})
+    hull = [(0, 0.0)]
+    for pt in points:  # lower hull, left to right (slopes increase)
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (pt[0] - hull[-2][0])
+                                  >= (pt[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append(pt)
+    return tuple(((y1 - y0) / (x1 - x0), x1 - x0) for (x0, y0), (x1, y1) in itertools.pairwise(hull))
+
+
+def smallest_holding(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int,
+                     lo: float) -> float | None:
+    """The smallest B >= lo at which the stages hold L whole layers with every stage's time <= B (just
+    below it: a floor). A stage holds j layers within B iff some mode with capacity >= j has
+    base + j w <= B, so t(j) = min over those modes of base + j w, nondecreasing in j, is when it
+    can first hold j (j = 0: its base; before that it counts -1, as it cannot run at all); walk those
+    times in order from lo until the stages hold L. Exact, where a bisection stopped below it. None:
+    they never hold L."""
+    heap, total, floor = [], 0, math.floor
+    for g, (k, modes) in enumerate(caps):
+        x = -1
+        for cap, w, base in modes:
+            if cap >= 0 and lo >= base:
+                y = min(cap, floor((lo - base) / w))
+                if y > x:
+                    x = y
+        total += k * x
+        t = _time_to_hold(modes, x + 1)
+        if t is not None:
+            heap.append((t, g, x + 1))
+    if total >= n_layers:
+        return lo
+    heapq.heapify(heap)
+    b = lo
+    while total < n_layers and heap:
+        t, g, j = heapq.heappop(heap)
+        k, modes = caps[g]
+        total += k
+        b = max(b, t)
+        t = _time_to_hold(modes, j + 1)
+        if t is not None:
+            heapq.heappush(heap, (t, g, j + 1))
+    return b * (1 - 1e-12) if total >= n_layers else None
+
+
+def _time_to_hold(modes: tuple[tuple[int, float, float], ...], j: int) -> float | None:
+    """When a stage can first hold j layers (None: no mode holds that many)."""
+    best = None
+    for cap, w, base in modes:
+        if cap >= j:
+            t = base + j * w
+            if best is None or t < best:
+                best = t
+    return best
+
+
+def _in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int, ...]:
+    """Each stage's planning_in_flight (what split.split_layers sizes it for) of a p-stage pipeline."""
+    key = ("in-flights", sched.name, p, hint)
+    hit = book.stage_floors.get(key)
+    if hit is None:
+        hit = book.stage_floors[key] = tuple(sched.planning_in_flight(stage=s, num_stages=p,
+                                                                      expected_micro_batches=hint) for s in range(p))
+    return hit  # type: ignore[return-value]
+
+
+def _modes(book: CostBook, kind: str, tp: int, mbs: int) -> list:
+    """Every recomputation mode a split may give a stage (none, selective, full: split._options)."""
+    key = ("modes", kind, tp, mbs)
+    hit = book.stage_floors.get(key)
+    if hit is None:
+        hit = book.stage_floors[key] = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc) for rc in RECOMPUTE_ORDER]
+    return hit  # type: ignore[return-value]
+
+
+def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: bool,
+                 in_flight: int) -> tuple[tuple[int, float, float], ...]:
+    """(capacity in layers, -1 if not even none fit; cost per layer; base) of one stage position in each
+    mode (none first), as split._options prices it; cached (every floor asks the same positions)."""
+    key = ("stage-modes", kind, tp, mbs, emb, head, in_flight)
+    hit = book.stage_floors.get(key)
+    if hit is None:
+        n_layers, out = book.job.model.num_layers, []
+        for v in _modes(book, kind, tp, mbs):
+            cap = v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
+            w = v.work(emb=emb, head=head)
+            out.append((max(cap, -1), w.per_layer, w.base if emb or head else 0.0))
+        hit = book.stage_floors[key] = tuple(out)
+    return hit  # type: ignore[return-value]
+
+
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
-               mbs: int, *, memory: bool = True, in_flight_hint: int = 1) -> PipeFloor | None:
+               mbs: int, *, memory: bool = True, in_flight_hint: int = 1, recompute: bool = True) -> PipeFloor | None:
     """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
 
     ``segments`` are (kind, tp, stages) in pipeline order. Stage s costs at least base_s + k_s w_s for
@@ -191,34 +295,39 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     every stage has k_s <= (B - base_s) / w_s, and the k_s sum to L, so
     B >= (L + sum base_s / w_s) / sum 1 / w_s.
 
-    Memory: a stage holds at most cap_v layers in variant v (without / with recomputation), with its
-    micro-batches in flight as split.split_layers sizes it (the schedule's planning_in_flight: 1F1B
-    p - s at position s; GPipe the pipeline's ``in_flight_hint``, 1 by default), so a stage's whole layer
-    count under B is at most max_v min(cap_v, floor((B - base_v) / w_v)), and B is at least the
-    smallest value where those reach L in total (bisection; no fit at all: None).
+    Memory: a stage holds at most cap_v layers in mode v (none, selective, full: each its own
+    capacity and cost, as split._options prices them), with its micro-batches in flight as
+    split.split_layers sizes it (the schedule's planning_in_flight: 1F1B p - s at position s; GPipe
+    the pipeline's ``in_flight_hint``, 1 by default), so a stage's whole layer count under B is at
+    most max_v min(cap_v, floor((B - base_v) / w_v)), and B is at least the smallest value where those
+    reach L in total (bisection; no fit at all: None). Until 2026-12-02 the floor took one
+    "recomputing" mode at full's capacity and selective's cost (costs.RecomputeFloor), 1.2-1.8x below
+    the splits where only full recomputation fits; per mode it is exact per stage.
     Layers beyond what the stages hold without recomputation are recomputed at least at the smallest
     extra cost per layer. The work of one micro-batch is at least sum base_s + L min w_s (+ that extra),
     and at least B. T(m) = work + 2 sum p2p + (m - 1) B.
 
     ``memory=False`` skips the memory terms: a looser floor in O(segments) rather than O(stages x 16),
-    to order many candidates before the tight one is paid for.
+    to order many candidates before the tight one is paid for. ``recompute=False``: the floor of the
+    splits without any recomputation (split_layers(allow_recompute=False)), none's mode alone.
     """
     job = book.job
     n_layers = job.model.num_layers
     p = sum(n for _, _, n in segments)
     if not segments or p > n_layers + 2:
         return None
-    key = (segments, mbs, memory, in_flight_hint)
+    key = (segments, mbs, memory, in_flight_hint, recompute)
+    n_modes = len(RECOMPUTE_ORDER) if recompute else 1
     sched = get_schedule(job.schedule, chunks=job.chunks)
     hit = book.pipe_floors.get(key, ())
     if hit != ():
         return hit  # type: ignore[return-value]
     inv_w, base_over_w, base_sum, w_min = 0.0, 0.0, 0.0, math.inf
-    caps: list[tuple[int, int, float, float, int, float, float]] = []  # (stages, cap, w, base) x (plain, rc)
+    caps: list[tuple[int, tuple]] = []  # (stages, their modes: (capacity, w, base) each)
     pos, extra_min, plain_total = 0, math.inf, 0.0
     one_layer = [0.0] * p  # a floor under each stage's work: middle stages hold at least one layer
     for kind, tp, n in segments:
-        variants = [book.stage(kind, tp=tp, mbs=mbs, recompute=False), book.recompute_floor(kind, tp=tp, mbs=mbs)]
+        variants = _modes(book, kind, tp, mbs)[:n_modes]
         mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
         for s in range(pos, pos + n):
             if 0 < s < p - 1:
@@ -231,68 +340,47 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
         if middle:
             shapes.append((False, False, middle))
         for emb, head, k in shapes:
-            cost = book.stage_floors.get((kind, tp, mbs, emb, head))
+            cost = book.stage_floors.get((kind, tp, mbs, emb, head, n_modes))
             if cost is None:
                 costs = [v.work(emb=emb, head=head) for v in variants]
-                cost = book.stage_floors[(kind, tp, mbs, emb, head)] = (min(c.per_layer for c in costs),
+                cost = book.stage_floors[(kind, tp, mbs, emb, head, n_modes)] = (min(c.per_layer for c in costs),
                                                                         min(c.base for c in costs))
             inv_w += k / cost[0] if cost[0] > 0 else math.inf
             base_over_w += k * cost[1] / cost[0] if cost[0] > 0 else 0.0
             base_sum += k * cost[1]
             w_min = min(w_min, cost[0])
-        wpr = [v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants]
-        wp, wr = wpr
+        wp, *wrs = [v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants]
+        wr = min(wrs, default=wp)
         if wr > wp:
             extra_min = min(extra_min, wr - wp)
         if not memory:
             pos += n
             continue
-        by_cap: dict[tuple, int] = {}  # stages of the segment by their capacities and bases
+        by_cap: dict[tuple, int] = {}  # stages of the segment by their modes' capacities and bases
+        flights = _in_flights(book, sched, p, in_flight_hint)
         for s in range(pos, pos + n):
             # what split.split_layers sizes the stage for (Searcher.in_flight_hint's hint for GPipe)
-            in_flight = sched.planning_in_flight(stage=s, num_stages=p, expected_micro_batches=in_flight_hint)
             emb, head = s == 0, s == p - 1
-            cp, cr = (max(-1, v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers))
-                      for v in variants)
-            if cp < 0 and cr < 0:
+            modes = stage_modes(book, kind, tp, mbs, emb, head, flights[s])[:n_modes]
+            if max(c for c, _, _ in modes) < 0:
                 book.pipe_floors[key] = None
                 return None
-            bp, br = (v.work(emb=emb, head=head).base for v in variants) if emb or head else (0.0, 0.0)
-            if not (emb or head):  # one layer in a variant that holds it
-                one_layer[s] = min([w for w, c in zip(wpr, (cp, cr), strict=True) if c >= 1] or [one_layer[s]])
-            k = (cp, bp, cr, br)
-            by_cap[k] = by_cap.get(k, 0) + 1
-            plain_total += max(cp, 0)
-        caps += [(k, cp, wp, bp, cr, wr, br) for (cp, bp, cr, br), k in by_cap.items()]
+            if not (emb or head):  # one layer in a mode that holds it
+                one_layer[s] = min([w for c, w, _ in modes if c >= 1] or [one_layer[s]])
+            by_cap[modes] = by_cap.get(modes, 0) + 1
+            plain_total += max(modes[0][0], 0)
+        caps += [(k, modes) for modes, k in by_cap.items()]
         pos += n
-    if w_min <= 0 or (memory and sum(k * max(cp, cr) for k, cp, _, _, cr, _, _ in caps) < n_layers):
+    if w_min <= 0 or (memory and sum(k * max(c for c, _, _ in modes) for k, modes in caps) < n_layers):
         book.pipe_floors[key] = None
         return None
 
-    def held(b: float) -> int:
-        """Most whole layers the stages hold with every stage's time <= b (-1 for a stage that holds
-        none in time). A plain loop: the search's hottest floor (12 calls per tight floor)."""
-        n, floor = 0, math.floor
-        for k, cp, wp, bp, cr, wr, br in caps:
-            x = -1
-            if cp >= 0 and b >= bp:
-                x = min(cp, floor((b - bp) / wp))
-            if cr >= 0 and b >= br:
-                x = max(x, min(cr, floor((b - br) / wr)))
-            n += k * x
-        return n
-
-    # Every B below the continuous balance holds fewer than L layers, so start there; lo stays below
-    # the smallest feasible B, so it is a floor however few the steps.
+    # Every B below the continuous balance holds fewer than L layers, so start there.
     balance = max((n_layers + base_over_w) / inv_w, max(one_layer))
-    lo, hi = balance, max([max(bp + cp * wp, br + cr * wr) for _, cp, wp, bp, cr, wr, br in caps] + [balance])
-    # Where the balance itself holds L layers it is the answer (every bisection step would keep lo).
-    for _ in range(12 if memory and held(lo) < n_layers else 0):
-        mid = 0.5 * (lo + hi)
-        if held(mid) >= n_layers:
-            hi = mid
-        else:
-            lo = mid
+    lo = smallest_holding(caps, n_layers, balance) if memory else balance
+    if lo is None:  # not reached: the capacities were checked to hold L above
+        book.pipe_floors[key] = None
+        return None
     bottleneck = lo
     forced = max(0.0, n_layers - plain_total) if memory else 0.0
     work = max(bottleneck, base_sum + n_layers * w_min + (forced * extra_min if forced and extra_min < math.inf

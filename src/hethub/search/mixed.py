@@ -24,7 +24,7 @@ from hethub.layout import block_starts
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
-from hethub.search.bounds import PipeFloor, pipe_floor
+from hethub.search.bounds import PipeFloor, pipe_floor, smallest_holding, stage_modes
 from hethub.search.combine import Estimate, Group, bisect_time, embedding_ring_s, finished_mb, water_level
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
@@ -65,7 +65,7 @@ class Family:
         self.hop = [c[3] for c in cs]
         self.extra = min([c[4] for c in cs if c[4] > 0] or [0.0])  # cheapest recomputation per layer
         self._caps: dict[int, tuple[list[int], list[int]]] = {}
-        self._in_flight: dict[tuple[int, int], int] = {}
+        self._held: dict[tuple[int, int], tuple] = {}
         self.cap, self.cap_plain = self.caps(1)
         self.feasible = min(self.cap) >= 0 and min(self.w) > 0
         e, h = min(c[1] for c in cs), min(c[2] for c in cs)
@@ -76,42 +76,47 @@ class Family:
         self.sched = get_schedule(s.book.job.schedule, chunks=s.book.job.chunks)
 
     def caps(self, in_flight: int) -> tuple[list[int], list[int]]:
-        """Most layers a middle stage of each kind holds with `in_flight` micro-batches (any variant;
+        """Most layers a middle stage of each kind holds with `in_flight` micro-batches (any mode;
         -1: not even none), and the same without recomputation."""
         hit = self._caps.get(in_flight)
         if hit is None:
-            s, n_layers = self.s, self.s.model.num_layers
-            hit = ([], [])
-            for k, t in zip(self.subset, self.tps, strict=True):
-                variants = [s.book.stage(k, tp=t, mbs=self.mbs, recompute=False)]
-                if s.config.allow_recompute:
-                    variants.append(s.book.recompute_floor(k, tp=t, mbs=self.mbs))
-                got = [v.max_layers(emb=False, head=False, in_flight=in_flight, limit=n_layers) for v in variants]
-                hit[0].append(max(got))
-                hit[1].append(max(got[0], 0))
-            self._caps[in_flight] = hit
+            modes = [self.modes(i, in_flight) for i in range(len(self.subset))]
+            hit = self._caps[in_flight] = ([max(c for c, _ in m) for m in modes],
+                                           [max(m[0][0], 0) for m in modes])
         return hit
 
-    def in_flight_floor(self, stages: int, devices: int) -> int:
-        """Fewest micro-batches any stage of a member with at least `stages` stages and `devices`
-        devices is sized for (split.split_layers' planning_in_flight): in the registry's schedules that
-        count never falls as a pipeline gains stages or devices (1F1B: p - s >= 1; GPipe: the hint,
-        which grows with the devices; ZB-H1: p)."""
+    def modes(self, i: int, in_flight: int) -> tuple[tuple[int, float], ...]:
+        """(capacity, cost per layer) of a middle stage of the i-th kind in each mode the split may give
+        it (none first; capacity -1 where not even none fits), at `in_flight` micro-batches."""
+        got = stage_modes(self.s.book, self.subset[i], self.tps[i], self.mbs, False, False, in_flight)
+        return tuple((c, w) for c, w, _ in (got if self.s.config.allow_recompute else got[:1]))
+
+    def flights(self, stages: int, devices: int) -> tuple[int, ...]:
+        """The in-flight counts split.split_layers sizes the stages of a `stages`-stage pipeline of
+        `devices` devices for (planning_in_flight), smallest first. In the registry's schedules the j-th
+        smallest never falls as a pipeline gains stages or devices (1F1B: j + 1; ZB-H1: p; GPipe: the
+        hint, which grows with the devices; interleaved: (v - 1) p + 1 + 2 j chunks over v), so any
+        member's j-th smallest is at least this list's (its last, past the list's end)."""
         hint = self.s.in_flight_hint(devices, self.mbs)
-        key = (stages, hint)  # the devices matter only through the hint
-        hit = self._in_flight.get(key)
+        # the devices matter only through the hint; shared by every family of the search
+        key = ("in-flights-sorted", self.sched.name, stages, hint)
+        hit = self.s.book.stage_floors.get(key)
         if hit is None:
-            hit = min(self.sched.planning_in_flight(stage=i, num_stages=stages, expected_micro_batches=hint)
-                      for i in range(stages))
-            self._in_flight[key] = hit
-        return hit
+            hit = self.s.book.stage_floors[key] = tuple(sorted(
+                self.sched.planning_in_flight(stage=i, num_stages=stages, expected_micro_batches=hint)
+                for i in range(stages)))
+        return hit  # type: ignore[return-value]
 
-    def bottleneck(self, top: list[int], n_layers: int, cap: list[int]) -> float | None:
+    def bottleneck(self, top: list[int], n_layers: int, flights: tuple[int, ...]) -> float | None:
         """A floor under the slowest stage with at most top[k] stages per kind; None: no fit.
 
         Time: L <= sum_s (B - base_s) / w_s, bases at their smallest. Memory: stage s holds at most
-        min(cap_k, B / w_k) layers (every stage holds at least one micro-batch), and they hold L.
+        min(cap_k, B / w_k) layers (every stage holds at least flights[0] micro-batches), and they hold
+        L. In whole layers: a kind's i-th stage (by in-flight count) holds at least flights[i] (the
+        `flights` list's property), so at most what the best mode holds within B there (each mode's own
+        capacity and cost, as split._options prices it; bases >= 0 left out), and they hold L.
         """
+        cap = self.caps(flights[0])[0]
         if min(cap) < 0 or sum(t * c for t, c in zip(top, cap, strict=True)) < n_layers:
             return None
         inv = sum(t / w for t, w in zip(top, self.w, strict=True))
@@ -125,22 +130,26 @@ class Family:
             held += top[i] * cap[i]
             slope -= top[i] / self.w[i]
         b = max(b, self.base_min, (n_layers - held) / slope if slope > 0 else b)
-        # Whole layers: from there, walk the next layer a stage of some kind can take, in time order,
-        # until they hold L (each step adds top_k layers); rounding errs towards more layers held.
-        whole, heap = 0, []
-        for i, (t, w, most) in enumerate(zip(top, self.w, cap, strict=True)):
-            j = min(most, math.floor(b / w + 1e-9))
-            whole += t * j
-            if j < most and t:
-                heap.append(((j + 1) * w, i, j + 1))
-        heapq.heapify(heap)
-        while whole < n_layers and heap:
-            b_next, i, j = heapq.heappop(heap)
-            whole += top[i]
-            b = max(b, b_next * (1 - 1e-12))
-            if j < cap[i]:
-                heapq.heappush(heap, ((j + 1) * self.w[i], i, j + 1))
-        return b
+        # Whole layers (bounds.smallest_holding), each kind's stages at the smallest in-flight counts a
+        # member can give them; a stage that holds nothing counts 0 (a member may have fewer stages).
+        groups: dict[tuple, int] = {}
+        last = len(flights) - 1
+        for i, t in enumerate(top):
+            for j in range(min(t, last)):
+                ms = self._held_modes(i, flights[j])
+                groups[ms] = groups.get(ms, 0) + 1
+            if t > last:
+                ms = self._held_modes(i, flights[last])
+                groups[ms] = groups.get(ms, 0) + t - last
+        return smallest_holding([(k, ms) for ms, k in groups.items()], n_layers, b)
+
+    def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
+        """`modes` as bounds.smallest_holding takes them, bases 0 and capacities at least 0."""
+        key = (i, in_flight)
+        hit = self._held.get(key)
+        if hit is None:
+            hit = self._held[key] = tuple((max(c, 0), w, 0.0) for c, w in self.modes(i, in_flight))
+        return hit
 
 
 def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, tuple]]:
@@ -220,11 +229,17 @@ class _Context:
         self._rings: dict[tuple, float] = {}
         self._emb_rings: dict[tuple, float] = {}
         self._pure_tail: dict[tuple, float] = {}
+        self._tails: dict[tuple, float] = {}
+        self._kind_sets = {k: frozenset([k]) for k in s.counts}
+        # A ring's link depends on its devices only through `devices <= node size` (LinkBook.replicas),
+        # so device counts above every node size are one cache key: exact, and the caches hit across boxes.
+        self._dev_cap = max(s.links.node_size.values(), default=0) + 1
 
     def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int) -> float:
         """A floor under one layer's gradient all-reduce (combine.step_time_s's ring) among `replicas`
         holders that include stages of `kinds` with TP degrees down to tp: the holders' smallest TP is
         at most tp, and more kinds only make the ring's slowest link slower."""
+        devices = min(devices, self._dev_cap)
         key = (kinds, tp, replicas, devices)
         hit = self._rings.get(key)
         if hit is None:
@@ -242,6 +257,7 @@ class _Context:
         order), so between two cuts where *every* replica has a stage boundary the blocks form one
         chain; the mixed pipelines can only remove such cuts. Each block is priced with the pure
         holders' kinds and smallest TP (combine's ring with fewer holders known: a floor)."""
+        devices = min(devices, self._dev_cap)
         key = (replicas, devices)
         hit = self._pure_tail.get(key)
         if hit is None:
@@ -270,7 +286,7 @@ class _Context:
         key = (tuple(pairs), c, devices)
         hit = self._sync.get(key)
         if hit is None:
-            replicas, total = self.replicas + c, self.devices + c * devices
+            replicas, total = self.replicas + c, min(self.devices + c * devices, self._dev_cap)
             hit = 0.0
             if replicas > 1:  # combine.embedding_sync_floor, its ring cached by (kinds, smallest TP)
                 tied = self.s.model.tied_embeddings
@@ -302,20 +318,27 @@ class _Context:
         replicas = self.replicas + c
         if replicas <= 1:
             return 0.0
-        total = self.devices + c * devices
-        pure = self._chains(replicas, total) if self.pure else 0.0
-        inv = sum(n / r for kind, tp, n in segs if (r := self._ring(frozenset([kind]), tp, replicas, total)) > 0)
-        return max(pure, self.s.model.num_layers / inv if inv > 0 else 0.0)
+        total = min(self.devices + c * devices, self._dev_cap)
+        key = (segs, replicas, total)
+        hit = self._tails.get(key)
+        if hit is None:
+            pure = self._chains(replicas, total) if self.pure else 0.0
+            inv = sum(n / r for kind, tp, n in segs
+                      if (r := self._ring(self._kind_sets[kind], tp, replicas, total)) > 0)
+            hit = self._tails[key] = max(pure, self.s.model.num_layers / inv if inv > 0 else 0.0)
+        return hit
 
 
-def _box_level(s: Searcher, ctx: _Context, fam: Family, box: tuple, mbs: int) -> float | None:
+def _box_level(s: Searcher, ctx: _Context, fam: Family, box: tuple, mbs: int, *,
+               refine: bool = True) -> float | None:
     """A floor under the step of every candidate in the box (None: the box holds none).
 
     Each kind has at most H_k = min(hi_k, slots_k // c_lo) stages (Family.bottleneck gives the
     bottleneck floor). One micro-batch's work is at least that and at least L min w + min e + min h,
     plus the recomputation memory forces; hops at least the box's fewest stages' within-kind hops plus
     (kinds - 1) of the cheapest cross-kind hop. T(m) >= the schedule's fill floor + 2 hops + (m - 1) B,
-    with c_hi such pipelines, then the embedding sync.
+    with c_hi such pipelines, then the embedding sync. ``refine=False``: every stage at the fewest
+    in-flight micro-batches (a looser floor in O(kinds) for the whole-layer bound, not O(stages)).
     """
     clo, chi, lo, hi = box
     n_layers = s.model.num_layers
@@ -323,8 +346,9 @@ def _box_level(s: Searcher, ctx: _Context, fam: Family, box: tuple, mbs: int) ->
     if any(a > b for a, b in zip(lo, top, strict=True)) or sum(lo) > n_layers + 2:
         return None
     devices = sum(t * n for t, n in zip(fam.tps, lo, strict=True))
-    cap, cap_plain = fam.caps(fam.in_flight_floor(sum(lo), devices))
-    bottleneck = fam.bottleneck(top, n_layers, cap)
+    flights = fam.flights(sum(lo), devices)
+    cap_plain = fam.caps(flights[0])[1]
+    bottleneck = fam.bottleneck(top, n_layers, flights if refine else flights[:1])
     if bottleneck is None:
         return None
     forced = n_layers - sum(t * c for t, c in zip(top, cap_plain, strict=True))
@@ -383,9 +407,9 @@ def _split(fam: Family, box: tuple) -> list[tuple]:
 def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[str, int]]], mbs: int) -> None:
     """Mixed candidates beside each (pure groups, pool of devices) in `todo`, best floor first.
 
-    Heap entries, each floor under the next: a box of shapes, one shape's orders under the loose
-    member floor (no memory), the tight one (with memory); then the member's layer splits are
-    priced. Once the lowest floor cannot enter the finalists, nothing left can.
+    Heap entries, each floor under the next: a box of shapes under its loose floor, then its tight
+    one, one shape's orders under the loose member floor (no memory), the tight one (with memory);
+    then the member's layer splits are priced. Once the lowest floor cannot enter the finalists, nothing left can.
     """
     total = s.total_mb(mbs)
     heap: list[tuple] = []
@@ -393,21 +417,26 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
     for pure, pool in todo:
         ctx = _Context(s, pure)
         for fam, box in families(s, pool, mbs):
-            level = _box_level(s, ctx, fam, box, mbs)
+            level = _box_level(s, ctx, fam, box, mbs, refine=False)
             if level is not None:
-                heap.append((level, next(tie), 0, ctx, fam, box))
+                heap.append((level, next(tie), -1, ctx, fam, box))
     heapq.heapify(heap)
     while heap:
         level, _, stage, ctx, fam, item = heapq.heappop(heap)
         if not results.may_enter(level):
             break
+        if stage == -1:  # a box under its loose floor: the tight one only now that it could matter
+            lv = _box_level(s, ctx, fam, item, mbs)
+            if lv is not None:
+                heapq.heappush(heap, (max(level, lv), next(tie), 0, ctx, fam, item))
+            continue
         if stage == 0:
             halves = _split(fam, item)
             if halves:
                 for half in halves:
-                    lv = _box_level(s, ctx, fam, half, mbs)
+                    lv = _box_level(s, ctx, fam, half, mbs, refine=False)
                     if lv is not None:
-                        heapq.heappush(heap, (max(level, lv), next(tie), 0, ctx, fam, half))
+                        heapq.heappush(heap, (max(level, lv), next(tie), -1, ctx, fam, half))
                 continue
             c, _, ns, _ = item
             for order in itertools.permutations(range(len(ns))):
@@ -429,7 +458,16 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                 lv = max(level, water_level([*ctx.pure, Group(floor, c)], total) + sync)
                 heapq.heappush(heap, (lv, next(tie), 2, ctx, fam, item))
             continue
-        for pipe in s.mixed(segs, mbs):
+        slots = s.mixed_slots(segs)
+        pipes = s.split_part(slots, mbs, recompute=s.config.allow_recompute)
+        if s.config.allow_recompute and any(any(pc.recompute) for pc in pipes):
+            # Searcher.splits' second half, the splits without recomputation, only where their own floor
+            # (none's mode alone: every stage of such a split runs it) could still enter the finalists.
+            hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
+            plain = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint, recompute=False)
+            if plain is not None and results.may_enter(water_level([*ctx.pure, Group(plain, c)], total) + sync):
+                pipes = pipes + s.split_part(slots, mbs, recompute=False)
+        for pipe in pipes:
             groups = [*ctx.pure, Group(pipe, c)]
             if results.may_enter(water_level(groups, total)):
                 results.add(s.estimate(groups, mbs))

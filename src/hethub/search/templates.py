@@ -77,19 +77,26 @@ class Searcher:
         """
         key = (slots, mbs)
         if key not in self.book.splits:
+            first = self.split_part(slots, mbs, recompute=self.config.allow_recompute)
+            if self.config.allow_recompute and first and any(any(pc.recompute) for pc in first):
+                first = first + self.split_part(slots, mbs, recompute=False)
+            self.book.splits[key] = first
+        return self.book.splits[key]  # type: ignore[return-value]
+
+    def split_part(self, slots: tuple[Slot, ...], mbs: int, *, recompute: bool) -> list[PipeCost]:
+        """One half of `splits`: the splits with recomputation allowed, or those without any (cached);
+        the mixed search asks for the second only where its floor could still enter the finalists."""
+        key = (slots, mbs, recompute)
+        hit = self.book.splits.get(key)
+        if hit is None:
             hint = self.in_flight_hint(sum(sl.tp for sl in slots), mbs)
-            out: list[PipeCost] = []
             # Small clusters run few micro-batches per pipeline, where trading bottleneck for fill
             # and drain pays; large ones do not, and the variants would cost search time.
             slacks = (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
-            for rc in (True, False) if self.config.allow_recompute else (False,):
-                pipes = split_layers(self.book, slots, mbs=mbs, allow_recompute=rc, hops=self.links.pipe_hops,
-                                     in_flight_hint=hint, slacks=slacks)
-                out.extend(pipes)
-                if not pipes or not any(any(pc.recompute) for pc in pipes):
-                    break
-            self.book.splits[key] = out
-        return self.book.splits[key]  # type: ignore[return-value]
+            hit = self.book.splits[key] = split_layers(self.book, slots, mbs=mbs, allow_recompute=recompute,
+                                                       hops=self.links.pipe_hops, in_flight_hint=hint,
+                                                       slacks=slacks)
+        return hit  # type: ignore[return-value]
 
     def in_flight_hint(self, devices: int, mbs: int) -> int:
         """Micro-batches a pipeline of `devices` devices is sized for where the schedule holds all of
