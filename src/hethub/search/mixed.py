@@ -389,6 +389,12 @@ def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, 
     return lo
 
 
+def _is_shape(fam: Family, box: tuple) -> bool:
+    """Whether the box holds a single (replica count, stage counts) shape."""
+    clo, chi, lo, hi = box
+    return clo == chi and all(a == min(h, n // clo) for a, h, n in zip(lo, hi, fam.slots, strict=True))
+
+
 def _split(fam: Family, box: tuple) -> list[tuple]:
     """Two halves along the widest range (the replica count's, or a kind's stage count's)."""
     clo, chi, lo, hi = box
@@ -407,9 +413,11 @@ def _split(fam: Family, box: tuple) -> list[tuple]:
 def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[str, int]]], mbs: int) -> None:
     """Mixed candidates beside each (pure groups, pool of devices) in `todo`, best floor first.
 
-    Heap entries, each floor under the next: a box of shapes under its loose floor, then its tight
-    one, one shape's orders under the loose member floor (no memory), the tight one (with memory);
-    then the member's layer splits are priced. Once the lowest floor cannot enter the finalists, nothing left can.
+    Heap entries, each floor under the next: a box of shapes (one shape: under its loose floor, then
+    its tight one; a wider box only under the loose one, where the tight one gained little at 128
+    devices and doubled the box floors), one shape's orders under the loose member floor (no
+    memory), the tight one (with memory); then the member's layer splits are priced. Once the lowest
+    floor cannot enter the finalists, nothing left can.
     """
     total = s.total_mb(mbs)
     heap: list[tuple] = []
@@ -419,13 +427,13 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
         for fam, box in families(s, pool, mbs):
             level = _box_level(s, ctx, fam, box, mbs, refine=False)
             if level is not None:
-                heap.append((level, next(tie), -1, ctx, fam, box))
+                heap.append((level, next(tie), -1 if _is_shape(fam, box) else 0, ctx, fam, box))
     heapq.heapify(heap)
     while heap:
         level, _, stage, ctx, fam, item = heapq.heappop(heap)
         if not results.may_enter(level):
             break
-        if stage == -1:  # a box under its loose floor: the tight one only now that it could matter
+        if stage == -1:  # one shape under its loose floor: the tight one only now that it could matter
             lv = _box_level(s, ctx, fam, item, mbs)
             if lv is not None:
                 heapq.heappush(heap, (max(level, lv), next(tie), 0, ctx, fam, item))
@@ -436,7 +444,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                 for half in halves:
                     lv = _box_level(s, ctx, fam, half, mbs, refine=False)
                     if lv is not None:
-                        heapq.heappush(heap, (max(level, lv), next(tie), -1, ctx, fam, half))
+                        heapq.heappush(heap, (max(level, lv), next(tie), -1 if _is_shape(fam, half) else 0, ctx,
+                                              fam, half))
                 continue
             c, _, ns, _ = item
             for order in itertools.permutations(range(len(ns))):
