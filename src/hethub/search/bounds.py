@@ -286,6 +286,40 @@ def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: b
     return hit  # type: ignore[return-value]
 
 
+def _segment_terms(book: CostBook, kind: str, tp: int, n: int, mbs: int, first: bool, last: bool,
+                   n_modes: int) -> tuple[float, float, float, float, float, float]:
+    """pipe_floor's time terms of one segment of n stages (the pipeline's first and/or last or
+    neither): sum 1 / w_s, sum base_s / w_s, sum base_s, the least w, a middle stage's least one-layer
+    work and the least extra recomputation costs per layer (inf: none); cached per segment shape."""
+    key = ("segment-terms", kind, tp, n, mbs, first, last, n_modes)
+    hit = book.stage_floors.get(key)
+    if hit is None:
+        variants = _modes(book, kind, tp, mbs)[:n_modes]
+        mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
+        # The segment's stages by what they hold besides layers: the embedding (first stage of the
+        # pipeline), the head (its last), both (one stage), neither (the others).
+        if n == 1:
+            shapes = [(first, last, 1)]
+        else:
+            shapes = [(e, h, 1) for e, h in ((first, False), (False, last)) if e or h]
+            shapes.append((False, False, n - len(shapes)))
+        inv_w = base_over_w = base_sum = 0.0
+        w_min = math.inf
+        for emb, head, k in shapes:
+            if k == 0:
+                continue
+            costs = [v.work(emb=emb, head=head) for v in variants]
+            per_layer, base = min(c.per_layer for c in costs), min(c.base for c in costs)
+            inv_w += k / per_layer if per_layer > 0 else math.inf
+            base_over_w += k * base / per_layer if per_layer > 0 else 0.0
+            base_sum += k * base
+            w_min = min(w_min, per_layer)
+        wp, *wrs = [v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants]
+        wr = min(wrs, default=wp)
+        hit = book.stage_floors[key] = (inv_w, base_over_w, base_sum, w_min, mid, wr - wp if wr > wp else math.inf)
+    return hit  # type: ignore[return-value]
+
+
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
                mbs: int, *, memory: bool = True, in_flight_hint: int = 1, recompute: bool = True) -> PipeFloor | None:
     """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
@@ -327,32 +361,16 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     pos, extra_min, plain_total = 0, math.inf, 0.0
     one_layer = [0.0] * p  # a floor under each stage's work: middle stages hold at least one layer
     for kind, tp, n in segments:
-        variants = _modes(book, kind, tp, mbs)[:n_modes]
-        mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
-        for s in range(pos, pos + n):
-            if 0 < s < p - 1:
-                one_layer[s] = mid
-        # The segment's stages by what they hold besides layers: the embedding (first stage of the
-        # pipeline), the head (its last), both (one stage), neither (k of them).
-        ends = {(s == 0, s == p - 1) for s in (pos, pos + n - 1)} - {(False, False)}
-        shapes = [(emb, head, 1) for emb, head in ends]
-        middle = n - len({s for s in (pos, pos + n - 1) if s in (0, p - 1)})
-        if middle:
-            shapes.append((False, False, middle))
-        for emb, head, k in shapes:
-            cost = book.stage_floors.get((kind, tp, mbs, emb, head, n_modes))
-            if cost is None:
-                costs = [v.work(emb=emb, head=head) for v in variants]
-                cost = book.stage_floors[(kind, tp, mbs, emb, head, n_modes)] = (min(c.per_layer for c in costs),
-                                                                        min(c.base for c in costs))
-            inv_w += k / cost[0] if cost[0] > 0 else math.inf
-            base_over_w += k * cost[1] / cost[0] if cost[0] > 0 else 0.0
-            base_sum += k * cost[1]
-            w_min = min(w_min, cost[0])
-        wp, *wrs = [v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants]
-        wr = min(wrs, default=wp)
-        if wr > wp:
-            extra_min = min(extra_min, wr - wp)
+        d_inv, d_bow, d_base, seg_w_min, mid, extra = _segment_terms(book, kind, tp, n, mbs, pos == 0, pos + n == p,
+                                                                     n_modes)
+        inv_w += d_inv
+        base_over_w += d_bow
+        base_sum += d_base
+        w_min = min(w_min, seg_w_min)
+        extra_min = min(extra_min, extra)
+        lo_mid, hi_mid = max(pos, 1), min(pos + n, p - 1)
+        if hi_mid > lo_mid:
+            one_layer[lo_mid:hi_mid] = [mid] * (hi_mid - lo_mid)
         if not memory:
             pos += n
             continue
