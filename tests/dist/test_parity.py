@@ -160,3 +160,13 @@ def test_tp_split_inter_stage_send(schedule: str) -> None:
     assert all(topo.place(r).split_in and not topo.place(r).split_out for r in second)
     assert not any(topo.place(r).split_in for r in third)
     check(plan)
+
+
+@SCHEDULES
+def test_replicas_with_different_micro_batch_sizes(schedule: str) -> None:
+    """Per-replica micro-batch sizes (the planner may give a memory-poor kind mbs 1 beside a rich kind
+    at mbs 4): 4 x 1 samples on the slow kind, 2 x 4 on the fast one, unequal shares and layer splits;
+    gradients are weighted by samples, not by micro-batches or replicas."""
+    plan = make_plan([(1, 4, [(S, 1, 6)]), (4, 2, [(F, 1, 2), (F, 1, 4)])], schedule=schedule)
+    assert sorted(p.micro_batch_size for p in plan.pipelines) == [1, 4]
+    check(plan)
