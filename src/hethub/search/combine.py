@@ -248,3 +248,112 @@ def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: Mode
     gs = [g for g, _ in kept]
     step = step_time_s(gs, [g.pipe.time_s(max(c)) for g, c in kept], links=links, model=model, precision=precision)
     return Estimate(groups=tuple(gs), micro_batches=tuple(c for _, c in kept), step_time_s=step)
+
+
+# Groups of different micro-batch sizes (per-replica micro-batch sizes): the batch is split in samples.
+# A group's pipelines finish a_i + k b_i after k micro-batches of u_i = pipe.mbs samples each; every
+# function below reduces to its micro-batch counterpart above when all groups share one size.
+
+
+def water_level_samples(groups: list[Group], total_samples: int) -> float:
+    """The smallest T by which the groups' pipelines can finish `total_samples` samples (each finish
+    a_i + k b_i adding u_i samples per pipeline): `water_level` weighted by micro-batch size. A floor
+    under any allocation's makespan, reached by `allocate_samples` unless sizes force an overshoot."""
+    gs = sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count * g.pipe.mbs) for g in groups if g.count > 0)
+    if not gs or total_samples < 1:
+        return math.inf
+    slope = offset = 0.0
+    for i, (a, b, w) in enumerate(gs):
+        slope += w / b
+        offset += w * a / b
+        level = (total_samples + offset) / slope
+        if i + 1 == len(gs) or level <= gs[i + 1][0]:
+            break
+    have, heap = 0, []
+    for i, (a, b, w) in enumerate(gs):
+        k = max(0, math.floor((level - a) / b) - 1)
+        have += w * k
+        heap.append((a + (k + 1) * b, i, k + 1))
+    heapq.heapify(heap)
+    while True:
+        t, i, k = heapq.heappop(heap)
+        have += gs[i][2]
+        if have >= total_samples:
+            return t
+        heapq.heappush(heap, (gs[i][0] + (k + 1) * gs[i][1], i, k + 1))
+
+
+def allocate_samples(groups: list[Group], total_samples: int) -> tuple[list[list[int]], float] | None:
+    """Micro-batches per pipeline whose samples sum to exactly `total_samples`, minimising the latest
+    finish as far as the sizes allow: every pipeline filled to the water level, then the overshoot
+    settled in whole micro-batches (`_settle_samples`). None where the sizes cannot sum to it."""
+    groups = [g for g in groups if g.count > 0]
+    if not groups or total_samples < 1:
+        return None
+    level = water_level_samples(groups, total_samples) * (1 + 1e-12)
+    counts = [[min(-(-total_samples // g.pipe.mbs), max(0, math.floor((level - g.pipe.base_s) / g.pipe.per_mb_s)))]
+              * g.count for g in groups]
+    if not _settle_samples(groups, counts, total_samples):
+        return None
+    makespan = max((g.pipe.time_s(m) for g, cs in zip(groups, counts, strict=True) for m in cs if m > 0),
+                   default=math.inf)
+    return [[m for m in cs if m > 0] for cs in counts], makespan
+
+
+def _settle_samples(groups: list[Group], counts: list[list[int]], total_samples: int) -> bool:
+    """`_settle` in samples: take micro-batches (of at most the surplus) from the pipelines finishing
+    last; where only larger ones remain, take the smallest of those and give the difference back in
+    micro-batches of at most the deficit to those whose finish grows least. False where no size fits
+    the deficit (sizes that do not divide each other)."""
+    units = [g.pipe.mbs for g in groups]
+    excess = sum(u * sum(cs) for u, cs in zip(units, counts, strict=True)) - total_samples
+    if excess > 0:
+        heap = [(-groups[i].pipe.time_s(m), i, j) for i, cs in enumerate(counts) for j, m in enumerate(cs) if m > 0]
+        heapq.heapify(heap)
+        larger = []
+        while excess > 0 and heap:
+            t, i, j = heapq.heappop(heap)
+            if units[i] > excess:
+                larger.append((units[i], t, i, j))
+                continue
+            counts[i][j] -= 1
+            excess -= units[i]
+            if counts[i][j] > 0:
+                heapq.heappush(heap, (-groups[i].pipe.time_s(counts[i][j]), i, j))
+        if excess > 0:  # only micro-batches larger than the surplus are left: the smallest, latest first
+            _, _, i, j = min(larger)
+            counts[i][j] -= 1
+            excess -= units[i]
+    if excess < 0:
+        heap = [(groups[i].pipe.time_s(m + 1), i, j) for i, cs in enumerate(counts) for j, m in enumerate(cs)]
+        heapq.heapify(heap)
+        while excess < 0:
+            if not heap:
+                return False
+            _, i, j = heapq.heappop(heap)
+            if units[i] > -excess:
+                continue  # the deficit only shrinks: this pipeline can take nothing more
+            counts[i][j] += 1
+            excess += units[i]
+            heapq.heappush(heap, (groups[i].pipe.time_s(counts[i][j] + 1), i, j))
+    return True
+
+
+def estimate_samples(groups: list[Group], *, total_samples: int, links: LinkBook, model: ModelSpec,
+                     precision: str) -> Estimate | None:
+    """`estimate` for groups that may differ in micro-batch size (the global batch in samples)."""
+    groups = [g for g in groups if g.count > 0]
+    sizes = {g.pipe.mbs for g in groups}
+    if len(sizes) <= 1:
+        if not groups or total_samples % groups[0].pipe.mbs:
+            return None
+        return estimate(groups, total_mb=total_samples // groups[0].pipe.mbs, links=links, model=model,
+                        precision=precision)
+    alloc = allocate_samples(groups, total_samples)
+    if alloc is None:
+        return None
+    counts, _ = alloc
+    kept = [(Group(g.pipe, len(c)), tuple(c)) for g, c in zip(groups, counts, strict=True) if c]
+    gs = [g for g, _ in kept]
+    step = step_time_s(gs, [g.pipe.time_s(max(c)) for g, c in kept], links=links, model=model, precision=precision)
+    return Estimate(groups=tuple(gs), micro_batches=tuple(c for _, c in kept), step_time_s=step)

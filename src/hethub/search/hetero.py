@@ -18,7 +18,7 @@ import itertools
 import math
 from collections.abc import Callable
 
-from hethub.search.combine import Estimate, Group, water_level
+from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples
 from hethub.search.mixed import price_mixed
 from hethub.search.split import PipeCost
 from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
@@ -28,10 +28,10 @@ SMALL_POOL = 32  # devices up to which mixed pipelines may also take one release
 MBS_KEEP = 0.9
 
 
-def _top_distinct(ranked: list[Ranked], n: int) -> list[Ranked]:
+def _top_distinct(ranked: list[Ranked], n: int, *, by_size: bool = False) -> list[Ranked]:
     out, seen = [], set()
     for r in ranked:
-        key = (r.pipe.slots[0].tp, len(r.pipe.slots), any(r.pipe.recompute))
+        key = (r.pipe.slots[0].tp, len(r.pipe.slots), any(r.pipe.recompute), r.pipe.mbs if by_size else 0)
         if key not in seen and r.rate > 0:
             seen.add(key)
             out.append(r)
@@ -67,13 +67,13 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     results = Results(s.config.finalists + s.config.top_k, fits=s.fits)
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
-    for mbs in _promising_mbs(s, kinds_alone=kinds_alone):
-        if kinds_alone:
-            for k in kinds:
-                exact = _alone(s, results, k, mbs)
-                if exact is not None and (k not in solo or exact.step_time_s < solo[k].step_time_s):
-                    solo[k] = exact
-            continue
+    if kinds_alone:
+        for k in kinds:
+            solo_k = _alone_all_sizes(s, results, k)
+            if solo_k is not None:
+                solo[k] = solo_k
+    sizes = [] if kinds_alone else _promising_mbs(s)
+    for mbs in sizes:
         ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
         tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
         base: list[tuple[float, Estimate | None, list[tuple[str, Ranked | None]]]] = []
@@ -101,6 +101,7 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
         for _, _, choice in chosen:
             todo += _mixed_around(s, choice)
         price_mixed(s, results, todo, mbs)
+    _per_replica_sizes(s, results, sizes)
     results.items.sort(key=lambda e: e.step_time_s)
     # The best single-group plan of each kind is always a finalist: its closed form is the predictor's
     # (identical pipelines), whereas a candidate with leftover fill can be rated a few % high.
@@ -113,7 +114,63 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     return items
 
 
-def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> Estimate | None:
+def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
+    """Kind-pure choices whose kinds run different micro-batch sizes (a memory-poor kind at 1 beside
+    a rich one at 4): every choice of one of each kind's top templates over all `sizes` (or none),
+    replicated over the kind, leftovers filled at the template's size, the batch split in samples.
+    Choices of one size were priced by the per-size search above. Templates are rated in samples/s
+    per device whatever their size, so one ranking serves. Mixed pipelines stay at one size per
+    candidate (those beside pure groups of other sizes are not searched)."""
+    if len(sizes) < 2:
+        return
+    kinds = list(s.counts)
+    tops = {}
+    for k in kinds:
+        ranked = sorted((r for b in sizes for r in s.pure(k, b, share=s.share[k])), key=lambda r: -r.rate)
+        tops[k] = _top_distinct(ranked, TOP_PER_KIND, by_size=True)
+    fills: dict[tuple[str, int, int], list[Group]] = {}
+    for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
+        used = [(k, r) for k, r in zip(kinds, choice, strict=True) if r is not None]
+        if len({r.pipe.mbs for _, r in used}) < 2:
+            continue
+        groups: list[Group] = []
+        for k, r in used:
+            d = r.pipe.num_devices
+            c = s.counts[k] // d
+            key = (k, r.pipe.mbs, s.counts[k] - c * d)
+            if key not in fills:
+                fills[key] = _fill(s, k, r.pipe.mbs, s.share[k], key[2])[0]
+            groups += [Group(r.pipe, c), *fills[key]]
+        if results.may_enter(water_level_samples(groups, s.config.global_batch)):
+            results.add(estimate_samples(groups, total_samples=s.config.global_batch, links=s.links, model=s.model,
+                                         precision=s.config.precision))
+
+
+def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | None:
+    """The kind's best single-group plan over every usable micro-batch size. Sizes are tried best
+    template rate first; a size is skipped only where every device at its best template rate (or
+    rate bound) is below a plan found at an earlier size: `_alone`'s own stopping rule, so no size
+    is left out on a heuristic (before, sizes under 90 % of the best rate were, on more than 32
+    devices). The bound (planner.merged_bound) reads these plans."""
+    sizes = list(s.config.usable_micro_batch_sizes)
+
+    def top(b: int) -> float:
+        return max([r.rate for r in s.pure(kind, b, share=1.0)] + [x for _, _, x in s.skipped(kind, b, share=1.0)]
+                   + [0.0])
+
+    exact: Estimate | None = None
+    best = 0.0
+    for b in sorted(sizes, key=lambda b: -top(b)):
+        if top(b) * s.counts[kind] < best * (1 - 1e-9):
+            continue
+        found, best_b = _alone(s, results, kind, b)
+        best = max(best, best_b)
+        if found is not None and (exact is None or found.step_time_s < exact.step_time_s):
+            exact = found
+    return exact
+
+
+def _alone(s: Searcher, results: Results, kind: str, mbs: int, *, best: float = 0.0) -> tuple[Estimate | None, float]:
     """Every template of one kind (replicated over the kind, leftovers filled), not just the top few.
 
     Templates are rated per *used* device, so a slightly slower one that divides the kind's devices
@@ -142,7 +199,7 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> Estimate | Non
     for j, (tp, p, bound) in enumerate(skipped):
         heap.append((-optimistic(bound, tp * p), len(ranked) + j, (tp, p)))
     heapq.heapify(heap)
-    tie, best, seen = len(heap), 0.0, set()
+    tie, seen = len(heap), set()
     while heap:
         opt, _, item = heapq.heappop(heap)
         if -opt < best * (1 - 1e-9):
@@ -174,16 +231,16 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> Estimate | Non
                 best = max(best, total / alone.step_time_s)
         if est is not None and len(est.groups) == 1 and (exact is None or est.step_time_s < exact.step_time_s):
             exact = est
-    return exact
+    return exact, best
 
 
-def _promising_mbs(s: Searcher, *, kinds_alone: bool) -> list[int]:
+def _promising_mbs(s: Searcher) -> list[int]:
     """Micro-batch sizes worth combining: on large clusters, those within MBS_KEEP of some kind's best
     pure-template rate (the combination search costs far more than the template scan)."""
     sizes = list(s.config.usable_micro_batch_sizes)
     if sum(s.counts.values()) <= SMALL_POOL:
         return sizes
-    best = {(k, b): max((r.rate for r in s.pure(k, b, share=1.0 if kinds_alone else s.share[k])), default=0.0)
+    best = {(k, b): max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0)
             for k in s.counts for b in sizes}
     top = {k: max(best[(k, b)] for b in sizes) for k in s.counts}
     return [b for b in sizes if any(top[k] > 0 and best[(k, b)] >= MBS_KEEP * top[k] for k in s.counts)]
