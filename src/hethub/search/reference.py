@@ -19,7 +19,10 @@ memory-free one to order them, the tight one before splitting) cannot get among 
 not priced (the step only adds syncs and updates to the makespan). To skip even the makespan of
 most combinations, each kind's few best pure templates are priced first; their finalists' step is
 a bound, and a combination whose pipelines cannot finish the global batch's micro-batches by it
-(counted per group, erring upwards) is dropped before its water level is computed. It is
+(counted per group, erring upwards) is dropped before its water level is computed. A combination
+that may enter by its water level is priced only if it may also by the level plus `_PostFloor`,
+a floor under what the step adds after the makespan (the barriers, the slowest single stage's
+gradient syncs, the largest update). It is
 exponential in the number of kinds: use it on small instances (tests/unit/test_reference_search.py).
 """
 
@@ -31,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from hethub.plan import Plan
+from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.search.bounds import PipeFloor, pipe_floor
@@ -40,7 +44,7 @@ from hethub.search.hetero import Results
 from hethub.search.planner import _plans, _score
 from hethub.search.split import PipeCost, Slot
 from hethub.search.templates import Searcher
-from hethub.spec.cluster import Cluster
+from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
 SEED_PER_KIND = 4  # templates per kind whose pure combinations are priced first, to set the bound
@@ -65,6 +69,8 @@ def reference_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         seeded = _seed(s, results, pure, total, mbs)
         bound = _bound(results)
         mixed: dict[tuple[str, ...], _Options] = {}
+        floors: dict[tuple, PipeFloor | None] = {}  # memory-free floors by segments, for every _Options
+        tights: dict[tuple, PipeFloor | None] = {}  # the tight ones
         combos: list[tuple[float, list[Group], tuple | None, int]] = []
         for choice in itertools.product(*[range(-1, len(p)) for p in pure]):
             groups = [pure[i][j] for i, j in enumerate(choice) if j >= 0]
@@ -74,22 +80,29 @@ def reference_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
             unused = tuple(k for k, j in zip(kinds, choice, strict=True) if j < 0)
             opts = mixed.get(unused)
             if opts is None:
-                opts = mixed[unused] = _Options(s, unused, mbs, bound, total)
+                opts = mixed[unused] = _Options(s, unused, mbs, bound, total, floors)
             for floor, segs, c in opts.able(total - have):
                 combos.append((water_level([*groups, Group(floor, c)], total), groups, segs, c))
         combos.sort(key=lambda x: x[0])
+        post = _PostFloor(s)
         for level, groups, segs, c in combos:
             if not results.may_enter(level):
                 break
             if segs is None:
-                results.add(s.estimate(groups, mbs))
+                if results.may_enter(level + post(groups, level)):
+                    results.add(s.estimate(groups, mbs))
                 continue
-            tight = pipe_floor(s.book, s.links, segs, mbs)  # memory included: tighter, and None if nothing fits
+            if not results.may_enter(level + post(groups, level)):  # the mixed group only adds to it
+                continue
+            if segs not in tights:  # memory included: tighter, and None if nothing fits
+                tights[segs] = pipe_floor(s.book, s.links, segs, mbs)
+            tight = tights[segs]
             if tight is None or not results.may_enter(water_level([*groups, Group(tight, c)], total)):
                 continue
             for pipe in s.mixed(segs, mbs):
                 gs = [*groups, Group(pipe, c)]
-                if results.may_enter(water_level(gs, total)):
+                level = water_level(gs, total)
+                if results.may_enter(level) and results.may_enter(level + post(gs, level)):
                     results.add(s.estimate(gs, mbs))
     results.items.sort(key=lambda e: e.step_time_s)
     scored = _score(_plans(s, results.items, config=config, strategy="reference"), profiles)
@@ -141,8 +154,8 @@ class _Options:
     (looser, cheap; the tight one is paid for only by combinations that may enter), ordered by how
     many micro-batches they finish by the bound, most first."""
 
-    def __init__(self, s: Searcher, kinds: tuple[str, ...], mbs: int, bound_s: float, total: int) -> None:
-        floors: dict[tuple, PipeFloor | None] = {}
+    def __init__(self, s: Searcher, kinds: tuple[str, ...], mbs: int, bound_s: float, total: int,
+                 floors: dict[tuple, PipeFloor | None]) -> None:
         items = []
         for segs, c in _mixed_options(s, list(kinds)):
             if segs not in floors:
@@ -180,3 +193,101 @@ def _mixed_options(s: Searcher, kinds: list[str]) -> list[tuple[tuple, int]]:
                         for order in itertools.permutations(range(size)):
                             out.append((tuple((subset[i], tps[i], ns[i]) for i in order), c))
     return out
+
+
+class _PostFloor:
+    """A floor under what `combine.step_time_s` adds after the makespan, for groups whose makespan
+    (the `water_level`, which `allocate` reaches) is ``level``.
+
+    Why it is one: the groups whose first micro-batch finishes below the level (``kept``, less a
+    1e-9 margin) get micro-batches; others may too, which only adds replicas, devices, kinds and
+    smaller TP degrees, and each of those makes the terms below no smaller. After the makespan the
+    step runs a world barrier (the loss), the gradient syncs, a second barrier (the norm), then each
+    stage's update; both barriers leave every stage at one time, so the step is at least the level
+    plus two world all-reduces plus the largest update plus, for any one stage, the rings it takes
+    part in one after another (embedding, each of its layers, head). Each ring is priced no faster
+    than it can be: its holders are one stage per kept group, so their kinds include every kept
+    kind-pure group's kind and the stage's own (`LinkBook.replicas` over them, or a kind's fastest
+    link where that set is one kind within a node), and their smallest TP degree is at most the
+    stage's and the kind-pure groups'."""
+
+    def __init__(self, s: Searcher) -> None:
+        self.s = s
+        self.gb = ModelSpec.state_bytes_per_param(s.config.precision)["grads"]
+        m = s.model
+        vh = m.vocab_size * m.hidden_size
+        self.layer = (m.layer_matmul_params, m.layer_params - m.layer_matmul_params)
+        self.emb = (vh, m.embedding_params - vh)
+        self.head = (0 if m.tied_embeddings else vh, m.final_norm_params)
+        self.tied = m.tied_embeddings
+        self._links: dict[tuple, Link] = {}
+        # By object ids (PipeCost hashes its tuples each time); the values hold the keys' objects.
+        self._chains: dict[tuple, tuple[float, object]] = {}  # a pipe's longest single-stage sync chain
+        self._floors: dict[tuple, tuple[float, object]] = {}  # the floor, by the kept groups
+        self._worlds: dict[tuple, float] = {}  # a world all-reduce by (stages, kinds, devices)
+
+    def __call__(self, groups: list[Group], level: float) -> float:
+        kept = tuple(g for g in groups if g.pipe.base_s + g.pipe.per_mb_s < level * (1 - 1e-9))
+        if not kept:
+            return 0.0
+        key = tuple((id(g.pipe), g.count) for g in kept)
+        hit = self._floors.get(key)
+        if hit is None:
+            hit = self._floors[key] = (self._floor(kept), kept)
+        return hit[0]
+
+    def _floor(self, kept: tuple[Group, ...]) -> float:
+        replicas = sum(g.count for g in kept)
+        devices = sum(g.count * g.pipe.num_devices for g in kept)
+        kinds = frozenset().union(*[g.pipe.kinds for g in kept])
+        stages = sum(g.count * len(g.pipe.layers) for g in kept)
+        key = (stages, kinds, devices)
+        world_s = self._worlds.get(key)
+        if world_s is None:
+            world_s = self._worlds[key] = small_allreduce_time_s(
+                nbytes=8.0, participants=stages, link=self.s.links.replicas(kinds, devices=devices))
+        out = 2 * world_s + max(max(g.pipe.update_s) for g in kept)
+        if replicas > 1:
+            pure = [g.pipe for g in kept if len(g.pipe.kinds) == 1]
+            pure_kinds = frozenset().union(*[p.kinds for p in pure])
+            pure_tp = min([sl.tp for p in pure for sl in p.slots], default=None)
+            chain = 0.0
+            for g in kept:
+                key = (id(g.pipe), replicas, devices, pure_kinds, pure_tp)
+                hit = self._chains.get(key)
+                if hit is None:
+                    hit = self._chains[key] = (self._chain(g.pipe, replicas, devices, pure_kinds, pure_tp), g.pipe)
+                chain = max(chain, hit[0])
+            out += chain
+        return out * (1 - 1e-9)
+
+    def _chain(self, pipe, replicas: int, devices: int, pure_kinds: frozenset[str], pure_tp: int | None) -> float:
+        last = len(pipe.slots) - 1
+        out = 0.0
+        for i, (sl, n) in enumerate(zip(pipe.slots, pipe.layers, strict=True)):
+            link = self._link(pure_kinds | {sl.kind}, sl.kind, devices)
+            tp = sl.tp if pure_tp is None else min(sl.tp, pure_tp)
+
+            def ring(params: tuple[float, float], link=link, tp=tp) -> float:
+                return allreduce_time_s(nbytes=(params[0] / tp + params[1]) * self.gb, participants=replicas, link=link)
+
+            t = n * ring(self.layer)
+            if i == 0 or (self.tied and i == last):
+                t += ring(self.emb)
+            if i == last:
+                t += ring(self.head)
+            out = max(out, t)
+        return out
+
+    def _link(self, kinds: frozenset[str], own: str, devices: int) -> Link:
+        key = (kinds, devices)
+        link = self._links.get(key)
+        if link is None:
+            lb = self.s.links
+            if len(kinds) == 1 and devices <= lb.node_size[own]:  # intra-node, or a superset's pairs
+                a, b = lb.intra(own), lb.between(own, own)
+                link = Link(max(a.bw_bytes_per_s, b.bw_bytes_per_s), min(a.latency_s, b.latency_s))
+            else:  # the slowest pair over these kinds; more kinds only add pairs
+                link = lb.replicas(kinds, devices=devices)
+            self._links[key] = link
+        return link
