@@ -116,26 +116,31 @@ def water_level(groups: list, total_mb: int) -> float:
     one below that point gives the answer in O(groups log groups). `groups` holds `Group`s of
     anything with base_s and per_mb_s (a PipeCost or a bounds.PipeFloor).
     """
-    gs = sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count) for g in groups if g.count > 0)
-    if not gs or total_mb < 1:
+    return _filled_level(sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count) for g in groups if g.count > 0), total_mb)
+
+
+def _filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
+    """The `total`-th unit finished over pipelines (a, b, w) sorted by a: finish k at a + k b adds w
+    units. Shared by `water_level` (w = pipelines) and `water_level_samples` (w = their samples)."""
+    if not gs or total < 1:
         return math.inf
     slope = offset = 0.0
-    for i, (a, b, c) in enumerate(gs):  # the continuous level, adding pipelines once it passes their start
-        slope += c / b
-        offset += c * a / b
-        level = (total_mb + offset) / slope
+    for i, (a, b, w) in enumerate(gs):  # the continuous level, adding pipelines once it passes their start
+        slope += w / b
+        offset += w * a / b
+        level = (total + offset) / slope
         if i + 1 == len(gs) or level <= gs[i + 1][0]:
             break
     have, heap = 0, []
-    for i, (a, b, c) in enumerate(gs):
+    for i, (a, b, w) in enumerate(gs):
         k = max(0, math.floor((level - a) / b) - 1)  # one below, in case rounding put the floor one up
-        have += c * k
+        have += w * k
         heap.append((a + (k + 1) * b, i, k + 1))
     heapq.heapify(heap)
     while True:
         t, i, k = heapq.heappop(heap)
         have += gs[i][2]
-        if have >= total_mb:
+        if have >= total:
             return t
         heapq.heappush(heap, (gs[i][0] + (k + 1) * gs[i][1], i, k + 1))
 
@@ -259,28 +264,8 @@ def water_level_samples(groups: list[Group], total_samples: int) -> float:
     """The smallest T by which the groups' pipelines can finish `total_samples` samples (each finish
     a_i + k b_i adding u_i samples per pipeline): `water_level` weighted by micro-batch size. A floor
     under any allocation's makespan, reached by `allocate_samples` unless sizes force an overshoot."""
-    gs = sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count * g.pipe.mbs) for g in groups if g.count > 0)
-    if not gs or total_samples < 1:
-        return math.inf
-    slope = offset = 0.0
-    for i, (a, b, w) in enumerate(gs):
-        slope += w / b
-        offset += w * a / b
-        level = (total_samples + offset) / slope
-        if i + 1 == len(gs) or level <= gs[i + 1][0]:
-            break
-    have, heap = 0, []
-    for i, (a, b, w) in enumerate(gs):
-        k = max(0, math.floor((level - a) / b) - 1)
-        have += w * k
-        heap.append((a + (k + 1) * b, i, k + 1))
-    heapq.heapify(heap)
-    while True:
-        t, i, k = heapq.heappop(heap)
-        have += gs[i][2]
-        if have >= total_samples:
-            return t
-        heapq.heappush(heap, (gs[i][0] + (k + 1) * gs[i][1], i, k + 1))
+    return _filled_level(sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count * g.pipe.mbs) for g in groups if g.count > 0),
+                         total_samples)
 
 
 def allocate_samples(groups: list[Group], total_samples: int) -> tuple[list[list[int]], float] | None:
