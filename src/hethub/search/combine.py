@@ -248,7 +248,12 @@ def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: Mode
     alloc = allocate(groups, total_mb)
     if alloc is None:
         return None
-    counts, _ = alloc
+    return _priced(groups, alloc[0], links=links, model=model, precision=precision)
+
+
+def _priced(groups: list[Group], counts: list[list[int]], *, links: LinkBook, model: ModelSpec,
+            precision: str) -> Estimate:
+    """The Estimate of an allocation (micro-batches per pipeline; pipelines given none dropped)."""
     kept = [(Group(g.pipe, len(c)), tuple(c)) for g, c in zip(groups, counts, strict=True) if c]
     gs = [g for g, _ in kept]
     step = step_time_s(gs, [g.pipe.time_s(max(c)) for g, c in kept], links=links, model=model, precision=precision)
@@ -337,8 +342,4 @@ def estimate_samples(groups: list[Group], *, total_samples: int, links: LinkBook
     alloc = allocate_samples(groups, total_samples)
     if alloc is None:
         return None
-    counts, _ = alloc
-    kept = [(Group(g.pipe, len(c)), tuple(c)) for g, c in zip(groups, counts, strict=True) if c]
-    gs = [g for g, _ in kept]
-    step = step_time_s(gs, [g.pipe.time_s(max(c)) for g, c in kept], links=links, model=model, precision=precision)
-    return Estimate(groups=tuple(gs), micro_batches=tuple(c for _, c in kept), step_time_s=step)
+    return _priced(groups, alloc[0], links=links, model=model, precision=precision)
