@@ -44,9 +44,9 @@ class KernelParams:
     k_half: float  # fitted: K at which the K-saturation curve of a 128 x 128 tile is at one half
     mem_eff: float  # fitted: fraction of mem_bw element-wise kernels reach
     launch_s: float  # fitted: host time to dispatch one kernel (eager PyTorch)
-    # fitted where TP groups were measured: host time of one TP collective beyond a kernel launch (the
-    # process group's NCCL launch: stream waits, events, the proxy hand-off) plus the wait for the
-    # slowest rank at its synchronisation point; 0 where the predictor prices TP collectives itself
+    # fitted where TP groups were measured: GPU time one TP collective waits for the group's slowest
+    # rank before its ring runs (the profiler's ranks drift apart between layers); 0 where the
+    # predictor prices TP collectives itself
     collective_wait_s: float = 0.0
 
 

@@ -211,8 +211,7 @@ def smallest_holding(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]
     below it: a floor). A stage holds j layers within B iff some mode with capacity >= j has
     base + j w <= B, so t(j) = min over those modes of base + j w, nondecreasing in j, is when it
     can first hold j (j = 0: its base; before that it counts -1, as it cannot run at all); walk those
-    times in order from lo until the stages hold L. Exact, where a bisection stopped below it. None:
-    they never hold L."""
+    times in order from lo until the stages hold L. Exact. None: they never hold L."""
     heap, total, floor = [], 0, math.floor
     for g, (k, modes) in enumerate(caps):
         x = -1
@@ -334,9 +333,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     split.split_layers sizes it (the schedule's planning_in_flight: 1F1B p - s at position s; GPipe
     the pipeline's ``in_flight_hint``, 1 by default), so a stage's whole layer count under B is at
     most max_v min(cap_v, floor((B - base_v) / w_v)), and B is at least the smallest value where those
-    reach L in total (bisection; no fit at all: None). Until 2026-12-02 the floor took one
-    "recomputing" mode at full's capacity and selective's cost (costs.RecomputeFloor), 1.2-1.8x below
-    the splits where only full recomputation fits; per mode it is exact per stage.
+    reach L in total (`smallest_holding`; no fit at all: None); per mode it is exact per stage.
     Layers beyond what the stages hold without recomputation are recomputed at least at the smallest
     extra cost per layer. The work of one micro-batch is at least sum base_s + L min w_s (+ that extra),
     and at least B. T(m) = work + 2 sum p2p + (m - 1) B.

@@ -170,7 +170,7 @@ def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | Non
     return exact
 
 
-def _alone(s: Searcher, results: Results, kind: str, mbs: int, *, best: float = 0.0) -> tuple[Estimate | None, float]:
+def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate | None, float]:
     """Every template of one kind (replicated over the kind, leftovers filled), not just the top few.
 
     Templates are rated per *used* device, so a slightly slower one that divides the kind's devices
@@ -179,7 +179,7 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int, *, best: float = 
     r c d + r_max (n - c d) samples/s (the leftover devices at the best rate of any template), so
     templates are tried best optimistic value first until that value is below the best estimate found;
     templates the scan skipped enter with their rate bound (bounds.rate_bound) in place of r and are
-    split only when that could win.
+    split only when that could win. Returns the best single-group plan and the best rate found.
     """
     n, total = s.counts[kind], s.config.global_batch
     exact: Estimate | None = None
@@ -199,7 +199,7 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int, *, best: float = 
     for j, (tp, p, bound) in enumerate(skipped):
         heap.append((-optimistic(bound, tp * p), len(ranked) + j, (tp, p)))
     heapq.heapify(heap)
-    tie, seen = len(heap), set()
+    tie, best, seen = len(heap), 0.0, set()
     while heap:
         opt, _, item = heapq.heappop(heap)
         if -opt < best * (1 - 1e-9):
