@@ -9,7 +9,7 @@ import sys
 from hethub.errors import missing_extra
 
 try:
-    from hethub.runtime.train import main, parse_args
+    from hethub.runtime.train import exit_rank, main, parse_args
 except ModuleNotFoundError as _err:  # torch is the train extra: say so instead of a traceback
     _missing = missing_extra(_err, what="'python -m hethub.train'")
     if _missing is None:
@@ -22,4 +22,4 @@ except ModuleNotFoundError as _err:  # torch is the train extra: say so instead 
 __all__ = ["main", "parse_args"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -55,7 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hethub-errors-") as errors:
         proc = launch_local(plan_path, nproc=plan.world_size, steps=rank_args.steps, metrics=rank_args.metrics,
                             extra_args=extra, error_dir=errors)
-        if proc.returncode != 0:
+        if proc.returncode != 0 and not _finished_anyway(Path(errors), world=plan.world_size,
+                                                         returncode=proc.returncode):
             raise _rank_failure(Path(errors), proc.returncode)
     if rank_args.metrics:
         print(f"metrics written to {rank_args.metrics}")
@@ -70,6 +71,23 @@ def _check_not_locked(root) -> None:
     if not (root / LOCK).exists():
         return
     os.close(lock_dir(root))  # raises CheckpointError naming the holder; else released at once
+
+
+def _finished_anyway(errors, *, world: int, returncode: int) -> bool:
+    """True when every rank passed the final barrier (its ``rank-N.done`` marker) and none reported
+    an error: the failing exit came from a process's teardown, after the checkpoint and metrics were
+    written. Say so instead of failing the finished run."""
+    import sys
+
+    from hethub.runtime.train_args import done_marker
+
+    done = all(done_marker(errors, r).is_file() for r in range(world))
+    if not done or any(errors.glob("rank-*.json")):
+        return False
+    print(f"hethub train: warning: every rank finished training, then a rank process exited with code "
+          f"{returncode} while shutting down (its output is above); the run's outputs are complete.",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def _rank_failure(errors, returncode: int):

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,7 @@ from hethub.runtime.devices import (
 )
 from hethub.runtime.elastic import init_process_group, maybe_inject_fault, replan_path, shrunk_plan
 from hethub.runtime.optim import OptimConfig
-from hethub.runtime.train_args import parse_rank_args
+from hethub.runtime.train_args import done_marker, parse_rank_args
 from hethub.runtime.trainer import Trainer, TrainerConfig
 
 
@@ -134,8 +136,21 @@ def run(args: argparse.Namespace) -> None:
         # is in flight can abort that peer (seen rarely as "terminate called without an active
         # exception").
         comm.barrier()
+        _mark_done(rank)
     finally:
         dist.destroy_process_group()
+
+
+def _mark_done(rank: int) -> None:
+    """Under ``hethub train`` (HETHUB_ERROR_DIR set): leave ``rank-N.done`` once every rank has
+    finished training (after the final barrier), so the launcher can tell a process that aborted in
+    its teardown, with every output written, from one that failed."""
+    folder = os.environ.get("HETHUB_ERROR_DIR")
+    if folder:
+        try:
+            done_marker(folder, rank).touch()
+        except OSError:
+            pass  # the launcher then treats a failing exit as a failure, the safe side
 
 
 _HELD_LOCKS: list[int] = []
@@ -229,5 +244,20 @@ def report_rank_error(err: HethubError) -> None:
     print(f"hethub.train: error (rank {rank}): {err}", file=sys.stderr, flush=True)
 
 
+def exit_rank(code: int) -> NoReturn:
+    """End this rank's process with ``code``, skipping interpreter finalization.
+
+    destroy_process_group() in run() does not stop every gloo thread: a group the communicator still
+    references keeps its worker and transport threads until finalization frees it, in an order torch
+    does not control, and a rank occasionally aborted there after training had completed ("terminate
+    called without an active exception"). Nothing is left to write at this point (checkpoints and
+    metrics are closed), so the process ends at once, as ranks forked by ``launch_forked`` do.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -6,6 +6,7 @@ checked once, in the launcher, before any rank starts. No torch here: the launch
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hethub.argtypes import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from hethub.errors import HethubError, SpecError
@@ -119,3 +120,9 @@ def train_argv(args: argparse.Namespace) -> list[str]:
         else:
             out += [flag, str(v)]
     return out
+
+
+def done_marker(error_dir: str | Path, rank: int) -> Path:
+    """The file rank ``rank`` leaves in ``error_dir`` once every rank has finished training (after the
+    final barrier): a failing exit with every marker present and no rank error came from teardown."""
+    return Path(error_dir, f"rank-{rank}.done")
