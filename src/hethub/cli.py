@@ -153,7 +153,7 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
     from hethub.search.cost import plan_price_per_hour, usd_per_million_tokens
-    from hethub.search.planner import make_plan, merged_bound
+    from hethub.search.planner import make_plan, merged_bound, reused_searches
 
     rows: list[tuple] = []
     results = []  # every row's search, whose kinds-alone bounds merge into the one the rows are read against
@@ -166,26 +166,29 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     runs = [(s, sch, config.optimizer_sharding) for s, sch in runs]
     if config.optimizer_sharding == "auto":  # and hethub's best unsharded plan, to show what sharding gains
         runs.insert(1, ("hethub", config.schedule, "none"))
-    for strategy, schedule, sharding in runs:
-        label = strategy if schedule == config.schedule else f"{strategy} ({schedule})"
-        if sharding != config.optimizer_sharding:
-            label += " (no sharding)"
-        try:
-            r = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
-                          config=replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding))
-            try:  # dollars per million tokens where every kind used has a price
-                usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)
-            except HethubError:
-                usd = None
-            results.append(r)
-            rows.append((label, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
-                         len(r.plan.pipelines), r.plan.world_size, usd, "", r.plan.schedule))
-            shardings.append(r.plan.optimizer_sharding)
-            if label == "hethub":
-                notes = [n for n in r.notes if n.startswith("optimizer sharding:")]
-        except HethubError as err:
-            rows.append((label, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0], schedule))
-            shardings.append(None)
+    # Each row's searches are made once: the first row (schedule and sharding left to the planner)
+    # already searches every candidate schedule, sharded and not, which the rows after it ask for again.
+    with reused_searches():
+        for strategy, schedule, sharding in runs:
+            label = strategy if schedule == config.schedule else f"{strategy} ({schedule})"
+            if sharding != config.optimizer_sharding:
+                label += " (no sharding)"
+            try:
+                r = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
+                              config=replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding))
+                try:  # dollars per million tokens where every kind used has a price
+                    usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)
+                except HethubError:
+                    usd = None
+                results.append(r)
+                rows.append((label, r.prediction.tokens_per_s, r.prediction.step_time_s, r.efficiency,
+                             len(r.plan.pipelines), r.plan.world_size, usd, "", r.plan.schedule))
+                shardings.append(r.plan.optimizer_sharding)
+                if label == "hethub":
+                    notes = [n for n in r.notes if n.startswith("optimizer sharding:")]
+            except HethubError as err:
+                rows.append((label, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0], schedule))
+                shardings.append(None)
     # One bound for every row: each kind's best alone over all the rows' searches (a row's own bound
     # covers only its schedule and sharding, so another row's plan could read above 1 against it).
     bound = sum(merged_bound(results)[0].values())

@@ -98,3 +98,27 @@ def test_devices_are_packed_largest_tp_first_inside_nodes():
     for stages in out:
         for devs in stages:
             assert len({cluster.devices[d].node for d in devs}) == 1
+
+
+def test_reused_searches_answer_a_repeated_search_with_its_first_result():
+    from conftest import small_cluster, tiny_model
+    from hethub.errors import InfeasibleError
+    from hethub.search.planner import make_plan, reused_searches
+
+    cluster, model = small_cluster(), tiny_model()
+    config = PlannerConfig(global_batch=8, seq_len=32, micro_batch_sizes=(1, 2), polish=False)
+    too_long = PlannerConfig(global_batch=8, seq_len=64 * 1024)  # longer than the model's max_seq_len
+    errors = []
+    with reused_searches():
+        first = make_plan(cluster=cluster, model=model, config=config)
+        assert make_plan(cluster=cluster, model=model, config=PlannerConfig(**vars(config))) is first
+        assert make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=16, seq_len=32,
+                         micro_batch_sizes=(1, 2), polish=False)) is not first  # another config: searched
+        for _ in range(2):
+            try:
+                make_plan(cluster=cluster, model=model, config=too_long)
+            except InfeasibleError as err:
+                errors.append(err)
+    assert len(errors) == 2 and errors[0] is errors[1]
+    again = make_plan(cluster=cluster, model=model, config=config)  # outside: searched again, same answer
+    assert again is not first and again.plan.pipelines == first.plan.pipelines

@@ -211,12 +211,49 @@ def _interleaved(base: PlanResult, *, config: PlannerConfig, profiles: ProfileSe
                    efficiency=pred.tokens_per_s / bound if bound > 0 else 0.0, notes=(note, *base.notes))
 
 
+# Searches kept by `reused_searches`: (ids of cluster, model, profiles, host; config) -> result or error.
+_REUSED: dict[tuple, tuple] | None = None
+
+
+@contextlib.contextmanager
+def reused_searches():
+    """Within it, `make_plan` answers a search it already made (the same cluster, model, profiles and
+    host objects and an equal config) with the same result or error instead of searching again.
+    `hethub plan --compare` plans the schedule ``auto`` (every candidate schedule, sharded and not)
+    and then each schedule's and the unsharded row on its own: without this, each of those searches
+    ran twice (the README tour's ``--compare``: 40 CPU s, of which ~25 s repeated searches)."""
+    global _REUSED
+    outer, _REUSED = _REUSED, ({} if _REUSED is None else _REUSED)
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
 def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
               profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
     """Best memory-feasible plan under `config.strategy`, scored by the predictor (with `host`, the
     local emulation host every rank runs on, if any: ``hethub.emulation.host_model``). With schedule
     ``auto``, the best over the schedules of ``AUTO_CANDIDATES``, each planned on its own (its
     in-flight memory shapes the stages), chosen by predicted step time."""
+    if _REUSED is None:
+        return _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    # The objects themselves are kept in the entry, so their ids cannot be reused while it lives.
+    key = (id(cluster), id(model), id(profiles), id(host), config)
+    if key not in _REUSED:
+        try:
+            _REUSED[key] = (_make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host),
+                            None, (cluster, model, profiles, host))
+        except InfeasibleError as err:
+            _REUSED[key] = (None, err, (cluster, model, profiles, host))
+    result, err, _ = _REUSED[key]
+    if err is not None:
+        raise err
+    return result
+
+
+def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+               profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
     if config.schedule == AUTO_SCHEDULE:
         return _best_schedule(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     if config.schedule == INTERLEAVED and config.virtual_stages == 1:
