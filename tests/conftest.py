@@ -2,6 +2,7 @@ import functools
 import pathlib
 
 import pytest
+from hypothesis import settings
 
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.spec.cluster import Cluster, Link, NodeGroup
@@ -11,6 +12,11 @@ from hethub.spec.model import ModelSpec
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "clusters"
 SHARED = REPO.parent / "shared"
+
+# No hypothesis test may fail on time: its 200 ms deadline per example tripped on a loaded 2-core box
+# (test_data: 377 ms once, 0.5 ms on the re-run). Tests that set their own settings keep them.
+settings.register_profile("hethub", deadline=None)
+settings.load_profile("hethub")
 
 
 def small_cluster(*, fast: int = 4, slow: int = 4, per_node: int = 2) -> Cluster:
