@@ -53,6 +53,8 @@ from _ranking import misordered_pairs, regret, separated, spearman
 from hethub.emulation.effects import HostEffects
 from hethub.emulation.host import host_model, usable_cores
 from hethub.emulation.measure.collbench import measure_host_links
+from hethub.emulation.measure.corun import measure_corun
+from hethub.emulation.measure.split import measure_split_backward
 from hethub.emulation.measure.spread import measure_speed_spread
 from hethub.emulation.measure.wake import measure_wake_penalty
 from hethub.emulation.stragglers import SpeedSpread
@@ -95,9 +97,13 @@ def profile_for_plans(plans: list[Plan], *, reps: Repetitions) -> ProfileSet:
     return merge_profiles(profile_entry(plans[0], e, reps=reps) for e in plan_entries(plans))
 
 
-def host_effects(wake: tuple[tuple[float, float], ...], spread: tuple[SpeedSpread, ...]) -> dict[str, HostEffects]:
-    """This host's measured wake penalty and core speed spread, for every kind running on it."""
-    return dict.fromkeys(("cpu-fast", "cpu-slow"), HostEffects(wake_penalty=wake, speed_spread=spread))
+def host_effects(wake: tuple[tuple[float, float], ...], spread: tuple[SpeedSpread, ...], *,
+                 split: tuple[float, float] | None = None, corun: tuple[tuple[int, float], ...] = ()
+                 ) -> dict[str, HostEffects]:
+    """This host's measured wake penalty, core speed spread, split backward (ZB-H1's B and W) and co-run
+    slowdown, for every kind running on it."""
+    return dict.fromkeys(("cpu-fast", "cpu-slow"), HostEffects(wake_penalty=wake, speed_spread=spread,
+                                                               split_backward=split, corun=corun))
 
 
 def predict_here(plan: Plan, *, profiles: ProfileSet, effects: dict[str, HostEffects]) -> float:
@@ -336,9 +342,17 @@ def main() -> None:
              for name in chosen for pd in sets[name]]
     # Once, as a user would before planning: the host (links, all-reduce, wake penalty, speed spread).
     links = measure_host_links(cluster, max_bytes=16 * 1024**2, show_progress=False)
+    # The split backward's B and W (ZB-H1; until 2026-12-02 not measured here, so the replay assumed
+    # halves) and the co-run slowdown at every micro-batch size the plans use (docs/accuracy.md).
     effects = host_effects(measure_wake_penalty(model, mbs=2, seq_len=args.seq_len),
-                           measure_speed_spread(model, mbs=2, seq_len=args.seq_len))
-    print(f"host measured in {time.monotonic() - t_start:.0f} s", flush=True)
+                           measure_speed_spread(model, mbs=2, seq_len=args.seq_len),
+                           split=measure_split_backward(model, mbs=2, seq_len=args.seq_len),
+                           corun=measure_corun(model, mbs=sorted({p.micro_batch_size for _, _, plan in plans
+                                                                  for p in plan.pipelines}), seq_len=args.seq_len))
+    eff = effects["cpu-fast"]
+    print(f"host measured in {time.monotonic() - t_start:.0f} s: split backward B {eff.split_backward[0]:.2f} + "
+          f"W {eff.split_backward[1]:.2f} of a backward; co-run factor "
+          + ", ".join(f"mbs {m} {f:.3f}" for m, f in eff.corun), flush=True)
     # The layers: every entry the plans use, profiled once per repetition at a shuffled point among the
     # runs (session_order); the prediction is from the median of those profiles, entry by entry.
     entries = plan_entries([p for _, _, p in plans])

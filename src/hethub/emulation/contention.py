@@ -72,6 +72,9 @@ class StageWork:
     # above (HostEffects.split_backward where measured; they may sum to more than 1).
     split_b_share: float = 1.0 - DEFAULT_WEIGHT_GRAD_SHARE
     split_w_share: float = DEFAULT_WEIGHT_GRAD_SHARE
+    # Thread CPU time of this stage's work while every core computes, over the same work alone
+    # (HostEffects.corun at its micro-batch size; 1: none).
+    corun: float = 1.0
 
 
 _CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "U": "optimizer"}
@@ -96,6 +99,8 @@ class _Stage:
     # message at a time (schedules.simulate.link_arrival_s).
     fwd_link_s: float = 0.0
     bwd_link_s: float = 0.0
+    # CPU time the current chunk spent beyond its work, co-running (an emulated kind sleeps on it too).
+    corun_extra_s: float = 0.0
 
 
 def simulate_shared_cores(
@@ -161,6 +166,13 @@ def simulate_shared_cores(
             else:  # a rank per core; a TP stage waits for its slowest rank at every collective
                 rates = {s.sid: min(speeds.speed((s.sid, r), k) for r in range(s.weight)) for s in busy}
             nxt.append(speeds.window_end(k))
+        # Co-running: with other processes computing beside it a rank's work takes more CPU time, up to
+        # its measured factor when every core is busy (in between, in proportion to the other busy
+        # cores). A TP stage's own ranks co-ran in its profile already, so they do not count.
+        slow = {s.sid: _corun(s.work.corun, busy_procs=n + background_procs, own=s.weight, cores=cores)
+                for s in busy}
+        held = dict(rates)  # before co-running: its extra CPU time is what the division below takes
+        rates = {sid: r / slow[sid] for sid, r in rates.items()}
         nxt += [now + s.phases[0][1] / rates[s.sid] for s in busy]
         nxt += [s.phases[0][1] for s in st.values() if s.phases and s.phases[0][0] == "until"]
         if not nxt:
@@ -168,6 +180,7 @@ def simulate_shared_cores(
         t = min(nxt)
         for s in busy:
             s.phases[0] = ("cpu", max(0.0, s.phases[0][1] - (t - now) * rates[s.sid]))
+            s.corun_extra_s += (t - now) * (held[s.sid] - rates[s.sid])
         now = t
     step = max(s.done_s or 0.0 for s in st.values())
     pipes = [bwd_done.get(pi, 0.0) for pi in sorted(n_stages)]
@@ -190,9 +203,12 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
         elif kind == "until" and s.phases:  # its inputs are here: the op's work starts
             s.op_start_s = now
         if s.phases and s.phases[0][0] == "sleep":  # a sleep starts when the CPU work before it ends
-            s.phases[0] = ("until", now + s.phases[0][1])
+            # The runtime sleeps (k-1) x the chunk's thread CPU time, co-running's extra included.
+            s.phases[0] = ("until", now + s.phases[0][1] + (s.work.slowdown - 1.0) * s.corun_extra_s)
         elif s.phases and s.phases[0][0] == "cpu":
             _wake(s, now=now)
+        if kind == "cpu":
+            s.corun_extra_s = 0.0
         if not s.phases:
             _finish_task(s, now=now, f_end=f_end, b_end=b_end, bwd_done=bwd_done, record=record)
         return True
@@ -245,6 +261,15 @@ def _step(s: _Stage, st: dict[StageId, _Stage], *, now: float, f_end: dict, b_en
         s.op_start_s = now
         _wake(s, now=now)
     return True
+
+
+def _corun(factor: float, *, busy_procs: float, own: int, cores: int) -> float:
+    """The co-run slowdown of a stage's work with `busy_procs` processes computing (its `own` included)
+    on `cores` cores: `factor` when the others fill every other core, none alone, linear in between."""
+    others = min(busy_procs, cores) - min(own, cores)
+    if factor == 1.0 or cores < 2 or others <= 0:
+        return 1.0
+    return 1.0 + (factor - 1.0) * min(1.0, others / (cores - 1))
 
 
 def _wake(s: _Stage, *, now: float) -> None:

@@ -1,9 +1,9 @@
-"""What a profile measured about its host beyond layer times: wake penalty, core speed spread and
-the split backward's cost.
+"""What a profile measured about its host beyond layer times: wake penalty, core speed spread, the
+split backward's cost and the co-run slowdown.
 
 They matter only where every rank is a process of one host (local emulation), so they are not part
 of a device kind's profile (:class:`hethub.predict.profiles.KindProfile`); the profile file keeps
-them as optional fields, ``wake_penalty``, ``speed_spread`` and ``split_backward``
+them as optional fields, ``wake_penalty``, ``speed_spread``, ``split_backward`` and ``corun``
 (docs/profiles.md), read and written here and used by :mod:`hethub.emulation.host`.
 """
 
@@ -28,9 +28,19 @@ class HostEffects:
     # The runtime's split backward (ZB-H1): (B, W) CPU time, each a fraction of one whole backward
     # (hethub.emulation.measure.split). None: not measured (the predictor's halves stand).
     split_backward: tuple[float, float] | None = None
+    # Thread CPU time of work while every core computes over the same work alone, ((mbs, factor), ..)
+    # by micro-batch size (hethub.emulation.measure.corun). Empty: not measured (no slowdown).
+    corun: tuple[tuple[int, float], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.wake_penalty or self.speed_spread or self.split_backward)
+        return bool(self.wake_penalty or self.speed_spread or self.split_backward or self.corun)
+
+    def corun_factor(self, mbs: int) -> float:
+        """The co-run factor at micro-batch size `mbs`: that of the nearest measured size (the smaller on
+        a tie, whose per-op overheads weigh more); 1 where none was measured."""
+        if not self.corun:
+            return 1.0
+        return min(self.corun, key=lambda row: (abs(row[0] - mbs), row[0]))[1]
 
     def wake_extra_s(self, gap_s: float) -> float:
         """The wake penalty after an idle gap: linear between measured gaps (from 0 at 0), flat beyond."""
@@ -46,13 +56,14 @@ class HostEffects:
             return self
         return HostEffects(wake_penalty=self.wake_penalty or old.wake_penalty,
                            speed_spread=self.speed_spread or old.speed_spread,
-                           split_backward=self.split_backward or old.split_backward)
+                           split_backward=self.split_backward or old.split_backward,
+                           corun=self.corun or old.corun)
 
 
 # ---- the profile file's fields ----------------------------------------------------------------------
 def effects_to_dict(effects: HostEffects | None) -> dict[str, Any]:
-    """The profile file's ``wake_penalty``, ``speed_spread`` and ``split_backward`` fields (absent when
-    not measured)."""
+    """The profile file's ``wake_penalty``, ``speed_spread``, ``split_backward`` and ``corun`` fields
+    (absent when not measured)."""
     if effects is None:
         return {}
     return {
@@ -62,6 +73,7 @@ def effects_to_dict(effects: HostEffects | None) -> dict[str, Any]:
            if effects.speed_spread else {}),
         **({"split_backward": {"b": effects.split_backward[0], "w": effects.split_backward[1]}}
            if effects.split_backward else {}),
+        **({"corun": [{"mbs": m, "factor": f} for m, f in effects.corun]} if effects.corun else {}),
     }
 
 
@@ -69,7 +81,8 @@ def effects_from_dict(data: dict[str, Any], *, where: str) -> HostEffects | None
     """The optional fields of a profile file, validated; None when none is there."""
     out = HostEffects(wake_penalty=_wake(data.get("wake_penalty", []), where),
                       speed_spread=_spread(data.get("speed_spread", []), where),
-                      split_backward=_split(data.get("split_backward"), where))
+                      split_backward=_split(data.get("split_backward"), where),
+                      corun=_corun(data.get("corun", []), where))
     return out if out else None
 
 
@@ -122,3 +135,18 @@ def _split(v: Any, where: str) -> tuple[float, float] | None:
         raise _err(where, "split_backward", f'must be {{"b": > 0, "w": >= 0}}, got {v!r}',
                    "re-measure with 'hethub profile --split-backward' or leave it out")
     return float(v["b"]), float(v["w"])
+
+
+def _corun(v: Any, where: str) -> tuple[tuple[int, float], ...]:
+    """Optional ``corun``: [{"mbs": > previous size, "factor": >= 1}, ..]."""
+    fix = "re-measure it (bench/predictor_accuracy.py measures it with the host) or leave it out"
+    if not isinstance(v, list):
+        raise _err(where, "corun", "must be a list", fix)
+    out: list[tuple[int, float]] = []
+    for i, row in enumerate(v):
+        if (not _numbers(row, "mbs", "factor") or not isinstance(row["mbs"], int) or row["mbs"] < 1
+                or (out and row["mbs"] <= out[-1][0]) or row["factor"] < 1):
+            raise _err(where, f"corun[{i}]", f'must be {{"mbs": integer > previous size, "factor": >= 1}}, got {row!r}',
+                       fix)
+        out.append((int(row["mbs"]), float(row["factor"])))
+    return tuple(out)

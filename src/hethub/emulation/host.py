@@ -11,7 +11,9 @@ them to the plain prediction:
   kind's extra time being a sleep that needs no core (:mod:`hethub.emulation.contention`), work
   after an idle gap paying the measured wake penalty;
 * core speeds wander (stragglers): with a measured spread the replay runs with drawn speeds and
-  the median step is the prediction (:mod:`hethub.emulation.stragglers`).
+  the median step is the prediction (:mod:`hethub.emulation.stragglers`);
+* ranks computing at the same time each take more CPU time for the same work than the profile's
+  lone process (the measured co-run factor by micro-batch size, :mod:`hethub.emulation.measure.corun`).
 
 ``host_cores = "auto"`` means the cores the predicting process may use; it is read here, when a
 prediction is made, never when the cluster file is loaded.
@@ -125,8 +127,12 @@ class EmulationModel:
             split = {"split_b_share": 1.0, "split_w_share": 0.0}
         elif profile is not None and eff is not None and eff.split_backward:
             split = {"split_b_share": eff.split_backward[0], "split_w_share": eff.split_backward[1]}
-        return StageWork(**split, fwd_cpu_s=st.fwd_s - fwd_idle, fwd_idle_s=fwd_idle, bwd_cpu_s=st.bwd_s - bwd_idle,
-                         bwd_idle_s=bwd_idle, p2p_s=st.p2p_s, update_cpu_s=st.update_s, ranks=st.tp, slowdown=k,
+        # Co-running ranks take more CPU time for the same work than the profile's lone process did
+        # (HostEffects.corun), by micro-batch size; measured with the profiles, so used with them.
+        corun = eff.corun_factor(st.micro_batch_size) if profile is not None and eff is not None else 1.0
+        return StageWork(**split, corun=corun, fwd_cpu_s=st.fwd_s - fwd_idle, fwd_idle_s=fwd_idle,
+                         bwd_cpu_s=st.bwd_s - bwd_idle, bwd_idle_s=bwd_idle, p2p_s=st.p2p_s,
+                         update_cpu_s=st.update_s, ranks=st.tp, slowdown=k,
                          wake_extra_s=wake, chunk_fwd_shares=st.chunk_fwd_shares,
                          chunk_bwd_shares=st.chunk_bwd_shares, wrap_p2p_s=st.wrap_p2p_s)
 
