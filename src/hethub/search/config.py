@@ -29,6 +29,11 @@ class PlannerConfig:
     allow_recompute: bool = True
     # How many closed-form finalists the full predictor re-scores; more is slower and rarely better.
     finalists: int = 6
+    # Besides them, the best of each micro-batch size (and of the plans mixing sizes): the closed form
+    # ranks sizes with errors of their own, so the predictor decides between sizes (hetero.Results).
+    # None: finalists + top_k per size, so allowing more sizes never loses the plan one size gives;
+    # 0: none beyond the overall ones (faster, but more sizes can then give a worse plan).
+    finalists_per_size: int | None = None
     # Cost-aware planning (search/cost.py): most tokens/s, or fewest dollars per token; both within
     # the budget (dollars per hour of the devices used) and above the throughput floor, if given.
     objective: str = "throughput"
@@ -58,6 +63,10 @@ class PlannerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, f"must be a positive integer, got {v!r}", "give a positive integer")
+        v = self.finalists_per_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise bad("finalists_per_size", f"must be a non-negative integer or None, got {v!r}",
+                      "give e.g. 2, 0 for none, or leave it out (finalists + top_k)")
         if self.strategy not in STRATEGIES:
             raise bad("strategy", f"is {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
         if self.schedule not in (*SCHEDULES, AUTO_SCHEDULE):
@@ -92,6 +101,11 @@ class PlannerConfig:
     def cost_aware(self) -> bool:
         """Whether the plan needs prices: a cost objective, a budget or a throughput floor."""
         return self.objective == "cost" or self.budget_per_hour is not None or self.min_tokens_per_s is not None
+
+    @property
+    def per_size_finalists(self) -> int:
+        """Finalists kept per micro-batch size (`finalists_per_size`, None read as finalists + top_k)."""
+        return self.finalists + self.top_k if self.finalists_per_size is None else self.finalists_per_size
 
     @property
     def usable_micro_batch_sizes(self) -> tuple[int, ...]:

@@ -64,7 +64,7 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
 
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
-    results = Results(s.config.finalists + s.config.top_k, fits=s.fits)
+    results = Results(s.config.finalists + s.config.top_k, fits=s.fits, per_size=s.config.per_size_finalists)
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
     if kinds_alone:
@@ -297,33 +297,70 @@ def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs
 
 
 class Results:
-    """Every priced candidate, plus the `keep` best distinct ones (the planner builds only those)."""
+    """Every priced candidate, plus the `keep` best distinct ones (the planner builds only those) and,
+    with `per_size`, the `per_size` best distinct ones of each micro-batch size (`size_key`).
 
-    def __init__(self, keep: int, fits: Callable[[Estimate], bool] | None = None) -> None:
+    The closed form ranks candidates of different micro-batch sizes with errors of their own (its
+    fill/drain and sync terms are not the predictor's event simulation), so the overall best few can
+    all be of one size while a slightly lower-ranked size predicts faster; the per-size places let
+    the predictor decide between sizes (without them allowing more sizes could give a worse plan
+    than allowing one: tests/unit/test_finalists_per_size.py). Pruning (`may_enter`) still reads the
+    overall kept ones only: the per-size places hold what the search priced anyway, so they cost
+    predictions, not search. The first size searched (the smallest) is priced before any other size
+    sets the bar, so its places hold exactly the finalists a search of that size alone would have;
+    a later size's hold its best among those priced under the bar the earlier sizes set (pruning by
+    per-size bars too made the 512-device bench search about 1.9x slower)."""
+
+    def __init__(self, keep: int, fits: Callable[[Estimate], bool] | None = None, *, per_size: int = 0) -> None:
         self.items: list[Estimate] = []
         self.keep = keep
+        self.per_size = per_size
         self.fits = fits  # whether a candidate that would be kept fits memory laid out (Searcher.fits)
         self._best: list[tuple[float, tuple]] = []  # (step, key) of the best distinct so far, sorted
+        self._by_size: dict[tuple[int, ...], list[tuple[float, tuple]]] = {}  # the same per size_key
 
     def may_enter(self, step_lower_bound: float) -> bool:
-        """Whether a candidate whose step is at least this could still be among the kept ones."""
-        if len(self._best) < self.keep:
-            return True
-        return step_lower_bound < self._best[-1][0] * (1 + 1e-9)  # the margin covers allocate's bisection
+        """Whether a candidate whose step is at least this could still be among the overall kept ones.
+        The per-size places do not widen the pruning: a size's search runs to the overall bar only."""
+        return _enters(self._best, self.keep, step_lower_bound, margin=1 + 1e-9)  # it covers allocate's bisection
 
     def add(self, est: Estimate | None) -> None:
         if est is None or est.step_time_s == math.inf:
             return
-        if len(self._best) == self.keep and est.step_time_s >= self._best[-1][0]:
+        step = est.step_time_s
+        sizes = size_key(est) if self.per_size else ()
+        bucket = self._by_size.setdefault(sizes, []) if self.per_size else []
+        overall = _enters(self._best, self.keep, step)
+        own = bool(self.per_size) and _enters(bucket, self.per_size, step)
+        if not overall and not own:
             self.items.append(est)
             return
         # planner._plans's identity of a plan: identical candidates take one finalist place.
-        key = (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
-        if any(k == key for _, k in self._best):
+        key = plan_key(est)
+        if any(k == key for _, k in self._best) or any(k == key for _, k in bucket):
             self.items.append(est)
             return
         if self.fits is not None and not self.fits(est):
             return  # neither kept nor built: the pruning bar is the kept candidates', which fit
         self.items.append(est)
-        bisect.insort(self._best, (est.step_time_s, key), key=lambda x: x[0])
-        del self._best[self.keep:]
+        for kept, n, enters in ((self._best, self.keep, overall), (bucket, self.per_size, own)):
+            if enters:
+                bisect.insort(kept, (step, key), key=lambda x: x[0])
+                del kept[n:]
+
+
+def _enters(kept: list[tuple[float, tuple]], n: int, step_s: float, *, margin: float = 1.0) -> bool:
+    """Whether a step of `step_s` enters the best `n` (step, key) pairs `kept` (its margin over theirs)."""
+    return len(kept) < n or step_s < kept[-1][0] * margin
+
+
+def size_key(est: Estimate) -> tuple[int, ...]:
+    """The micro-batch size of a one-size candidate, as a 1-tuple; () for one that mixes sizes
+    (per-replica sizes), which share one set of per-size places."""
+    sizes = {g.pipe.mbs for g in est.groups}
+    return (sizes.pop(),) if len(sizes) == 1 else ()
+
+
+def plan_key(est: Estimate) -> tuple:
+    """The identity of the plan a candidate builds (planner._plans): its groups and allocation."""
+    return (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -25,7 +26,7 @@ from hethub.search.assemble import build_plan
 from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
 from hethub.search.diagnose import infeasible_message
-from hethub.search.hetero import search
+from hethub.search.hetero import plan_key, search, size_key
 from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
 from hethub.search.polish import polish
 from hethub.search.recompute import choose_recompute
@@ -426,29 +427,37 @@ def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pr
                 kind: str, relax: bool, books: dict | None) -> list[Plan]:
     s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, relax_memory=relax, kinds=(kind,),
                  books=books)
-    return _plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous")
+    return _plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous",
+                  per_size=config.per_size_finalists)
 
 
 def _hethub_candidates(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                        profiles: ProfileSet | None, books: dict) -> list[Plan]:
     s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
-    return _plans(s, search(s), config=config, strategy="hethub")
+    return _plans(s, search(s), config=config, strategy="hethub", per_size=config.per_size_finalists)
 
 
-def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str) -> list[Plan]:
-    out, seen = [], set()
+def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str, per_size: int = 0) -> list[Plan]:
+    """The plans of the best `finalists + top_k` distinct candidates of `ests` (best first) and, with
+    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why)."""
+    out, seen, taken = [], set(), Counter()
+    keep = config.finalists + config.top_k
     for est in ests:
-        key = (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
+        key = plan_key(est)
         if key in seen:
             continue
+        sizes = size_key(est) if per_size else ()
+        if len(seen) >= keep and taken[sizes] >= per_size:
+            continue
         seen.add(key)
+        taken[sizes] += 1
         plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
                           seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
                           strategy=strategy)
         if config.optimizer_sharding == "zero1":  # before the recomputation choice, which it frees memory for
             plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=config.optimizer_shares)
         out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom))
-        if len(out) >= config.finalists + config.top_k:
+        if len(seen) >= keep and not per_size:
             break
     return out
 
