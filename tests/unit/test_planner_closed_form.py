@@ -13,7 +13,7 @@ from hethub.schedules import get_schedule
 from hethub.schedules.simulate import simulate_pipeline_time
 from hethub.search import PlannerConfig
 from hethub.search.combine import Group
-from hethub.search.mixed import _box_level, _Context, _split, families
+from hethub.search.mixed import _box_level, _Context, _rate_level, _split, families
 from hethub.search.split import Slot, round_trip_period_s
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import parse_cluster
@@ -145,6 +145,8 @@ def _boxes_below_members(s, ctx, *, fam, root, best: dict[tuple, float], mbs: in
     """Walk the box tree from `root` as the search splits it and assert every box's floor is at most
     the best closed-form step of the shapes (c, stage counts) inside it; returns the boxes checked."""
     checked, boxes = 0, [root]
+    if best:  # the family's rate floor, under which price_mixed floors none of its boxes yet
+        assert _rate_level(ctx, fam, [root], s.total_mb(mbs)) <= min(best.values()) * (1 + 1e-9), fam.subset
     while boxes:
         box = boxes.pop()
         clo, chi, lo, hi = box

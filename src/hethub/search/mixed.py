@@ -220,6 +220,7 @@ class _Context:
         self.firsts = [(g.pipe.slots[0], g.count) for g in pure]
         self.lasts = [(g.pipe.slots[-1], g.count) for g in pure]
         self._sync: dict[tuple, float] = {}
+        self.rate_levels: dict[tuple, float] = {}
         self.replicas = sum(g.count for g in pure)
         # The embedding's holders among the pure groups (combine.embedding_sync_floor's `first` and,
         # with tied embeddings, `last`): their kinds and smallest TP degree.
@@ -367,6 +368,46 @@ def _box_level(s: Searcher, ctx: _Context, fam: Family, box: tuple, mbs: int, *,
     return level + max(ctx.sync_floor(fam.pairs, clo, devices), ctx.tail_floor(segs, clo, devices))
 
 
+def _rate_level(ctx: _Context, fam: Family, boxes: list[tuple], total: int) -> float:
+    """A floor under the makespan of every candidate in the family's `boxes` beside ctx's pure
+    groups, whatever its replica and stage counts. A mixed pipeline j finishes its m-th micro-batch
+    no earlier than F + (m - 1) B_j (its fill floor and bottleneck, as in `_box_level`), and its fill
+    is at least F0, the schedule's fill floor for one micro-batch's least work through all layers
+    with the bottleneck left out (the floor only grows with it). A stage of kind k takes w_k or more
+    per layer, so B_j >= L / sum over j's stages of 1 / w_k, and over the family's stages (fam.slots
+    of each kind) sum_j 1 / B_j <= R = sum_k slots_k / w_k / L. So by time T >= F0 the c <= c_max
+    pipelines finish at most c_max + R (T - F0) micro-batches, none before F0, and the candidates'
+    makespan T has finished_mb(pure, T) plus that >= total. After the makespan, `_box_level`'s sync
+    floors, which only grow with the replicas, the devices and fewer stages, at the boxes' fewest
+    replicas and devices and most stages per kind."""
+    key = (id(fam), total)
+    hit = ctx.rate_levels.get(key)
+    if hit is None:
+        n_layers = fam.s.model.num_layers
+        rate = sum(n / w for n, w in zip(fam.slots, fam.w, strict=True)) / n_layers
+        c_max = max(box[1] for box in boxes)
+        f0 = fam.sched.fill_work_floor_s(work_s=fam.work_min, bottleneck_s=0.0)
+        hit = 0.0
+        if rate > 0:
+
+            def done(t: float) -> bool:
+                mixed = math.floor(c_max + rate * (t - f0)) if t >= f0 else 0
+                return finished_mb(ctx.pure, t) + mixed >= total
+
+            hi = f0 + max(0.0, total - c_max) / rate
+            if ctx.pure:
+                hi = min(hi, water_level(ctx.pure, total))
+            hi = hi * (1 + 1e-9) + 1e-12
+            hit = 0.0 if done(0.0) else bisect_time(done, lo_s=0.0, hi_s=hi, rel_tol=1e-7, max_iter=40)[0]
+        c_min = min(box[0] for box in boxes)
+        devices = min(sum(t * n for t, n in zip(fam.tps, box[2], strict=True)) for box in boxes)
+        top = [max(min(box[3][i], n // box[0]) for box in boxes) for i, n in enumerate(fam.slots)]
+        segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
+        hit += max(ctx.sync_floor(fam.pairs, c_min, devices), ctx.tail_floor(segs, c_min, devices))
+        ctx.rate_levels[key] = hit
+    return hit
+
+
 def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, total: int) -> float:
     """A floor under the makespan (combine.water_level) when `count` pipelines above `floor` also run
     at most `rate` micro-batches per second together after floor.base_s: the largest T found where
@@ -424,15 +465,21 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
     tie = itertools.count()
     for pure, pool in todo:
         ctx = _Context(s, pure)
-        for fam, box in families(s, pool, mbs):
-            level = _box_level(s, ctx, fam, box, mbs, refine=False)
-            if level is not None:
-                heap.append((level, next(tie), -1 if _is_shape(fam, box) else 0, ctx, fam, box))
+        for fam, boxes in itertools.groupby(families(s, pool, mbs), key=lambda fb: fb[0]):
+            # Each family enters under its devices' rate floor; its boxes are floored only once popped.
+            bs = [box for _, box in boxes]
+            heap.append((_rate_level(ctx, fam, bs, total), next(tie), -2, ctx, fam, bs))
     heapq.heapify(heap)
     while heap:
         level, _, stage, ctx, fam, item = heapq.heappop(heap)
         if not results.may_enter(level):
             break
+        if stage == -2:  # a family's boxes under their loose floors
+            for box in item:
+                lv = _box_level(s, ctx, fam, box, mbs, refine=False)
+                if lv is not None:
+                    heapq.heappush(heap, (max(level, lv), next(tie), -1 if _is_shape(fam, box) else 0, ctx, fam, box))
+            continue
         if stage == -1:  # one shape under its loose floor: the tight one only now that it could matter
             lv = _box_level(s, ctx, fam, item, mbs)
             if lv is not None:
