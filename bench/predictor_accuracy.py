@@ -8,8 +8,9 @@ A planner needs its predictor to order the candidate plans of one job right: abo
 ranks first should really be (close to) the fastest. This machine cannot settle absolute errors of a
 few percent (its own run-to-run noise is 5-10 %), but it can settle a ranking of plans that differ by
 more than that. So, as a user would, first, once, measure this host (links and all-reduce among 2-4
-local ranks as ``hethub bench comm``, wake penalty and core speed spread as ``hethub profile
---wake-penalty --speed-spread``); then run every plan of the set (bench/_accuracy_plans.py, default
+local ranks as ``hethub bench comm``, wake penalty, core speed spread and split backward as ``hethub
+profile --wake-penalty --speed-spread --split-backward``, the co-run factor per micro-batch size as
+``hethub.emulation.measure.corun``); then run every plan of the set (bench/_accuracy_plans.py, default
 ``ranking``: 17 plans of one job, global batch 8 x seq 128 of model ``small`` on
 examples/clusters/local-cpu.toml with this machine's usable cores) ``--reps`` times through the
 runtime (``hethub.train`` ranks forked from this process, or under torchrun), all plans in a freshly
