@@ -22,7 +22,11 @@ a bound, and a combination whose pipelines cannot finish the global batch's micr
 (counted per group, erring upwards) is dropped before its water level is computed. A combination
 that may enter by its water level is priced only if it may also by the level plus `_PostFloor`,
 a floor under what the step adds after the makespan (the barriers, the slowest single stage's
-gradient syncs, the largest update). It is
+gradient syncs, the largest update). Each kind-pure group's own such floor (the group alone) is a
+floor under it for every combination that keeps the group, since more kept groups only add: it
+lowers what the group may finish by the bound in the count above, and combinations are taken in
+order of their level plus the largest own floor of a group they keep, stopping at the first that
+cannot enter. It is
 exponential in the number of kinds: use it on small instances (tests/unit/test_reference_search.py).
 """
 
@@ -68,25 +72,38 @@ def reference_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         pure = [[Group(p, s.counts[k] // p.num_devices) for p in _all_templates(s, k, mbs)] for k in kinds]
         seeded = _seed(s, results, pure, total, mbs)
         bound = _bound(results)
+        post = _PostFloor(s)
+        # Each kind-pure group's first finish and its own post floor: a combination that keeps it
+        # (`_PostFloor`) steps at least its level plus that floor, since more kept groups only add.
+        lead = [[(g.pipe.base_s + g.pipe.per_mb_s, post([g], math.inf)) for g in p] for p in pure]
+        # What each finishes at most in a combination that may still be priced: by the bound less its
+        # own floor if it is kept, else its first micro-batches only.
+        able = [[max(_finishes_below(g, bound - f, total), _finishes_below(g, min(bound, first * (1 + 2e-9)), total))
+                 for g, (first, f) in zip(p, fl, strict=True)] for p, fl in zip(pure, lead, strict=True)]
         mixed: dict[tuple[str, ...], _Options] = {}
         floors: dict[tuple, PipeFloor | None] = {}  # memory-free floors by segments, for every _Options
         tights: dict[tuple, PipeFloor | None] = {}  # the tight ones
-        combos: list[tuple[float, list[Group], tuple | None, int]] = []
+        # (a floor under the step: the level plus the largest own floor of a kept group; the level;
+        # the kind-pure groups; the mixed group's segments and replicas, or None)
+        combos: list[tuple[float, float, list[Group], tuple | None, int]] = []
         for choice in itertools.product(*[range(-1, len(p)) for p in pure]):
-            groups = [pure[i][j] for i, j in enumerate(choice) if j >= 0]
-            have = sum(_finishes_below(g, bound, total) for g in groups)
+            picked = [(i, j) for i, j in enumerate(choice) if j >= 0]
+            groups = [pure[i][j] for i, j in picked]
+            floors_of = [lead[i][j] for i, j in picked]
+            have = sum(able[i][j] for i, j in picked)
             if groups and have >= total and choice not in seeded:
-                combos.append((water_level(groups, total), groups, None, 0))
+                level = water_level(groups, total)
+                combos.append((_lifted(level, floors_of), level, groups, None, 0))
             unused = tuple(k for k, j in zip(kinds, choice, strict=True) if j < 0)
             opts = mixed.get(unused)
             if opts is None:
                 opts = mixed[unused] = _Options(s, unused, mbs, bound, total, floors)
             for floor, segs, c in opts.able(total - have):
-                combos.append((water_level([*groups, Group(floor, c)], total), groups, segs, c))
+                level = water_level([*groups, Group(floor, c)], total)
+                combos.append((_lifted(level, floors_of), level, groups, segs, c))
         combos.sort(key=lambda x: x[0])
-        post = _PostFloor(s)
-        for level, groups, segs, c in combos:
-            if not results.may_enter(level):
+        for lifted, level, groups, segs, c in combos:
+            if not results.may_enter(lifted):
                 break
             if segs is None:
                 if results.may_enter(level + post(groups, level)):
@@ -109,6 +126,13 @@ def reference_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     if not scored:
         return None
     return ReferenceResult(plan=scored[0][0], prediction=scored[0][1], candidates=len(results.items))
+
+
+def _lifted(level: float, floors_of: list[tuple[float, float]]) -> float:
+    """``level`` plus the largest own post floor among the groups it keeps (first finish below it,
+    as `_PostFloor` counts them): a floor under the step of every candidate the combination prices."""
+    edge = level * (1 - 1e-9)
+    return level + max((f for first, f in floors_of if first < edge), default=0.0)
 
 
 def _seed(s: Searcher, results: Results, pure: list[list[Group]], total: int, mbs: int) -> set[tuple[int, ...]]:
