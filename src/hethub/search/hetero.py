@@ -340,8 +340,11 @@ class Results:
         if any(k == key for _, k in self._best) or any(k == key for _, k in bucket):
             self.items.append(est)
             return
-        if self.fits is not None and not self.fits(est):
-            return  # neither kept nor built: the pruning bar is the kept candidates', which fit
+        # Neither kept nor built: the pruning bar is the overall kept candidates', which fit. A candidate
+        # entering its size's places only sets no bar, so it is not laid out here: the predictor drops
+        # it if it does not fit (while the smallest size is searched, its places are the overall ones).
+        if overall and self.fits is not None and not self.fits(est):
+            return
         self.items.append(est)
         for kept, n, enters in ((self._best, self.keep, overall), (bucket, self.per_size, own)):
             if enters:
