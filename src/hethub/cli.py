@@ -153,7 +153,7 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
     from hethub.search.cost import plan_price_per_hour, usd_per_million_tokens
-    from hethub.search.planner import make_plan, merged_bound, reused_searches
+    from hethub.search.planner import candidate_config, make_plan, merged_bound, reused_searches
 
     rows: list[tuple] = []
     results = []  # every row's search, whose kinds-alone bounds merge into the one the rows are read against
@@ -174,8 +174,10 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
             if sharding != config.optimizer_sharding:
                 label += " (no sharding)"
             try:
-                r = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
-                              config=replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding))
+                row_config = replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding)
+                if strategy == "hethub" and schedule != config.schedule:  # the very search auto compared
+                    row_config = candidate_config(row_config, schedule)
+                r = make_plan(cluster=cluster, model=model, profiles=profiles, host=host, config=row_config)
                 try:  # dollars per million tokens where every kind used has a price
                     usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)
                 except HethubError:

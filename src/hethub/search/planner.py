@@ -59,6 +59,13 @@ class PlanResult:
     relaxed_kinds: frozenset[str] = frozenset()
 
 
+def candidate_config(config: PlannerConfig, name: str) -> PlannerConfig:
+    """The search schedule ``auto`` makes for candidate schedule ``name`` (1F1B keeps more plans: the
+    interleaving's starts); its result, alternatives cut to ``config.top_k``, is what auto compares."""
+    top_k = max(config.top_k, INTERLEAVE_POOL) if name == ONE_F_ONE_B else config.top_k
+    return replace(config, schedule=name, top_k=top_k)
+
+
 def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                    profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
     t0 = time.perf_counter()
@@ -70,8 +77,7 @@ def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 results[name] = _plan_interleaved(cluster=cluster, model=model, config=config, profiles=profiles,
                                                   host=host, base=results[ONE_F_ONE_B])
                 continue
-            top_k = max(config.top_k, INTERLEAVE_POOL) if name == ONE_F_ONE_B else config.top_k
-            results[name] = make_plan(cluster=cluster, model=model, config=replace(config, schedule=name, top_k=top_k),
+            results[name] = make_plan(cluster=cluster, model=model, config=candidate_config(config, name),
                                       profiles=profiles, host=host)
         except InfeasibleError as err:
             errors.append(err)
