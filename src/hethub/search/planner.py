@@ -228,7 +228,7 @@ def reused_searches():
     host objects and an equal config) with the same result or error instead of searching again.
     `hethub plan --compare` plans the schedule ``auto`` (every candidate schedule, sharded and not)
     and then each schedule's and the unsharded row on its own: without this, each of those searches
-    ran twice (the README tour's ``--compare``: 40 CPU s, of which ~25 s repeated searches)."""
+    ran twice (figures: docs/testing.md)."""
     global _REUSED
     outer, _REUSED = _REUSED, ({} if _REUSED is None else _REUSED)
     try:

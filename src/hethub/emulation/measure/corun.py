@@ -3,11 +3,8 @@
 A profile times each layer in one process on an otherwise idle host. In a plan with several ranks
 they compute at the same time, one per core, and on this 2-core VM the same work then takes more
 *thread CPU time* (the cores share what the guest cannot see: the physical core's other hardware
-thread, caches, memory bandwidth). Read from the runtime's own per-rank CPU accounting in an idle
-run of the ranking bench (2026-12-02 04:31, docs/accuracy.md): at micro-batch 1 the two ranks of
-"2 fast replicas mbs 1 x4" used 188 + 184 ms of chunk CPU per step for work one rank alone did in
-294 ms (1.27x), those of the 2-stage ZB-H1 pipeline 174 + 200 ms (1.27x); at micro-batch 2 the
-replicas used 125 + 146 ms against 275 ms (0.99x). Small micro-batches suffer, larger ones hardly.
+thread, caches, memory bandwidth). Small micro-batches suffer most, larger ones hardly; the ranking
+bench's in-step figures that showed it are in docs/accuracy.md.
 
 Measurement, per micro-batch size, on one forked process per usable core (2 to 4): all run the
 same chunk (a forward + backward of a stack of decoder layers, as the wake penalty and speed spread
