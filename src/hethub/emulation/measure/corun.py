@@ -20,12 +20,9 @@ import statistics
 import time
 from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
-
 from hethub.comm.local_ranks import run_local_ranks
 from hethub.emulation.host import usable_cores
-from hethub.emulation.measure.wake import stack_chunk
+from hethub.emulation.measure.wake import stack_chunk, synced_start
 from hethub.spec.model import ModelSpec
 
 PHASE_S = 0.3
@@ -38,13 +35,7 @@ def _phased(rank: int, spec: ModelSpec, sizes: tuple[int, ...], seq_len: int, ph
     out: dict[int, tuple[list[float], list[float]]] = {}
     for mbs in sizes:
         chunk = stack_chunk(spec, mbs=mbs, seq_len=seq_len)
-        for _ in range(3):
-            chunk()  # warm-up
-        start = torch.tensor([time.monotonic() + 0.1], dtype=torch.float64)  # one host: one monotonic clock
-        dist.all_reduce(start, op=dist.ReduceOp.MAX)
-        t0 = float(start)
-        while time.monotonic() < t0:
-            pass
+        t0 = synced_start(chunk, lead_s=0.1)
         together: list[float] = []
         alone: list[float] = []
         last_wall = 0.0

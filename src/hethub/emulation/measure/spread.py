@@ -23,12 +23,9 @@ import statistics
 import time
 from itertools import combinations
 
-import torch
-import torch.distributed as dist
-
 from hethub.comm.local_ranks import run_local_ranks
 from hethub.emulation.host import usable_cores
-from hethub.emulation.measure.wake import stack_chunk
+from hethub.emulation.measure.wake import stack_chunk, synced_start
 from hethub.emulation.stragglers import SpeedSpread
 from hethub.spec.model import ModelSpec
 
@@ -40,13 +37,7 @@ def _chunks(rank: int, spec: ModelSpec, mbs: int, seq_len: int, duration_s: floa
     same instant on every rank."""
     del rank
     chunk = stack_chunk(spec, mbs=mbs, seq_len=seq_len)
-    for _ in range(3):
-        chunk()  # warm-up
-    start = torch.tensor([time.monotonic() + 0.2], dtype=torch.float64)  # one host: one monotonic clock
-    dist.all_reduce(start, op=dist.ReduceOp.MAX)
-    t0 = float(start)
-    while time.monotonic() < t0:
-        pass
+    t0 = synced_start(chunk, lead_s=0.2)
     out = []
     while (now := time.monotonic()) < t0 + duration_s:
         out.append((now - t0, chunk()))

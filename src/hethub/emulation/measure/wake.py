@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from hethub.runtime.model import StageModel
 from hethub.runtime.tensor_parallel import TPContext
@@ -47,6 +48,20 @@ def stack_chunk(spec: ModelSpec, *, mbs: int, seq_len: int, device: torch.device
         return time.thread_time() - start
 
     return chunk_cpu_s
+
+
+def synced_start(chunk: Callable[[], float], *, lead_s: float) -> float:
+    """Warm ``chunk`` up, then wait with every rank of the default group for one common instant
+    ``lead_s`` ahead of the slowest rank (one host: one monotonic clock) and return it, so ranks
+    that measure side by side start together."""
+    for _ in range(3):
+        chunk()  # warm-up
+    start = torch.tensor([time.monotonic() + lead_s], dtype=torch.float64)
+    dist.all_reduce(start, op=dist.ReduceOp.MAX)
+    t0 = float(start)
+    while time.monotonic() < t0:
+        pass
+    return t0
 
 
 def measure_wake_penalty(spec: ModelSpec, *, mbs: int, seq_len: int, gaps_s: Sequence[float] = WAKE_GAPS_S,
