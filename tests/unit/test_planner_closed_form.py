@@ -13,7 +13,8 @@ from hethub.schedules import get_schedule
 from hethub.schedules.simulate import simulate_pipeline_time
 from hethub.search import PlannerConfig
 from hethub.search.combine import Group
-from hethub.search.mixed import _box_level, _Context, _rate_level, _split, families
+from hethub.search.mixed import _box_level, _rate_level, _split, families
+from hethub.search.mixed_sync import SyncFloors
 from hethub.search.split import Slot, round_trip_period_s
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import parse_cluster
@@ -90,7 +91,7 @@ def test_box_floors_are_below_every_member_they_stand_for():
         s = Searcher(cluster=cluster, model=SMALL, config=PlannerConfig(global_batch=16, seq_len=1024,
                                                                         schedule=schedule), profiles=None)
         mbs, checked = 2, 0
-        ctx = _Context(s, [])
+        ctx = SyncFloors(s, [])
         for fam, root in families(s, dict(s.counts), mbs):
             best: dict[tuple, float] = {}  # (c, stage counts) -> best closed-form step of that shape
             for c in range(1, root[1] + 1):
@@ -121,7 +122,7 @@ def test_mixed_floors_beside_pure_groups_are_below_every_member():
         pure.append(Group(ranked[0].pipe if not pure or len(ranked[0].pipe.slots) != len(pure[0].pipe.slots)
                           else next(r.pipe for r in ranked if len(r.pipe.slots) != len(pure[0].pipe.slots)), 1))
     assert len({len(g.pipe.slots) for g in pure}) == 2
-    ctx = _Context(s, pure)
+    ctx = SyncFloors(s, pure)
     pool = {k: s.counts[k] - sum(g.pipe.devices_by_kind().get(k, 0) for g in pure) for k in kinds}
     assert ctx.tail_floor((), 1, 0) > 0
     for fam, root in families(s, pool, mbs):
