@@ -14,7 +14,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from hethub.predict.gemm import KernelParams, split_k_options
+from hethub.predict.gemm import (
+    KernelParams,
+    flash_time_s,
+    gemm_time_from_terms,
+    memory_time_s,
+    split_k_options,
+    stream_time_s,
+)
 from hethub.predict.opmodel import Shape, layer_ops
 
 # Starting point and the values an uncalibrated kind uses (assumed: mid-range of what the fits on
@@ -50,8 +57,8 @@ def predicted_layer_s(sample: Sample, params: KernelParams, *, comm_scale: float
 
 @functools.lru_cache(maxsize=4096)
 def _compiled(shape: Shape, allreduce_s: Callable[[float], float] | None, sm_count: int) -> tuple[tuple, ...]:
-    """Per phase: (0, flops, split-K options, bytes) per GEMM, (1, bytes) per memory-bound kernel,
-    (2, seconds) per all-reduce."""
+    """Per phase, the shape-only terms of each operator: ("gemm", flops, split-K options, operand
+    bytes), ("mem", bytes), ("flash", flops), ("allreduce", seconds)."""
     out = []
     e = shape.elem_bytes
     for ops in layer_ops(shape):
@@ -59,31 +66,33 @@ def _compiled(shape: Shape, allreduce_s: Callable[[float], float] | None, sm_cou
         for op in ops:
             if op[0] == "gemm":
                 _, m, n, k, b = op
-                items.append((0, 2.0 * m * n * k * b, split_k_options(m=m, n=n, k=k, batch=b, sm_count=sm_count),
+                items.append(("gemm", 2.0 * m * n * k * b,
+                              split_k_options(m=m, n=n, k=k, batch=b, sm_count=sm_count),
                               e * (m * k + k * n + m * n) * b))
             elif op[0] == "mem":
                 if op[1] > 0:
-                    items.append((1, op[1]))
-            elif op[0] == "allreduce" and allreduce_s is not None:
-                items.append((2, allreduce_s(op[1])))
+                    items.append(op)
+            elif op[0] == "flash":
+                items.append(op)
+            elif allreduce_s is not None:
+                items.append(("allreduce", allreduce_s(op[1])))
         out.append(tuple(items))
     return tuple(out)
 
 
 def _phase_s(items: tuple, p: KernelParams, comm_scale: float) -> float:
-    peak, bw = p.matmul_flops * p.gemm_eff, p.mem_bw_bytes_per_s * p.mem_eff
-    host = gpu = 0.0
+    """opmodel.phase_time_s on compiled terms, with the all-reduces scaled by `comm_scale`."""
+    durations = []
     for it in items:
-        if it[0] == 0:
-            d = min(max(it[1] * (ks + p.k_half * c) / (peak * util * ks), it[3] / bw) + red / bw
-                    for util, ks, red, c in it[2])
-        elif it[0] == 1:
-            d = it[1] / bw
+        if it[0] == "gemm":
+            durations.append(gemm_time_from_terms(p, flops=it[1], options=it[2], operand_bytes=it[3]))
+        elif it[0] == "mem":
+            durations.append(memory_time_s(p, it[1]))
+        elif it[0] == "flash":
+            durations.append(flash_time_s(p, it[1]))
         else:  # a TP collective: on the GPU, the wait for the group's slowest rank, then the ring
-            d = comm_scale * it[1] + p.collective_wait_s
-        host += p.launch_s
-        gpu = max(gpu, host) + d
-    return gpu
+            durations.append(comm_scale * it[1] + p.collective_wait_s)
+    return stream_time_s(durations, launch_s=p.launch_s)
 
 
 def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], *, step: float = 0.3,

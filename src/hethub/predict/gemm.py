@@ -102,11 +102,27 @@ def gemm_efficiency(p: KernelParams, *, m: int, n: int, k: int, batch: int = 1) 
 def gemm_time_s(p: KernelParams, *, m: int, n: int, k: int, batch: int = 1, elem_bytes: int) -> float:
     """GPU time of C[m, n] = A[m, k] @ B[k, n] (`batch` of them): compute or memory, whichever binds,
     at the fastest tile and split of K (:func:`split_k_options`)."""
-    flops = 2.0 * m * n * k * batch
+    return gemm_time_from_terms(p, flops=2.0 * m * n * k * batch,
+                                options=split_k_options(m=m, n=n, k=k, batch=batch, sm_count=p.sm_count),
+                                operand_bytes=elem_bytes * (m * k + k * n + m * n) * batch)
+
+
+def gemm_time_from_terms(p: KernelParams, *, flops: float, options: tuple[tuple[float, int, float, float], ...],
+                         operand_bytes: float) -> float:
+    """:func:`gemm_time_s` from a GEMM's shape-only terms (its FLOPs, tile/split options and operand
+    bytes), which do not depend on the fitted numbers: the calibration computes them once per shape and
+    calls this thousands of times."""
     bw = p.mem_bw_bytes_per_s * p.mem_eff
-    memory = elem_bytes * (m * k + k * n + m * n) * batch / bw
-    return min(max(flops * (ks + p.k_half * c) / (p.matmul_flops * p.gemm_eff * util * ks), memory) + red / bw
-               for util, ks, red, c in split_k_options(m=m, n=n, k=k, batch=batch, sm_count=p.sm_count))
+    peak = p.matmul_flops * p.gemm_eff
+    memory = operand_bytes / bw
+    return min(max(flops * (ks + p.k_half * c) / (peak * util * ks), memory) + red / bw
+               for util, ks, red, c in options)
+
+
+def flash_time_s(p: KernelParams, flops: float) -> float:
+    """GPU time of a fused (flash) attention core doing `flops`: its GEMMs at the GEMM efficiency, its
+    softmax hidden inside the kernel."""
+    return flops / (p.matmul_flops * p.gemm_eff)
 
 
 def memory_time_s(p: KernelParams, nbytes: float) -> float:

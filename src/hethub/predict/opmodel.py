@@ -29,7 +29,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hethub.predict.gemm import KernelParams, gemm_time_s, memory_time_s, stream_time_s
+from hethub.predict.gemm import KernelParams, flash_time_s, gemm_time_s, memory_time_s, stream_time_s
 from hethub.spec.model import ModelSpec
 
 # An operator: ("gemm", m, n, k, batch) | ("mem", bytes, backward_bytes) | ("flash", flops) | ("allreduce", bytes).
@@ -240,7 +240,7 @@ def phase_time_s(ops: tuple[Op, ...], p: KernelParams, *, elem_bytes: int,
             if op[1] > 0:
                 durations.append(memory_time_s(p, op[1]))
         elif op[0] == "flash":
-            durations.append(op[1] / (p.matmul_flops * p.gemm_eff))
+            durations.append(flash_time_s(p, op[1]))
         elif allreduce_s is not None:  # the GPU also waits for the group's slowest rank
             durations.append(allreduce_s(op[1]) + p.collective_wait_s)
     return stream_time_s(durations, launch_s=p.launch_s)
