@@ -16,7 +16,7 @@ from hethub import __version__
 from hethub.argtypes import HelpFormatter, headroom_fraction, positive_float, positive_int
 from hethub.errors import HethubError, missing_extra
 from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES
-from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES
+from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, P2P_MODES, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
 EXIT_INTERRUPTED = 130
@@ -245,6 +245,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from hethub.tables import format_plan_table, format_summary
 
     plan = Plan.load(args.plan)
+    if args.p2p is not None:
+        from dataclasses import replace
+
+        plan = replace(plan, p2p=args.p2p)
     if args.links:
         from hethub.predict.links import plan_with_links, read_links_profile
 
@@ -258,7 +262,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"hethub predict: warning: {w}", file=sys.stderr)
     if args.json:
         out = {**pred.to_dict(), "upper_bound_tokens_per_s": upper,
-               "efficiency": pred.tokens_per_s / upper if upper else None, "feasible": pred.fits_memory}
+               "efficiency": pred.tokens_per_s / upper if upper else None, "feasible": pred.fits_memory,
+               "p2p": plan.p2p}
         print(json.dumps(out, indent=2))
         return 0
     print(format_summary(plan, pred, upper_bound_tokens_per_s=upper))
@@ -352,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", required=True)
     sp.add_argument("--profiles", help="measured layer profiles (directory or file)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm'")
+    sp.add_argument("--p2p", choices=P2P_MODES, default=None,
+                    help="how the runtime sends between stages, overriding the plan's training.p2p: async (hethub's "
+                         "runtime) or blocking (a stage waits for its send, as in DeepSpeed's pipeline engine, which "
+                         "Sailor uses, and Megatron-LM); see docs/predictor.md")
     sp.add_argument("--json", action="store_true")
     _add_headroom(sp)
     sp.set_defaults(func=cmd_predict)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
-from hethub.schedules import DEFAULT_SCHEDULE, SCHEDULES, get_schedule
+from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, P2P_MODES, SCHEDULES, get_schedule
 from hethub.spec.cluster import Cluster
 from hethub.spec.kind import ATTENTION_IMPLS
 from hethub.spec.model import PRECISIONS, ModelSpec
@@ -32,9 +32,12 @@ PLAN_FORMAT = "hethub-plan"
 # unsharded and could run out of memory). Older files read as unsharded.
 # 5: stages may hold several layer chunks ("chunks", per-pipeline "virtual_stages"); written only for
 # such plans, so that an older reader refuses them by version rather than misreading them.
+# 6: training.p2p "blocking" (the plan is for a runtime whose sends block; an older reader would
+# silently predict asynchronous sends). Written only for such plans, for the same reason as 5.
 PLAN_VERSION = 4
 PLAN_VERSION_CHUNKS = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+PLAN_VERSION_P2P = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 KIND_SETTINGS = ("precision", "attention")
 # Optimizer-state sharding across a parameter group's data-parallel holders (runtime/zero.py):
 # "zero1" shards the AdamW moments (ZeRO stage 1, Megatron's distributed optimizer). ZeRO-2 (sharded
@@ -174,6 +177,11 @@ class Plan:
     kind_settings: dict[str, dict[str, str]] = field(default_factory=dict, hash=False)
     optimizer_sharding: str = "none"  # one of OPTIMIZER_SHARDINGS
     optimizer_shares: str = "proportional"  # one of OPTIMIZER_SHARES (used when sharded)
+    # How the runtime that trains the plan sends between stages (hethub.schedules.P2P_MODES), which
+    # the predictor models: "async" is hethub's runtime; "blocking" a runtime whose sends block
+    # (DeepSpeed's pipeline engine, which Sailor uses; Megatron-LM). hethub's runtime sends
+    # asynchronously whatever this says.
+    p2p: str = DEFAULT_P2P
 
     @property
     def sharded_optimizer(self) -> bool:
@@ -225,6 +233,9 @@ class Plan:
         if self.optimizer_shares not in OPTIMIZER_SHARES:
             _fail("training.optimizer_shares", f"is {self.optimizer_shares!r}",
                   f"use one of {', '.join(OPTIMIZER_SHARES)}")
+        if self.p2p not in P2P_MODES:
+            _fail("training.p2p", f"is {self.p2p!r}", f"use one of {', '.join(P2P_MODES)} (async: hethub's runtime; "
+                  "blocking: a runtime whose sends block, such as DeepSpeed's pipeline engine)")
         if self.precision not in PRECISIONS:
             _fail("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
         for kind, settings in self.kind_settings.items():
@@ -274,11 +285,13 @@ class Plan:
         rank = self.rank_of_device()
         return {
             "format": PLAN_FORMAT,
-            "version": PLAN_VERSION_CHUNKS if any(p.virtual_stages > 1 for p in self.pipelines) else PLAN_VERSION,
+            "version": (PLAN_VERSION_P2P if self.p2p != DEFAULT_P2P else
+                        PLAN_VERSION_CHUNKS if any(p.virtual_stages > 1 for p in self.pipelines) else PLAN_VERSION),
             "strategy": self.strategy,
             "training": {"global_batch": self.global_batch, "seq_len": self.seq_len,
                          "schedule": self.schedule, "precision": self.precision,
                          "optimizer_sharding": self.optimizer_sharding, "optimizer_shares": self.optimizer_shares,
+                         **({"p2p": self.p2p} if self.p2p != DEFAULT_P2P else {}),
                          **({"kinds": {k: dict(v) for k, v in self.kind_settings.items()}}
                             if self.kind_settings else {})},
             "world_size": self.world_size,
@@ -337,7 +350,8 @@ class Plan:
                     strategy=str(data.get("strategy", "manual")), meta=dict(meta),
                     kind_settings=_kind_settings(t),
                     optimizer_sharding=_get(t, "optimizer_sharding", "training", str, default="none"),
-                    optimizer_shares=_get(t, "optimizer_shares", "training", str, default="proportional"))
+                    optimizer_shares=_get(t, "optimizer_shares", "training", str, default="proportional"),
+                    p2p=_get(t, "p2p", "training", str, default=DEFAULT_P2P))
         plan.validate()
         _check_ranks(data, plan)
         return plan

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hethub.plan import Plan
 from hethub.predict.result import Prediction
+from hethub.schedules import DEFAULT_P2P
 from hethub.units import GIB, fmt_chunks
 
 GB = GIB  # memory columns are GiB, as everywhere (hethub.units)
@@ -65,7 +66,8 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
         f"strategy {plan.strategy}: {len(plan.pipelines)} pipelines on {used} of {plan.cluster.num_devices} "
         f"devices ({kinds}); schedule {plan.schedule}, {plan.precision}"
         + (f", optimizer state sharded ({plan.optimizer_sharding}, {plan.optimizer_shares} slices)"
-           if plan.sharded_optimizer else ""),
+           if plan.sharded_optimizer else "")
+        + (f"; {plan.p2p} sends between stages (training.p2p)" if plan.p2p != DEFAULT_P2P else ""),
         f"predicted step time {pred.step_time_s:.3f} s, {pred.tokens_per_s:,.0f} tokens/s "
         f"(global batch {plan.global_batch} x {plan.seq_len} tokens)",
     ]

@@ -91,13 +91,15 @@ def test_train_refuses_a_plan_that_does_not_fit_memory(tmp_path, capsys):
 def test_sailor_plan_imports_predicts_and_exports_back(tmp_path, capsys):
     src = SHARED / "reference" / "sailor" / "example-plan-opt350-a100-v100.json"
     plan_path = tmp_path / "plan.json"
-    code, _, err = run(["import-plan", "--format", "sailor", src, "--cluster", EXAMPLES / "a100-v100-32.toml",
-                        "--model", "opt-350m", "--out", plan_path], capsys)
+    code, out, err = run(["import-plan", "--format", "sailor", src, "--cluster", EXAMPLES / "a100-v100-32.toml",
+                          "--model", "opt-350m", "--out", plan_path], capsys)
     assert code == 0, err
+    assert "note: p2p set to blocking" in out and "DeepSpeed" in out
     code, out, _ = run(["predict", "--plan", plan_path, "--json", "--profiles",
                         SHARED / "reference" / "sailor" / "profiles" / "OPT-350"], capsys)
     assert code == 0
     assert set(json.loads(out)["compute_sources"].values()) == {"profile"}
+    assert json.loads(out)["p2p"] == "blocking"
     back = tmp_path / "back.json"
     code, _, _ = run(["export-plan", "--format", "sailor", plan_path, "--out", back], capsys)
     assert code == 0

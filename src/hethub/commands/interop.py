@@ -31,8 +31,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.out:
         write_text_atomic(args.out, text)
         print(f"imported {len(plan.pipelines)} pipelines on {plan.world_size} devices -> {args.out}")
-        if plan.meta.get("sailor", {}).get("note"):
-            print(f"note: {plan.meta['sailor']['note']}")
+        for key in ("note", "p2p_note"):
+            if plan.meta.get("sailor", {}).get(key):
+                print(f"note: {plan.meta['sailor'][key]}")
     else:
         print(text, end="")
     return 0

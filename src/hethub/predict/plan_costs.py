@@ -56,7 +56,8 @@ class _Kept:
 
 # stage_memory's results by model and device kind (ids, pinned) and the stage's own key.
 _MEMORY = _Kept(100_000)
-# Pipeline finishes by the event simulation's inputs (pure: floats, counts and the schedule's name).
+# Pipeline finishes by the event simulation's inputs (pure: floats, counts, the schedule's name and
+# the p2p mode).
 _FINISH = _Kept(4096)
 # sync_shape by layout (the model's id, pinned; each stage's TP degree and layer ranges).
 _SYNC_SHAPES = _Kept(64)
@@ -138,14 +139,15 @@ class PlanCosts:
         if ops:
             if sig not in self.schedules:
                 self.schedules[sig] = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                        schedule=self.plan.schedule, chunks=chunks)
+                                                        schedule=self.plan.schedule, chunks=chunks, p2p=self.plan.p2p)
             return [st.finish_s for st in self.schedules[sig]]
         if sig not in self.finish:
             # Shared between predictions: the planner predicts the same pipelines again under each
             # optimizer sharding, in the kind-alone and combined searches and in the polish.
-            hit = _FINISH.get((tuple(fwd), tuple(bwd), tuple(p2p), m, self.plan.schedule, chunks),
+            hit = _FINISH.get((tuple(fwd), tuple(bwd), tuple(p2p), m, self.plan.schedule, chunks, self.plan.p2p),
                               lambda: tuple(simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                                   schedule=self.plan.schedule, chunks=chunks)))
+                                                                   schedule=self.plan.schedule, chunks=chunks,
+                                                                   p2p=self.plan.p2p)))
             self.finish[sig] = list(hit)
         return self.finish[sig]
 

@@ -5,9 +5,10 @@ Per stage: compute time (measured profile for its kind when one matches, else th
 send of one micro-batch's activations to the next stage over the link between the stage's last
 device and the next stage's first; memory from :mod:`hethub.predict.memory` with the schedule's
 in-flight micro-batches. Each pipeline's schedule is simulated event by event
-(:mod:`hethub.schedules.simulate`), then the world all-reduce of the loss, the data-parallel gradient
-sync (:mod:`hethub.predict.sync`), the world all-reduce of the gradient norm and the optimizer
-update give each stage's end; the step ends with the last one.
+(:mod:`hethub.schedules.simulate`), its sends asynchronous or blocking as the plan's ``p2p`` says,
+then the world all-reduce of the loss, the data-parallel gradient sync (:mod:`hethub.predict.sync`),
+the world all-reduce of the gradient norm and the optimizer update give each stage's end; the step
+ends with the last one. Time a stage spends held by blocking sends counts as exposed communication.
 
 One hook, ``host``: a host that runs every rank itself (local emulation, :mod:`hethub.emulation`)
 prices the all-reduces and replays the step with the stage costs computed here
@@ -97,6 +98,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     sigs: list[tuple] = []
     # Per virtual stage where v > 1: forward, backward, hop times, and the pipeline's stages.
     chunked: dict[int, tuple[list[float], list[float], list[float], int]] = {}
+    # Blocking sends: the op records give each stage's time held by its sends (exposed communication).
+    blocking = plan.p2p == "blocking" and host is None
     for pi, p in enumerate(plan.pipelines):
         mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
         schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
@@ -121,7 +124,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             chunked[pi] = (fwd, bwd, p2p, n)
         sig = (m, v, tuple(fwd), tuple(bwd), tuple(p2p))
         sigs.append(sig)
-        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=timeline and host is None, chunks=v))
+        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=(timeline or blocking) and host is None,
+                                     chunks=v))
         updates.append(upd)
 
     mems, weights = _with_sharding(plan, {(pi, si): mem for pi, si, _, mem, _, _ in partial}, headroom=mem_headroom)
@@ -137,7 +141,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline and host is None, groups=groups,
                          world=world)
     stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync,
-                                     last_backward_s=finish[pi][si], in_flight=f, headroom=mem_headroom)
+                                     last_backward_s=finish[pi][si], in_flight=f, headroom=mem_headroom,
+                                     blocked_s=costs.schedules[sigs[pi]][si].send_blocked_s if blocking else 0.0)
                    for pi, si, cost, mem, send, f in partial)
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
@@ -168,7 +173,10 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         model_flops_per_step=model.train_flops_per_token(seq_len=plan.seq_len) * tokens,
         mfu_by_kind=mfu_by_kind(plan, step),
         sources=_sources(plan, stages),
-        warnings=_memory_warnings(stages, headroom=mem_headroom),
+        warnings=_memory_warnings(stages, headroom=mem_headroom) + (
+            (f"the plan's p2p is {plan.p2p!r}, but this local emulation replays hethub's runtime, which sends "
+             "asynchronously: the prediction is for asynchronous sends",) if host is not None and plan.p2p != "async"
+            else ()),
     )
 
 
@@ -274,7 +282,9 @@ def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) ->
 
 
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem: StageMemory, send: float,
-                      sync: SyncResult, last_backward_s: float, in_flight: int, headroom: float) -> StagePrediction:
+                      sync: SyncResult, last_backward_s: float, in_flight: int, headroom: float,
+                      blocked_s: float = 0.0) -> StagePrediction:
+    """``blocked_s``: time the stage is held by blocking sends (StageSchedule.send_blocked_s)."""
     s = plan.pipelines[pi].stages[si]
     kind = plan.cluster.kinds[s.kind]
     m = plan.pipelines[pi].num_micro_batches
@@ -289,8 +299,8 @@ def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem:
         capacity_bytes=usable_bytes(kind, headroom=headroom), compute_source=cost.times.source,
         memory=mem, device_mem_bytes=float(kind.mem_bytes), precision=plan.precision_of(s.kind),
         attention=plan.attention_of(s.kind), in_flight=in_flight,
-        compute_s=compute, exposed_comm_s=tp_comm + sync_tail,
-        bubble_s=max(0.0, sync.step_time_s - compute - tp_comm - sync_tail - cost.times.update_s),
+        compute_s=compute, exposed_comm_s=tp_comm + sync_tail + blocked_s,
+        bubble_s=max(0.0, sync.step_time_s - compute - tp_comm - sync_tail - cost.times.update_s - blocked_s),
     )
 
 
@@ -346,21 +356,25 @@ def _stage_events(p: Pipeline, pi: int, si: int, device: int, st: StageSchedule,
             out.append(Event(device, "backward", f"W{op.micro_batch}", op.start_s, op.end_s, pi, si, op.micro_batch))
         else:
             out += _chunk_events(p, forward=op.kind == "F", mb=op.micro_batch, start_s=op.start_s, end_s=op.end_s,
-                                 pi=pi, si=si, device=device, send_fwd=send_fwd, send_bwd=send_bwd)
+                                 pi=pi, si=si, device=device, send_fwd=send_fwd, send_bwd=send_bwd,
+                                 send_done_s=op.send_done_s)
     return out
 
 
 def _chunk_events(p: Pipeline, *, forward: bool, mb: int, start_s: float, end_s: float, pi: int, si: int,
-                  device: int, send_fwd: float, send_bwd: float) -> list[Event]:
+                  device: int, send_fwd: float, send_bwd: float, send_done_s: float | None = None) -> list[Event]:
     """A forward or backward of micro-batch `mb` on stage `si` of pipeline `p` and the transfer after
-    it (activations to the next stage, gradients to the previous one), where there is one."""
+    it (activations to the next stage, gradients to the previous one), where there is one. A blocking
+    send (``send_done_s``) spans until delivery, its wait for the link included: the stage is held."""
     i = mb
     if forward:
         out = [Event(device, "forward", f"F{i}", start_s, end_s, pi, si, i)]
-        if si < len(p.stages) - 1:
-            out.append(Event(device, "p2p", f"send act {i}", end_s, end_s + send_fwd, pi, si, i))
+        if si < len(p.stages) - 1 or send_done_s is not None:  # blocking: an interleaved wrap's send too
+            done = end_s + send_fwd if send_done_s is None else send_done_s
+            out.append(Event(device, "p2p", f"send act {i}", end_s, done, pi, si, i))
         return out
     out = [Event(device, "backward", f"B{i}", start_s, end_s, pi, si, i)]
-    if si > 0:
-        out.append(Event(device, "p2p", f"send grad {i}", end_s, end_s + send_bwd, pi, si, i))
+    if si > 0 or send_done_s is not None:
+        done = end_s + send_bwd if send_done_s is None else send_done_s
+        out.append(Event(device, "p2p", f"send grad {i}", end_s, done, pi, si, i))
     return out

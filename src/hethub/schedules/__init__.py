@@ -23,6 +23,12 @@ DEFAULT_SCHEDULE = SCHEDULES[0]
 AUTO_SCHEDULE = "auto"
 AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, s in _REGISTRY.items()
                                           if s.auto_candidate and s.max_in_flight(stage=0, num_stages=1) is not None)
+# How a pipeline runtime sends activations and gradients between stages, which the event simulation
+# models (its rules: hethub.schedules.simulate). "async": the sender posts the send and goes on (hethub's
+# runtime, isend); "blocking": the sender stays busy until its message is delivered (DeepSpeed's pipeline
+# engine, which Sailor trains with; Megatron-LM's 1F1B). The first is the default.
+P2P_MODES: tuple[str, ...] = ("async", "blocking")
+DEFAULT_P2P = P2P_MODES[0]
 
 
 def get_schedule(name: str, *, chunks: int = 1) -> Schedule:
@@ -36,5 +42,5 @@ def get_schedule(name: str, *, chunks: int = 1) -> Schedule:
     return sched.with_chunks(chunks)
 
 
-__all__ = ["AUTO_CANDIDATES", "AUTO_SCHEDULE", "DEFAULT_SCHEDULE", "SCHEDULES", "GPipe", "Interleaved", "OneFOneB",
-           "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]
+__all__ = ["AUTO_CANDIDATES", "AUTO_SCHEDULE", "DEFAULT_P2P", "DEFAULT_SCHEDULE", "P2P_MODES", "SCHEDULES", "GPipe",
+           "Interleaved", "OneFOneB", "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]

@@ -21,6 +21,24 @@ are free):
   slow link (transfer longer than a stage's forward plus backward) the link, not compute, sets the
   pipeline's pace; without this rule transfers would overlap each other on one wire.
 
+``p2p`` (:data:`hethub.schedules.P2P_MODES`) says how the runtime sends. ``"async"`` (the default) is
+the rule above. ``"blocking"`` models runtimes whose stage cannot start its next op before its send
+has completed: DeepSpeed's pipeline engine (``deepspeed/runtime/pipe/p2p.py`` sends with a blocking
+``dist.send``; Sailor trains with a fork of it) and Megatron-LM's 1F1B (``p2p_communication.py``
+batches a stage's isend with its irecv and waits on both before the next op). There a stage that
+sends (activations after F, gradients after B; with ZB-H1 after B, never after W) stays busy until its
+message is delivered, at the same link arrival as above: max(op end, link free) + transfer. The op
+itself still ends when its compute does (:attr:`TimedOp.send_done_s` says when the stage was
+released). The send is taken as eager: it does not wait for the receiver to post its receive.
+Waiting for that (a rendezvous) would need each runtime's own send/receive order, which no schedule
+here defines (DeepSpeed interleaves them by stage parity to avoid the deadlock 1F1B's order would
+otherwise have), and on a slow link the transfer, which the model does count, dominates the wait;
+so blocking predictions are a floor for such runtimes, not their exact step. Blocking never delays a
+transfer, only the sender's next op: a stage's busy time per micro-batch grows by one transfer per
+message it sends (uniform stages, steady state: F + B + T on either stage of a 2-stage pipeline, as
+its two messages of a micro-batch cross the link in opposite directions at once; F + B + 2 T on an
+inner stage, which sends both ways).
+
 A stage's finish time is the end of its last backward. Because each stage's op times are used
 as given, unequal stages are modelled exactly, not by a bottleneck formula.
 
@@ -44,7 +62,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hethub.schedules import DEFAULT_SCHEDULE, get_schedule
+from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, P2P_MODES, get_schedule
 from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
 
 
@@ -55,37 +73,73 @@ class TimedOp:
     start_s: float
     end_s: float
     chunk: int = 0  # model chunk (virtual stage) of the device; 0 without virtual stages
+    # With blocking sends (p2p="blocking"), when the message this op sends was delivered, which is
+    # when the stage was free again (>= end_s); None where the op sends nothing or sends are async.
+    send_done_s: float | None = None
 
 
 @dataclass(frozen=True)
 class StageSchedule:
     ops: tuple[TimedOp, ...]
-    finish_s: float  # end of the stage's last op
+    finish_s: float  # end of the stage's last op (of its blocking send, if it sends one)
+
+    @property
+    def send_blocked_s(self) -> float:
+        """Time the stage spent held by its blocking sends (0 with asynchronous sends): exposed
+        communication, not compute and not bubble."""
+        return sum(op.send_done_s - op.end_s for op in self.ops if op.send_done_s is not None)
 
 
 def simulate_pipeline_time(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
     schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE, chunks: int = 1,
+    p2p: str = DEFAULT_P2P,
 ) -> list[float]:
-    """Finish time (end of the last op) of every stage (device); the fast path, no op records.
-    ``chunks``: model chunks per device (see the module docstring for the inputs' layout then)."""
+    """Finish time (end of the last op, or of its blocking send) of every stage (device); the fast
+    path, no op records. ``chunks``: model chunks per device (see the module docstring for the
+    inputs' layout then); ``p2p``: how sends behave, one of P2P_MODES."""
+    blocking = _blocking(p2p)
     if chunks != 1:
-        return [st.finish_s for st in _simulate_chunked(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, chunks)]
-    finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, wgrad_share, record=False)
+        return [st.finish_s for st in _simulate_chunked(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, chunks,
+                                                        blocking=blocking)]
+    finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, wgrad_share, record=False,
+                          blocking=blocking)
     return finish
 
 
 def simulate_pipeline(
     *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
     schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE, chunks: int = 1,
+    p2p: str = DEFAULT_P2P,
 ) -> list[StageSchedule]:
     """Every stage's (device's) ops with their start/end times, and its finish time."""
     m = num_micro_batches
+    blocking = _blocking(p2p)
     if chunks != 1:
-        return _simulate_chunked(fwd_s, bwd_s, p2p_s, m, schedule, chunks)
-    finish, recs = _simulate(fwd_s, bwd_s, p2p_s, m, schedule, wgrad_share, record=True)
-    return [StageSchedule(ops=tuple(TimedOp(*_decode(c, m), a, b) for c, a, b in rec), finish_s=f)
-            for f, rec in zip(finish, recs, strict=True)]
+        return _simulate_chunked(fwd_s, bwd_s, p2p_s, m, schedule, chunks, blocking=blocking)
+    finish, recs = _simulate(fwd_s, bwd_s, p2p_s, m, schedule, wgrad_share, record=True, blocking=blocking)
+    if not blocking:
+        return [StageSchedule(ops=tuple(TimedOp(*_decode(c, m), a, b) for c, a, b in rec), finish_s=f)
+                for f, rec in zip(finish, recs, strict=True)]
+    # A blocking send keeps the stage's clock, which the records hold, until delivery; the op's own
+    # end is its start plus its duration, computed as the simulation computed it (bit for bit).
+    p, share = len(fwd_s), wgrad_share if get_schedule(schedule).split_backward else 0.0
+    out = []
+    for s, (f, rec) in enumerate(zip(finish, recs, strict=True)):
+        ops = []
+        for c, a, b in rec:
+            kind, i = _decode(c, m)
+            end = a + (fwd_s[s] if kind == "F" else bwd_s[s] * (1.0 - share) if kind == "B" else bwd_s[s] * share)
+            sends = (kind == "F" and s < p - 1) or (kind == "B" and s > 0)
+            ops.append(TimedOp(kind, i, a, end, send_done_s=b) if sends else TimedOp(kind, i, a, b))
+        out.append(StageSchedule(ops=tuple(ops), finish_s=f))
+    return out
+
+
+def _blocking(p2p: str) -> bool:
+    if p2p not in P2P_MODES:
+        raise ValueError(f"unknown p2p mode {p2p!r}; use one of {', '.join(P2P_MODES)}")
+    return p2p == "blocking"
 
 
 def _decode(code: int, m: int) -> tuple[str, int]:
@@ -126,7 +180,7 @@ def _check(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float
 
 def _simulate(
     fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int, schedule: str,
-    wgrad_share: float, *, record: bool,
+    wgrad_share: float, *, record: bool, blocking: bool = False,
 ) -> tuple[list[float], list[list[tuple[int, float, float]]]]:
     p = _check(fwd_s, bwd_s, p2p_s, m)
     orders = [_codes(p, s, m, schedule) for s in range(p)]
@@ -143,6 +197,11 @@ def _simulate(
     # from s+1. Messages on a link arrive in micro-batch order, which is the order they are consumed.
     fwd_link = [0.0] * p
     bwd_link = [0.0] * p
+    # With blocking sends the sender needs the arrival too: its own copies of its outgoing links
+    # (activations to s+1, gradients to s-1), fed the same messages in the same order, so they give
+    # the very floats the receivers compute.
+    out_fwd_link = [0.0] * p
+    out_bwd_link = [0.0] * p
     recs: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
     remaining = sum(len(o) for o in orders)
     down = list(range(p))
@@ -160,6 +219,8 @@ def _simulate(
             next_be = b_end[s + 1] if s < p - 1 else None
             in_p2p = p2p_s[s - 1] if s > 0 else 0.0
             out_p2p = p2p_s[s] if s < p - 1 else 0.0
+            hold_fwd = blocking and s < p - 1
+            hold_bwd = blocking and s > 0
             rec = recs[s]
             while k < n:
                 c = order[k]
@@ -179,6 +240,11 @@ def _simulate(
                     t += fs
                     fe[c] = t
                     nf[s] += 1
+                    if hold_fwd:  # the stage is free once the activations are delivered
+                        if out_fwd_link[s] > t:
+                            t = out_fwd_link[s]
+                        t += out_p2p
+                        out_fwd_link[s] = t
                 elif ~c >= m:  # W: after its own B, which the stage's order puts first
                     start = t
                     t += ws
@@ -199,6 +265,11 @@ def _simulate(
                     t += bs
                     be[i] = t
                     nb[s] += 1
+                    if hold_bwd:  # ... once the gradients are
+                        if out_bwd_link[s] > t:
+                            t = out_bwd_link[s]
+                        t += in_p2p
+                        out_bwd_link[s] = t
                 if record:
                     rec.append((c, start, t))
                 k += 1
@@ -212,9 +283,11 @@ def _simulate(
 
 
 def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
-                      schedule: str, v: int) -> list[StageSchedule]:
+                      schedule: str, v: int, *, blocking: bool = False) -> list[StageSchedule]:
     """The event simulation over virtual stages (module docstring); plain dicts, as interleaved
-    pipelines are short next to the fast path's 64-stage x 512 micro-batch ones."""
+    pipelines are short next to the fast path's 64-stage x 512 micro-batch ones. With blocking
+    sends the sender computes each arrival, in the order it sends (its stage is held until then),
+    and the receiver takes it from ``arrival``."""
     sched = get_schedule(schedule, chunks=v)
     if sched.split_backward:
         raise ValueError(f"schedule {schedule!r} splits the backward and has virtual stages; not simulated")
@@ -230,6 +303,8 @@ def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seq
     # gradients into device s over link s (from s + 1, or the wrap from device 0 into the last).
     fwd_link, bwd_link = [0.0] * p, [0.0] * p
     ptr, clock = [0] * p, [0.0] * p
+    # Blocking: the arrival of (kind, virtual stage sent to, micro-batch)'s message.
+    arrival: dict[tuple[str, int, int], float] = {}
     recs: list[list[TimedOp]] = [[] for _ in range(p)]
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -239,25 +314,46 @@ def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seq
             while k < len(order):
                 kind, i, c = order[k]
                 vs = c * p + s
+                done = None
                 if kind == "F":
                     if vs > 0:
-                        if (vs - 1, i) not in f_end:
-                            break
-                        fwd_link[s] = link_arrival_s(sent_s=f_end[(vs - 1, i)], link_free_s=fwd_link[s],
-                                                     transfer_s=p2p_s[vs - 1])
-                        t = max(t, fwd_link[s])
+                        if blocking:
+                            if ("F", vs, i) not in arrival:
+                                break
+                            t = max(t, arrival[("F", vs, i)])
+                        else:
+                            if (vs - 1, i) not in f_end:
+                                break
+                            fwd_link[s] = link_arrival_s(sent_s=f_end[(vs - 1, i)], link_free_s=fwd_link[s],
+                                                         transfer_s=p2p_s[vs - 1])
+                            t = max(t, fwd_link[s])
                     start, t = t, t + fwd_s[vs]
                     f_end[(vs, i)] = t
+                    if blocking and vs < n - 1:
+                        to = (s + 1) % p
+                        done = fwd_link[to] = arrival[("F", vs + 1, i)] = link_arrival_s(
+                            sent_s=t, link_free_s=fwd_link[to], transfer_s=p2p_s[vs])
                 else:
                     if vs < n - 1:
-                        if (vs + 1, i) not in b_end:
-                            break
-                        bwd_link[s] = link_arrival_s(sent_s=b_end[(vs + 1, i)], link_free_s=bwd_link[s],
-                                                     transfer_s=p2p_s[vs])
-                        t = max(t, bwd_link[s])
+                        if blocking:
+                            if ("B", vs, i) not in arrival:
+                                break
+                            t = max(t, arrival[("B", vs, i)])
+                        else:
+                            if (vs + 1, i) not in b_end:
+                                break
+                            bwd_link[s] = link_arrival_s(sent_s=b_end[(vs + 1, i)], link_free_s=bwd_link[s],
+                                                         transfer_s=p2p_s[vs])
+                            t = max(t, bwd_link[s])
                     start, t = t, t + bwd_s[vs]
                     b_end[(vs, i)] = t
-                recs[s].append(TimedOp(kind, i, start, t, c))
+                    if blocking and vs > 0:
+                        to = (s - 1) % p
+                        done = bwd_link[to] = arrival[("B", vs - 1, i)] = link_arrival_s(
+                            sent_s=t, link_free_s=bwd_link[to], transfer_s=p2p_s[vs - 1])
+                recs[s].append(TimedOp(kind, i, start, t, c, send_done_s=done))
+                if done is not None:
+                    t = done
                 k += 1
             progressed += k - ptr[s]
             ptr[s], clock[s] = k, t
