@@ -176,7 +176,10 @@ def test_links_intra_inter_and_cross_kind():
     assert c.link(0, 7) == Link(mi.intra_node_bw_bytes_per_s, mi.intra_node_latency_s)
     assert c.link(128, 135) == Link(gb.intra_node_bw_bytes_per_s, gb.intra_node_latency_s)
     # Same kind, different node: the group's NIC override (mi250x) or the network default (gpu-b).
-    assert c.link(0, 8) == Link(12.5e9, c.inter_node.latency_s)
+    assert c.link(0, 8) == Link(25e9, c.inter_node.latency_s)
+    # mi250x: 2 GCDs per NIC; gpu-b: a NIC per device.
+    assert c.devices[0].nic == c.devices[1].nic != c.devices[2].nic
+    assert c.devices[128].nic != c.devices[129].nic
     assert c.link(128, 136) == Link(c.inter_node.bw_bytes_per_s, c.inter_node.latency_s)
     # Cross kind: the slowest of both NICs and the cross-kind path, the larger latency.
     cross = c.link(0, 128)

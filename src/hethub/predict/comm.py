@@ -63,6 +63,22 @@ def slowest_link(cluster: Cluster, devices: list[int] | tuple[int, ...]) -> Link
     return Link(min(lk.bw_bytes_per_s for lk in links), max(lk.latency_s for lk in links))
 
 
+def rings_link(cluster: Cluster, rings: list[list[int]]) -> Link:
+    """The bottleneck link of rings that run at once (each a device list in ring order), such as the
+    data-parallel all-reduces of a stage's TP ranks: rank q of every holder is in ring q.
+
+    The ranks behind one NIC share it (:func:`shared_links`): a hop that crosses nodes gets its NIC's
+    bandwidth divided by the number of the rings' hops leaving (or entering) through that NIC, so 8
+    TP ranks of a node with one NIC, each all-reducing their 1/8 of a stage's gradients across nodes,
+    move the whole gradient through that NIC, not an eighth of it.
+    """
+    hops = [(a, b) for ring in rings if len(ring) > 1 for a, b in zip(ring, [*ring[1:], ring[0]], strict=True)]
+    if not hops:
+        return Link(float("inf"), 0.0)
+    shared = shared_links(cluster, hops)
+    return Link(min(lk.bw_bytes_per_s / share for lk, share in shared), max(lk.latency_s for lk, _ in shared))
+
+
 def tp_comm_time_s(*, act_bytes_per_layer: float, layers: int, tp: int, link: Link) -> tuple[float, float]:
     """Megatron TP: two all-reduces of the layer's activations forward and two backward, per layer."""
     if tp <= 1:
@@ -77,10 +93,9 @@ def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], 
     (device ids in TP order), as hethub's executor sends them: receiver q gets the whole tensor from sender
     q mod len(senders) (hethub.layout.fwd_source); gradients go back the same pairs.
 
-    The ranks of a node share its network cards: the messages leaving (or entering) one node across nodes
-    at once each get that share of its NIC bandwidth, so a TP-8 stage whose 8 ranks each send the whole
-    tensor to another node moves 8 copies through one NIC. An emulation host (``host_cores`` set) has
-    no NIC: every rank pair is its own loopback path there, so nothing is shared.
+    The ranks behind one NIC share it (:func:`shared_links`): the messages leaving (or entering) through
+    one NIC at once each get that share of its bandwidth, so a TP-8 stage on a node with one NIC whose 8
+    ranks each send the whole tensor to another node moves 8 copies through that NIC.
 
     ``split`` (hethub.layout.split_hop: equal TP degrees): each pair carries 1/TP of the tensor and
     the receivers then all-gather it over their TP group (a ring all-gather, half a ring all-reduce).
@@ -93,19 +108,25 @@ def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], 
     if split:
         gather_s = group_allreduce_time_s(cluster, nbytes=nbytes, devices=list(receivers)) / 2
         nbytes /= a
-    # Only the pairs' own devices' nodes: a list over the whole cluster cost O(devices) per hop
-    # (4,096-device plans spent a fifth of their search here).
-    node = {d: cluster.devices[d].node for pair in pairs for d in pair}
+    worst = max(link.latency_s + nbytes * share / link.bw_bytes_per_s for link, share in shared_links(cluster, pairs))
+    return worst + gather_s
+
+
+def shared_links(cluster: Cluster, pairs: list[tuple[int, int]]) -> list[tuple[Link, int]]:
+    """Each (sender, receiver) pair's link and how many of the pairs share its busiest NIC, when all
+    the pairs send at once: a pair that crosses nodes leaves through its sender's NIC and enters
+    through its receiver's (``NodeGroup.devices_per_nic`` devices behind each), whose bandwidth the
+    pairs through it split. Pairs inside a node use no NIC (share 1). An emulation host has no NIC:
+    every rank pair is its own loopback path there, so nothing is shared."""
+    # Only the pairs' own devices: a list over the whole cluster cost O(devices) per hop (4,096-device
+    # plans spent a fifth of their search here).
+    dev = {d: cluster.devices[d] for pair in pairs for d in pair}
     out: dict[int, int] = {}
     inn: dict[int, int] = {}
     if cluster.host is None:
         for s, r in pairs:
-            if node[s] != node[r]:
-                out[node[s]] = out.get(node[s], 0) + 1
-                inn[node[r]] = inn.get(node[r], 0) + 1
-    worst = 0.0
-    for s, r in pairs:
-        link = cluster.link(s, r)
-        share = max(out.get(node[s], 1), inn.get(node[r], 1)) if node[s] != node[r] else 1
-        worst = max(worst, link.latency_s + nbytes * share / link.bw_bytes_per_s)
-    return worst + gather_s
+            if dev[s].node != dev[r].node:
+                out[dev[s].nic] = out.get(dev[s].nic, 0) + 1
+                inn[dev[r].nic] = inn.get(dev[r].nic, 0) + 1
+    return [(cluster.link(s, r), max(out.get(dev[s].nic, 1), inn.get(dev[r].nic, 1))
+             if dev[s].node != dev[r].node else 1) for s, r in pairs]

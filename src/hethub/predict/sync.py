@@ -13,8 +13,10 @@ host prices it with its measured all-reduce instead, through the predictor's hoo
 * participants: the number of holder stages;
 * bytes per participant: the group's parameters on one device of a holder x grad bytes, taking
   the largest over holders (the smallest TP degree), because the biggest shard bounds the ring;
-* link: :func:`hethub.predict.comm.slowest_link` over the first device of each holder, in pipeline
-  order, so a ring that crosses kinds pays the cross-kind link.
+* link: :func:`hethub.predict.comm.rings_link`: the TP ranks of a holder all-reduce their shards at
+  once, one ring per rank of the smallest TP degree (rank q of each holder, in pipeline order), so
+  a ring that crosses kinds pays the cross-kind link and the rings' hops that leave a node share
+  its NIC (a TP-8 stage syncing across nodes moves its whole gradient through one NIC).
 
 Groups with the same holders are fused into one all-reduce of their summed bytes, as the runtime
 flattens them into one buffer (so a plan of plain replicas syncs with a single collective).
@@ -44,10 +46,11 @@ all-gather is counted in the group's sync slot (it runs after the update in the 
 update's own waiting is not modelled), and slices are those of ``predict/sharding.py`` with the
 holder stages as the members (mixed TP degrees costed as lined up, as for all-reduces).
 
-Approximations: gradient sync does not overlap the backward (real DDP buckets start while the
-backward still runs, so this overestimates a little); TP ranks of a stage are assumed to run their
-shard's all-reduces in parallel on separate rings at the first device's link; mismatched TP shard
-layouts among holders are costed as if they lined up.
+Approximations: gradient sync does not overlap the backward (the runtime syncs after the last
+backward, as DeepSpeed's pipeline engine does; DDP-style buckets that start during the backward
+would make this an overestimate); mismatched TP shard layouts among holders are costed as if they
+lined up; a NIC is shared only among one group's rings, not with another stage's sync that
+happens to run on the same node at the same time.
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ from hethub.islands import Exchange, exchange, island_of_kind
 from hethub.layout import stage_places, unit_holders, unit_param_prefix
 from hethub.plan import Plan
 from hethub.predict.comm import (
-    group_allreduce_time_s,
+    allreduce_time_s,
     ring_pass_time_s,
+    rings_link,
     slowest_link,
     small_allreduce_time_s,
 )
 from hethub.predict.sharding import split_elems
-from hethub.spec.cluster import Cluster, Link
+from hethub.spec.cluster import Link
 from hethub.spec.model import ModelSpec
 
 StageId = tuple[int, int]  # (pipeline index, stage index)
@@ -102,7 +106,8 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
     holders = {u: [(st.pipeline, st.stage) for st in hs] for u, hs in unit_holders(plan, stage_places(plan)).items()}
 
     tp_of = {(pi, si): s.tp for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
-    first_dev = {(pi, si): s.devices[0] for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+    devs = {(pi, si): s.devices for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+    first_dev = {x: d[0] for x, d in devs.items()}
     h, v = model.hidden_size, model.vocab_size
     norm_layer = model.layer_params - model.layer_matmul_params
     pos = model.embedding_params - v * h
@@ -110,12 +115,11 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
 
     def group(name: str, stages: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
         hs = tuple(stages)
-        devices = [first_dev[x] for x in hs]
         link = links.get(hs)
-        if link is None:
-            link = links[hs] = slowest_link(cluster, devices)
+        if link is None:  # one ring per TP rank of the smallest degree, all at once (lined up)
+            link = links[hs] = rings_link(cluster, [[devs[x][q] for x in hs] for q in range(min(tp_of[x] for x in hs))])
         nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
-        return SyncGroup(name, hs, nbytes, link, group_allreduce_time_s(cluster, nbytes=nbytes, devices=devices))
+        return SyncGroup(name, hs, nbytes, link, allreduce_time_s(nbytes=nbytes, participants=len(hs), link=link))
 
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
@@ -130,7 +134,7 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
     head_units = ("final_norm",) if model.tied_embeddings else ("head", "final_norm")
     units = [("embed",), *((f"layer.{layer}",) for layer in range(model.num_layers)), head_units]
     first_names = {g.name: min(unit_param_prefix(u) for u in us) for g, us in zip(groups, units, strict=True)}
-    fused = _buckets(groups, first_names=first_names, cluster=cluster, first_dev=first_dev)
+    fused = _buckets(groups, first_names=first_names)
     if not plan.sharded_optimizer:
         return fused
     weights = shard_weights if shard_weights is not None else dict.fromkeys(range(plan.world_size), 1.0)
@@ -202,8 +206,7 @@ def _hierarchical_pass_s(plan: Plan, holders: Sequence[StageId], ex: Exchange, *
     return ex.pass_time_s(island_s=island_s, message_s={m: bridge.time_s(slices[m] * elem_bytes) for m in ex.members})
 
 
-def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: Cluster,
-             first_dev: dict[StageId, int]) -> list[SyncGroup]:
+def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str]) -> list[SyncGroup]:
     """Groups with the same holders fused into one all-reduce, in the runtime's order.
 
     The runtime's GradSync flattens every parameter with the same holders into one buffer and
@@ -221,7 +224,7 @@ def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str], cluster: C
             continue
         hs, nbytes = gs[0].holders, sum(g.nbytes for g in gs)
         out.append(SyncGroup(", ".join(g.name for g in gs), hs, nbytes, gs[0].link,
-                             group_allreduce_time_s(cluster, nbytes=nbytes, devices=[first_dev[x] for x in hs])))
+                             allreduce_time_s(nbytes=nbytes, participants=len(hs), link=gs[0].link)))
     return out
 
 

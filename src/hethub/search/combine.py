@@ -188,7 +188,7 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
             key = (matrix, extra, frozenset([sl.kind for sl in here]), min([sl.tp for sl in here]))
             t = rings.get(key)
             if t is None:
-                link = links.replicas(key[2], devices=total_devices)
+                link = links.replicas(key[2], devices=total_devices, rings=key[3])
                 t = rings[key] = allreduce_time_s(nbytes=(matrix / key[3] + extra) * gb, participants=replicas,
                                                   link=link)
             return t
@@ -238,7 +238,7 @@ def embedding_ring_s(kinds: frozenset[str], tp: int, replicas: int, *, total_dev
     these kinds whose smallest TP degree is `tp` (the floors cache it by these four values)."""
     gb = ModelSpec.state_bytes_per_param(precision)["grads"]
     vh = model.vocab_size * model.hidden_size
-    link = links.replicas(kinds, devices=total_devices)
+    link = links.replicas(kinds, devices=total_devices, rings=tp)
     return allreduce_time_s(nbytes=(vh / tp + model.embedding_params - vh) * gb, participants=replicas, link=link)
 
 

@@ -22,6 +22,7 @@ class LinkBook:
         self.cluster = cluster
         self.ring_cache: dict[tuple, dict] = {}  # all-reduce times by ring size, shared by a search's estimates
         self.node_size: dict[str, int] = {}
+        self.nic_size: dict[str, int] = {}  # devices behind one NIC (the fewest over the kind's groups)
         self._p2p: dict[tuple[str, int, str, int], Link] = {}
         self._nic: dict[str, float] = {}
         self._hops: dict[tuple, float] = {}
@@ -35,6 +36,7 @@ class LinkBook:
         for g in cluster.groups:
             nic = g.inter_node_bw_bytes_per_s or cluster.inter_node.bw_bytes_per_s
             self.node_size[g.kind] = min(self.node_size.get(g.kind, g.devices_per_node), g.devices_per_node)
+            self.nic_size[g.kind] = min(self.nic_size.get(g.kind, g.nic_size), g.nic_size)
             self._nic[g.kind] = min(self._nic.get(g.kind, nic), nic)
 
     def intra(self, kind: str) -> Link:
@@ -115,10 +117,14 @@ class LinkBook:
             return None
         return src[0][:a.tp], other[0][:b.tp]
 
-    def replicas(self, kinds: frozenset[str], *, devices: int) -> Link:
-        """Slowest link of a data-parallel ring over pipelines made of these kinds."""
+    def replicas(self, kinds: frozenset[str], *, devices: int, rings: int = 1) -> Link:
+        """Slowest link of a data-parallel ring over pipelines made of these kinds, one of `rings` that
+        run at once (one per TP rank of the holders' smallest degree): across nodes, the rings of a
+        stage's ranks behind one NIC share it (predict.comm.rings_link; a TP group starts a node or a
+        NIC's share of one, so min(rings, devices per NIC) of them meet at a NIC)."""
         ks = sorted(kinds)
         if len(ks) == 1 and devices <= self.node_size[ks[0]]:
             return self.intra(ks[0])
-        links = [self.between(a, b) for a in ks for b in ks]
-        return Link(min(lk.bw_bytes_per_s for lk in links), max(lk.latency_s for lk in links))
+        share = {k: min(rings, self.nic_size[k]) for k in ks}
+        links = [(self.between(a, b), max(share[a], share[b])) for a in ks for b in ks]
+        return Link(min(lk.bw_bytes_per_s / n for lk, n in links), max(lk.latency_s for lk, _ in links))

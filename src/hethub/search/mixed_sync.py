@@ -46,16 +46,20 @@ class SyncFloors:
     def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int) -> float:
         """A floor under one layer's gradient all-reduce (combine.step_time_s's ring) among `replicas`
         holders that include stages of `kinds` with TP degrees down to tp: the holders' smallest TP is
-        at most tp, and more kinds only make the ring's slowest link slower."""
+        at most tp, and more kinds only make the ring's slowest link slower. Within a node the ring
+        is fastest at the largest degree (the smallest shards); across nodes at degree 1, because the
+        shard's rings share the NIC (tp rings of (matrix / tp + norm) bytes: the norm counts tp
+        times), so the floor is the smaller of the two."""
         devices = min(devices, self._dev_cap)
         key = (kinds, tp, replicas, devices)
         hit = self._rings.get(key)
         if hit is None:
             m, s = self.s.model, self.s
             gb = ModelSpec.state_bytes_per_param(s.config.precision)["grads"]
-            nbytes = (m.layer_matmul_params / tp + m.layer_params - m.layer_matmul_params) * gb
-            hit = self._rings[key] = allreduce_time_s(nbytes=nbytes, participants=replicas,
-                                                      link=s.links.replicas(kinds, devices=devices))
+            norm = m.layer_params - m.layer_matmul_params
+            hit = self._rings[key] = min(
+                allreduce_time_s(nbytes=(m.layer_matmul_params / t + norm) * gb, participants=replicas,
+                                 link=s.links.replicas(kinds, devices=devices, rings=t)) for t in {1, tp})
         return hit
 
     def _chains(self, replicas: int, devices: int) -> float:

@@ -289,11 +289,14 @@ class _PostFloor:
         last = len(pipe.slots) - 1
         out = 0.0
         for i, (sl, n) in enumerate(zip(pipe.slots, pipe.layers, strict=True)):
-            link = self._link(pure_kinds | {sl.kind}, sl.kind, devices)
+            kinds = pure_kinds | {sl.kind}
             tp = sl.tp if pure_tp is None else min(sl.tp, pure_tp)
 
-            def ring(params: tuple[float, float], link=link, tp=tp) -> float:
-                return allreduce_time_s(nbytes=(params[0] / tp + params[1]) * self.gb, participants=replicas, link=link)
+            def ring(params: tuple[float, float], kinds=kinds, own=sl.kind, tp=tp) -> float:
+                # The holders' smallest TP is at most tp: within a node the ring is fastest at tp,
+                # across nodes at 1 (its rings share the NIC; mixed_sync.SyncFloors._ring).
+                return min(allreduce_time_s(nbytes=(params[0] / t + params[1]) * self.gb, participants=replicas,
+                                            link=self._link(kinds, own, devices, rings=t)) for t in {1, tp})
 
             t = n * ring(self.layer)
             if i == 0 or (self.tied and i == last):
@@ -303,15 +306,16 @@ class _PostFloor:
             out = max(out, t)
         return out
 
-    def _link(self, kinds: frozenset[str], own: str, devices: int) -> Link:
-        key = (kinds, devices)
+    def _link(self, kinds: frozenset[str], own: str, devices: int, *, rings: int) -> Link:
+        key = (kinds, devices, rings)
         link = self._links.get(key)
         if link is None:
             lb = self.s.links
             if len(kinds) == 1 and devices <= lb.node_size[own]:  # intra-node, or a superset's pairs
                 a, b = lb.intra(own), lb.between(own, own)
-                link = Link(max(a.bw_bytes_per_s, b.bw_bytes_per_s), min(a.latency_s, b.latency_s))
+                b_bw = b.bw_bytes_per_s / min(rings, lb.nic_size[own])
+                link = Link(max(a.bw_bytes_per_s, b_bw), min(a.latency_s, b.latency_s))
             else:  # the slowest pair over these kinds; more kinds only add pairs
-                link = lb.replicas(kinds, devices=devices)
+                link = lb.replicas(kinds, devices=devices, rings=rings)
             self._links[key] = link
         return link

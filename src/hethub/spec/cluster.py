@@ -39,6 +39,15 @@ class NodeGroup:
     devices_per_node: int
     # Per-group NIC override; None uses the cluster's network default.
     inter_node_bw_bytes_per_s: float | None = None
+    # How many of a node's devices share one NIC (the inter-node bandwidth is one NIC's): None is the
+    # whole node (one NIC per node, as in a workstation cluster on Ethernet), 1 a NIC per device (a
+    # rail-optimised training node). Messages that leave or enter a NIC at once share its bandwidth.
+    devices_per_nic: int | None = None
+
+    @property
+    def nic_size(self) -> int:
+        """Devices behind one NIC."""
+        return self.devices_per_nic or self.devices_per_node
 
     @property
     def num_devices(self) -> int:
@@ -52,6 +61,7 @@ class Device:
     node: int  # global node index
     local_index: int  # index within its node
     group: int
+    nic: int = 0  # global index of the NIC the device reaches other nodes through
 
 
 @dataclass(frozen=True)
@@ -86,12 +96,14 @@ class Cluster:
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        devices, node = [], 0
+        devices, node, nic = [], 0, 0
         for gi, g in enumerate(self.groups):
             for _ in range(g.num_nodes):
                 for local in range(g.devices_per_node):
-                    devices.append(Device(id=len(devices), kind=g.kind, node=node, local_index=local, group=gi))
+                    devices.append(Device(id=len(devices), kind=g.kind, node=node, local_index=local, group=gi,
+                                          nic=nic + local // g.nic_size))
                 node += 1
+                nic += -(-g.devices_per_node // g.nic_size)
         object.__setattr__(self, "devices", tuple(devices))
 
     @property
@@ -137,7 +149,9 @@ class Cluster:
                if self.host is not None and self.host.allreduce else {}),
             **({"emulated_links": True} if self.host is not None and self.host.links else {}),
             "kinds": {n: asdict(k) for n, k in self.kinds.items()},
-            "groups": [asdict(g) for g in self.groups],
+            # devices_per_nic only where given, so plans of clusters without it keep their bytes
+            "groups": [{k: v for k, v in asdict(g).items() if k != "devices_per_nic" or v is not None}
+                       for g in self.groups],
             "network": {
                 "inter_node_bw_bytes_per_s": self.inter_node.bw_bytes_per_s,
                 "inter_node_latency_s": self.inter_node.latency_s,
@@ -195,7 +209,8 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
     groups = []
     for i, g in enumerate(raw_groups):
         gw = f"{where}: group[{i}]"
-        check_keys(g, allowed={"kind", "nodes", "devices_per_node", "inter_node_bw_bytes_per_s"}, where=gw)
+        check_keys(g, allowed={"kind", "nodes", "devices_per_node", "inter_node_bw_bytes_per_s", "devices_per_nic"},
+                   where=gw)
         kind = get_str(g, "kind", where=gw)
         kinds[kind] = resolve_kind(kind, where=where, local=local)
         nic = g.get("inter_node_bw_bytes_per_s")
@@ -203,10 +218,16 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         if per_node > MAX_DEVICES_PER_NODE:
             raise field_error(gw, "devices_per_node", f"is {per_node}; a node holds at most {MAX_DEVICES_PER_NODE}",
                               "give the devices of one node and the node count in 'nodes'")
+        per_nic = None if g.get("devices_per_nic") is None else get_int(g, "devices_per_nic", where=gw)
+        if per_nic is not None and (per_nic < 1 or per_node % per_nic):
+            raise field_error(gw, "devices_per_nic", f"is {per_nic}, which does not divide devices_per_node "
+                              f"({per_node})", "give how many of a node's devices share one NIC: 1 for a NIC per "
+                              "device, devices_per_node (or leave it out) for one NIC per node")
         groups.append(NodeGroup(
             kind=kind, num_nodes=get_int(g, "nodes", where=gw), devices_per_node=per_node,
             inter_node_bw_bytes_per_s=None if nic is None else check_range(
                 gw, "inter_node_bw_bytes_per_s", get_number(g, "inter_node_bw_bytes_per_s", where=gw)),
+            devices_per_nic=per_nic,
         ))
     total = sum(g.num_nodes * g.devices_per_node for g in groups)
     if total > MAX_DEVICES:
