@@ -8,6 +8,7 @@ one job, so the pure results are also shared between predictions in bounded memo
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,11 +71,15 @@ class PlanCosts:
         self.plan = plan
         self.profiles = profiles
         self.act_bytes = act_bytes_for(plan.precision)
-        self.sync_shape = sync_shape(plan)
         self.stage: dict[tuple, StageStepCost] = {}
         self.memory: dict[tuple, StageMemory] = {}
         self.finish: dict[tuple, list[float]] = {}
         self.schedules: dict[tuple, list[StageSchedule]] = {}
+
+    @functools.cached_property
+    def sync_shape(self) -> dict[tuple[int, int], tuple[bool, bool, float]]:
+        """`sync_shape` of the plan; computed on first use (the stage costs alone do not need it)."""
+        return sync_shape(self.plan)
 
     def profile(self, kind: str) -> KindProfile | None:
         prof = self.profiles.get(kind) if self.profiles is not None else None

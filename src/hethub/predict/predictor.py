@@ -180,6 +180,35 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     )
 
 
+def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCosts | None = None) -> float:
+    """A floor under ``predict(plan).step_time_s`` (without a host) from the stage costs alone, with
+    no event simulation and no sync, so a caller comparing many plans (the planner's local search,
+    its scoring of finalists) can skip those that cannot beat a step. In the simulation a stage's
+    first op is a forward that waits for every earlier stage's first forward, then it runs its
+    micro-batches' forwards and backwards one after the other; where the backward is not split
+    (1F1B, GPipe) its last op is a backward, which that micro-batch's backward on every earlier
+    stage waits for; and the loss all-reduce waits for every stage's last op. Transfers are left
+    out (they only add, and so do sends that hold their stage), and so are pipelines with virtual
+    stages (chunks costed one by one).
+    ``costs``: a PlanCosts to share stage costs through, of a plan with the same model, cluster,
+    sequence length, per-kind settings and ``profiles`` (the local search's moves keep them)."""
+    costs = PlanCosts(plan, profiles) if costs is None else costs
+    drain = not get_schedule(plan.schedule).split_backward
+    best = 0.0
+    for p in plan.pipelines:
+        if p.virtual_stages > 1:
+            continue
+        m, fill, back = p.num_micro_batches, 0.0, 0.0
+        for s in p.stages:
+            cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
+                                    mbs=p.micro_batch_size, recompute=s.recompute)
+            best = max(best, fill + m * (cost.fwd_s + cost.bwd_s) + back)
+            fill += cost.fwd_s
+            if drain:
+                back += cost.bwd_s
+    return best * (1 - 1e-12)  # the simulation adds the same times in another order (rounding)
+
+
 def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int) -> tuple[int, StageMemory]:
     """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``."""
     p = costs.plan.pipelines[pi]

@@ -6,6 +6,7 @@ is made by the full predictor, so `hethub plan` and `hethub predict` agree exact
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import time
@@ -17,7 +18,8 @@ from hethub.errors import InfeasibleError
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
-from hethub.predict.predictor import predict
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import predict, step_floor_s
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.progress import progress
@@ -39,6 +41,9 @@ INTERLEAVE_STARTS = 3  # the best 1F1B plans of distinct shapes tried with virtu
 INTERLEAVE_POOL = 6  # 1F1B plans (predicted anyway as finalists) the starts are chosen among
 SIZED_CHUNKS = (2,)  # v the search also sizes stages for (each a search of its own, so one)
 POLISH_MIN_S = 0.25
+# The polish's budget as a share of the search time (docs/planner.md: a quarter until its moves were
+# screened by a step floor, which halved the predictions it needs on 512 devices).
+POLISH_SHARE = 0.1
 SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
 POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
@@ -286,15 +291,17 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         scored = sorted(alone, key=lambda x: x[1].step_time_s)
     elif config.strategy == "hethub":
         # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
+        # The polish's starts and the top_k alternatives are read from the first ones only.
+        keep = max(config.top_k, POLISH_STARTS if config.polish else 0)
         scored = sorted([*_score(_hethub_candidates(cluster=cluster, model=model, config=config, profiles=profiles,
                                                     books=books), profiles, host=host,
-                                                    headroom=config.mem_headroom), *alone],
+                                 headroom=config.mem_headroom, keep=keep), *alone],
                         key=lambda x: x[1].step_time_s)
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
         scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles, host=host,
-                        headroom=config.mem_headroom)
+                        headroom=config.mem_headroom, keep=config.top_k)
     bar.update()
     if not scored:
         bar.close()
@@ -303,7 +310,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         # A short local search with the predictor itself, bounded so it never dominates the search,
         # yet not starved where the search is fast: on large plans the budget, not a local optimum,
         # usually ends it, and each of its steps is a prediction of the whole plan.
-        budget = max(POLISH_MIN_S, 0.25 * (time.perf_counter() - t0))
+        budget = max(POLISH_MIN_S, POLISH_SHARE * (time.perf_counter() - t0))
         end = time.perf_counter() + budget
         polished = []
         # The best first; where it reaches a local optimum before the budget ends (small plans), the
@@ -409,14 +416,15 @@ def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     for kind in cluster.kind_names:
         plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                             books=books)
-        scored = _score(plans, profiles, host=host, headroom=config.mem_headroom)
+        # The part is the best, and the combined search takes the best two (`feasible`).
+        scored = _score(plans, profiles, host=host, headroom=config.mem_headroom, keep=2)
         if scored:
             feasible.extend(scored[:2])
             parts[kind] = scored[0][1].tokens_per_s
             continue
         relaxed = _score(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
                                      relax=True, books=books), profiles, require_fit=False, host=host,
-                         headroom=config.mem_headroom)
+                         headroom=config.mem_headroom, keep=1)
         n = cluster.count_by_kind()[kind]
         parts[kind] = relaxed[0][1].tokens_per_s if relaxed else 0.0
         if relaxed:
@@ -469,11 +477,24 @@ def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str, per
 
 
 def _score(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
-           require_fit: bool = True, host: HostModel | None = None) -> list[tuple[Plan, Prediction]]:
-    scored = []
+           require_fit: bool = True, host: HostModel | None = None, keep: int = 0) -> list[tuple[Plan, Prediction]]:
+    """`plans` predicted, those that fit (all with ``require_fit=False``), fastest first. With ``keep``,
+    a plan whose step floor (predictor.step_floor_s) is not below the keep-th fastest so far is not
+    predicted: it could not be among the first ``keep`` (on a tie the earlier plan sorts first), so
+    those are exactly the unscreened ones; the rest of the list may then lack such plans."""
+    scored: list[tuple[Plan, Prediction]] = []
+    steps: list[float] = []  # the fastest `keep` predicted steps so far, sorted
+    costs = None
     for plan in plans:
+        if keep and host is None and len(steps) >= keep:
+            costs = PlanCosts(plan, profiles) if costs is None else costs  # one job: stage costs are shared
+            if step_floor_s(plan, costs=costs) >= steps[keep - 1]:
+                continue
         pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
         if pred.fits_memory or not require_fit:
             scored.append((plan, pred))
+            if keep:
+                bisect.insort(steps, pred.step_time_s)
+                del steps[keep:]
     scored.sort(key=lambda x: x[1].step_time_s)
     return scored

@@ -14,7 +14,8 @@ from dataclasses import replace
 from hethub.plan import Pipeline, Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, stage_memory, usable_bytes
-from hethub.predict.predictor import predict
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import predict, step_floor_s
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.schedules import get_schedule
@@ -27,8 +28,11 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
     """First-improvement local search. After a move is taken, the next round starts at that same
     move (moving another layer the same way often helps again) and goes round the others from
     there, instead of re-trying from the first ones, which just failed: fewer predictions per step,
-    which matters because the budget, not the local optimum, usually ends the search on large plans."""
+    which matters because the budget, not the local optimum, usually ends the search on large plans.
+    A move whose step floor (predictor.step_floor_s: no simulation, ~1/20 of a prediction on 512
+    devices) is already not below the current step cannot be taken, so it is not predicted."""
     deadline = time.perf_counter() + budget_s
+    costs = PlanCosts(plan, profiles) if host is None else None  # stage costs: every move keeps the job
     start, improved = 0, True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -39,6 +43,8 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
             i = (start + j) % len(moves)
             cand = _apply(plan, moves[i], allow_recompute=allow_recompute, headroom=mem_headroom)
             if cand is None:
+                continue
+            if costs is not None and step_floor_s(cand, costs=costs) >= pred.step_time_s * (1 - 1e-9):
                 continue
             p = predict(cand, profiles=profiles, host=host, mem_headroom=mem_headroom)
             if p.fits_memory and p.step_time_s < pred.step_time_s * (1 - 1e-9):
