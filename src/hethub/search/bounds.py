@@ -319,6 +319,34 @@ def _segment_terms(book: CostBook, kind: str, tp: int, n: int, mbs: int, first: 
     return hit  # type: ignore[return-value]
 
 
+def _segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple[int, ...], first: bool, last: bool,
+                    n_modes: int, mid: float) -> tuple[list, int, tuple] | None:
+    """pipe_floor's memory terms of one segment whose stages hold `flights` micro-batches (the
+    pipeline's first and/or last stage among them or not): its stages grouped by their modes
+    (capacity, w, base), in stage order, the layers they hold without recomputation, and each stage's
+    least one-layer work (None for the embedding's and the head's stages, which may hold none); None
+    where some stage fits in no mode. Cached: the orders of one shape, and shapes beside other pure
+    groups, ask the same segments at the same positions again."""
+    key = ("segment-memory", kind, tp, mbs, flights, first, last, n_modes)
+    hit = book.stage_floors.get(key, ())
+    if hit != ():
+        return hit  # type: ignore[return-value]
+    by_cap: dict[tuple, int] = {}  # stages of the segment by their modes' capacities and bases
+    plain, one, n = 0, [], len(flights)
+    for i, f in enumerate(flights):
+        emb, head = first and i == 0, last and i == n - 1
+        modes = stage_modes(book, kind, tp, mbs, emb, head, f)[:n_modes]
+        if max(c for c, _, _ in modes) < 0:
+            book.stage_floors[key] = None
+            return None
+        # one layer in a mode that holds it
+        one.append(None if emb or head else min([w for c, w, _ in modes if c >= 1] or [mid]))
+        by_cap[modes] = by_cap.get(modes, 0) + 1
+        plain += max(modes[0][0], 0)
+    out = book.stage_floors[key] = ([(k, modes) for modes, k in by_cap.items()], plain, tuple(one))
+    return out
+
+
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
                mbs: int, *, memory: bool = True, in_flight_hint: int = 1, recompute: bool = True) -> PipeFloor | None:
     """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
@@ -371,20 +399,18 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
         if not memory:
             pos += n
             continue
-        by_cap: dict[tuple, int] = {}  # stages of the segment by their modes' capacities and bases
-        flights = _in_flights(book, sched, p, in_flight_hint)
-        for s in range(pos, pos + n):
-            # what split.split_layers sizes the stage for (Searcher.in_flight_hint's hint for GPipe)
-            emb, head = s == 0, s == p - 1
-            modes = stage_modes(book, kind, tp, mbs, emb, head, flights[s])[:n_modes]
-            if max(c for c, _, _ in modes) < 0:
-                book.pipe_floors[key] = None
-                return None
-            if not (emb or head):  # one layer in a mode that holds it
-                one_layer[s] = min([w for c, w, _ in modes if c >= 1] or [one_layer[s]])
-            by_cap[modes] = by_cap.get(modes, 0) + 1
-            plain_total += max(modes[0][0], 0)
-        caps += [(k, modes) for modes, k in by_cap.items()]
+        # what split.split_layers sizes each stage for (Searcher.in_flight_hint's hint for GPipe)
+        flights = _in_flights(book, sched, p, in_flight_hint)[pos:pos + n]
+        seg = _segment_memory(book, kind, tp, mbs, flights, pos == 0, pos + n == p, n_modes, mid)
+        if seg is None:
+            book.pipe_floors[key] = None
+            return None
+        seg_caps, seg_plain, seg_one = seg
+        caps += seg_caps
+        plain_total += seg_plain
+        for s, w in enumerate(seg_one, start=pos):
+            if w is not None:
+                one_layer[s] = w
         pos += n
     if w_min <= 0 or (memory and sum(k * max(c for c, _, _ in modes) for k, modes in caps) < n_layers):
         book.pipe_floors[key] = None

@@ -38,7 +38,10 @@ class SyncFloors:
         self._emb_rings: dict[tuple, float] = {}
         self._pure_tail: dict[tuple, float] = {}
         self._tails: dict[tuple, float] = {}
-        self._kind_sets = {k: frozenset([k]) for k in s.counts}
+        # A mixed stage's layers are also held by a stage of every kind-pure group (each holds all
+        # layers), so its layer rings span those kinds too (tail_floor).
+        pure_kinds = {k for g in pure if len(g.pipe.kinds) == 1 for k in g.pipe.kinds}
+        self._kind_sets = {k: frozenset({k, *pure_kinds}) for k in s.counts}
         # A ring's link depends on its devices only through `devices <= node size` (LinkBook.replicas),
         # so device counts above every node size are one cache key: exact, and the caches hit across boxes.
         self._dev_cap = max(s.links.node_size.values(), default=0) + 1
@@ -125,8 +128,9 @@ class SyncFloors:
         groups: after the loss barrier every stage syncs its layers block by block, so the step is at
         least the barrier plus the pure groups' longest chain of syncs (`_chains`), and plus one mixed
         stage's layer rings: the mixed stages hold all L layers, so one holds k_s layers with
-        k_s r_s >= L / sum_s 1 / r_s (r_s its ring per layer). Fewer replicas or devices only make
-        rings faster, so c and `devices` may be a box's smallest."""
+        k_s r_s >= L / sum_s 1 / r_s (r_s its ring per layer, among holders of its kind and every
+        kind-pure group's: more kinds only slow a ring). Fewer replicas or devices only make rings
+        faster, so c and `devices` may be a box's smallest."""
         replicas = self.replicas + c
         if replicas <= 1:
             return 0.0

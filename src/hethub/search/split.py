@@ -244,7 +244,16 @@ def _cost(ops: list[_Option], k: int) -> float:
 
 
 def _cheapest(ops: list[_Option], k: int) -> _Option:
-    return min((o for o in ops if o.max_layers >= k), key=lambda o: o.base + k * o.per_layer)
+    """The first option of least cost holding k layers (min's choice; a loop, as in `_cost`)."""
+    best, best_cost = None, math.inf
+    for o in ops:
+        if o.max_layers >= k:
+            c = o.base + k * o.per_layer
+            if best is None or c < best_cost:
+                best, best_cost = o, c
+    if best is None:
+        raise ValueError(f"no option holds {k} layers")
+    return best
 
 
 def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Option]], counts: list[int],
