@@ -1,5 +1,6 @@
-"""PREDICTIONS, not measurements: how much blocking sends (training.p2p "blocking", DeepSpeed's
-pipeline engine as Sailor runs it) change hethub's predicted step time of Sailor's example plan.
+"""PREDICTIONS, not measurements: how much blocking sends (training.p2p "blocking") and DeepSpeed's
+lock-step engine (training.p2p "lockstep", as Sailor runs it) change hethub's predicted step time of
+Sailor's example plan.
 
     python bench/p2p_modes.py
 
@@ -9,8 +10,9 @@ examples/clusters/a100-v100-32.toml, timed with Sailor's OPT-350 profiles. Rows:
 with the links between nodes at 10 Gb/s Ethernet (1.25 GB/s, 50 us), the issue's workstation
 setting; and each of those with every TP-2 stage split into two TP-1 stages (4 stages on the same
 devices, layers split evenly), where the inner stages send both ways. Per row: the predicted step
-with asynchronous sends (hethub's runtime) and with blocking ones, and the change. docs/predictor.md
-("Blocking sends") says why two stages change little and deeper pipelines more.
+with asynchronous sends (hethub's runtime), with blocking ones and in lock-step, and each one's change
+from async. docs/predictor.md ("Blocking sends") says why two stages change little under blocking,
+and why lock-step adds about one more transfer per micro-batch on 2 stages and two more from 3.
 """
 
 from __future__ import annotations
@@ -63,14 +65,15 @@ def main() -> int:
     rows = [("example plan (2 stages, TP 2)", plan), ("  links 10 Gb/s Ethernet", eth),
             ("4 stages, TP 1, same devices", four_stages(plan)), ("  links 10 Gb/s Ethernet", four_stages(eth))]
     print("PREDICTED step times (hethub's model with Sailor's profiles; not measurements)")
-    print(f"{'plan':<32} {'send ms':>8} {'F+B ms':>7} {'async s':>8} {'blocking s':>10} {'change':>7}")
+    print(f"{'plan':<32} {'send ms':>8} {'F+B ms':>7} {'async s':>8} {'blocking s':>10} {'change':>7} "
+          f"{'lockstep s':>10} {'change':>7}")
     for label, p in rows:
-        a = predict(replace(p, p2p="async"), profiles=profiles)
-        b = predict(replace(p, p2p="blocking"), profiles=profiles)
+        a, b, lock = (predict(replace(p, p2p=mode), profiles=profiles) for mode in ("async", "blocking", "lockstep"))
         send = max(s.p2p_s for s in a.stages)
         work = max(s.fwd_s + s.bwd_s for s in a.stages)
         print(f"{label:<32} {send * 1e3:>8.2f} {work * 1e3:>7.1f} {a.step_time_s:>8.3f} {b.step_time_s:>10.3f} "
-              f"{b.step_time_s / a.step_time_s - 1:>+7.1%}")
+              f"{b.step_time_s / a.step_time_s - 1:>+7.1%} {lock.step_time_s:>10.3f} "
+              f"{lock.step_time_s / a.step_time_s - 1:>+7.1%}")
     return 0
 
 

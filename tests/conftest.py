@@ -49,6 +49,14 @@ def two_stage_plan(cluster: Cluster | None = None, model: ModelSpec | None = Non
                 pipelines=(Pipeline(2, 4, stages),)).validate()
 
 
+def three_stage_plan() -> Plan:
+    """Three stages on three nodes of the small cluster (inter-node links between them), 8 micro-batches."""
+    stages = (Stage("fast", (0,), (0, 2), embedding=True), Stage("fast", (2,), (2, 4)),
+              Stage("slow", (4,), (4, 6), head=True))
+    return Plan(model=tiny_model(), cluster=small_cluster(), global_batch=16, seq_len=32,
+                pipelines=(Pipeline(2, 8, stages),)).validate()
+
+
 def gpu_two_kind_plan() -> Plan:
     """A hand-made plan of the tiny model over one A100-40GB (stage 0) and one V100-16GB (stage 1) of
     examples/clusters/a100-v100-32.toml: for tests that need a plan on two GPU kinds, not a search

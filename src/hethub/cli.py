@@ -359,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm'")
     sp.add_argument("--p2p", choices=P2P_MODES, default=None,
                     help="how the runtime sends between stages, overriding the plan's training.p2p: async (hethub's "
-                         "runtime) or blocking (a stage waits for its send, as in DeepSpeed's pipeline engine, which "
-                         "Sailor uses, and Megatron-LM); see docs/predictor.md")
+                         "runtime), blocking (a stage waits for its send, as in Megatron-LM) or lockstep (DeepSpeed's "
+                         "pipeline engine, which Sailor uses: its instruction order, each send and receive a "
+                         "rendezvous; 1F1B only); see docs/predictor.md")
     sp.add_argument("--json", action="store_true")
     _add_headroom(sp)
     sp.set_defaults(func=cmd_predict)

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
-from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, P2P_MODES, SCHEDULES, get_schedule
+from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, SCHEDULES, get_schedule
+from hethub.schedules.lockstep import LOCKSTEP_FIX, lockstep_unsupported
 from hethub.spec.cluster import Cluster
 from hethub.spec.kind import ATTENTION_IMPLS
 from hethub.spec.model import PRECISIONS, ModelSpec
@@ -32,8 +33,9 @@ PLAN_FORMAT = "hethub-plan"
 # unsharded and could run out of memory). Older files read as unsharded.
 # 5: stages may hold several layer chunks ("chunks", per-pipeline "virtual_stages"); written only for
 # such plans, so that an older reader refuses them by version rather than misreading them.
-# 6: training.p2p "blocking" (the plan is for a runtime whose sends block; an older reader would
-# silently predict asynchronous sends). Written only for such plans, for the same reason as 5.
+# 6: training.p2p "blocking" or "lockstep" (the plan is for a runtime whose sends block; an older
+# reader would silently predict asynchronous sends). Written only for such plans, for the same reason
+# as 5. A version-6 reader that predates "lockstep" refuses it by name (training.p2p validation).
 PLAN_VERSION = 4
 PLAN_VERSION_CHUNKS = 5
 PLAN_VERSION_P2P = 6
@@ -179,8 +181,8 @@ class Plan:
     optimizer_shares: str = "proportional"  # one of OPTIMIZER_SHARES (used when sharded)
     # How the runtime that trains the plan sends between stages (hethub.schedules.P2P_MODES), which
     # the predictor models: "async" is hethub's runtime; "blocking" a runtime whose sends block
-    # (DeepSpeed's pipeline engine, which Sailor uses; Megatron-LM). hethub's runtime sends
-    # asynchronously whatever this says.
+    # (Megatron-LM); "lockstep" DeepSpeed's pipeline engine, which Sailor uses (1F1B only). hethub's
+    # runtime sends asynchronously whatever this says.
     p2p: str = DEFAULT_P2P
 
     @property
@@ -235,7 +237,12 @@ class Plan:
                   f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.p2p not in P2P_MODES:
             _fail("training.p2p", f"is {self.p2p!r}", f"use one of {', '.join(P2P_MODES)} (async: hethub's runtime; "
-                  "blocking: a runtime whose sends block, such as DeepSpeed's pipeline engine)")
+                  "blocking: a runtime whose sends block, such as Megatron-LM; lockstep: DeepSpeed's pipeline engine)")
+        if self.p2p == LOCKSTEP:
+            why = lockstep_unsupported(schedule=self.schedule,
+                                       chunks=max((p.virtual_stages for p in self.pipelines), default=1))
+            if why is not None:
+                _fail("training.p2p", why, LOCKSTEP_FIX)
         if self.precision not in PRECISIONS:
             _fail("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
         for kind, settings in self.kind_settings.items():

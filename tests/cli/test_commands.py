@@ -94,12 +94,12 @@ def test_sailor_plan_imports_predicts_and_exports_back(tmp_path, capsys):
     code, out, err = run(["import-plan", "--format", "sailor", src, "--cluster", EXAMPLES / "a100-v100-32.toml",
                           "--model", "opt-350m", "--out", plan_path], capsys)
     assert code == 0, err
-    assert "note: p2p set to blocking" in out and "DeepSpeed" in out
+    assert "note: p2p set to lockstep" in out and "DeepSpeed" in out
     code, out, _ = run(["predict", "--plan", plan_path, "--json", "--profiles",
                         SHARED / "reference" / "sailor" / "profiles" / "OPT-350"], capsys)
     assert code == 0
     assert set(json.loads(out)["compute_sources"].values()) == {"profile"}
-    assert json.loads(out)["p2p"] == "blocking"
+    assert json.loads(out)["p2p"] == "lockstep"
     back = tmp_path / "back.json"
     code, _, _ = run(["export-plan", "--format", "sailor", plan_path, "--out", back], capsys)
     assert code == 0

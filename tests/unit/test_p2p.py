@@ -1,5 +1,6 @@
 """Pipeline transfer modes (training.p2p): asynchronous sends (hethub's runtime) against blocking ones
-(DeepSpeed's pipeline engine, Megatron-LM), in the event simulation, the plan, the predictor and the CLI."""
+(Megatron-LM), in the event simulation, the plan, the predictor and the CLI. The lock-step mode
+(DeepSpeed's pipeline engine) has its own tests, tests/unit/test_lockstep.py."""
 
 import json
 import random
@@ -7,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import small_cluster, tiny_model, two_stage_plan
+from conftest import small_cluster, three_stage_plan, tiny_model, two_stage_plan
 from hethub import cli
 from hethub.errors import PlanError
 from hethub.interop import import_sailor_plan
-from hethub.plan import PLAN_VERSION, PLAN_VERSION_P2P, Pipeline, Plan, Stage
+from hethub.plan import PLAN_VERSION, PLAN_VERSION_P2P, Plan
 from hethub.predict.predictor import predict
 from hethub.schedules import DEFAULT_P2P, P2P_MODES
 from hethub.schedules.simulate import simulate_pipeline, simulate_pipeline_time
@@ -28,8 +29,8 @@ def _random_pipeline(rng: random.Random, *, zero_p2p: bool = False) -> dict:
 
 
 def test_modes_and_default():
-    assert P2P_MODES == ("async", "blocking") and DEFAULT_P2P == "async"
-    with pytest.raises(ValueError, match=r"unknown p2p mode 'eager'.*async, blocking"):
+    assert P2P_MODES == ("async", "blocking", "lockstep") and DEFAULT_P2P == "async"
+    with pytest.raises(ValueError, match=r"unknown p2p mode 'eager'.*async, blocking, lockstep"):
         simulate_pipeline_time(fwd_s=[1.0], bwd_s=[2.0], p2p_s=[], num_micro_batches=1, p2p="eager")
 
 
@@ -164,16 +165,8 @@ def test_plan_rejects_an_unknown_p2p_mode_naming_the_field():
 
 
 # ---- the predictor ----------------------------------------------------------------------------------
-def _three_stage_plan() -> Plan:
-    """Three stages on three nodes of the small cluster (inter-node links between them)."""
-    stages = (Stage("fast", (0,), (0, 2), embedding=True), Stage("fast", (2,), (2, 4)),
-              Stage("slow", (4,), (4, 6), head=True))
-    return Plan(model=tiny_model(), cluster=small_cluster(), global_batch=16, seq_len=32,
-                pipelines=(Pipeline(2, 8, stages),)).validate()
-
-
 def test_prediction_with_blocking_sends():
-    plan = _three_stage_plan()
+    plan = three_stage_plan()
     a = predict(plan, timeline=True)
     b = predict(replace(plan, p2p="blocking"), timeline=True)
     assert b.step_time_s > a.step_time_s
@@ -194,23 +187,23 @@ def test_prediction_with_blocking_sends():
 
 
 def test_async_prediction_is_unchanged_by_the_field():
-    plan = _three_stage_plan()
+    plan = three_stage_plan()
     assert predict(replace(plan, p2p="async")).step_time_s == predict(plan).step_time_s
 
 
 # ---- interop and the CLI ----------------------------------------------------------------------------
-def test_sailor_import_sets_blocking_and_says_why():
+def test_sailor_import_sets_lockstep_and_says_why():
     data = {"pipeline_list": [{"num_stages": 2, "layers_per_stage": [[0, 1, 2, 3], [4, 5, 6, 7]],
                                "tmp_per_stage": [[[[["fast", 1, "z"]], 1]], [[[["slow", 1, "z"]], 1]]],
                                "dp": [1, 1]}], "mbs": 1, "gbs": 4}
     plan = import_sailor_plan(data, cluster=small_cluster(), model=tiny_model(), seq_len=32)
-    assert plan.p2p == "blocking"
-    assert "DeepSpeed" in plan.meta["sailor"]["p2p_note"] and "blocking" in plan.meta["sailor"]["p2p_note"]
+    assert plan.p2p == "lockstep"
+    assert "DeepSpeed" in plan.meta["sailor"]["p2p_note"] and "lockstep" in plan.meta["sailor"]["p2p_note"]
 
 
 def test_predict_cli_overrides_the_plans_p2p(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    _three_stage_plan().save(path)
+    three_stage_plan().save(path)
     got = {}
     for mode in (None, "async", "blocking"):
         code = cli.main(["predict", "--plan", str(path), "--json", *(["--p2p", mode] if mode else [])])

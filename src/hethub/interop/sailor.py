@@ -145,8 +145,9 @@ def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len
     last entry); when that rounds up, the plan's global batch is larger than ``gbs`` and
     ``plan.meta["sailor"]`` keeps the file's ``gbs`` (and says so in ``note``).
 
-    The plan's ``p2p`` is "blocking": Sailor trains with a fork of DeepSpeed's pipeline engine, whose
-    sends block (``p2p_note`` says so; docs/predictor.md, "Blocking sends").
+    The plan's ``p2p`` is "lockstep": Sailor trains with a fork of DeepSpeed's pipeline engine, whose
+    TrainSchedule runs each stage's sends and receives in a fixed order, each a blocking rendezvous
+    (``p2p_note`` says so; docs/predictor.md, "Blocking sends").
     """
     if not isinstance(data, dict):
         raise PlanError(f"{where}: expected a JSON object with pipeline_list, mbs and gbs. Fix: pass a Sailor plan.")
@@ -180,9 +181,9 @@ def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len
         meta["note"] = (f"gbs {gbs} is not {mbs} (mbs) x {len(pipelines)} replicas x a whole number of "
                         f"micro-batches; like Sailor's simulator, each replica runs ceil(gbs / (mbs x dp x "
                         f"pipelines)) = {m}, so the global batch is {total}")
-    meta["p2p_note"] = ("p2p set to blocking: Sailor runs DeepSpeed's pipeline engine, whose TrainSchedule runs "
-                        "in lock-step with blocking sends and receives; 'hethub predict --p2p async' predicts "
-                        "hethub's own runtime instead")
+    meta["p2p_note"] = ("p2p set to lockstep: Sailor runs DeepSpeed's pipeline engine, whose TrainSchedule runs "
+                        "in lock-step, each blocking send meeting its blocking receive; 'hethub predict --p2p async' "
+                        "predicts hethub's own runtime instead")
     # What Sailor's runs used: fp32 training (its configs and memory model count 4-byte floats) and
     # attention that materialises the scores (its measured per-layer activations, llm_info.json, grow
     # with heads x seq^2: LLaMA-3-8 keeps 92 floats per token per hidden unit at s=8192, hethub's math
@@ -190,7 +191,7 @@ def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len
     kinds = sorted({s.kind for p in pipelines for s in p.stages})
     plan = Plan(model=model, cluster=cluster, global_batch=total, seq_len=seq_len, pipelines=tuple(pipelines),
                 strategy="sailor", meta={"sailor": meta}, precision="fp32",
-                kind_settings={k: {"attention": "math"} for k in kinds}, p2p="blocking")
+                kind_settings={k: {"attention": "math"} for k in kinds}, p2p="lockstep")
     return plan.validate()
 
 

@@ -5,10 +5,11 @@ Per stage: compute time (measured profile for its kind when one matches, else th
 send of one micro-batch's activations to the next stage over the link between the stage's last
 device and the next stage's first; memory from :mod:`hethub.predict.memory` with the schedule's
 in-flight micro-batches. Each pipeline's schedule is simulated event by event
-(:mod:`hethub.schedules.simulate`), its sends asynchronous or blocking as the plan's ``p2p`` says,
-then the world all-reduce of the loss, the data-parallel gradient sync (:mod:`hethub.predict.sync`),
-the world all-reduce of the gradient norm and the optimizer update give each stage's end; the step
-ends with the last one. Time a stage spends held by blocking sends counts as exposed communication.
+(:mod:`hethub.schedules.simulate`), its sends asynchronous, blocking or in DeepSpeed's lock-step
+(:mod:`hethub.schedules.lockstep`) as the plan's ``p2p`` says, then the world all-reduce of the loss,
+the data-parallel gradient sync (:mod:`hethub.predict.sync`), the world all-reduce of the gradient
+norm and the optimizer update give each stage's end; the step ends with the last one. Time a stage
+spends held by blocking sends, or in lock-step transfers, counts as exposed communication.
 
 One hook, ``host``: a host that runs every rank itself (local emulation, :mod:`hethub.emulation`)
 prices the all-reduces and replays the step with the stage costs computed here
@@ -45,7 +46,7 @@ from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems
 from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_collectives
 from hethub.predict.utilisation import mfu_by_kind
-from hethub.schedules import Schedule, get_schedule
+from hethub.schedules import DEFAULT_P2P, Schedule, get_schedule
 from hethub.schedules.simulate import StageSchedule
 
 
@@ -98,8 +99,9 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     sigs: list[tuple] = []
     # Per virtual stage where v > 1: forward, backward, hop times, and the pipeline's stages.
     chunked: dict[int, tuple[list[float], list[float], list[float], int]] = {}
-    # Blocking sends: the op records give each stage's time held by its sends (exposed communication).
-    blocking = plan.p2p == "blocking" and host is None
+    # Blocking and lock-step sends: the records give each stage's time held by its transfers (exposed
+    # communication, StageSchedule.exposed_p2p_s).
+    held = plan.p2p != DEFAULT_P2P and host is None
     for pi, p in enumerate(plan.pipelines):
         mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
         schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
@@ -124,7 +126,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             chunked[pi] = (fwd, bwd, p2p, n)
         sig = (m, v, tuple(fwd), tuple(bwd), tuple(p2p))
         sigs.append(sig)
-        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=(timeline or blocking) and host is None,
+        finish.append(costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=m, ops=(timeline or held) and host is None,
                                      chunks=v))
         updates.append(upd)
 
@@ -142,7 +144,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
                          world=world)
     stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync,
                                      last_backward_s=finish[pi][si], in_flight=f, headroom=mem_headroom,
-                                     blocked_s=costs.schedules[sigs[pi]][si].send_blocked_s if blocking else 0.0)
+                                     blocked_s=costs.schedules[sigs[pi]][si].exposed_p2p_s if held else 0.0)
                    for pi, si, cost, mem, send, f in partial)
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
@@ -175,8 +177,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         sources=_sources(plan, stages),
         warnings=_memory_warnings(stages, headroom=mem_headroom) + (
             (f"the plan's p2p is {plan.p2p!r}, but this local emulation replays hethub's runtime, which sends "
-             "asynchronously: the prediction is for asynchronous sends",) if host is not None and plan.p2p != "async"
-            else ()),
+             "asynchronously: the prediction is for asynchronous sends",)
+            if host is not None and plan.p2p != DEFAULT_P2P else ()),
     )
 
 
@@ -313,7 +315,8 @@ def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) ->
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem: StageMemory, send: float,
                       sync: SyncResult, last_backward_s: float, in_flight: int, headroom: float,
                       blocked_s: float = 0.0) -> StagePrediction:
-    """``blocked_s``: time the stage is held by blocking sends (StageSchedule.send_blocked_s)."""
+    """``blocked_s``: time the stage is held by its blocking or lock-step transfers
+    (StageSchedule.exposed_p2p_s)."""
     s = plan.pipelines[pi].stages[si]
     kind = plan.cluster.kinds[s.kind]
     m = plan.pipelines[pi].num_micro_batches
@@ -394,7 +397,8 @@ def _chunk_events(p: Pipeline, *, forward: bool, mb: int, start_s: float, end_s:
                   device: int, send_fwd: float, send_bwd: float, send_done_s: float | None = None) -> list[Event]:
     """A forward or backward of micro-batch `mb` on stage `si` of pipeline `p` and the transfer after
     it (activations to the next stage, gradients to the previous one), where there is one. A blocking
-    send (``send_done_s``) spans until delivery, its wait for the link included: the stage is held."""
+    send (``send_done_s``) spans until delivery, its wait for the link included: the stage is held
+    (under lockstep a gradient send's span also holds the receive the runtime runs before it)."""
     i = mb
     if forward:
         out = [Event(device, "forward", f"F{i}", start_s, end_s, pi, si, i)]

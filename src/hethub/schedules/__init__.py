@@ -25,9 +25,12 @@ AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, s in _REGISTRY.items()
                                           if s.auto_candidate and s.max_in_flight(stage=0, num_stages=1) is not None)
 # How a pipeline runtime sends activations and gradients between stages, which the event simulation
 # models (its rules: hethub.schedules.simulate). "async": the sender posts the send and goes on (hethub's
-# runtime, isend); "blocking": the sender stays busy until its message is delivered (DeepSpeed's pipeline
-# engine, which Sailor trains with; Megatron-LM's 1F1B). The first is the default.
-P2P_MODES: tuple[str, ...] = ("async", "blocking")
+# runtime, isend); "blocking": the sender stays busy until its message is delivered (Megatron-LM's 1F1B;
+# a floor for DeepSpeed's engine); "lockstep": DeepSpeed's pipeline engine, which Sailor trains with, its
+# TrainSchedule's instructions in order, each send and its receive one rendezvous (rules:
+# hethub.schedules.lockstep; 1F1B only). The first is the default.
+LOCKSTEP = "lockstep"
+P2P_MODES: tuple[str, ...] = ("async", "blocking", LOCKSTEP)
 DEFAULT_P2P = P2P_MODES[0]
 
 
@@ -42,5 +45,5 @@ def get_schedule(name: str, *, chunks: int = 1) -> Schedule:
     return sched.with_chunks(chunks)
 
 
-__all__ = ["AUTO_CANDIDATES", "AUTO_SCHEDULE", "DEFAULT_P2P", "DEFAULT_SCHEDULE", "P2P_MODES", "SCHEDULES", "GPipe",
-           "Interleaved", "OneFOneB", "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]
+__all__ = ["AUTO_CANDIDATES", "AUTO_SCHEDULE", "DEFAULT_P2P", "DEFAULT_SCHEDULE", "LOCKSTEP", "P2P_MODES",
+           "SCHEDULES", "GPipe", "Interleaved", "OneFOneB", "Op", "Schedule", "ZeroBubbleH1", "get_schedule"]

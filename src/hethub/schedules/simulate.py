@@ -22,22 +22,23 @@ are free):
   pipeline's pace; without this rule transfers would overlap each other on one wire.
 
 ``p2p`` (:data:`hethub.schedules.P2P_MODES`) says how the runtime sends. ``"async"`` (the default) is
-the rule above. ``"blocking"`` models runtimes whose stage cannot start its next op before its send
-has completed: DeepSpeed's pipeline engine (``deepspeed/runtime/pipe/p2p.py`` sends with a blocking
-``dist.send``; Sailor trains with a fork of it) and Megatron-LM's 1F1B (``p2p_communication.py``
-batches a stage's isend with its irecv and waits on both before the next op). There a stage that
+the rule above. ``"lockstep"`` (DeepSpeed's pipeline engine, with its own send/receive order) is
+simulated apart, by :mod:`hethub.schedules.lockstep`; the two functions below hand it over.
+``"blocking"`` models runtimes whose stage cannot start its next op before its send has completed:
+Megatron-LM's 1F1B (``p2p_communication.py`` batches a stage's isend with its irecv and waits on both
+before the next op) and, as a floor, DeepSpeed's pipeline engine (``deepspeed/runtime/pipe/p2p.py``
+sends with a blocking ``dist.send``; ``"lockstep"`` adds its rendezvous and order). There a stage that
 sends (activations after F, gradients after B; with ZB-H1 after B, never after W) stays busy until its
 message is delivered, at the same link arrival as above: max(op end, link free) + transfer. The op
 itself still ends when its compute does (:attr:`TimedOp.send_done_s` says when the stage was
 released). The send is taken as eager: it does not wait for the receiver to post its receive.
-Waiting for that (a rendezvous) would need each runtime's own send/receive order, which no schedule
-here defines (DeepSpeed interleaves them by stage parity to avoid the deadlock 1F1B's order would
-otherwise have), and on a slow link the transfer, which the model does count, dominates the wait;
-so blocking predictions are a floor for such runtimes, not their exact step. Blocking never delays a
-transfer, only the sender's next op: a stage's busy time per micro-batch grows by one transfer per
-message it sends (uniform stages, steady state: F + B + T on either stage of a 2-stage pipeline, as
-its two messages of a micro-batch cross the link in opposite directions at once; F + B + 2 T on an
-inner stage, which sends both ways).
+Waiting for that (a rendezvous) needs the runtime's own send/receive order, which no schedule here
+defines (``"lockstep"`` takes DeepSpeed's), and on a slow link the transfer, which the model does
+count, dominates the wait; so blocking predictions are a floor for such runtimes, not their exact
+step. Blocking never delays a transfer, only the sender's next op: a stage's busy time per
+micro-batch grows by one transfer per message it sends (uniform stages, steady state: F + B + T on
+either stage of a 2-stage pipeline, as its two messages of a micro-batch cross the link in opposite
+directions at once; F + B + 2 T on an inner stage, which sends both ways).
 
 A stage's finish time is the end of its last backward. Because each stage's op times are used
 as given, unequal stages are modelled exactly, not by a bottleneck formula.
@@ -60,34 +61,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, P2P_MODES, get_schedule
+from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, get_schedule
+from hethub.schedules.lockstep import simulate_lockstep
+from hethub.schedules.records import StageSchedule, TimedOp, check_inputs
 from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
 
-
-@dataclass(frozen=True)
-class TimedOp:
-    kind: str  # "F", "B" or "W"
-    micro_batch: int
-    start_s: float
-    end_s: float
-    chunk: int = 0  # model chunk (virtual stage) of the device; 0 without virtual stages
-    # With blocking sends (p2p="blocking"), when the message this op sends was delivered, which is
-    # when the stage was free again (>= end_s); None where the op sends nothing or sends are async.
-    send_done_s: float | None = None
-
-
-@dataclass(frozen=True)
-class StageSchedule:
-    ops: tuple[TimedOp, ...]
-    finish_s: float  # end of the stage's last op (of its blocking send, if it sends one)
-
-    @property
-    def send_blocked_s(self) -> float:
-        """Time the stage spent held by its blocking sends (0 with asynchronous sends): exposed
-        communication, not compute and not bubble."""
-        return sum(op.send_done_s - op.end_s for op in self.ops if op.send_done_s is not None)
+# The records live in hethub.schedules.records (shared with the lockstep simulation); importers
+# take them from here as well.
+__all__ = ["StageSchedule", "TimedOp", "link_arrival_s", "simulate_pipeline", "simulate_pipeline_time"]
 
 
 def simulate_pipeline_time(
@@ -97,7 +79,11 @@ def simulate_pipeline_time(
 ) -> list[float]:
     """Finish time (end of the last op, or of its blocking send) of every stage (device); the fast
     path, no op records. ``chunks``: model chunks per device (see the module docstring for the
-    inputs' layout then); ``p2p``: how sends behave, one of P2P_MODES."""
+    inputs' layout then); ``p2p``: how sends behave, one of P2P_MODES ("lockstep" is simulated by
+    :mod:`hethub.schedules.lockstep`)."""
+    if p2p == LOCKSTEP:
+        return [st.finish_s for st in simulate_lockstep(fwd_s=fwd_s, bwd_s=bwd_s, p2p_s=p2p_s, num_micro_batches=
+                                                        num_micro_batches, schedule=schedule, chunks=chunks)]
     blocking = _blocking(p2p)
     if chunks != 1:
         return [st.finish_s for st in _simulate_chunked(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, chunks,
@@ -113,6 +99,9 @@ def simulate_pipeline(
     p2p: str = DEFAULT_P2P,
 ) -> list[StageSchedule]:
     """Every stage's (device's) ops with their start/end times, and its finish time."""
+    if p2p == LOCKSTEP:
+        return simulate_lockstep(fwd_s=fwd_s, bwd_s=bwd_s, p2p_s=p2p_s, num_micro_batches=num_micro_batches,
+                                 schedule=schedule, chunks=chunks)
     m = num_micro_batches
     blocking = _blocking(p2p)
     if chunks != 1:
@@ -167,22 +156,11 @@ def link_arrival_s(*, sent_s: float, link_free_s: float, transfer_s: float) -> f
     return max(sent_s, link_free_s) + transfer_s
 
 
-def _check(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> int:
-    p = len(fwd_s)
-    if p < 1 or len(bwd_s) != p:
-        raise ValueError(f"need fwd_s and bwd_s of equal, non-zero length; got {len(fwd_s)} and {len(bwd_s)}")
-    if len(p2p_s) not in (p - 1, p):
-        raise ValueError(f"p2p_s needs {p - 1} or {p} entries for {p} stages, got {len(p2p_s)}")
-    if m < 1:
-        raise ValueError(f"num_micro_batches must be >= 1, got {m}")
-    return p
-
-
 def _simulate(
     fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int, schedule: str,
     wgrad_share: float, *, record: bool, blocking: bool = False,
 ) -> tuple[list[float], list[list[tuple[int, float, float]]]]:
-    p = _check(fwd_s, bwd_s, p2p_s, m)
+    p = check_inputs(fwd_s, bwd_s, p2p_s, m)
     orders = [_codes(p, s, m, schedule) for s in range(p)]
     share = wgrad_share if get_schedule(schedule).split_backward else 0.0
     f_end = [[0.0] * m for _ in range(p)]
@@ -291,7 +269,7 @@ def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seq
     sched = get_schedule(schedule, chunks=v)
     if sched.split_backward:
         raise ValueError(f"schedule {schedule!r} splits the backward and has virtual stages; not simulated")
-    n = _check(fwd_s, bwd_s, p2p_s, m)
+    n = check_inputs(fwd_s, bwd_s, p2p_s, m)
     if n % v:
         raise ValueError(f"{n} virtual-stage times for {v} chunks per device: need a multiple of {v}")
     p = n // v
