@@ -1,4 +1,5 @@
-"""The predictor's step floor (predictor.step_floor_s) and the two screens built on it: the polish
+"""The predictor's step floor (predictor.step_floor_s, plus the exact sync tail, sync_tail_s) and the
+two screens built on it (predictor.floor_reaches): the polish
 skips moves whose floor cannot beat the current step, and the planner's scoring skips finalists
 whose floor cannot enter the fastest few. Both are exact only if the floor is below the predicted
 step of every plan, under every schedule and both transfer modes; and the screened scoring must
@@ -11,7 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from hethub.predict.predictor import predict, step_floor_s
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import floor_reaches, predict, step_floor_s, sync_tail_s
 from hethub.search import PlannerConfig, make_plan
 from hethub.search.planner import _score
 from hethub.search.polish import _apply, _moves
@@ -60,3 +62,24 @@ def test_screened_scoring_keeps_the_same_fastest_plans():
         assert len(screened) < len(full)  # some were screened out
         assert [(id(p), pr.step_time_s) for p, pr in screened[:keep]] == [(id(p), pr.step_time_s)
                                                                           for p, pr in full[:keep]]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_sync_tail_is_exact_after_the_last_finish(schedule):
+    """The loss all-reduce is a barrier, so the step is the last pipeline finish plus the tail, whatever
+    the finishes; the floor plus the tail is then still below the step."""
+    for plan in _plans(schedule):
+        pred = predict(plan)
+        tail = sync_tail_s(plan)
+        assert tail > 0
+        assert max(pred.pipeline_times_s) + tail == pytest.approx(pred.step_time_s, rel=1e-9, abs=0)
+        floor = step_floor_s(plan)
+        assert floor + tail <= pred.step_time_s
+        costs = PlanCosts(plan, None)
+        assert floor_reaches(plan, floor + tail * 0.5, costs=costs)  # reached only with the tail
+        assert not floor_reaches(plan, pred.step_time_s * (1 + 1e-9), costs=costs)
+
+
+def test_sync_tail_of_a_sharded_plan_is_a_floor():
+    plan = replace(_plans("1f1b")[0], optimizer_sharding="zero1")
+    assert 0.0 == sync_tail_s(plan) <= predict(plan).step_time_s

@@ -126,15 +126,18 @@ class PlanCosts:
                 pin=(plan.model, k))
         return mem
 
-    def plan_stage_memory(self, pi: int, si: int, *, in_flight: float) -> StageMemory:
+    def plan_stage_memory(self, pi: int, si: int, *, in_flight: float, recompute: Recompute | None = None,
+                          ) -> StageMemory:
         """Memory of stage ``si`` of pipeline ``pi`` of the plan, its gradient sync as the runtime does it.
-        ``in_flight``: micro-batches of the whole stage held at the peak (fractional for chunks)."""
+        ``in_flight``: micro-batches of the whole stage held at the peak (fractional for chunks).
+        ``recompute``: the stage's mode taken as this instead of its own (the sync shape keeps)."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
         synced, mixed, bucket = self.sync_shape[(pi, si)]
         comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
         return self.stage_memory(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                 mbs=p.micro_batch_size, recompute=s.recompute, in_flight=in_flight,  # type: ignore[arg-type]
+                                 mbs=p.micro_batch_size, recompute=s.recompute if recompute is None else recompute,
+                                 in_flight=in_flight,  # type: ignore[arg-type]
                                  synced=synced,
                                  mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
 

@@ -50,9 +50,13 @@ from hethub.schedules import DEFAULT_P2P, Schedule, get_schedule
 from hethub.schedules.simulate import StageSchedule
 
 
-def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[tuple[int, int], bool]:
+def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM,
+                      recompute: Recompute | None = None) -> dict[tuple[int, int], bool]:
     """Per (pipeline, stage): whether its predicted peak is within its usable memory, as ``predict``'s
-    ``StagePrediction.fits`` says, without the timing (cheap: the planner asks it per candidate)."""
+    ``StagePrediction.fits`` says, without the timing (cheap: the planner asks it per candidate).
+    ``recompute``: every stage's mode taken as this instead of its own, which is what the plan with
+    that mode everywhere gives (a stage's memory depends on its own mode only; the sync shape on
+    none), without building that plan (the planner asks this per mode of every candidate)."""
     costs = PlanCosts(plan, None)
     schedule = get_schedule(plan.schedule)
     mem_headroom = check_headroom(mem_headroom)
@@ -68,7 +72,7 @@ def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM)
             twin = seen.setdefault(sig, pi)
         for si in range(n):
             mems[(pi, si)] = (mems[(twin, si)] if twin is not None and twin != pi
-                              else _stage_mem(costs, schedule, pi, si)[1])
+                              else _stage_mem(costs, schedule, pi, si, recompute=recompute)[1])
     mems, _ = _with_sharding(plan, mems, headroom=mem_headroom)
     return {(pi, si): mem.total_bytes <= usable_bytes(plan.cluster.kinds[plan.pipelines[pi].stages[si].kind],
                                                       headroom=mem_headroom)
@@ -211,14 +215,46 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     return best * (1 - 1e-12)  # the simulation adds the same times in another order (rounding)
 
 
-def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int) -> tuple[int, StageMemory]:
-    """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``."""
+def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCosts | None = None) -> float:
+    """What ``predict(plan).step_time_s`` (without a host) adds after its pipelines' last finish: the
+    loss all-reduce is a barrier of every stage, so the gradient sync, the gradient-norm barrier and
+    the updates that follow start from that one instant whatever each stage's own finish, and the
+    step is exactly the last finish plus this. So ``step_floor_s + sync_tail_s`` is a floor under the
+    step too, and a tighter one where syncs are slow (a 70B model across kinds: ~10 % of the step);
+    it costs the plan's sync groups (~2 ms on 512 devices), so callers add it only where the cheaper
+    floor alone has not settled the question. With a sharded optimizer the slices (from the stages'
+    memory) would be needed: 0.0 there, still a floor. ``costs``: as for ``step_floor_s``."""
+    if plan.sharded_optimizer:
+        return 0.0
+    costs = PlanCosts(plan, profiles) if costs is None else costs
+    updates = [[costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
+                                 mbs=p.micro_batch_size, recompute=s.recompute).times.update_s for s in p.stages]
+               for p in plan.pipelines]
+    zeros = [[0.0] * len(p.stages) for p in plan.pipelines]
+    tail = simulate_sync(plan, finish_s=zeros, update_s=updates, groups=sync_groups(plan),
+                         world=list(world_collectives(plan))).step_time_s
+    return tail * (1 - 1e-12)  # the sync adds the same times to the finish in another order (rounding)
+
+
+def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts) -> bool:
+    """Whether a floor under ``predict(plan).step_time_s`` (without a host) is already >= ``bar_s``, so
+    a caller looking for a step below ``bar_s`` need not predict the plan: ``step_floor_s``, and
+    where that is below, it plus ``sync_tail_s`` (which prices the plan's sync groups, ~1/5 of a
+    prediction on 512 devices). ``costs``: as for ``step_floor_s``."""
+    floor = step_floor_s(plan, costs=costs)
+    return floor >= bar_s or floor + sync_tail_s(plan, costs=costs) >= bar_s
+
+
+def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int,
+               recompute: Recompute | None = None) -> tuple[int, StageMemory]:
+    """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``
+    (recomputing ``recompute`` where given, else the stage's own mode)."""
     p = costs.plan.pipelines[pi]
     if p.virtual_stages > 1:  # in_flight counts (micro-batch, chunk) activations; memory weighs each chunk's
         schedule = get_schedule(costs.plan.schedule, chunks=p.virtual_stages)
     in_flight = schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)
     held = in_flight if p.virtual_stages == 1 else costs.chunk_in_flight(p, si, schedule=schedule)
-    return in_flight, costs.plan_stage_memory(pi, si, in_flight=held)
+    return in_flight, costs.plan_stage_memory(pi, si, in_flight=held, recompute=recompute)
 
 
 def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float,

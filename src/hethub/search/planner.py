@@ -19,7 +19,7 @@ from hethub.plan import Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import predict, step_floor_s
+from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.progress import progress
@@ -479,7 +479,7 @@ def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str, per
 def _score(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
            require_fit: bool = True, host: HostModel | None = None, keep: int = 0) -> list[tuple[Plan, Prediction]]:
     """`plans` predicted, those that fit (all with ``require_fit=False``), fastest first. With ``keep``,
-    a plan whose step floor (predictor.step_floor_s) is not below the keep-th fastest so far is not
+    a plan whose step floor (predictor.floor_reaches) is not below the keep-th fastest so far is not
     predicted: it could not be among the first ``keep`` (on a tie the earlier plan sorts first), so
     those are exactly the unscreened ones; the rest of the list may then lack such plans."""
     scored: list[tuple[Plan, Prediction]] = []
@@ -488,7 +488,7 @@ def _score(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = 
     for plan in plans:
         if keep and host is None and len(steps) >= keep:
             costs = PlanCosts(plan, profiles) if costs is None else costs  # one job: stage costs are shared
-            if step_floor_s(plan, costs=costs) >= steps[keep - 1]:
+            if floor_reaches(plan, steps[keep - 1], costs=costs):
                 continue
         pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
         if pred.fits_memory or not require_fit:

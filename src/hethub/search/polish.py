@@ -15,7 +15,7 @@ from hethub.plan import Pipeline, Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, stage_memory, usable_bytes
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import predict, step_floor_s
+from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.schedules import get_schedule
@@ -29,8 +29,9 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
     move (moving another layer the same way often helps again) and goes round the others from
     there, instead of re-trying from the first ones, which just failed: fewer predictions per step,
     which matters because the budget, not the local optimum, usually ends the search on large plans.
-    A move whose step floor (predictor.step_floor_s: no simulation, ~1/20 of a prediction on 512
-    devices) is already not below the current step cannot be taken, so it is not predicted."""
+    A move whose step floor (predictor.floor_reaches: the stage costs' floor, no simulation, ~1/20 of
+    a prediction on 512 devices, then that plus the exact sync tail) is already not below the
+    current step cannot be taken, so it is not predicted."""
     deadline = time.perf_counter() + budget_s
     costs = PlanCosts(plan, profiles) if host is None else None  # stage costs: every move keeps the job
     start, improved = 0, True
@@ -44,7 +45,7 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
             cand = _apply(plan, moves[i], allow_recompute=allow_recompute, headroom=mem_headroom)
             if cand is None:
                 continue
-            if costs is not None and step_floor_s(cand, costs=costs) >= pred.step_time_s * (1 - 1e-9):
+            if costs is not None and floor_reaches(cand, pred.step_time_s * (1 - 1e-9), costs=costs):
                 continue
             p = predict(cand, profiles=profiles, host=host, mem_headroom=mem_headroom)
             if p.fits_memory and p.step_time_s < pred.step_time_s * (1 - 1e-9):

@@ -31,7 +31,7 @@ def choose_recompute(plan: Plan, *, allow_recompute: bool = True,
     """Each stage's fastest recomputation mode that fits its memory; without ``allow_recompute`` only
     ``none`` is tried. A stage that fits under no mode tried keeps its own."""
     modes = RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
-    fits = {m: stage_memory_fits(with_recompute(plan, m), mem_headroom=mem_headroom) for m in modes}
+    fits = {m: stage_memory_fits(plan, mem_headroom=mem_headroom, recompute=m) for m in modes}
     pipes = []
     for pi, p in enumerate(plan.pipelines):
         stages = tuple(replace(s, recompute=next((m for m in modes if fits[m][(pi, si)]), s.recompute))
@@ -47,7 +47,7 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
     modes = tuple(reversed(RECOMPUTE_ORDER)) if allow_recompute else (Recompute.NONE,)
     ok: dict[tuple[int, int], bool] = {}
     for m in modes:
-        for key, fits in stage_memory_fits(with_recompute(plan, m), mem_headroom=mem_headroom).items():
+        for key, fits in stage_memory_fits(plan, mem_headroom=mem_headroom, recompute=m).items():
             ok[key] = ok.get(key, False) or fits
         if all(ok.values()):
             return True

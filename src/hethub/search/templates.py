@@ -47,7 +47,7 @@ class Searcher:
 
     def __init__(self, *, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                  profiles: ProfileSet | None, relax_memory: bool = False,
-                 kinds: tuple[str, ...] | None = None, books: dict[bool, CostBook] | None = None) -> None:
+                 kinds: tuple[str, ...] | None = None, books: dict | None = None) -> None:
         self.cluster, self.model, self.config = cluster, model, config
         self.job = Job(model=model, seq_len=config.seq_len, precision=config.precision,
                        schedule=config.schedule, profiles=profiles, relax_memory=relax_memory,
@@ -58,7 +58,10 @@ class Searcher:
         if relax_memory not in books:
             books[relax_memory] = CostBook(self.job, cluster.kinds)
         self.book = books[relax_memory]
-        self.links = LinkBook(cluster)
+        # Links depend on the cluster alone, so their caches (hops, all-reduce times) are shared too.
+        if "links" not in books:
+            books["links"] = LinkBook(cluster)
+        self.links = books["links"]
         counts = cluster.count_by_kind()
         self.counts = {k: counts[k] for k in (kinds or cluster.kind_names)}
         self.tps = {k: tp_options(cluster, model, k, config.tp_degrees) for k in self.counts}
