@@ -121,3 +121,24 @@ def test_export_refuses_unequal_shares_with_the_reason(tmp_path, capsys):
     code, _, err = run(["export-plan", "--format", "sailor", path], capsys)
     assert code == 3
     assert "unequal" in err.lower() or "share" in err.lower()
+
+
+def test_report_of_a_run_predicts_hethubs_async_sends_whatever_the_plan_says(tmp_path, capsys):
+    # A lockstep plan (as imported from Sailor) trained by hethub's runtime: the run's metrics are
+    # compared with the async prediction, the runtime that produced them.
+    from dataclasses import replace
+
+    from conftest import three_stage_plan
+    from hethub.predict.predictor import predict
+    from hethub.report.summary import fmt_time
+
+    plan = replace(three_stage_plan(), p2p="lockstep").validate()
+    assert fmt_time(predict(plan).step_time_s) != fmt_time(predict(replace(plan, p2p="async")).step_time_s)
+    plan_path, metrics = tmp_path / "plan.json", tmp_path / "run.jsonl"
+    plan.save(plan_path)
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0, "step_time_s": 0.5}) + "\n" for s in range(3)))
+    code, out, _ = run(["report", "--plan", plan_path, "--metrics", metrics, "--out", tmp_path / "rep"], capsys)
+    assert code == 0
+    assert "training.p2p = 'lockstep'" in out and "'async' sends" in out
+    summary = (tmp_path / "rep" / "summary.md").read_text(encoding="utf-8")
+    assert f"| step time | {fmt_time(predict(replace(plan, p2p='async')).step_time_s)} |" in summary

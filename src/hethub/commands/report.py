@@ -15,9 +15,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     prepare_output(args.out, is_dir=True)
     if args.metrics:  # read (and checked against the plan) before the prediction's work
+        from dataclasses import replace
+
         from hethub.report import read_metrics
+        from hethub.schedules import DEFAULT_P2P
 
         read_metrics(args.metrics, plan=plan)
+        if plan.p2p != DEFAULT_P2P:
+            # The metrics come from hethub's runtime, which always sends asynchronously: compare the
+            # run with what the predictor says of that runtime, not of the one the plan was made for.
+            print(f"note: the plan says training.p2p = {plan.p2p!r} (another runtime's sends); the run's metrics "
+                  f"come from hethub's runtime, so the report predicts it with {DEFAULT_P2P!r} sends")
+            plan = replace(plan, p2p=DEFAULT_P2P)
     profiles = None
     if args.profiles:
         from hethub.profile.format import load_profiles
