@@ -50,7 +50,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if rank_args.checkpoint_dir:
         _check_not_locked(Path(rank_args.checkpoint_dir))
     from hethub.runtime.launch import launch_local
+    from hethub.schedules import DEFAULT_P2P
 
+    if plan.p2p != DEFAULT_P2P:
+        print(f"note: training.p2p = {plan.p2p!r} describes another runtime's sends; hethub's runtime sends "
+              f"{DEFAULT_P2P} (the field changes predictions only)", flush=True)
     print(f"launching {plan.world_size} local ranks for {rank_args.steps} steps (torchrun --standalone)", flush=True)
     with tempfile.TemporaryDirectory(prefix="hethub-errors-") as errors:
         proc = launch_local(plan_path, nproc=plan.world_size, steps=rank_args.steps, metrics=rank_args.metrics,
