@@ -1,0 +1,120 @@
+"""The parts a plan is made of: recomputation modes, stages, pipelines (`hethub.plan` assembles,
+validates and reads and writes them as the versioned plan file, and re-exports these names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from hethub.errors import PlanError
+
+
+class Recompute(StrEnum):
+    """What a stage recomputes in backward instead of keeping from forward.
+
+    ``none`` keeps every activation; ``selective`` recomputes only each layer's attention core
+    (scores, softmax, attention over V: Korthikanti et al. 2022, arXiv:2205.05198, Sec. 5), whose
+    saved tensors grow with the sequence length; ``full`` keeps only each layer's input and re-runs
+    the whole layer. A member is falsy only for ``none``, so ``if stage.recompute`` reads "the stage
+    recomputes something"; it compares and serialises as its word.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    def __bool__(self) -> bool:
+        return self is not Recompute.NONE
+
+    @staticmethod
+    def of(value: Recompute | str | bool, *, where: str = "recompute") -> Recompute:
+        """``value`` as a mode: a word, or a boolean as plans before version 3 wrote it (true: full)."""
+        if isinstance(value, bool):
+            return Recompute.FULL if value else Recompute.NONE
+        if isinstance(value, str) and value in RECOMPUTE_MODES:
+            return Recompute(value)
+        raise PlanError(f"plan field '{where}' is {value!r}. Fix: use one of {', '.join(RECOMPUTE_MODES)} "
+                        "(true/false from older plans mean full/none).")
+
+
+RECOMPUTE_MODES = tuple(m.value for m in Recompute)
+
+
+@dataclass(frozen=True)
+class Stage:
+    kind: str
+    devices: tuple[int, ...]  # cluster device ids; len == tp
+    layers: tuple[int, int]  # decoder layers [start, end); with chunks: the first chunk's
+    embedding: bool = False
+    head: bool = False
+    # A Recompute; a bool (as code before plan version 3 passed it) is converted, True to "full".
+    recompute: Recompute = Recompute.NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, Recompute):
+            object.__setattr__(self, "recompute", Recompute.of(self.recompute, where="stages[].recompute"))
+    # Virtual stages (interleaved schedule): the layer ranges [start, end) of the v model chunks the
+    # stage's devices hold, in chunk order; chunk c of stage s is virtual stage c x p + s. Empty: one
+    # chunk, ``layers``. The embedding is on chunk 0 of the first stage, the head on the last chunk
+    # of the last stage.
+    chunks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each chunk's decoder layers [start, end), in chunk order (one range without chunks)."""
+        return self.chunks or (self.layers,)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(b - a for a, b in self.layer_ranges)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    micro_batch_size: int
+    num_micro_batches: int
+    stages: tuple[Stage, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per stage (v; 1 without interleaving)."""
+        return self.stages[0].num_chunks if self.stages else 1
+
+
+def interleave(pipe: Pipeline, chunk_layers: list[list[int]] | tuple[tuple[int, ...], ...]) -> Pipeline:
+    """``pipe`` with stage s holding ``chunk_layers[s][c]`` layers in its chunk c: the ranges are laid
+    out contiguously in virtual-stage order (chunk 0 of every stage, then chunk 1, ...). One chunk
+    per stage gives plain ``layers``. Validate the plan afterwards (the counts must cover the model)."""
+    n, v = len(pipe.stages), len(chunk_layers[0]) if chunk_layers else 1
+    if len(chunk_layers) != n or any(len(c) != v for c in chunk_layers):
+        raise ValueError(f"need {n} stages x {v} chunk layer counts, got {chunk_layers!r}")
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    start = 0
+    for c in range(v):
+        for si in range(n):
+            ranges[si].append((start, start + chunk_layers[si][c]))
+            start += chunk_layers[si][c]
+    stages = tuple(replace(st, layers=r[0], chunks=tuple(r) if v > 1 else ())
+                   for st, r in zip(pipe.stages, ranges, strict=True))
+    return replace(pipe, stages=stages)
+
+
+def split_evenly(n: int, parts: int) -> list[int]:
+    """n layers in ``parts`` chunks as equal as can be, the larger ones first."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
