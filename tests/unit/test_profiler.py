@@ -206,3 +206,17 @@ def test_wake_penalty_is_measured_on_request(tmp_path):
     # The penalty is the chunk's extra CPU time (clamped at 0), never the idle gap itself: a tiny
     # model's chunk takes about a millisecond, so timing the sleep by mistake would exceed the gap.
     assert all(extra < gap for gap, extra in host.wake_penalty)
+
+
+def test_corun_factor_is_measured_on_request(tmp_path):
+    from hethub.emulation.host import usable_cores
+
+    out = tmp_path / "corun.json"
+    assert main(["profile", "--model", "tiny", "--mbs", "1", "--seq-len", "32", "--kind", "cpu-fast",
+                 "--warmup", "1", "--repeats", "2", "--corun", "--out", str(out)]) == 0
+    host = read_profile_file(out).host
+    if usable_cores() < 2:  # one core: nothing runs beside a chunk, so nothing is measured
+        assert host is None or host.corun == ()
+        return
+    assert [m for m, _ in host.corun] == [1]
+    assert all(f >= 1.0 for _, f in host.corun)

@@ -63,11 +63,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
                          reps=Repetitions(warmup=args.warmup, repeats=args.repeats))
     prof = run_profile(req)
     host = None
-    if (args.wake_penalty or args.speed_spread or args.split_backward) and args.device == "cpu":
+    if (args.wake_penalty or args.speed_spread or args.split_backward or args.corun) and args.device == "cpu":
         from hethub.emulation.measure.effects import measure_host_effects
 
         host = measure_host_effects(model, mbs=args.mbs, seq_len=seq_len, wake_penalty=args.wake_penalty,
-                                    speed_spread=args.speed_spread, split_backward=args.split_backward)
+                                    speed_spread=args.speed_spread, split_backward=args.split_backward,
+                                    corun=args.corun)
     for kind, path in outs.items():
         write_profile(path, replace(prof, kind=kind), model=model, device=device_description(args.device), host=host)
     where = ", ".join(f"{k} -> {p}" for k, p in outs.items())
@@ -83,6 +84,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if host is not None and host.split_backward:
         print(f"  split backward (ZB-H1): B {host.split_backward[0]:.2f}, W {host.split_backward[1]:.2f} "
               "of one whole backward")
+    if host is not None and host.corun:
+        print("  co-run factor (a chunk's CPU time with every core busy / alone): "
+              + ", ".join(f"mbs {m} {f:.3f}" for m, f in host.corun))
     if host is not None and host.speed_spread:
         print("  core speed spread (sigma per window): "
               + ", ".join(f"{sp.sigma:.3f} over {sp.window_s:g} s" for sp in host.speed_spread))
@@ -128,4 +132,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--split-backward", action="store_true",
                     help="local emulation hosts: also measure the split backward's B and W (ZB-H1) against one "
                          "whole backward (docs/profiles.md); ~2 s")
+    sp.add_argument("--corun", action="store_true",
+                    help="local emulation hosts: also measure the co-run factor per micro-batch size, how much "
+                         "slower a chunk runs while every core computes (docs/profiles.md); ~5 s per size")
     sp.set_defaults(func=cmd_profile)

@@ -1,4 +1,5 @@
-"""Measure this host's effects for the emulation model: wake penalty, core speed spread, split backward."""
+"""Measure this host's effects for the emulation model: wake penalty, core speed spread, split backward,
+co-run factor."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from hethub.spec.model import ModelSpec
 
 
 def measure_host_effects(model: ModelSpec, *, mbs: tuple[int, ...] | int, seq_len: int, wake_penalty: bool = True,
-                         speed_spread: bool = True, split_backward: bool = False) -> HostEffects:
+                         speed_spread: bool = True, split_backward: bool = False, corun: bool = False) -> HostEffects:
     """The requested effects, measured with a stack of `model`'s decoder layers at the middle of the
-    micro-batch sizes `mbs` (those a profile measures); each takes a few seconds."""
+    micro-batch sizes `mbs` (those a profile measures; the co-run factor at each of them); each takes a
+    few seconds."""
+    from hethub.emulation.measure.corun import measure_corun
     from hethub.emulation.measure.split import measure_split_backward
     from hethub.emulation.measure.spread import measure_speed_spread
     from hethub.emulation.measure.wake import measure_wake_penalty
@@ -20,4 +23,5 @@ def measure_host_effects(model: ModelSpec, *, mbs: tuple[int, ...] | int, seq_le
         wake_penalty=measure_wake_penalty(model, mbs=middle, seq_len=seq_len) if wake_penalty else (),
         speed_spread=measure_speed_spread(model, mbs=middle, seq_len=seq_len) if speed_spread else (),
         split_backward=measure_split_backward(model, mbs=middle, seq_len=seq_len) if split_backward else None,
+        corun=measure_corun(model, mbs=sizes, seq_len=seq_len) if corun else (),
     )
