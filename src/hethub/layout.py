@@ -20,10 +20,11 @@ import functools
 from dataclasses import dataclass
 
 from hethub.plan import Plan, Recompute
+from hethub.plan_parts import LayerChunks
 
 
 @dataclass(frozen=True)
-class StagePlace:
+class StagePlace(LayerChunks):
     pipeline: int
     stage: int
     num_stages: int
@@ -38,14 +39,6 @@ class StagePlace:
     @property
     def tp(self) -> int:
         return len(self.ranks)
-
-    @property
-    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
-        return self.chunks or (self.layers,)
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.layer_ranges)
 
 
 @dataclass(frozen=True)

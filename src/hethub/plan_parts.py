@@ -40,8 +40,30 @@ class Recompute(StrEnum):
 RECOMPUTE_MODES = tuple(m.value for m in Recompute)
 
 
+class LayerChunks:
+    """A stage's decoder layers as chunk ranges, for any class with ``layers`` (the first chunk's
+    [start, end)) and ``chunks`` (every chunk's range; empty for one chunk): the plan's Stage and the
+    rank layout's StagePlace."""
+
+    layers: tuple[int, int]
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each chunk's decoder layers [start, end), in chunk order (one range without chunks)."""
+        return self.chunks or (self.layers,)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(b - a for a, b in self.layer_ranges)
+
+
 @dataclass(frozen=True)
-class Stage:
+class Stage(LayerChunks):
     kind: str
     devices: tuple[int, ...]  # cluster device ids; len == tp
     layers: tuple[int, int]  # decoder layers [start, end); with chunks: the first chunk's
@@ -62,19 +84,6 @@ class Stage:
     @property
     def tp(self) -> int:
         return len(self.devices)
-
-    @property
-    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
-        """Each chunk's decoder layers [start, end), in chunk order (one range without chunks)."""
-        return self.chunks or (self.layers,)
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.layer_ranges)
-
-    @property
-    def num_layers(self) -> int:
-        return sum(b - a for a, b in self.layer_ranges)
 
 
 @dataclass(frozen=True)
