@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hethub.plan import Pipeline, Plan, Recompute
+from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
 from hethub.predict.memory import StageMemory, act_bytes_for, runtime_vocab_parallel, stage_memory, stage_params
@@ -86,6 +86,11 @@ class PlanCosts:
         # Attention cost grows faster than linearly with sequence length, so a profile measured at
         # another length is not rescaled: the roofline is used instead (visible in compute_source).
         return prof if prof is not None and prof.seq_len == self.plan.seq_len else None
+
+    def of_stage(self, stage: Stage, *, mbs: int) -> StageStepCost:
+        """``stage_cost`` of a plan stage at micro-batch size ``mbs``, all its layers as one."""
+        return self.stage_cost(kind=stage.kind, layers=stage.num_layers, embedding=stage.embedding, head=stage.head,
+                               tp=stage.tp, mbs=mbs, recompute=stage.recompute)
 
     def stage_cost(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
                    recompute: Recompute) -> StageStepCost:

@@ -111,8 +111,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
         fwd, bwd, p2p, upd = [], [], [], []
         for si, s in enumerate(p.stages):
-            cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                    mbs=mbs, recompute=s.recompute)
+            cost = costs.of_stage(s, mbs=mbs)
             in_flight, mem = _stage_mem(costs, schedule, pi, si)
             send = 0.0
             if si < n - 1:
@@ -206,8 +205,7 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
             continue
         m, fill, back = p.num_micro_batches, 0.0, 0.0
         for s in p.stages:
-            cost = costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                    mbs=p.micro_batch_size, recompute=s.recompute)
+            cost = costs.of_stage(s, mbs=p.micro_batch_size)
             best = max(best, fill + m * (cost.fwd_s + cost.bwd_s) + back)
             fill += cost.fwd_s
             if drain:
@@ -227,9 +225,7 @@ def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCo
     if plan.sharded_optimizer:
         return 0.0
     costs = PlanCosts(plan, profiles) if costs is None else costs
-    updates = [[costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                 mbs=p.micro_batch_size, recompute=s.recompute).times.update_s for s in p.stages]
-               for p in plan.pipelines]
+    updates = [[costs.of_stage(s, mbs=p.micro_batch_size).times.update_s for s in p.stages] for p in plan.pipelines]
     zeros = [[0.0] * len(p.stages) for p in plan.pipelines]
     tail = simulate_sync(plan, finish_s=zeros, update_s=updates, groups=sync_groups(plan),
                          world=list(world_collectives(plan))).step_time_s

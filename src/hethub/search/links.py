@@ -117,14 +117,18 @@ class LinkBook:
             return None
         return src[0][:a.tp], other[0][:b.tp]
 
+    def nic_share(self, kind: str, rings: int) -> int:
+        """How many of `rings` concurrent rings (one per TP rank of a stage) cross one NIC of `kind`'s
+        nodes: a TP group starts a node or a NIC's share of one, so min(rings, devices per NIC)."""
+        return min(rings, self.nic_size[kind])
+
     def replicas(self, kinds: frozenset[str], *, devices: int, rings: int = 1) -> Link:
         """Slowest link of a data-parallel ring over pipelines made of these kinds, one of `rings` that
         run at once (one per TP rank of the holders' smallest degree): across nodes, the rings of a
-        stage's ranks behind one NIC share it (predict.comm.rings_link; a TP group starts a node or a
-        NIC's share of one, so min(rings, devices per NIC) of them meet at a NIC)."""
+        stage's ranks behind one NIC share it (predict.comm.rings_link; `nic_share` of them)."""
         ks = sorted(kinds)
         if len(ks) == 1 and devices <= self.node_size[ks[0]]:
             return self.intra(ks[0])
-        share = {k: min(rings, self.nic_size[k]) for k in ks}
+        share = {k: self.nic_share(k, rings) for k in ks}
         links = [(self.between(a, b), max(share[a], share[b])) for a in ks for b in ks]
         return Link(min(lk.bw_bytes_per_s / n for lk, n in links), max(lk.latency_s for lk, _ in links))

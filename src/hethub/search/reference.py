@@ -313,7 +313,7 @@ class _PostFloor:
             lb = self.s.links
             if len(kinds) == 1 and devices <= lb.node_size[own]:  # intra-node, or a superset's pairs
                 a, b = lb.intra(own), lb.between(own, own)
-                b_bw = b.bw_bytes_per_s / min(rings, lb.nic_size[own])
+                b_bw = b.bw_bytes_per_s / lb.nic_share(own, rings)
                 link = Link(max(a.bw_bytes_per_s, b_bw), min(a.latency_s, b.latency_s))
             else:  # the slowest pair over these kinds; more kinds only add pairs
                 link = lb.replicas(kinds, devices=devices, rings=rings)
