@@ -32,7 +32,7 @@ from hethub.search.hetero import plan_key, search, size_key
 from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
 from hethub.search.polish import polish
 from hethub.search.recompute import choose_recompute
-from hethub.search.templates import Searcher
+from hethub.search.templates import Books, Searcher
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
@@ -278,7 +278,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     t0 = time.perf_counter()
     _check_job(model, config)
     _check_state_fits(cluster, model, config)
-    books: dict = {}
+    books = Books()
     # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
     bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
@@ -405,7 +405,7 @@ def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig)
 
 
 def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-           profiles: ProfileSet | None, books: dict | None = None,
+           profiles: ProfileSet | None, books: Books | None = None,
            host: HostModel | None = None) -> tuple[dict[str, float], tuple[str, ...], list[tuple[Plan, Prediction]],
                                                    frozenset[str]]:
     """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
@@ -438,7 +438,7 @@ def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 
 
 def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                kind: str, relax: bool, books: dict | None) -> list[Plan]:
+                kind: str, relax: bool, books: Books | None) -> list[Plan]:
     s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, relax_memory=relax, kinds=(kind,),
                  books=books)
     return _plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous",
@@ -446,7 +446,7 @@ def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pr
 
 
 def _hethub_candidates(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                       profiles: ProfileSet | None, books: dict) -> list[Plan]:
+                       profiles: ProfileSet | None, books: Books) -> list[Plan]:
     s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
     return _plans(s, search(s), config=config, strategy="hethub", per_size=config.per_size_finalists)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hethub.predict.profiles import ProfileSet
 from hethub.search.assemble import build_plan
@@ -42,26 +42,34 @@ def tp_options(cluster: Cluster, model: ModelSpec, kind: str, degrees: tuple[int
                  and model.num_heads % t == 0 and model.num_kv_heads % t == 0 and model.ffn_hidden_size % t == 0)
 
 
+@dataclass
+class Books:
+    """What the searches of one make_plan share: stage models and splits per memory mode (they differ
+    only in the kinds they use), and the links with their caches (hops, all-reduce times), which
+    depend on the cluster alone."""
+
+    costs: dict[bool, CostBook] = field(default_factory=dict)  # by relax_memory
+    links: LinkBook | None = None
+
+
 class Searcher:
     """Everything one search shares: costs, links, device counts, options."""
 
     def __init__(self, *, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                  profiles: ProfileSet | None, relax_memory: bool = False,
-                 kinds: tuple[str, ...] | None = None, books: dict | None = None) -> None:
+                 kinds: tuple[str, ...] | None = None, books: Books | None = None) -> None:
         self.cluster, self.model, self.config = cluster, model, config
         self.job = Job(model=model, seq_len=config.seq_len, precision=config.precision,
                        schedule=config.schedule, profiles=profiles, relax_memory=relax_memory,
                        mem_headroom=config.mem_headroom, chunks=config.virtual_stages,
                        optimizer_shard_holders=config.shard_holders if config.optimizer_sharding == "zero1" else 1)
-        # Searches of one make_plan share stage models and splits (they differ only in kinds used).
-        books = {} if books is None else books
-        if relax_memory not in books:
-            books[relax_memory] = CostBook(self.job, cluster.kinds)
-        self.book = books[relax_memory]
-        # Links depend on the cluster alone, so their caches (hops, all-reduce times) are shared too.
-        if "links" not in books:
-            books["links"] = LinkBook(cluster)
-        self.links = books["links"]
+        books = Books() if books is None else books
+        if relax_memory not in books.costs:
+            books.costs[relax_memory] = CostBook(self.job, cluster.kinds)
+        self.book = books.costs[relax_memory]
+        if books.links is None:
+            books.links = LinkBook(cluster)
+        self.links = books.links
         counts = cluster.count_by_kind()
         self.counts = {k: counts[k] for k in (kinds or cluster.kind_names)}
         self.tps = {k: tp_options(cluster, model, k, config.tp_degrees) for k in self.counts}
