@@ -43,6 +43,8 @@ class Capacity:
 
     def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int, schedule: Schedule) -> None:
         self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=False), book.recompute_floor(kind, tp=tp, mbs=mbs)]
+        self.book, self.kind, self.tp, self.mbs = book, kind, tp, mbs
+        self._runs: list[tuple[tuple[int, tuple], ...]] = [()]  # see _middle_groups
         # Each stage's in-flight bound by stage count, shared by every (kind, TP, micro-batch size).
         self._in_flights: dict[int, tuple[int, ...]] = book.capacity.setdefault(("in-flight", schedule.name), {})
         self.limit = book.job.model.num_layers
@@ -82,6 +84,49 @@ class Capacity:
                                      + self._at(variant, emb=False, head=True, in_flight=bounds[-1])
                                      + sum(map(mid.__getitem__, bounds[1:-1])))
         return self._totals[key]
+
+
+    def mode_bottleneck(self, p: int, *, lo: float) -> float | None:
+        """The smallest bottleneck B >= lo at which p stages hold the model's L layers, each stage in
+        the recomputation mode (none, selective, full: `stage_modes`) that holds the most layers
+        within B at the stage's in-flight count (this capacity's schedule), the first and the last
+        stage with the embedding's and the head's memory and time (`smallest_holding`, exact per
+        stage). The rate bound's other bottleneck floors let a stage's no-recompute capacity stand
+        in for another's and price recomputation at the cheapest mode, so where every stage must
+        recompute (llama-2-70b at micro-batch 4) they sat ~25 % below the best split's. None: the
+        stages cannot hold L layers in any mode."""
+        self.total(p, variant=0)  # fills the in-flight bounds of p stages
+        bounds = self._in_flights[p]
+        if p == 1:
+            caps = [(1, stage_modes(self.book, self.kind, self.tp, self.mbs, True, True, bounds[0]))]
+        else:
+            caps = [(1, stage_modes(self.book, self.kind, self.tp, self.mbs, True, False, bounds[0])),
+                    (1, stage_modes(self.book, self.kind, self.tp, self.mbs, False, True, bounds[-1])),
+                    *self._middle_groups(bounds[1:-1])]
+        if any(max(c for c, _, _ in modes) < 0 for _, modes in caps):
+            return None  # a stage that fits in no mode: split.split_layers has no split either
+        return smallest_holding(caps, self.limit, lo)
+
+    def _middle_groups(self, flights: tuple[int, ...]) -> list[tuple[int, tuple]]:
+        """The middle stages as (count, modes) groups. Under 1F1B their in-flight counts run from p - 2
+        down to 2, one stage each, and the modes of long runs of them are equal (capacities level off),
+        so the groups of stage count p extend those of p - 1 by one stage (kept per count)."""
+        if flights == tuple(range(len(flights) + 1, 1, -1)):
+            runs = self._runs
+            while len(runs) <= len(flights):
+                f = len(runs) + 1  # runs[i]: the groups of in-flight counts 2 .. i + 1
+                modes = stage_modes(self.book, self.kind, self.tp, self.mbs, False, False, f)
+                prev = runs[-1]
+                if prev and prev[-1][1] == modes:
+                    runs.append((*prev[:-1], (prev[-1][0] + 1, modes)))
+                else:
+                    runs.append((*prev, (1, modes)))
+            return list(runs[len(flights)])
+        groups: dict[tuple, int] = {}
+        for f in flights:
+            modes = stage_modes(self.book, self.kind, self.tp, self.mbs, False, False, f)
+            groups[modes] = groups.get(modes, 0) + 1
+        return [(k, modes) for modes, k in groups.items()]
 
 
 def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
@@ -128,6 +173,7 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     h = min(plain.head_fwd_s + plain.head_bwd_s, rc.head_fwd_s + rc.head_bwd_s)
     w, w_rc = min(w, w_rc), max(w, w_rc)
     work = n_layers * w + e + h
+    caps = None
     # A schedule whose in-flight count grows with the batch share (GPipe) has no bound here: skip this term.
     if get_schedule(job.schedule, chunks=job.chunks).max_in_flight(stage=0, num_stages=p) is not None:
         caps = capacity(book, kind, tp=tp, mbs=mbs)
@@ -137,6 +183,12 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
                 return None  # split.split_layers finds no split either
             work += (n_layers - cap) * (w_rc - w)
     bottleneck = max(work / p, _balanced(n_layers, p, w, e, h))
+    if caps is not None:
+        held = caps.mode_bottleneck(p, lo=bottleneck)
+        if held is None:
+            return None
+        bottleneck = held
+        work = max(work, bottleneck)
     numel = mbs * job.seq_len * job.model.hidden_size
     hop = links.hop_s(Slot(kind, tp), Slot(kind, tp), numel=numel, nbytes=numel * act_bytes_for(job.precision))
     fill = get_schedule(job.schedule, chunks=job.chunks).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)

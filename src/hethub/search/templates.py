@@ -190,6 +190,16 @@ class Searcher:
         n, out, skipped = self.counts[kind], [], []
         prune = self.cluster.num_devices > SMALL_CLUSTER
         top: list[tuple[float, tuple]] = []  # the best TOP_PER_KIND distinct (rate, key) so far
+        # Seeds: stage shapes split first, so the bar starts near its final height (seeds only raise it
+        # earlier: any template's rate is a valid bar, and the scan below takes their templates as split).
+        seeded: dict[tuple[int, int], list[Ranked]] = {}
+        for tp, p in self._seeds(kind, mbs, share) if prune else ():
+            seeded[(tp, p)] = got = [Ranked(pipe, self.rate(pipe, kind_devices=n, share=share))
+                                     for pipe in self.splits((Slot(kind, tp),) * p, mbs)]
+            out += got
+            for r in got:
+                if r.rate > 0:
+                    _keep_top(top, r.rate, (tp, p, any(r.pipe.recompute)))
         # Largest TP first: on the models that need pruning it is usually best, which raises the bar early.
         for tp in sorted(self.tps[kind], reverse=prune):
             # up to L + 2 stages: the first and the last may hold only the embedding / the head
@@ -200,20 +210,23 @@ class Searcher:
             best_p, best_rate, p = 0, 0.0, 1
             while p <= p_max:
                 bar = top[-1][0] if len(top) == TOP_PER_KIND else 0.0
-                bound = self._bound(kind, tp, mbs, p, share) if prune and bar else 1.0
+                got = seeded.get((tp, p))
+                bound = 1.0 if got is not None or not (prune and bar) else self._bound(kind, tp, mbs, p, share)
                 if bound * (1 + 1e-9) < bar:
                     if bound > 0:
                         skipped.append((tp, p, bound))
                     if bound > best_rate:
                         best_p = p
                 else:
-                    for pipe in self.splits((Slot(kind, tp),) * p, mbs):
-                        r = self.rate(pipe, kind_devices=n, share=share)
-                        out.append(Ranked(pipe, r))
-                        if r > best_rate:
-                            best_p, best_rate = p, r
-                        if prune and r > 0:
-                            _keep_top(top, r, (tp, p, any(pipe.recompute)))
+                    if got is None:
+                        got = [Ranked(pipe, self.rate(pipe, kind_devices=n, share=share))
+                               for pipe in self.splits((Slot(kind, tp),) * p, mbs)]
+                        out += got
+                    for r in got:
+                        if r.rate > best_rate:
+                            best_p, best_rate = p, r.rate
+                        if prune and r.rate > 0:
+                            _keep_top(top, r.rate, (tp, p, any(r.pipe.recompute)))
                 if best_p and p > best_p + PATIENCE:
                     if p_free is None or p >= p_free + PATIENCE:
                         break
@@ -223,6 +236,24 @@ class Searcher:
         self._pure[key] = out
         self._skipped[key] = skipped
         return out
+
+    def _seeds(self, kind: str, mbs: int, share: float) -> list[tuple[int, int]]:
+        """(tp, stages) of the TOP_PER_KIND distinct stage shapes of highest rate bound among those
+        every scan of `pure` reaches whatever it splits: per TP degree, PATIENCE past the first stage
+        count that can fit and past the first that needs no recomputation. The bound is within a few
+        % of the rate (bounds.rate_bound), so these are near the top, and splitting them first puts
+        the scan's bar near its final height before the stage counts below it are reached."""
+        n, cands = self.counts[kind], []
+        for tp in self.tps[kind]:
+            p_max = min(n // tp, self.model.num_layers + 2)
+            p_free = self._first_without_recompute(kind, tp, mbs, p_max)
+            first = next((p for p in range(1, p_max + 1) if self._bound(kind, tp, mbs, p, share) > 0), None)
+            window = set(range(first, min(p_max, first + PATIENCE) + 1)) if first else set()
+            if p_free is not None:
+                window |= set(range(p_free, min(p_max, p_free + PATIENCE) + 1))
+            cands += [(self._bound(kind, tp, mbs, p, share), tp, p) for p in window]
+        cands.sort(key=lambda x: -x[0])
+        return [(tp, p) for b, tp, p in cands[:TOP_PER_KIND] if b > 0]
 
     def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
         """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""
@@ -282,6 +313,19 @@ class Searcher:
 
     def total_mb(self, mbs: int) -> int:
         return self.config.global_batch // mbs
+
+
+def _top_ranked(ranked: list[Ranked], n: int) -> list[Ranked]:
+    """The first `n` distinct templates of a ranked list (hetero._top_distinct's keys)."""
+    out, seen = [], set()
+    for r in ranked:
+        key = (r.pipe.slots[0].tp, len(r.pipe.slots), any(r.pipe.recompute))
+        if key not in seen and r.rate > 0:
+            seen.add(key)
+            out.append(r)
+            if len(out) == n:
+                break
+    return out
 
 
 def _keep_top(top: list[tuple[float, tuple]], rate: float, key: tuple) -> None:
