@@ -14,6 +14,7 @@ reference search (search/reference.py) whose closed form could be a finalist.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -49,10 +50,10 @@ class Sink(Protocol):
 class Family:
     """(kinds, TP degree per kind) over a pool, with what every box floor of it needs."""
 
-    def __init__(self, s: Searcher, subset: tuple[str, ...], tps: tuple[int, ...], pool: dict[str, int],
-                 mbs: int) -> None:
+    slots: tuple[int, ...] = ()  # stage slots of each kind in the pool (`over`)
+
+    def __init__(self, s: Searcher, subset: tuple[str, ...], tps: tuple[int, ...], mbs: int) -> None:
         self.subset, self.tps = subset, tps
-        self.slots = tuple(pool[k] // t for k, t in zip(subset, tps, strict=True))
         self.ends = [Slot(k, t) for k, t in zip(subset, tps, strict=True)]
         self.pairs = [(a, b) for a in self.ends for b in self.ends if a != b]
         n_layers = s.model.num_layers
@@ -71,6 +72,15 @@ class Family:
         self.base_min = max(e, h)
         self.cross = min(_hop(s, a, b, mbs) for a, b in self.pairs)
         self.sched = get_schedule(s.book.job.schedule, chunks=s.book.job.chunks)
+        self.bounded = self.sched.max_in_flight(stage=0, num_stages=1) is not None  # planning ignores the hint
+
+    def over(self, pool: dict[str, int]) -> Family:
+        """This family over a pool of devices: a shallow copy, so the families of every pool of a
+        search share one set of stage constants and capacity caches (they depend on the kinds, TP
+        degrees and micro-batch size only)."""
+        fam = copy.copy(self)
+        fam.slots = tuple(pool[k] // t for k, t in zip(self.subset, self.tps, strict=True))
+        return fam
 
     def caps(self, in_flight: int) -> tuple[list[int], list[int]]:
         """Most layers a middle stage of each kind holds with `in_flight` micro-batches (any mode;
@@ -94,8 +104,9 @@ class Family:
         smallest never falls as a pipeline gains stages or devices (1F1B: j + 1; ZB-H1: p; GPipe: the
         hint, which grows with the devices; interleaved: (v - 1) p + 1 + 2 j chunks over v), so any
         member's j-th smallest is at least this list's (its last, past the list's end)."""
-        hint = self.s.in_flight_hint(devices, self.mbs)
-        # the devices matter only through the hint; shared by every family of the search
+        # the devices matter only through the hint, and only where the schedule has no in-flight bound
+        # (GPipe); shared by every family of the search
+        hint = 1 if self.bounded else self.s.in_flight_hint(devices, self.mbs)
         key = ("in-flights-sorted", self.sched.name, stages, hint)
         hit = self.s.book.stage_floors.get(key)
         if hit is None:
@@ -161,9 +172,12 @@ def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, 
     for size in range(2, min(len(kinds), most) + 1):
         for subset in itertools.combinations(kinds, size):
             for tps in itertools.product(*[[t for t in s.tps[k] if t <= pool[k]] for k in subset]):
-                fam = Family(s, subset, tps, pool, mbs)
-                if not fam.feasible:
+                proto = s.mixed_cache.get(("family", subset, tps, mbs))
+                if proto is None:
+                    proto = s.mixed_cache[("family", subset, tps, mbs)] = Family(s, subset, tps, mbs)
+                if not proto.feasible:
                     continue
+                fam = proto.over(pool)
                 hi = tuple(min(n, most - (size - 1)) for n in fam.slots)
                 if s.cluster.num_devices <= COMPLETE_POOL:
                     out.append((fam, (1, min(fam.slots), (1,) * size, hi)))

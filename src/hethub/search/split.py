@@ -30,8 +30,10 @@ class PipeHops(Protocol):
     def __call__(self, slots: tuple[Slot, ...], *, numel: int, nbytes: float) -> tuple[float, ...]: ...
 
 
-@dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):
+    """One stage's device kind and TP degree. A tuple: the floors and caches key on slots ~10^5 times
+    per search, and a tuple hashes and compares in C."""
+
     kind: str
     tp: int
 
