@@ -2,6 +2,7 @@
 what the search keeps (its top templates, its finalists, the allocation it prices)."""
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -9,8 +10,8 @@ from hypothesis import strategies as st
 
 import hethub.search.templates as templates
 from hethub.search import PlannerConfig
-from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
-from hethub.search.combine import Group, allocate, water_level
+from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound, smallest_holding
+from hethub.search.combine import Group, allocate, water_level, water_level_beside
 from hethub.search.costs import Job, StageCost
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
 from hethub.search.split import Slot
@@ -177,3 +178,48 @@ def test_pipe_floor_per_recompute_mode_is_below_random_splits():
                     for m in (1, 4, 32):
                         assert floor.time_s(m) <= pipe.time_s(m) * (1 + 1e-9), (segs, mbs, recompute, m)
     assert checked > 40
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6),
+                          st.lists(st.tuples(st.integers(-1, 12), st.floats(0.1, 3), st.floats(0, 4)), min_size=1,
+                                   max_size=3)), min_size=1, max_size=5),
+       st.integers(1, 40), st.floats(0, 20))
+def test_smallest_holding_is_the_first_time_the_stages_hold_every_layer(groups, n_layers, lo):
+    # Brute force: a stage holds the most j whose some mode has capacity >= j and base + j w <= B (-1
+    # before its cheapest base); the answer is the least candidate time >= lo where the stages hold L.
+    caps = [(k, tuple(modes)) for k, modes in groups]
+
+    def held(b: float) -> int:
+        total = 0
+        for k, modes in caps:
+            fits = [j for cap, w, base in modes for j in range(cap + 1) if base + j * w <= b]
+            total += k * max(fits, default=-1)
+        return total
+
+    times = sorted({lo} | {base + j * w for _, modes in caps for cap, w, base in modes for j in range(cap + 1)
+                           if base + j * w >= lo})
+    want = next((b for b in times if held(b) >= n_layers), None)
+    got = smallest_holding(caps, n_layers, lo)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got <= want and got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.floats(0.05, 3), st.integers(1, 6)), max_size=4),
+       st.floats(0, 6), st.floats(0.05, 2), st.integers(0, 12), st.integers(1, 120))
+def test_water_level_beside_a_stream_is_the_first_time_the_batch_is_done(specs, start, per, at_start, total):
+    # mixed._rate_level's floor: brute force over every finish time of the groups and the stream.
+    groups = [Group(PipeFloor(a, b), c) for a, b, c in specs]
+
+    def finished(t: float) -> int:
+        stream = at_start + math.floor((t - start) / per + 1e-12) if t >= start else 0
+        return sum(c * max(0, math.floor((t - a) / b + 1e-12)) for a, b, c in specs) + stream
+
+    times = sorted({a + k * b for a, b, _ in specs for k in range(1, total + 1)}
+                   | {start + k * per for k in range(0, total + 1)})
+    want = next(t for t in times if finished(t) >= total)
+    got = water_level_beside(groups, total, start_s=start, per_s=per, at_start=at_start)
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)

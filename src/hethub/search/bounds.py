@@ -263,43 +263,52 @@ def smallest_holding(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]
     below it: a floor). A stage holds j layers within B iff some mode with capacity >= j has
     base + j w <= B, so t(j) = min over those modes of base + j w, nondecreasing in j, is when it
     can first hold j (j = 0: its base; before that it counts -1, as it cannot run at all); walk those
-    times in order from lo until the stages hold L. Exact. None: they never hold L."""
-    heap, total, floor = [], 0, math.floor
+    times in order from lo until the stages hold L. Exact. None: they never hold L. (Every floor of
+    the search calls this, thousands of times: `_time_to_hold` is inlined and min/max are comparisons.)"""
+    heap, total, floor, inf = [], 0, math.floor, math.inf
     for g, (k, modes) in enumerate(caps):
         x = -1
         for cap, w, base in modes:
             if cap >= 0 and lo >= base:
-                y = min(cap, floor((lo - base) / w))
+                y = floor((lo - base) / w)
+                if y > cap:
+                    y = cap
                 if y > x:
                     x = y
         total += k * x
-        t = _time_to_hold(modes, x + 1)
-        if t is not None:
-            heap.append((t, g, x + 1))
+        j, t = x + 1, inf
+        for cap, w, base in modes:  # _time_to_hold(modes, j)
+            if cap >= j:
+                c = base + j * w
+                if c < t:
+                    t = c
+        if t < inf:
+            heap.append((t, g, j))
     if total >= n_layers:
         return lo
     heapq.heapify(heap)
     b = lo
-    while total < n_layers and heap:
-        t, g, j = heapq.heappop(heap)
+    pop, replace = heapq.heappop, heapq.heapreplace
+    while heap:
+        t, g, j = heap[0]
         k, modes = caps[g]
         total += k
-        b = max(b, t)
-        t = _time_to_hold(modes, j + 1)
-        if t is not None:
-            heapq.heappush(heap, (t, g, j + 1))
-    return b * (1 - 1e-12) if total >= n_layers else None
-
-
-def _time_to_hold(modes: tuple[tuple[int, float, float], ...], j: int) -> float | None:
-    """When a stage can first hold j layers (None: no mode holds that many)."""
-    best = None
-    for cap, w, base in modes:
-        if cap >= j:
-            t = base + j * w
-            if best is None or t < best:
-                best = t
-    return best
+        if t > b:
+            b = t
+        if total >= n_layers:
+            return b * (1 - 1e-12)
+        j += 1
+        t = inf
+        for cap, w, base in modes:
+            if cap >= j:
+                c = base + j * w
+                if c < t:
+                    t = c
+        if t < inf:
+            replace(heap, (t, g, j))
+        else:
+            pop(heap)
+    return None
 
 
 def _in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int, ...]:

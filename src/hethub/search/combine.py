@@ -119,6 +119,19 @@ def water_level(groups: list, total_mb: int) -> float:
     return _filled_level(sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count) for g in groups if g.count > 0), total_mb)
 
 
+def water_level_beside(groups: list, total_mb: int, *, start_s: float, per_s: float, at_start: int) -> float:
+    """`water_level` of `groups` beside a stream that finishes `at_start` micro-batches at start_s and
+    one more every per_s after it: the first time T the groups and the stream finish total_mb (exact;
+    mixed._rate_level's floor, which bisected for it)."""
+    gs = sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count) for g in groups if g.count > 0)
+    pure = _filled_level(gs, total_mb)  # the groups alone (inf: they finish none)
+    if at_start >= total_mb:
+        return min(start_s, pure)
+    # The (total_mb - at_start)-th finish of the groups and the stream's later ones, which start at start_s.
+    rest = _filled_level(sorted([*gs, (start_s, per_s, 1)]), total_mb - at_start)
+    return rest if rest >= start_s else min(start_s, pure)
+
+
 def _filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
     """The `total`-th unit finished over pipelines (a, b, w) sorted by a: finish k at a + k b adds w
     units. Shared by `water_level` (w = pipelines) and `water_level_samples` (w = their samples)."""

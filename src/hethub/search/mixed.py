@@ -23,7 +23,7 @@ from typing import Protocol
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, pipe_floor, smallest_holding, stage_modes
-from hethub.search.combine import Estimate, Group, bisect_time, finished_mb, water_level
+from hethub.search.combine import Estimate, Group, bisect_time, finished_mb, water_level, water_level_beside
 from hethub.search.mixed_sync import SyncFloors
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
@@ -279,18 +279,9 @@ def _rate_level(ctx: SyncFloors, fam: Family, boxes: list[tuple], total: int) ->
         rate = sum(n / w for n, w in zip(fam.slots, fam.w, strict=True)) / n_layers
         c_max = max(box[1] for box in boxes)
         f0 = fam.sched.fill_work_floor_s(work_s=fam.work_min, bottleneck_s=0.0)
-        hit = 0.0
-        if rate > 0:
-
-            def done(t: float) -> bool:
-                mixed = math.floor(c_max + rate * (t - f0)) if t >= f0 else 0
-                return finished_mb(ctx.pure, t) + mixed >= total
-
-            hi = f0 + max(0.0, total - c_max) / rate
-            if ctx.pure:
-                hi = min(hi, water_level(ctx.pure, total))
-            hi = hi * (1 + 1e-9) + 1e-12
-            hit = 0.0 if done(0.0) else bisect_time(done, lo_s=0.0, hi_s=hi, rel_tol=1e-7, max_iter=40)[0]
+        # by T the stream of the family's pipelines finishes c_max at F0 and one more every 1 / R after
+        hit = water_level_beside(ctx.pure, total, start_s=f0, per_s=1 / rate, at_start=c_max) * (1 - 1e-12) \
+            if rate > 0 else 0.0
         c_min = min(box[0] for box in boxes)
         devices = min(sum(t * n for t, n in zip(fam.tps, box[2], strict=True)) for box in boxes)
         top = [max(min(box[3][i], n // box[0]) for box in boxes) for i, n in enumerate(fam.slots)]
