@@ -9,6 +9,7 @@ ring and a tree, whose 2 log2(p) latency hops NCCL's double binary trees use for
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from hethub.spec.cluster import Cluster, Link
 
@@ -63,7 +64,7 @@ def slowest_link(cluster: Cluster, devices: list[int] | tuple[int, ...]) -> Link
     return Link(min(lk.bw_bytes_per_s for lk in links), max(lk.latency_s for lk in links))
 
 
-def rings_link(cluster: Cluster, rings: list[list[int]]) -> Link:
+def rings_link(cluster: Cluster, rings: Sequence[Sequence[int]]) -> Link:
     """The bottleneck link of rings that run at once (each a device list in ring order), such as the
     data-parallel all-reduces of a stage's TP ranks: rank q of every holder is in ring q.
 

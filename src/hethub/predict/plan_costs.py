@@ -62,6 +62,9 @@ _MEMORY = _Kept(100_000)
 _FINISH = _Kept(4096)
 # sync_shape by layout (the model's id, pinned; each stage's TP degree and layer ranges).
 _SYNC_SHAPES = _Kept(64)
+# Stage-to-stage hop times by the cluster (id, pinned), the hop's devices, bytes and split: the local
+# search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
+_HOPS = _Kept(100_000)
 
 
 class PlanCosts:
@@ -110,6 +113,13 @@ class PlanCosts:
                 tp_f = tp_b = 0.0
             cost = self.stage[key] = StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
         return cost
+
+    def hop_s(self, *, senders: tuple[int, ...], receivers: tuple[int, ...], nbytes: float, split: bool) -> float:
+        """``comm.stage_hop_time_s`` on the plan's cluster."""
+        cluster = self.plan.cluster
+        return _HOPS.get((id(cluster), senders, receivers, nbytes, split),
+                         lambda: stage_hop_time_s(cluster, senders=senders, receivers=receivers, nbytes=nbytes,
+                                                  split=split), pin=(cluster,))
 
     def stage_memory(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
                      recompute: Recompute, in_flight: int, synced: bool, mixed_sync: bool, communicators: int,

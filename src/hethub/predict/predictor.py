@@ -30,7 +30,6 @@ from dataclasses import replace
 
 from hethub.layout import split_hop
 from hethub.plan import Pipeline, Plan, Recompute
-from hethub.predict.comm import stage_hop_time_s
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
     DEFAULT_MEM_HEADROOM,
@@ -74,9 +73,10 @@ def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM,
             mems[(pi, si)] = (mems[(twin, si)] if twin is not None and twin != pi
                               else _stage_mem(costs, schedule, pi, si, recompute=recompute)[1])
     mems, _ = _with_sharding(plan, mems, headroom=mem_headroom)
-    return {(pi, si): mem.total_bytes <= usable_bytes(plan.cluster.kinds[plan.pipelines[pi].stages[si].kind],
-                                                      headroom=mem_headroom)
-            for (pi, si), mem in mems.items()}
+    usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=mem_headroom)  # per kind, not per stage
+              for kind in {s.kind for p in plan.pipelines for s in p.stages}}
+    return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
+            for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
@@ -94,7 +94,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     only = None if isinstance(timeline, bool) else frozenset(timeline)
     timeline = timeline is not False
     mem_headroom = check_headroom(mem_headroom)
-    model, cluster = plan.model, plan.cluster
+    model = plan.model
     costs = PlanCosts(plan, profiles)
     p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
     partial: list[tuple[int, int, StageStepCost, StageMemory, float, int]] = []
@@ -116,9 +116,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             send = 0.0
             if si < n - 1:
                 nxt = p.stages[si + 1]
-                send = stage_hop_time_s(cluster, senders=s.devices, receivers=nxt.devices,
-                                        nbytes=mbs * p2p_bytes_per_mbs,
-                                        split=split_hop(a=s.tp, b=nxt.tp, numel=mbs * plan.seq_len * model.hidden_size))
+                send = costs.hop_s(senders=s.devices, receivers=nxt.devices, nbytes=mbs * p2p_bytes_per_mbs,
+                                   split=split_hop(a=s.tp, b=nxt.tp, numel=mbs * plan.seq_len * model.hidden_size))
             fwd.append(cost.fwd_s)
             bwd.append(cost.bwd_s)
             p2p.append(send)

@@ -68,11 +68,16 @@ from hethub.predict.comm import (
     slowest_link,
     small_allreduce_time_s,
 )
+from hethub.predict.plan_costs import _Kept
 from hethub.predict.sharding import split_elems
 from hethub.spec.cluster import Link
 from hethub.spec.model import ModelSpec
 
 StageId = tuple[int, int]  # (pipeline index, stage index)
+
+# The gradient rings' bottleneck link by cluster (id, pinned) and rings: plans the planner compares
+# share most of their holders' devices (the local search's moves keep them all).
+_RINGS = _Kept(100_000)
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,8 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
         hs = tuple(stages)
         link = links.get(hs)
         if link is None:  # one ring per TP rank of the smallest degree, all at once (lined up)
-            link = links[hs] = rings_link(cluster, [[devs[x][q] for x in hs] for q in range(min(tp_of[x] for x in hs))])
+            rings = tuple(tuple(devs[x][q] for x in hs) for q in range(min(tp_of[x] for x in hs)))
+            link = links[hs] = _RINGS.get((id(cluster), rings), lambda: rings_link(cluster, rings), pin=(cluster,))
         nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
         return SyncGroup(name, hs, nbytes, link, allreduce_time_s(nbytes=nbytes, participants=len(hs), link=link))
 
