@@ -78,6 +78,10 @@ StageId = tuple[int, int]  # (pipeline index, stage index)
 # The gradient rings' bottleneck link by cluster (id, pinned) and rings: plans the planner compares
 # share most of their holders' devices (the local search's moves keep them all).
 _RINGS = _Kept(100_000)
+# An unsharded plan's sync groups by what they depend on: the model and cluster (ids, pinned), the
+# precision and every stage's devices and units. The planner prices a layout's sync in its step floor
+# (predictor.sync_tail_s) and then again in the prediction that follows.
+_GROUPS = _Kept(256)
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,14 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
     """The plan's all-reduces: parameter groups fused by holders, in the runtime's order, with their cost.
     ``shard_weights`` (per rank, ``predict/sharding.py``): a sharded optimizer's split; each group is then
     priced as reduce-scatter + all-gather (see the module doc)."""
+    if plan.sharded_optimizer:  # the split depends on the ranks' weights
+        return _sync_groups(plan, shard_weights=shard_weights)
+    key = (id(plan.model), id(plan.cluster), plan.precision,
+           tuple(tuple((s.devices, s.layers, s.chunks, s.embedding, s.head) for s in p.stages) for p in plan.pipelines))
+    return list(_GROUPS.get(key, lambda: tuple(_sync_groups(plan, shard_weights=None)), pin=(plan.model, plan.cluster)))
+
+
+def _sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None) -> list[SyncGroup]:
     model, cluster = plan.model, plan.cluster
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
     holders = {u: [(st.pipeline, st.stage) for st in hs] for u, hs in unit_holders(plan, stage_places(plan)).items()}
