@@ -95,8 +95,13 @@ class Family:
     def modes(self, i: int, in_flight: int) -> tuple[tuple[int, float], ...]:
         """(capacity, cost per layer) of a middle stage of the i-th kind in each mode the split may give
         it (none first; capacity -1 where not even none fits), at `in_flight` micro-batches."""
-        got = stage_modes(self.s.book, self.subset[i], self.tps[i], self.mbs, False, False, in_flight)
-        return tuple((c, w) for c, w, _ in (got if self.s.config.allow_recompute else got[:1]))
+        book, allow = self.s.book, self.s.config.allow_recompute
+        key = ("family-modes", self.subset[i], self.tps[i], self.mbs, in_flight, allow)
+        hit = book.stage_floors.get(key)
+        if hit is None:  # shared by every family holding this kind at this TP degree
+            got = stage_modes(book, self.subset[i], self.tps[i], self.mbs, False, False, in_flight)
+            hit = book.stage_floors[key] = tuple((c, w) for c, w, _ in (got if allow else got[:1]))
+        return hit  # type: ignore[return-value]
 
     def flights(self, stages: int, devices: int) -> tuple[int, ...]:
         """The in-flight counts split.split_layers sizes the stages of a `stages`-stage pipeline of

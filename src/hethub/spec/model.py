@@ -9,6 +9,7 @@ epsilon) are carried for the runtime, which must reproduce a loaded model's forw
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,12 @@ class ModelSpec:
                               f"({self.num_heads})", "choose a KV head count that divides the head count")
 
     # ---- shapes ---------------------------------------------------------------------------------
-    @property
+    # Derived sizes are cached on the (frozen) instance: the planner asks them ~10^5 times per search.
+    @functools.cached_property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
+    @functools.cached_property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -84,21 +86,21 @@ class ModelSpec:
         return self.arch == "gpt"
 
     # ---- parameters -----------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def layer_matmul_params(self) -> int:
         h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
         attn = h * h + 2 * h * kv + h * h
         mlp = (3 if self.gated else 2) * h * f
         return attn + mlp
 
-    @property
+    @functools.cached_property
     def layer_params(self) -> int:
         h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
         norms = 2 * h if self.arch == "llama" else 4 * h  # LayerNorm has a bias
         bias = (h + 2 * kv + h + f + h) if self.has_bias else (h + 2 * kv) if self.qkv_bias else 0
         return self.layer_matmul_params + norms + bias
 
-    @property
+    @functools.cached_property
     def embedding_params(self) -> int:
         pos = self.max_seq_len * self.hidden_size if self.arch == "gpt" else 0
         return self.vocab_size * self.hidden_size + pos
@@ -112,7 +114,7 @@ class ModelSpec:
         """Output projection (final norm excluded). A tied head still occupies memory where it runs."""
         return self.vocab_size * self.hidden_size
 
-    @property
+    @functools.cached_property
     def num_params(self) -> int:
         head = 0 if self.tied_embeddings else self.head_params
         return self.embedding_params + self.num_layers * self.layer_params + self.final_norm_params + head
