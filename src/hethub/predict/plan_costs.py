@@ -2,7 +2,8 @@
 compute and TP time, memory, and each distinct pipeline's event simulation (``PlanCosts``, one per
 prediction), and per stage the gradient-sync shape the runtime's flattened buffers give
 (``sync_shape``). Large plans are mostly identical replicas, and the planner predicts many plans of
-one job, so the pure results are also shared between predictions in bounded memos (``_Kept``).
+one job, so the pure results are also shared between predictions in bounded memos
+(:class:`hethub.memo.Kept`).
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
@@ -33,38 +33,16 @@ class StageStepCost:
     bwd_s: float
 
 
-class _Kept:
-    """A memo shared between predictions (the planner predicts hundreds of plans of one job, each
-    with its own PlanCosts), emptied whole when it reaches ``limit`` entries: bounded memory without
-    LRU bookkeeping. Keys may hold ids of objects passed as ``pin``: they are kept alive until the
-    memo is emptied, so no id is reused while an entry names it."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.entries: dict[tuple, Any] = {}
-        self.pins: dict[int, object] = {}
-
-    def get(self, key: tuple, make: Callable[[], Any], *, pin: tuple[object, ...] = ()) -> Any:
-        hit = self.entries.get(key)
-        if hit is None:
-            if len(self.entries) >= self.limit:
-                self.entries.clear()
-                self.pins.clear()
-            self.pins.update((id(o), o) for o in pin)
-            hit = self.entries[key] = make()
-        return hit
-
-
 # stage_memory's results by model and device kind (ids, pinned) and the stage's own key.
-_MEMORY = _Kept(100_000)
+_MEMORY = Kept(100_000)
 # Pipeline finishes by the event simulation's inputs (pure: floats, counts, the schedule's name and
 # the p2p mode).
-_FINISH = _Kept(4096)
+_FINISH = Kept(4096)
 # sync_shape by layout (the model's id, pinned; each stage's TP degree and layer ranges).
-_SYNC_SHAPES = _Kept(64)
+_SYNC_SHAPES = Kept(64)
 # Stage-to-stage hop times by the cluster (id, pinned), the hop's devices, bytes and split: the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
-_HOPS = _Kept(100_000)
+_HOPS = Kept(100_000)
 
 
 class PlanCosts:

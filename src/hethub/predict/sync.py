@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from hethub.islands import Exchange, exchange, island_of_kind
 from hethub.layout import stage_places, unit_holders, unit_param_prefix
+from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.comm import (
     allreduce_time_s,
@@ -68,7 +69,6 @@ from hethub.predict.comm import (
     slowest_link,
     small_allreduce_time_s,
 )
-from hethub.predict.plan_costs import _Kept
 from hethub.predict.sharding import split_elems
 from hethub.spec.cluster import Link
 from hethub.spec.model import ModelSpec
@@ -77,11 +77,11 @@ StageId = tuple[int, int]  # (pipeline index, stage index)
 
 # The gradient rings' bottleneck link by cluster (id, pinned) and rings: plans the planner compares
 # share most of their holders' devices (the local search's moves keep them all).
-_RINGS = _Kept(100_000)
+_RINGS = Kept(100_000)
 # An unsharded plan's sync groups by what they depend on: the model and cluster (ids, pinned), the
 # precision and every stage's devices and units. The planner prices a layout's sync in its step floor
 # (predictor.sync_tail_s) and then again in the prediction that follows.
-_GROUPS = _Kept(256)
+_GROUPS = Kept(256)
 
 
 @dataclass(frozen=True)

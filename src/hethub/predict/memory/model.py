@@ -28,9 +28,11 @@ the parameters themselves in 16 bits (2) and keeps masters and moments for its o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import cached_property
+from typing import Any
 
+from hethub.memo import Kept
 from hethub.plan import Recompute
 from hethub.predict.memory import activations as act
 from hethub.spec.kind import DeviceKind
@@ -70,6 +72,22 @@ def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, 
     return n
 
 
+class _cached:
+    """``functools.cached_property`` without its lock: Python 3.11's takes one on every first access,
+    which doubled the cost of a new StageMemory's total (the planner builds ~10^4 of them). What it
+    caches is a pure function of the frozen fields, so a race could only compute it twice."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn, self.name = fn, fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)  # found there from now on, before this descriptor
+        return value
+
+
 @dataclass(frozen=True)
 class StageMemory:
     """Bytes on one device of a stage at its predicted peak, by part. Transient parts of the moments
@@ -91,18 +109,18 @@ class StageMemory:
     def persistent_bytes(self) -> float:
         return self.weights_bytes + self.master_weights_bytes + self.grads_bytes + self.optimizer_bytes
 
-    @cached_property
+    @_cached
     def phases(self) -> dict[str, float]:
         """Transient bytes of each moment of the step (added to the persistent state)."""
         return {"forward_backward": self.activations_bytes + self.fb_temporaries_bytes,
                 "grad_sync": self.grad_sync_buffer_bytes, "optimizer_step": self.optimizer_temporaries_bytes}
 
-    @cached_property
+    @_cached
     def peak_phase(self) -> str:
         ph = self.phases
         return max(PHASES, key=lambda p: ph[p])  # ties go to the first (forward/backward)
 
-    @cached_property
+    @_cached
     def allocated_bytes(self) -> float:
         """What the allocator hands out at the peak (``torch.cuda.max_memory_allocated``)."""
         return self.persistent_bytes + self.phases[self.peak_phase]
@@ -112,7 +130,7 @@ class StageMemory:
         """What the caching allocator holds at the peak (``torch.cuda.max_memory_reserved``)."""
         return self.allocated_bytes * (1 + self.fragmentation_ratio)
 
-    @cached_property
+    @_cached
     def parts(self) -> dict[str, float]:
         """The peak's parts; they add up to :attr:`total_bytes`."""
         peak = self.peak_phase
@@ -128,7 +146,7 @@ class StageMemory:
             "framework_context": self.framework_context_bytes, "comm_buffers": self.comm_buffers_bytes,
         }
 
-    @cached_property
+    @_cached
     def total_bytes(self) -> float:
         """The device's predicted peak: allocator reserve at the peak plus what lives outside it."""
         return sum(self.parts.values())
@@ -136,6 +154,12 @@ class StageMemory:
     def binding_part(self) -> str:
         parts = self.parts
         return max(parts, key=lambda k: parts[k])
+
+
+# stage_memory's terms of the stage's shape alone (its parameters, and what a layer keeps with and
+# without its recomputation) by model (id, pinned) and shape: the planner prices ~10^4 stages, mostly
+# a few shapes under many in-flight counts and sync shapes.
+_SHAPE_TERMS = Kept(20_000)
 
 
 def stage_memory(
@@ -158,14 +182,18 @@ def stage_memory(
     ``communicators``: collective-library communicators this device joins (each holds buffers).
     """
     recompute = Recompute.of(recompute)
-    params = stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp, vocab_parallel=vocab_parallel)
+    params, full_layer, kept_layer = _SHAPE_TERMS.get(
+        (id(model), layers, embedding, head, tp, vocab_parallel, seq_len, attention, precision, recompute),
+        lambda: (stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp,
+                              vocab_parallel=vocab_parallel),
+                 act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
+                                           recompute=False),
+                 act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
+                                           recompute=recompute)),
+        pin=(model,))
     per = state_bytes_per_param(precision)
     tokens = mbs * seq_len
     vtp = tp if vocab_parallel else 1
-    full_layer = act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
-                                           recompute=False)
-    kept_layer = act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
-                                           recompute=recompute)
     per_mb = layers * kept_layer
     if embedding:
         per_mb += act.embedding_bytes_per_token(model)
