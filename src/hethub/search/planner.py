@@ -40,7 +40,7 @@ ONE_F_ONE_B, INTERLEAVED = "1f1b", "interleaved"
 INTERLEAVE_STARTS = 3  # the best 1F1B plans of distinct shapes tried with virtual stages
 INTERLEAVE_POOL = 6  # 1F1B plans (predicted anyway as finalists) the starts are chosen among
 SIZED_CHUNKS = (2,)  # v the search also sizes stages for (each a search of its own, so one)
-POLISH_MIN_S = 0.25
+POLISH_MIN_S = 0.25  # the best polish start's least budget; the runners-up get only POLISH_SHARE of the search
 # The polish's budget as a share of the search time (docs/planner.md: a quarter until its moves were
 # screened by a step floor, which halved the predictions it needs on 512 devices).
 POLISH_SHARE = 0.1
@@ -307,16 +307,18 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         bar.close()
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
     if config.strategy == "hethub" and config.polish:
-        # A short local search with the predictor itself, bounded so it never dominates the search,
-        # yet not starved where the search is fast: on large plans the budget, not a local optimum,
-        # usually ends it, and each of its steps is a prediction of the whole plan.
-        budget = max(POLISH_MIN_S, POLISH_SHARE * (time.perf_counter() - t0))
-        end = time.perf_counter() + budget
+        # A short local search with the predictor itself, bounded so it never dominates the search:
+        # POLISH_SHARE of the search time. The best start gets at least POLISH_MIN_S, so a fast search
+        # does not starve it (on large plans the budget, not a local optimum, often ends it, and each
+        # step is a prediction of the whole plan).
+        share_s = POLISH_SHARE * (time.perf_counter() - t0)
+        start = time.perf_counter()
         polished = []
-        # The best first; where it reaches a local optimum before the budget ends (small plans), the
-        # runners-up too: polish moves layers and never swaps a template for another, so a runner-up
-        # a little slower as scored may polish to the better plan.
+        # The runners-up while the share lasts, where the best reached its local optimum early (small
+        # plans): polish moves layers and never swaps a template for another, so a runner-up a little
+        # slower as scored may polish to the better plan.
         for cand in scored[:POLISH_STARTS]:
+            end = start + (share_s if polished else max(POLISH_MIN_S, share_s))
             left = end - time.perf_counter()
             if polished and left <= 0:
                 break
