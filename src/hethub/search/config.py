@@ -54,6 +54,10 @@ class PlannerConfig:
     # Model chunks per stage the search sizes stages and prices pipelines for (the interleaved
     # schedule's v; the planner sets it while choosing v, search/interleave.py).
     virtual_stages: int = 1
+    # Processes one plan's search may use: 2 runs the bound's kind-alone searches in a forked child
+    # beside the mixed search on large clusters (planner.py; the same plan, computed sooner on two
+    # cores); 1 searches in this process only. The search has two such parts, so more act as 2.
+    search_processes: int = 2
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> SpecError:
@@ -63,6 +67,10 @@ class PlannerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, f"must be a positive integer, got {v!r}", "give a positive integer")
+        v = self.search_processes
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad("search_processes", f"must be a positive integer, got {v!r}",
+                      "give 1 to search in this process only, or 2 to let large searches use a second process")
         v = self.finalists_per_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise bad("finalists_per_size", f"must be a non-negative integer or None, got {v!r}",

@@ -30,6 +30,7 @@ from hethub.search.config import PlannerConfig
 from hethub.search.diagnose import infeasible_message
 from hethub.search.hetero import plan_key, search, size_key
 from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
+from hethub.search.parallel import FORK_AVAILABLE, Forked
 from hethub.search.polish import polish
 from hethub.search.recompute import choose_recompute
 from hethub.search.templates import Books, Searcher
@@ -47,6 +48,9 @@ POLISH_SHARE = 0.1
 SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
 POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
+# Devices from which the bound's searches run in a second process beside the mixed search (fork
+# and pickling cost a few ms; smaller clusters' bounds take little more).
+FORK_MIN_DEVICES = 256
 
 
 @dataclass(frozen=True)
@@ -282,8 +286,27 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
     bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
-    parts, notes, alone, relaxed = _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books,
-                                 host=host)
+
+    def bound_part() -> _BoundParts:
+        return _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books, host=host)
+
+    def mixed_part() -> list[tuple[Plan, Prediction]]:
+        # The polish's starts and the top_k alternatives are read from the first ones only.
+        keep = max(config.top_k, POLISH_STARTS if config.polish else 0)
+        return _score(_hethub_candidates(cluster=cluster, model=model, config=config, profiles=profiles, books=books),
+                      profiles, host=host, headroom=config.mem_headroom, keep=keep)
+
+    mixed = None
+    if config.strategy == "hethub" and _forks(cluster, config):
+        with Forked(bound_part) as child:  # the bound in a child process, the mixed search here
+            try:
+                mixed = mixed_part()
+            except Exception:
+                child.result()  # the bound's error first, as one process raises it
+                raise
+            parts, notes, alone, relaxed = child.result()
+    else:
+        parts, notes, alone, relaxed = bound_part()
     bound = sum(parts.values())
     bar.update()
     # The kind-alone plans were scored for the bound already; predict() is deterministic, so reuse it.
@@ -291,12 +314,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         scored = sorted(alone, key=lambda x: x[1].step_time_s)
     elif config.strategy == "hethub":
         # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
-        # The polish's starts and the top_k alternatives are read from the first ones only.
-        keep = max(config.top_k, POLISH_STARTS if config.polish else 0)
-        scored = sorted([*_score(_hethub_candidates(cluster=cluster, model=model, config=config, profiles=profiles,
-                                                    books=books), profiles, host=host,
-                                 headroom=config.mem_headroom, keep=keep), *alone],
-                        key=lambda x: x[1].step_time_s)
+        scored = sorted([*(mixed_part() if mixed is None else mixed), *alone], key=lambda x: x[1].step_time_s)
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
@@ -406,10 +424,19 @@ def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig)
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
 
 
+def _forks(cluster: Cluster, config: PlannerConfig) -> bool:
+    """Whether make_plan runs the bound in a second process (search/parallel.py): where fork exists,
+    the config allows it and the cluster is large enough for the bound to outweigh the fork."""
+    return FORK_AVAILABLE and config.search_processes >= 2 and cluster.num_devices >= FORK_MIN_DEVICES
+
+
+# Each kind's part of the bound, its notes, the kind-alone finalists scored, the relaxed kinds.
+_BoundParts = tuple[dict[str, float], tuple[str, ...], list[tuple[Plan, Prediction]], frozenset[str]]
+
+
 def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
            profiles: ProfileSet | None, books: Books | None = None,
-           host: HostModel | None = None) -> tuple[dict[str, float], tuple[str, ...], list[tuple[Plan, Prediction]],
-                                                   frozenset[str]]:
+           host: HostModel | None = None) -> _BoundParts:
     """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
     candidates, scored, and the kinds whose part is a relaxed-memory plan."""
     parts: dict[str, float] = {}

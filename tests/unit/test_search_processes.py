@@ -1,0 +1,183 @@
+"""The planner's second process (search/parallel.py): the same result as one process, its errors
+surfaced, no child left behind, and the config field that turns it off."""
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from hethub.errors import InfeasibleError, SpecError
+from hethub.search import PlannerConfig, make_plan
+from hethub.search import planner as planner_mod
+from hethub.search.parallel import FORK_AVAILABLE, Forked
+from hethub.spec.cluster import load_cluster, parse_cluster
+from hethub.spec.model import get_model
+
+CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
+pytestmark = pytest.mark.skipif(not FORK_AVAILABLE, reason="fork is not available here")
+
+
+class _Spy(Forked):
+    """Forked, recording the children it started."""
+
+    pids: ClassVar[list[int]] = []
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        _Spy.pids.append(self._pid)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    _Spy.pids = []
+    monkeypatch.setattr(planner_mod, "Forked", _Spy)
+    return _Spy
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _same(one, two) -> None:
+    """Two PlanResults equal in everything but the time they took."""
+    def alts(r):
+        return [(plan.with_meta(search_time_s=0).to_json(), pred) for plan, pred in r.alternatives]
+
+    assert alts(one) == alts(two)
+    assert one.plan.with_meta(search_time_s=0).to_json() == two.plan.with_meta(search_time_s=0).to_json()
+    assert one.prediction == two.prediction
+    assert one.upper_bound_tokens_per_s == two.upper_bound_tokens_per_s
+    assert one.efficiency == two.efficiency
+    assert one.upper_bound_by_kind == two.upper_bound_by_kind
+    assert one.relaxed_kinds == two.relaxed_kinds
+    assert one.notes == two.notes
+
+
+# Small clusters with the threshold lowered: the same code path as a large one, at a fraction of the CPU.
+# Polish off: it runs after both parts in the parent either way, and its budget is wall time.
+@pytest.mark.parametrize(("cluster", "model", "options"), [
+    ("three-kinds-48", "llama-2-70b", {"global_batch": 256, "seq_len": 4096, "top_k": 3}),
+    ("nvidia-amd-32", "llama-3-70b", {"global_batch": 256, "seq_len": 2048}),
+    ("a100-v100-32", "llama-2-7b", {"global_batch": 64, "seq_len": 2048, "top_k": 3}),
+    ("nvidia-ascend-32", "llama-2-13b", {"global_batch": 128, "seq_len": 2048, "top_k": 2}),
+])
+def test_two_processes_give_the_one_process_result(monkeypatch, spy, cluster, model, options):
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+    c, m = load_cluster(CLUSTERS / f"{cluster}.toml"), get_model(model)
+    one = make_plan(cluster=c, model=m, config=PlannerConfig(search_processes=1, polish=False, **options))
+    assert not spy.pids
+    two = make_plan(cluster=c, model=m, config=PlannerConfig(polish=False, **options))
+    assert spy.pids  # it did fork
+    assert all(_reaped(pid) for pid in spy.pids)
+    _same(one, two)
+
+
+def test_a_large_cluster_forks_by_default_with_the_same_result(spy):
+    # 256 devices of two kinds, a small model: the default threshold, polish included (the planner's
+    # own path end to end).
+    network = {"inter_node_bw_bytes_per_s": 50e9, "inter_node_latency_s": 10e-6,
+               "cross_kind_bw_bytes_per_s": 12.5e9, "cross_kind_latency_s": 40e-6}
+    c = parse_cluster({"name": "two-proc-256", "network": network,
+                       "group": [{"kind": k, "nodes": 16, "devices_per_node": 8, "devices_per_nic": 1}
+                                 for k in ("h100-sxm", "a100-80gb")]}, where="test")
+    assert c.num_devices >= planner_mod.FORK_MIN_DEVICES
+    m = get_model("llama-2-7b")
+    two = make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=512, seq_len=2048, polish=False))
+    assert len(spy.pids) == 1 and _reaped(spy.pids[0])
+    one = make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=512, seq_len=2048, polish=False,
+                                                             search_processes=1))
+    assert len(spy.pids) == 1
+    _same(one, two)
+
+
+def _small_job():
+    return load_cluster(CLUSTERS / "nvidia-amd-32.toml"), get_model("llama-2-7b")
+
+
+def test_the_childs_error_is_raised_in_the_parent(monkeypatch, spy):
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+
+    def bound(**_):
+        raise InfeasibleError("no kind can hold it. Fix: a bigger cluster.")
+
+    monkeypatch.setattr(planner_mod, "_bound", bound)
+    c, m = _small_job()
+    with pytest.raises(InfeasibleError, match=r"^no kind can hold it\. Fix: a bigger cluster\.$"):
+        make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048))
+    assert len(spy.pids) == 1 and _reaped(spy.pids[0])
+
+
+def test_the_bounds_error_wins_as_in_one_process(monkeypatch, spy):
+    # One process runs the bound first: its error is the one raised, whatever the mixed search does.
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+
+    def bound(**_):
+        raise InfeasibleError("from the bound")
+
+    def mixed(**_):
+        raise InfeasibleError("from the mixed search")
+
+    monkeypatch.setattr(planner_mod, "_bound", bound)
+    monkeypatch.setattr(planner_mod, "_hethub_candidates", mixed)
+    c, m = _small_job()
+    for procs in (1, 2):
+        with pytest.raises(InfeasibleError, match="from the bound"):
+            make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048, search_processes=procs))
+    assert len(spy.pids) == 1 and _reaped(spy.pids[0])
+
+
+def test_a_crashed_child_is_computed_in_the_parent(monkeypatch, spy):
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+    real, parent = planner_mod._bound, os.getpid()
+
+    def bound(**kw):
+        if os.getpid() != parent:
+            os._exit(3)  # dies without answering
+        return real(**kw)
+
+    c, m = _small_job()
+    config = PlannerConfig(global_batch=64, seq_len=2048, polish=False)
+    want = make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048, polish=False,
+                                                              search_processes=1))
+    monkeypatch.setattr(planner_mod, "_bound", bound)
+    got = make_plan(cluster=c, model=m, config=config)
+    assert len(spy.pids) == 1 and _reaped(spy.pids[0])
+    _same(want, got)
+
+
+def test_forked_values_errors_and_fallbacks():
+    assert Forked(lambda: {"a": (1, 2.5)}).result() == {"a": (1, 2.5)}
+    with Forked(lambda: 1 / 0) as f, pytest.raises(ZeroDivisionError):
+        f.result()
+    # A value that does not pickle (a lambda) is computed again in the parent.
+    assert Forked(lambda: (lambda: 7)).result()() == 7
+    # So is one whose child is killed; the parent then runs fn, here with the parent's pid.
+    parent = os.getpid()
+
+    def pid_or_die() -> int:
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return os.getpid()
+
+    assert Forked(pid_or_die).result() == parent
+
+
+def test_leaving_the_block_early_stops_and_reaps_the_child():
+    with pytest.raises(RuntimeError), Forked(lambda: time.sleep(600)) as f:
+        pid = f._pid
+        raise RuntimeError("the parent's own work failed")
+    assert _reaped(pid)
+    assert os.WIFSIGNALED(f.exit_status) and os.WTERMSIG(f.exit_status) == signal.SIGKILL  # killed, not waited for
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_search_processes_is_validated(bad):
+    with pytest.raises(SpecError, match=r"'search_processes' must be a positive integer.*Fix: give 1"):
+        PlannerConfig(global_batch=8, seq_len=128, search_processes=bad)
