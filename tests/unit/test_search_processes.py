@@ -13,6 +13,7 @@ from hethub.errors import InfeasibleError, SpecError
 from hethub.search import PlannerConfig, make_plan
 from hethub.search import planner as planner_mod
 from hethub.search.parallel import FORK_AVAILABLE, Forked
+from hethub.search.templates import Searcher
 from hethub.spec.cluster import load_cluster, parse_cluster
 from hethub.spec.model import get_model
 
@@ -25,8 +26,8 @@ class _Spy(Forked):
 
     pids: ClassVar[list[int]] = []
 
-    def __init__(self, fn):
-        super().__init__(fn)
+    def __init__(self, **parts):
+        super().__init__(**parts)
         _Spy.pids.append(self._pid)
 
 
@@ -121,7 +122,7 @@ def test_the_bounds_error_wins_as_in_one_process(monkeypatch, spy):
     def bound(**_):
         raise InfeasibleError("from the bound")
 
-    def mixed(**_):
+    def mixed(*_, **__):
         raise InfeasibleError("from the mixed search")
 
     monkeypatch.setattr(planner_mod, "_bound", bound)
@@ -133,44 +134,64 @@ def test_the_bounds_error_wins_as_in_one_process(monkeypatch, spy):
     assert len(spy.pids) == 1 and _reaped(spy.pids[0])
 
 
-def test_a_crashed_child_is_computed_in_the_parent(monkeypatch, spy):
+@pytest.mark.parametrize("dies_in", ["scans", "bound"])
+def test_a_crashed_child_is_computed_in_the_parent(monkeypatch, spy, dies_in):
+    # The child sends its template scans, then the bound: dying in either, what it did not send is
+    # computed in the parent.
     monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
-    real, parent = planner_mod._bound, os.getpid()
-
-    def bound(**kw):
-        if os.getpid() != parent:
-            os._exit(3)  # dies without answering
-        return real(**kw)
-
     c, m = _small_job()
-    config = PlannerConfig(global_batch=64, seq_len=2048, polish=False)
     want = make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048, polish=False,
                                                               search_processes=1))
-    monkeypatch.setattr(planner_mod, "_bound", bound)
-    got = make_plan(cluster=c, model=m, config=config)
+    parent = os.getpid()
+    if dies_in == "bound":
+        real = planner_mod._bound
+
+        def bound(**kw):
+            if os.getpid() != parent:
+                os._exit(3)  # dies without answering
+            return real(**kw)
+
+        monkeypatch.setattr(planner_mod, "_bound", bound)
+    else:
+        real_scans = Searcher.pure_scans
+
+        def pure_scans(self, keys):
+            if os.getpid() != parent:
+                os._exit(3)
+            return real_scans(self, keys)
+
+        monkeypatch.setattr(Searcher, "pure_scans", pure_scans)
+    got = make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048, polish=False))
     assert len(spy.pids) == 1 and _reaped(spy.pids[0])
     _same(want, got)
 
 
 def test_forked_values_errors_and_fallbacks():
-    assert Forked(lambda: {"a": (1, 2.5)}).result() == {"a": (1, 2.5)}
-    with Forked(lambda: 1 / 0) as f, pytest.raises(ZeroDivisionError):
-        f.result()
-    # A value that does not pickle (a lambda) is computed again in the parent.
-    assert Forked(lambda: (lambda: 7)).result()() == 7
-    # So is one whose child is killed; the parent then runs fn, here with the parent's pid.
+    with Forked(a=lambda: {"a": (1, 2.5)}, b=lambda: 1 / 0, c=lambda: "c") as f:
+        assert f.result("c") == "c"  # read in any order
+        assert f.result("a") == {"a": (1, 2.5)}
+        with pytest.raises(ZeroDivisionError):
+            f.result("b")
+    # A value that does not pickle (a lambda) is computed in the parent, and so are the parts after it.
     parent = os.getpid()
+    with Forked(fn=lambda: (lambda: 7), pid=os.getpid) as f:
+        assert f.result("fn")() == 7
+        assert f.result("pid") == parent
+    # So are those of a child that is killed, here after its first answer.
 
     def pid_or_die() -> int:
         if os.getpid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
         return os.getpid()
 
-    assert Forked(pid_or_die).result() == parent
+    with Forked(first=os.getpid, second=pid_or_die) as f:
+        assert f.result("second") == parent
+        assert f.result("first") != parent  # the child's answer, sent before it died
+    assert os.WIFSIGNALED(f.exit_status)
 
 
 def test_leaving_the_block_early_stops_and_reaps_the_child():
-    with pytest.raises(RuntimeError), Forked(lambda: time.sleep(600)) as f:
+    with pytest.raises(RuntimeError), Forked(sleep=lambda: time.sleep(600)) as f:
         pid = f._pid
         raise RuntimeError("the parent's own work failed")
     assert _reaped(pid)

@@ -1,10 +1,11 @@
-"""One part of a search computed in a forked child process while the parent computes another.
+"""Parts of a search computed in a forked child process while the parent computes others.
 
-The planner's two searches (each kind alone for the bound, the mixed search) share nothing but
-caches of pure functions (templates.Books), so either can run in its own process and give the same
-values: a fork inherits the cluster, model, profiles and host objects as they are, and only the
-result travels back, pickled over a pipe. Where the child cannot answer (it was killed, or its
-result does not pickle), the parent computes the part itself, so a child never costs a result.
+The planner's searches (each kind alone for the bound, the mixed search and its template scans)
+share nothing but caches of pure functions (templates.Books), so a part can run in another process
+and give the same values: a fork inherits the cluster, model, profiles and host objects as they
+are, and only the results travel back, pickled over a pipe. Where the child cannot answer (it was
+killed, or a result does not pickle), the parent computes the part itself, so a child never costs
+a result.
 """
 
 from __future__ import annotations
@@ -16,90 +17,112 @@ import pickle
 import signal
 from collections.abc import Callable
 from types import TracebackType
-from typing import Generic, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 FORK_AVAILABLE = "fork" in multiprocessing.get_all_start_methods()
+_HEADER_BYTES = 8  # each answer's length, before it on the pipe
 
 
-class Forked(Generic[T]):
-    """``fn()`` computed in a forked child; `result` returns its value or raises its exception.
+class Forked:
+    """``parts`` (name -> function), computed in order in a forked child; `result` returns a part's
+    value or raises its exception.
 
-    Use it as a context manager: leaving the block without asking for the result (the parent's own
-    work failed) kills and reaps the child, so no process outlives the block. Only one thread of
-    the parent is copied into the child, which runs ``fn`` alone and leaves by ``os._exit`` (no
-    atexit handlers, no flush of buffers it inherited from the parent).
+    Each answer is sent as soon as it is computed, so the parent may take an early part while the
+    child computes the later ones. Use it as a context manager: leaving the block before every
+    answer was read (the parent's own work failed) kills and reaps the child, so no process outlives
+    the block. Only the calling thread is copied into the child, which runs the parts alone and
+    leaves by ``os._exit`` (no atexit handlers, no flush of buffers it inherited from the parent).
     """
 
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self._fn = fn
-        self._answer: tuple[str, object] | None = None
+    def __init__(self, **parts: Callable[[], Any]) -> None:
+        self._parts = parts
+        self._answers: dict[str, tuple[str, object]] = {}
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child
-            code = 1
+            code = 0
             try:
                 os.close(read_fd)
-                try:
-                    answer: tuple[str, object] = ("value", fn())
-                except BaseException as err:  # any: the parent re-raises it
-                    answer = ("error", err)
-                data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-                with os.fdopen(write_fd, "wb") as pipe:
-                    pipe.write(data)
-                code = 0
+                for fn in parts.values():
+                    try:
+                        answer: tuple[str, object] = ("value", fn())
+                    except BaseException as err:  # any: the parent re-raises it
+                        answer = ("error", err)
+                    data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+                    _write_all(write_fd, len(data).to_bytes(_HEADER_BYTES, "big") + data)
+            except BaseException:  # an answer that does not pickle: the parent computes it and the rest
+                code = 1
             finally:
-                os._exit(code)  # an unpicklable answer exits 1 with nothing sent: the parent computes it
+                os._exit(code)
         os.close(write_fd)
         self._pid: int | None = pid  # None once reaped
         self.exit_status: int | None = None  # the child's wait status (os.waitpid) once reaped
-        self._read_fd: int | None = read_fd  # None once handed to a file object, which closes it
+        self._pipe: Any = os.fdopen(read_fd, "rb")  # None once closed
+        self._received = 0  # answers read from the pipe
 
-    def result(self) -> T:
-        """The child's value (waiting for it), its exception re-raised, or ``fn()`` computed here if
-        the child died without answering."""
-        if self._answer is None:
-            self._answer = self._collect()
-        kind, value = self._answer
+    def result(self, name: str) -> Any:
+        """Part ``name``'s value (waiting for the child's answer), its exception re-raised, or the
+        part computed here if the child died without answering it."""
+        if name not in self._answers:
+            self._answers[name] = self._collect(name)
+        kind, value = self._answers[name]
         if kind == "error":
             raise value  # type: ignore[misc]
-        return value  # type: ignore[return-value]
+        return value
 
-    def _collect(self) -> tuple[str, object]:
-        fd, self._read_fd = self._read_fd, None
-        assert fd is not None
+    def _collect(self, name: str) -> tuple[str, object]:
+        names = list(self._parts)
+        while self._pipe is not None and self._received <= names.index(name):
+            answer = self._read()
+            if answer is None:  # the child is gone: what it did not send is computed here
+                self._close()
+                break
+            self._answers[names[self._received]] = answer
+            self._received += 1
+            if self._received == len(names):
+                self._close()
+        if name in self._answers:
+            return self._answers[name]
         try:
-            with os.fdopen(fd, "rb") as pipe:  # EOF once the child has exited, however it did
-                data = pipe.read()
-        finally:
-            status = self._reap()
-        if status == 0 and data:
-            with contextlib.suppress(Exception):  # a class the parent cannot unpickle: compute it here
-                answer = pickle.loads(data)
-                if isinstance(answer, tuple) and len(answer) == 2 and answer[0] in ("value", "error"):
-                    return answer
-        try:
-            return "value", self._fn()
+            return "value", self._parts[name]()
         except Exception as err:  # raised by result(), as a child's would be
             return "error", err
 
-    def _reap(self) -> int:
-        if self._pid is None:
-            return -1
-        _, self.exit_status = os.waitpid(self._pid, 0)
-        self._pid = None
-        return self.exit_status
+    def _read(self) -> tuple[str, object] | None:
+        header = self._pipe.read(_HEADER_BYTES)
+        if len(header) < _HEADER_BYTES:
+            return None
+        size = int.from_bytes(header, "big")
+        data = self._pipe.read(size)
+        if len(data) < size:
+            return None
+        try:
+            answer = pickle.loads(data)
+        except Exception:  # a class the parent cannot unpickle: compute it here
+            return None
+        return answer if isinstance(answer, tuple) and len(answer) == 2 else None
 
-    def __enter__(self) -> Forked[T]:
+    def _close(self) -> None:
+        """Close the pipe and reap the child, killing it first if it may still be running."""
+        if self._pipe is not None:
+            pipe, self._pipe = self._pipe, None
+            if self._received < len(self._parts) and self._pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._pid, signal.SIGKILL)
+            pipe.close()
+        if self._pid is not None:
+            _, self.exit_status = os.waitpid(self._pid, 0)
+            self._pid = None
+
+    def __enter__(self) -> Forked:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._pid is not None:  # the result was never asked for: stop the child and reap it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, signal.SIGKILL)
-            self._reap()
-        if self._read_fd is not None:
-            os.close(self._read_fd)
-            self._read_fd = None
+        self._close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -290,21 +290,27 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     def bound_part() -> _BoundParts:
         return _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books, host=host)
 
-    def mixed_part() -> list[tuple[Plan, Prediction]]:
+    def mixed_part(s: Searcher) -> list[tuple[Plan, Prediction]]:
         # The polish's starts and the top_k alternatives are read from the first ones only.
         keep = max(config.top_k, POLISH_STARTS if config.polish else 0)
-        return _score(_hethub_candidates(cluster=cluster, model=model, config=config, profiles=profiles, books=books),
-                      profiles, host=host, headroom=config.mem_headroom, keep=keep)
+        return _score(_hethub_candidates(s, config=config), profiles, host=host, headroom=config.mem_headroom,
+                      keep=keep)
 
     mixed = None
     if config.strategy == "hethub" and _forks(cluster, config):
-        with Forked(bound_part) as child:  # the bound in a child process, the mixed search here
+        # The child scans every other of the mixed search's templates (kind, micro-batch size), sends
+        # them, then runs the bound; the parent scans the rest, takes the child's, and searches.
+        s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
+        keys = [(k, b) for b in config.usable_micro_batch_sizes for k in s.counts]
+        with Forked(scans=lambda: s.pure_scans(keys[1::2]), bound=bound_part) as child:
             try:
-                mixed = mixed_part()
+                s.pure_scans(keys[::2])
+                s.adopt_scans(child.result("scans"))
+                mixed = mixed_part(s)
             except Exception:
-                child.result()  # the bound's error first, as one process raises it
+                child.result("bound")  # the bound's error first, as one process raises it
                 raise
-            parts, notes, alone, relaxed = child.result()
+            parts, notes, alone, relaxed = child.result("bound")
     else:
         parts, notes, alone, relaxed = bound_part()
     bound = sum(parts.values())
@@ -314,7 +320,9 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         scored = sorted(alone, key=lambda x: x[1].step_time_s)
     elif config.strategy == "hethub":
         # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
-        scored = sorted([*(mixed_part() if mixed is None else mixed), *alone], key=lambda x: x[1].step_time_s)
+        if mixed is None:
+            mixed = mixed_part(Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books))
+        scored = sorted([*mixed, *alone], key=lambda x: x[1].step_time_s)
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
@@ -474,9 +482,7 @@ def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pr
                   per_size=config.per_size_finalists)
 
 
-def _hethub_candidates(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                       profiles: ProfileSet | None, books: Books) -> list[Plan]:
-    s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
+def _hethub_candidates(s: Searcher, *, config: PlannerConfig) -> list[Plan]:
     return _plans(s, search(s), config=config, strategy="hethub", per_size=config.per_size_finalists)
 
 

@@ -42,6 +42,10 @@ def tp_options(cluster: Cluster, model: ModelSpec, kind: str, degrees: tuple[int
                  and model.num_heads % t == 0 and model.num_kv_heads % t == 0 and model.ffn_hidden_size % t == 0)
 
 
+# A template scan: the scanned templates, best rate first, and the (tp, stages, rate bound) skipped.
+Scan = tuple[list[Ranked], list[tuple[int, int, float]]]
+
+
 @dataclass
 class Books:
     """What the searches of one make_plan share: stage models and splits per memory mode (they differ
@@ -254,6 +258,24 @@ class Searcher:
             cands += [(self._bound(kind, tp, mbs, p, share), tp, p) for p in window]
         cands.sort(key=lambda x: -x[0])
         return [(tp, p) for b, tp, p in cands[:TOP_PER_KIND] if b > 0]
+
+    def pure_scans(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], Scan]:
+        """`pure` at this search's own share for each (kind, micro-batch size) of ``keys``, with the
+        stage counts it skipped: scans another process may make for this search (`adopt_scans`)."""
+        out = {}
+        for kind, mbs in keys:
+            key = (kind, mbs, self.share[kind])
+            out[(kind, mbs)] = (self.pure(kind, mbs, share=self.share[kind]), self._skipped[key])
+        return out
+
+    def adopt_scans(self, scans: dict[tuple[str, int], Scan]) -> None:
+        """Take the `pure_scans` of a Searcher of the same job made elsewhere (a forked process,
+        planner.py) as this one's: the same lists `pure` would make, each scan being a function of
+        its key and of caches of pure functions only. Scans made here already are kept."""
+        for (kind, mbs), (ranked, skipped) in scans.items():
+            key = (kind, mbs, self.share[kind])
+            if key not in self._pure:
+                self._pure[key], self._skipped[key] = ranked, skipped
 
     def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
         """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""
