@@ -190,6 +190,30 @@ def test_forked_values_errors_and_fallbacks():
     assert os.WIFSIGNALED(f.exit_status)
 
 
+def test_no_fork_to_be_had_computes_every_part_here(monkeypatch):
+    def no_fork():
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    with Forked(a=os.getpid, b=lambda: 1 / 0) as f:
+        assert f.result("a") == os.getpid()
+        with pytest.raises(ZeroDivisionError):
+            f.result("b")
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+    c, m = _small_job()
+    assert make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048, polish=False)).plan
+
+
+def test_a_process_that_ignores_sigchld_still_gets_the_answers():
+    # With SIGCHLD ignored the system reaps children itself and waitpid finds none.
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        with Forked(a=lambda: 5, b=lambda: "b") as f:
+            assert (f.result("a"), f.result("b")) == (5, "b")
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+
+
 def test_leaving_the_block_early_stops_and_reaps_the_child():
     with pytest.raises(RuntimeError), Forked(sleep=lambda: time.sleep(600)) as f:
         pid = f._pid

@@ -37,8 +37,17 @@ class Forked:
     def __init__(self, **parts: Callable[[], Any]) -> None:
         self._parts = parts
         self._answers: dict[str, tuple[str, object]] = {}
+        self._pid: int | None = None  # None once reaped (or never started)
+        self.exit_status: int | None = None  # the child's wait status (os.waitpid) once reaped
+        self._pipe: Any = None  # None once closed
+        self._received = 0  # answers read from the pipe
         read_fd, write_fd = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # no process to be had (a process limit, memory): every part is computed here
+            os.close(read_fd)
+            os.close(write_fd)
+            return
         if pid == 0:  # the child
             code = 0
             try:
@@ -55,10 +64,8 @@ class Forked:
             finally:
                 os._exit(code)
         os.close(write_fd)
-        self._pid: int | None = pid  # None once reaped
-        self.exit_status: int | None = None  # the child's wait status (os.waitpid) once reaped
-        self._pipe: Any = os.fdopen(read_fd, "rb")  # None once closed
-        self._received = 0  # answers read from the pipe
+        self._pid = pid
+        self._pipe = os.fdopen(read_fd, "rb")
 
     def result(self, name: str) -> Any:
         """Part ``name``'s value (waiting for the child's answer), its exception re-raised, or the
@@ -111,7 +118,9 @@ class Forked:
                     os.kill(self._pid, signal.SIGKILL)
             pipe.close()
         if self._pid is not None:
-            _, self.exit_status = os.waitpid(self._pid, 0)
+            # ChildProcessError: SIGCHLD is ignored here, so the system reaped the child itself.
+            with contextlib.suppress(ChildProcessError):
+                _, self.exit_status = os.waitpid(self._pid, 0)
             self._pid = None
 
     def __enter__(self) -> Forked:
