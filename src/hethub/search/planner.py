@@ -48,8 +48,9 @@ POLISH_SHARE = 0.1
 SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
 POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
-# Devices from which the bound's searches run in a second process beside the mixed search (fork
-# and pickling cost a few ms; smaller clusters' bounds take little more).
+# Devices from which a forked child runs the bound's searches (and half the mixed search's template
+# scans) beside the mixed search: smaller clusters plan in about a second, and there the parent gains
+# about half what the child costs (docs/planner.md, "Two processes").
 FORK_MIN_DEVICES = 256
 
 
@@ -434,7 +435,7 @@ def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig)
 
 def _forks(cluster: Cluster, config: PlannerConfig) -> bool:
     """Whether make_plan runs the bound in a second process (search/parallel.py): where fork exists,
-    the config allows it and the cluster is large enough for the bound to outweigh the fork."""
+    the config allows it and the cluster is large enough to gain from it (FORK_MIN_DEVICES)."""
     return FORK_AVAILABLE and config.search_processes >= 2 and cluster.num_devices >= FORK_MIN_DEVICES
 
 
