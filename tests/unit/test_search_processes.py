@@ -35,6 +35,7 @@ class _Spy(Forked):
 def spy(monkeypatch):
     _Spy.pids = []
     monkeypatch.setattr(planner_mod, "Forked", _Spy)
+    monkeypatch.setattr(planner_mod, "usable_cpus", lambda: 2)  # whatever this machine has
     return _Spy
 
 
@@ -96,6 +97,16 @@ def test_a_large_cluster_forks_by_default_with_the_same_result(spy):
                                                              search_processes=1))
     assert len(spy.pids) == 1
     _same(one, two)
+
+
+def test_one_cpu_or_one_process_asked_for_does_not_fork(monkeypatch, spy):
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+    c, m = load_cluster(CLUSTERS / "nvidia-amd-32.toml"), get_model("llama-2-7b")
+    make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048, polish=False,
+                                                       search_processes=1))
+    monkeypatch.setattr(planner_mod, "usable_cpus", lambda: 1)
+    make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048, polish=False))
+    assert not spy.pids
 
 
 def _small_job():

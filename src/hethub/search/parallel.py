@@ -20,6 +20,15 @@ from types import TracebackType
 from typing import Any
 
 FORK_AVAILABLE = "fork" in multiprocessing.get_all_start_methods()
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one): a child on a single
+    CPU only takes turns with its parent, for the fork's cost."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 1
 _HEADER_BYTES = 8  # each answer's length, before it on the pipe
 
 

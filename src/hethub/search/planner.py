@@ -30,7 +30,7 @@ from hethub.search.config import PlannerConfig
 from hethub.search.diagnose import infeasible_message
 from hethub.search.hetero import plan_key, search, size_key
 from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
-from hethub.search.parallel import FORK_AVAILABLE, Forked
+from hethub.search.parallel import FORK_AVAILABLE, Forked, usable_cpus
 from hethub.search.polish import polish
 from hethub.search.recompute import choose_recompute
 from hethub.search.templates import Books, Searcher
@@ -435,8 +435,10 @@ def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig)
 
 def _forks(cluster: Cluster, config: PlannerConfig) -> bool:
     """Whether make_plan runs the bound in a second process (search/parallel.py): where fork exists,
-    the config allows it and the cluster is large enough to gain from it (FORK_MIN_DEVICES)."""
-    return FORK_AVAILABLE and config.search_processes >= 2 and cluster.num_devices >= FORK_MIN_DEVICES
+    the config allows it, the cluster is large enough to gain from it (FORK_MIN_DEVICES) and this
+    process may run on two CPUs."""
+    return (FORK_AVAILABLE and config.search_processes >= 2 and cluster.num_devices >= FORK_MIN_DEVICES
+            and usable_cpus() >= 2)
 
 
 # Each kind's part of the bound, its notes, the kind-alone finalists scored, the relaxed kinds.
