@@ -122,3 +122,27 @@ def test_reused_searches_answer_a_repeated_search_with_its_first_result():
     assert len(errors) == 2 and errors[0] is errors[1]
     again = make_plan(cluster=cluster, model=model, config=config)  # outside: searched again, same answer
     assert again is not first and again.plan.pipelines == first.plan.pipelines
+
+
+def test_polish_budget_gives_the_best_start_its_minimum_and_the_runners_up_the_share(monkeypatch):
+    # planner.POLISH_MIN_S is the best start's least budget; the runners-up share POLISH_SHARE of the
+    # search time (docs/planner.md). A stand-in polish records each start's budget and returns at once.
+    import hethub.search.planner as planner
+
+    budgets = []
+
+    def fake_polish(plan, pred, *, budget_s, **_):
+        budgets.append(budget_s)
+        return plan, pred
+
+    monkeypatch.setattr(planner, "polish", fake_polish)
+    cluster = parse_cluster({"name": "two", "group": [{"kind": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+                                                      {"kind": "v100-16gb", "nodes": 1, "devices_per_node": 4}]},
+                            where="test")
+    result = planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
+                               config=PlannerConfig(global_batch=32, seq_len=1024))
+    assert len(budgets) == planner.POLISH_STARTS
+    assert budgets[0] >= planner.POLISH_MIN_S * 0.99
+    share = planner.POLISH_SHARE * result.search_time_s
+    assert share < planner.POLISH_MIN_S  # a fast search: the minimum is the best start's alone
+    assert all(b <= share for b in budgets[1:])
