@@ -70,7 +70,7 @@ from hethub.predict.comm import (
     small_allreduce_time_s,
 )
 from hethub.predict.sharding import split_elems
-from hethub.spec.cluster import Link
+from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
 StageId = tuple[int, int]  # (pipeline index, stage index)
@@ -82,6 +82,8 @@ _RINGS = Kept(100_000)
 # precision and every stage's devices and units. The planner prices a layout's sync in its step floor
 # (predictor.sync_tail_s) and then again in the prediction that follows.
 _GROUPS = Kept(256)
+# world_collectives by cluster (id, pinned), pipeline lengths and each stage's first device.
+_WORLD = Kept(1024)
 
 
 @dataclass(frozen=True)
@@ -252,9 +254,16 @@ def world_collectives(plan: Plan) -> tuple[SyncGroup, SyncGroup]:
     the optimizer update). Among the first device of every stage (TP ranks of a stage take part at
     once, as in the gradient sync), over the slowest link of them, the faster of ring and tree
     (:func:`hethub.predict.comm.small_allreduce_time_s`): for 8 bytes, latencies."""
-    stages = tuple((pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages)))
-    firsts = [s.devices[0] for p in plan.pipelines for s in p.stages]
-    link = slowest_link(plan.cluster, firsts)
+    sizes = tuple(len(p.stages) for p in plan.pipelines)
+    firsts = tuple(s.devices[0] for p in plan.pipelines for s in p.stages)
+    return _WORLD.get((id(plan.cluster), sizes, firsts), lambda: _world_collectives(plan.cluster, sizes, firsts),
+                      pin=(plan.cluster,))
+
+
+def _world_collectives(cluster: Cluster, sizes: tuple[int, ...],
+                       firsts: tuple[int, ...]) -> tuple[SyncGroup, SyncGroup]:
+    stages = tuple((pi, si) for pi, n in enumerate(sizes) for si in range(n))
+    link = slowest_link(cluster, firsts)
     t = small_allreduce_time_s(nbytes=8.0, participants=len(firsts), link=link)
     return SyncGroup("loss", stages, 8.0, link, t), SyncGroup("grad norm", stages, 8.0, link, t)
 

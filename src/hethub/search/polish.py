@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from hethub.plan import Pipeline, Plan
+from hethub.plan import Pipeline, Plan, Recompute
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, stage_memory, usable_bytes
 from hethub.predict.plan_costs import PlanCosts
@@ -34,6 +34,9 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
     current step cannot be taken, so it is not predicted."""
     deadline = time.perf_counter() + budget_s
     costs = PlanCosts(plan, profiles) if host is None else None  # stage costs: every move keeps the job
+    # Each stage shape's recomputation choice (_resplit), for every move: a move changes two stages'
+    # shapes and keeps the job, so the rest are asked again and again.
+    modes: dict[tuple, Recompute | None] = {}
     start, improved = 0, True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -42,7 +45,7 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
             if time.perf_counter() >= deadline:
                 break
             i = (start + j) % len(moves)
-            cand = _apply(plan, moves[i], allow_recompute=allow_recompute, headroom=mem_headroom)
+            cand = _apply(plan, moves[i], allow_recompute=allow_recompute, headroom=mem_headroom, memo=modes)
             if cand is None:
                 continue
             if costs is not None and floor_reaches(cand, pred.step_time_s * (1 - 1e-9), costs=costs):
@@ -73,7 +76,10 @@ def _moves(plan: Plan) -> list[tuple]:
     return out
 
 
-def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float) -> Plan | None:
+def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float,
+           memo: dict[tuple, Recompute | None] | None = None) -> Plan | None:
+    """``plan`` with ``move`` made (None where it cannot be); ``memo``: as for :func:`_resplit`, shared
+    by the moves of one plan's job."""
     if move[0] == "batch":
         _, a, b = move
         if plan.pipelines[a].num_micro_batches <= 1:
@@ -89,7 +95,7 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float) -
         return None
     counts[src] -= 1
     counts[dst] += 1
-    pipes, memo = [], {}
+    pipes, memo = [], {} if memo is None else memo
     for p in plan.pipelines:
         q = (_resplit(plan, p, counts, allow_recompute=allow_recompute, memo=memo, headroom=headroom)
              if _signature(p) == sig else p)
@@ -102,13 +108,14 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float) -
 def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: bool,
              memo: dict | None = None, headroom: float = DEFAULT_MEM_HEADROOM) -> Pipeline | None:
     """p with these layer counts, recomputing exactly where a stage does not fit otherwise. `memo`
-    shares that decision among the identical pipelines a move changes together. Memory is judged as
-    the planner does (search/costs.py: synced, two neighbours); the predictor then checks the plan."""
+    shares that decision among the identical pipelines a move changes together (and among the moves of
+    one job: it depends on the stage's shape and the job only). Memory is judged as the planner does
+    (search/costs.py: synced, two neighbours); the predictor then checks the plan."""
     memo = {} if memo is None else memo
+    schedule = get_schedule(plan.schedule)
     stages, start = [], 0
     for i, (s, k) in enumerate(zip(p.stages, counts, strict=True)):
-        in_flight = get_schedule(plan.schedule).in_flight(stage=i, num_stages=len(counts),
-                                                          num_micro_batches=p.num_micro_batches)
+        in_flight = schedule.in_flight(stage=i, num_stages=len(counts), num_micro_batches=p.num_micro_batches)
         key = (s.kind, s.tp, s.embedding, s.head, k, in_flight, p.micro_batch_size)
         if key not in memo:
             memo[key] = None
@@ -123,8 +130,11 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
                 if mem.total_bytes <= cap:
                     memo[key] = rc
                     break
-        if memo[key] is None:
+        mode = memo[key]
+        if mode is None:
             return None
-        stages.append(replace(s, layers=(start, start + k), recompute=memo[key]))
+        # A move changes two stages; the others are kept as they are (replace() is slow).
+        layers = (start, start + k)
+        stages.append(s if s.layers == layers and s.recompute == mode else replace(s, layers=layers, recompute=mode))
         start += k
     return replace(p, stages=tuple(stages))
