@@ -43,7 +43,7 @@ class Capacity:
 
     def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int, schedule: Schedule) -> None:
         self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=False), book.recompute_floor(kind, tp=tp, mbs=mbs)]
-        self.book, self.kind, self.tp, self.mbs = book, kind, tp, mbs
+        self.kind, self.tp, self.mbs = kind, tp, mbs  # not the book: it keeps this (no reference cycle)
         self._runs: list[tuple[tuple[int, tuple], ...]] = [()]  # see _middle_groups
         # Each stage's in-flight bound by stage count, shared by every (kind, TP, micro-batch size).
         self._in_flights: dict[int, tuple[int, ...]] = book.capacity.setdefault(("in-flight", schedule.name), {})
@@ -86,7 +86,7 @@ class Capacity:
         return self._totals[key]
 
 
-    def mode_bottleneck(self, p: int, *, lo: float) -> float | None:
+    def mode_bottleneck(self, book: CostBook, p: int, *, lo: float) -> float | None:
         """The smallest bottleneck B >= lo at which p stages hold the model's L layers, each stage in
         the recomputation mode (none, selective, full: `stage_modes`) that holds the most layers
         within B at the stage's in-flight count (this capacity's schedule), the first and the last
@@ -98,16 +98,16 @@ class Capacity:
         self.total(p, variant=0)  # fills the in-flight bounds of p stages
         bounds = self._in_flights[p]
         if p == 1:
-            caps = [(1, stage_modes(self.book, self.kind, self.tp, self.mbs, True, True, bounds[0]))]
+            caps = [(1, stage_modes(book, self.kind, self.tp, self.mbs, True, True, bounds[0]))]
         else:
-            caps = [(1, stage_modes(self.book, self.kind, self.tp, self.mbs, True, False, bounds[0])),
-                    (1, stage_modes(self.book, self.kind, self.tp, self.mbs, False, True, bounds[-1])),
-                    *self._middle_groups(bounds[1:-1])]
+            caps = [(1, stage_modes(book, self.kind, self.tp, self.mbs, True, False, bounds[0])),
+                    (1, stage_modes(book, self.kind, self.tp, self.mbs, False, True, bounds[-1])),
+                    *self._middle_groups(book, bounds[1:-1])]
         if any(max(c for c, _, _ in modes) < 0 for _, modes in caps):
             return None  # a stage that fits in no mode: split.split_layers has no split either
         return smallest_holding(caps, self.limit, lo)
 
-    def _middle_groups(self, flights: tuple[int, ...]) -> list[tuple[int, tuple]]:
+    def _middle_groups(self, book: CostBook, flights: tuple[int, ...]) -> list[tuple[int, tuple]]:
         """The middle stages as (count, modes) groups. Under 1F1B their in-flight counts run from p - 2
         down to 2, one stage each, and the modes of long runs of them are equal (capacities level off),
         so the groups of stage count p extend those of p - 1 by one stage (kept per count)."""
@@ -115,7 +115,7 @@ class Capacity:
             runs = self._runs
             while len(runs) <= len(flights):
                 f = len(runs) + 1  # runs[i]: the groups of in-flight counts 2 .. i + 1
-                modes = stage_modes(self.book, self.kind, self.tp, self.mbs, False, False, f)
+                modes = stage_modes(book, self.kind, self.tp, self.mbs, False, False, f)
                 prev = runs[-1]
                 if prev and prev[-1][1] == modes:
                     runs.append((*prev[:-1], (prev[-1][0] + 1, modes)))
@@ -124,7 +124,7 @@ class Capacity:
             return list(runs[len(flights)])
         groups: dict[tuple, int] = {}
         for f in flights:
-            modes = stage_modes(self.book, self.kind, self.tp, self.mbs, False, False, f)
+            modes = stage_modes(book, self.kind, self.tp, self.mbs, False, False, f)
             groups[modes] = groups.get(modes, 0) + 1
         return [(k, modes) for modes, k in groups.items()]
 
@@ -184,7 +184,7 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
             work += (n_layers - cap) * (w_rc - w)
     bottleneck = max(work / p, _balanced(n_layers, p, w, e, h))
     if caps is not None:
-        held = caps.mode_bottleneck(p, lo=bottleneck)
+        held = caps.mode_bottleneck(book, p, lo=bottleneck)
         if held is None:
             return None
         bottleneck = held

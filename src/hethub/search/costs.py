@@ -206,14 +206,16 @@ class StageCost:
 
         if exact_over(0):
             return -1
-        if exact_over(1):
-            return 0
         if coef is not None:  # the closed-form answer, confirmed exactly (two evaluations)
             _, _, a, b, c, d = coef
             slope = b + f * d
             n = limit if slope <= 0 else max(1, min(limit, 1 + int((cap - a - b - f * (c + d)) // slope)))
+            # From one layer up memory grows with n (the bisection below relies on it too), so n >= 1
+            # fitting means one fits: no need to ask whether it does first.
             if not exact_over(n) and (n == limit or exact_over(n + 1)):
                 return n
+        if exact_over(1):
+            return 0
         # Memory grows with n, so bisection finds the exact answer (the peak's moment can change with n,
         # which bends the line the coefficients describe).
         lo, hi = 1, limit

@@ -18,6 +18,7 @@ import copy
 import heapq
 import itertools
 import math
+import weakref
 from typing import Protocol
 
 from hethub.predict.memory import act_bytes_for
@@ -58,7 +59,8 @@ class Family:
         self.pairs = [(a, b) for a in self.ends for b in self.ends if a != b]
         n_layers = s.model.num_layers
         cs = [_consts(s, k, t, mbs) for k, t in zip(subset, tps, strict=True)]
-        self.s, self.mbs = s, mbs
+        # The searcher keeps its families (Searcher.mixed_cache): a weak reference, so no reference cycle.
+        self._searcher, self.mbs = weakref.ref(s), mbs
         self.w = [c[0] for c in cs]
         self.hop = [c[3] for c in cs]
         self.extra = min([c[4] for c in cs if c[4] > 0] or [0.0])  # cheapest recomputation per layer
@@ -73,6 +75,12 @@ class Family:
         self.cross = min(_hop(s, a, b, mbs) for a, b in self.pairs)
         self.sched = get_schedule(s.book.job.schedule, chunks=s.book.job.chunks)
         self.bounded = self.sched.max_in_flight(stage=0, num_stages=1) is not None  # planning ignores the hint
+
+    @property
+    def s(self) -> Searcher:
+        s = self._searcher()
+        assert s is not None, "a family outlived its search"
+        return s
 
     def over(self, pool: dict[str, int]) -> Family:
         """This family over a pool of devices: a shallow copy, so the families of every pool of a
