@@ -146,3 +146,39 @@ def test_polish_budget_gives_the_best_start_its_minimum_and_the_runners_up_the_s
     share = planner.POLISH_SHARE * result.search_time_s
     assert share < planner.POLISH_MIN_S  # a fast search: the minimum is the best start's alone
     assert all(b <= share for b in budgets[1:])
+
+
+def test_a_search_pauses_the_collector_and_leaves_no_reference_cycles():
+    # planner._collector_paused: the collector is off during the search and as it was after; a
+    # search's caches hold no reference cycles, so they are freed when it returns, not by the collector.
+    import gc
+
+    import hethub.search.planner as planner
+
+    cluster = parse_cluster({"name": "two", "group": [{"kind": "a100-80gb", "nodes": 2, "devices_per_node": 8},
+                                                      {"kind": "v100-16gb", "nodes": 2, "devices_per_node": 8}]},
+                            where="test")
+    seen = []
+    search = planner._make_plan
+
+    def spy(**kw):
+        seen.append(gc.isenabled())
+        return search(**kw)
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        gc.collect()
+        planner._make_plan = spy
+        planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
+                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False, search_processes=1))
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
+                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False, search_processes=1))
+        assert not gc.isenabled()  # a caller's paused collector stays paused
+        assert gc.collect() == 0
+    finally:
+        planner._make_plan = search
+        if was:
+            gc.enable()
