@@ -56,11 +56,12 @@ class Family:
     def __init__(self, s: Searcher, subset: tuple[str, ...], tps: tuple[int, ...], mbs: int) -> None:
         self.subset, self.tps = subset, tps
         self.ends = [Slot(k, t) for k, t in zip(subset, tps, strict=True)]
-        self.pairs = [(a, b) for a in self.ends for b in self.ends if a != b]
+        self.pairs = tuple((a, b) for a in self.ends for b in self.ends if a != b)
         n_layers = s.model.num_layers
         cs = [_consts(s, k, t, mbs) for k, t in zip(subset, tps, strict=True)]
         # The searcher keeps its families (Searcher.mixed_cache): a weak reference, so no reference cycle.
         self._searcher, self.mbs = weakref.ref(s), mbs
+        self.book, self.allow, self.n_layers = s.book, s.config.allow_recompute, s.model.num_layers
         self.w = [c[0] for c in cs]
         self.hop = [c[3] for c in cs]
         self.extra = min([c[4] for c in cs if c[4] > 0] or [0.0])  # cheapest recomputation per layer
@@ -103,7 +104,7 @@ class Family:
     def modes(self, i: int, in_flight: int) -> tuple[tuple[int, float], ...]:
         """(capacity, cost per layer) of a middle stage of the i-th kind in each mode the split may give
         it (none first; capacity -1 where not even none fits), at `in_flight` micro-batches."""
-        book, allow = self.s.book, self.s.config.allow_recompute
+        book, allow = self.book, self.allow
         key = ("family-modes", self.subset[i], self.tps[i], self.mbs, in_flight, allow)
         hit = book.stage_floors.get(key)
         if hit is None:  # shared by every family holding this kind at this TP degree
@@ -121,9 +122,9 @@ class Family:
         # (GPipe); shared by every family of the search
         hint = 1 if self.bounded else self.s.in_flight_hint(devices, self.mbs)
         key = ("in-flights-sorted", self.sched.name, stages, hint)
-        hit = self.s.book.stage_floors.get(key)
+        hit = self.book.stage_floors.get(key)
         if hit is None:
-            hit = self.s.book.stage_floors[key] = tuple(sorted(
+            hit = self.book.stage_floors[key] = tuple(sorted(
                 self.sched.planning_in_flight(stage=i, num_stages=stages, expected_micro_batches=hint)
                 for i in range(stages)))
         return hit  # type: ignore[return-value]
@@ -288,7 +289,7 @@ def _rate_level(ctx: SyncFloors, fam: Family, boxes: list[tuple], total: int) ->
     key = (id(fam), total)
     hit = ctx.rate_levels.get(key)
     if hit is None:
-        n_layers = fam.s.model.num_layers
+        n_layers = fam.n_layers
         rate = sum(n / w for n, w in zip(fam.slots, fam.w, strict=True)) / n_layers
         c_max = max(box[1] for box in boxes)
         f0 = fam.sched.fill_work_floor_s(work_s=fam.work_min, bottleneck_s=0.0)
