@@ -82,6 +82,7 @@ class Searcher:
         self._pure: dict[tuple[str, int, float], list[Ranked]] = {}
         self._skipped: dict[tuple[str, int, float], list[tuple[int, int, float]]] = {}  # (tp, stages, bound)
         self.mixed_cache: dict[tuple, list] = {}
+        self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._fits: dict[tuple, bool] = {}
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
