@@ -338,19 +338,6 @@ class Searcher:
         return self.config.global_batch // mbs
 
 
-def _top_ranked(ranked: list[Ranked], n: int) -> list[Ranked]:
-    """The first `n` distinct templates of a ranked list (hetero._top_distinct's keys)."""
-    out, seen = [], set()
-    for r in ranked:
-        key = (r.pipe.slots[0].tp, len(r.pipe.slots), any(r.pipe.recompute))
-        if key not in seen and r.rate > 0:
-            seen.add(key)
-            out.append(r)
-            if len(out) == n:
-                break
-    return out
-
-
 def _keep_top(top: list[tuple[float, tuple]], rate: float, key: tuple) -> None:
     """Insert into the best TOP_PER_KIND distinct (rate, key) pairs, best first (hetero._top_distinct's keys)."""
     for i, (r, k) in enumerate(top):
