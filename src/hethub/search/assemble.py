@@ -41,7 +41,9 @@ def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple
 
 
 def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
-               schedule: str, precision: str, strategy: str) -> Plan:
+               schedule: str, precision: str, strategy: str, validate: bool = True) -> Plan:
+    """The candidate laid out on devices. ``validate=False`` only for a layout the search checks and
+    drops (templates.Searcher.fits's memory check): a plan made from it is validated when built."""
     pipes, counts = [], []
     for g, ms in zip(est.groups, est.micro_batches, strict=True):
         for m in ms:
@@ -52,8 +54,9 @@ def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batc
                  for pc, m, devs in zip(pipes, counts, devices, strict=True)]
     # Order replicas by their first device so the plan reads like the cluster file.
     pipelines.sort(key=lambda p: p.stages[0].devices[0])
-    return Plan(model=model, cluster=cluster, global_batch=global_batch, seq_len=seq_len,
-                pipelines=tuple(pipelines), schedule=schedule, precision=precision, strategy=strategy).validate()
+    plan = Plan(model=model, cluster=cluster, global_batch=global_batch, seq_len=seq_len,
+                pipelines=tuple(pipelines), schedule=schedule, precision=precision, strategy=strategy)
+    return plan.validate() if validate else plan
 
 
 def to_pipeline(pc: PipeCost, devices: list[tuple[int, ...]], *, num_micro_batches: int, mbs: int) -> Pipeline:

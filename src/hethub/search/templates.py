@@ -153,7 +153,8 @@ class Searcher:
                               micro_batches=ms)
             total = sum(sum(m) * g.pipe.mbs for g, m in zip(est.groups, est.micro_batches, strict=True))
             plan = build_plan(cluster=self.cluster, model=self.model, est=est, global_batch=total,
-                              seq_len=cfg.seq_len, schedule=cfg.schedule, precision=cfg.precision, strategy="hethub")
+                              seq_len=cfg.seq_len, schedule=cfg.schedule, precision=cfg.precision, strategy="hethub",
+                              validate=False)
             if cfg.optimizer_sharding == "zero1":
                 plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=cfg.optimizer_shares)
             hit = self._fits[key] = fits_some_mode(plan, allow_recompute=cfg.allow_recompute,
