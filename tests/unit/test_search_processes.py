@@ -119,7 +119,7 @@ def test_the_childs_error_is_raised_in_the_parent(monkeypatch, spy):
     def bound(**_):
         raise InfeasibleError("no kind can hold it. Fix: a bigger cluster.")
 
-    monkeypatch.setattr(planner_mod, "_bound", bound)
+    monkeypatch.setattr(planner_mod, "bound_parts", bound)
     c, m = _small_job()
     with pytest.raises(InfeasibleError, match=r"^no kind can hold it\. Fix: a bigger cluster\.$"):
         make_plan(cluster=c, model=m, config=PlannerConfig(global_batch=64, seq_len=2048))
@@ -136,7 +136,7 @@ def test_the_bounds_error_wins_as_in_one_process(monkeypatch, spy):
     def mixed(*_, **__):
         raise InfeasibleError("from the mixed search")
 
-    monkeypatch.setattr(planner_mod, "_bound", bound)
+    monkeypatch.setattr(planner_mod, "bound_parts", bound)
     monkeypatch.setattr(planner_mod, "_hethub_candidates", mixed)
     c, m = _small_job()
     for procs in (1, 2):
@@ -155,14 +155,14 @@ def test_a_crashed_child_is_computed_in_the_parent(monkeypatch, spy, dies_in):
                                                               search_processes=1))
     parent = os.getpid()
     if dies_in == "bound":
-        real = planner_mod._bound
+        real = planner_mod.bound_parts
 
         def bound(**kw):
             if os.getpid() != parent:
                 os._exit(3)  # dies without answering
             return real(**kw)
 
-        monkeypatch.setattr(planner_mod, "_bound", bound)
+        monkeypatch.setattr(planner_mod, "bound_parts", bound)
     else:
         real_scans = Searcher.pure_scans
 

@@ -15,7 +15,7 @@ import pytest
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, predict, step_floor_s, sync_tail_s
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.planner import _score
+from hethub.search.finalists import score_plans
 from hethub.search.polish import _apply, _moves
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec
@@ -56,9 +56,9 @@ def test_step_floor_is_below_every_predicted_step_and_not_vacuous(schedule):
 def test_screened_scoring_keeps_the_same_fastest_plans():
     plans = _plans("1f1b")
     plans = plans + plans[::-1]  # the fastest again late, after slow ones
-    full = _score(plans, None)
+    full = score_plans(plans, None)
     for keep in (1, 3):
-        screened = _score(plans, None, keep=keep)
+        screened = score_plans(plans, None, keep=keep)
         assert len(screened) < len(full)  # some were screened out
         assert [(id(p), pr.step_time_s) for p, pr in screened[:keep]] == [(id(p), pr.step_time_s)
                                                                           for p, pr in full[:keep]]

@@ -346,7 +346,7 @@ class Results:
         if not overall and not own:
             self.items.append(est)
             return
-        # planner._plans's identity of a plan: identical candidates take one finalist place.
+        # finalists.finalist_plans's identity of a plan: identical candidates take one finalist place.
         key = plan_key(est)
         if any(k == key for _, k in self._best) or any(k == key for _, k in bucket):
             self.items.append(est)
@@ -376,5 +376,5 @@ def size_key(est: Estimate) -> tuple[int, ...]:
 
 
 def plan_key(est: Estimate) -> tuple:
-    """The identity of the plan a candidate builds (planner._plans): its groups and allocation."""
+    """The identity of the plan a candidate builds (finalists.finalist_plans): its groups and allocation."""
     return (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)

@@ -6,31 +6,29 @@ is made by the full predictor, so `hethub plan` and `hethub predict` agree exact
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import gc
 import io
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
-from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
-from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, predict
+from hethub.predict.memory import usable_bytes
+from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.progress import progress
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE
-from hethub.search.assemble import build_plan
 from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
 from hethub.search.diagnose import infeasible_message
-from hethub.search.hetero import plan_key, search, size_key
+from hethub.search.finalists import finalist_plans, score_plans
+from hethub.search.hetero import search
 from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
+from hethub.search.kind_alone import BoundParts, bound_parts
 from hethub.search.parallel import FORK_AVAILABLE, Forked, usable_cpus
 from hethub.search.polish import polish
 from hethub.search.recompute import choose_recompute
@@ -312,13 +310,13 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
 
-    def bound_part() -> _BoundParts:
-        return _bound(cluster=cluster, model=model, config=config, profiles=profiles, books=books, host=host)
+    def bound_part() -> BoundParts:
+        return bound_parts(cluster=cluster, model=model, config=config, profiles=profiles, books=books, host=host)
 
     def mixed_part(s: Searcher) -> list[tuple[Plan, Prediction]]:
         # The polish's starts and the top_k alternatives are read from the first ones only.
         keep = max(config.top_k, POLISH_STARTS if config.polish else 0)
-        return _score(_hethub_candidates(s, config=config), profiles, host=host, headroom=config.mem_headroom,
+        return score_plans(_hethub_candidates(s, config=config), profiles, host=host, headroom=config.mem_headroom,
                       keep=keep)
 
     mixed = None
@@ -351,7 +349,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
-        scored = _score([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles, host=host,
+        scored = score_plans([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles, host=host,
                         headroom=config.mem_headroom, keep=config.top_k)
     bar.update()
     if not scored:
@@ -398,7 +396,7 @@ def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 profiles: ProfileSet | None = None, host: HostModel | None = None) -> tuple[float, tuple[str, ...]]:
     """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
     _check_job(model, config)
-    parts, notes, _, _ = _bound(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    parts, notes, _, _ = bound_parts(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     return sum(parts.values()), notes
 
 
@@ -465,98 +463,5 @@ def _forks(cluster: Cluster, config: PlannerConfig) -> bool:
             and usable_cpus() >= 2)
 
 
-# Each kind's part of the bound, its notes, the kind-alone finalists scored, the relaxed kinds.
-_BoundParts = tuple[dict[str, float], tuple[str, ...], list[tuple[Plan, Prediction]], frozenset[str]]
-
-
-def _bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-           profiles: ProfileSet | None, books: Books | None = None,
-           host: HostModel | None = None) -> _BoundParts:
-    """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
-    candidates, scored, and the kinds whose part is a relaxed-memory plan."""
-    parts: dict[str, float] = {}
-    relaxed_kinds: set[str] = set()
-    notes, feasible = [], []
-    for kind in cluster.kind_names:
-        plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
-                            books=books)
-        # The part is the best, and the combined search takes the best two (`feasible`).
-        scored = _score(plans, profiles, host=host, headroom=config.mem_headroom, keep=2)
-        if scored:
-            feasible.extend(scored[:2])
-            parts[kind] = scored[0][1].tokens_per_s
-            continue
-        relaxed = _score(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
-                                     relax=True, books=books), profiles, require_fit=False, host=host,
-                         headroom=config.mem_headroom, keep=1)
-        n = cluster.count_by_kind()[kind]
-        parts[kind] = relaxed[0][1].tokens_per_s if relaxed else 0.0
-        if relaxed:
-            relaxed_kinds.add(kind)
-            notes.append(f"kind {kind} alone ({n} devices) cannot hold {model.name} at seq_len {config.seq_len}; "
-                         "the upper bound uses its best plan with the memory limit relaxed")
-        else:
-            notes.append(f"kind {kind} alone ({n} devices) has no plan for {model.name} even with memory relaxed "
-                         "(no usable TP degree or too few devices); it adds nothing to the upper bound")
-    return parts, tuple(notes), feasible, frozenset(relaxed_kinds)
-
-
-def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                kind: str, relax: bool, books: Books | None) -> list[Plan]:
-    s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, relax_memory=relax, kinds=(kind,),
-                 books=books)
-    return _plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous",
-                  per_size=config.per_size_finalists)
-
-
 def _hethub_candidates(s: Searcher, *, config: PlannerConfig) -> list[Plan]:
-    return _plans(s, search(s), config=config, strategy="hethub", per_size=config.per_size_finalists)
-
-
-def _plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str, per_size: int = 0) -> list[Plan]:
-    """The plans of the best `finalists + top_k` distinct candidates of `ests` (best first) and, with
-    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why)."""
-    out, seen, taken = [], set(), Counter()
-    keep = config.finalists + config.top_k
-    for est in ests:
-        key = plan_key(est)
-        if key in seen:
-            continue
-        sizes = size_key(est) if per_size else ()
-        if len(seen) >= keep and taken[sizes] >= per_size:
-            continue
-        seen.add(key)
-        taken[sizes] += 1
-        plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
-                          seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
-                          strategy=strategy)
-        if config.optimizer_sharding == "zero1":  # before the recomputation choice, which it frees memory for
-            plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=config.optimizer_shares)
-        out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom))
-        if len(seen) >= keep and not per_size:
-            break
-    return out
-
-
-def _score(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
-           require_fit: bool = True, host: HostModel | None = None, keep: int = 0) -> list[tuple[Plan, Prediction]]:
-    """`plans` predicted, those that fit (all with ``require_fit=False``), fastest first. With ``keep``,
-    a plan whose step floor (predictor.floor_reaches) is not below the keep-th fastest so far is not
-    predicted: it could not be among the first ``keep`` (on a tie the earlier plan sorts first), so
-    those are exactly the unscreened ones; the rest of the list may then lack such plans."""
-    scored: list[tuple[Plan, Prediction]] = []
-    steps: list[float] = []  # the fastest `keep` predicted steps so far, sorted
-    costs = None
-    for plan in plans:
-        if keep and host is None and len(steps) >= keep:
-            costs = PlanCosts(plan, profiles) if costs is None else costs  # one job: stage costs are shared
-            if floor_reaches(plan, steps[keep - 1], costs=costs):
-                continue
-        pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
-        if pred.fits_memory or not require_fit:
-            scored.append((plan, pred))
-            if keep:
-                bisect.insort(steps, pred.step_time_s)
-                del steps[keep:]
-    scored.sort(key=lambda x: x[1].step_time_s)
-    return scored
+    return finalist_plans(s, search(s), config=config, strategy="hethub", per_size=config.per_size_finalists)

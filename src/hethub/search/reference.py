@@ -44,8 +44,8 @@ from hethub.predict.result import Prediction
 from hethub.search.bounds import PipeFloor, pipe_floor
 from hethub.search.combine import Group, water_level
 from hethub.search.config import PlannerConfig
+from hethub.search.finalists import finalist_plans, score_plans
 from hethub.search.hetero import Results
-from hethub.search.planner import _plans, _score
 from hethub.search.split import PipeCost, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import Cluster, Link
@@ -122,7 +122,7 @@ def reference_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 if results.may_enter(level) and results.may_enter(level + post(gs, level)):
                     results.add(s.estimate(gs, mbs))
     results.items.sort(key=lambda e: e.step_time_s)
-    scored = _score(_plans(s, results.items, config=config, strategy="reference"), profiles)
+    scored = score_plans(finalist_plans(s, results.items, config=config, strategy="reference"), profiles)
     if not scored:
         return None
     return ReferenceResult(plan=scored[0][0], prediction=scored[0][1], candidates=len(results.items))
