@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 
 import hethub.search.templates as templates
 from hethub.search import PlannerConfig
-from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound, smallest_holding
+from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
 from hethub.search.combine import Group, allocate, water_level, water_level_beside
 from hethub.search.costs import Job, StageCost
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
+from hethub.search.holding import smallest_holding
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import parse_cluster

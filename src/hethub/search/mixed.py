@@ -23,8 +23,9 @@ from typing import Protocol
 
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
-from hethub.search.bounds import PipeFloor, pipe_floor, smallest_holding, stage_modes
+from hethub.search.bounds import PipeFloor, pipe_floor, stage_modes
 from hethub.search.combine import Estimate, Group, bisect_time, finished_mb, water_level, water_level_beside
+from hethub.search.holding import smallest_holding
 from hethub.search.mixed_sync import SyncFloors
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
@@ -152,7 +153,7 @@ class Family:
             held += top[i] * cap[i]
             slope -= top[i] / self.w[i]
         b = max(b, self.base_min, (n_layers - held) / slope if slope > 0 else b)
-        # Whole layers (bounds.smallest_holding), each kind's stages at the smallest in-flight counts a
+        # Whole layers (holding.smallest_holding), each kind's stages at the smallest in-flight counts a
         # member can give them; a stage that holds nothing counts 0 (a member may have fewer stages).
         groups: dict[tuple, int] = {}
         last = len(flights) - 1
@@ -166,7 +167,7 @@ class Family:
         return smallest_holding([(k, ms) for ms, k in groups.items()], n_layers, b)
 
     def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
-        """`modes` as bounds.smallest_holding takes them, bases 0 and capacities at least 0."""
+        """`modes` as holding.smallest_holding takes them, bases 0 and capacities at least 0."""
         key = (i, in_flight)
         hit = self._held.get(key)
         if hit is None:
