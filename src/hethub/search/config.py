@@ -64,14 +64,12 @@ class PlannerConfig:
         def bad(field: str, problem: str, fix: str) -> SpecError:
             return SpecError(f"planner option '{field}' {problem}. Fix: {fix}.")
 
-        for name in ("global_batch", "seq_len", "top_k", "finalists", "virtual_stages"):
+        fixes = {"search_processes": "give 1 to search in this process only, or 2 to let large searches use a "
+                                     "second process"}
+        for name in ("global_batch", "seq_len", "top_k", "finalists", "virtual_stages", "search_processes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, f"must be a positive integer, got {v!r}", "give a positive integer")
-        v = self.search_processes
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise bad("search_processes", f"must be a positive integer, got {v!r}",
-                      "give 1 to search in this process only, or 2 to let large searches use a second process")
+                raise bad(name, f"must be a positive integer, got {v!r}", fixes.get(name, "give a positive integer"))
         v = self.finalists_per_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise bad("finalists_per_size", f"must be a non-negative integer or None, got {v!r}",

@@ -139,7 +139,6 @@ def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
     for k in kinds:
         ranked = sorted((r for b in sizes for r in s.pure(k, b, share=s.share[k])), key=lambda r: -r.rate)
         tops[k] = _top_distinct(ranked, TOP_PER_KIND, by_size=True)
-    fills: dict[tuple[str, int, int], list[Group]] = {}
     for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
         used = [(k, r) for k, r in zip(kinds, choice, strict=True) if r is not None]
         if len({r.pipe.mbs for _, r in used}) < 2:
@@ -148,10 +147,7 @@ def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
         for k, r in used:
             d = r.pipe.num_devices
             c = s.counts[k] // d
-            key = (k, r.pipe.mbs, s.counts[k] - c * d)
-            if key not in fills:
-                fills[key] = _fill(s, k, r.pipe.mbs, s.share[k], key[2])[0]
-            groups += [Group(r.pipe, c), *fills[key]]
+            groups += [Group(r.pipe, c), *_fill(s, k, r.pipe.mbs, s.share[k], s.counts[k] - c * d)[0]]
         if results.may_enter(water_level_samples(groups, s.config.global_batch)):
             results.add(estimate_samples(groups, total_samples=s.config.global_batch, links=s.links, model=s.model,
                                          precision=s.config.precision))

@@ -29,6 +29,8 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity masks (macOS)
         return os.cpu_count() or 1
+
+
 _HEADER_BYTES = 8  # each answer's length, before it on the pipe
 
 

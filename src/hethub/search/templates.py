@@ -196,16 +196,25 @@ class Searcher:
         n, out, skipped = self.counts[kind], [], []
         prune = self.cluster.num_devices > SMALL_CLUSTER
         top: list[tuple[float, tuple]] = []  # the best TOP_PER_KIND distinct (rate, key) so far
+        split: dict[tuple[int, int], list[Ranked]] = {}  # (tp, stages): its templates, rated
+
+        def ranked(tp: int, p: int) -> list[Ranked]:
+            got = split.get((tp, p))
+            if got is None:
+                got = split[(tp, p)] = [Ranked(pipe, self.rate(pipe, kind_devices=n, share=share))
+                                        for pipe in self.splits((Slot(kind, tp),) * p, mbs)]
+                out.extend(got)
+            return got
+
+        def keep(tp: int, p: int, got: list[Ranked]) -> None:
+            for r in got:
+                if prune and r.rate > 0:
+                    _keep_top(top, r.rate, (tp, p, any(r.pipe.recompute)))
+
         # Seeds: stage shapes split first, so the bar starts near its final height (seeds only raise it
         # earlier: any template's rate is a valid bar, and the scan below takes their templates as split).
-        seeded: dict[tuple[int, int], list[Ranked]] = {}
         for tp, p in self._seeds(kind, mbs, share) if prune else ():
-            seeded[(tp, p)] = got = [Ranked(pipe, self.rate(pipe, kind_devices=n, share=share))
-                                     for pipe in self.splits((Slot(kind, tp),) * p, mbs)]
-            out += got
-            for r in got:
-                if r.rate > 0:
-                    _keep_top(top, r.rate, (tp, p, any(r.pipe.recompute)))
+            keep(tp, p, ranked(tp, p))
         # Largest TP first: on the models that need pruning it is usually best, which raises the bar early.
         for tp in sorted(self.tps[kind], reverse=prune):
             # up to L + 2 stages: the first and the last may hold only the embedding / the head
@@ -216,23 +225,18 @@ class Searcher:
             best_p, best_rate, p = 0, 0.0, 1
             while p <= p_max:
                 bar = top[-1][0] if len(top) == TOP_PER_KIND else 0.0
-                got = seeded.get((tp, p))
-                bound = 1.0 if got is not None or not (prune and bar) else self._bound(kind, tp, mbs, p, share)
+                bound = 1.0 if (tp, p) in split or not (prune and bar) else self._bound(kind, tp, mbs, p, share)
                 if bound * (1 + 1e-9) < bar:
                     if bound > 0:
                         skipped.append((tp, p, bound))
                     if bound > best_rate:
                         best_p = p
                 else:
-                    if got is None:
-                        got = [Ranked(pipe, self.rate(pipe, kind_devices=n, share=share))
-                               for pipe in self.splits((Slot(kind, tp),) * p, mbs)]
-                        out += got
+                    got = ranked(tp, p)
                     for r in got:
                         if r.rate > best_rate:
                             best_p, best_rate = p, r.rate
-                        if prune and r.rate > 0:
-                            _keep_top(top, r.rate, (tp, p, any(r.pipe.recompute)))
+                    keep(tp, p, got)
                 if best_p and p > best_p + PATIENCE:
                     if p_free is None or p >= p_free + PATIENCE:
                         break
