@@ -56,27 +56,47 @@ def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM,
     ``recompute``: every stage's mode taken as this instead of its own, which is what the plan with
     that mode everywhere gives (a stage's memory depends on its own mode only; the sync shape on
     none), without building that plan (the planner asks this per mode of every candidate)."""
-    costs = PlanCosts(plan, None)
-    schedule = get_schedule(plan.schedule)
-    mem_headroom = check_headroom(mem_headroom)
-    mems: dict[tuple[int, int], StageMemory] = {}
-    seen: dict[tuple, int] = {}  # unsharded: a pipeline equal to an earlier one but for its devices
-    for pi, p in enumerate(plan.pipelines):
-        n = len(p.stages)
-        twin = None
-        if not plan.sharded_optimizer:  # sharded slices depend on the ranks, so each is its own
-            sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
-                   tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute) for s in p.stages),
-                   tuple(costs.sync_shape[(pi, si)] for si in range(n)))
-            twin = seen.setdefault(sig, pi)
-        for si in range(n):
-            mems[(pi, si)] = (mems[(twin, si)] if twin is not None and twin != pi
-                              else _stage_mem(costs, schedule, pi, si, recompute=recompute)[1])
-    mems, _ = _with_sharding(plan, mems, headroom=mem_headroom)
-    usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=mem_headroom)  # per kind, not per stage
-              for kind in {s.kind for p in plan.pipelines for s in p.stages}}
-    return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
-            for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+    return StageFits(plan, mem_headroom=mem_headroom).under(recompute)
+
+
+class StageFits:
+    """`stage_memory_fits` of one plan under several recomputation modes: the plan's costs and which
+    pipelines repeat an earlier one are found once, for every mode asked."""
+
+    def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> None:
+        self.plan, self.costs = plan, PlanCosts(plan, None)
+        self.schedule = get_schedule(plan.schedule)
+        self.mem_headroom = check_headroom(mem_headroom)
+        # Unsharded: a pipeline equal to an earlier one but for its devices has its stages' memory
+        # (sharded slices depend on the ranks, so each pipeline is its own).
+        self.twins: list[int] = []
+        seen: dict[tuple, int] = {}
+        costs = self.costs
+        for pi, p in enumerate(plan.pipelines):
+            twin = pi
+            if not plan.sharded_optimizer:
+                sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
+                       tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute) for s in p.stages),
+                       tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
+                twin = seen.setdefault(sig, pi)
+            self.twins.append(twin)
+        # per kind, not per stage
+        self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
+                       for kind in {s.kind for p in plan.pipelines for s in p.stages}}
+
+    def under(self, recompute: Recompute | None = None) -> dict[tuple[int, int], bool]:
+        """Per (pipeline, stage): whether it fits, every stage recomputing ``recompute`` (None: its own mode)."""
+        plan = self.plan
+        mems: dict[tuple[int, int], StageMemory] = {}
+        for pi, p in enumerate(plan.pipelines):
+            twin = self.twins[pi]
+            for si in range(len(p.stages)):
+                mems[(pi, si)] = (mems[(twin, si)] if twin != pi
+                                  else _stage_mem(self.costs, self.schedule, pi, si, recompute=recompute)[1])
+        mems, _ = _with_sharding(plan, mems, headroom=self.mem_headroom)
+        usable = self.usable
+        return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
+                for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,

@@ -290,13 +290,14 @@ def _segment_terms(book: CostBook, kind: str, tp: int, n: int, mbs: int, first: 
 
 
 def _segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple[int, ...], first: bool, last: bool,
-                    n_modes: int, mid: float) -> tuple[list, int, tuple] | None:
+                    n_modes: int, mid: float) -> tuple[list, int, float, float, float, int] | None:
     """pipe_floor's memory terms of one segment whose stages hold `flights` micro-batches (the
     pipeline's first and/or last stage among them or not): its stages grouped by their modes
-    (capacity, w, base), in stage order, the layers they hold without recomputation, and each stage's
-    least one-layer work (None for the embedding's and the head's stages, which may hold none); None
-    where some stage fits in no mode. Cached: the orders of one shape, and shapes beside other pure
-    groups, ask the same segments at the same positions again."""
+    (capacity, w, base), in stage order; the layers they hold without recomputation; its first and
+    last stage's least one-layer work and the largest over its stages (0 for the embedding's and the
+    head's stages, which may hold none); and the most layers its stages hold in any mode. None where
+    some stage fits in no mode. Cached: the orders of one shape, and shapes beside other pure groups,
+    ask the same segments at the same positions again."""
     key = ("segment-memory", kind, tp, mbs, flights, first, last, n_modes)
     hit = book.stage_floors.get(key, ())
     if hit != ():
@@ -310,10 +311,12 @@ def _segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple
             book.stage_floors[key] = None
             return None
         # one layer in a mode that holds it
-        one.append(None if emb or head else min([w for c, w, _ in modes if c >= 1] or [mid]))
+        one.append(0.0 if emb or head else min([w for c, w, _ in modes if c >= 1] or [mid]))
         by_cap[modes] = by_cap.get(modes, 0) + 1
         plain += max(modes[0][0], 0)
-    out = book.stage_floors[key] = ([(k, modes) for modes, k in by_cap.items()], plain, tuple(one))
+    held = sum(k * max(c for c, _, _ in modes) for modes, k in by_cap.items())
+    out = book.stage_floors[key] = ([(k, modes) for modes, k in by_cap.items()], plain, one[0], one[-1], max(one),
+                                    held)
     return out
 
 
@@ -346,48 +349,50 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     if not segments or p > n_layers + 2:
         return None
     key = (segments, mbs, memory, in_flight_hint, recompute)
-    n_modes = len(RECOMPUTE_ORDER) if recompute else 1
-    sched = get_schedule(job.schedule, chunks=job.chunks)
     hit = book.pipe_floors.get(key, ())
     if hit != ():
         return hit  # type: ignore[return-value]
+    n_modes = len(RECOMPUTE_ORDER) if recompute else 1
+    sched = get_schedule(job.schedule, chunks=job.chunks)
     inv_w, base_over_w, base_sum, w_min = 0.0, 0.0, 0.0, math.inf
     caps: list[tuple[int, tuple]] = []  # (stages, their modes: (capacity, w, base) each)
-    pos, extra_min, plain_total = 0, math.inf, 0.0
-    one_layer = [0.0] * p  # a floor under each stage's work: middle stages hold at least one layer
+    pos, extra_min, plain_total, held = 0, math.inf, 0.0, 0
+    # A floor under each stage's work (middle stages hold at least one layer; the embedding's and the
+    # head's may hold none): per segment its first and last stage's, and the largest.
+    ends: list[tuple[float, float]] = []
+    one_max = 0.0
     for kind, tp, n in segments:
-        d_inv, d_bow, d_base, seg_w_min, mid, extra = _segment_terms(book, kind, tp, n, mbs, pos == 0, pos + n == p,
-                                                                     n_modes)
+        first, last = pos == 0, pos + n == p
+        d_inv, d_bow, d_base, seg_w_min, mid, extra = _segment_terms(book, kind, tp, n, mbs, first, last, n_modes)
         inv_w += d_inv
         base_over_w += d_bow
         base_sum += d_base
         w_min = min(w_min, seg_w_min)
         extra_min = min(extra_min, extra)
-        lo_mid, hi_mid = max(pos, 1), min(pos + n, p - 1)
-        if hi_mid > lo_mid:
-            one_layer[lo_mid:hi_mid] = [mid] * (hi_mid - lo_mid)
-        if not memory:
-            pos += n
-            continue
-        # what split.split_layers sizes each stage for (Searcher.in_flight_hint's hint for GPipe)
-        flights = _in_flights(book, sched, p, in_flight_hint)[pos:pos + n]
-        seg = _segment_memory(book, kind, tp, mbs, flights, pos == 0, pos + n == p, n_modes, mid)
-        if seg is None:
-            book.pipe_floors[key] = None
-            return None
-        seg_caps, seg_plain, seg_one = seg
-        caps += seg_caps
-        plain_total += seg_plain
-        for s, w in enumerate(seg_one, start=pos):
-            if w is not None:
-                one_layer[s] = w
+        if memory:
+            # what split.split_layers sizes each stage for (Searcher.in_flight_hint's hint for GPipe)
+            flights = _in_flights(book, sched, p, in_flight_hint)[pos:pos + n]
+            seg = _segment_memory(book, kind, tp, mbs, flights, first, last, n_modes, mid)
+            if seg is None:
+                book.pipe_floors[key] = None
+                return None
+            seg_caps, seg_plain, one_first, one_last, seg_one_max, seg_held = seg
+            caps += seg_caps
+            plain_total += seg_plain
+            held += seg_held
+        else:  # the pipeline's first and last stages 0, the others `mid`
+            one_first = 0.0 if pos == 0 or pos == p - 1 else mid
+            one_last = 0.0 if pos + n - 1 in (0, p - 1) else mid
+            seg_one_max = mid if n - (pos == 0) - (pos + n == p) > 0 else 0.0
+        ends.append((one_first, one_last))
+        one_max = max(one_max, seg_one_max)
         pos += n
-    if w_min <= 0 or (memory and sum(k * max(c for c, _, _ in modes) for k, modes in caps) < n_layers):
+    if w_min <= 0 or (memory and held < n_layers):
         book.pipe_floors[key] = None
         return None
 
     # Every B below the continuous balance holds fewer than L layers, so start there.
-    balance = max((n_layers + base_over_w) / inv_w, max(one_layer))
+    balance = max((n_layers + base_over_w) / inv_w, one_max)
     lo = smallest_holding(caps, n_layers, balance) if memory else balance
     if lo is None:  # not reached: the capacities were checked to hold L above
         book.pipe_floors[key] = None
@@ -403,14 +408,14 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     # which lays each kind's segment out on its own: one segment's hops depend on it alone).
     nbytes = numel * act_bytes_for(job.precision)
     p2p = hop_max = pair = 0.0
-    pos, prev = 0, None
-    for kind, tp, n in segments:
+    prev = None
+    for i, (kind, tp, n) in enumerate(segments):
         here = Slot(kind, tp)
         if prev is not None:
             h = links.hop_s(prev, here, numel=numel, nbytes=nbytes)
             p2p += h
             hop_max = max(hop_max, h)
-            pair = max(pair, (one_layer[pos - 1] + one_layer[pos] + 2 * h) / 2)
+            pair = max(pair, (ends[i - 1][1] + ends[i][0] + 2 * h) / 2)
         if n > 1:
             seg = book.stage_floors.get(("segment-hops", kind, tp, n, mbs))
             if seg is None:
@@ -418,7 +423,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
                 seg = book.stage_floors[("segment-hops", kind, tp, n, mbs)] = (sum(inner), max(inner))
             p2p += seg[0]
             hop_max = max(hop_max, seg[1])
-        prev, pos = here, pos + n
+        prev = here
     fill = sched.fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     period = bottleneck
     if job.schedule == "1f1b" and job.chunks == 1 and p2p > 0:

@@ -116,19 +116,34 @@ def water_level(groups: list, total_mb: int) -> float:
     one below that point gives the answer in O(groups log groups). `groups` holds `Group`s of
     anything with base_s and per_mb_s (a PipeCost or a bounds.PipeFloor).
     """
-    return _filled_level(_finish_lines(groups), total_mb)
+    return _filled_level(finish_lines(groups), total_mb)
 
 
-def _finish_lines(groups: list) -> list[tuple[float, float, int]]:
+def finish_lines(groups: list) -> list[tuple[float, float, int]]:
     """(base, per micro-batch, pipelines) of the groups that have pipelines, by base: `_filled_level`'s input."""
     return sorted((g.pipe.base_s, g.pipe.per_mb_s, g.count) for g in groups if g.count > 0)
+
+
+def water_level_with(lines: list[tuple[float, float, int]], total_mb: int, *, base_s: float, per_mb_s: float,
+                     count: int) -> float:
+    """`water_level` of groups whose `finish_lines` are `lines` plus `count` pipelines of (base_s,
+    per_mb_s): the mixed search prices thousands of floors beside one set of pure groups."""
+    if count > 0:
+        lines = lines.copy()
+        bisect.insort(lines, (base_s, per_mb_s, count))
+    return _filled_level(lines, total_mb)
 
 
 def water_level_beside(groups: list, total_mb: int, *, start_s: float, per_s: float, at_start: int) -> float:
     """`water_level` of `groups` beside a stream that finishes `at_start` micro-batches at start_s and
     one more every per_s after it: the first time T the groups and the stream finish total_mb (exact;
     mixed._rate_level's floor, which bisected for it)."""
-    gs = _finish_lines(groups)
+    return lines_level_beside(finish_lines(groups), total_mb, start_s=start_s, per_s=per_s, at_start=at_start)
+
+
+def lines_level_beside(gs: list[tuple[float, float, int]], total_mb: int, *, start_s: float, per_s: float,
+                       at_start: int) -> float:
+    """`water_level_beside` of groups whose `finish_lines` are `gs`."""
     pure = _filled_level(gs, total_mb)  # the groups alone (inf: they finish none)
     if at_start >= total_mb:
         return min(start_s, pure)

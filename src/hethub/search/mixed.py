@@ -24,7 +24,15 @@ from typing import Protocol
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, pipe_floor, stage_modes
-from hethub.search.combine import Estimate, Group, bisect_time, finished_mb, water_level, water_level_beside
+from hethub.search.combine import (
+    Estimate,
+    Group,
+    bisect_time,
+    finished_mb,
+    lines_level_beside,
+    water_level,
+    water_level_with,
+)
 from hethub.search.holding import smallest_holding
 from hethub.search.mixed_sync import SyncFloors
 from hethub.search.split import Slot
@@ -142,21 +150,25 @@ class Family:
         cap = self.caps(flights[0])[0]
         if min(cap) < 0 or sum(t * c for t, c in zip(top, cap, strict=True)) < n_layers:
             return None
-        inv = sum(t / w for t, w in zip(top, self.w, strict=True))
+        w = self.w
+        inv = sum(t / x for t, x in zip(top, w, strict=True))
         b = (n_layers + self.base_over_w) / inv
         # smallest B with sum_k top_k min(cap_k, B / w_k) >= L (piecewise linear in B)
         held, slope = 0.0, inv
-        for i in sorted(range(len(top)), key=lambda j: cap[j] * self.w[j]):
-            sat = cap[i] * self.w[i]
+        for i in self._saturation_order(flights[0]):
+            sat = cap[i] * w[i]
             if held + slope * sat >= n_layers:
                 break
             held += top[i] * cap[i]
-            slope -= top[i] / self.w[i]
+            slope -= top[i] / w[i]
         b = max(b, self.base_min, (n_layers - held) / slope if slope > 0 else b)
         # Whole layers (holding.smallest_holding), each kind's stages at the smallest in-flight counts a
         # member can give them; a stage that holds nothing counts 0 (a member may have fewer stages).
-        groups: dict[tuple, int] = {}
         last = len(flights) - 1
+        if last == 0:  # one in-flight count for every stage: a group per kind
+            return smallest_holding([(t, self._held_modes(i, flights[0])) for i, t in enumerate(top) if t > 0],
+                                    n_layers, b)
+        groups: dict[tuple, int] = {}
         for i, t in enumerate(top):
             for j in range(min(t, last)):
                 ms = self._held_modes(i, flights[j])
@@ -165,6 +177,15 @@ class Family:
                 ms = self._held_modes(i, flights[last])
                 groups[ms] = groups.get(ms, 0) + t - last
         return smallest_holding([(k, ms) for ms, k in groups.items()], n_layers, b)
+
+    def _saturation_order(self, in_flight: int) -> tuple[int, ...]:
+        """The kinds by the time a middle stage of each takes to fill its capacity (cap_k w_k)."""
+        key = ("order", in_flight)
+        hit = self._held.get(key)
+        if hit is None:
+            cap = self.caps(in_flight)[0]
+            hit = self._held[key] = tuple(sorted(range(len(cap)), key=lambda j: cap[j] * self.w[j]))
+        return hit  # type: ignore[return-value]
 
     def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
         """`modes` as holding.smallest_holding takes them, bases 0 and capacities at least 0."""
@@ -265,7 +286,7 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
     fill = fam.sched.fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     floor = PipeFloor(base_s=fill + 2 * hops - bottleneck, per_mb_s=bottleneck)
     total = s.total_mb(mbs)
-    level = water_level([*ctx.pure, Group(floor, chi)], total)
+    level = water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s, count=chi)
     # c pipelines of n_k stages each run at most c sum_k n_k / w_k / L micro-batches per second, and
     # c n_k <= slots_k: a box's pipelines together cannot beat its devices' rate, however many there are.
     rate = sum(min(n, chi * t) / w for n, t, w in zip(fam.slots, top, fam.w, strict=True)) / n_layers
@@ -295,7 +316,7 @@ def _rate_level(ctx: SyncFloors, fam: Family, boxes: list[tuple], total: int) ->
         c_max = max(box[1] for box in boxes)
         f0 = fam.sched.fill_work_floor_s(work_s=fam.work_min, bottleneck_s=0.0)
         # by T the stream of the family's pipelines finishes c_max at F0 and one more every 1 / R after
-        hit = water_level_beside(ctx.pure, total, start_s=f0, per_s=1 / rate, at_start=c_max) * (1 - 1e-12) \
+        hit = lines_level_beside(ctx.lines, total, start_s=f0, per_s=1 / rate, at_start=c_max) * (1 - 1e-12) \
             if rate > 0 else 0.0
         c_min = min(box[0] for box in boxes)
         devices = min(sum(t * n for t, n in zip(fam.tps, box[2], strict=True)) for box in boxes)
@@ -401,7 +422,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                 devices = sum(t * n for _, t, n in segs)
                 sync = max(ctx.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
                            ctx.tail_floor(segs, c, devices))
-                lv = max(level, water_level([*ctx.pure, Group(floor, c)], total) + sync)
+                lv = max(level, water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s,
+                                                 count=c) + sync)
                 heapq.heappush(heap, (lv, next(tie), 1, ctx, fam, (segs, c, sync)))
             continue
         segs, c, sync = item
@@ -409,7 +431,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
             hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
             floor = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)
             if floor is not None:
-                lv = max(level, water_level([*ctx.pure, Group(floor, c)], total) + sync)
+                lv = max(level, water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s,
+                                                 count=c) + sync)
                 heapq.heappush(heap, (lv, next(tie), 2, ctx, fam, item))
             continue
         slots = s.mixed_slots(segs)
@@ -419,12 +442,13 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
             # (none's mode alone: every stage of such a split runs it) could still enter the finalists.
             hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
             plain = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint, recompute=False)
-            if plain is not None and results.may_enter(water_level([*ctx.pure, Group(plain, c)], total) + sync):
+            if plain is not None and results.may_enter(
+                    water_level_with(ctx.lines, total, base_s=plain.base_s, per_mb_s=plain.per_mb_s, count=c) + sync):
                 pipes = pipes + s.split_part(slots, mbs, recompute=False)
         for pipe in pipes:
-            groups = [*ctx.pure, Group(pipe, c)]
-            if results.may_enter(water_level(groups, total)):
-                results.add(s.estimate(groups, mbs))
+            if results.may_enter(water_level_with(ctx.lines, total, base_s=pipe.base_s, per_mb_s=pipe.per_mb_s,
+                                                  count=c)):
+                results.add(s.estimate([*ctx.pure, Group(pipe, c)], mbs))
 
 
 

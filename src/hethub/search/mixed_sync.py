@@ -11,7 +11,7 @@ import math
 
 from hethub.layout import block_starts
 from hethub.predict.comm import allreduce_time_s
-from hethub.search.combine import Group, embedding_ring_s
+from hethub.search.combine import Group, embedding_ring_s, finish_lines
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
@@ -23,6 +23,7 @@ class SyncFloors:
 
     def __init__(self, s: Searcher, pure: list[Group]) -> None:
         self.s, self.pure = s, pure
+        self.lines = finish_lines(pure)  # combine.water_level_with's, for floors beside these groups
         self.devices = sum(g.count * g.pipe.num_devices for g in pure)
         self.firsts = [(g.pipe.slots[0], g.count) for g in pure]
         self.lasts = [(g.pipe.slots[-1], g.count) for g in pure]

@@ -324,10 +324,12 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         # The child scans every other of the mixed search's templates (kind, micro-batch size), sends
         # them, then runs the bound; the parent scans the rest, takes the child's, and searches.
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
-        keys = [(k, b) for b in config.usable_micro_batch_sizes for k in s.counts]
-        with Forked(scans=lambda: s.pure_scans(keys[1::2]), bound=bound_part) as child:
+        sizes = config.usable_micro_batch_sizes
+        mine = [(k, b) for b in sizes[:(len(sizes) + 1) // 2] for k in s.counts]
+        theirs = [(k, b) for b in sizes[(len(sizes) + 1) // 2:] for k in s.counts]
+        with Forked(scans=lambda: s.pure_scans(theirs), bound=bound_part) as child:
             try:
-                s.pure_scans(keys[::2])
+                s.pure_scans(mine)
                 s.adopt_scans(child.result("scans"))
                 mixed = mixed_part(s)
             except Exception:

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from hethub.plan import Plan, Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
-from hethub.predict.predictor import stage_memory_fits
+from hethub.predict.predictor import StageFits
 from hethub.search.costs import RECOMPUTE_ORDER
 
 
@@ -31,7 +31,8 @@ def choose_recompute(plan: Plan, *, allow_recompute: bool = True,
     """Each stage's fastest recomputation mode that fits its memory; without ``allow_recompute`` only
     ``none`` is tried. A stage that fits under no mode tried keeps its own."""
     modes = RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
-    fits = {m: stage_memory_fits(plan, mem_headroom=mem_headroom, recompute=m) for m in modes}
+    under = StageFits(plan, mem_headroom=mem_headroom).under
+    fits = {m: under(m) for m in modes}
     pipes = []
     for pi, p in enumerate(plan.pipelines):
         stages = tuple(replace(s, recompute=next((m for m in modes if fits[m][(pi, si)]), s.recompute))
@@ -46,8 +47,9 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
     # Full recomputation first: it holds the fewest activations, so it alone usually settles it.
     modes = tuple(reversed(RECOMPUTE_ORDER)) if allow_recompute else (Recompute.NONE,)
     ok: dict[tuple[int, int], bool] = {}
+    under = StageFits(plan, mem_headroom=mem_headroom).under
     for m in modes:
-        for key, fits in stage_memory_fits(plan, mem_headroom=mem_headroom, recompute=m).items():
+        for key, fits in under(m).items():
             ok[key] = ok.get(key, False) or fits
         if all(ok.values()):
             return True
