@@ -35,8 +35,7 @@ class SyncFloors:
         ends = self.firsts + (self.lasts if s.model.tied_embeddings else [])
         self.end_kinds = frozenset(sl.kind for sl, _ in ends)
         self.end_tp = min([sl.tp for sl, _ in ends], default=math.inf)
-        self._rings: dict[tuple, float] = {}
-        self._emb_rings: dict[tuple, float] = {}
+        self._rings = s.sync_rings  # the ring floors depend on their keys only: shared by every SyncFloors
         self._pure_tail: dict[tuple, float] = {}
         self._tails: dict[tuple, float] = {}
         # A mixed stage's layers are also held by a stage of every kind-pure group (each holds all
@@ -55,7 +54,7 @@ class SyncFloors:
         shard's rings share the NIC (tp rings of (matrix / tp + norm) bytes: the norm counts tp
         times), so the floor is the smaller of the two."""
         devices = min(devices, self._dev_cap)
-        key = (kinds, tp, replicas, devices)
+        key = ("layer", kinds, tp, replicas, devices)
         hit = self._rings.get(key)
         if hit is None:
             m, s = self.s.model, self.s
@@ -115,12 +114,12 @@ class SyncFloors:
     def _embedding_ring(self, kinds: frozenset[str], tp: int, replicas: int, total: int) -> float:
         """combine.embedding_ring_s for the pure groups' first (and, tied, last) stages plus these."""
         kinds, tp = kinds | self.end_kinds, min(tp, self.end_tp)
-        key = (kinds, tp, replicas, total)
-        hit = self._emb_rings.get(key)
+        key = ("embedding", kinds, tp, replicas, total)
+        hit = self._rings.get(key)
         if hit is None:
             s = self.s
-            hit = self._emb_rings[key] = embedding_ring_s(kinds, tp, replicas, total_devices=total, links=s.links,
-                                                      model=s.model, precision=s.config.precision)
+            hit = self._rings[key] = embedding_ring_s(kinds, tp, replicas, total_devices=total, links=s.links,
+                                                  model=s.model, precision=s.config.precision)
         return hit
 
     def tail_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:

@@ -84,6 +84,9 @@ class Searcher:
         self.mixed_cache: dict[tuple, list] = {}
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._fits: dict[tuple, bool] = {}
+        # mixed_sync.SyncFloors' ring floors, which depend on their keys only: shared by every set of
+        # pure groups the mixed search places pipelines beside.
+        self.sync_rings: dict[tuple, float] = {}
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
         """The min-max split, plus the best split without recomputation when that one recomputes.
