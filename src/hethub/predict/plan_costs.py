@@ -102,11 +102,17 @@ class PlanCosts:
     def stage_memory(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
                      recompute: Recompute, in_flight: int, synced: bool, mixed_sync: bool, communicators: int,
                      sync_bucket_params: float) -> StageMemory:
-        key = (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
-               sync_bucket_params)
+        return self.memory_of((kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync,
+                               communicators, sync_bucket_params))
+
+    def memory_of(self, shape: tuple, recompute: Recompute | None = None) -> StageMemory:
+        """`stage_memory` of a `stage_shape` (recomputing ``recompute`` where given, else its own mode)."""
+        key = shape if recompute is None or recompute == shape[6] else (*shape[:6], recompute, *shape[7:])
         mem = self.memory.get(key)
         if mem is None:
             plan = self.plan
+            (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
+             sync_bucket_params) = key
             k, precision, attention = plan.cluster.kinds[kind], plan.precision_of(kind), plan.attention_of(kind)
             mem = self.memory[key] = _MEMORY.get(
                 (id(plan.model), id(k), plan.seq_len, precision, attention, key),
@@ -119,20 +125,23 @@ class PlanCosts:
                 pin=(plan.model, k))
         return mem
 
-    def plan_stage_memory(self, pi: int, si: int, *, in_flight: float, recompute: Recompute | None = None,
-                          ) -> StageMemory:
-        """Memory of stage ``si`` of pipeline ``pi`` of the plan, its gradient sync as the runtime does it.
-        ``in_flight``: micro-batches of the whole stage held at the peak (fractional for chunks).
-        ``recompute``: the stage's mode taken as this instead of its own (the sync shape keeps)."""
+    def stage_shape(self, pi: int, si: int, *, in_flight: float) -> tuple:
+        """What stage ``si`` of pipeline ``pi``'s memory depends on, its gradient sync as the runtime does
+        it: (kind, layers, embedding, head, tp, micro-batch size, recompute, in_flight, synced, mixed
+        sync, communicators, sync bucket parameters). ``in_flight``: micro-batches of the whole stage
+        held at the peak (fractional for chunks)."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
         synced, mixed, bucket = self.sync_shape[(pi, si)]
         comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
-        return self.stage_memory(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                 mbs=p.micro_batch_size, recompute=s.recompute if recompute is None else recompute,
-                                 in_flight=in_flight,  # type: ignore[arg-type]
-                                 synced=synced,
-                                 mixed_sync=mixed, communicators=comms, sync_bucket_params=bucket)
+        return (s.kind, s.num_layers, s.embedding, s.head, s.tp, p.micro_batch_size, s.recompute, in_flight, synced,
+                mixed, comms, bucket)
+
+    def plan_stage_memory(self, pi: int, si: int, *, in_flight: float, recompute: Recompute | None = None,
+                          ) -> StageMemory:
+        """Memory of stage ``si`` of pipeline ``pi`` of the plan (`stage_shape`), recomputing ``recompute``
+        where given (the sync shape keeps), else its own mode."""
+        return self.memory_of(self.stage_shape(pi, si, in_flight=in_flight), recompute)
 
     def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
                  ops: bool, chunks: int = 1) -> list[float]:

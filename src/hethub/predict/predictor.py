@@ -60,18 +60,22 @@ def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM,
 
 
 class StageFits:
-    """`stage_memory_fits` of one plan under several recomputation modes: the plan's costs and which
-    pipelines repeat an earlier one are found once, for every mode asked."""
+    """`stage_memory_fits` of one plan under several recomputation modes: the plan's costs, which
+    pipelines repeat an earlier one and each stage's memory key but for its mode are found once, for
+    every mode asked."""
 
     def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> None:
         self.plan, self.costs = plan, PlanCosts(plan, None)
-        self.schedule = get_schedule(plan.schedule)
+        schedule = get_schedule(plan.schedule)
         self.mem_headroom = check_headroom(mem_headroom)
+        costs = self.costs
         # Unsharded: a pipeline equal to an earlier one but for its devices has its stages' memory
         # (sharded slices depend on the ranks, so each pipeline is its own).
-        self.twins: list[int] = []
         seen: dict[tuple, int] = {}
-        costs = self.costs
+        self.twins: list[int] = []
+        # Each stage of a pipeline that is no earlier one's twin: its place and its memory's shape
+        # (PlanCosts.stage_shape), or, for chunked pipelines, None (asked per mode through _stage_mem).
+        self.own: list[tuple[int, int, tuple | None]] = []
         for pi, p in enumerate(plan.pipelines):
             twin = pi
             if not plan.sharded_optimizer:
@@ -80,19 +84,31 @@ class StageFits:
                        tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
                 twin = seen.setdefault(sig, pi)
             self.twins.append(twin)
+            if twin != pi:
+                continue
+            n = len(p.stages)
+            for si in range(n):
+                shape = None
+                if p.virtual_stages == 1:
+                    held = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=p.num_micro_batches)
+                    shape = costs.stage_shape(pi, si, in_flight=held)
+                self.own.append((pi, si, shape))
+        self.schedule = schedule
         # per kind, not per stage
         self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
                        for kind in {s.kind for p in plan.pipelines for s in p.stages}}
 
     def under(self, recompute: Recompute | None = None) -> dict[tuple[int, int], bool]:
         """Per (pipeline, stage): whether it fits, every stage recomputing ``recompute`` (None: its own mode)."""
-        plan = self.plan
+        plan, costs = self.plan, self.costs
         mems: dict[tuple[int, int], StageMemory] = {}
-        for pi, p in enumerate(plan.pipelines):
-            twin = self.twins[pi]
-            for si in range(len(p.stages)):
-                mems[(pi, si)] = (mems[(twin, si)] if twin != pi
-                                  else _stage_mem(self.costs, self.schedule, pi, si, recompute=recompute)[1])
+        for pi, si, shape in self.own:
+            mems[(pi, si)] = (_stage_mem(costs, self.schedule, pi, si, recompute=recompute)[1] if shape is None
+                              else costs.memory_of(shape, recompute))
+        for pi, twin in enumerate(self.twins):
+            if twin != pi:
+                for si in range(len(plan.pipelines[pi].stages)):
+                    mems[(pi, si)] = mems[(twin, si)]
         mems, _ = _with_sharding(plan, mems, headroom=self.mem_headroom)
         usable = self.usable
         return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]

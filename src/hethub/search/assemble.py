@@ -41,19 +41,22 @@ def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple
 
 
 def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
-               schedule: str, precision: str, strategy: str, validate: bool = True) -> Plan:
+               schedule: str, precision: str, strategy: str, validate: bool = True, place: bool = True) -> Plan:
     """The candidate laid out on devices. ``validate=False`` only for a layout the search checks and
-    drops (templates.Searcher.fits's memory check): a plan made from it is validated when built."""
+    drops (templates.Searcher.fits's memory check): a plan made from it is validated when built.
+    ``place=False``: every stage on placeholder devices 0 .. tp - 1, for that check where nothing it
+    asks depends on device ids (an unsharded plan's memory: TP degrees and layer ranges)."""
     pipes, counts = [], []
     for g, ms in zip(est.groups, est.micro_batches, strict=True):
         for m in ms:
             pipes.append(g.pipe)
             counts.append(m)
-    devices = allocate_devices(cluster, pipes)
+    devices = (allocate_devices(cluster, pipes) if place
+               else [[tuple(range(sl.tp)) for sl in pc.slots] for pc in pipes])
     pipelines = [to_pipeline(pc, devs, num_micro_batches=m, mbs=pc.mbs)
                  for pc, m, devs in zip(pipes, counts, devices, strict=True)]
-    # Order replicas by their first device so the plan reads like the cluster file.
-    pipelines.sort(key=lambda p: p.stages[0].devices[0])
+    if place:  # replicas by their first device, so the plan reads like the cluster file
+        pipelines.sort(key=lambda p: p.stages[0].devices[0])
     plan = Plan(model=model, cluster=cluster, global_batch=global_batch, seq_len=seq_len,
                 pipelines=tuple(pipelines), schedule=schedule, precision=precision, strategy=strategy)
     return plan.validate() if validate else plan

@@ -157,7 +157,7 @@ class Searcher:
             total = sum(sum(m) * g.pipe.mbs for g, m in zip(est.groups, est.micro_batches, strict=True))
             plan = build_plan(cluster=self.cluster, model=self.model, est=est, global_batch=total,
                               seq_len=cfg.seq_len, schedule=cfg.schedule, precision=cfg.precision, strategy="hethub",
-                              validate=False)
+                              validate=False, place=cfg.optimizer_sharding == "zero1")  # slices follow the ranks
             if cfg.optimizer_sharding == "zero1":
                 plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=cfg.optimizer_shares)
             hit = self._fits[key] = fits_some_mode(plan, allow_recompute=cfg.allow_recompute,
