@@ -92,7 +92,7 @@ def test_box_floors_are_below_every_member_they_stand_for():
                                                                         schedule=schedule), profiles=None)
         mbs, checked = 2, 0
         ctx = SyncFloors(s, [])
-        for fam, root in families(s, dict(s.counts), mbs):
+        for fam, (root,) in families(s, dict(s.counts), mbs):
             best: dict[tuple, float] = {}  # (c, stage counts) -> best closed-form step of that shape
             for c in range(1, root[1] + 1):
                 for ns in itertools.product(*[range(1, min(h, n // c) + 1) for h, n in zip(root[3], fam.slots,
@@ -124,7 +124,7 @@ def test_mixed_floors_beside_pure_groups_are_below_every_member():
     ctx = SyncFloors(s, pure)
     pool = {k: s.counts[k] - sum(g.pipe.devices_by_kind().get(k, 0) for g in pure) for k in kinds}
     assert ctx.tail_floor((), 1, 0) > 0
-    for fam, root in families(s, pool, mbs):
+    for fam, (root,) in families(s, pool, mbs):
         best: dict[tuple, float] = {}
         for c in range(1, root[1] + 1):
             for ns in itertools.product(*[range(1, min(h, n // c) + 1) for h, n in zip(root[3], fam.slots,
@@ -150,7 +150,7 @@ def _boxes_below_members(s, ctx, *, fam, root, best: dict[tuple, float], mbs: in
     the best closed-form step of the shapes (c, stage counts) inside it; returns the boxes checked."""
     checked, boxes = 0, [root]
     if best:  # the family's rate floor, under which price_mixed floors none of its boxes yet
-        assert _rate_level(ctx, fam, [root], s.total_mb(mbs)) <= min(best.values()) * (1 + 1e-9), fam.subset
+        assert _rate_level(ctx, fam, s.total_mb(mbs)) <= min(best.values()) * (1 + 1e-9), fam.subset
     while boxes:
         box = boxes.pop()
         clo, chi, lo, hi = box

@@ -14,7 +14,6 @@ reference search (search/reference.py) whose closed form could be a finalist.
 
 from __future__ import annotations
 
-import copy
 import heapq
 import itertools
 import math
@@ -61,6 +60,7 @@ class Family:
     """(kinds, TP degree per kind) over a pool, with what every box floor of it needs."""
 
     slots: tuple[int, ...] = ()  # stage slots of each kind in the pool (`over`)
+    rate_terms: tuple = ()  # what _rate_level reads of the family's boxes in that pool (`with_boxes`)
 
     def __init__(self, s: Searcher, subset: tuple[str, ...], tps: tuple[int, ...], mbs: int) -> None:
         self.subset, self.tps = subset, tps
@@ -93,12 +93,22 @@ class Family:
         return s
 
     def over(self, pool: dict[str, int]) -> Family:
-        """This family over a pool of devices: a shallow copy, so the families of every pool of a
-        search share one set of stage constants and capacity caches (they depend on the kinds, TP
-        degrees and micro-batch size only)."""
-        fam = copy.copy(self)
+        """This family over a pool of devices: a shallow copy, so the families of
+        every pool of a search share one set of stage constants and capacity caches (they depend on
+        the kinds, TP degrees and micro-batch size only)."""
+        fam = Family.__new__(Family)
+        fam.__dict__.update(self.__dict__)
         fam.slots = tuple(pool[k] // t for k, t in zip(self.subset, self.tps, strict=True))
         return fam
+
+    def with_boxes(self, boxes: list[tuple]) -> Family:
+        """Keep what `_rate_level` reads of the family's boxes: their fewest and most replicas, fewest
+        devices per pipeline and most stages per kind, and the devices' rate."""
+        self.rate_terms = (min(box[0] for box in boxes), max(box[1] for box in boxes),
+                           min(sum(t * n for t, n in zip(self.tps, box[2], strict=True)) for box in boxes),
+                           tuple(max(min(box[3][i], n // box[0]) for box in boxes) for i, n in enumerate(self.slots)),
+                           sum(n / w for n, w in zip(self.slots, self.w, strict=True)) / self.n_layers)
+        return self
 
     def caps(self, in_flight: int) -> tuple[list[int], list[int]]:
         """Most layers a middle stage of each kind holds with `in_flight` micro-batches (any mode;
@@ -196,8 +206,8 @@ class Family:
         return hit
 
 
-def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, tuple]]:
-    """One (family, whole box) per (kinds, TP degree per kind) that the pool holds."""
+def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, list[tuple]]]:
+    """Each (kinds, TP degree per kind) that the pool holds, with the boxes it is searched in."""
     key = (tuple(sorted(pool.items())), mbs)
     hit = s.mixed_cache.get(key)
     if hit is not None:
@@ -213,18 +223,20 @@ def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, 
                     proto = s.mixed_cache[("family", subset, tps, mbs)] = Family(s, subset, tps, mbs)
                 if not proto.feasible:
                     continue
-                fam = proto.over(pool)
-                hi = tuple(min(n, most - (size - 1)) for n in fam.slots)
+                slots = tuple(pool[k] // t for k, t in zip(subset, tps, strict=True))
                 if s.cluster.num_devices <= COMPLETE_POOL:
-                    out.append((fam, (1, min(fam.slots), (1,) * size, hi)))
-                    continue
-                # Larger pools: the whole pool, replica counts spread geometrically (not complete; the
-                # complete boxes took minutes at 512 devices, their floors too loose there).
-                c_lo = max(1, -(-sum(fam.slots) // most))
-                for c in _spread(c_lo, min(fam.slots), 8) if c_lo <= min(fam.slots) else []:
-                    ns = tuple(n // c for n in fam.slots)
-                    if sum(ns) <= most:
-                        out.append((fam, (c, c, ns, ns)))
+                    boxes = [(1, min(slots), (1,) * size, tuple(min(n, most - (size - 1)) for n in slots))]
+                else:
+                    # Larger pools: the whole pool, replica counts spread geometrically (not complete; the
+                    # complete boxes took minutes at 512 devices, their floors too loose there).
+                    c_lo = max(1, -(-sum(slots) // most))
+                    boxes = []
+                    for c in _spread(c_lo, min(slots), 8) if c_lo <= min(slots) else ():
+                        ns = tuple(n // c for n in slots)
+                        if sum(ns) <= most:
+                            boxes.append((c, c, ns, ns))
+                if boxes:
+                    out.append((proto.over(pool).with_boxes(boxes), boxes))
     s.mixed_cache[key] = out
     return out
 
@@ -296,7 +308,7 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
     return level + max(ctx.sync_floor(fam.pairs, clo, devices), ctx.tail_floor(segs, clo, devices))
 
 
-def _rate_level(ctx: SyncFloors, fam: Family, boxes: list[tuple], total: int) -> float:
+def _rate_level(ctx: SyncFloors, fam: Family, total: int) -> float:
     """A floor under the makespan of every candidate in the family's `boxes` beside ctx's pure
     groups, whatever its replica and stage counts. A mixed pipeline j finishes its m-th micro-batch
     no earlier than F + (m - 1) B_j (its fill floor and bottleneck, as in `_box_level`), and its fill
@@ -311,16 +323,11 @@ def _rate_level(ctx: SyncFloors, fam: Family, boxes: list[tuple], total: int) ->
     key = (id(fam), total)
     hit = ctx.rate_levels.get(key)
     if hit is None:
-        n_layers = fam.n_layers
-        rate = sum(n / w for n, w in zip(fam.slots, fam.w, strict=True)) / n_layers
-        c_max = max(box[1] for box in boxes)
+        c_min, c_max, devices, top, rate = fam.rate_terms
         f0 = fam.sched.fill_work_floor_s(work_s=fam.work_min, bottleneck_s=0.0)
         # by T the stream of the family's pipelines finishes c_max at F0 and one more every 1 / R after
         hit = lines_level_beside(ctx.lines, total, start_s=f0, per_s=1 / rate, at_start=c_max) * (1 - 1e-12) \
             if rate > 0 else 0.0
-        c_min = min(box[0] for box in boxes)
-        devices = min(sum(t * n for t, n in zip(fam.tps, box[2], strict=True)) for box in boxes)
-        top = [max(min(box[3][i], n // box[0]) for box in boxes) for i, n in enumerate(fam.slots)]
         segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
         hit += max(ctx.sync_floor(fam.pairs, c_min, devices), ctx.tail_floor(segs, c_min, devices))
         ctx.rate_levels[key] = hit
@@ -384,10 +391,9 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
     tie = itertools.count()
     for pure, pool in todo:
         ctx = SyncFloors(s, pure)
-        for fam, boxes in itertools.groupby(families(s, pool, mbs), key=lambda fb: fb[0]):
+        for fam, boxes in families(s, pool, mbs):
             # Each family enters under its devices' rate floor; its boxes are floored only once popped.
-            bs = [box for _, box in boxes]
-            heap.append((_rate_level(ctx, fam, bs, total), next(tie), -2, ctx, fam, bs))
+            heap.append((_rate_level(ctx, fam, total), next(tie), -2, ctx, fam, boxes))
     heapq.heapify(heap)
     while heap:
         level, _, stage, ctx, fam, item = heapq.heappop(heap)
