@@ -224,3 +224,47 @@ def test_water_level_beside_a_stream_is_the_first_time_the_batch_is_done(specs, 
     want = next(t for t in times if finished(t) >= total)
     got = water_level_beside(groups, total, start_s=start, per_s=per, at_start=at_start)
     assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def _segment_memory_stage_by_stage(book, kind, tp, mbs, flights, first, last, n_modes, mid):
+    """bounds._segment_memory as a plain loop over the stages (its definition)."""
+    from hethub.search.bounds import stage_modes
+    by_cap, plain, one, n = {}, 0, [], len(flights)
+    for i, f in enumerate(flights):
+        emb, head = first and i == 0, last and i == n - 1
+        modes = stage_modes(book, kind, tp, mbs, emb, head, f)[:n_modes]
+        if max(c for c, _, _ in modes) < 0:
+            return None
+        one.append(0.0 if emb or head else min([w for c, w, _ in modes if c >= 1] or [mid]))
+        by_cap[modes] = by_cap.get(modes, 0) + 1
+        plain += max(modes[0][0], 0)
+    held = sum(k * max(c for c, _, _ in modes) for modes, k in by_cap.items())
+    return by_cap, plain, one[0], one[-1], max(one), held
+
+
+def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
+    # pipe_floor's segments read their middle stages off runs of equal modes (counts running down by
+    # one, as 1F1B gives them) or count by count: both must be the stage-by-stage loop exactly.
+    from hethub.search.bounds import _segment_memory
+    s = Searcher(cluster=_cluster(4), model=get_model("llama-2-70b"),
+                 config=PlannerConfig(global_batch=256, seq_len=4096), profiles=None)
+    checked = infeasible = 0
+    for kind, tp, mbs, n_modes in itertools.product(KINDS, (1, 4), (1, 4), (1, 3)):
+        for top, n in itertools.product((1, 2, 5, 17, 40, 82), (1, 2, 3, 9, 40)):
+            if n > top:
+                continue
+            for flights in (tuple(range(top, top - n, -1)), (top,) * n, tuple(range(1, n + 1))):
+                for first, last in itertools.product((False, True), repeat=2):
+                    got = _segment_memory(s.book, kind, tp, mbs, flights, first, last, n_modes, 0.5)
+                    want = _segment_memory_stage_by_stage(s.book, kind, tp, mbs, flights, first, last, n_modes, 0.5)
+                    if want is None:
+                        assert got is None
+                        infeasible += 1
+                        continue
+                    caps, plain, one_first, one_last, one_max, held = got
+                    groups: dict = {}
+                    for k, modes in caps:
+                        groups[modes] = groups.get(modes, 0) + k
+                    assert (groups, plain, one_first, one_last, one_max, held) == want
+                    checked += 1
+    assert checked > 1000 and infeasible > 50

@@ -293,31 +293,119 @@ def _segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple
                     n_modes: int, mid: float) -> tuple[list, int, float, float, float, int] | None:
     """pipe_floor's memory terms of one segment whose stages hold `flights` micro-batches (the
     pipeline's first and/or last stage among them or not): its stages grouped by their modes
-    (capacity, w, base), in stage order; the layers they hold without recomputation; its first and
-    last stage's least one-layer work and the largest over its stages (0 for the embedding's and the
-    head's stages, which may hold none); and the most layers its stages hold in any mode. None where
-    some stage fits in no mode. Cached: the orders of one shape, and shapes beside other pure groups,
-    ask the same segments at the same positions again."""
+    (capacity, w, base); the layers they hold without recomputation; its first and last stage's least
+    one-layer work and the largest over its stages (0 for the embedding's and the head's stages,
+    which may hold none); and the most layers its stages hold in any mode. None where some stage fits
+    in no mode. Cached: the orders of one shape, and shapes beside other pure groups, ask the same
+    segments at the same positions again. Middle stages whose in-flight counts run down by one (1F1B)
+    are read off `_MiddleRuns` in O(runs of equal modes) rather than stage by stage."""
     key = ("segment-memory", kind, tp, mbs, flights, first, last, n_modes)
     hit = book.stage_floors.get(key, ())
     if hit != ():
         return hit  # type: ignore[return-value]
+    n = len(flights)
     by_cap: dict[tuple, int] = {}  # stages of the segment by their modes' capacities and bases
-    plain, one, n = 0, [], len(flights)
-    for i, f in enumerate(flights):
-        emb, head = first and i == 0, last and i == n - 1
-        modes = stage_modes(book, kind, tp, mbs, emb, head, f)[:n_modes]
-        if max(c for c, _, _ in modes) < 0:
+    plain = held = 0
+    one_first = one_last = one_max = 0.0
+    ends = [i for i in (0 if first else -1, n - 1 if last else -1) if i >= 0]  # the embedding's, the head's
+    for i in dict.fromkeys(ends):
+        modes = stage_modes(book, kind, tp, mbs, first and i == 0, last and i == n - 1, flights[i])[:n_modes]
+        top = max(c for c, _, _ in modes)
+        if top < 0:
             book.stage_floors[key] = None
             return None
-        # one layer in a mode that holds it
-        one.append(0.0 if emb or head else min([w for c, w, _ in modes if c >= 1] or [mid]))
         by_cap[modes] = by_cap.get(modes, 0) + 1
         plain += max(modes[0][0], 0)
-    held = sum(k * max(c for c, _, _ in modes) for modes, k in by_cap.items())
-    out = book.stage_floors[key] = ([(k, modes) for modes, k in by_cap.items()], plain, one[0], one[-1], max(one),
+        held += top
+    lo_i, hi_i = (1 if first else 0), (n - 2 if last else n - 1)  # the middle stages' indices
+    if lo_i <= hi_i:
+        mids = flights[lo_i:hi_i + 1]
+        runs = _middle_runs(book, kind, tp, mbs, n_modes)
+        got = (runs.terms(mids[-1], mids[0], mid) if mids == tuple(range(mids[0], mids[-1] - 1, -1))
+               else runs.terms_of(mids, mid))
+        if got is None:
+            book.stage_floors[key] = None
+            return None
+        groups, m_plain, m_held, f_first, f_last, m_max = got
+        for modes, k in groups:
+            by_cap[modes] = by_cap.get(modes, 0) + k
+        plain += m_plain
+        held += m_held
+        one_max = m_max
+        if lo_i == 0:
+            one_first = f_first
+        if hi_i == n - 1:
+            one_last = f_last
+    out = book.stage_floors[key] = ([(k, modes) for modes, k in by_cap.items()], plain, one_first, one_last, one_max,
                                     held)
     return out
+
+
+def _middle_runs(book: CostBook, kind: str, tp: int, mbs: int, n_modes: int) -> _MiddleRuns:
+    key = ("middle-runs", kind, tp, mbs, n_modes)
+    hit = book.stage_floors.get(key)
+    if hit is None:
+        hit = book.stage_floors[key] = _MiddleRuns(book, kind, tp, mbs, n_modes)  # type: ignore[assignment]
+    return hit  # type: ignore[return-value]
+
+
+class _MiddleRuns:
+    """A middle stage's modes (`stage_modes`, the first n_modes) by in-flight count f = 1, 2, ...: runs
+    of counts with equal modes, and running sums of the layers a stage holds without recomputation and
+    in its best mode, so that the stages of a segment whose counts run down by one are summed in
+    O(runs). Capacities only fall as f grows, so the runs are few."""
+
+    def __init__(self, book: CostBook, kind: str, tp: int, mbs: int, n_modes: int) -> None:
+        self.args = (book, kind, tp, mbs, n_modes)
+        self.runs: list[list] = []  # [first f, last f, modes, best capacity, least one-layer w or None]
+        self.run_of = [0]  # run index by f (f = 0 unused)
+        self.plain = [0]  # layers held without recomputation by stages of counts 1 .. f
+        self.held = [0]  # layers held in the best mode by stages of counts 1 .. f
+
+    def _fill(self, f_max: int) -> None:
+        book, kind, tp, mbs, n_modes = self.args
+        for f in range(len(self.run_of), f_max + 1):
+            modes = stage_modes(book, kind, tp, mbs, False, False, f)[:n_modes]
+            if self.runs and self.runs[-1][2] == modes:
+                self.runs[-1][1] = f
+            else:
+                one = [w for c, w, _ in modes if c >= 1]
+                self.runs.append([f, f, modes, max(c for c, _, _ in modes), min(one) if one else None])
+            self.run_of.append(len(self.runs) - 1)
+            self.plain.append(self.plain[-1] + max(modes[0][0], 0))
+            self.held.append(self.held[-1] + max(c for c, _, _ in modes))
+
+    def terms(self, lo: int, hi: int, mid: float) -> tuple | None:
+        """(groups as (modes, stages), layers held without recomputation, in the best mode, one-layer
+        work of the stage at count hi and at lo, the largest one-layer work) of stages holding lo .. hi
+        micro-batches (one each); None where one fits in no mode (capacities fall with f: the one at hi)."""
+        if len(self.run_of) <= hi:
+            self._fill(hi)
+        runs = self.runs
+        if runs[self.run_of[hi]][3] < 0:
+            return None
+        groups, one_max = [], 0.0
+        for r in range(self.run_of[lo], self.run_of[hi] + 1):
+            f_lo, f_hi, modes, _, one = runs[r]
+            groups.append((modes, min(hi, f_hi) - max(lo, f_lo) + 1))
+            one_max = max(one_max, mid if one is None else one)
+        at_hi, at_lo = runs[self.run_of[hi]][4], runs[self.run_of[lo]][4]
+        return (groups, self.plain[hi] - self.plain[lo - 1], self.held[hi] - self.held[lo - 1],
+                mid if at_hi is None else at_hi, mid if at_lo is None else at_lo, one_max)
+
+    def terms_of(self, flights: tuple[int, ...], mid: float) -> tuple | None:
+        """`terms` of stages holding these counts, in this order (first's and last's one-layer work)."""
+        self._fill(max(flights))
+        runs, groups, plain, held, ones = self.runs, {}, 0, 0, []
+        for f in flights:
+            _, _, modes, top, one = runs[self.run_of[f]]
+            if top < 0:
+                return None
+            groups[modes] = groups.get(modes, 0) + 1
+            plain += self.plain[f] - self.plain[f - 1]
+            held += top
+            ones.append(mid if one is None else one)
+        return list(groups.items()), plain, held, ones[0], ones[-1], max(ones)
 
 
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
