@@ -6,6 +6,7 @@ import math
 import random
 import statistics
 
+import hethub.search.mixed as mixed
 from hethub.layout import split_hop
 from hethub.predict.comm import stage_hop_time_s
 from hethub.predict.memory import act_bytes_for
@@ -13,7 +14,7 @@ from hethub.schedules import get_schedule
 from hethub.schedules.simulate import simulate_pipeline_time
 from hethub.search import PlannerConfig
 from hethub.search.combine import Group
-from hethub.search.mixed import _box_level, _rate_level, _split, families
+from hethub.search.mixed import _box_core, _box_level, _boxes_level, _rate_level, _split, families
 from hethub.search.mixed_sync import SyncFloors
 from hethub.search.split import Slot, round_trip_period_s
 from hethub.search.templates import Searcher
@@ -149,8 +150,10 @@ def _boxes_below_members(s, ctx, *, fam, root, best: dict[tuple, float], mbs: in
     """Walk the box tree from `root` as the search splits it and assert every box's floor is at most
     the best closed-form step of the shapes (c, stage counts) inside it; returns the boxes checked."""
     checked, boxes = 0, [root]
-    if best:  # the family's rate floor, under which price_mixed floors none of its boxes yet
+    if best:  # the family's rate floors, under which price_mixed floors none of its boxes yet
         assert _rate_level(ctx, fam, s.total_mb(mbs)) <= min(best.values()) * (1 + 1e-9), fam.subset
+        cores = [(root, _box_core(s, fam, root, refine=False))]
+        assert _boxes_level(ctx, fam, cores, s.total_mb(mbs)) <= min(best.values()) * (1 + 1e-9), fam.subset
     while boxes:
         box = boxes.pop()
         clo, chi, lo, hi = box
@@ -164,3 +167,35 @@ def _boxes_below_members(s, ctx, *, fam, root, best: dict[tuple, float], mbs: in
             assert loose is not None and loose <= level * (1 + 1e-12), (fam.subset, fam.tps, box)
         boxes += _split(fam, box)
     return checked
+
+
+def test_spread_box_floors_are_below_their_members(monkeypatch):
+    # Pools over COMPLETE_POOL devices are searched in single-shape boxes (c pipelines of n_k stages
+    # per kind, c spread over the replica counts). The family's floor from its boxes' bottlenecks
+    # (_boxes_level) and each box's loose floor must stay below every member's closed-form step.
+    monkeypatch.setattr(mixed, "COMPLETE_POOL", 0)
+    for schedule in ("1f1b", "zb-h1"):
+        s = Searcher(cluster=_cluster(), model=SMALL, config=PlannerConfig(global_batch=32, seq_len=1024,
+                                                                        schedule=schedule), profiles=None)
+        mbs, total, checked = 2, s.total_mb(2), 0
+        ctx = SyncFloors(s, [])
+        for fam, boxes in families(s, dict(s.counts), mbs):
+            cores = [(box, _box_core(s, fam, box, refine=False)) for box in boxes]
+            steps = []
+            for (c, _, ns, _), core in cores:
+                best = math.inf
+                for order in itertools.permutations(range(len(ns))):
+                    segs = tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
+                    for pipe in s.mixed(segs, mbs):
+                        est = s.estimate([Group(pipe, c)], mbs)
+                        if est is not None and est.groups == (Group(pipe, c),):  # every pipeline used
+                            best = min(best, est.step_time_s)
+                if best < math.inf:
+                    assert core is not None
+                    level = _box_level(s, ctx, fam, (c, c, ns, ns), mbs, refine=False, core=core)
+                    assert level is not None and level <= best * (1 + 1e-9), (fam.subset, fam.tps, c, ns)
+                    steps.append(best)
+            if steps:
+                assert _boxes_level(ctx, fam, cores, total) <= min(steps) * (1 + 1e-9), (fam.subset, fam.tps)
+                checked += 1
+        assert checked > 10

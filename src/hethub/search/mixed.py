@@ -270,8 +270,22 @@ def _hop(s: Searcher, a: Slot, b: Slot, mbs: int) -> float:
     return hit  # type: ignore[return-value]
 
 
+def _box_core(s: Searcher, fam: Family, box: tuple, *, refine: bool) -> tuple | None:
+    """What `_box_level` builds its floor on: each kind's most stages, the fewest devices of a
+    pipeline, the in-flight counts and the bottleneck floor (None: the box holds no candidate)."""
+    clo, _, lo, hi = box
+    n_layers = s.model.num_layers
+    top = [min(h, n // clo) for h, n in zip(hi, fam.slots, strict=True)]
+    if any(a > b for a, b in zip(lo, top, strict=True)) or sum(lo) > n_layers + 2:
+        return None
+    devices = sum(t * n for t, n in zip(fam.tps, lo, strict=True))
+    flights = fam.flights(sum(lo), devices)
+    bottleneck = fam.bottleneck(top, n_layers, flights if refine else flights[:1])
+    return None if bottleneck is None else (top, devices, flights, bottleneck)
+
+
 def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, *,
-               refine: bool = True) -> float | None:
+               refine: bool = True, core: tuple | None = None) -> float | None:
     """A floor under the step of every candidate in the box (None: the box holds none).
 
     Each kind has at most H_k = min(hi_k, slots_k // c_lo) stages (Family.bottleneck gives the
@@ -280,18 +294,16 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
     (kinds - 1) of the cheapest cross-kind hop. T(m) >= the schedule's fill floor + 2 hops + (m - 1) B,
     with c_hi such pipelines, then the embedding sync. ``refine=False``: every stage at the fewest
     in-flight micro-batches (a looser floor in O(kinds) for the whole-layer bound, not O(stages)).
+    ``core``: the box's `_box_core`, where already made.
     """
-    clo, chi, lo, hi = box
+    if core is None:
+        core = _box_core(s, fam, box, refine=refine)
+        if core is None:
+            return None
+    clo, chi, lo, _ = box
+    top, devices, flights, bottleneck = core
     n_layers = s.model.num_layers
-    top = [min(h, n // clo) for h, n in zip(hi, fam.slots, strict=True)]
-    if any(a > b for a, b in zip(lo, top, strict=True)) or sum(lo) > n_layers + 2:
-        return None
-    devices = sum(t * n for t, n in zip(fam.tps, lo, strict=True))
-    flights = fam.flights(sum(lo), devices)
     cap_plain = fam.caps(flights[0])[1]
-    bottleneck = fam.bottleneck(top, n_layers, flights if refine else flights[:1])
-    if bottleneck is None:
-        return None
     forced = n_layers - sum(t * c for t, c in zip(top, cap_plain, strict=True))
     work = max(bottleneck, fam.work_min + (forced * fam.extra if forced > 0 else 0.0))
     hops = sum((n - 1) * h for n, h in zip(lo, fam.hop, strict=True)) + (len(lo) - 1) * fam.cross
@@ -320,10 +332,16 @@ def _rate_level(ctx: SyncFloors, fam: Family, total: int) -> float:
     makespan T has finished_mb(pure, T) plus that >= total. After the makespan, `_box_level`'s sync
     floors, which only grow with the replicas, the devices and fewer stages, at the boxes' fewest
     replicas and devices and most stages per kind."""
-    key = (id(fam), total)
+    return _stream_level(ctx, fam, total, fam.rate_terms[4])
+
+
+def _stream_level(ctx: SyncFloors, fam: Family, total: int, rate: float) -> float:
+    """`_rate_level` with the family's pipelines together finishing at most `rate` micro-batches per
+    second after their first (R there, a tighter rate in `_boxes_level`)."""
+    key = (id(fam), total, rate)
     hit = ctx.rate_levels.get(key)
     if hit is None:
-        c_min, c_max, devices, top, rate = fam.rate_terms
+        c_min, c_max, devices, top, _ = fam.rate_terms
         f0 = fam.sched.fill_work_floor_s(work_s=fam.work_min, bottleneck_s=0.0)
         # by T the stream of the family's pipelines finishes c_max at F0 and one more every 1 / R after
         hit = lines_level_beside(ctx.lines, total, start_s=f0, per_s=1 / rate, at_start=c_max) * (1 - 1e-12) \
@@ -332,6 +350,18 @@ def _rate_level(ctx: SyncFloors, fam: Family, total: int) -> float:
         hit += max(ctx.sync_floor(fam.pairs, c_min, devices), ctx.tail_floor(segs, c_min, devices))
         ctx.rate_levels[key] = hit
     return hit
+
+
+def _boxes_level(ctx: SyncFloors, fam: Family, cores: list[tuple[tuple, tuple | None]], total: int) -> float:
+    """`_rate_level` knowing each box's bottleneck floor B (`_box_core`): a box's c_hi pipelines finish
+    at most c_hi / B micro-batches per second together after their first, so the family's at most the
+    largest of those over the boxes that hold candidates (or R, if that is less); inf where none does."""
+    held = [(box, core) for box, core in cores if core is not None]
+    if not held:
+        return math.inf
+    if any(core[3] <= 0 for _, core in held):
+        return _rate_level(ctx, fam, total)
+    return _stream_level(ctx, fam, total, min(fam.rate_terms[4], max(box[1] / core[3] for box, core in held)))
 
 
 def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, total: int) -> float:
@@ -399,11 +429,21 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
         level, _, stage, ctx, fam, item = heapq.heappop(heap)
         if not results.may_enter(level):
             break
-        if stage == -2:  # a family's boxes under their loose floors
-            for box in item:
-                lv = _box_level(s, ctx, fam, box, mbs, refine=False)
+        if stage == -2:  # a family: its boxes' bottlenecks first, which may raise its floor
+            cores = [(box, _box_core(s, fam, box, refine=False)) for box in item]
+            tight = _boxes_level(ctx, fam, cores, total)
+            if tight > level:
+                if tight < math.inf:
+                    heapq.heappush(heap, (tight, next(tie), -3, ctx, fam, (level, cores)))
+                continue
+            item = (level, cores)
+            stage = -3
+        if stage == -3:  # a family's boxes under their loose floors (over its first floor, as they were)
+            first, cores = item
+            for box, core in cores:
+                lv = None if core is None else _box_level(s, ctx, fam, box, mbs, refine=False, core=core)
                 if lv is not None:
-                    heapq.heappush(heap, (max(level, lv), next(tie), -1 if _is_shape(fam, box) else 0, ctx, fam, box))
+                    heapq.heappush(heap, (max(first, lv), next(tie), -1 if _is_shape(fam, box) else 0, ctx, fam, box))
             continue
         if stage == -1:  # one shape under its loose floor: the tight one only now that it could matter
             lv = _box_level(s, ctx, fam, item, mbs)
