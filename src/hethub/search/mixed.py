@@ -101,12 +101,10 @@ class Family:
         fam.slots = tuple(pool[k] // t for k, t in zip(self.subset, self.tps, strict=True))
         return fam
 
-    def with_boxes(self, boxes: list[tuple]) -> Family:
+    def with_boxes(self, c_min: int, c_max: int, devices: int, top: tuple[int, ...]) -> Family:
         """Keep what `_rate_level` reads of the family's boxes: their fewest and most replicas, fewest
         devices per pipeline and most stages per kind, and the devices' rate."""
-        self.rate_terms = (min(box[0] for box in boxes), max(box[1] for box in boxes),
-                           min(sum(t * n for t, n in zip(self.tps, box[2], strict=True)) for box in boxes),
-                           tuple(max(min(box[3][i], n // box[0]) for box in boxes) for i, n in enumerate(self.slots)),
+        self.rate_terms = (c_min, c_max, devices, top,
                            sum(n / w for n, w in zip(self.slots, self.w, strict=True)) / self.n_layers)
         return self
 
@@ -225,18 +223,21 @@ def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, 
                     continue
                 slots = tuple(pool[k] // t for k, t in zip(subset, tps, strict=True))
                 if s.cluster.num_devices <= COMPLETE_POOL:
-                    boxes = [(1, min(slots), (1,) * size, tuple(min(n, most - (size - 1)) for n in slots))]
-                else:
-                    # Larger pools: the whole pool, replica counts spread geometrically (not complete; the
-                    # complete boxes took minutes at 512 devices, their floors too loose there).
-                    c_lo = max(1, -(-sum(slots) // most))
-                    boxes = []
-                    for c in _spread(c_lo, min(slots), 8) if c_lo <= min(slots) else ():
-                        ns = tuple(n // c for n in slots)
-                        if sum(ns) <= most:
-                            boxes.append((c, c, ns, ns))
-                if boxes:
-                    out.append((proto.over(pool).with_boxes(boxes), boxes))
+                    hi = tuple(min(n, most - (size - 1)) for n in slots)
+                    fam = proto.over(pool).with_boxes(1, min(slots), sum(tps), hi)
+                    out.append((fam, [(1, min(slots), (1,) * size, hi)]))
+                    continue
+                # Larger pools: the whole pool, replica counts spread geometrically (not complete; the
+                # complete boxes took minutes at 512 devices, their floors too loose there).
+                c_lo = max(1, -(-sum(slots) // most))
+                boxes, devices = [], math.inf
+                for c in _spread(c_lo, min(slots), 8) if c_lo <= min(slots) else ():
+                    ns = tuple(n // c for n in slots)
+                    if sum(ns) <= most:
+                        boxes.append((c, c, ns, ns))
+                        devices = min(devices, sum(t * n for t, n in zip(tps, ns, strict=True)))
+                if boxes:  # replica counts ascending: the first box has the most stages of each kind
+                    out.append((proto.over(pool).with_boxes(boxes[0][0], boxes[-1][1], devices, boxes[0][3]), boxes))
     s.mixed_cache[key] = out
     return out
 
