@@ -321,8 +321,8 @@ def _segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple
     if lo_i <= hi_i:
         mids = flights[lo_i:hi_i + 1]
         runs = _middle_runs(book, kind, tp, mbs, n_modes)
-        got = (runs.terms(mids[-1], mids[0], mid) if mids == tuple(range(mids[0], mids[-1] - 1, -1))
-               else runs.terms_of(mids, mid))
+        got = (runs.terms(book, mids[-1], mids[0], mid) if mids == tuple(range(mids[0], mids[-1] - 1, -1))
+               else runs.terms_of(book, mids, mid))
         if got is None:
             book.stage_floors[key] = None
             return None
@@ -345,7 +345,7 @@ def _middle_runs(book: CostBook, kind: str, tp: int, mbs: int, n_modes: int) -> 
     key = ("middle-runs", kind, tp, mbs, n_modes)
     hit = book.stage_floors.get(key)
     if hit is None:
-        hit = book.stage_floors[key] = _MiddleRuns(book, kind, tp, mbs, n_modes)  # type: ignore[assignment]
+        hit = book.stage_floors[key] = _MiddleRuns(kind, tp, mbs, n_modes)  # type: ignore[assignment]
     return hit  # type: ignore[return-value]
 
 
@@ -353,17 +353,18 @@ class _MiddleRuns:
     """A middle stage's modes (`stage_modes`, the first n_modes) by in-flight count f = 1, 2, ...: runs
     of counts with equal modes, and running sums of the layers a stage holds without recomputation and
     in its best mode, so that the stages of a segment whose counts run down by one are summed in
-    O(runs). Capacities only fall as f grows, so the runs are few."""
+    O(runs). Capacities only fall as f grows, so the runs are few. The book it reads is passed in,
+    not kept: the book keeps this (no reference cycle)."""
 
-    def __init__(self, book: CostBook, kind: str, tp: int, mbs: int, n_modes: int) -> None:
-        self.args = (book, kind, tp, mbs, n_modes)
+    def __init__(self, kind: str, tp: int, mbs: int, n_modes: int) -> None:
+        self.args = (kind, tp, mbs, n_modes)
         self.runs: list[list] = []  # [first f, last f, modes, best capacity, least one-layer w or None]
         self.run_of = [0]  # run index by f (f = 0 unused)
         self.plain = [0]  # layers held without recomputation by stages of counts 1 .. f
         self.held = [0]  # layers held in the best mode by stages of counts 1 .. f
 
-    def _fill(self, f_max: int) -> None:
-        book, kind, tp, mbs, n_modes = self.args
+    def _fill(self, book: CostBook, f_max: int) -> None:
+        kind, tp, mbs, n_modes = self.args
         for f in range(len(self.run_of), f_max + 1):
             modes = stage_modes(book, kind, tp, mbs, False, False, f)[:n_modes]
             if self.runs and self.runs[-1][2] == modes:
@@ -375,12 +376,12 @@ class _MiddleRuns:
             self.plain.append(self.plain[-1] + max(modes[0][0], 0))
             self.held.append(self.held[-1] + max(c for c, _, _ in modes))
 
-    def terms(self, lo: int, hi: int, mid: float) -> tuple | None:
+    def terms(self, book: CostBook, lo: int, hi: int, mid: float) -> tuple | None:
         """(groups as (modes, stages), layers held without recomputation, in the best mode, one-layer
         work of the stage at count hi and at lo, the largest one-layer work) of stages holding lo .. hi
         micro-batches (one each); None where one fits in no mode (capacities fall with f: the one at hi)."""
         if len(self.run_of) <= hi:
-            self._fill(hi)
+            self._fill(book, hi)
         runs = self.runs
         if runs[self.run_of[hi]][3] < 0:
             return None
@@ -393,9 +394,9 @@ class _MiddleRuns:
         return (groups, self.plain[hi] - self.plain[lo - 1], self.held[hi] - self.held[lo - 1],
                 mid if at_hi is None else at_hi, mid if at_lo is None else at_lo, one_max)
 
-    def terms_of(self, flights: tuple[int, ...], mid: float) -> tuple | None:
+    def terms_of(self, book: CostBook, flights: tuple[int, ...], mid: float) -> tuple | None:
         """`terms` of stages holding these counts, in this order (first's and last's one-layer work)."""
-        self._fill(max(flights))
+        self._fill(book, max(flights))
         runs, groups, plain, held, ones = self.runs, {}, 0, 0, []
         for f in flights:
             _, _, modes, top, one = runs[self.run_of[f]]
