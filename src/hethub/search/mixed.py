@@ -2,14 +2,14 @@
 
 A mixed candidate is a set of two or more kinds, a TP degree per kind, a replica count c, a stage
 count n_k per kind (each kind one contiguous segment) and an order of the segments; the pool must
-hold it (c n_k tp_k <= pool_k; devices may stay idle) and a pipeline has at most L + 2 stages.
-That space is large (hundreds of thousands of shapes on a 512-device pool), so it is searched
-best-first over *boxes*: per (kinds, TP degrees), ranges of c and of each n_k. A box's floor
-(`_box_level`) is below the step of every candidate in it; the lowest box is split along its widest
-range until it is one shape, whose orders then get the per-member floors of `bounds.pipe_floor`
-(without, then with, memory) and are split and priced only while those could still enter the
-finalists. Nothing is pruned without a proven floor, so this finds every mixed candidate of the
-reference search (search/reference.py) whose closed form could be a finalist.
+hold it (c n_k tp_k <= pool_k; devices may stay idle) and a pipeline has at most L + 2 stages. That
+space is large (hundreds of thousands of shapes on a 512-device pool), so it is searched best-first
+over *boxes*: per (kinds, TP degrees), ranges of c and of each n_k. A box's floor (`_box_level`) is
+below the step of every candidate in it; the lowest box is split along its widest range until it is
+one shape, whose orders then get the per-member floors of `bounds.pipe_floor` (with memory) and are
+split and priced only while those could still enter the finalists. Nothing is pruned without a
+proven floor, so this finds every mixed candidate of the reference search (search/reference.py)
+whose closed form could be a finalist.
 """
 
 from __future__ import annotations
@@ -411,11 +411,13 @@ def _split(fam: Family, box: tuple) -> list[tuple]:
 def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[str, int]]], mbs: int) -> None:
     """Mixed candidates beside each (pure groups, pool of devices) in `todo`, best floor first.
 
-    Heap entries, each floor under the next: a box of shapes (one shape: under its loose floor, then
-    its tight one; a wider box only under the loose one, where the tight one gained little at 128
-    devices and doubled the box floors), one shape's orders under the loose member floor (no
-    memory), the tight one (with memory); then the member's layer splits are priced. Once the lowest
-    floor cannot enter the finalists, nothing left can.
+    Heap entries, each floor under the next: a family under its devices' rate, then under its boxes'
+    bottlenecks; a box of shapes (one shape: under its loose floor, then its tight one; a wider box only
+    under the loose one, where the tight one gained little at 128 devices and doubled the box floors);
+    one shape's orders under their member floors (with memory: a floor without memory first spared only
+    a quarter of them at 512 devices, less than it cost once `bounds._MiddleRuns` made them cheap); then
+    the member's layer splits are priced. Once the lowest floor cannot enter the finalists, nothing left
+    can.
     """
     total = s.total_mb(mbs)
     heap: list[tuple] = []
@@ -461,27 +463,20 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                                               fam, half))
                 continue
             c, _, ns, _ = item
+            devices = sum(t * n for t, n in zip(fam.tps, ns, strict=True))
+            hint = s.in_flight_hint(devices, mbs)
             for order in itertools.permutations(range(len(ns))):
                 segs = tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
-                floor = pipe_floor(s.book, s.links, segs, mbs, memory=False)
+                floor = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)
                 if floor is None:
                     continue
-                devices = sum(t * n for _, t, n in segs)
                 sync = max(ctx.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
                            ctx.tail_floor(segs, c, devices))
                 lv = max(level, water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s,
                                                  count=c) + sync)
-                heapq.heappush(heap, (lv, next(tie), 1, ctx, fam, (segs, c, sync)))
+                heapq.heappush(heap, (lv, next(tie), 2, ctx, fam, (segs, c, sync)))
             continue
         segs, c, sync = item
-        if stage == 1:
-            hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
-            floor = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)
-            if floor is not None:
-                lv = max(level, water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s,
-                                                 count=c) + sync)
-                heapq.heappush(heap, (lv, next(tie), 2, ctx, fam, item))
-            continue
         slots = s.mixed_slots(segs)
         pipes = s.split_part(slots, mbs, recompute=s.config.allow_recompute)
         if s.config.allow_recompute and any(any(pc.recompute) for pc in pipes):
