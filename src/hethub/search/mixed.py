@@ -177,14 +177,32 @@ class Family:
             return smallest_holding([(t, self._held_modes(i, flights[0])) for i, t in enumerate(top) if t > 0],
                                     n_layers, b)
         groups: dict[tuple, int] = {}
+        run = flights == tuple(range(flights[0], flights[0] + last + 1))  # 1F1B's 1 .. p: read off runs
         for i, t in enumerate(top):
-            for j in range(min(t, last)):
-                ms = self._held_modes(i, flights[j])
-                groups[ms] = groups.get(ms, 0) + 1
+            if run and t > 0:
+                for ms, k in self._held_runs(i, flights[0], flights[0] + min(t, last) - 1):
+                    groups[ms] = groups.get(ms, 0) + k
+            else:
+                for j in range(min(t, last)):
+                    ms = self._held_modes(i, flights[j])
+                    groups[ms] = groups.get(ms, 0) + 1
             if t > last:
                 ms = self._held_modes(i, flights[last])
                 groups[ms] = groups.get(ms, 0) + t - last
         return smallest_holding([(k, ms) for ms, k in groups.items()], n_layers, b)
+
+    def _held_runs(self, i: int, lo: int, hi: int) -> list[tuple[tuple, int]]:
+        """(`_held_modes`, stages) of the i-th kind's stages holding lo .. hi micro-batches, one each, by
+        runs of in-flight counts with equal modes (capacities only fall as the count grows: few runs)."""
+        runs, run_of = self._held.setdefault(("runs", i), ([], [0]))  # type: ignore[misc]
+        for f in range(len(run_of), hi + 1):
+            ms = self._held_modes(i, f)
+            if runs and runs[-1][2] == ms:
+                runs[-1][1] = f
+            else:
+                runs.append([f, f, ms])
+            run_of.append(len(runs) - 1)
+        return [(ms, min(hi, f_hi) - max(lo, f_lo) + 1) for f_lo, f_hi, ms in runs[run_of[lo]:run_of[hi] + 1]]
 
     def _saturation_order(self, in_flight: int) -> tuple[int, ...]:
         """The kinds by the time a middle stage of each takes to fill its capacity (cap_k w_k)."""
