@@ -99,6 +99,46 @@ def test_a_large_cluster_forks_by_default_with_the_same_result(spy):
     _same(one, two)
 
 
+def test_a_smallest_size_found_not_promising_is_searched_again_with_the_others(monkeypatch, spy):
+    # With two processes the parent searches the smallest micro-batch size before it has the other
+    # sizes' scans; where those show it is not promising, its search goes and the promising sizes are
+    # searched as one process would.
+    import hethub.search.hetero as hetero
+
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+    promising, searched = hetero._promising_mbs, []
+    monkeypatch.setattr(hetero, "_promising_mbs", lambda s: promising(s)[1:])  # drop the smallest
+    real = hetero._search_size
+
+    def search_size(s, results, mbs):
+        searched.append(mbs)
+        return real(s, results, mbs)
+
+    monkeypatch.setattr(hetero, "_search_size", search_size)
+    c, m = _small_job()
+    options = {"global_batch": 64, "seq_len": 2048, "polish": False}
+    one = make_plan(cluster=c, model=m, config=PlannerConfig(search_processes=1, **options))
+    assert 1 not in searched and searched
+    searched.clear()
+    two = make_plan(cluster=c, model=m, config=PlannerConfig(**options))
+    assert spy.pids and searched[0] == 1 and 1 not in searched[1:]  # searched first, then dropped
+    _same(one, two)
+
+
+def test_a_child_goes_on_past_an_answer_larger_than_a_default_pipe():
+    # Forked widens its pipe where the system allows, so the child sends a large answer and starts its
+    # next part without waiting for the parent to read it (the planner's template scans, then the bound).
+    started = time.perf_counter()
+    with Forked(big=lambda: b"x" * 500_000, when=time.perf_counter) as f:
+        time.sleep(0.3)  # the parent busy elsewhere
+        assert len(f.result("big")) == 500_000
+        when = f.result("when")
+    import fcntl
+    if hasattr(fcntl, "F_SETPIPE_SZ") and Path("/proc/sys/fs/pipe-max-size").exists() and \
+            int(Path("/proc/sys/fs/pipe-max-size").read_text()) >= 600_000:
+        assert when - started < 0.25  # the second part began before the parent read the first
+
+
 def test_one_cpu_or_one_process_asked_for_does_not_fork(monkeypatch, spy):
     monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
     c, m = load_cluster(CLUSTERS / "nvidia-amd-32.toml"), get_model("llama-2-7b")

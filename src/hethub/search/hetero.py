@@ -81,44 +81,36 @@ def _fill_now(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tupl
 
 
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
-    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
-    results = Results(s.config.finalists + s.config.top_k, fits=s.fits, per_size=s.config.per_size_finalists)
+    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans.
+
+    Where another process scans the larger micro-batch sizes (`Searcher.scans_elsewhere`, the
+    planner's two processes), the smallest size is searched before their scans are taken: it is the
+    first size searched whenever it is promising (`_promising_mbs`), which is known only from every
+    size's scan, so its search is kept if it is and made again, with the others, if not."""
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
+
+    def fresh() -> Results:
+        return Results(s.config.finalists + s.config.top_k, fits=s.fits, per_size=s.config.per_size_finalists)
+
+    results = fresh()
     if kinds_alone:
         for k in kinds:
             solo_k = _alone_all_sizes(s, results, k)
             if solo_k is not None:
                 solo[k] = solo_k
-    sizes = [] if kinds_alone else _promising_mbs(s)
-    for mbs in sizes:
-        ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
-        tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
-        base: list[tuple[float, Estimate | None, list[tuple[str, Ranked | None]]]] = []
-        for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
-            groups: list[Group] = []
-            for k, r in zip(kinds, choice, strict=True):
-                if r is not None:
-                    c = s.counts[k] // r.pipe.num_devices
-                    fill, _ = _fill(s, k, mbs, s.share[k], s.counts[k] - c * r.pipe.num_devices)
-                    groups += [Group(r.pipe, c), *fill]
-            est = s.estimate(groups, mbs) if groups else None
-            results.add(est)
-            base.append((est.step_time_s if est else float("inf"), est, list(zip(kinds, choice, strict=True))))
-        _aligned(s, results, ranked, mbs)
-        base.sort(key=lambda x: x[0])
-        # The best choices whose pure groups fit memory as laid out (Searcher.fits: replicas of other
-        # TP degrees add full-size gradient copies), plus the all-unused one.
-        chosen = [b for b in base if b[1] is None and all(r is None for _, r in b[2])]
-        for b in base:
-            if len(chosen) > TOP_FOR_MIXED:
-                break
-            if b[1] is not None and s.fits(b[1]):
-                chosen.append(b)
-        todo: list[tuple[list[Group], dict[str, int]]] = []
-        for _, _, choice in chosen:
-            todo += _mixed_around(s, choice)
-        price_mixed(s, results, todo, mbs)
+    sizes, done = [], []
+    if not kinds_alone:
+        if s.scans_elsewhere is not None:
+            done = [s.config.usable_micro_batch_sizes[0]]
+            _search_size(s, results, done[0])
+            s.adopt_scans(s.scans_elsewhere())
+            s.scans_elsewhere = None
+        sizes = _promising_mbs(s)
+        if sizes[:len(done)] != done:  # the smallest size is not promising: its search goes
+            results, done = fresh(), []
+    for mbs in sizes[len(done):]:
+        _search_size(s, results, mbs)
     _per_replica_sizes(s, results, sizes)
     results.items.sort(key=lambda e: e.step_time_s)
     # The best single-group plan of each kind is always a finalist: its closed form is the predictor's
@@ -130,6 +122,40 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
         items.remove(est)
         items.insert(max(0, min(len(items), results.keep) - 1), est)
     return items
+
+
+def _search_size(s: Searcher, results: Results, mbs: int) -> None:
+    """One micro-batch size's candidates into `results`: every choice of a top template (or none) per
+    kind, replicated, leftovers filled; aligned kind-pure pipelines; and mixed pipelines around the
+    best choices (`search`)."""
+    kinds = list(s.counts)
+    ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
+    tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
+    base: list[tuple[float, Estimate | None, list[tuple[str, Ranked | None]]]] = []
+    for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
+        groups: list[Group] = []
+        for k, r in zip(kinds, choice, strict=True):
+            if r is not None:
+                c = s.counts[k] // r.pipe.num_devices
+                fill, _ = _fill(s, k, mbs, s.share[k], s.counts[k] - c * r.pipe.num_devices)
+                groups += [Group(r.pipe, c), *fill]
+        est = s.estimate(groups, mbs) if groups else None
+        results.add(est)
+        base.append((est.step_time_s if est else float("inf"), est, list(zip(kinds, choice, strict=True))))
+    _aligned(s, results, ranked, mbs)
+    base.sort(key=lambda x: x[0])
+    # The best choices whose pure groups fit memory as laid out (Searcher.fits: replicas of other
+    # TP degrees add full-size gradient copies), plus the all-unused one.
+    chosen = [b for b in base if b[1] is None and all(r is None for _, r in b[2])]
+    for b in base:
+        if len(chosen) > TOP_FOR_MIXED:
+            break
+        if b[1] is not None and s.fits(b[1]):
+            chosen.append(b)
+    todo: list[tuple[list[Group], dict[str, int]]] = []
+    for _, _, choice in chosen:
+        todo += _mixed_around(s, choice)
+    price_mixed(s, results, todo, mbs)
 
 
 def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:

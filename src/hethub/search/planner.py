@@ -321,16 +321,16 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 
     mixed = None
     if config.strategy == "hethub" and _forks(cluster, config):
-        # The child scans every other of the mixed search's templates (kind, micro-batch size), sends
-        # them, then runs the bound; the parent scans the rest, takes the child's, and searches.
+        # The child scans the mixed search's templates (kind, micro-batch size) of every size but the
+        # smallest, sends them, then runs the bound; the parent scans the smallest and searches it
+        # meanwhile, then takes the child's scans (hetero.search) and searches on.
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         sizes = config.usable_micro_batch_sizes
-        mine = [(k, b) for b in sizes[:(len(sizes) + 1) // 2] for k in s.counts]
-        theirs = [(k, b) for b in sizes[(len(sizes) + 1) // 2:] for k in s.counts]
+        theirs = [(k, b) for b in sizes[1:] for k in s.counts]
         with Forked(scans=lambda: s.pure_scans(theirs), bound=bound_part) as child:
             try:
-                s.pure_scans(mine)
-                s.adopt_scans(child.result("scans"))
+                s.pure_scans([(k, sizes[0]) for k in s.counts])
+                s.scans_elsewhere = lambda: child.result("scans")
                 mixed = mixed_part(s)
             except Exception:
                 child.result("bound")  # the bound's error first, as one process raises it

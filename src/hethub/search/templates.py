@@ -87,6 +87,9 @@ class Searcher:
         # mixed_sync.SyncFloors' ring floors, which depend on their keys only: shared by every set of
         # pure groups the mixed search places pipelines beside.
         self.sync_rings: dict[tuple, float] = {}
+        # Where another process scans some (kind, micro-batch size) keys: a call that returns their
+        # `pure_scans` (the planner's two processes; hetero.search takes them once it needs them).
+        self.scans_elsewhere: Callable[[], dict[tuple[str, int], Scan]] | None = None
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
         """The min-max split, plus the best split without recomputation when that one recomputes.
