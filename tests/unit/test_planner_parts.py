@@ -178,6 +178,15 @@ def test_a_search_pauses_the_collector_and_leaves_no_reference_cycles():
                           config=PlannerConfig(global_batch=64, seq_len=1024, polish=False, search_processes=1))
         assert not gc.isenabled()  # a caller's paused collector stays paused
         assert gc.collect() == 0
+        if planner.FORK_AVAILABLE:  # two processes: the scans from elsewhere hold no cycle either
+            planner_forks = planner.FORK_MIN_DEVICES, planner.usable_cpus
+            planner.FORK_MIN_DEVICES, planner.usable_cpus = 1, lambda: 2
+            try:
+                planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
+                                  config=PlannerConfig(global_batch=64, seq_len=1024, polish=False))
+            finally:
+                planner.FORK_MIN_DEVICES, planner.usable_cpus = planner_forks
+            assert gc.collect() == 0
     finally:
         planner._make_plan = search
         if was:
