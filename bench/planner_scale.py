@@ -5,7 +5,8 @@ Usage: python bench/planner_scale.py [--sizes 32,128,512,4096]
 Targets (docs/planner.md): <= 1 s at 512 devices, <= 10 s at 4,096, on a 2-core machine. On a shared
 machine the wall time says little; the CPU seconds (cpu_s) and the load average printed beside them
 say how busy it was. cpu_s counts this process and its children: from 256 devices the planner runs
-the bound's searches in a forked child (PlannerConfig.search_processes), whose CPU is work done too.
+the bound's searches and most template scans in a forked child (PlannerConfig.search_processes), whose
+CPU is work done too.
 """
 
 from __future__ import annotations

@@ -47,9 +47,9 @@ POLISH_SHARE = 0.1
 SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
 POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
-# Devices from which a forked child runs the bound's searches (and half the mixed search's template
-# scans) beside the mixed search: smaller clusters plan in about a second, and there the parent gains
-# about half what the child costs (docs/planner.md, "Two processes").
+# Devices from which a forked child runs the bound's searches (and the template scans of every
+# micro-batch size but the smallest) beside the mixed search: smaller clusters plan in about a second,
+# and there the parent gains about half what the child costs (docs/planner.md, "Two processes").
 FORK_MIN_DEVICES = 256
 
 
