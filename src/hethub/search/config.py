@@ -54,9 +54,10 @@ class PlannerConfig:
     # Model chunks per stage the search sizes stages and prices pipelines for (the interleaved
     # schedule's v; the planner sets it while choosing v, search/interleave.py).
     virtual_stages: int = 1
-    # Processes one plan's search may use: 2 runs the bound's kind-alone searches (and half the mixed
-    # search's template scans) in a forked child beside the mixed search on large clusters (planner.py;
-    # the same plan, sooner on two free cores, for more CPU in all); 1 searches in this process only.
+    # Processes one plan's search may use: 2 runs the bound's kind-alone searches (and the mixed
+    # search's template scans but the smallest micro-batch size's) in a forked child beside the mixed
+    # search on large clusters (planner.py; the same plan, sooner on two free cores, for more CPU in
+    # all); 1 searches in this process only.
     # The planner forks one child at most, so more act as 2.
     search_processes: int = 2
 
