@@ -125,6 +125,31 @@ def test_a_smallest_size_found_not_promising_is_searched_again_with_the_others(m
     _same(one, two)
 
 
+def test_the_child_prepares_the_second_size_and_the_parent_takes_it(monkeypatch, spy):
+    # Beside its scans the child makes the second micro-batch size's base choices and aligned variants
+    # (hetero.prepare_size): the parent then does not make them, and the plan is one process's.
+    import hethub.search.hetero as hetero
+
+    monkeypatch.setattr(planner_mod, "FORK_MIN_DEVICES", 1)
+    parent, made = os.getpid(), []
+    real = hetero._base_choices
+
+    def base_choices(s, ranked, mbs):
+        if os.getpid() == parent:
+            made.append(mbs)
+        return real(s, ranked, mbs)
+
+    monkeypatch.setattr(hetero, "_base_choices", base_choices)
+    c, m = _small_job()
+    options = {"global_batch": 64, "seq_len": 2048, "polish": False}
+    one = make_plan(cluster=c, model=m, config=PlannerConfig(search_processes=1, **options))
+    assert 2 in made
+    made.clear()
+    two = make_plan(cluster=c, model=m, config=PlannerConfig(**options))
+    assert spy.pids and 1 in made and 2 not in made
+    _same(one, two)
+
+
 def test_a_child_goes_on_past_an_answer_larger_than_a_default_pipe():
     # Forked widens its pipe where the system allows, so the child sends a large answer and starts its
     # next part without waiting for the parent to read it (the planner's template scans, then the bound).

@@ -26,6 +26,8 @@ from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
 TOP_FOR_MIXED = 4
 SMALL_POOL = 32  # devices up to which mixed pipelines may also take one released pure pipeline
 MBS_KEEP = 0.9
+# prepare_size's answer: the size, its base choices, its aligned variants' groups and its leftover fills.
+Prepared = tuple[int, list[tuple], list[list[Group]], dict[tuple, tuple[list, int]]]
 
 
 def _top_distinct(ranked: list[Ranked], n: int, *, by_size: bool = False) -> list[Ranked]:
@@ -104,7 +106,12 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
         if s.scans_elsewhere is not None:
             done = [s.config.usable_micro_batch_sizes[0]]
             _search_size(s, results, done[0])
-            s.adopt_scans(s.scans_elsewhere())
+            scans, prepared = s.scans_elsewhere()
+            s.adopt_scans(scans)
+            if prepared is not None:  # the next size's bar-free part, made beside the scans
+                mbs, base, aligned, fills = prepared
+                s.prepared[mbs] = (base, aligned)
+                s.fills.update(fills)
             s.scans_elsewhere = None
         sizes = _promising_mbs(s)
         if sizes[:len(done)] != done:  # the smallest size is not promising: its search goes
@@ -127,23 +134,20 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
 def _search_size(s: Searcher, results: Results, mbs: int) -> None:
     """One micro-batch size's candidates into `results`: every choice of a top template (or none) per
     kind, replicated, leftovers filled; aligned kind-pure pipelines; and mixed pipelines around the
-    best choices (`search`)."""
-    kinds = list(s.counts)
-    ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in kinds}
-    tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
-    base: list[tuple[float, Estimate | None, list[tuple[str, Ranked | None]]]] = []
-    for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
-        groups: list[Group] = []
-        for k, r in zip(kinds, choice, strict=True):
-            if r is not None:
-                c = s.counts[k] // r.pipe.num_devices
-                fill, _ = _fill(s, k, mbs, s.share[k], s.counts[k] - c * r.pipe.num_devices)
-                groups += [Group(r.pipe, c), *fill]
-        est = s.estimate(groups, mbs) if groups else None
+    best choices (`search`). The first two need no finalist bar, so another process may have made
+    them (`prepare_size`, `Searcher.prepared`)."""
+    prepared = s.prepared.pop(mbs, None)
+    if prepared is None:
+        ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in s.counts}
+        prepared = _base_choices(s, ranked, mbs), _aligned_groups(s, ranked, mbs)
+    base, aligned = prepared
+    for _, est, _ in base:
         results.add(est)
-        base.append((est.step_time_s if est else float("inf"), est, list(zip(kinds, choice, strict=True))))
-    _aligned(s, results, ranked, mbs)
-    base.sort(key=lambda x: x[0])
+    total = s.total_mb(mbs)
+    for groups in aligned:
+        if results.may_enter(water_level(groups, total)):
+            results.add(s.estimate(groups, mbs))
+    base = sorted(base, key=lambda x: x[0])
     # The best choices whose pure groups fit memory as laid out (Searcher.fits: replicas of other
     # TP degrees add full-size gradient copies), plus the all-unused one.
     chosen = [b for b in base if b[1] is None and all(r is None for _, r in b[2])]
@@ -156,6 +160,33 @@ def _search_size(s: Searcher, results: Results, mbs: int) -> None:
     for _, _, choice in chosen:
         todo += _mixed_around(s, choice)
     price_mixed(s, results, todo, mbs)
+
+
+def prepare_size(s: Searcher, mbs: int) -> Prepared:
+    """What `_search_size` makes of a size before it needs the finalists' bar: the base choices, the
+    aligned variants' groups and the leftover fills they asked (`Searcher.adopt_prepared` takes them
+    in another process: the planner's child makes them for the second size beside its scans)."""
+    ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in s.counts}
+    base, aligned = _base_choices(s, ranked, mbs), _aligned_groups(s, ranked, mbs)
+    return mbs, base, aligned, {key: hit for key, hit in s.fills.items() if key[1] == mbs}
+
+
+def _base_choices(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> list[tuple]:
+    """(step, estimate or None, choice) of every choice of one of each kind's top templates or none,
+    replicated over the kind, its leftovers filled (`_fill`), in product order."""
+    kinds = list(s.counts)
+    tops = {k: _top_distinct(ranked[k], TOP_PER_KIND) for k in kinds}
+    base: list[tuple[float, Estimate | None, list[tuple[str, Ranked | None]]]] = []
+    for choice in itertools.product(*[[None, *tops[k]] for k in kinds]):
+        groups: list[Group] = []
+        for k, r in zip(kinds, choice, strict=True):
+            if r is not None:
+                c = s.counts[k] // r.pipe.num_devices
+                fill, _ = _fill(s, k, mbs, s.share[k], s.counts[k] - c * r.pipe.num_devices)
+                groups += [Group(r.pipe, c), *fill]
+        est = s.estimate(groups, mbs) if groups else None
+        base.append((est.step_time_s if est else float("inf"), est, list(zip(kinds, choice, strict=True))))
+    return base
 
 
 def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
@@ -304,8 +335,9 @@ def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]]) -> list[
     return out
 
 
-def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs: int) -> None:
-    """Kind-pure pipelines of every kind with the same stage count AND the same layer boundaries.
+def _aligned_groups(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> list[list[Group]]:
+    """Kind-pure pipelines of every kind with the same stage count AND the same layer boundaries: each
+    candidate's groups (`_search_size` prices those that could enter the finalists).
 
     Replicas whose stage boundaries differ chain their per-layer gradient syncs (a stage waits for
     holders that wait for other holders); aligned replicas sync each stage's layers independently.
@@ -314,6 +346,7 @@ def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs
     """
     kinds = sorted(s.counts, key=lambda k: -s.counts[k] * s.cluster.kinds[k].effective_flops)
     stage_counts = {len(r.pipe.slots) for k in kinds for r in _top_distinct(ranked[k], TOP_PER_KIND)}
+    out = []
     for p in sorted(stage_counts):
         for k in kinds:  # the scan may have skipped templates of p stages that would be among the top 2
             rates = [r.rate for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
@@ -332,8 +365,8 @@ def _aligned(s: Searcher, results: Results, ranked: dict[str, list[Ranked]], mbs
                     break
                 groups.append(Group(pipe, s.counts[k] // pipe.num_devices))
             else:
-                if results.may_enter(water_level(groups, s.total_mb(mbs))):
-                    results.add(s.estimate(groups, mbs))
+                out.append(groups)
+    return out
 
 
 class Results:

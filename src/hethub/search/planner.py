@@ -26,7 +26,7 @@ from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
 from hethub.search.diagnose import infeasible_message
 from hethub.search.finalists import finalist_plans, score_plans
-from hethub.search.hetero import search
+from hethub.search.hetero import prepare_size, search
 from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
 from hethub.search.kind_alone import BoundParts, bound_parts
 from hethub.search.parallel import FORK_AVAILABLE, Forked, usable_cpus
@@ -327,7 +327,12 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         sizes = config.usable_micro_batch_sizes
         theirs = [(k, b) for b in sizes[1:] for k in s.counts]
-        with Forked(scans=lambda: s.pure_scans(theirs), bound=bound_part) as child:
+
+        def scans() -> tuple:  # the second size's bar-free part first: its splits change the scans it sends
+            prepared = prepare_size(s, sizes[1]) if len(sizes) > 1 else None
+            return s.pure_scans(theirs), prepared
+
+        with Forked(scans=scans, bound=bound_part) as child:
             try:
                 s.pure_scans([(k, sizes[0]) for k in s.counts])
                 s.scans_elsewhere = lambda: child.result("scans")

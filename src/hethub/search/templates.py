@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hethub.predict.profiles import ProfileSet
 from hethub.search.assemble import build_plan
@@ -88,8 +89,11 @@ class Searcher:
         # pure groups the mixed search places pipelines beside.
         self.sync_rings: dict[tuple, float] = {}
         # Where another process scans some (kind, micro-batch size) keys: a call that returns their
-        # `pure_scans` (the planner's two processes; hetero.search takes them once it needs them).
-        self.scans_elsewhere: Callable[[], dict[tuple[str, int], Scan]] | None = None
+        # `pure_scans` and a size's hetero.prepare_size or None (the planner's two processes;
+        # hetero.search takes them once it needs them).
+        self.scans_elsewhere: Callable[[], tuple[dict[tuple[str, int], Scan], Any]] | None = None
+        # A size's base choices and aligned groups made by hetero.prepare_size, by micro-batch size.
+        self.prepared: dict[int, tuple[list, list]] = {}
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
         """The min-max split, plus the best split without recomputation when that one recomputes.
