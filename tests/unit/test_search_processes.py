@@ -115,14 +115,21 @@ def test_a_smallest_size_found_not_promising_is_searched_again_with_the_others(m
         return real(s, results, mbs)
 
     monkeypatch.setattr(hetero, "_search_size", search_size)
+    one, first, two, second = _one_then_two(searched)
+    assert 1 not in first and first
+    assert spy.pids and second[0] == 1 and 1 not in second[1:]  # searched first, then dropped
+    _same(one, two)
+
+
+def _one_then_two(seen: list) -> tuple:
+    """The small job planned in one process, then in two: each result with what `seen` got meanwhile."""
     c, m = _small_job()
     options = {"global_batch": 64, "seq_len": 2048, "polish": False}
     one = make_plan(cluster=c, model=m, config=PlannerConfig(search_processes=1, **options))
-    assert 1 not in searched and searched
-    searched.clear()
+    first = list(seen)
+    seen.clear()
     two = make_plan(cluster=c, model=m, config=PlannerConfig(**options))
-    assert spy.pids and searched[0] == 1 and 1 not in searched[1:]  # searched first, then dropped
-    _same(one, two)
+    return one, first, two, list(seen)
 
 
 def test_the_child_prepares_the_second_size_and_the_parent_takes_it(monkeypatch, spy):
@@ -140,13 +147,9 @@ def test_the_child_prepares_the_second_size_and_the_parent_takes_it(monkeypatch,
         return real(s, ranked, mbs)
 
     monkeypatch.setattr(hetero, "_base_choices", base_choices)
-    c, m = _small_job()
-    options = {"global_batch": 64, "seq_len": 2048, "polish": False}
-    one = make_plan(cluster=c, model=m, config=PlannerConfig(search_processes=1, **options))
-    assert 2 in made
-    made.clear()
-    two = make_plan(cluster=c, model=m, config=PlannerConfig(**options))
-    assert spy.pids and 1 in made and 2 not in made
+    one, first, two, second = _one_then_two(made)
+    assert 2 in first
+    assert spy.pids and 1 in second and 2 not in second
     _same(one, two)
 
 
