@@ -11,7 +11,6 @@ a result.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import multiprocessing
 import os
 import pickle
@@ -19,6 +18,11 @@ import signal
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # no fcntl (Windows): pipes keep their size
+    fcntl = None  # type: ignore[assignment]
 
 FORK_AVAILABLE = "fork" in multiprocessing.get_all_start_methods()
 
@@ -154,7 +158,7 @@ PIPE_BYTES = 1 << 20
 def _widen(fd: int) -> None:
     """Ask for a PIPE_BYTES pipe (or the most this system allows); a pipe left as it is only slows the
     child's writes down, so refusals are ignored."""
-    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+    if fcntl is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
         return
     size = PIPE_BYTES
     with contextlib.suppress(OSError, ValueError):

@@ -322,8 +322,8 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     mixed = None
     if config.strategy == "hethub" and _forks(cluster, config):
         # The child scans the mixed search's templates (kind, micro-batch size) of every size but the
-        # smallest, sends them, then runs the bound; the parent scans the smallest and searches it
-        # meanwhile, then takes the child's scans (hetero.search) and searches on.
+        # smallest and prepares the second size, sends them, then runs the bound; the parent scans the
+        # smallest and searches it meanwhile, then takes the child's answer (hetero.search) and searches on.
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         sizes = config.usable_micro_batch_sizes
         theirs = [(k, b) for b in sizes[1:] for k in s.counts]
