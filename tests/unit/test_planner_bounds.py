@@ -3,6 +3,7 @@ what the search keeps (its top templates, its finalists, the allocation it price
 
 import itertools
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -268,3 +269,21 @@ def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
                     assert (groups, plain, one_first, one_last, one_max, held) == want
                     checked += 1
     assert checked > 1000 and infeasible > 50
+
+
+def test_runs_count_each_value_of_a_range_of_counts():
+    # holding.Runs: the floors read a range of in-flight counts' modes by runs of equal values.
+    from hethub.search.holding import Runs
+    rng = random.Random(5)
+    values = [rng.choice("aab") for _ in range(60)]
+    runs = Runs()
+    for v in values:
+        runs.add(v)
+    assert runs.last == 60 and len(runs.runs) < 60
+    for _ in range(200):
+        lo = rng.randint(1, 60)
+        hi = rng.randint(lo, 60)
+        got = runs.counts(lo, hi)
+        assert sum(k for _, k in got) == hi - lo + 1 and all(k > 0 for _, k in got)
+        assert [v for v, k in got for _ in range(k)] == values[lo - 1:hi]
+        assert runs.value(hi) == values[hi - 1]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import Schedule, get_schedule
 from hethub.search.costs import RECOMPUTE_ORDER, CostBook
-from hethub.search.holding import least_layer_work, smallest_holding
+from hethub.search.holding import Runs, least_layer_work, smallest_holding
 from hethub.search.links import LinkBook
 from hethub.search.split import Slot
 
@@ -42,7 +42,7 @@ class Capacity:
     def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int, schedule: Schedule) -> None:
         self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=False), book.recompute_floor(kind, tp=tp, mbs=mbs)]
         self.kind, self.tp, self.mbs = kind, tp, mbs  # not the book: it keeps this (no reference cycle)
-        self._runs: list[tuple[tuple[int, tuple], ...]] = [()]  # see _middle_groups
+        self._runs = Runs()  # a middle stage's modes by in-flight count (_middle_groups)
         # Each stage's in-flight bound by stage count, shared by every (kind, TP, micro-batch size).
         self._in_flights: dict[int, tuple[int, ...]] = book.capacity.setdefault(("in-flight", schedule.name), {})
         self.limit = book.job.model.num_layers
@@ -107,18 +107,14 @@ class Capacity:
     def _middle_groups(self, book: CostBook, flights: tuple[int, ...]) -> list[tuple[int, tuple]]:
         """The middle stages as (count, modes) groups. Under 1F1B their in-flight counts run from p - 2
         down to 2, one stage each, and the modes of long runs of them are equal (capacities level off),
-        so the groups of stage count p extend those of p - 1 by one stage (kept per count)."""
+        so they are read off `holding.Runs` of the modes by count."""
+        if not flights:
+            return []
         if flights == tuple(range(len(flights) + 1, 1, -1)):
             runs = self._runs
-            while len(runs) <= len(flights):
-                f = len(runs) + 1  # runs[i]: the groups of in-flight counts 2 .. i + 1
-                modes = stage_modes(book, self.kind, self.tp, self.mbs, False, False, f)
-                prev = runs[-1]
-                if prev and prev[-1][1] == modes:
-                    runs.append((*prev[:-1], (prev[-1][0] + 1, modes)))
-                else:
-                    runs.append((*prev, (1, modes)))
-            return list(runs[len(flights)])
+            for f in range(runs.last + 1, len(flights) + 2):
+                runs.add(stage_modes(book, self.kind, self.tp, self.mbs, False, False, f))
+            return [(k, modes) for modes, k in runs.counts(2, len(flights) + 1)]
         groups: dict[tuple, int] = {}
         for f in flights:
             modes = stage_modes(book, self.kind, self.tp, self.mbs, False, False, f)
@@ -350,56 +346,50 @@ def _middle_runs(book: CostBook, kind: str, tp: int, mbs: int, n_modes: int) -> 
 
 
 class _MiddleRuns:
-    """A middle stage's modes (`stage_modes`, the first n_modes) by in-flight count f = 1, 2, ...: runs
-    of counts with equal modes, and running sums of the layers a stage holds without recomputation and
-    in its best mode, so that the stages of a segment whose counts run down by one are summed in
-    O(runs). Capacities only fall as f grows, so the runs are few. The book it reads is passed in,
-    not kept: the book keeps this (no reference cycle)."""
+    """A middle stage's modes (`stage_modes`, the first n_modes) by in-flight count f = 1, 2, ... as
+    `holding.Runs` (each with its best capacity and least one-layer work), and running sums of the
+    layers a stage holds without recomputation and in its best mode, so that the stages of a segment
+    whose counts run down by one are summed in O(runs). The book it reads is passed in, not kept: the
+    book keeps this (no reference cycle)."""
 
     def __init__(self, kind: str, tp: int, mbs: int, n_modes: int) -> None:
         self.args = (kind, tp, mbs, n_modes)
-        self.runs: list[list] = []  # [first f, last f, modes, best capacity, least one-layer w or None]
-        self.run_of = [0]  # run index by f (f = 0 unused)
+        self.runs = Runs()  # (modes, best capacity, least one-layer w or None) by f
         self.plain = [0]  # layers held without recomputation by stages of counts 1 .. f
         self.held = [0]  # layers held in the best mode by stages of counts 1 .. f
 
     def _fill(self, book: CostBook, f_max: int) -> None:
         kind, tp, mbs, n_modes = self.args
-        for f in range(len(self.run_of), f_max + 1):
+        for f in range(self.runs.last + 1, f_max + 1):
             modes = stage_modes(book, kind, tp, mbs, False, False, f)[:n_modes]
-            if self.runs and self.runs[-1][2] == modes:
-                self.runs[-1][1] = f
-            else:
-                one = [w for c, w, _ in modes if c >= 1]
-                self.runs.append([f, f, modes, max(c for c, _, _ in modes), min(one) if one else None])
-            self.run_of.append(len(self.runs) - 1)
+            one = [w for c, w, _ in modes if c >= 1]
+            top = max(c for c, _, _ in modes)
+            self.runs.add((modes, top, min(one) if one else None))
             self.plain.append(self.plain[-1] + max(modes[0][0], 0))
-            self.held.append(self.held[-1] + max(c for c, _, _ in modes))
+            self.held.append(self.held[-1] + top)
 
     def terms(self, book: CostBook, lo: int, hi: int, mid: float) -> tuple | None:
         """(groups as (modes, stages), layers held without recomputation, in the best mode, one-layer
         work of the stage at count hi and at lo, the largest one-layer work) of stages holding lo .. hi
         micro-batches (one each); None where one fits in no mode (capacities fall with f: the one at hi)."""
-        if len(self.run_of) <= hi:
-            self._fill(book, hi)
+        self._fill(book, hi)
         runs = self.runs
-        if runs[self.run_of[hi]][3] < 0:
+        if runs.value(hi)[1] < 0:
             return None
         groups, one_max = [], 0.0
-        for r in range(self.run_of[lo], self.run_of[hi] + 1):
-            f_lo, f_hi, modes, _, one = runs[r]
-            groups.append((modes, min(hi, f_hi) - max(lo, f_lo) + 1))
+        for (modes, _, one), k in runs.counts(lo, hi):
+            groups.append((modes, k))
             one_max = max(one_max, mid if one is None else one)
-        at_hi, at_lo = runs[self.run_of[hi]][4], runs[self.run_of[lo]][4]
+        at_hi, at_lo = runs.value(hi)[2], runs.value(lo)[2]
         return (groups, self.plain[hi] - self.plain[lo - 1], self.held[hi] - self.held[lo - 1],
                 mid if at_hi is None else at_hi, mid if at_lo is None else at_lo, one_max)
 
     def terms_of(self, book: CostBook, flights: tuple[int, ...], mid: float) -> tuple | None:
         """`terms` of stages holding these counts, in this order (first's and last's one-layer work)."""
         self._fill(book, max(flights))
-        runs, groups, plain, held, ones = self.runs, {}, 0, 0, []
+        groups, plain, held, ones = {}, 0, 0, []
         for f in flights:
-            _, _, modes, top, one = runs[self.run_of[f]]
+            modes, top, one = self.runs.value(f)
             if top < 0:
                 return None
             groups[modes] = groups.get(modes, 0) + 1

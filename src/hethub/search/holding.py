@@ -10,6 +10,7 @@ import functools
 import heapq
 import itertools
 import math
+from typing import Any
 
 
 def least_layer_work(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int) -> float:
@@ -98,3 +99,35 @@ def smallest_holding(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]
         else:
             pop(heap)
     return None
+
+
+class Runs:
+    """Values at the counts f = 1, 2, ... (added in order) kept as runs of equal consecutive values, so
+    that how many counts of a range have each value is read in O(runs). A stage's modes by its
+    in-flight count change only where a capacity steps down, and under 1F1B a segment's stages hold
+    consecutive counts: the floors read their stages this way rather than one by one."""
+
+    def __init__(self) -> None:
+        self.runs: list[list] = []  # [first f, last f, value]
+        self.run_of = [0]  # run index by f (f = 0 unused)
+
+    @property
+    def last(self) -> int:
+        """The largest count added (0: none)."""
+        return len(self.run_of) - 1
+
+    def add(self, value: Any) -> None:
+        """The value at the next count."""
+        f = len(self.run_of)
+        if self.runs and self.runs[-1][2] == value:
+            self.runs[-1][1] = f
+        else:
+            self.runs.append([f, f, value])
+        self.run_of.append(len(self.runs) - 1)
+
+    def value(self, f: int) -> Any:
+        return self.runs[self.run_of[f]][2]
+
+    def counts(self, lo: int, hi: int) -> list[tuple[Any, int]]:
+        """(value, how many of the counts lo .. hi have it) by run, in count order."""
+        return [(v, min(hi, b) - max(lo, a) + 1) for a, b, v in self.runs[self.run_of[lo]:self.run_of[hi] + 1]]

@@ -32,7 +32,7 @@ from hethub.search.combine import (
     water_level,
     water_level_with,
 )
-from hethub.search.holding import smallest_holding
+from hethub.search.holding import Runs, smallest_holding
 from hethub.search.mixed_sync import SyncFloors
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
@@ -76,6 +76,8 @@ class Family:
         self.extra = min([c[4] for c in cs if c[4] > 0] or [0.0])  # cheapest recomputation per layer
         self._caps: dict[int, tuple[list[int], list[int]]] = {}
         self._held: dict[tuple[int, int], tuple] = {}
+        self._runs: dict[int, Runs] = {}  # `_held_modes` by in-flight count, per kind (_held_runs)
+        self._orders: dict[int, tuple[int, ...]] = {}  # _saturation_order's, by in-flight count
         self.cap, self.cap_plain = self.caps(1)
         self.feasible = min(self.cap) >= 0 and min(self.w) > 0
         e, h = min(c[1] for c in cs), min(c[2] for c in cs)
@@ -192,26 +194,22 @@ class Family:
         return smallest_holding([(k, ms) for ms, k in groups.items()], n_layers, b)
 
     def _held_runs(self, i: int, lo: int, hi: int) -> list[tuple[tuple, int]]:
-        """(`_held_modes`, stages) of the i-th kind's stages holding lo .. hi micro-batches, one each, by
-        runs of in-flight counts with equal modes (capacities only fall as the count grows: few runs)."""
-        runs, run_of = self._held.setdefault(("runs", i), ([], [0]))  # type: ignore[misc]
-        for f in range(len(run_of), hi + 1):
-            ms = self._held_modes(i, f)
-            if runs and runs[-1][2] == ms:
-                runs[-1][1] = f
-            else:
-                runs.append([f, f, ms])
-            run_of.append(len(runs) - 1)
-        return [(ms, min(hi, f_hi) - max(lo, f_lo) + 1) for f_lo, f_hi, ms in runs[run_of[lo]:run_of[hi] + 1]]
+        """(`_held_modes`, stages) of the i-th kind's stages holding lo .. hi micro-batches, one each, read
+        off `holding.Runs` of its modes by in-flight count (capacities only fall as it grows: few runs)."""
+        runs = self._runs.get(i)
+        if runs is None:
+            runs = self._runs[i] = Runs()
+        for f in range(runs.last + 1, hi + 1):
+            runs.add(self._held_modes(i, f))
+        return runs.counts(lo, hi)
 
     def _saturation_order(self, in_flight: int) -> tuple[int, ...]:
         """The kinds by the time a middle stage of each takes to fill its capacity (cap_k w_k)."""
-        key = ("order", in_flight)
-        hit = self._held.get(key)
+        hit = self._orders.get(in_flight)
         if hit is None:
             cap = self.caps(in_flight)[0]
-            hit = self._held[key] = tuple(sorted(range(len(cap)), key=lambda j: cap[j] * self.w[j]))
-        return hit  # type: ignore[return-value]
+            hit = self._orders[in_flight] = tuple(sorted(range(len(cap)), key=lambda j: cap[j] * self.w[j]))
+        return hit
 
     def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
         """`modes` as holding.smallest_holding takes them, bases 0 and capacities at least 0."""
