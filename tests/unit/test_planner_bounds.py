@@ -228,8 +228,8 @@ def test_water_level_beside_a_stream_is_the_first_time_the_batch_is_done(specs, 
 
 
 def _segment_memory_stage_by_stage(book, kind, tp, mbs, flights, first, last, n_modes, mid):
-    """bounds._segment_memory as a plain loop over the stages (its definition)."""
-    from hethub.search.bounds import stage_modes
+    """segments.segment_memory as a plain loop over the stages (its definition)."""
+    from hethub.search.segments import stage_modes
     by_cap, plain, one, n = {}, 0, [], len(flights)
     for i, f in enumerate(flights):
         emb, head = first and i == 0, last and i == n - 1
@@ -246,7 +246,7 @@ def _segment_memory_stage_by_stage(book, kind, tp, mbs, flights, first, last, n_
 def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
     # pipe_floor's segments read their middle stages off runs of equal modes (counts running down by
     # one, as 1F1B gives them) or count by count: both must be the stage-by-stage loop exactly.
-    from hethub.search.bounds import _segment_memory
+    from hethub.search.segments import segment_memory
     s = Searcher(cluster=_cluster(4), model=get_model("llama-2-70b"),
                  config=PlannerConfig(global_batch=256, seq_len=4096), profiles=None)
     checked = infeasible = 0
@@ -256,7 +256,7 @@ def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
                 continue
             for flights in (tuple(range(top, top - n, -1)), (top,) * n, tuple(range(1, n + 1))):
                 for first, last in itertools.product((False, True), repeat=2):
-                    got = _segment_memory(s.book, kind, tp, mbs, flights, first, last, n_modes, 0.5)
+                    got = segment_memory(s.book, kind, tp, mbs, flights, first, last, n_modes, 0.5)
                     want = _segment_memory_stage_by_stage(s.book, kind, tp, mbs, flights, first, last, n_modes, 0.5)
                     if want is None:
                         assert got is None

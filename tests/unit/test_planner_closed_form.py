@@ -6,7 +6,7 @@ import math
 import random
 import statistics
 
-import hethub.search.mixed as mixed
+import hethub.search.families as families_mod
 from hethub.layout import split_hop
 from hethub.predict.comm import stage_hop_time_s
 from hethub.predict.memory import act_bytes_for
@@ -14,7 +14,8 @@ from hethub.schedules import get_schedule
 from hethub.schedules.simulate import simulate_pipeline_time
 from hethub.search import PlannerConfig
 from hethub.search.combine import Group
-from hethub.search.mixed import _box_core, _box_level, _boxes_level, _rate_level, _split, families
+from hethub.search.families import families
+from hethub.search.mixed import _box_core, _box_level, _boxes_level, _rate_level, _split
 from hethub.search.mixed_sync import SyncFloors
 from hethub.search.split import Slot, round_trip_period_s
 from hethub.search.templates import Searcher
@@ -173,7 +174,7 @@ def test_spread_box_floors_are_below_their_members(monkeypatch):
     # Pools over COMPLETE_POOL devices are searched in single-shape boxes (c pipelines of n_k stages
     # per kind, c spread over the replica counts). The family's floor from its boxes' bottlenecks
     # (_boxes_level) and each box's loose floor must stay below every member's closed-form step.
-    monkeypatch.setattr(mixed, "COMPLETE_POOL", 0)
+    monkeypatch.setattr(families_mod, "COMPLETE_POOL", 0)
     for schedule in ("1f1b", "zb-h1"):
         s = Searcher(cluster=_cluster(), model=SMALL, config=PlannerConfig(global_batch=32, seq_len=1024,
                                                                         schedule=schedule), profiles=None)

@@ -1,7 +1,7 @@
 """Stages holding a model's whole layers, each in one of its recomputation modes (capacity in layers,
 cost per layer, base cost): the smallest bottleneck at which they hold every layer, and the least
 work they can hold them with. The floors of the search (bounds.py, mixed.py) are built on these.
-A stage's modes are (capacity, w, base) triples, as bounds.stage_modes gives them; stages with the
+A stage's modes are (capacity, w, base) triples, as segments.stage_modes gives them; stages with the
 same modes are one group of k stages."""
 
 from __future__ import annotations

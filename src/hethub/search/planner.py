@@ -262,7 +262,7 @@ def _collector_paused():
     calls keep it paused). A search builds ~10^5 cached values that live until it returns and
     allocates millions of short-lived ones that reference counting frees: the collector's passes
     over the live caches found nothing to free and took ~15 % of a 512-device search (three full
-    passes, ~0.15 s). A search leaves no reference cycles (mixed.Family holds its searcher weakly),
+    passes, ~0.15 s). A search leaves no reference cycles (families.Family holds its searcher weakly),
     so reference counting frees its caches as it returns."""
     paused = gc.isenabled()
     gc.disable()
