@@ -99,14 +99,9 @@ class PlanCosts:
                          lambda: stage_hop_time_s(cluster, senders=senders, receivers=receivers, nbytes=nbytes,
                                                   split=split), pin=(cluster,))
 
-    def stage_memory(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
-                     recompute: Recompute, in_flight: int, synced: bool, mixed_sync: bool, communicators: int,
-                     sync_bucket_params: float) -> StageMemory:
-        return self.memory_of((kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync,
-                               communicators, sync_bucket_params))
-
     def memory_of(self, shape: tuple, recompute: Recompute | None = None) -> StageMemory:
-        """`stage_memory` of a `stage_shape` (recomputing ``recompute`` where given, else its own mode)."""
+        """memory.stage_memory of a `stage_shape` (recomputing ``recompute`` where given, else its own
+        mode), kept per PlanCosts and between predictions."""
         key = shape if recompute is None or recompute == shape[6] else (*shape[:6], recompute, *shape[7:])
         mem = self.memory.get(key)
         if mem is None:
