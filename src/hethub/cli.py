@@ -11,13 +11,18 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from hethub import __version__
 from hethub.argtypes import HelpFormatter, headroom_fraction, positive_float, positive_int
 from hethub.errors import HethubError, missing_extra
-from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES
+from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES, Plan
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, P2P_MODES, SCHEDULES
 from hethub.spec.model import PRECISIONS
+
+if TYPE_CHECKING:
+    from hethub.search.config import PlannerConfig
 
 EXIT_INTERRUPTED = 130
 
@@ -71,6 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _cost_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host, as_json=args.json,
                           out=args.out)
     result = make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    result = replace(result, plan=_for_file(result.plan, config))
     if args.out:
         result.plan.save(args.out)
     pred = result.prediction
@@ -110,14 +116,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _for_file(plan: Plan, config: PlannerConfig) -> Plan:
+    """The plan as written: a ZeRO-1 plan carries its optimizer split at the headroom it was scored
+    with (training.optimizer_shard_weights), which the runtime then makes."""
+    from hethub.predict.predictor import with_shard_weights
+
+    return with_shard_weights(plan, mem_headroom=config.mem_headroom)
+
+
 def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: str | None) -> int:
     """The plan for --objective/--budget-per-hour/--min-tokens-per-s, beside the throughput plan."""
     from hethub.search.cost import plan_for_cost
     from hethub.tables import format_plan_table, format_summary
 
     cp = plan_for_cost(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    chosen = _for_file(cp.chosen.result.plan, config)
     if out:
-        cp.chosen.result.plan.save(out)
+        chosen.save(out)
     rows = [("chosen", cp.chosen), ("throughput plan", cp.throughput)]
     if as_json:
         print(json.dumps({
@@ -126,7 +141,7 @@ def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: st
             **{key: {"tokens_per_s": c.tokens_per_s, "price_per_hour": c.price_per_hour,
                      "usd_per_million_tokens": c.usd_per_million_tokens, "devices_used": c.result.plan.world_size,
                      "devices_left_out": c.left_out, "num_pipelines": len(c.result.plan.pipelines),
-                     **({"plan": c.result.plan.to_dict()} if key == "chosen" and not out else {})}
+                     **({"plan": chosen.to_dict()} if key == "chosen" and not out else {})}
                for key, c in (("chosen", cp.chosen), ("throughput_plan", cp.throughput))},
             "plan_file": out}, indent=2))
         return 0

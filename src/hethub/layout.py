@@ -17,6 +17,7 @@ parameter names (``unit_param_prefix``), which the predictor's sync model follow
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hethub.plan import Plan, Recompute
@@ -176,6 +177,24 @@ def block_starts(sizes: list[int] | tuple[int, ...]) -> list[int]:
         out.append(acc)
         acc += n
     return out
+
+
+def split_elems(n: int, weights: Sequence[float]) -> list[int]:
+    """``n`` elements split in proportion to ``weights`` (largest remainder; ties to the earlier
+    member), summing to ``n`` exactly: a bucket's slices among its ZeRO-1 owners, sized the same by
+    the runtime and the memory model. Zero weights get nothing unless every weight is zero (then
+    equal shares)."""
+    w = [max(0.0, float(x)) for x in weights]
+    total = sum(w)
+    if total <= 0:
+        w, total = [1.0] * len(weights), float(len(weights))
+    exact = [n * x / total for x in w]
+    sizes = [int(e) for e in exact]
+    left = n - sum(sizes)
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:left]:
+        sizes[i] += 1
+    return sizes
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,13 @@ still launches with a dense ``world_size``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
-from hethub.plan_parts import RECOMPUTE_MODES, Pipeline, Recompute, Stage, interleave, split_evenly
+from hethub.plan_parts import RECOMPUTE_MODES, Pipeline, Recompute, ShardWeights, Stage, interleave, split_evenly
 from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, SCHEDULES, get_schedule
 from hethub.schedules.lockstep import LOCKSTEP_FIX, lockstep_unsupported
 from hethub.spec.cluster import Cluster
@@ -25,7 +26,7 @@ from hethub.spec.kind import ATTENTION_IMPLS
 from hethub.spec.model import PRECISIONS, ModelSpec
 
 __all__ = ["OPTIMIZER_SHARDINGS", "OPTIMIZER_SHARES", "PLAN_VERSION", "PLAN_VERSION_P2P", "RECOMPUTE_MODES",
-           "Pipeline", "Plan", "Recompute", "Stage", "interleave", "split_evenly"]
+           "Pipeline", "Plan", "Recompute", "ShardWeights", "Stage", "interleave", "split_evenly"]
 
 PLAN_FORMAT = "hethub-plan"
 # 2: per-kind "precision"/"attention" under training.kinds. Version 1 files (no per-kind settings)
@@ -39,10 +40,15 @@ PLAN_FORMAT = "hethub-plan"
 # 6: training.p2p "blocking" or "lockstep" (the plan is for a runtime whose sends block; an older
 # reader would silently predict asynchronous sends). Written only for such plans, for the same reason
 # as 5. A version-6 reader that predates "lockstep" refuses it by name (training.p2p validation).
+# 7: training.optimizer_shard_weights, the ZeRO-1 split the plan was scored with (an older reader
+# would recompute the split at its default memory headroom, and a rank could then hold more optimizer
+# state than predicted). Written only for sharded plans that carry it; sharded files without it still
+# load, and the training entry point computes it (hethub.train).
 PLAN_VERSION = 4
 PLAN_VERSION_CHUNKS = 5
 PLAN_VERSION_P2P = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+PLAN_VERSION_SHARDS = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 KIND_SETTINGS = ("precision", "attention")
 # Optimizer-state sharding across a parameter group's data-parallel holders (runtime/zero.py):
 # "zero1" shards the AdamW moments (ZeRO stage 1, Megatron's distributed optimizer). ZeRO-2 (sharded
@@ -75,10 +81,22 @@ class Plan:
     # (Megatron-LM); "lockstep" DeepSpeed's pipeline engine, which Sailor uses (1F1B only). hethub's
     # runtime sends asynchronously whatever this says.
     p2p: str = DEFAULT_P2P
+    # The ZeRO-1 split's weights per rank and the headroom they were computed at (None: not computed;
+    # the training entry point computes them). Written and read only for sharded plans.
+    shard_weights: ShardWeights | None = None
 
     @property
     def sharded_optimizer(self) -> bool:
         return self.optimizer_sharding != "none"
+
+    def rank_shard_weights(self) -> dict[int, float]:
+        """Each rank's weight in the ZeRO-1 split (``predict/sharding.py``), as the plan carries it."""
+        if self.shard_weights is None:
+            _fail("training.optimizer_shard_weights", "is missing from a plan with optimizer sharding",
+                  "start training through 'python -m hethub.train' or 'hethub train' (they compute it at the "
+                  "default memory headroom), or re-create the plan with 'hethub plan'")
+        assert self.shard_weights is not None
+        return dict(enumerate(self.shard_weights.by_rank))
 
     def precision_of(self, kind: str) -> str:
         """The precision stages of ``kind`` train in: the plan's per-kind setting, else the plan-wide
@@ -126,6 +144,8 @@ class Plan:
         if self.optimizer_shares not in OPTIMIZER_SHARES:
             _fail("training.optimizer_shares", f"is {self.optimizer_shares!r}",
                   f"use one of {', '.join(OPTIMIZER_SHARES)}")
+        if self.sharded_optimizer and self.shard_weights is not None:
+            _check_shard_weights(self.shard_weights, world_size=self.world_size)
         if self.p2p not in P2P_MODES:
             _fail("training.p2p", f"is {self.p2p!r}", f"use one of {', '.join(P2P_MODES)} (async: hethub's runtime; "
                   "blocking: a runtime whose sends block, such as Megatron-LM; lockstep: DeepSpeed's pipeline engine)")
@@ -181,14 +201,16 @@ class Plan:
     # ---- io ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         rank = self.rank_of_device()
+        weights = self.shard_weights if self.sharded_optimizer else None
         return {
             "format": PLAN_FORMAT,
-            "version": (PLAN_VERSION_P2P if self.p2p != DEFAULT_P2P else
+            "version": (PLAN_VERSION_SHARDS if weights else PLAN_VERSION_P2P if self.p2p != DEFAULT_P2P else
                         PLAN_VERSION_CHUNKS if any(p.virtual_stages > 1 for p in self.pipelines) else PLAN_VERSION),
             "strategy": self.strategy,
             "training": {"global_batch": self.global_batch, "seq_len": self.seq_len,
                          "schedule": self.schedule, "precision": self.precision,
                          "optimizer_sharding": self.optimizer_sharding, "optimizer_shares": self.optimizer_shares,
+                         **({"optimizer_shard_weights": weights.to_dict()} if weights else {}),
                          **({"p2p": self.p2p} if self.p2p != DEFAULT_P2P else {}),
                          **({"kinds": {k: dict(v) for k, v in self.kind_settings.items()}}
                             if self.kind_settings else {})},
@@ -249,7 +271,8 @@ class Plan:
                     kind_settings=_kind_settings(t),
                     optimizer_sharding=_get(t, "optimizer_sharding", "training", str, default="none"),
                     optimizer_shares=_get(t, "optimizer_shares", "training", str, default="proportional"),
-                    p2p=_get(t, "p2p", "training", str, default=DEFAULT_P2P))
+                    p2p=_get(t, "p2p", "training", str, default=DEFAULT_P2P),
+                    shard_weights=_shard_weights(t))
         plan.validate()
         _check_ranks(data, plan)
         return plan
@@ -362,6 +385,30 @@ def _kind_settings(training: dict[str, Any]) -> dict[str, dict[str, str]]:
             if not isinstance(val, str):
                 _fail(f"training.kinds.{k}.{key}", f"must be a string, got {val!r}", "write a string")
     return {k: dict(v) for k, v in kinds.items()}
+
+
+def _shard_weights(training: dict[str, Any]) -> ShardWeights | None:
+    where = "training.optimizer_shard_weights"
+    if "optimizer_shard_weights" not in training:
+        return None
+    got = _get(training, "optimizer_shard_weights", "training", dict)
+    headroom, by_rank = got.get("mem_headroom"), _get(got, "by_rank", where, list)
+    if isinstance(headroom, bool) or not isinstance(headroom, int | float):
+        _fail(f"{where}.mem_headroom", f"must be a number, got {headroom!r}", "write the fraction, e.g. 0.1")
+    if not all(isinstance(w, int | float) and not isinstance(w, bool) for w in by_rank):
+        _fail(f"{where}.by_rank", "must be a list of numbers, one per rank", "re-create the plan with 'hethub plan'")
+    return ShardWeights(mem_headroom=float(headroom), by_rank=tuple(float(w) for w in by_rank))
+
+
+def _check_shard_weights(w: ShardWeights, *, world_size: int) -> None:
+    where = "training.optimizer_shard_weights"
+    if not 0 <= w.mem_headroom < 1:
+        _fail(f"{where}.mem_headroom", f"is {w.mem_headroom!r}", "give a fraction in [0, 1)")
+    if len(w.by_rank) != world_size:
+        _fail(f"{where}.by_rank", f"lists {len(w.by_rank)} weights for {world_size} ranks",
+              "re-create the plan with 'hethub plan' (or delete the field: 'hethub train' then recomputes it)")
+    if not all(math.isfinite(x) and x >= 0 for x in w.by_rank):
+        _fail(f"{where}.by_rank", "holds a negative or non-finite weight", "give weights >= 0 (free bytes, or 1 each)")
 
 
 def _pipeline_from_dict(p: Any, where: str) -> Pipeline:

@@ -127,3 +127,18 @@ def interleave(pipe: Pipeline, chunk_layers: list[list[int]] | tuple[tuple[int, 
 def split_evenly(n: int, parts: int) -> list[int]:
     """n layers in ``parts`` chunks as equal as can be, the larger ones first."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class ShardWeights:
+    """What a ZeRO-1 plan's optimizer-state split rests on: each rank's weight in its buckets' split
+    (``predict/sharding.py``: free device memory in bytes under ``proportional`` shares, 1 under
+    ``equal``), computed by the predictor at ``mem_headroom``, the share of device memory the plan
+    was scored to leave free. The plan carries them so that the runtime splits exactly as the plan
+    was scored, without a memory model of its own."""
+
+    mem_headroom: float
+    by_rank: tuple[float, ...]  # rank -> weight; ranks are the plan's devices in ascending id order
+
+    def to_dict(self) -> dict[str, object]:
+        return {"mem_headroom": self.mem_headroom, "by_rank": list(self.by_rank)}

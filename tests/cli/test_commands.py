@@ -65,6 +65,29 @@ def test_compare_prints_every_strategy_with_speedups(capsys):
     assert rows["hethub"]["tokens_per_s"] >= rows["homogeneous"]["tokens_per_s"] * 0.999
 
 
+def test_sharded_plan_file_carries_its_split_at_the_planned_headroom(tmp_path, capsys):
+    """`hethub plan --mem-headroom H` writes the ZeRO-1 split computed at H, which the runtime then
+    makes (it no longer recomputes it at the default headroom)."""
+    from dataclasses import replace
+
+    from hethub.predict.predictor import optimizer_shard_weights, predict
+
+    plan_path = tmp_path / "plan.json"
+    code, out, _ = run(["plan", "--cluster", EXAMPLES / "a100-v100-32.toml", "--model", "llama-3-8b",
+                        "--global-batch", "256", "--seq-len", "2048", "--schedule", "1f1b", "--optimizer-sharding",
+                        "zero1", "--mem-headroom", "0.3", "--json", "--out", plan_path], capsys)
+    assert code == 0
+    plan = Plan.load(plan_path)
+    assert json.loads(plan_path.read_text())["version"] == 7
+    assert plan.optimizer_sharding == "zero1" and plan.shard_weights is not None
+    assert plan.shard_weights.mem_headroom == 0.3
+    bare = replace(plan, shard_weights=None)
+    assert plan.rank_shard_weights() == optimizer_shard_weights(bare, mem_headroom=0.3)
+    assert plan.rank_shard_weights() != optimizer_shard_weights(bare)  # what the runtime used to take
+    # The file predicts as planned: the carried split is the one the planner scored.
+    assert predict(plan, mem_headroom=0.3).step_time_s == json.loads(out)["step_time_s"]
+
+
 def test_report_command_writes_four_files(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
     two_stage_plan().save(plan_path)

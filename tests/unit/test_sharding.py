@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from hethub.errors import PlanError
+from hethub.layout import split_elems
 from hethub.plan import Plan
 from hethub.predict.comm import allreduce_time_s
-from hethub.predict.predictor import optimizer_shard_weights, predict
-from hethub.predict.sharding import buckets, rank_shards, split_elems, unit_elems
+from hethub.predict.predictor import optimizer_shard_weights, predict, with_shard_weights
+from hethub.predict.sharding import buckets, rank_shards, unit_elems
 from hethub.predict.sync import gather_bytes_per_param, sync_groups
 from hethub.search import PlannerConfig, make_plan
 from hethub.spec.cluster import load_cluster
@@ -55,6 +56,54 @@ def test_plan_records_sharding_and_round_trips(plan: Plan) -> None:
     del data["training"]["optimizer_sharding"], data["training"]["optimizer_shares"]
     data["version"] = 3  # older files read as unsharded
     assert Plan.from_dict(data).optimizer_sharding == "none"
+
+
+def test_plan_carries_the_split_and_its_headroom(plan: Plan) -> None:
+    """A sharded plan carries its ranks' split weights and the headroom they were computed at
+    (version 7); the predictor then splits by them whatever headroom it is asked to check."""
+    # Replica 1's first two stages split layers 0-6 otherwise than replica 0's, so holders of one
+    # layer differ in free memory, and by how much depends on the headroom.
+    first, second = plan.pipelines
+    moved = (replace(second.stages[0], layers=(0, 4)), replace(second.stages[1], layers=(4, 7)))
+    assert first.stages[0].layers == (0, 3)
+    shifted = replace(second, stages=moved + second.stages[2:])
+    sharded = replace(plan, pipelines=(first, shifted), optimizer_sharding="zero1").validate()
+    at_30 = with_shard_weights(sharded, mem_headroom=0.3)
+    assert at_30.shard_weights is not None and at_30.shard_weights.mem_headroom == 0.3
+    assert at_30.rank_shard_weights() == optimizer_shard_weights(sharded, mem_headroom=0.3)
+    assert at_30.rank_shard_weights() != optimizer_shard_weights(sharded)  # the default headroom's differ
+    data = json.loads(at_30.to_json())
+    assert data["version"] == 7
+    assert data["training"]["optimizer_shard_weights"]["mem_headroom"] == 0.3
+    back = Plan.from_dict(data)
+    assert back == at_30 and back.rank_shard_weights() == at_30.rank_shard_weights()  # floats exactly
+    # The carried split decides the per-rank optimizer state; the headroom asked only checks the fit.
+    carried = predict(at_30, mem_headroom=0.1)
+    computed = predict(sharded, mem_headroom=0.3)
+    assert [s.optimizer_bytes for s in carried.stages] == [s.optimizer_bytes for s in computed.stages]
+    assert [s.optimizer_bytes for s in carried.stages] != [s.optimizer_bytes for s in predict(sharded).stages]
+    # Unsharded plans stay version 4 without the field; a sharded file without it still loads.
+    assert "optimizer_shard_weights" not in json.loads(replace(at_30, optimizer_sharding="none").to_json())["training"]
+    del data["training"]["optimizer_shard_weights"]
+    data["version"] = 4
+    old = Plan.from_dict(data)
+    assert old.shard_weights is None
+    with pytest.raises(PlanError, match=r"training.optimizer_shard_weights.*hethub.train"):
+        old.rank_shard_weights()
+
+
+@pytest.mark.parametrize(("mutate", "where"), [
+    (lambda w: w.update(by_rank=w["by_rank"][:-1]), "by_rank' lists 31 weights for 32 ranks"),
+    (lambda w: w.update(by_rank=[-1.0] * 32), "by_rank' holds a negative"),
+    (lambda w: w.update(mem_headroom=1.5), "mem_headroom' is 1.5"),
+    (lambda w: w.update(mem_headroom="x"), "mem_headroom' must be a number"),
+])
+def test_bad_split_weights_are_refused_naming_the_field(plan: Plan, mutate, where: str) -> None:
+    data = json.loads(with_shard_weights(replace(plan, optimizer_sharding="zero1")).to_json())
+    assert plan.world_size == 32
+    mutate(data["training"]["optimizer_shard_weights"])
+    with pytest.raises(PlanError, match=re.escape(f"training.optimizer_shard_weights.{where}")):
+        Plan.from_dict(data)
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [

@@ -29,7 +29,7 @@ from collections.abc import Collection
 from dataclasses import replace
 
 from hethub.layout import split_hop
-from hethub.plan import Pipeline, Plan, Recompute
+from hethub.plan import Pipeline, Plan, Recompute, ShardWeights
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
     DEFAULT_MEM_HEADROOM,
@@ -294,7 +294,9 @@ def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
     when unsharded: ``mems`` as they are)."""
     if not plan.sharded_optimizer:
         return mems, None
-    weights = _shard_weights(plan, mems, headroom=headroom)
+    # The split the plan carries is the one the runtime makes; the headroom only computes a missing one.
+    weights = (plan.rank_shard_weights() if plan.shard_weights is not None
+               else _shard_weights(plan, mems, headroom=headroom))
     per_stage = stage_shard_elems(plan, rank_shards(plan, weights))
     return {sid: _sharded(plan, *sid, mem, per_stage[sid]) for sid, mem in mems.items()}, weights
 
@@ -309,12 +311,23 @@ def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
 
 
 def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[int, float]:
-    """The weights the runtime's ZeRO-1 splits each bucket by (the same the prediction uses), per rank."""
+    """Each rank's weight in the ZeRO-1 split at ``mem_headroom``, computed from the memory model (what
+    the prediction uses when the plan carries none)."""
     costs = PlanCosts(plan, None)
     schedule = get_schedule(plan.schedule)
     mems = {(pi, si): _stage_mem(costs, schedule, pi, si)[1]
             for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))}
     return _shard_weights(plan, mems, headroom=check_headroom(mem_headroom))
+
+
+def with_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> Plan:
+    """``plan`` carrying its ZeRO-1 split computed at ``mem_headroom`` (training.optimizer_shard_weights),
+    which the runtime then makes as predicted; an unsharded plan as it is."""
+    if not plan.sharded_optimizer:
+        return plan
+    weights = optimizer_shard_weights(plan, mem_headroom=mem_headroom)
+    return replace(plan, shard_weights=ShardWeights(mem_headroom=float(mem_headroom),
+                                                    by_rank=tuple(weights[r] for r in range(plan.world_size))))
 
 
 def _sharded(plan: Plan, pi: int, si: int, mem: StageMemory, elems: tuple[int, int]) -> StageMemory:

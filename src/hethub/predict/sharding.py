@@ -10,7 +10,7 @@ holder stages (:mod:`hethub.layout`). Its *members* are the ranks of one reducti
 ascending rank order: where every holder has the same TP degree, one rank per holder (the ones with
 equal TP rank: each TP rank of a stage has its own line of the bucket); where TP degrees differ
 (``mixed``), every rank of every holder, over the full-size (unsharded) layout. Member i owns the
-i-th of consecutive slices whose sizes :func:`split_elems` gives from the members' weights: each
+i-th of consecutive slices whose sizes :func:`hethub.layout.split_elems` gives from the members' weights: each
 member's free device memory (``proportional``: the device's usable memory less the stage's
 predicted peak without optimizer state, at least 0) or 1 each (``equal``).
 
@@ -20,31 +20,14 @@ Pure (no torch); the element counts per unit are exact for the runtime's modules
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hethub.layout import StagePlace, stage_places, unit_holders
+from hethub.layout import StagePlace, split_elems, stage_places, unit_holders
 from hethub.plan import Plan
 from hethub.spec.model import ModelSpec
 
 StageId = tuple[int, int]
-
-
-def split_elems(n: int, weights: Sequence[float]) -> list[int]:
-    """``n`` elements split in proportion to ``weights`` (largest remainder; ties to the earlier
-    member), summing to ``n`` exactly. Zero weights get nothing unless every weight is zero (then
-    equal shares)."""
-    w = [max(0.0, float(x)) for x in weights]
-    total = sum(w)
-    if total <= 0:
-        w, total = [1.0] * len(weights), float(len(weights))
-    exact = [n * x / total for x in w]
-    sizes = [int(e) for e in exact]
-    left = n - sum(sizes)
-    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in order[:left]:
-        sizes[i] += 1
-    return sizes
 
 
 def unit_elems(model: ModelSpec, unit: str, *, tp: int) -> int:

@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hethub.islands import Exchange, exchange, island_of_kind
-from hethub.layout import stage_places, unit_holders, unit_param_prefix
+from hethub.layout import split_elems, stage_places, unit_holders, unit_param_prefix
 from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.comm import (
@@ -69,7 +69,6 @@ from hethub.predict.comm import (
     slowest_link,
     small_allreduce_time_s,
 )
-from hethub.predict.sharding import split_elems
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 

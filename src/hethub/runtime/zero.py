@@ -4,8 +4,9 @@ For every bucket of parameters with the same holders (the gradient sync's groupi
 ``runtime/data_parallel.py``), the members of each reduction group (``hethub.predict.sharding``:
 one rank per holder with equal TP rank, or every rank of every holder when their TP degrees differ)
 split the bucket's flat element range into consecutive slices, member i owning the i-th; slice sizes
-come from ``hethub.predict.sharding.split_elems`` over the members' weights (free device memory by
-default), the same numbers the predictor's memory model uses.
+come from ``hethub.layout.split_elems`` over the members' weights, which the plan carries
+(``training.optimizer_shard_weights``: free device memory by default, at the headroom the plan was
+scored with), so the slices are the ones the predictor's memory model counted.
 
 One step:
 
@@ -45,8 +46,7 @@ import torch
 from torch import nn
 
 from hethub.comm.communicator import Communicator
-from hethub.layout import Topology, block_starts, unit_of
-from hethub.predict.sharding import split_elems
+from hethub.layout import Topology, block_starts, split_elems, unit_of
 from hethub.runtime.data_parallel import world_grad_norm
 from hethub.runtime.model import StageModel
 
