@@ -114,7 +114,7 @@ def predict_here(plan: Plan, *, profiles: ProfileSet, effects: dict[str, HostEff
 
 def with_host_links(plan: Plan, links: LinksProfile) -> Plan:
     """`plan` on this host's measured links, except where the plan emulates its links: the runtime holds
-    those messages back to the cluster's numbers (emulation/links.py), so they stay."""
+    those messages back to the cluster's numbers (runtime/emulated_links.py), so they stay."""
     measured = plan_with_links(plan, links)
     if plan.cluster.host is None or not plan.cluster.host.links:
         return measured

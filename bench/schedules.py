@@ -14,7 +14,7 @@ larger share of a wider layer's backward); under
 ``hethub.search.interleave.with_chunks``; a one-layer stage gets an empty chunk that passes its
 input on). Both kinds are EMULATED here: cpu-fast ``--fast-slowdown`` k times slower than this
 host's core and cpu-slow 2.5 k (the cluster file's ratio; default k = 2), i.e. after each forward, backward (B) or
-weight-gradient pass (W) a rank sleeps (k - 1) x the CPU time it used (hethub.emulation.slowdown).
+weight-gradient pass (W) a rank sleeps (k - 1) x the CPU time it used (hethub.runtime.slowdown).
 So a rank needs a core only 1/k of the time and 4 ranks fit on 2 cores: a rank's bubble is idle
 time, as on devices of their own, rather than time another rank computes in (with cpu-fast at full
 speed, 4 ranks on 2 cores fill each other's bubbles and no schedule can gain much).

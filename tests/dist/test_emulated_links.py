@@ -10,9 +10,9 @@ import torch
 from _harness import OPTIM, SEQ, SPEC, TIMEOUT, _kind, batches, run_ranks
 
 from hethub.comm.factory import make_communicator
-from hethub.emulation.links import EmulatedLinks, emulated_links_of
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.predictor import predict
+from hethub.runtime.emulated_links import EmulatedLinks, emulated_links_of
 from hethub.runtime.trainer import Trainer, TrainerConfig
 from hethub.spec.cluster import Cluster, EmulationHost, Link, NodeGroup
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hethub.emulation.slowdown import Emulator
+from hethub.runtime.slowdown import Emulator
 
 
 def _spin(cpu_s: float) -> None:

@@ -14,7 +14,7 @@ from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, 
 
 from hethub.comm.factory import make_communicator
 from hethub.plan import Plan, interleave
-from hethub.predict.predictor import optimizer_shard_weights, predict
+from hethub.predict.predictor import optimizer_shard_weights, predict, with_shard_weights
 from hethub.predict.sharding import rank_shards
 from hethub.runtime.precision import compute_dtype
 from hethub.runtime.reference import train_single_device
@@ -28,12 +28,21 @@ TOL = 1e-5
 MIXED_TOL = {"loss": 1e-3, "norm": 1e-3, "grad": 2e-3, "param": 1e-2}
 
 
-def zero1(plan: Plan, *, shares: str = "proportional", slow_mem_bytes: int = 2**31) -> Plan:
-    """``plan`` sharded; the slow kind gets less memory so proportional slices are visibly unequal."""
+# Not the default headroom: the runtime must split as the plan says, not as it would compute.
+HEADROOM = 0.25
+
+
+def zero1(plan: Plan, *, shares: str = "proportional", slow_mem_bytes: int = 2**31,
+          fast_mem_bytes: int | None = None) -> Plan:
+    """``plan`` sharded, carrying its split at HEADROOM; the slow kind gets less memory so proportional
+    slices are visibly unequal."""
     kinds = dict(plan.cluster.kinds)
     kinds[S] = replace(kinds[S], mem_bytes=slow_mem_bytes)
+    if fast_mem_bytes is not None:
+        kinds[F] = replace(kinds[F], mem_bytes=fast_mem_bytes)
     cluster = replace(plan.cluster, kinds=kinds)
-    return replace(plan, cluster=cluster, optimizer_sharding="zero1", optimizer_shares=shares).validate()
+    sharded = replace(plan, cluster=cluster, optimizer_sharding="zero1", optimizer_shares=shares).validate()
+    return with_shard_weights(sharded, mem_headroom=HEADROOM)
 
 
 def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any], cfg: TrainerConfig) -> dict:
@@ -90,7 +99,7 @@ def check(plan: Plan, *, tol: dict[str, float] | None = None) -> list[dict]:
         assert r["param_diff"] <= tol["param"], r
         assert r["dtypes"] == ({str(compute_dtype(plan.precision))} if mixed else {"torch.float32"})
     # The memory model's prediction, per rank, equals what each rank's AdamW allocated.
-    shards = rank_shards(plan, optimizer_shard_weights(plan))
+    shards = rank_shards(plan, plan.rank_shard_weights())
     pred = predict(plan)
     for rank, r in enumerate(res):
         assert r["owned"] == shards.moment_elems[rank]
@@ -110,7 +119,13 @@ def test_uneven_replicas_of_two_kinds_with_tp_stage(bridge: str, monkeypatch: py
     # Replica 0 on the fast kind (TP=2 stage, then TP=1; 3 micro-batches), replica 1 on the slow kind,
     # split differently (1 micro-batch): every layer group has holders of two kinds, unequal slices.
     monkeypatch.setenv("HETHUB_BRIDGE", bridge)
-    plan = zero1(make_plan([(2, 3, [(F, 2, 3), (F, 1, 3)]), (2, 1, [(S, 1, 2), (S, 1, 4)])]))
+    # Devices of a few MiB, so that the stages' own memory is a visible part of them and the split
+    # depends on the headroom: the one at the default headroom differs, and the check below fails
+    # if the runtime recomputed it instead of taking the plan's.
+    plan = zero1(make_plan([(2, 3, [(F, 2, 3), (F, 1, 3)]), (2, 1, [(S, 1, 2), (S, 1, 4)])]),
+                 fast_mem_bytes=2**24, slow_mem_bytes=2**23)
+    default = rank_shards(plan, optimizer_shard_weights(plan)).moment_elems
+    assert default != rank_shards(plan, plan.rank_shard_weights()).moment_elems
     res = check(plan)
     uneven = [sizes for sizes in res[0]["sizes"].values() if len(sizes) > 1 and len(set(sizes)) > 1]
     assert uneven, "proportional slices of holders with unequal free memory must differ"

@@ -14,6 +14,7 @@ from _harness import F, S, batches, make_plan
 from test_checkpoint import CFG, _run
 
 from hethub.plan import Plan
+from hethub.predict.predictor import with_shard_weights
 from hethub.runtime.trainer import TrainerConfig
 
 TOL = 1e-6
@@ -23,8 +24,8 @@ SAVE, STOP = 3, 5
 def _zero1(plan: Plan, shares: str = "proportional") -> Plan:
     kinds = dict(plan.cluster.kinds)
     kinds[S] = replace(kinds[S], mem_bytes=2**31)  # unequal free memory: unequal slices
-    return replace(plan, cluster=replace(plan.cluster, kinds=kinds), optimizer_sharding="zero1",
-                   optimizer_shares=shares).validate()
+    return with_shard_weights(replace(plan, cluster=replace(plan.cluster, kinds=kinds), optimizer_sharding="zero1",
+                                      optimizer_shares=shares).validate())
 
 
 def _tp_slice(full: np.ndarray, mine: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ of its full speed (the OS shares cores fairly between single-threaded processes)
 use a core does not slow anyone:
 
 * an emulated kind's extra time is a sleep: after each forward or backward chunk of CPU work c, the
-  rank sleeps (k - 1) x c (hethub.emulation.slowdown), during which the others have the cores;
+  rank sleeps (k - 1) x c (hethub.runtime.slowdown), during which the others have the cores;
 * waiting for a transfer, and the gradient all-reduces (loopback, tiny next to compute here), are
   timed waits.
 

@@ -16,16 +16,25 @@ torch is imported only to count devices, and only when the plan has accelerator 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from hethub.errors import MemoryFitError, RuntimeSetupError
 from hethub.plan import Plan
-from hethub.predict.result import Prediction
 
 GIB = 1024**3
 # Resident memory of one idle training rank before its model (Python, torch, gloo), measured on this
 # 2-core VM with torch 2.13 CPU: ~0.30 GiB RSS per rank (`ps -o rss` of `hethub train` ranks).
 RANK_OVERHEAD_BYTES = int(0.3 * GIB)
+
+
+class PeakMemory(Protocol):
+    """What the check reads of a prediction (``hethub.predict.result.Prediction`` is one; the runtime
+    never imports the predictor: the launcher predicts and passes the result in)."""
+
+    @property
+    def peak_mem_bytes_by_device(self) -> Mapping[int, float]: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ def is_cpu_kind(plan: Plan, kind: str) -> bool:
     return plan.cluster.kinds[kind].device_type == "cpu"
 
 
-def check_host(plan: Plan, prediction: Prediction, *, host: Host | None = None, plan_path: str = "plan") -> None:
+def check_host(plan: Plan, prediction: PeakMemory, *, host: Host | None = None, plan_path: str = "plan") -> None:
     """Raise RuntimeSetupError (missing accelerators, exit 6) or MemoryFitError (CPU ranks exceed the
     host's available memory, exit 4) with the numbers; return if the host can run every rank."""
     ranks_by_kind = Counter(plan.cluster.devices[d].kind for p in plan.pipelines for s in p.stages for d in s.devices)

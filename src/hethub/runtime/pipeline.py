@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from hethub.comm.communicator import Communicator
-from hethub.emulation.slowdown import Emulator
 from hethub.layout import RankPlace
 from hethub.runtime import weight_grad
 from hethub.runtime.model import StageModel
+from hethub.runtime.slowdown import Emulator
 from hethub.schedules import Op, get_schedule
 
 

@@ -13,18 +13,17 @@ from typing import Any
 import torch
 
 from hethub.comm.communicator import Communicator
-from hethub.emulation.links import EmulatedLinks, emulated_links_of
-from hethub.emulation.slowdown import Emulator
 from hethub.layout import build_topology
 from hethub.plan import Plan
-from hethub.predict.predictor import optimizer_shard_weights
 from hethub.runtime.data import Share, micro_batches
 from hethub.runtime.data_parallel import GradSync
+from hethub.runtime.emulated_links import EmulatedLinks, emulated_links_of
 from hethub.runtime.metrics import rank_record, step_record
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer, build_optimizer_for
 from hethub.runtime.pipeline import PipelineExecutor
 from hethub.runtime.precision import DynamicLossScaler, autocast, boundary_dtype, compute_dtype, kind_precision
+from hethub.runtime.slowdown import Emulator
 from hethub.runtime.tensor_parallel import TPContext
 from hethub.runtime.zero import ZeroSync
 
@@ -89,7 +88,7 @@ class Trainer:
             dtypes = {r: compute_dtype(self.precisions[self.topo.place(r).stage.kind]) or torch.float32
                       for r in range(plan.world_size)}
             self.zero = ZeroSync(self.model, topo=self.topo, rank=rank, comm=comm,
-                                 weights=optimizer_shard_weights(plan), param_dtypes=dtypes)
+                                 weights=plan.rank_shard_weights(), param_dtypes=dtypes)
             self.grad_sync: GradSync | ZeroSync = self.zero
             self.optimizer, self.scheduler = build_optimizer_for(self.zero.pieces, self.cfg.optim)
         else:

@@ -78,7 +78,7 @@ class EmulationHost:
     # so the ring model over the p2p link misses it by ~3x here.
     allreduce: tuple[tuple[int, Link], ...] = ()
     # ``emulated_links = true``: messages between ranks of different (emulated) nodes are held back to
-    # arrive as over Cluster.link(a, b) (hethub.emulation.links), so a CPU run can show slow networks.
+    # arrive as over Cluster.link(a, b) (hethub.runtime.emulated_links), so a CPU run can show slow networks.
     links: bool = False
 
 

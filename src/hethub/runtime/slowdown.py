@@ -3,8 +3,9 @@
 After each compute chunk (one micro-batch forward or backward) a rank of a kind with
 ``emulated_slowdown`` k sleeps (k-1) times the CPU time the chunk used. CPU time of this thread
 (``time.thread_time``) rather than wall time, so outside load on a shared machine does not inflate
-the sleep; it measured exact 2x/3x slowdowns here, where thread limits and affinity did not.
-Sleeping never touches tensors, so numerics are unchanged.
+the sleep (thread limits or CPU affinity would scale with that load instead). Sleeping never
+touches tensors, so numerics are unchanged. The predictor's model of this sleep is
+``hethub.emulation.contention``.
 """
 
 from __future__ import annotations

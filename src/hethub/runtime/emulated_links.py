@@ -12,8 +12,7 @@ payload is there, sleeps until the emulated arrival. All ranks are processes of 
 share its clock. The loopback transfer itself overlaps the emulated time, so a message arrives at
 the later of the two. Sleeping never touches tensors, so numerics are unchanged.
 
-Pure Python (tensor methods only, no torch import): the emulation package stays importable without
-torch.
+Tensor methods only, no torch import: the wrapped communicator's tensors carry what it needs.
 """
 
 from __future__ import annotations
