@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from _harness import CLUSTER, F, S, make_plan
 
+from hethub.commands.replan import replan, replan_path, restrict_cluster, shrunk_plan
 from hethub.errors import RuntimeSetupError
 from hethub.runtime.elastic import Fault, maybe_inject_fault, parse_fault
 from hethub.runtime.launch import launch_forked, torchrun_command
-from hethub.search.replan import replan, restrict_cluster
 
 TIMEOUT_S = 120
 
@@ -109,6 +109,63 @@ def test_replan_uses_every_surviving_device() -> None:
     assert new.world_size == 2 and new.global_batch == plan.global_batch and new.model == plan.model
     assert {s.kind for p in new.pipelines for s in p.stages} == {F}
     assert new.meta["replanned_from_world_size"] == 4
+
+
+def test_shrunk_plan_is_rank_0s_file_for_every_rank(tmp_path: Path) -> None:
+    """Before any process group: rank 0 plans and writes the file, any other rank waits for a plan
+    for exactly these devices there; a stale file for another job is neither taken nor kept."""
+    import threading
+    from dataclasses import replace
+
+    plan = make_plan([(2, 2, [(F, 2, 3), (S, 1, 3)]), (2, 2, [(F, 1, 6)])])
+    with pytest.raises(RuntimeSetupError, match=r"no plan for 2 devices .* shared file system"):
+        shrunk_plan(plan, world_size=2, rank=1, root=tmp_path, timeout_s=0.3)
+    other_job = replace(replan(plan, world_size=2), global_batch=plan.global_batch * 2,
+                        pipelines=tuple(replace(p, num_micro_batches=2 * p.num_micro_batches)
+                                        for p in replan(plan, world_size=2).pipelines))
+    other_job.save(replan_path(tmp_path, 2))
+    got: dict[int, object] = {}
+    waiting = threading.Thread(target=lambda: got.update({1: shrunk_plan(plan, world_size=2, rank=1, root=tmp_path,
+                                                                         timeout_s=60)}))
+    waiting.start()  # sees only the other job's plan until rank 0 replaces it
+    got[0] = shrunk_plan(plan, world_size=2, rank=0, root=tmp_path, timeout_s=60)
+    waiting.join()
+    assert got[0] == got[1] and got[0].global_batch == plan.global_batch and got[0].world_size == 2
+    assert shrunk_plan(plan, world_size=2, rank=0, root=tmp_path, timeout_s=1) == got[0]  # reused, not re-made
+
+
+def test_replan_keeps_sharding_and_the_headroom() -> None:
+    from dataclasses import replace
+
+    from hethub.predict.predictor import with_shard_weights
+
+    plan = make_plan([(2, 2, [(F, 2, 3), (S, 1, 3)]), (2, 2, [(F, 1, 6)])])
+    sharded = with_shard_weights(replace(plan, optimizer_sharding="zero1"), mem_headroom=0.25)
+    new = replan(sharded, world_size=3)
+    assert new.optimizer_sharding == "zero1" and new.shard_weights is not None
+    assert new.shard_weights == with_shard_weights(replace(new, shard_weights=None), mem_headroom=0.25).shard_weights
+
+
+def test_entry_point_completes_a_plan_without_split_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ZeRO-1 plan file without the split (written before plan version 7) trains: the entry point
+    computes it at the default headroom and says so; a plan that carries one keeps it."""
+    from dataclasses import replace
+
+    from hethub.predict.memory import DEFAULT_MEM_HEADROOM
+    from hethub.predict.predictor import with_shard_weights
+    from hethub.runtime.train import parse_args
+    from hethub.train import rank_plan
+
+    plan = replace(make_plan([(2, 2, [(F, 2, 3), (S, 1, 3)]), (2, 2, [(F, 1, 6)])]), optimizer_sharding="zero1")
+    plan.save(tmp_path / "old.json")
+    got = rank_plan(parse_args(["--plan", str(tmp_path / "old.json")]), world_size=4, rank=0)
+    assert got.shard_weights == with_shard_weights(plan).shard_weights
+    assert got.shard_weights is not None and got.shard_weights.mem_headroom == DEFAULT_MEM_HEADROOM
+    assert "carries no optimizer shard weights" in capsys.readouterr().out
+    with_shard_weights(plan, mem_headroom=0.25).save(tmp_path / "new.json")
+    got = rank_plan(parse_args(["--plan", str(tmp_path / "new.json")]), world_size=4, rank=0)
+    assert got.shard_weights is not None and got.shard_weights.mem_headroom == 0.25
+    assert capsys.readouterr().out == ""
 
 
 def test_fault_spec() -> None:

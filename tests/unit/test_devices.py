@@ -17,6 +17,7 @@ from hethub.runtime.devices import device_types_of_kinds, place_rank, plan_place
 from hethub.spec.cluster import Cluster, Link, NodeGroup
 from hethub.spec.kind import catalog
 from hethub.spec.model import ModelSpec
+from hethub.train import rank_plan
 
 SPEC = ModelSpec(name="t4", num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                  vocab_size=256, max_seq_len=32)
@@ -91,7 +92,7 @@ def test_training_start_up_stops_before_any_process_group(tmp_path, monkeypatch)
     # No MASTER_ADDR: reaching init_process_group would fail differently (or hang).
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(RuntimeSetupError) as err:
-        train.run(train.parse_args(["--plan", str(path), "--steps", "1"]))
+        train.run(train.parse_args(["--plan", str(path), "--steps", "1"]), plan_of=rank_plan)
     msg = str(err.value)
     assert "rank 1 (kind 'ascend-910b4')" in msg and "'torch_npu'" in msg and "Fix:" in msg
     assert not torch.distributed.is_initialized()

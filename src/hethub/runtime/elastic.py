@@ -1,14 +1,10 @@
-"""Running under torchrun's elastic agent: re-planning when fewer devices come back, fault injection.
+"""Running under torchrun's elastic agent: process groups that survive restarts, fault injection.
 
 Restarts themselves are torchrun's (``--max-restarts``): it kills the surviving workers of a failed
 attempt and starts them all again; ``hethub.train --resume auto`` makes the new workers continue from
-the newest committed checkpoint. What torchrun cannot do is fit the plan to fewer devices: with
-``--nnodes MIN:MAX`` an attempt may start with a smaller WORLD_SIZE. With ``--replan-on-shrink``,
-hethub then plans the same model and global batch for the surviving devices, taken to be those of
-ranks 0..WORLD_SIZE-1 of the old plan (torchrun numbers ranks node by node and cannot say *which*
-machine left), saves that plan next to the checkpoints and resumes under it:
-checkpoints are stored per parameter, so any plan can load them. The planning itself is the
-planner's (:mod:`hethub.search.replan`); this module only runs it on rank 0 and shares the result.
+the newest committed checkpoint. Fitting the plan to fewer devices when an attempt starts smaller
+(``--replan-on-shrink``) is the entry point's, before the runtime starts
+(:mod:`hethub.commands.replan`): the runtime is handed a plan that matches its world.
 """
 
 from __future__ import annotations
@@ -18,61 +14,12 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from hethub.comm.communicator import Communicator
-from hethub.errors import HethubError, RuntimeSetupError
-from hethub.plan import Plan
+from hethub.errors import RuntimeSetupError
 
 FAULT_ENV = "HETHUB_FAULT_INJECT"
-
-
-def replan_path(root: Path, world_size: int) -> Path:
-    return Path(root) / f"plan-world{world_size}.json"
-
-
-def shrunk_plan(plan: Plan, *, world_size: int, comm: Communicator, root: Path) -> Plan:
-    """Collective: the plan to run when the job came back with ``world_size`` < plan.world_size ranks.
-
-    Rank 0 plans (or reuses the plan an earlier attempt saved for this size) and saves it to
-    ``root/plan-world{N}.json``; every rank then reads that file, so all run the same plan even if
-    planning were not deterministic.
-    """
-    path = replan_path(root, world_size)
-    failed = 0
-    if comm.rank == 0:
-        try:
-            if not _usable(path, plan):
-                from hethub.emulation.host import host_model
-                from hethub.search.replan import replan  # the planner: only re-planning needs it
-
-                new = replan(plan, world_size=world_size, host=host_model(plan.cluster))
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".json.tmp")
-                new.save(tmp)
-                os.replace(tmp, path)
-        except (HethubError, OSError) as err:
-            print(f"hethub.train: error: {err}", flush=True)
-            failed = 1
-    flag = torch.tensor([failed], dtype=torch.int64)
-    comm.all_reduce(flag, op="max")  # doubles as the barrier before the others read the file
-    if int(flag):
-        raise RuntimeSetupError(f"re-planning for {world_size} devices failed on rank 0 (its message says why). "
-                                f"Fix: relaunch with {plan.world_size} processes or pass a plan for {world_size}.")
-    return Plan.load(path)
-
-
-def _usable(path: Path, plan: Plan) -> bool:
-    if not path.is_file():
-        return False
-    try:
-        old = Plan.load(path)
-    except HethubError:
-        return False
-    return old.model == plan.model and old.global_batch == plan.global_batch and old.seq_len == plan.seq_len
 
 
 # ---- process group per attempt --------------------------------------------------------------------

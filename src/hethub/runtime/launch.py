@@ -97,11 +97,17 @@ def _forked_rank(rank: int, world: int, port: int, argv: list[str], quiet: bool)
     if quiet:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
-    from hethub.runtime.train import main
+    import runpy
 
+    # What torchrun's `-m hethub.train` runs (the entry point settles the plan, then the runtime);
+    # its __main__ ends the process. A copy imported before the fork would only draw runpy's warning.
+    sys.modules.pop("hethub.train", None)
+    sys.argv = ["hethub.train", *argv]
     code = 1
     try:
-        code = main(argv)
+        runpy.run_module("hethub.train", run_name="__main__")
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code if isinstance(stop.code, int) else 1
     finally:
         sys.stdout.flush()
         os._exit(code)  # skip exit handlers inherited from the parent through fork

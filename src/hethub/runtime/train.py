@@ -1,10 +1,10 @@
-"""Entry point of one training rank: ``torchrun --nproc-per-node N -m hethub.train --plan plan.json ...``
-(``hethub.train`` delegates here).
+"""One training rank: ``torchrun --nproc-per-node N -m hethub.train --plan plan.json ...`` (the entry
+point, ``hethub.train``, settles the plan and hands it here).
 
-Reads the plan, checks the launch matches it (WORLD_SIZE == plan.world_size), initialises
-torch.distributed, builds this rank's stage and trains. The last stage's TP-rank-0 of pipeline 0
-prints one line per step and, with ``--metrics FILE``, appends one JSON object per step (schema in
-``hethub.runtime.metrics``). Checkpoints, ``--resume`` and elastic restarts: docs/reliability.md.
+Takes the plan from the entry point, checks the launch matches it (WORLD_SIZE == plan.world_size),
+initialises torch.distributed, builds this rank's stage and trains. The last stage's TP-rank-0 of
+pipeline 0 prints one line per step and, with ``--metrics FILE``, appends one JSON object per step
+(schema in ``hethub.runtime.metrics``). Checkpoints, ``--resume`` and elastic restarts: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -23,7 +24,6 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from hethub.comm.communicator import Communicator
 from hethub.comm.factory import make_communicator
 from hethub.errors import CheckpointError, HethubError, RuntimeSetupError
 from hethub.plan import Plan
@@ -38,7 +38,7 @@ from hethub.runtime.devices import (
     plan_placement,
     world_backend,
 )
-from hethub.runtime.elastic import init_process_group, maybe_inject_fault, replan_path, shrunk_plan
+from hethub.runtime.elastic import init_process_group, maybe_inject_fault
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.train_args import done_marker, parse_rank_args
 from hethub.runtime.trainer import Trainer, TrainerConfig
@@ -57,11 +57,14 @@ def _env_int(name: str) -> int:
     return int(v)
 
 
-def run(args: argparse.Namespace) -> None:
-    plan = Plan.load(args.plan)
+# (args, world_size=, rank=) -> the plan this rank runs; called before any process group exists.
+PlanOf = Callable[..., Plan]
+
+
+def run(args: argparse.Namespace, *, plan_of: PlanOf) -> None:
     world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
-    shrunk = args.replan_on_shrink and world < plan.world_size
-    if world != plan.world_size and not shrunk:
+    plan = plan_of(args, world_size=world, rank=rank)
+    if world != plan.world_size:
         raise RuntimeSetupError(f"the job has WORLD_SIZE={world} processes but plan {args.plan} needs "
                                 f"{plan.world_size} (one per device). Fix: launch with --nproc-per-node "
                                 f"{plan.world_size} (or nodes x nproc = {plan.world_size}).")
@@ -72,15 +75,6 @@ def run(args: argparse.Namespace) -> None:
     init_process_group(world_backend(plan), timeout=timedelta(seconds=args.timeout_s))
     try:
         timeout = timedelta(seconds=args.timeout_s)
-        if shrunk:
-            # The old plan no longer matches the world: agree on a new one over plain world groups first.
-            plan = shrunk_plan(plan, world_size=world, comm=Communicator(timeout=timeout),
-                               root=Path(args.checkpoint_dir))
-            if rank == 0:
-                print(f"hethub.train: {world} of {plan.meta.get('replanned_from_world_size')} devices: re-planned, "
-                      f"running {replan_path(Path(args.checkpoint_dir), world)}", flush=True)
-            placement = plan_placement(plan, rank)
-            activate(placement)
         comm = make_communicator(plan=plan, rank=rank, timeout=timeout, device_types=device_types_of_kinds(plan))
         if rank == 0:
             print("hethub.train: placement and groups\n" + placement_summary(plan, getattr(comm, "describe", None)
@@ -218,11 +212,12 @@ def _keep_records_before(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, plan_of: PlanOf) -> int:
+    """``plan_of``: the entry point's settling of the plan (``hethub.train.rank_plan``)."""
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        run(args)
+        run(args, plan_of=plan_of)
     except HethubError as err:
         report_rank_error(err)
         return err.exit_code
@@ -257,7 +252,3 @@ def exit_rank(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    exit_rank(main())
