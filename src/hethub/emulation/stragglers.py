@@ -1,9 +1,8 @@
 """Stragglers on a shared host: each core's speed wanders, independently of the others'.
 
 Measured by :mod:`hethub.emulation.measure.spread`: over windows of ``window_s`` a core's speed relative to
-another core's has a log-normal spread ``sigma`` (9-12 % on the 2-core VM this was built on, the
-two cores' speeds barely correlated, and hardly less over 0.4 s windows than over 0.1 s: the
-cores stay apart for a step and longer). For one rank that spread is no bias, and along a
+another core's has a log-normal spread ``sigma``, independently between cores and lasting a step
+and longer. For one rank that spread is no bias, and along a
 pipeline little, as hand-offs pass time from stage to stage. It does not cancel where ranks meet:
 data-parallel replicas at their all-reduce and the ranks of a TP stage at every collective wait
 for the slowest, so the typical step is slower than one at mean speed (for two ranks about

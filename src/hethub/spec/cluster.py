@@ -75,7 +75,7 @@ class EmulationHost:
     cores: int | str
     # All-reduce among p ranks of that host as measured ('hethub bench comm'), ((p, fitted link), ...).
     # On one host gloo's all-reduce is bound by CPU copies and reductions, not by the loopback "link",
-    # so the ring model over the p2p link misses it by ~3x here.
+    # which the ring model over the p2p link does not see.
     allreduce: tuple[tuple[int, Link], ...] = ()
     # ``emulated_links = true``: messages between ranks of different (emulated) nodes are held back to
     # arrive as over Cluster.link(a, b) (hethub.runtime.emulated_links), so a CPU run can show slow networks.

@@ -2,8 +2,8 @@
 
 On a local emulation host (every rank a process of one machine, gloo over loopback) an all-reduce
 is bound by CPU work: the ring's reductions and copies, plus the gradient sync's own flattening
-into one buffer and copying back. The ring model over the measured point-to-point link misses that
-by ~3x here, so ``hethub bench comm`` also measures this directly, for each participant count, and
+into one buffer and copying back. The ring model over the measured point-to-point link sees none of
+that CPU work, so ``hethub bench comm`` also measures this directly, for each participant count, and
 the predictor uses it for gradient-sync groups and world barriers of that many ranks
 (the cluster file's ``[[host_allreduce]]``, applied by hethub.emulation.host).
 

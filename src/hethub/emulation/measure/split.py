@@ -2,10 +2,9 @@
 
 The predictor assumes W is half of the backward and B the other half (the weight GEMMs' FLOPs
 equal the input-gradient GEMMs'). On a CPU host with small layers the weightless ops and the
-per-op overheads weigh more, and B + W is not exactly one backward (the deferred weight GEMMs read
-their operands back from memory): measured on the repository's small preset, W was ~0.25-0.4 of a
-backward and B + W 1.0-1.2 backwards. So the emulation model replays B and W with the shares
-measured here (:class:`hethub.emulation.effects.HostEffects.split_backward`).
+per-op overheads weigh more, so W is less than half, and B + W is more than one backward (the
+deferred weight GEMMs read their operands back from memory). So the emulation model replays B and W
+with the shares measured here (:class:`hethub.emulation.effects.HostEffects.split_backward`).
 """
 
 from __future__ import annotations

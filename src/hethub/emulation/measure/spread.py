@@ -1,11 +1,10 @@
 """Speed spread: how much one core's speed wanders against another's (local emulation hosts).
 
-On a shared virtual machine a core's speed is not steady: over 0.1 s windows a fixed chunk of work
-took 10-15 % more or less CPU time from window to window here, two cores wander almost
-independently (correlation 0.2-0.4), and over 0.4 s windows the spread is barely smaller (the
-cores stay apart for a step and longer; it is not chunk-to-chunk noise). One rank averages that
-out; ranks that meet at a collective (data-parallel replicas, the ranks of a TP stage) wait for
-the slowest of them, which a prediction at mean speed misses. :mod:`hethub.emulation.stragglers`
+On a shared virtual machine a core's speed is not steady, cores wander almost independently, and
+they stay apart for a step and longer (it is not chunk-to-chunk noise, which is why windows of
+several lengths are measured rather than single chunks). One rank averages that out; ranks that
+meet at a collective (data-parallel replicas, the ranks of a TP stage) wait for the slowest of
+them, which a prediction at mean speed misses. :mod:`hethub.emulation.stragglers`
 replays a step with drawn speeds.
 
 Measurement: one forked process per usable core (2 to 4) runs the same chunk of work (a forward +

@@ -4,8 +4,8 @@ On a local emulation host a rank is idle a lot: a pipeline stage waits for activ
 slow kind sleeps after every chunk, replicas wait in all-reduces. Work that starts after an idle
 gap runs slower than the same work back to back: the core's caches were refilled by someone else
 meanwhile (other tenants of a virtual machine's host, too) and the core may have dropped to a
-lower power state. Measured on this 2-core VM with a stack of three decoder layers (~21 ms): +1%
-after 2 ms idle, +4-7% after 10 ms, +10-20% after 30 ms. A profile measured back to back misses it.
+lower power state. A profile measured back to back misses it, and it grows with the gap, so it is
+measured at several gaps (figures for a small VM: docs/profiles.md).
 
 Measurement, at one micro-batch size (the profile's middle one), in this process (one thread):
 pairs of (a forward + backward of a stack of the runtime's decoder layers straight after another,

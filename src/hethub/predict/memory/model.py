@@ -74,8 +74,8 @@ def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, 
 
 class _cached:
     """``functools.cached_property`` without its lock: Python 3.11's takes one on every first access,
-    which doubled the cost of a new StageMemory's total (the planner builds ~10^4 of them). What it
-    caches is a pure function of the frozen fields, so a race could only compute it twice."""
+    a large share of a new StageMemory's cost (the planner builds ~10^4 of them). What it caches is
+    a pure function of the frozen fields, so a race could only compute it twice."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn, self.name = fn, fn.__name__
