@@ -11,7 +11,9 @@ from hethub.spec.model import ModelSpec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "clusters"
-SHARED = REPO.parent / "shared"
+# Sailor's measured GPU profiles and a plan in its format, vendored with their source and licence
+# (tests/data/sailor/README.md): a clone runs every test without data from outside the repository.
+SAILOR_DATA = REPO / "tests" / "data" / "sailor"
 
 # No hypothesis test may fail on time: its 200 ms deadline per example tripped on a loaded 2-core box
 # (test_data: 377 ms once, 0.5 ms on the re-run). Tests that set their own settings keep them.

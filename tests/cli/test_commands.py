@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import EXAMPLES, SHARED, two_stage_plan
+from conftest import EXAMPLES, SAILOR_DATA, two_stage_plan
 from hethub import cli
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.spec.cluster import load_cluster
@@ -110,16 +110,15 @@ def test_train_refuses_a_plan_that_does_not_fit_memory(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.skipif(not (SHARED / "reference" / "sailor").is_dir(), reason="../shared/reference absent")
 def test_sailor_plan_imports_predicts_and_exports_back(tmp_path, capsys):
-    src = SHARED / "reference" / "sailor" / "example-plan-opt350-a100-v100.json"
+    src = SAILOR_DATA / "example-plan-opt350-a100-v100.json"
     plan_path = tmp_path / "plan.json"
     code, out, err = run(["import-plan", "--format", "sailor", src, "--cluster", EXAMPLES / "a100-v100-32.toml",
                           "--model", "opt-350m", "--out", plan_path], capsys)
     assert code == 0, err
     assert "note: p2p set to lockstep" in out and "DeepSpeed" in out
     code, out, _ = run(["predict", "--plan", plan_path, "--json", "--profiles",
-                        SHARED / "reference" / "sailor" / "profiles" / "OPT-350"], capsys)
+                        SAILOR_DATA / "profiles" / "OPT-350"], capsys)
     assert code == 0
     assert set(json.loads(out)["compute_sources"].values()) == {"profile"}
     assert json.loads(out)["p2p"] == "lockstep"

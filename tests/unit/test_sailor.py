@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import EXAMPLES, SHARED, small_cluster, tiny_model
+from conftest import EXAMPLES, SAILOR_DATA, small_cluster, tiny_model
 from hethub.errors import PlanError, SpecError
 from hethub.interop import export_sailor_plan, import_sailor_plan, sailor_plan_model
 from hethub.plan import Pipeline, Plan, Stage
@@ -13,20 +13,16 @@ from hethub.profile import load_profiles, read_profile
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import PRESETS
 
-SAILOR = SHARED / "reference" / "sailor"
+SAILOR = SAILOR_DATA
 PROFILES = SAILOR / "profiles"
-needs_sailor = pytest.mark.skipif(not PROFILES.is_dir(), reason="../shared/reference/sailor is absent")
 # Sailor's GPT-Neo-2.7/GH-96 file is a copy of OPT-350/GH-96 (26 layer entries, identical numbers).
 MISFILED = {"GPT-Neo-2.7/GH-96"}
 
 
 def _profile_dirs() -> list[str]:
-    if not PROFILES.is_dir():
-        return []
     return sorted(f"{p.parent.parent.name}/{p.parent.name}" for p in PROFILES.glob("*/*/profile.json"))
 
 
-@needs_sailor
 @pytest.mark.parametrize("name", _profile_dirs())
 def test_every_sailor_profile_loads_or_is_rejected_clearly(name):
     path = PROFILES / name / "profile.json"
@@ -43,7 +39,6 @@ def test_every_sailor_profile_loads_or_is_rejected_clearly(name):
         assert e.embedding.fwd_s < 1.0 and e.head.fwd_s < 1.0
 
 
-@needs_sailor
 def test_units_and_seq_lens():
     opt = read_profile(PROFILES / "OPT-350" / "A100-40" / "profile.json")
     assert (opt.kind, opt.model, opt.seq_len) == ("a100-40gb", "opt-350m", 2048)
@@ -52,7 +47,6 @@ def test_units_and_seq_lens():
     assert (llama.kind, llama.model, llama.seq_len) == ("gh200", "llama-3-8b", 8192)
 
 
-@needs_sailor
 def test_llama_final_norm_is_folded_into_the_head():
     raw = json.loads((PROFILES / "LLAMA-3-8" / "GH-96" / "profile.json").read_text())["1"]["1"]
     e = read_profile(PROFILES / "LLAMA-3-8" / "GH-96" / "profile.json").entries[(1, 1)]
@@ -61,7 +55,6 @@ def test_llama_final_norm_is_folded_into_the_head():
     assert e.layer.fwd_s == pytest.approx(sum(raw[str(i)][0] for i in range(1, 33)) / 32)
 
 
-@needs_sailor
 @pytest.mark.parametrize("model", ["OPT-350", "GPT-Neo-2.7", "LLAMA-3-8", "OPT-30"])
 def test_v100_is_slower_than_a100_per_layer(model):
     a100 = read_profile(PROFILES / model / "A100-40" / "profile.json")
@@ -73,7 +66,6 @@ def test_v100_is_slower_than_a100_per_layer(model):
         assert v100.entries[key].layer.bwd_s > a100.entries[key].layer.bwd_s, key
 
 
-@needs_sailor
 def test_loading_the_tree_for_one_model_skips_the_others():
     with pytest.warns(UserWarning, match="profile skipped"):
         ps = load_profiles(PROFILES, model=PRESETS["opt-350m"], seq_len=2048)
@@ -96,7 +88,6 @@ def _shape(plan: Plan) -> list:
                                                        for s in p.stages]) for p in plan.pipelines]
 
 
-@needs_sailor
 def test_example_plan_imports_and_exports_back():
     plan = _import_example()
     assert plan.validate() is plan
@@ -109,7 +100,6 @@ def test_example_plan_imports_and_exports_back():
     assert export_sailor_plan(Plan.from_dict(json.loads(plan.to_json()))) == _example()  # survives saving
 
 
-@needs_sailor
 def test_example_plan_needs_enough_devices():
     cluster = load_cluster(EXAMPLES / "a100-v100-32.toml")
     data = _example()
@@ -218,7 +208,6 @@ def test_plan_model_from_file_if_named():
         sailor_plan_model({"model": "GPT-5"})
 
 
-@needs_sailor
 def test_prediction_uses_sailor_profiles():
     from hethub.predict.predictor import predict
 

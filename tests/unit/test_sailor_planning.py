@@ -1,18 +1,16 @@
 """Planning with Sailor's measured GPU profiles puts less work on the slower kind's devices."""
 
-import pytest
 
-from conftest import EXAMPLES, SHARED
+from conftest import EXAMPLES, SAILOR_DATA
 from hethub.profile.format import load_profiles
 from hethub.search.config import PlannerConfig
 from hethub.search.planner import make_plan
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 
-OPT350 = SHARED / "reference" / "sailor" / "profiles" / "OPT-350"
+OPT350 = SAILOR_DATA / "profiles" / "OPT-350"
 
 
-@pytest.mark.skipif(not OPT350.is_dir(), reason="../shared/reference/sailor absent")
 def test_opt350_on_a100_v100_gives_v100_fewer_layers_per_device():
     model = get_model("opt-350m")
     profiles = load_profiles([OPT350 / "A100-40" / "profile.json", OPT350 / "V100-16" / "profile.json"],
