@@ -66,7 +66,10 @@ def test_killed_rank_restarts_from_checkpoint_and_matches(tmp_path: Path) -> Non
     _forked(tmp_path, nproc=2, steps=5, metrics="clean.jsonl", args=[])
     out = _torchrun(tmp_path, nproc=2, steps=5, metrics="killed.jsonl", restarts=1,
                     env={"HETHUB_FAULT_INJECT": "rank=1,step=3"},
-                    args=["--checkpoint-dir", "ck", "--checkpoint-every", "2", "--resume", "auto"])
+                    # Synchronous saves: the step-2 checkpoint is then committed before the kill at step 3
+                    # (a background save commits whenever its files are written, which a test cannot time).
+                    args=["--checkpoint-dir", "ck", "--checkpoint-every", "2", "--resume", "auto",
+                          "--checkpoint-sync"])
     assert "kills itself before step 3" in out and "resumed from ck/step-000002 at step 2" in out
     clean, killed = _losses(tmp_path / "clean.jsonl"), _losses(tmp_path / "killed.jsonl")
     assert sorted(killed) == [0, 1, 2, 3, 4]

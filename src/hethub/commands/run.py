@@ -48,7 +48,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         resolve(rank_args.resume)
     if rank_args.checkpoint_dir:
-        _check_not_locked(Path(rank_args.checkpoint_dir))
+        from hethub.runtime.checkpoint_runs import claim, resumes_root
+
+        root = Path(rank_args.checkpoint_dir)
+        _check_not_locked(root)
+        claim(root, resume=resumes_root(rank_args.resume, root), start_over=rank_args.start_over, dry_run=True)
     from hethub.runtime.launch import launch_local
     from hethub.schedules import DEFAULT_P2P
 

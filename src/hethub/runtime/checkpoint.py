@@ -24,6 +24,7 @@ import torch
 from hethub.errors import CheckpointError
 from hethub.layout import unit_of
 from hethub.runtime import checkpoint_io as io
+from hethub.runtime import checkpoint_runs as runs
 from hethub.runtime.tensor_parallel import shard
 from hethub.runtime.trainer import Trainer
 
@@ -46,14 +47,50 @@ def owner_rank(trainer: Trainer, name: str) -> int:
 
 
 def _full(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a TP-sharded parameter (or its optimizer state); collective over the TP group."""
+    """The full tensor of a TP-sharded parameter (or its optimizer state); collective over the TP group.
+    Not a copy when unsharded: :func:`_to_host` makes the snapshot's own copy."""
     dim, ranks = trainer.model.shard_dim(name), trainer.place.stage.ranks
     if dim is None or len(ranks) == 1:
-        return t.detach().clone()
+        return t.detach()
     # all_gather concatenates in ascending rank order; TP rank order is the stage's device order.
     parts = trainer.comm.all_gather(t.detach().contiguous(), group=ranks, dim=dim).chunk(len(ranks), dim=dim)
     by_rank = dict(zip(sorted(ranks), parts, strict=True))
     return torch.cat([by_rank[r] for r in ranks], dim=dim)
+
+
+def _to_host(t: torch.Tensor, buffers: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor:
+    """A host copy of ``t`` that later training steps cannot change. From an accelerator the copy is
+    queued on the current stream without waiting (``Snapshot.ready`` waits for it) into page-locked
+    memory, reused from ``buffers`` across saves when the shape matches."""
+    if t.device.type == "cpu":
+        return t.detach().clone()
+    out = buffers.get(key) if buffers is not None else None
+    if out is None or out.shape != t.shape or out.dtype != t.dtype:
+        try:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError:  # no page-locked memory for this device type: a plain host tensor
+            out = torch.empty(t.shape, dtype=t.dtype)
+        if buffers is not None:
+            buffers[key] = out
+    out.copy_(t.detach(), non_blocking=True)
+    return out
+
+
+@dataclass
+class Snapshot:
+    """This rank's part of checkpoint ``step`` in host memory: everything the writer needs, nothing the
+    training loop changes afterwards (so the files can be written while training goes on)."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]  # "param:NAME", "exp_avg:NAME", "exp_avg_sq:NAME", "step:NAME"
+    shapes: dict[str, dict[str, Any]]  # the manifest's "tensors" entries of the parameters this rank writes
+    rng: dict[str, torch.Tensor]
+    fence: Any = None  # an accelerator event after the device-to-host copies; None on CPU
+
+    def ready(self) -> None:
+        """Wait until the device-to-host copies have landed (any thread may call it)."""
+        if self.fence is not None:
+            self.fence.synchronize()
 
 
 def _fail_together(trainer: Trainer, code: int) -> int:
@@ -91,19 +128,22 @@ def _raise_if_failed(trainer: Trainer, error: str, *, root: Path, step: int) -> 
                           "permissions of) --checkpoint-dir, then resume with --resume auto.")
 
 
-def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int = 3,
-                    meta: dict[str, Any] | None = None) -> Path:
-    """Collective: write ``root/step-NNNNNN/`` for ``step`` optimizer steps done; returns its path."""
-    root, rank, comm = Path(root), trainer.rank, trainer.comm
-    tmp = root / (io.step_dir_name(step) + ".tmp")
+def begin_save(trainer: Trainer, *, root: Path, step: int) -> None:
+    """Collective (also the barrier): rank 0 makes an empty ``step-N.tmp/`` before anyone writes into it."""
     error = ""
-    step_failed = functools.partial(_raise_if_failed, trainer, root=root, step=step)
-    try:
-        if rank == 0:
+    if trainer.rank == 0:
+        try:
             io.prepare_tmp(root, step)
-    except OSError as err:
-        error = f"{err}"
-    step_failed(error)  # also the barrier: the directory exists before anyone writes
+        except OSError as err:
+            error = f"{err}"
+    _raise_if_failed(trainer, error, root=root, step=step)
+
+
+def snapshot(trainer: Trainer, step: int, *, buffers: dict[str, torch.Tensor] | None = None) -> Snapshot:
+    """Collective: this rank's share of the checkpoint, copied to host memory. TP shards are gathered
+    within their stage and a sharded optimizer's slices within their owners (every rank takes part);
+    each parameter is then kept by its one writer, the lowest rank holding it."""
+    rank = trainer.rank
     owned: dict[str, torch.Tensor] = {}
     shapes: dict[str, dict[str, Any]] = {}
     # A sharded optimizer's slices, all-gathered into each parameter's local state (collective), so
@@ -117,28 +157,53 @@ def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int 
         if owner_rank(trainer, name) != rank:
             continue
         if "step" in st:
-            full["step"] = st["step"].detach().clone()
-        owned |= {f"{k}:{name}": v for k, v in full.items()}
+            full["step"] = st["step"]
+        owned |= {f"{k}:{name}": _to_host(v, buffers, f"{k}:{name}") for k, v in full.items()}
         shapes[name] = {"shape": list(full["param"].shape), "dtype": str(full["param"].dtype).removeprefix("torch."),
                         "optim": "step" in full}
+    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()}
+                                           if trainer.device.type == "cuda" else {})
+    fence = None
+    if trainer.device.type != "cpu":
+        fence = torch.Event(device=trainer.device)
+        fence.record()
+    return Snapshot(step=step, tensors=owned, shapes=shapes, rng=rng, fence=fence)
+
+
+def write_snapshot(snap: Snapshot, *, root: Path, rank: int) -> tuple[dict[str, dict[str, Any]], str]:
+    """Write this rank's files of ``snap`` into ``step-N.tmp/`` (fsynced, with their sha256): file I/O
+    only, no collective, so a background thread may run it. Returns the files' manifest entries and
+    the error ('' if none): a failure is reported to every rank at the commit, not raised here."""
+    tmp = root / (io.step_dir_name(snap.step) + ".tmp")
     files: dict[str, dict[str, Any]] = {}
     try:
-        if owned:
+        snap.ready()
+        if snap.tensors:
             fname = f"model-r{rank:05d}.pt"
-            files[fname] = dataclasses.asdict(io.save_tensors(tmp / fname, owned))
-            for v in shapes.values():
+            files[fname] = dataclasses.asdict(io.save_tensors(tmp / fname, snap.tensors))
+            for v in snap.shapes.values():
                 v["file"] = fname
-        rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()}
-                                               if trainer.device.type == "cuda" else {})
-        files[f"rng-r{rank:05d}.pt"] = dataclasses.asdict(io.save_tensors(tmp / f"rng-r{rank:05d}.pt", rng))
+        files[f"rng-r{rank:05d}.pt"] = dataclasses.asdict(io.save_tensors(tmp / f"rng-r{rank:05d}.pt", snap.rng))
     except OSError as err:
-        error = f"{err}"
+        return files, f"{err}"
+    except Exception as err:  # any other failure too: reported on every rank at the commit, never a hang
+        return files, f"{type(err).__name__}: {err}"
+    return files, ""
+
+
+def commit_save(trainer: Trainer, snap: Snapshot, files: dict[str, dict[str, Any]], error: str, *, root: Path,
+                keep: int, meta: dict[str, Any] | None, run: str | None) -> Path:
+    """Collective, once every rank has written (or failed to write) its files: every rank raises
+    CheckpointError if one failed; else rank 0 writes the manifest, publishes ``step-N/`` and prunes
+    the run's older checkpoints. Nobody runs on before the checkpoint is committed."""
+    step = snap.step
+    step_failed = functools.partial(_raise_if_failed, trainer, root=root, step=step)
     step_failed(error)
-    gathered = comm.gather_objects((files, shapes), dst=0)
+    gathered = trainer.comm.gather_objects((files, snap.shapes), dst=0)
     if gathered is not None:
         plan = trainer.plan
         manifest = {
-            "format": io.FORMAT, "version": io.VERSION, "step": step,
+            "format": io.FORMAT, "version": io.VERSION, "step": step, "run": run,
             "data": {"next_step": step, "next_sequence": step * plan.global_batch},
             "model": plan.model.to_dict(), "global_batch": plan.global_batch, "seq_len": plan.seq_len,
             "world_size": plan.world_size, "plan": plan.to_dict(), "seed": trainer.cfg.seed,
@@ -149,11 +214,43 @@ def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int 
         }
         try:
             io.commit(root, step, manifest)
-            io.prune(root, keep=keep)
+            io.prune(root, keep=keep, steps=runs.run_steps(root, run))
         except OSError as err:
             error = f"{err}"
-    step_failed(error)  # nobody runs on (or is killed) before the checkpoint is committed
+    step_failed(error)
     return root / io.step_dir_name(step)
+
+
+def save_checkpoint(trainer: Trainer, *, root: str | Path, step: int, keep: int = 3,
+                    meta: dict[str, Any] | None = None, run: str | None = None) -> Path:
+    """Collective: write ``root/step-NNNNNN/`` for ``step`` optimizer steps done, synchronously (training
+    waits for the files); returns its path. ``CheckpointSaver`` writes in the background instead."""
+    root = Path(root)
+    begin_save(trainer, root=root, step=step)
+    snap = snapshot(trainer, step)
+    files, error = write_snapshot(snap, root=root, rank=trainer.rank)
+    return commit_save(trainer, snap, files, error, root=root, keep=keep, meta=meta, run=run)
+
+
+_HELD_LOCKS: list[int] = []  # descriptors of held root locks: released when this process ends
+
+
+def claim_root(trainer: Trainer, root: Path, *, resume: bool, start_over: bool) -> runs.Claim:
+    """Collective: rank 0 locks ``root`` for this process's life and claims it for this run
+    (``checkpoint_runs.claim``: a root of another run is refused unless resumed or started over);
+    every rank gets the run id, or the same CheckpointError."""
+    problem, claim = "", None
+    if trainer.rank == 0:
+        try:
+            _HELD_LOCKS.append(io.lock_dir(root))
+            claim = runs.claim(root, resume=resume, start_over=start_over)
+        except (CheckpointError, OSError) as err:
+            problem = str(err)
+    problem = _share_text(trainer, problem, max_bytes=2048)
+    if problem:
+        raise CheckpointError(problem)
+    run = _share_text(trainer, claim.run if claim is not None else "")
+    return claim if claim is not None else runs.Claim(run=run, resumed_run=resume)
 
 
 def _check_compatible(trainer: Trainer, manifest: dict[str, Any], step_dir: Path) -> None:
@@ -213,14 +310,16 @@ def load_newest_valid(trainer: Trainer, path: str | Path, *, fallback: bool = Tr
     checkpoint is corrupt and ``fallback`` is on, the next older committed one is tried, and so on.
 
     Returns what was loaded and, per corrupt checkpoint passed over, its error (the caller warns).
-    Every rank sees the same files and agrees on each verdict (load_checkpoint's checks are collective
-    or read the same manifest), so all ranks fall back together.
+    The fallback stays within the root's run (``checkpoint_runs``): another run's checkpoint is never
+    resumed in place of a corrupt one. Every rank sees the same files and agrees on each verdict
+    (load_checkpoint's checks are collective or read the same manifest), so all ranks fall back together.
     """
     first = io.resolve(path)
     root = Path(path)
     if first == root or not fallback:  # an explicit step directory: exactly that one
         return load_checkpoint(trainer, first, allow_schedule_change=allow_schedule_change), []
-    older = [root / io.step_dir_name(s) for s in reversed(io.committed_steps(root))]
+    run = runs.read_run_id(root)
+    older = [root / io.step_dir_name(s) for s in reversed(runs.run_steps(root, run))]
     candidates = [first, *(d for d in older if d.name != first.name)]
     skipped: list[str] = []
     for i, step_dir in enumerate(candidates):

@@ -134,12 +134,13 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def prune(root: Path, *, keep: int) -> None:
-    """Keep the newest ``keep`` committed checkpoints (0 keeps all); never the one ``latest`` names."""
+def prune(root: Path, *, keep: int, steps: list[int] | None = None) -> None:
+    """Keep the newest ``keep`` of the committed checkpoints ``steps`` (default: all under ``root``;
+    a run passes its own, ``checkpoint_runs.run_steps``); 0 keeps all; never the one ``latest`` names."""
     if keep <= 0:
         return
     latest = latest_dir(root)
-    for step in committed_steps(root)[:-keep]:
+    for step in sorted(committed_steps(root) if steps is None else steps)[:-keep]:
         d = root / step_dir_name(step)
         if latest is None or d.resolve() != latest.resolve():
             shutil.rmtree(d, ignore_errors=True)

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from hethub.runtime.checkpoint_io import read_manifest, resolve
+from hethub.runtime.checkpoint import Resumed
+from hethub.runtime.checkpoint_io import read_manifest
 from hethub.runtime.data import BatchSource, byte_tokenize, hf_tokenizer, load_tokens
 from hethub.runtime.trainer import Trainer
 
@@ -54,12 +55,12 @@ class RunExtras:
                     self.tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", rec[key], step)
             self.tb.flush()
 
-    def check_resume(self, start: int) -> None:
-        """Warn when the checkpoint resumed from was trained on other data (its position then means
-        other sequences)."""
-        if start == 0 or not self.logs:
+    def check_resume(self, resumed: Resumed | None) -> None:
+        """Warn when the checkpoint resumed from (exactly the one loaded, which after a fallback is not
+        the newest) was trained on other data (its position then means other sequences)."""
+        if resumed is None or resumed.step == 0 or not self.logs:
             return
-        step_dir = resolve(self.args.checkpoint_dir if self.args.resume == "auto" else self.args.resume)
+        step_dir = resumed.path
         saved = read_manifest(step_dir).get("meta", {}).get("data", {})
         now = self.meta.get("data", {})
         if saved.get("fingerprint") != now.get("fingerprint") or saved.get("shuffle_seed") != now.get("shuffle_seed"):

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -25,12 +24,14 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.factory import make_communicator
-from hethub.errors import CheckpointError, HethubError, RuntimeSetupError
+from hethub.errors import HethubError, RuntimeSetupError
 from hethub.plan import Plan
 from hethub.progress import progress
 from hethub.runtime import run_extras
-from hethub.runtime.checkpoint import load_newest_valid, save_checkpoint
-from hethub.runtime.checkpoint_io import latest_dir, lock_dir
+from hethub.runtime.checkpoint import Resumed, claim_root, load_newest_valid
+from hethub.runtime.checkpoint_io import latest_dir
+from hethub.runtime.checkpoint_runs import resumes_root
+from hethub.runtime.checkpoint_saver import CheckpointSaver
 from hethub.runtime.devices import (
     activate,
     device_types_of_kinds,
@@ -88,10 +89,10 @@ def run(args: argparse.Namespace, *, plan_of: PlanOf) -> None:
         trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
         extras = run_extras.setup(args, trainer)  # initial weights, data, evaluation, TensorBoard
         source = extras.source
-        if args.checkpoint_dir:
-            _lock_checkpoints(Path(args.checkpoint_dir), trainer)
-        start = _resume(args, trainer)
-        extras.check_resume(start)
+        saver = _claim_checkpoints(args, trainer)
+        resumed = _resume(args, trainer)
+        start = resumed.step if resumed is not None else 0
+        extras.check_resume(resumed)
         if start >= args.steps and rank == trainer.topo.log_rank:
             print(f"hethub.train: the checkpoint is at step {start} = --steps {args.steps}: the run is already "
                   "complete, nothing to do.", flush=True)
@@ -108,8 +109,10 @@ def run(args: argparse.Namespace, *, plan_of: PlanOf) -> None:
             maybe_inject_fault(rank=rank, step=step)
             rec = trainer.train_step(source.global_batch_at(step), step=step)
             extras.after_step(step, rec)
-            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-                _save(args, trainer, step + 1, meta=extras.meta)
+            if saver is not None:
+                _saved(saver.poll(), saver, trainer)  # commits a background save once every rank wrote it
+                if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+                    _saved(saver.save(step + 1, meta=extras.meta), saver, trainer)
             if rec is None:
                 continue
             emu = " (emulated kinds: " + ", ".join(k for k, v in rec["kinds"].items() if v["emulated"]) + ")" \
@@ -123,8 +126,11 @@ def run(args: argparse.Namespace, *, plan_of: PlanOf) -> None:
                 with out.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(rec) + "\n")
         bar.close()
-        if args.checkpoint_dir and start < args.steps:
-            _save(args, trainer, args.steps, meta=extras.meta)
+        if saver is not None:
+            if start < args.steps:
+                saver.save(args.steps, meta=extras.meta)
+            _saved(saver.wait(), saver, trainer)
+            saver.close()
         extras.finish(trained=start < args.steps)
         # Tear down only once every rank is done: a rank leaving while a peer's last gloo transfer
         # is in flight can abort that peer (seen rarely as "terminate called without an active
@@ -147,44 +153,41 @@ def _mark_done(rank: int) -> None:
             pass  # the launcher then treats a failing exit as a failure, the safe side
 
 
-_HELD_LOCKS: list[int] = []
-
-
-def _save(args: argparse.Namespace, trainer: Trainer, step: int, *, meta: dict) -> None:
-    t0 = time.perf_counter()
-    path = save_checkpoint(trainer, root=args.checkpoint_dir, step=step, keep=args.keep_checkpoints, meta=meta)
+def _claim_checkpoints(args: argparse.Namespace, trainer: Trainer) -> CheckpointSaver | None:
+    """Lock --checkpoint-dir for this run and claim it (a root of another run is refused unless this
+    run resumes it or starts over: runtime/checkpoint_runs.py); the saver that writes the run's checkpoints."""
+    if not args.checkpoint_dir:
+        return None
+    root = Path(args.checkpoint_dir)
+    claim = claim_root(trainer, root, resume=resumes_root(args.resume, root), start_over=args.start_over)
     if trainer.rank == 0:
-        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        print(f"hethub.train: checkpoint saved: {path} (step {step}, {size / 2**20:.1f} MiB, "
-              f"{time.perf_counter() - t0:.2f} s)", flush=True)
+        if claim.moved_to is not None:
+            print(f"hethub.train: --start-over: the earlier run's checkpoints were moved to {claim.moved_to}",
+                  flush=True)
+        print(f"hethub.train: run {claim.run} ({'continued' if claim.resumed_run else 'new'}), checkpoints in "
+              f"{root}", flush=True)
+    return CheckpointSaver(trainer, root=root, keep=args.keep_checkpoints, run=claim.run,
+                           asynchronous=not args.checkpoint_sync)
 
 
-def _lock_checkpoints(root: Path, trainer: Trainer) -> None:
-    """Rank 0 holds an exclusive lock on ``root`` for the run; every rank stops if another run has it."""
-    problem = ""
-    if trainer.rank == 0:
-        try:
-            _HELD_LOCKS.append(lock_dir(root))  # released when this process ends
-        except HethubError as err:
-            problem = str(err)
-    if _any_rank(trainer, bool(problem)):
-        raise CheckpointError(problem or f"checkpoint directory '{root}' is locked by another run (rank 0 says "
-                              "why). Fix: wait for that run, or use another --checkpoint-dir.")
+def _saved(path: Path | None, saver: CheckpointSaver, trainer: Trainer) -> None:
+    """Rank 0 announces a committed checkpoint, with what it cost the training thread."""
+    if path is None or trainer.rank != 0:
+        return
+    rec = saver.records[-1]
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    how = (f"training stalled {rec.stall_s:.2f} s, written in the background in {rec.write_s:.2f} s"
+           if saver.asynchronous else f"{rec.stall_s:.2f} s")
+    print(f"hethub.train: checkpoint saved: {path} (step {rec.step}, {size / 2**20:.1f} MiB, {how})", flush=True)
 
 
-def _any_rank(trainer: Trainer, flag: bool) -> bool:
-    t = torch.tensor([int(flag)], dtype=torch.int64)
-    trainer.comm.all_reduce(t, op="max")
-    return bool(t.item())
-
-
-def _resume(args: argparse.Namespace, trainer: Trainer) -> int:
-    """The step to start from: 0, or the restored checkpoint's step."""
+def _resume(args: argparse.Namespace, trainer: Trainer) -> Resumed | None:
+    """The checkpoint restored (None: start at step 0)."""
     if not args.resume:
-        return 0
+        return None
     if args.resume == "auto":
         if latest_dir(Path(args.checkpoint_dir)) is None:
-            return 0  # the first attempt of an elastic job: nothing saved yet
+            return None  # the first attempt of an elastic job: nothing saved yet
         src = args.checkpoint_dir
     else:
         src = args.resume
@@ -196,7 +199,7 @@ def _resume(args: argparse.Namespace, trainer: Trainer) -> int:
                   f"the newest valid one instead (--no-checkpoint-fallback stops here instead).", flush=True)
         how = " (saved under another plan: resharded)" if got.resharded else ""
         print(f"hethub.train: resumed from {got.path} at step {got.step}{how}", flush=True)
-    return got.step
+    return got
 
 
 def _keep_records_before(path: Path, step: int) -> None:

@@ -41,6 +41,13 @@ _CHECKPOINTS: list[tuple[str, dict]] = [
                             "help": "keep the newest K (0: all; default: 3)"}),
     ("--resume", {"metavar": "DIR|auto",
                   "help": "continue from a checkpoint; auto: the newest in --checkpoint-dir if there is one"}),
+    ("--start-over", {"action": "store_true",
+                      "help": "if --checkpoint-dir holds another run's checkpoints, move them aside into "
+                              "DIR/previous/RUN/ and start a new run (without it such a directory is refused unless "
+                              "resumed)"}),
+    ("--checkpoint-sync", {"action": "store_true",
+                           "help": "write checkpoints on the training thread (training waits for the files) instead "
+                                   "of in the background after a device-to-host copy"}),
     ("--no-checkpoint-fallback", {"action": "store_true",
                                   "help": "stop if the newest checkpoint is corrupt instead of resuming from the "
                                           "newest valid one (with a warning)"}),
@@ -64,9 +71,13 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> None:
 
 def check_train_args(args: argparse.Namespace) -> None:
     """Checks that need several flags at once; SpecError (exit 2) naming the flags."""
-    if (args.resume == "auto" or args.checkpoint_every or args.replan_on_shrink) and not args.checkpoint_dir:
-        raise SpecError("--resume auto, --checkpoint-every and --replan-on-shrink need --checkpoint-dir. Fix: add "
-                        "--checkpoint-dir DIR.")
+    if (args.resume == "auto" or args.checkpoint_every or args.replan_on_shrink or args.start_over) \
+            and not args.checkpoint_dir:
+        raise SpecError("--resume auto, --checkpoint-every, --replan-on-shrink and --start-over need "
+                        "--checkpoint-dir. Fix: add --checkpoint-dir DIR.")
+    if args.start_over and args.resume:
+        raise SpecError(f"--start-over and --resume {args.resume} contradict each other: one starts a new run, the "
+                        "other continues one. Fix: keep one.")
     if args.warmup_steps is not None and args.warmup_steps > args.steps:
         raise SpecError(f"--warmup-steps {args.warmup_steps} is longer than the run (--steps {args.steps}). Fix: "
                         "use fewer warm-up steps.")
