@@ -63,9 +63,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hethub-errors-") as errors:
         proc = launch_local(plan_path, nproc=plan.world_size, steps=rank_args.steps, metrics=rank_args.metrics,
                             extra_args=extra, error_dir=errors)
+        if getattr(proc, "signal", None) is not None:  # a LocalRun; stand-ins in tests may be plain
+            return _stopped_by(proc.signal, root=rank_args.checkpoint_dir)
         if proc.returncode != 0 and not _finished_anyway(Path(errors), world=plan.world_size,
                                                          returncode=proc.returncode):
-            raise _rank_failure(Path(errors), proc.returncode)
+            raise _rank_failure(Path(errors), proc.returncode, signalled=getattr(proc, "signalled", {}))
     if rank_args.metrics:
         print(f"metrics written to {rank_args.metrics}")
     return 0
@@ -79,6 +81,28 @@ def _check_not_locked(root) -> None:
     if not (root / LOCK).exists():
         return
     os.close(lock_dir(root))  # raises CheckpointError naming the holder; else released at once
+
+
+def _stopped_by(signum: int, *, root: str | None) -> int:
+    """The run was stopped by a signal to this launcher: say so, check the checkpoint lock is free,
+    and exit 128 + the signal's number (the shell's convention: 143 SIGTERM, 130 SIGINT, 129 SIGHUP)."""
+    import signal
+    import sys
+    from pathlib import Path
+
+    name = signal.Signals(signum).name
+    lock = ""
+    if root:
+        from hethub.errors import CheckpointError
+
+        try:
+            _check_not_locked(Path(root))
+            lock = f"; the lock on {root} is released (resume with --resume auto)"
+        except CheckpointError as err:
+            lock = f"; but {err}"
+    print(f"hethub train: stopped by {name}: torchrun and every rank were stopped{lock}", file=sys.stderr,
+          flush=True)
+    return 128 + signum
 
 
 def _finished_anyway(errors, *, world: int, returncode: int) -> bool:
@@ -98,19 +122,42 @@ def _finished_anyway(errors, *, world: int, returncode: int) -> bool:
     return True
 
 
-def _rank_failure(errors, returncode: int):
-    """One error for the whole job: each distinct rank message once, with the ranks that raised it, and
-    the exit code of the first (lowest) failing rank; a rank that died without one: exit 1."""
+# What a rank killed by a signal most likely met (the signal is all torchrun saw).
+_SIGNAL_CAUSES = {"SIGKILL": "most likely the kernel's out-of-memory killer (see `dmesg`), or a kill -9",
+                  "SIGSEGV": "a crash in native code (a driver, an extension)",
+                  "SIGBUS": "a bad memory access, e.g. a memory-mapped file truncated underneath",
+                  "SIGABRT": "an abort in native code (its message is above)",
+                  "SIGTERM": "something stopped it (a scheduler's time limit, a kill)"}
+
+
+def _rank_failure(errors, returncode: int, *, signalled: dict[int, int] | None = None):
+    """One error for the whole job: a rank killed by a signal first (named, with its likely cause: the
+    others' errors then only follow from it), each distinct rank message once with the ranks that
+    raised it, and the exit code of the first (lowest) failing rank; a rank that died without one: exit 1."""
     import json
+    import signal
 
     from hethub.errors import HethubError
 
+    killed = []
+    for rank, signum in sorted((signalled or {}).items()):
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        cause = _SIGNAL_CAUSES.get(name, "")
+        killed.append(f"rank {rank} was killed by {name} (signal {signum})" + (f": {cause}" if cause else ""))
     reports = []
     for f in sorted(errors.glob("rank-*.json")):
         try:
             reports.append(json.loads(f.read_text(encoding="utf-8")))
         except (OSError, ValueError):
             continue
+    if killed:
+        err = HethubError("; ".join(killed) + ". The other ranks then stopped (their connection to it was "
+                          "reset). Fix: if memory ran out, a plan with less memory per process (more stages or "
+                          "recomputation, a smaller micro-batch) or fewer processes on this host.")
+        return err
     if not reports:
         err = HethubError(f"training exited with code {returncode}: a rank stopped without a hethub error (its "
                           "output is above). Fix: read the first error the ranks printed.")

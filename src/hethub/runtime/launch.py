@@ -5,14 +5,17 @@ or (``launch_forked``) the same ``hethub.train`` ranks forked from this process.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import hethub
+from hethub.runtime.supervise import SHUTDOWN_GRACE_S, AgentReport, Supervisor, agent_noise_filter
+
+__all__ = ["LocalRun", "agent_noise_filter", "launch_forked", "launch_local", "torchrun_command"]
 
 
 def torchrun_command(plan_path: str | Path, *, nproc: int, steps: int, metrics: str | Path | None = None,
@@ -26,8 +29,8 @@ def torchrun_command(plan_path: str | Path, *, nproc: int, steps: int, metrics: 
 
 def launch_local(plan_path: str | Path, *, nproc: int, steps: int, metrics: str | Path | None = None,
                  extra_args: Sequence[str] = (), capture: bool = False,
-                 timeout_s: float | None = None, error_dir: str | Path | None = None
-                 ) -> subprocess.CompletedProcess[str]:
+                 timeout_s: float | None = None, error_dir: str | Path | None = None,
+                 grace_s: float = SHUTDOWN_GRACE_S) -> LocalRun:
     """Train ``plan_path`` with ``nproc`` local processes; returns the finished torchrun process.
 
     One thread per rank (OMP_NUM_THREADS=1 unless set): ranks share the machine's cores, and
@@ -35,7 +38,8 @@ def launch_local(plan_path: str | Path, *, nproc: int, steps: int, metrics: str 
     PYTHONPATH so an uninstalled checkout works too. With ``error_dir`` the ranks leave their hethub
     errors there (``hethub.train.report_rank_error``) for the caller to print once, and torchrun's own
     report of a failed worker (its ChildFailedError traceback and agent log lines) is left out of
-    stderr: the ranks' errors say what happened.
+    stderr, its ranks killed by a signal kept (``LocalRun.signalled``); and torchrun runs under a
+    :class:`Supervisor`: SIGTERM, SIGINT and SIGHUP to this process stop the whole run.
     """
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -45,49 +49,31 @@ def launch_local(plan_path: str | Path, *, nproc: int, steps: int, metrics: str 
     if error_dir is None or capture:
         if error_dir is not None:
             env["HETHUB_ERROR_DIR"] = str(error_dir)
-        return subprocess.run(cmd, env=env, text=True, capture_output=capture, timeout=timeout_s, check=False)
+        done = subprocess.run(cmd, env=env, text=True, capture_output=capture, timeout=timeout_s, check=False)
+        return LocalRun(cmd, done.returncode, done.stdout, done.stderr)
     env["HETHUB_ERROR_DIR"] = str(error_dir)
-    with subprocess.Popen(cmd, env=env, text=True, stderr=subprocess.PIPE) as proc:
+    report = AgentReport()
+    # Its own session: a signal meant for this launcher (a terminal's Ctrl-C, a scheduler's SIGTERM to
+    # our pid) reaches torchrun only through the supervisor, which also makes sure it ends.
+    with subprocess.Popen(cmd, env=env, text=True, stderr=subprocess.PIPE, start_new_session=True) as proc, \
+            Supervisor(proc, error_dir=Path(error_dir), grace_s=grace_s) as sup:
         assert proc.stderr is not None
-        for line in agent_noise_filter(proc.stderr):
+        for line in agent_noise_filter(proc.stderr, report=report):
             sys.stderr.write(line)
             sys.stderr.flush()
         code = proc.wait(timeout=timeout_s)
-    return subprocess.CompletedProcess(cmd, code)
+    return LocalRun(cmd, code, signal=sup.signum, signalled=report.signalled)
 
 
-_AGENT_LOG = re.compile(r"^[WEI]\d{4} [\d:.]+ \d+ .*torch/distributed/(elastic|run)")
+class LocalRun(subprocess.CompletedProcess):
+    """torchrun's finished process, plus how the run ended: ``signal``, the signal this launcher got
+    and forwarded (None if none); ``signalled``, {rank: signal number} of ranks torchrun saw killed."""
 
-
-def agent_noise_filter(lines: Iterable[str]) -> Iterator[str]:
-    """``lines`` without torchrun's report of a failed worker: its log lines (``E1201 12:00:00 123
-    torch/distributed/...``) and the traceback ending in ``ChildFailedError`` with its ``=====`` box.
-    Any other traceback (a bug in a rank) passes through whole."""
-    held: list[str] = []  # a traceback being read: shown unless it turns out to be torchrun's
-    box = 0  # inside the ChildFailedError box: '=' rules seen so far (it ends at the 2nd)
-    for line in lines:
-        if box:
-            if line.startswith("====="):
-                box += 1
-                if box == 3:
-                    box = 0
-            continue
-        if held:
-            if line.startswith((" ", "\t")) or line.startswith("Traceback"):
-                held.append(line)
-                continue
-            if "ChildFailedError" in line:
-                held, box = [], 1
-                continue
-            yield from held
-            held = []
-        if line.startswith("Traceback (most recent call last)"):
-            held = [line]
-            continue
-        if _AGENT_LOG.match(line):
-            continue
-        yield line
-    yield from held
+    def __init__(self, args: Any, returncode: int, stdout: Any = None, stderr: Any = None, *,
+                 signal: int | None = None, signalled: dict[int, int] | None = None) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.signal = signal
+        self.signalled = signalled or {}
 
 
 def _forked_rank(rank: int, world: int, port: int, argv: list[str], quiet: bool) -> None:

@@ -217,6 +217,7 @@ def _keep_records_before(path: Path, step: int) -> None:
 
 def main(argv: list[str] | None = None, *, plan_of: PlanOf) -> int:
     """``plan_of``: the entry point's settling of the plan (``hethub.train.rank_plan``)."""
+    _leave_pid()
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
@@ -225,6 +226,19 @@ def main(argv: list[str] | None = None, *, plan_of: PlanOf) -> int:
         report_rank_error(err)
         return err.exit_code
     return 0
+
+
+def _leave_pid() -> None:
+    """Under ``hethub train``: this rank's pid in the hand-off folder, so the launcher can make sure no
+    rank outlives the run (runtime/supervise.py)."""
+    folder = os.environ.get("HETHUB_ERROR_DIR")
+    if folder:
+        from hethub.runtime.supervise import rank_pid_file
+
+        try:
+            rank_pid_file(folder, os.environ.get("RANK", "x")).write_text(str(os.getpid()), encoding="ascii")
+        except OSError:
+            pass  # the launcher then relies on torchrun alone to stop this rank
 
 
 def report_rank_error(err: HethubError) -> None:
