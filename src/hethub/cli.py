@@ -62,6 +62,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         cluster = apply_links_profile(cluster, read_links_profile(args.links))
     model = get_model(args.model)
+    if args.seq_len > model.max_seq_len:  # a flag's value (exit 2), not a search that found nothing
+        from hethub.errors import SpecError
+
+        raise SpecError(f"--seq-len {args.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}. Fix: use "
+                        f"--seq-len {model.max_seq_len} or less, or a model with a longer context.")
     config = PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
                            schedule=args.schedule, precision=args.precision, top_k=args.top_k,
                            objective=args.objective, budget_per_hour=args.budget_per_hour,

@@ -8,6 +8,7 @@ command, so :func:`write_text_atomic` writes a temporary file beside it and rena
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -21,10 +22,13 @@ def prepare_output(path: str | Path, *, flag: str = "--out", is_dir: bool = Fals
     Raises HethubError (exit 1) naming ``flag`` and the path when the folder cannot be made or written.
     """
     p = Path(path)
+    _check_names(p, flag=flag)
     folder = p if is_dir else (p.parent if str(p.parent) else Path("."))
     if not is_dir and p.is_dir():
         raise HethubError(f"{flag} {p} is a directory, but a file name is expected here. Fix: name a file, "
                           f"e.g. {flag} {p / 'out.json'}.")
+    if is_dir and p.exists() and not p.is_dir():
+        raise HethubError(f"{flag} {p} is a file, but a folder is expected here. Fix: name a folder.")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".hethub-probe-", dir=folder)
@@ -34,6 +38,29 @@ def prepare_output(path: str | Path, *, flag: str = "--out", is_dir: bool = Fals
         raise HethubError(f"{flag} {p}: cannot write into folder '{folder}' ({err.strerror or err}). Fix: choose "
                           "a writable location.") from None
     return p
+
+
+def _check_names(p: Path, *, flag: str) -> None:
+    """Each part of ``p`` within the filesystem's name length, and no part of it an existing file
+    (both fail only when the file is finally written otherwise: after the work)."""
+    limit = 255
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        limit = os.pathconf(_existing_parent(p), "PC_NAME_MAX")
+    for part in p.parts:
+        if len(os.fsencode(part)) > limit:
+            raise HethubError(f"{flag}: the name '{part[:40]}...' is {len(os.fsencode(part))} bytes long; this "
+                              f"filesystem allows {limit}. Fix: a shorter name.")
+    for parent in [*reversed(p.parents)][1:]:
+        if parent.is_file():
+            raise HethubError(f"{flag} {p}: '{parent}' is a file, so nothing can be written under it. Fix: choose "
+                              "a path under a folder.")
+
+
+def _existing_parent(p: Path) -> Path:
+    for parent in p.parents:
+        if parent.is_dir():
+            return parent
+    return Path(".")
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
@@ -49,7 +76,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a normal file's mode is wanted
+        os.chmod(tmp, normal_file_mode())  # mkstemp makes 0600; a normal file's mode is wanted
         os.replace(tmp, p)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
@@ -61,7 +88,8 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return p
 
 
-def _umask() -> int:
+def normal_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (0644 under umask 022)."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask

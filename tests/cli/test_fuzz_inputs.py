@@ -239,7 +239,7 @@ CASES = [
                           "--seq-len", "32"], 2, "mem_gib"),
     ("plan global batch 0", [*PLAN[:6], "0", "--seq-len", "32"], 2, "--global-batch"),
     ("plan seq-len -1", [*PLAN[:8], "-1"], 2, "--seq-len"),
-    ("plan seq-len beyond model", [*PLAN[:8], "100000"], 5, "seq_len"),
+    ("plan seq-len beyond model", [*PLAN[:8], "100000"], 2, "--seq-len"),
     ("plan unknown model", ["plan", "--cluster", LOCAL, "--model", "gpt-9", "--global-batch", "4", "--seq-len",
                             "32"], 2, "gpt-9"),
     ("plan missing cluster", ["plan", "--cluster", "{missing}", "--model", "tiny", "--global-batch", "4",
@@ -273,6 +273,28 @@ CASES = [
     ("train metrics unwritable", ["train", "--plan", "{plan}", "--metrics", "/proc/hethub/m.jsonl"], 1,
      "--metrics"),
     ("train missing plan", ["train", "--plan", "{missing}"], 3, "missing.toml"),
+    # train: what used to fail only inside every rank (issue 34)
+    ("train zero1 on one replica", ["train", "--plan", "{plan_zero1}"], 3, "optimizer_sharding"),
+    ("train empty data", ["train", "--plan", "{plan}", "--data", "{d_empty}"], 2, "d_empty.txt"),
+    ("train binary data", ["train", "--plan", "{plan}", "--data", "{d_binary}"], 2, "binary data"),
+    ("train missing data", ["train", "--plan", "{plan}", "--data", "{missing}"], 2, "missing.toml"),
+    ("train missing tokenizer", ["train", "--plan", "{plan}", "--tokenizer", "{out}/tok.json"], 2, "--tokenizer"),
+    ("train init-from truncated shard", ["train", "--plan", "{plan_hf}", "--init-from", "{hf_cut}"], 2,
+     "truncated"),
+    ("train init-from missing shard", ["train", "--plan", "{plan_hf}", "--init-from", "{hf_gap}"], 2,
+     "is missing"),
+    ("train init-from another model", ["train", "--plan", "{plan}", "--init-from", "{hf_cut}"], 3, "--init-from"),
+    ("train metrics under a file", ["train", "--plan", "{plan}", "--metrics", "{plan}/m.jsonl"], 1, "is a file"),
+    ("train checkpoint-dir name too long", ["train", "--plan", "{plan}", "--checkpoint-dir", "{out}/" + "c" * 300],
+     1, "bytes long"),
+    ("train config steps as a string", ["train", "--plan", "{plan}", "--config", "{cfg_steps}"], 2,
+     "'train.steps'"),
+    ("train config lr -1", ["train", "--plan", "{plan}", "--config", "{cfg_lr}"], 2, "'optim.lr'"),
+    ("plan out name too long", [*PLAN, "--out", "{out}/" + "p" * 300 + ".json"], 1, "bytes long"),
+    ("export out under a file", ["export", "--checkpoint", "{missing}", "--out", "{plan}/hf"], 1, "is a file"),
+    ("export out name too long", ["export", "--checkpoint", "{missing}", "--out", "{out}/" + "e" * 300], 1,
+     "bytes long"),
+    ("export out unwritable", ["export", "--checkpoint", "{missing}", "--out", "/proc/hethub/hf"], 1, "--out"),
     # report: metrics that do not belong to the plan
     ("report truncated metrics", ["report", "--plan", "{plan}", "--metrics", "{m_cut}", "--out", "{out}"], 1,
      "m_cut.jsonl"),
@@ -374,11 +396,44 @@ def bad(tmp_path_factory):
         {"rank": plan.world_size + 5, "events": []}]}) + "\n")
     for name in ("m_cut", "m_other", "m_rank"):
         f[name] = str(d / f"{name}.jsonl")
+    _issue34_inputs(d, f)
     sailor = json.loads(open(SAILOR_PLAN).read())
     sailor["mbs"] = 0
     (d / "s_gbs.json").write_text(json.dumps(sailor))
     f["s_gbs"] = str(d / "s_gbs.json")
     return f
+
+
+def _issue34_inputs(d, f) -> None:
+    """Inputs that pass the older pre-launch checks and used to fail inside every rank."""
+    from dataclasses import replace
+
+    from hethub.runtime.hf_io import spec_from_folder, write_random_model
+
+    replace(two_stage_plan(), optimizer_sharding="zero1").save(d / "zero1.json")
+    f["plan_zero1"] = str(d / "zero1.json")
+    (d / "d_empty.txt").write_text("")
+    (d / "d_binary.txt").write_bytes(bytes(range(256)) * 64)
+    f["d_empty"], f["d_binary"] = str(d / "d_empty.txt"), str(d / "d_binary.txt")
+    cfg = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
+    (d / "hf.json").write_text(json.dumps(cfg))
+    write_random_model(d / "hf.json", d / "hf_cut")
+    shard = d / "hf_cut" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    from hethub.runtime.hf_io import write_folder
+    from hethub.runtime.model import StageModel
+
+    spec = spec_from_folder(d / "hf_cut")[0]
+    model = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True)
+    write_folder(d / "hf_gap", config=json.loads((d / "hf_cut" / "config.json").read_text()),
+                 tensors=list(model.named_parameters()), max_shard_bytes=20_000)
+    next(iter(sorted((d / "hf_gap").glob("model-*.safetensors")))).unlink()
+    two_stage_plan(model=spec, split=2).save(d / "plan_hf.json")
+    f["hf_cut"], f["hf_gap"], f["plan_hf"] = str(d / "hf_cut"), str(d / "hf_gap"), str(d / "plan_hf.json")
+    (d / "cfg_steps.toml").write_text('[train]\nsteps = "5"\n')
+    (d / "cfg_lr.toml").write_text("[optim]\nlr = -1\n")
+    f["cfg_steps"], f["cfg_lr"] = str(d / "cfg_steps.toml"), str(d / "cfg_lr.toml")
 
 
 def load_cluster_for_big():

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from hethub.comm.factory import make_communicator  # noqa: E402
-from hethub.errors import RuntimeSetupError  # noqa: E402
+from hethub.errors import SpecError  # noqa: E402
 from hethub.plan import Plan  # noqa: E402
 from hethub.runtime.checkpoint import save_checkpoint  # noqa: E402
 from hethub.runtime.hf_io import export_checkpoint, load_stage, spec_from_folder  # noqa: E402
@@ -222,7 +222,7 @@ def test_unsupported_options_are_named(tmp_path: Path, field: str, value: Any, n
     cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, field: value}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(RuntimeSetupError, match=named):
+    with pytest.raises(SpecError, match=named):
         spec_from_folder(tmp_path)
 
 

@@ -17,11 +17,11 @@ def _size(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from hethub.runtime.hf_export import exported_files
     from hethub.runtime.hf_io import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, max_shard_bytes=args.max_shard_size)
-    files = sorted(p.name for p in out.iterdir())
-    print(f"wrote {out}: {', '.join(files)}")
+    out = export_checkpoint(args.checkpoint, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+    print(f"wrote {out}: {', '.join(exported_files(out))}")
     return 0
 
 
@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + sharded safetensors + index")
     sp.add_argument("--checkpoint", required=True,
                     help="a checkpoint directory (--checkpoint-dir of a run: its newest step) or one step-NNNNNN")
-    sp.add_argument("--out", required=True, help="folder to write (created)")
+    sp.add_argument("--out", required=True, help="folder to write (created; must be empty unless --overwrite)")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty --out: the model files of an earlier export there are replaced, "
+                         "other files kept")
     sp.add_argument("--max-shard-size", type=_size, default=2 * 10**9, help="largest safetensors file (default 2GB)")
     sp.set_defaults(func=cmd_export)

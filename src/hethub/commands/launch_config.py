@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import RuntimeSetupError
+from hethub.errors import SpecError
 from hethub.runtime.train_config import read as read_config
 
 
@@ -21,7 +21,7 @@ def prepare_launch(path: str | Path, *, out_dir: str | Path = "runs") -> dict[st
     init, create = model_sec.get("init_from"), model_sec.get("create_from_config")
     if create:
         if not init:
-            raise RuntimeSetupError(f"{path}: field 'model.create_from_config' needs 'model.init_from' (the folder "
+            raise SpecError(f"{path}: field 'model.create_from_config' needs 'model.init_from' (the folder "
                                     "to write). Fix: add init_from.")
         if not (Path(init) / "config.json").is_file():
             from hethub.runtime.hf_io import write_random_model
@@ -31,11 +31,11 @@ def prepare_launch(path: str | Path, *, out_dir: str | Path = "runs") -> dict[st
     plan_path = plan_sec.get("file")
     if plan_sec.get("cluster"):
         if plan_path:
-            raise RuntimeSetupError(f"{path}: [plan] has both 'file' and 'cluster'. Fix: keep one (a plan file, "
+            raise SpecError(f"{path}: [plan] has both 'file' and 'cluster'. Fix: keep one (a plan file, "
                                     "or a cluster to plan for).")
         plan_path = _make_plan(plan_sec, init=init, where=str(path), out_dir=Path(out_dir))
     if not plan_path:
-        raise RuntimeSetupError(f"{path}: no plan: set 'plan.file' (a plan JSON) or 'plan.cluster' with "
+        raise SpecError(f"{path}: no plan: set 'plan.file' (a plan JSON) or 'plan.cluster' with "
                                 "'plan.global_batch' and 'plan.seq_len'. Fix: add a [plan] section.")
     return {"plan": str(plan_path), "steps": data.get("train", {}).get("steps"),
             "metrics": data.get("logging", {}).get("metrics")}
@@ -49,11 +49,11 @@ def _make_plan(sec: dict[str, Any], *, init: str | None, where: str, out_dir: Pa
 
     model_ref = sec.get("model") or (str(Path(init) / "config.json") if init else None)
     if model_ref is None:
-        raise RuntimeSetupError(f"{where}: planning from 'plan.cluster' needs the model: set 'model.init_from'. "
+        raise SpecError(f"{where}: planning from 'plan.cluster' needs the model: set 'model.init_from'. "
                                 "Fix: add it, or give a plan file in 'plan.file'.")
     for key in ("global_batch", "seq_len"):
         if isinstance(sec.get(key), bool) or not isinstance(sec.get(key), int) or sec[key] < 1:
-            raise RuntimeSetupError(f"{where}: field 'plan.{key}' must be a positive integer, got "
+            raise SpecError(f"{where}: field 'plan.{key}' must be a positive integer, got "
                                     f"{sec.get(key)!r}. Fix: set it.")
     config = PlannerConfig(global_batch=sec["global_batch"], seq_len=sec["seq_len"],
                            strategy=sec.get("strategy", "hethub"), schedule=sec.get("schedule", "1f1b"),

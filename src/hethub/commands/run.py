@@ -12,37 +12,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from hethub.errors import RuntimeSetupError, require_extra
-    from hethub.outfiles import prepare_output
+    from hethub.errors import SpecError, require_extra
 
     require_extra("torch", what="'hethub train'")  # the ranks are torchrun's processes, not this one
     from hethub.plan import Plan
     from hethub.predict.fit import check_memory_fit
     from hethub.predict.predictor import predict
     from hethub.runtime.host_check import check_host
+    from hethub.runtime.launch_checks import check_before_launch
     from hethub.runtime.train_args import parse_rank_args, train_argv
 
     extra = train_argv(args)  # the ranks' flags (with --config, which the ranks read too)
     plan_path, steps, metrics = args.plan, args.steps, args.metrics
     if args.config:  # the config's launcher part: model folder, plan; the ranks read the rest
         from hethub.commands.launch_config import prepare_launch
+        from hethub.runtime.train_args import rank_parser
 
+        train_config.defaults_from(rank_parser(), args.config)  # its types, before any planning
         got = prepare_launch(args.config)
         plan_path = plan_path or got["plan"]
         steps = steps or got["steps"]
         metrics = metrics or got["metrics"]
     if not plan_path:
-        raise RuntimeSetupError("hethub train needs --plan (or --config with a [plan] section). Fix: pass one.")
+        raise SpecError("hethub train needs --plan (or --config with a [plan] section). Fix: pass one.")
     # Everything that can be checked here is, once, before any rank starts: the ranks' own argument
-    # parsing (config file included), the plan, its memory, this host's devices, the checkpoint lock.
+    # parsing (config file included), the plan, its memory, this host's devices, the plan's sharding,
+    # outputs and inputs (runtime/launch_checks.py), the checkpoint lock and the run in that folder.
     rank_args = parse_rank_args(["--plan", str(plan_path), *(["--steps", str(steps)] if steps else []),
                                  *(["--metrics", str(metrics)] if metrics else []), *extra])
     plan = Plan.load(plan_path)
     pred = predict(plan)
     check_memory_fit(plan, pred)
     check_host(plan, pred, plan_path=str(plan_path))
-    if rank_args.metrics:
-        prepare_output(rank_args.metrics, flag="--metrics")
+    check_before_launch(plan, rank_args, plan_path=str(plan_path))
     if rank_args.resume and rank_args.resume != "auto":
         from hethub.runtime.checkpoint_io import resolve
 

@@ -66,6 +66,7 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
     step_time: dict[int, float] = {}
     tokens: dict[int, float] = {}
     rank_records: dict[int, dict[int, list[Any]]] = {}  # step -> rank -> raw events
+    layout = stage_layout(plan)
     with p.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -90,7 +91,7 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
                 if rank is None or not isinstance(rr.get("events"), list):
                     warnings.append(f"line {lineno}: rank record without an integer 'rank' and an 'events' list")
                     continue
-                _check_rank(rr, rank, plan, where=f"metrics file '{p}' line {lineno}")
+                _check_rank(rr, rank, plan, where=f"metrics file '{p}' line {lineno}", layout=layout)
                 rank_records.setdefault(step, {})[rank] = rr["events"]
     if not step_time and not rank_records:
         raise HethubError(f"metrics file '{p}' holds no step records ({len(warnings)} unreadable line(s)): it is "
@@ -119,14 +120,27 @@ def _check_belongs(rec: dict[str, Any], plan: Plan, *, where: str) -> None:
                                  f"{plan.seq_len} = {plan.tokens_per_step}")
 
 
-def _check_rank(rr: dict[str, Any], rank: int, plan: Plan, *, where: str) -> None:
-    """A rank record must name a rank of the plan, of the kind (and stage) the plan gives it."""
+def _check_rank(rr: dict[str, Any], rank: int, plan: Plan, *, where: str,
+                layout: dict[int, tuple[int, int, int]]) -> None:
+    """A rank record must name a rank of the plan, of the kind, pipeline, stage and TP rank the plan
+    gives it: metrics of another plan over the same devices and batch differ there."""
     if not 0 <= rank < plan.world_size:
         raise _other_plan(where, f"field 'rank' is {rank}, the plan has ranks 0..{plan.world_size - 1}")
     device = plan.devices[rank]
     kind = plan.cluster.devices[device].kind
     if "kind" in rr and rr["kind"] != kind:
         raise _other_plan(where, f"rank {rank} ran kind {rr['kind']!r} (field 'kind'), the plan puts it on {kind!r}")
+    pi, si, tp_rank = layout[device]
+    for key, want in (("pipeline", pi), ("stage", si), ("tp_rank", tp_rank)):
+        if key in rr and _as_int(rr[key]) != want:
+            raise _other_plan(where, f"rank {rank} ran {key} {rr[key]!r} (field '{key}'), the plan puts it in "
+                                     f"pipeline {pi}, stage {si}, TP rank {tp_rank}")
+
+
+def stage_layout(plan: Plan) -> dict[int, tuple[int, int, int]]:
+    """device -> (pipeline, stage, TP rank) in ``plan`` (a stage's TP ranks follow its device order)."""
+    return {d: (pi, si, t) for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)
+            for t, d in enumerate(s.devices)}
 
 
 def _rank_records(rec: dict[str, Any]) -> list[dict[str, Any]]:

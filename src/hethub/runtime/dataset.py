@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hethub.errors import RuntimeSetupError
+from hethub.errors import MissingExtraError, RuntimeSetupError, SpecError
 from hethub.runtime.tokenizer import Tokenizer
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
@@ -50,11 +50,11 @@ def expand_files(cfg: DataConfig) -> list[Path]:
     for pat in cfg.files:
         hits = sorted(glob.glob(pat, recursive=True)) if any(c in pat for c in "*?[") else [pat]
         if not hits or not all(Path(h).is_file() for h in hits):
-            raise RuntimeSetupError(f"data field 'files': {pat!r} matches no file. Fix: give existing files or a "
+            raise SpecError(f"data field 'files': {pat!r} matches no file. Fix: give existing files or a "
                                     "glob pattern that matches some.")
         out += [Path(h) for h in hits]
     if not out:
-        raise RuntimeSetupError("data field 'files' is empty. Fix: list text, JSONL or Parquet files.")
+        raise SpecError("data field 'files' is empty. Fix: list text, JSONL or Parquet files.")
     return out
 
 
@@ -76,26 +76,67 @@ def documents(path: Path, *, fmt: str, text_field: str) -> Iterator[str]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise RuntimeSetupError(f"{path}:{i}: not valid JSON ({err}). Fix: one JSON object per line."
+                    raise SpecError(f"{path}:{i}: not valid JSON ({err}). Fix: one JSON object per line."
                                             ) from None
                 if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-                    raise RuntimeSetupError(f"{path}:{i}: no string field {text_field!r}. Fix: set data field "
+                    raise SpecError(f"{path}:{i}: no string field {text_field!r}. Fix: set data field "
                                             "'text_field' to the field holding the text.")
                 yield rec[text_field]
     elif kind == "parquet":
         try:
             import pyarrow.parquet as pq  # optional dependency (the 'hf' extra)
         except ImportError:
-            raise RuntimeSetupError(f"{path}: Parquet input needs the 'pyarrow' package. Fix: pip install "
+            raise MissingExtraError(f"{path}: Parquet input needs the 'pyarrow' package. Fix: pip install "
                                     "'hethub[hf]', or convert the data to JSONL.") from None
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
-            raise RuntimeSetupError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}). "
+            raise SpecError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}). "
                                     "Fix: set data field 'text_field' to the column holding the text.")
         for batch in pf.iter_batches(columns=[text_field]):
             yield from (t for t in batch.column(0).to_pylist() if t is not None)
     else:
-        raise RuntimeSetupError(f"data field 'format' is {fmt!r}. Fix: use one of {', '.join(FORMATS)}.")
+        raise SpecError(f"data field 'format' is {fmt!r}. Fix: use one of {', '.join(FORMATS)}.")
+
+
+PROBE_BYTES = 1 << 20  # how much of a text file is read to tell text from binary
+_PROBE_LINES = 5  # JSONL lines parsed before launch (all of them are when tokenising)
+
+
+def check_inputs(cfg: DataConfig) -> list[Path]:
+    """Before any rank starts: every input exists, is not empty and reads as its format says (text:
+    UTF-8 without NUL bytes in its first MiB, so a binary file is refused; JSONL: the first lines are
+    objects with a string ``text_field``; Parquet: the ``text_field`` column exists). SpecError (exit 2)
+    naming the file and the fix. Returns the expanded file list."""
+    files = expand_files(cfg)
+    for path in files:
+        if path.stat().st_size == 0:
+            raise SpecError(f"data file '{path}' is empty. Fix: remove it from --data (data.files) or fill it.")
+        kind = _format_of(path, cfg.format)
+        if kind == "text":
+            with path.open("rb") as f:
+                head = f.read(PROBE_BYTES)
+            try:
+                (head if len(head) < PROBE_BYTES else head[:-4]).decode("utf-8")  # a character may be cut
+                binary = b"\0" in head
+            except UnicodeDecodeError:
+                binary = True
+            if binary:
+                raise SpecError(f"data file '{path}' is not UTF-8 text (it holds binary data) but is read as "
+                                f"format 'text'{' (by its extension)' if cfg.format == 'auto' else ''}. Fix: pass "
+                                "text, JSONL or Parquet files, or set --data-format (data.format) to the file's "
+                                "format.")
+        elif kind == "jsonl":
+            docs = documents(path, fmt="jsonl", text_field=cfg.text_field)
+            try:
+                for _ in zip(range(_PROBE_LINES), docs, strict=False):
+                    pass
+            except UnicodeDecodeError:
+                raise SpecError(f"data file '{path}' is not UTF-8 text (it holds binary data) but is read as "
+                                "JSONL. Fix: pass JSON lines, or set --data-format (data.format) to the file's "
+                                "format.") from None
+        elif kind == "parquet":
+            next(iter(documents(path, fmt="parquet", text_field=cfg.text_field)), None)
+    return files
 
 
 def fingerprint(cfg: DataConfig, files: list[Path], tok: Tokenizer) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hethub.errors import RuntimeSetupError, load_json
+from hethub.errors import MissingExtraError, PlanError, SpecError, load_json
 from hethub.spec.model import ModelSpec, _from_hf
 
 INDEX = "model.safetensors.index.json"
@@ -43,7 +43,7 @@ def _need_safetensors() -> Any:
     try:
         import safetensors  # optional dependency (the 'hf' extra)
     except ImportError:
-        raise RuntimeSetupError("reading or writing Hugging Face checkpoints needs the 'safetensors' package. Fix: "
+        raise MissingExtraError("reading or writing Hugging Face checkpoints needs the 'safetensors' package. Fix: "
                                 "pip install 'hethub[hf]'.") from None
     return safetensors
 
@@ -66,16 +66,16 @@ def hf_name(name: str) -> str:
 def read_config(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / "config.json"
-    cfg = load_json(path, cls=RuntimeSetupError, invalid_fix="use the model's original config.json",
+    cfg = load_json(path, cls=SpecError, invalid_fix="use the model's original config.json",
                     missing=f"'{folder}' has no config.json. Fix: pass a local Hugging Face model folder "
                             "(config.json and *.safetensors), e.g. one written by save_pretrained.")
     if not isinstance(cfg, dict):
-        raise RuntimeSetupError(f"{path}: expected a JSON object. Fix: use the model's original config.json.")
+        raise SpecError(f"{path}: expected a JSON object. Fix: use the model's original config.json.")
     return cfg
 
 
-def _unsupported(path: str, field: str, value: Any, fix: str) -> RuntimeSetupError:
-    return RuntimeSetupError(f"{path}: field '{field}' is {value!r}, which hethub's runtime does not implement. "
+def _unsupported(path: str, field: str, value: Any, fix: str) -> SpecError:
+    return SpecError(f"{path}: field '{field}' is {value!r}, which hethub's runtime does not implement. "
                              f"Fix: {fix}.")
 
 
@@ -126,7 +126,7 @@ def check_spec_matches(spec: ModelSpec, folder: str | Path, *, seq_len: int | No
     a, b = got.to_dict(), spec.to_dict()
     for key in sorted((set(a) | set(b)) - {"name"}):
         if a.get(key) != b.get(key):
-            raise RuntimeSetupError(f"--init-from {folder}: the plan's model differs from the checkpoint's in field "
+            raise PlanError(f"--init-from {folder}: the plan's model differs from the checkpoint's in field "
                                     f"'{key}' ({b.get(key)!r} in the plan, {a.get(key)!r} in config.json). Fix: make "
                                     f"the plan with --model {Path(folder) / 'config.json'}.")
     return cfg
@@ -143,18 +143,56 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise RuntimeSetupError(f"{index}: not a safetensors index ({err!r}). Fix: restore the file from the "
+            raise SpecError(f"{index}: not a safetensors index ({err!r}). Fix: restore the file from the "
                                     "model's original folder.") from None
         return {k: folder / v for k, v in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise RuntimeSetupError(f"'{folder}' holds no *.safetensors file. Fix: save the model with safetensors "
+        raise SpecError(f"'{folder}' holds no *.safetensors file. Fix: save the model with safetensors "
                                 "(save_pretrained's default) or convert its .bin files.")
     out: dict[str, Path] = {}
     for f in files:
         with safetensors.safe_open(str(f), framework="pt") as h:
             out |= dict.fromkeys(h.keys(), f)
     return out
+
+
+def check_folder(spec: ModelSpec, folder: str | Path, *, seq_len: int | None = None) -> None:
+    """``--init-from`` before any rank starts: the folder's config.json is the plan's model (PlanError
+    otherwise), and every tensor the model needs is in a safetensors file that is present and complete,
+    with the full model's shape (SpecError naming the file or tensor). Reads headers only."""
+    safetensors = _need_safetensors()
+    folder = Path(folder)
+    check_spec_matches(spec, folder, seq_len=seq_len)
+    files = tensor_files(folder)
+    from hethub.runtime.model import StageModel
+
+    with torch.device("meta"):
+        model = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True)
+    want = {hf_name(n): list(p.shape) for n, p in model.named_parameters()}
+    if spec.tied_embeddings and "model.embed_tokens.weight" not in files and "lm_head.weight" in files:
+        want["lm_head.weight"] = want.pop("model.embed_tokens.weight")
+    missing = sorted(n for n in want if n not in files)
+    if missing:
+        raise SpecError(f"--init-from {folder}: tensor '{missing[0]}' ({len(missing)} missing in all) is in no "
+                        "safetensors file. Fix: use a complete model folder whose config.json matches its weights.")
+    by_file: dict[Path, list[str]] = {}
+    for name in want:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in sorted(by_file.items()):
+        if not path.is_file():
+            raise SpecError(f"--init-from {folder}: shard '{path.name}' (named in {INDEX}) is missing. Fix: copy "
+                            "every shard of the model into the folder.")
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as h:
+                for name in names:
+                    got = list(h.get_slice(name).get_shape())
+                    if got != want[name]:
+                        raise SpecError(f"{path}: tensor '{name}' has shape {got}, config.json makes it "
+                                        f"{want[name]}. Fix: use the config.json that belongs to these weights.")
+        except safetensors.SafetensorError as err:
+            raise SpecError(f"{path}: not a complete safetensors file ({err}); it may be truncated. Fix: copy the "
+                            "shard again from the model's original folder.") from None
 
 
 def _chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -183,7 +221,7 @@ def load_stage(model: torch.nn.Module, folder: str | Path) -> LoadStats:
         if tied and name == "embed.weight" and src not in files and "lm_head.weight" in files:
             src = "lm_head.weight"  # a tied model saved with only the head's copy
         if src not in files:
-            raise RuntimeSetupError(f"{folder}: tensor '{src}' (parameter '{name}') is in no safetensors file. Fix: "
+            raise SpecError(f"{folder}: tensor '{src}' (parameter '{name}') is in no safetensors file. Fix: "
                                     "use a complete model folder whose config.json matches its weights.")
         wanted.setdefault(files[src], []).append((name, src, p))
     count = read = 0
@@ -197,7 +235,7 @@ def load_stage(model: torch.nn.Module, folder: str | Path) -> LoadStats:
                 if dim is not None:
                     want[dim] *= tp.size
                 if full != want:
-                    raise RuntimeSetupError(f"{path}: tensor '{src}' has shape {full}, the model needs {want}. Fix: "
+                    raise SpecError(f"{path}: tensor '{src}' has shape {full}, the model needs {want}. Fix: "
                                             "use the config.json that belongs to these weights.")
                 if dim is None or tp.size == 1:
                     t = sl[:]
@@ -216,7 +254,7 @@ def config_for(spec: ModelSpec, base: dict[str, Any] | None = None) -> dict[str,
     a fresh Llama/Qwen2 config. RoPE is written in the rope_theta + rope_scaling layout, which every
     Transformers version reads."""
     if spec.arch != "llama" or spec.activation != "swiglu":
-        raise RuntimeSetupError(f"model {spec.name!r} is of arch {spec.arch!r}; only Llama-family models export to "
+        raise SpecError(f"model {spec.name!r} is of arch {spec.arch!r}; only Llama-family models export to "
                                 "the Hugging Face format. Fix: train a llama-arch model.")
     cfg = dict(base or {})
     mt = cfg.get("model_type") or ("qwen2" if spec.qkv_bias else "llama")
@@ -240,8 +278,8 @@ def config_for(spec: ModelSpec, base: dict[str, Any] | None = None) -> dict[str,
 def write_folder(out: str | Path, *, config: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor]],
                  max_shard_bytes: int = 2 * 2**30) -> list[Path]:
     """Write ``config.json``, the tensors (hethub names, full tensors) as safetensors shards of at most
-    ``max_shard_bytes`` each (a larger tensor gets a shard of its own) and the index. Memory-mapped
-    inputs are read as their shard is written."""
+    ``max_shard_bytes`` each (a larger tensor gets a shard of its own) and the index; returns every
+    file written. Memory-mapped inputs are read as their shard is written."""
     from safetensors.torch import save_file
 
     _need_safetensors()
@@ -269,7 +307,7 @@ def write_folder(out: str | Path, *, config: dict[str, Any], tensors: Iterable[t
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(
         weight_map.items()))}, indent=2) + "\n", encoding="utf-8")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return paths
+    return [*paths, out / INDEX, out / "config.json"]
 
 
 def checkpoint_tensors(step_dir: Path, manifest: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -290,10 +328,15 @@ def checkpoint_tensors(step_dir: Path, manifest: dict[str, Any]) -> Iterator[tup
             yield name, data[f"param:{name}"]
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> Path:
-    """Write the checkpoint (a step directory, or a root: its newest step) as a Hugging Face folder."""
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30,
+                      overwrite: bool = False, flag: str = "--out") -> Path:
+    """Write the checkpoint (a step directory, or a root: its newest step) as a Hugging Face folder.
+    A non-empty ``out`` needs ``overwrite`` (runtime/hf_export.py); the files written are listed in
+    its ``hethub-export.json``."""
     from hethub.runtime.checkpoint_io import read_manifest, resolve
+    from hethub.runtime.hf_export import check_export_target, finish_export
 
+    stale = check_export_target(out, overwrite=overwrite, flag=flag)  # before any reading: a bad path costs nothing
     step_dir = resolve(checkpoint)
     manifest = read_manifest(step_dir)
     spec = ModelSpec.from_dict(manifest["model"], where=f"{step_dir}/manifest.json field 'model'")
@@ -305,8 +348,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_byte
             return (1, int(n.split(".")[1]), n)
         return (0 if n.startswith("embed") else 2, 0, n)
 
-    write_folder(out, config=config, tensors=sorted(checkpoint_tensors(step_dir, manifest), key=order),
-                 max_shard_bytes=max_shard_bytes)
+    tensors = sorted(checkpoint_tensors(step_dir, manifest), key=order)  # every file verified before any removal
+    for p in stale:
+        p.unlink(missing_ok=True)
+    written = write_folder(out, config=config, tensors=tensors, max_shard_bytes=max_shard_bytes)
+    finish_export(Path(out), written)
     return Path(out)
 
 
@@ -320,7 +366,7 @@ def write_random_model(config_path: str | Path, out: str | Path, *, seed: int = 
         try:
             cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as err:
-            raise RuntimeSetupError(f"model config '{config_path}' is not readable JSON ({err}). Fix: pass a "
+            raise SpecError(f"model config '{config_path}' is not readable JSON ({err}). Fix: pass a "
                                     "Hugging Face config.json.") from None
     check_supported(cfg, where=str(config_path))
     spec = _from_hf(cfg, name=Path(out).name)

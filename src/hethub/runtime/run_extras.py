@@ -74,7 +74,7 @@ class RunExtras:
         if self.args.export_hf and self.trainer.rank == 0:
             from hethub.runtime.hf_io import export_checkpoint
 
-            out = export_checkpoint(self.args.checkpoint_dir, self.args.export_hf)
+            out = export_checkpoint(self.args.checkpoint_dir, self.args.export_hf, flag="--export-hf")
             print(f"hethub.train: exported the {'final' if trained else 'latest'} checkpoint as a Hugging Face "
                   f"folder: {out}", flush=True)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import RuntimeSetupError
+from hethub.errors import MissingExtraError, SpecError
 
 # Tokens taken as the end-of-document separator when the config names none, in this order.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
@@ -42,29 +42,29 @@ def load_tokenizer(path: str | Path | None, *, eos_token: str | None = None) -> 
     """The tokenizer in ``path`` (a ``tokenizer.json``, or a folder holding one); bytes for None/'bytes'."""
     if path is None or str(path) == "bytes":
         if eos_token:
-            raise RuntimeSetupError("data field 'eos_token' needs a tokenizer file; the byte-level tokenizer has "
+            raise SpecError("data field 'eos_token' needs a tokenizer file; the byte-level tokenizer has "
                                     "no special tokens. Fix: drop eos_token or set tokenizer.")
         return byte_tokenizer()
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
-        raise RuntimeSetupError(f"tokenizer '{path}' does not exist (looked for {file}). Fix: pass a tokenizer.json "
+        raise SpecError(f"tokenizer '{path}' does not exist (looked for {file}). Fix: pass a tokenizer.json "
                                 "file, a folder holding one, or 'bytes'.")
     try:
         from tokenizers import Tokenizer as HFTokenizer  # optional dependency (the 'hf' extra)
     except ImportError:
-        raise RuntimeSetupError("a tokenizer.json needs the 'tokenizers' package. Fix: pip install 'hethub[hf]', "
+        raise MissingExtraError("a tokenizer.json needs the 'tokenizers' package. Fix: pip install 'hethub[hf]', "
                                 "or use the byte-level tokenizer.") from None
     raw = file.read_bytes()
     try:
         impl = HFTokenizer.from_str(raw.decode("utf-8"))
     except Exception as err:  # the library raises its own exception type for malformed files
-        raise RuntimeSetupError(f"{file}: not a readable tokenizer.json ({err}). Fix: save it with the tokenizers "
+        raise SpecError(f"{file}: not a readable tokenizer.json ({err}). Fix: save it with the tokenizers "
                                 "library (Tokenizer.save) or a Hugging Face tokenizer's save_pretrained.") from None
     vocab = impl.get_vocab(with_added_tokens=True)
     if eos_token:
         if eos_token not in vocab:
-            raise RuntimeSetupError(f"data field 'eos_token' is {eos_token!r}, which {file} does not have. Fix: name "
+            raise SpecError(f"data field 'eos_token' is {eos_token!r}, which {file} does not have. Fix: name "
                                     "one of its special tokens.")
         eos = vocab[eos_token]
     else:
@@ -76,5 +76,5 @@ def load_tokenizer(path: str | Path | None, *, eos_token: str | None = None) -> 
 
 def check_fits(tok: Tokenizer, *, vocab_size: int) -> None:
     if tok.vocab_size > vocab_size:
-        raise RuntimeSetupError(f"tokenizer {tok.name!r} has {tok.vocab_size} tokens but the model's vocab_size is "
+        raise SpecError(f"tokenizer {tok.name!r} has {tok.vocab_size} tokens but the model's vocab_size is "
                                 f"{vocab_size}. Fix: use a model whose vocabulary holds the tokenizer's.")

@@ -218,10 +218,9 @@ def _keep_records_before(path: Path, step: int) -> None:
 def main(argv: list[str] | None = None, *, plan_of: PlanOf) -> int:
     """``plan_of``: the entry point's settling of the plan (``hethub.train.rank_plan``)."""
     _leave_pid()
-    args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        run(args, plan_of=plan_of)
+        run(parse_args(argv), plan_of=plan_of)
     except HethubError as err:
         report_rank_error(err)
         return err.exit_code

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from hethub.argtypes import fraction, nonneg_float, nonneg_int, positive_float, positive_int
-from hethub.errors import HethubError, SpecError
+from hethub.errors import SpecError
 from hethub.runtime import train_config
 
 # (flag, argparse keywords). Order = the order of --help.
@@ -105,10 +105,7 @@ def parse_rank_args(argv: list[str] | None) -> argparse.Namespace:
     args = train_config.parse_with_config(ap, argv)
     if not args.plan:
         ap.error("--plan is required (or [plan] file in --config)")
-    try:
-        check_train_args(args)
-    except HethubError as err:
-        ap.error(str(err))
+    check_train_args(args)  # SpecError (exit 2) naming the flags, printed as one paragraph
     return args
 
 

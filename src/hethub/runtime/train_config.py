@@ -27,7 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import RuntimeSetupError
+from hethub.errors import SpecError
 
 # (section, key) -> destination of python -m hethub.train's argument parser
 FLAGS: dict[tuple[str, str], str] = {
@@ -75,29 +75,29 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def read(path: str | Path) -> dict[str, dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
-        raise RuntimeSetupError(f"training config '{p}' does not exist. Fix: pass the path of a TOML file "
+        raise SpecError(f"training config '{p}' does not exist. Fix: pass the path of a TOML file "
                                 "(examples/train/finetune-small.toml is one).")
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise RuntimeSetupError(f"{p}: not valid TOML ({err}). Fix: correct the file.") from None
+        raise SpecError(f"{p}: not valid TOML ({err}). Fix: correct the file.") from None
     known = {s for s, _ in FLAGS} | {s for s, _ in LAUNCHER_KEYS}
     for section, table in data.items():
         if section not in known or not isinstance(table, dict):
-            raise RuntimeSetupError(f"{p}: section [{section}] is not a training config section. Fix: use "
+            raise SpecError(f"{p}: section [{section}] is not a training config section. Fix: use "
                                     f"{', '.join(f'[{s}]' for s in sorted(known))}.")
         for key in table:
             if (section, key) not in FLAGS and (section, key) not in LAUNCHER_KEYS:
                 keys = sorted(k for s, k in (*FLAGS, *LAUNCHER_KEYS) if s == section)
-                raise RuntimeSetupError(f"{p}: field '{section}.{key}' is not known. Fix: use one of "
+                raise SpecError(f"{p}: field '{section}.{key}' is not known. Fix: use one of "
                                         f"{', '.join(keys)}.")
     return data
 
 
 def _checked(value: Any, action: argparse.Action, *, where: str) -> Any:
     """``value`` as the flag would have parsed it, or an error naming the field."""
-    def bad(want: str) -> RuntimeSetupError:
-        return RuntimeSetupError(f"{where} must be {want}, got {value!r}. Fix: write {want}.")
+    def bad(want: str) -> SpecError:
+        return SpecError(f"{where} must be {want}, got {value!r}. Fix: write {want}.")
 
     if isinstance(action, argparse._StoreTrueAction):
         if not isinstance(value, bool):
@@ -110,17 +110,17 @@ def _checked(value: Any, action: argparse.Action, *, where: str) -> Any:
             raise bad("a list of strings")
         return value
     want = action.type or str
-    if want not in (int, float, str) and callable(want):  # a checking type (hethub.argtypes)
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise bad("a number")
+    if want not in (int, float, str) and callable(want):  # a checking type (hethub.argtypes): numbers only
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad("a number (without quotes)")
         try:
             return want(str(value))
         except argparse.ArgumentTypeError as err:
-            raise RuntimeSetupError(f"{where}: {err}. Fix: correct the value.") from None
+            raise SpecError(f"{where}: {err}. Fix: correct the value.") from None
     if want is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise bad("an integer")
+        raise bad("an integer (without quotes)")
     if want is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise bad("a number")
+        raise bad("a number (without quotes)")
     if want is str and not isinstance(value, str):
         raise bad("a string")
     if action.choices is not None and value not in action.choices:
@@ -143,10 +143,7 @@ def parse_with_config(ap: argparse.ArgumentParser, argv: list[str] | None) -> ar
     """Parse ``argv``; with ``--config`` the file's values become the defaults the flags override."""
     pre, _ = ap.parse_known_args(argv)
     if getattr(pre, "config", None):
-        try:
-            ap.set_defaults(**defaults_from(ap, pre.config))
-        except RuntimeSetupError as err:
-            ap.error(str(err))
+        ap.set_defaults(**defaults_from(ap, pre.config))  # SpecError naming the field: no usage text
     args = ap.parse_args(argv)
     if args.shuffle_seed is not None and args.shuffle_seed < 0:
         args.shuffle_seed = None
