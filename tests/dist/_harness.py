@@ -79,6 +79,15 @@ def reference(spec: ModelSpec, data: list[torch.Tensor], *, optim: OptimConfig =
     return _REFERENCES[key]
 
 
+def warm_imports() -> None:
+    """The first optimizer step imports a lot (~5 s): a test module pays it once, before forking its
+    ranks, instead of in every forked rank."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+
+
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world`` forked gloo ranks; return results by rank, raising on failure."""
     return run_local_ranks(world, fn, *args, timeout_s=JOIN_TIMEOUT_S, collective_timeout_s=TIMEOUT.total_seconds(),

@@ -10,28 +10,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, run_ranks
+from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, run_ranks, warm_imports
 
 from hethub.comm.communicator import Communicator
 from hethub.errors import CheckpointError
 from hethub.plan import Plan
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
-from hethub.runtime.optim import build_optimizer
 from hethub.runtime.trainer import Trainer, TrainerConfig
 
 STEPS = 6
 CFG = TrainerConfig(optim=replace(OPTIM, total_steps=STEPS, warmup_steps=2))
 
 
-def _warm_imports() -> None:
-    """The first optimizer build and step import a lot (~5 s); pay that once here, not in every forked rank."""
-    model = torch.nn.Linear(2, 2)
-    opt, _ = build_optimizer(model, CFG.optim)
-    model(torch.ones(1, 2)).sum().backward()
-    opt.step()
-
-
-_warm_imports()
+warm_imports()
 
 
 def _train(rank: int, plan: Plan, data: list[torch.Tensor], *, start: int = 0, stop: int = STEPS,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _harness import OPTIM, TIMEOUT, F, batches, make_plan, run_ranks
+from _harness import OPTIM, TIMEOUT, F, batches, make_plan, run_ranks, warm_imports
 
 from hethub.comm.communicator import Communicator
 from hethub.errors import CheckpointError
@@ -22,17 +22,7 @@ CFG = TrainerConfig(optim=replace(OPTIM, total_steps=4, warmup_steps=1))
 PLAN = make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)])])
 
 
-def _warm_imports() -> None:
-    """The first optimizer step imports a lot (~5 s); pay that once here, not in every forked rank."""
-    from hethub.runtime.optim import build_optimizer
-
-    model = torch.nn.Linear(2, 2)
-    opt, _ = build_optimizer(model, CFG.optim)
-    model(torch.ones(1, 2)).sum().backward()
-    opt.step()
-
-
-_warm_imports()
+warm_imports()
 
 
 def _step(trainer: Trainer, data: torch.Tensor) -> None:
@@ -92,12 +82,18 @@ def test_background_save_holds_the_state_at_the_save_and_equals_a_synchronous_on
     assert io.read_manifest(tmp_path / "async" / "step-000001")["run"] == "r"
 
 
-def _failing_writer(rank: int, root: str) -> str:
+def _saved_once(rank: int, root: str) -> CheckpointSaver:
+    """A trainer one step in, whose step-1 checkpoint is committed in the background."""
     trainer = Trainer(PLAN, rank=rank, comm=Communicator(timeout=TIMEOUT), cfg=CFG)
     saver = CheckpointSaver(trainer, root=Path(root), run="r")
     _step(trainer, batches(PLAN, steps=1)[0])
     saver.save(1)
     saver.wait()
+    return saver
+
+
+def _failing_writer(rank: int, root: str) -> str:
+    saver = _saved_once(rank, root)
     if rank == 1:
         def full(path, obj):
             raise OSError(28, "No space left on device")
@@ -118,11 +114,7 @@ def test_a_background_writer_failing_on_one_rank_stops_every_rank(tmp_path: Path
 
 
 def _killed_mid_write(rank: int, root: str) -> bool:
-    trainer = Trainer(PLAN, rank=rank, comm=Communicator(timeout=TIMEOUT), cfg=CFG)
-    saver = CheckpointSaver(trainer, root=Path(root), run="r")
-    _step(trainer, batches(PLAN, steps=1)[0])
-    saver.save(1)
-    saver.wait()
+    saver = _saved_once(rank, root)
     real, wrote = io.save_tensors, threading.Event()
 
     def stuck(path, obj):
@@ -134,7 +126,7 @@ def _killed_mid_write(rank: int, root: str) -> bool:
     io.save_tensors = stuck
     saver.save(2)
     ok = wrote.wait(30)
-    trainer.comm.barrier()
+    saver.trainer.comm.barrier()
     return ok  # then the harness ends the process (os._exit) with the writer mid-save, before any commit
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness import OPTIM, F, batches, make_plan, run_ranks
+from _harness import OPTIM, F, batches, make_plan, run_ranks, warm_imports
 
 from hethub.comm.communicator import Communicator
 from hethub.errors import CheckpointError
@@ -22,17 +22,7 @@ CFG = TrainerConfig(optim=replace(OPTIM, total_steps=4, warmup_steps=1))
 PLAN = make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)])])
 
 
-def _warm_imports() -> None:
-    """The first optimizer step imports a lot (~5 s); pay that once here, not in every forked rank."""
-    from hethub.runtime.optim import build_optimizer
-
-    model = torch.nn.Linear(2, 2)
-    opt, _ = build_optimizer(model, CFG.optim)
-    model(torch.ones(1, 2)).sum().backward()
-    opt.step()
-
-
-_warm_imports()
+warm_imports()
 
 
 def _trainer(rank: int, cfg: TrainerConfig = CFG) -> Trainer:

@@ -9,24 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-from _harness import F, make_plan
+from _harness import F, make_plan, warm_imports
 
 from hethub.runtime import checkpoint_io as io
 from hethub.runtime.checkpoint_runs import PREVIOUS, manifest_run, read_run_id
 from hethub.runtime.launch import launch_forked
 
-
-def _warm_imports() -> None:
-    """The first optimizer step imports a lot (~5 s): pay it once here, not in every forked rank."""
-    import torch
-
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 2)).sum().backward()
-    opt.step()
-
-
-_warm_imports()
+warm_imports()
 
 
 def _train(tmp: Path, *, steps: int, args: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[list[int], str]:

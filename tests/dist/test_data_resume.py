@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _harness import F, S, make_plan
+from _harness import F, S, make_plan, warm_imports
 
 pytest.importorskip("safetensors")
 
@@ -23,17 +23,7 @@ MODEL = {"model_type": "llama", "hidden_act": "silu", "hidden_size": 32, "interm
          "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
 
-def _warm_imports() -> None:
-    """The first optimizer step imports a lot (~5 s): pay it once here, not in every forked rank."""
-    import torch
-
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 2)).sum().backward()
-    opt.step()
-
-
-_warm_imports()
+warm_imports()
 
 
 def _records(path: Path) -> dict[int, dict]:
