@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +54,23 @@ class EntryResult:
     peak_mem_bytes: int
     # Per-layer times of stacks of k > 1 decoder layers ((k, times / k), ..), where measured.
     layer_by_depth: tuple[tuple[int, LayerTimes], ...] = ()
+
+
+class NoCollectives:
+    """Stands in for the Communicator where one TP rank runs alone: collectives are skipped (they
+    change no shape and no saved tensor: an all-reduce's output is a fresh tensor either way)."""
+
+    def all_reduce(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        return None
+
+
+def tp_alone(size: int, *, rank: int = 0) -> TPContext:
+    """TP rank ``rank`` of a group of ``size``, run alone (:class:`NoCollectives`; TP 1 needs none)."""
+    return TPContext(size=size, rank=rank, group=tuple(range(size)),
+                     comm=NoCollectives() if size > 1 else None)  # type: ignore[arg-type]
 
 
 def _sync(device: torch.device) -> None:

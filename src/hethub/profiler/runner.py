@@ -16,14 +16,13 @@ from __future__ import annotations
 import io
 import platform
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
 from hethub.emulation.host import usable_cores
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.profile.format import merge_profiles
-from hethub.profiler.layers import EntryResult, Repetitions, measure_entry, stack_depths
+from hethub.profiler.layers import EntryResult, Repetitions, measure_entry, stack_depths, tp_alone
 from hethub.progress import progress
 from hethub.runtime.tensor_parallel import TPContext
 from hethub.spec.model import ModelSpec
@@ -101,19 +100,8 @@ def _slowest(results: list[EntryResult]) -> EntryResult:
                        depths())
 
 
-class _NoCollectives:
-    """Stands in for the Communicator when a sharded layer is timed alone: collectives are skipped."""
-
-    def all_reduce(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        return None
-
-
 def _measure_sharded_alone(req: ProfileRequest, *, mbs: int, tp: int, dev: torch.device) -> EntryResult:
-    ctx = TPContext(size=tp, rank=0, group=tuple(range(tp)), comm=_NoCollectives())  # type: ignore[arg-type]
-    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=ctx, device=dev, reps=req.reps,
+    return measure_entry(req.model, mbs=mbs, seq_len=req.seq_len, tp=tp_alone(tp), device=dev, reps=req.reps,
                          depths=stack_depths(req.model, req.depths))
 
 
