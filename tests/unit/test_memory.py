@@ -129,7 +129,7 @@ def test_math_attention_keeps_the_scores():
     flash = stage_memory(OPT, attention="flash", **kw).activations_bytes
     math = stage_memory(OPT, attention="math", **kw).activations_bytes
     tokens = 3 * 2 * 1024
-    scores = 4 * tokens * scores_bytes_per_token(OPT, tp=2, seq_len=1024, precision="fp32")
+    scores = 4 * tokens * scores_bytes_per_token(OPT, tp=2, seq_len=1024)
     assert scores == 4 * 3 * 2 * (16 // 2) * 1024 * 1024 * 4  # layers x in flight x mbs x heads/t x s x s x 4 B
     lse = 4 * tokens * (16 // 2) * 4  # the fp32 log-sum-exp flash keeps instead
     assert math - flash == pytest.approx(scores - lse)
@@ -143,13 +143,17 @@ def test_selective_recomputation_sits_between_none_and_full(attention):
               in_flight=3, attention=attention)
     none, sel, full = (stage_memory(m, recompute=rc, **kw) for rc in ("none", "selective", "full"))
     assert none.activations_bytes > sel.activations_bytes > full.activations_bytes
-    # What selective drops per token and layer: the kernel's saved scores (math: the s x s softmax
-    # output; flash: the fp32 log-sum-exp) and the repeated K and V beyond their kv_heads width.
+    # What selective drops per token and layer: what the kernel saves beyond Q, K, V and the output.
+    # Flash (mixed precision: K and V at their own width, native GQA): the fp32 log-sum-exp. Math:
+    # the fp32 s x s softmax output and the fp32 Q, K, V it computes with (K, V at full width),
+    # instead of the bf16 Q, K, V the projections made.
     tokens = 3 * 2 * 4096
-    heads = m.num_heads // 2
-    kept = scores_bytes_per_token(m, tp=2, seq_len=4096, precision="bf16-mixed") if attention == "math" else heads * 4
-    kv_repeat = 2 * (m.hidden_size - m.kv_dim) // 2 * 2
-    assert none.activations_bytes - sel.activations_bytes == pytest.approx(8 * tokens * (kept + kv_repeat))
+    heads, h, kv = m.num_heads // 2, m.hidden_size // 2, m.kv_dim // 2
+    if attention == "math":
+        dropped = scores_bytes_per_token(m, tp=2, seq_len=4096) + 3 * h * 4 - (h + 2 * kv) * 2
+    else:
+        dropped = heads * 4
+    assert none.activations_bytes - sel.activations_bytes == pytest.approx(8 * tokens * dropped)
     # Booleans from plans before format 3 still mean none / full.
     assert stage_memory(m, recompute=True, **kw) == full and stage_memory(m, recompute=False, **kw) == none
     # The re-run core's saved tensors are held on top of one layer's gradients in backward.
@@ -177,7 +181,7 @@ def test_pre_ampere_math_attention_predicts_more_activations_by_the_scores():
     assert [s.attention for s in on_v100.stages] == ["math", "math"]
     for a, v in zip(on_a100.stages, on_v100.stages, strict=True):
         layers = a.layers[1] - a.layers[0]
-        scores = a.in_flight * layers * 2048 * scores_bytes_per_token(OPT, tp=1, seq_len=2048, precision="fp32")
+        scores = a.in_flight * layers * 2048 * scores_bytes_per_token(OPT, tp=1, seq_len=2048)
         lse = a.in_flight * layers * 2048 * OPT.num_heads * 4
         assert v.memory.activations_bytes - a.memory.activations_bytes == pytest.approx(scores - lse)
     # A per-kind override in the plan wins over the catalog default.

@@ -4,7 +4,9 @@ The rank's module is the runtime's (:class:`StageModel`, with its TP shard); tra
 after one AdamW step; activations are the storages autograd saves for backward while the stage
 holds the schedule's peak number of micro-batches in flight (``Schedule.in_flight``), each
 forwarded as the pipeline executor does. TP collectives are skipped (they do not change what is
-saved: the all-reduce's output is a fresh tensor either way).
+saved: the all-reduce's output is a fresh tensor either way). In mixed precision the stage runs under
+CPU autocast with its residual stream in the compute dtype, as the Trainer builds it; parameters'
+cast copies are counted apart from the activations (``weight_copy_bytes``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any
 import torch
 
 from hethub.plan import Plan
+from hethub.profiler.layers import tp_alone
 from hethub.profiler.tensor_memory import StateBytes, saved_for_backward, training_state_bytes
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
-from hethub.runtime.tensor_parallel import TPContext
+from hethub.runtime.precision import autocast, compute_dtype
 from hethub.schedules import get_schedule
 
 
@@ -27,36 +30,34 @@ class MeasuredMemory:
     state: StateBytes
     activations_bytes: int
     in_flight: int
+    weight_copy_bytes: int = 0  # parameters' compute-dtype copies the forwards saved (mixed precision)
 
     @property
     def total_bytes(self) -> int:
         return self.state.total_bytes + self.activations_bytes
 
 
-class _NoCollectives:
-    def all_reduce(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
-        return tensor
-
-
-def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int = 0, seed: int = 0
-                         ) -> MeasuredMemory:
+def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int = 0, seed: int = 0,
+                         precision: str = "fp32") -> MeasuredMemory:
     torch.manual_seed(seed)
     pipe = plan.pipelines[pipeline]
     st = pipe.stages[stage]
-    tp = TPContext(size=st.tp, rank=tp_rank, group=tuple(range(st.tp)),
-                   comm=_NoCollectives() if st.tp > 1 else None)  # type: ignore[arg-type]
+    tp = tp_alone(st.tp, rank=tp_rank)
     model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
-                       recompute=st.recompute, seed=seed, attention=plan.attention_of(st.kind), chunks=st.chunks)
+                       recompute=st.recompute, seed=seed, attention=plan.attention_of(st.kind), chunks=st.chunks,
+                       compute_dtype=compute_dtype(precision))
     opt, _ = build_optimizer(model, OptimConfig())
     sched = get_schedule(plan.schedule, chunks=st.num_chunks)
     in_flight = sched.in_flight(stage=stage, num_stages=len(pipe.stages), num_micro_batches=pipe.num_micro_batches)
     mbs, s, v = pipe.micro_batch_size, plan.seq_len, plan.model.vocab_size
     if st.num_chunks > 1:
-        return _chunked(model, opt, st=st, sched=sched, stage=stage, pipe=pipe, seq_len=s, in_flight=in_flight)
+        return _chunked(model, opt, st=st, sched=sched, stage=stage, pipe=pipe, seq_len=s, in_flight=in_flight,
+                        precision=precision)
     # Model state (parameters, RoPE tables) is not activation memory.
     exclude = [*model.parameters(), *model.buffers()]
     outs = []
-    with saved_for_backward(exclude=exclude) as rec:
+    with autocast(torch.device("cpu"), precision), \
+            saved_for_backward(exclude=exclude, weights=model.parameters()) as rec:
         for _ in range(in_flight):
             x = (torch.randint(0, v, (mbs, s)) if st.embedding
                  else torch.randn(mbs, s, plan.model.hidden_size).requires_grad_(True))
@@ -65,7 +66,8 @@ def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int 
     for out in outs:
         torch.autograd.backward(out, grad_tensors=None if st.head else torch.ones_like(out))
     opt.step()
-    return MeasuredMemory(state=training_state_bytes(model, opt), activations_bytes=acts, in_flight=in_flight)
+    return MeasuredMemory(state=training_state_bytes(model, opt), activations_bytes=acts, in_flight=in_flight,
+                          weight_copy_bytes=rec.copy_bytes)
 
 
 @dataclass(frozen=True)
@@ -80,19 +82,24 @@ class RankMemory:
     optimizer_bytes: int
     activations_peak_bytes: int  # saved tensors held at once, over the schedule
     grad_sync_buffer_bytes: int  # the largest gradient all-reduce buffer
+    weight_copies_bytes: int = 0  # parameters' compute-dtype copies saved at once (mixed precision)
 
 
-def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, seed: int = 0) -> RankMemory:
+def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, seed: int = 0,
+                        precision: str | None = None) -> RankMemory:
     """Train ``steps`` steps of ``plan`` as rank ``rank`` (the runtime's Trainer, on CPU) and account
     each part: parameters, gradients (after backward), AdamW state (after the step), the saved
     tensors autograd holds at once during forward/backward (live tracking through the real schedule),
-    and the largest float buffer the gradient sync all-reduces. Call on every rank of an initialised
-    process group (``hethub.comm.local_ranks.run_local_ranks``)."""
+    the parameters' cast copies among them, and the largest float buffer the gradient sync
+    all-reduces. ``precision``: train every rank in it (CPU autocast); None: the plan's CPU precision
+    (fp32). Call on every rank of an initialised process group (``hethub.comm.local_ranks.run_local_ranks``)."""
     from hethub.profiler.tensor_memory import LiveSavedTensors
     from hethub.runtime.trainer import Trainer, TrainerConfig
 
-    trainer = Trainer(plan, rank=rank, comm=comm, cfg=TrainerConfig(seed=seed))
-    tracker = LiveSavedTensors(exclude=[*trainer.model.parameters(), *trainer.model.buffers()])
+    cfg = TrainerConfig(seed=seed, precision=precision, cpu_autocast=precision is not None)
+    trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
+    tracker = LiveSavedTensors(exclude=[*trainer.model.parameters(), *trainer.model.buffers()],
+                               weights=trainer.model.parameters())
     sync_max = [0]
     sync = trainer.grad_sync
     inner = sync.comm
@@ -120,11 +127,12 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
     st = trainer.place.stage
     return RankMemory(rank=rank, pipeline=st.pipeline, stage=st.stage, weights_bytes=state.weights_bytes,
                       grads_bytes=grads, optimizer_bytes=state.optimizer_bytes,
-                      activations_peak_bytes=tracker.peak_bytes, grad_sync_buffer_bytes=sync_max[0])
+                      activations_peak_bytes=tracker.peak_bytes, grad_sync_buffer_bytes=sync_max[0],
+                      weight_copies_bytes=tracker.copy_peak_bytes)
 
 
 def _chunked(model: StageModel, opt: Any, *, st: Any, sched: Any, stage: int, pipe: Any, seq_len: int,
-             in_flight: int) -> MeasuredMemory:
+             in_flight: int, precision: str) -> MeasuredMemory:
     """Virtual stages: what one micro-batch's forward of each chunk saves (the embedding with chunk
     0, the head with the last), then the schedule's order walked with those sizes: the peak of
     what is held at once (``Interleaved.peak_held``)."""
@@ -133,7 +141,8 @@ def _chunked(model: StageModel, opt: Any, *, st: Any, sched: Any, stage: int, pi
     last = st.num_chunks - 1
     sizes = []
     for c in range(st.num_chunks):
-        with saved_for_backward(exclude=exclude) as rec:
+        with autocast(torch.device("cpu"), precision), \
+                saved_for_backward(exclude=exclude, weights=model.parameters()) as rec:
             x = (torch.randint(0, vocab, (mbs, seq_len)) if st.embedding and c == 0
                  else torch.randn(mbs, seq_len, hidden).requires_grad_(True))
             out = model(x, torch.randint(0, vocab, (mbs, seq_len)) if st.head and c == last else None, chunk=c)

@@ -7,7 +7,9 @@ What the predictor's memory model counts, measured on real modules:
   tensor, because the predictor counts bytes per parameter);
 * activations: the tensors autograd saves for backward during a forward, caught with
   ``torch.autograd.graph.saved_tensors_hooks``; storages are counted once (views share them) and
-  parameters (which linear layers save too) are excluded, as they are already counted above.
+  parameters (which linear layers save too) are excluded, as they are already counted above; so
+  are parameters' cast copies under mixed precision, which are counted on their own
+  (:class:`WeightCopies`).
 """
 
 from __future__ import annotations
@@ -61,31 +63,66 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | No
     return StateBytes(storage_bytes(params), storage_bytes(grads), storage_bytes(opt))
 
 
+class WeightCopies:
+    """Recognises a saved storage that holds a parameter cast to another dtype: the compute-dtype
+    copies autocast's weight cache makes (and ZB-H1's split GEMMs, ``runtime/weight_grad.cast_weight``).
+    They are per-parameter, not per-token memory (the memory model counts them with the weights), so
+    the activation counts keep them apart. A storage is such a copy when it has as many elements as a
+    parameter of another dtype and holds exactly that parameter's values cast (each storage is
+    checked once, when first saved)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.by_numel: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            self.by_numel.setdefault(p.numel(), []).append(p)
+
+    def holds_copy(self, t: torch.Tensor) -> bool:
+        s = t.untyped_storage()
+        if not t.is_floating_point() or s.nbytes() % t.element_size():
+            return False
+        candidates = [p for p in self.by_numel.get(s.nbytes() // t.element_size(), ()) if p.dtype != t.dtype]
+        if not candidates:
+            return False
+        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(s)
+        return any(torch.equal(flat, p.detach().reshape(-1).to(t.dtype)) for p in candidates)
+
+
 @dataclass
 class SavedTensors:
-    """Collects the storages autograd saves for backward inside :func:`saved_for_backward`."""
+    """Collects the storages autograd saves for backward inside :func:`saved_for_backward`:
+    activations in ``storages``, parameters' cast copies in ``copies``."""
 
     exclude: set[tuple[str, int]] = field(default_factory=set)
     storages: dict[tuple[str, int], int] = field(default_factory=dict)
+    copies: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
 
+    @property
+    def copy_bytes(self) -> int:
+        return sum(self.copies.values())
+
 
 @contextmanager
-def saved_for_backward(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedTensors]:
+def saved_for_backward(exclude: Iterable[torch.Tensor] = (), *, weights: Iterable[torch.Tensor] = ()
+                       ) -> Iterator[SavedTensors]:
     """Count the bytes autograd keeps for backward of the forwards run inside the block.
 
-    ``exclude``: tensors whose storage is accounted elsewhere (the module's parameters).
+    ``exclude``: tensors whose storage is accounted elsewhere (the module's parameters and buffers).
+    ``weights``: parameters whose cast copies are counted apart from the activations
+    (:class:`WeightCopies`).
     """
     rec = SavedTensors(exclude={_storage_key(t) for t in exclude})
+    copies = WeightCopies(weights)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
             key = _storage_key(t)
-            if key not in rec.exclude:
-                rec.storages[key] = t.untyped_storage().nbytes()
+            if key not in rec.exclude and key not in rec.storages and key not in rec.copies:
+                into = rec.copies if copies.holds_copy(t) else rec.storages
+                into[key] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -98,19 +135,24 @@ class LiveSavedTensors:
     Unlike :func:`saved_for_backward` (everything one forward saves), this follows each saved storage
     until autograd releases it (after its backward), so under 1F1B or GPipe the peak is what the
     stage holds for its in-flight micro-batches. Use as ``with tracker.active(): run_schedule()``.
+    Parameters' cast copies (``weights``: :class:`WeightCopies`) are followed apart: ``copy_peak_bytes``.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), *, weights: Iterable[torch.Tensor] = ()) -> None:
         self.exclude = {_storage_key(t) for t in exclude}
-        self.live: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, holders]
-        self.current_bytes = 0
-        self.peak_bytes = 0
+        self.copies = WeightCopies(weights)
+        self.live: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, holders, is a weight copy]
+        self.current_bytes = self.peak_bytes = 0
+        self.copy_bytes = self.copy_peak_bytes = 0
 
     def _release(self, key: tuple[str, int]) -> None:
         entry = self.live[key]
         entry[1] -= 1
         if entry[1] == 0:
-            self.current_bytes -= entry[0]
+            if entry[2]:
+                self.copy_bytes -= entry[0]
+            else:
+                self.current_bytes -= entry[0]
             del self.live[key]
 
     def _pack(self, t: torch.Tensor) -> object:
@@ -121,9 +163,14 @@ class LiveSavedTensors:
             return t
         entry = self.live.get(key)
         if entry is None:
-            entry = self.live[key] = [t.untyped_storage().nbytes(), 0]
-            self.current_bytes += entry[0]
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            copy = self.copies.holds_copy(t)
+            entry = self.live[key] = [t.untyped_storage().nbytes(), 0, copy]
+            if copy:
+                self.copy_bytes += entry[0]
+                self.copy_peak_bytes = max(self.copy_peak_bytes, self.copy_bytes)
+            else:
+                self.current_bytes += entry[0]
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         entry[1] += 1
         return _Held(t, self, key)
 

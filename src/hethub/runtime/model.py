@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hethub.errors import RuntimeSetupError
 from hethub.plan import Recompute
+from hethub.runtime.norms import make_norm
 from hethub.runtime.tensor_parallel import (
     TPContext,
     copy_to_tp,
@@ -52,34 +53,20 @@ def shard_dim_of(name: str, *, vocab_parallel: bool) -> int | None:
     return None
 
 
-def _norm(spec: ModelSpec) -> nn.Module:
-    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps) if spec.arch == "gpt" else \
-        RMSNorm(spec.hidden_size, eps=spec.norm_eps)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 ROPE_SCALINGS = ("linear", "llama3")
 
 
-def rope_tables(*, head_dim: int, seq_len: int, base: float = 10000.0,
-                scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of every position's rotary angles, [seq_len, head_dim]. ``scaling``: Hugging Face's
-    rope_scaling (``rope_type`` linear or llama3, formulas as in Transformers' modeling_rope_utils)."""
+def rope_tables(*, head_dim: int, seq_len: int, base: float = 10000.0, scaling: dict[str, Any] | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of every position's rotary angles, [seq_len, head_dim], computed in fp64 and stored in
+    ``dtype``. ``scaling``: Hugging Face's rope_scaling (``rope_type`` linear or llama3, formulas as in
+    Transformers' modeling_rope_utils)."""
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling:
         inv = _scaled_inv_freq(inv, dict(scaling))
     ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
     ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().float(), ang.sin().float()
+    return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
 def _scaled_inv_freq(inv: torch.Tensor, sc: dict[str, Any]) -> torch.Tensor:
@@ -116,14 +103,20 @@ SDPA_BACKENDS = {
 
 
 class Attention(nn.Module):
-    """Multi-head attention; ``recompute_core``: checkpoint the attention core (rotary, GQA's repeat
-    of K and V, scores, softmax, attention over V), so backward re-runs it instead of keeping what the
-    kernel saves (selective recomputation, Korthikanti et al. 2022, plus the cheap elementwise rotary)."""
+    """Multi-head attention; ``recompute_core``: checkpoint the attention core (rotary, scores,
+    softmax, attention over V), so backward re-runs it instead of keeping what the kernel saves
+    (selective recomputation, Korthikanti et al. 2022, plus the cheap elementwise rotary).
+
+    ``native_gqa``: SDPA takes K and V at their own head count (``enable_gqa``; FlashAttention-2 and
+    torch's CPU flash kernel read each K/V head for its group of query heads), so the kernel keeps
+    them at that width. Otherwise K and V are repeated to every query head first (fp32 plans: their
+    key and value gradients stay bit for bit what they were; the grouped kernel sums a group's
+    gradients in another order)."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash", *,
-                 recompute_core: bool = False) -> None:
+                 recompute_core: bool = False, native_gqa: bool = False) -> None:
         super().__init__()
-        self.tp, self.recompute_core = tp, recompute_core
+        self.tp, self.recompute_core, self.native_gqa = tp, recompute_core, native_gqa
         self.heads, self.kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
         self.head_dim = spec.head_dim
         h, bias = spec.hidden_size, spec.has_bias
@@ -147,7 +140,7 @@ class Attention(nn.Module):
         tables = (rope[0][:s], rope[1][:s]) if rope is not None else None
         if self.recompute_core and torch.is_grad_enabled():
             # Non-reentrant: it keeps only the projections' q, k and v for the re-run (compute width
-            # under autocast; rotary by fp32 tables would widen q and k, so it is re-run too).
+            # under autocast; rotary is re-run with them).
             o = checkpoint(self._core, q, k, v, tables, use_reentrant=False)
         else:
             o = self._core(q, k, v, tables)
@@ -156,15 +149,16 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The attention core: rotary on Q and K, K and V repeated to every head (GQA), then
-        softmax(Q K^T / sqrt(d), causal) V."""
+        """The attention core: rotary on Q and K, then softmax(Q K^T / sqrt(d), causal) V with each
+        K/V head serving its group of query heads (GQA)."""
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
-        if self.kv_heads != self.heads:
+        grouped = self.kv_heads != self.heads
+        if grouped and not self.native_gqa:
             rep = self.heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         with sdpa_kernel(self.backends):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped and self.native_gqa)
 
 
 class MLP(nn.Module):
@@ -189,10 +183,11 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash", *,
-                 recompute_core: bool = False) -> None:
+                 recompute_core: bool = False, native_gqa: bool = False) -> None:
         super().__init__()
-        self.attn_norm, self.attn = _norm(spec), Attention(spec, tp, attention, recompute_core=recompute_core)
-        self.mlp_norm, self.mlp = _norm(spec), MLP(spec, tp)
+        self.attn_norm = make_norm(spec)
+        self.attn = Attention(spec, tp, attention, recompute_core=recompute_core, native_gqa=native_gqa)
+        self.mlp_norm, self.mlp = make_norm(spec), MLP(spec, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -205,13 +200,22 @@ class StageModel(nn.Module):
     ``forward`` takes token ids (embedding stage) or hidden states, and returns hidden states, or,
     on the head stage, the *sum over samples of each sample's mean token loss* (so replicas with
     different sample counts can be combined exactly by a global division).
+
+    ``compute_dtype``: the stage's mixed-precision dtype (bf16/fp16; run it under autocast to that
+    dtype), None for fp32. It is the dtype of the residual stream: the embedding's output and a hidden
+    state received from another stage are cast to it on entry (fp32 without one), so a 16-bit stage
+    keeps its hidden states, norm inputs and messages in 16 bits; its RoPE tables are stored in it, so
+    rotary does not widen q and k; its norms keep what fused kernels keep (``runtime/norms.py``); and
+    its attention takes K and V at their own head count (SDPA's native GQA). The memory model
+    (``hethub.predict.memory.activations``) counts exactly what this saves.
     """
 
     def __init__(self, spec: ModelSpec, *, layers: tuple[int, int], embedding: bool, head: bool,
                  tp: TPContext | None = None, recompute: Recompute | str | bool = Recompute.NONE, seed: int = 0,
                  rope_len: int | None = None, attention: str = "flash",
-                 chunks: tuple[tuple[int, int], ...] = ()) -> None:
+                 chunks: tuple[tuple[int, int], ...] = (), compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.residual_dtype = compute_dtype or torch.float32
         # Virtual stages: the module holds every chunk's layers (named as in the full model) and
         # forward(chunk=c) runs chunk c's; the embedding belongs to chunk 0, the head to the last.
         self.chunk_layers = [[str(i) for i in range(a, b)] for a, b in (chunks or (layers,))]
@@ -226,17 +230,18 @@ class StageModel(nn.Module):
             self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size)
         # Selective recomputation checkpoints inside each block; full checkpoints whole blocks (forward).
         core = self.recompute is Recompute.SELECTIVE
-        self.layers = nn.ModuleDict({i: Block(spec, self.tp, attention, recompute_core=core)
+        self.layers = nn.ModuleDict({i: Block(spec, self.tp, attention, recompute_core=core,
+                                              native_gqa=compute_dtype is not None)
                                      for c in self.chunk_layers for i in c})
         if head:
-            self.norm = _norm(spec)
+            self.norm = make_norm(spec)
             if not spec.tied_embeddings:
                 self.head = Linear(spec.hidden_size, vocab, bias=False)
         if spec.arch == "llama":
             # Positions up to rope_len (the run's sequence length) only: a 128k-context model's full
             # table would be 128 MiB per rank. Each position's angles do not depend on the length.
             cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=rope_len or spec.max_seq_len, base=spec.rope_theta,
-                                   scaling=dict(spec.rope_scaling))
+                                   scaling=dict(spec.rope_scaling), dtype=self.residual_dtype)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         init_parameters(self, seed=seed, tp=self.tp, num_layers=spec.num_layers)
@@ -253,6 +258,7 @@ class StageModel(nn.Module):
                 h = h + self.pos(torch.arange(x.shape[1], device=x.device))
         else:
             h = x
+        h = h.to(self.residual_dtype)  # the same tensor where it already is (fp32 stages, 16-bit messages)
         rope = (self.rope_cos, self.rope_sin) if self.spec.arch == "llama" else None
         for name in self.chunk_layers[chunk]:
             block = self.layers[name]

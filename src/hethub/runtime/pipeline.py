@@ -119,13 +119,12 @@ class PipelineExecutor:
             first, last = self.is_first(chunk), self.is_last(chunk)
             if op == "F":
                 x = micro_batches[mb][0] if got is None else got.requires_grad_(True)
-                # A 16-bit activation from another stage joins this stage's fp32 residual stream (autocast
-                # casts each op's inputs to this stage's own precision).
-                x_in = x.float() if x.is_floating_point() and x.dtype != torch.float32 else x
+                # The model casts a received activation into its residual stream's dtype, if it is not
+                # in it already (a 16-bit stage keeps a 16-bit message as it came).
                 target = micro_batches[mb][1] if last else None
                 start = time.perf_counter()
                 with self.emulator.chunk(), recording():
-                    out = self.model(x_in, target, chunk=chunk) if v > 1 else self.model(x_in, target)
+                    out = self.model(x, target, chunk=chunk) if v > 1 else self.model(x, target)
                 self._record(trace, "F", mb, start, t0, chunk)
                 if last:
                     loss_sum += float(out.detach())

@@ -26,7 +26,8 @@ def train_single_device(spec: ModelSpec, data: list[torch.Tensor], *, optim: Opt
     values are cast back after each step (the recipe of a ZeRO-1 run in mixed precision,
     ``runtime/zero.py``); gradients, norms and the returned parameters are the masters'.
     """
-    master = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=seed)
+    master = StageModel(spec, layers=(0, spec.num_layers), embedding=True, head=True, seed=seed,
+                        compute_dtype=compute_dtype(precision))
     dtype = compute_dtype(precision) if master_copy else None
     model = master
     if dtype is not None:  # parameters only: buffers (RoPE tables) stay as they are, as in the runtime

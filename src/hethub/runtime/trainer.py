@@ -57,13 +57,14 @@ class Trainer:
         tp = TPContext(size=st.tp, rank=place.tp_rank, group=tuple(sorted(st.ranks)),
                        comm=comm if st.tp > 1 else None)
         self.device = torch.device(self.cfg.device)
-        self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
-                                recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len,
-                                attention=plan.attention_of(st.kind), chunks=st.chunks).to(self.device)
-        self.emulator = Emulator(self.kind.emulated_slowdown)
         self.precisions = {k: kind_precision(plan, k, override=self.cfg.precision, cpu_autocast=self.cfg.cpu_autocast)
                            for k in plan.cluster.kinds}
         self.precision = self.precisions[st.kind]
+        self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
+                                recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len,
+                                attention=plan.attention_of(st.kind), chunks=st.chunks,
+                                compute_dtype=compute_dtype(self.precision)).to(self.device)
+        self.emulator = Emulator(self.kind.emulated_slowdown)
         stages = plan.pipelines[st.pipeline].stages
         upstream = stages[st.stage - 1].kind if st.stage > 0 else st.kind
         # Emulated slow links (local emulation only) hold back the pipeline's p2p messages.

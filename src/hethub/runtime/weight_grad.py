@@ -21,7 +21,9 @@ backwards; here B is ~0.8 and W ~0.26, B + W ~1.07 (docs/runtime.md).
 Outside :func:`recording` (every other schedule, a pipeline's first stage, evaluation)
 :func:`linear` is ``F.linear``, so those graphs and numbers are exactly as before. Under autocast
 the function casts as autocast does (inputs to the autocast dtype, gradients back to each input's
-dtype).
+dtype), and its weight copies are made as autocast's weight cache makes them: once per parameter
+and update (:func:`cast_weight`), shared by every micro-batch that saves it, none where the
+parameter is stored in the compute dtype already.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class _State:
@@ -125,6 +128,31 @@ def deferring() -> Iterator[Deferred]:
         _state.queue, _state.record = old_q, old_rec
 
 
+# Each parameter's compute-dtype copy: (its version and storage when cast, the copy). The F of every
+# micro-batch saves the same copy until the parameter changes (an optimizer step or a load bumps its
+# version), as autocast's weight cache does for F.linear; a fresh cast per micro-batch would keep one
+# copy per micro-batch in flight (ZB-H1 holds its W's inputs for several).
+_casts = WeakIdKeyDictionary()  # parameter -> ((version, data pointer), copy)
+
+
+def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (detached) in ``dtype``: itself where it has that dtype, else its one cached copy."""
+    if weight.dtype == dtype:
+        return weight.detach()
+    stamp = (weight._version, weight.data_ptr())
+    kept = _casts.get(weight)
+    if kept is not None and kept[0] == stamp and kept[1].dtype == dtype:
+        return kept[1]
+    copy = weight.detach().to(dtype)
+    _casts[weight] = (stamp, copy)
+    return copy
+
+
+def drop_casts() -> None:
+    """Forget every cached copy (each is freed once no saved tensor holds it; the next use casts again)."""
+    _casts.clear()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with a weight gradient that :func:`deferring` can split off while recording."""
     if not (_state.record and torch.is_grad_enabled() and weight.requires_grad):
@@ -148,8 +176,8 @@ class _LinearFn(torch.autograd.Function):
                 dtype: torch.dtype | None, params: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         if dtype is None:
             xc, wc, out = x, weight, F.linear(x, weight, bias)
-        else:  # as autocast would: the GEMM in its dtype
-            xc, wc = x.to(dtype), weight.to(dtype)
+        else:  # as autocast would: the GEMM in its dtype, the weight's copy shared as its cache shares it
+            xc, wc = x.to(dtype), cast_weight(params[0], dtype)
             with torch.autocast(x.device.type, enabled=False):
                 out = F.linear(xc, wc, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(xc, wc)

@@ -196,10 +196,10 @@ def stage_memory(
     vtp = tp if vocab_parallel else 1
     per_mb = layers * kept_layer
     if embedding:
-        per_mb += act.embedding_bytes_per_token(model)
+        per_mb += act.embedding_bytes_per_token(model, vocab_tp=vtp)
     if head:
         per_mb += act.head_bytes_per_token(model, vocab_tp=vtp, precision=precision)
-    acts = in_flight * tokens * per_mb
+    acts = in_flight * (tokens * per_mb + (act.head_bytes_per_micro_batch(vocab_tp=vtp) if head else 0.0))
     # One micro-batch's working set beyond what is kept (estimates, docs/predictor.md): the loss's
     # logits at the head; under full recomputation the re-run layer's full activations and their
     # gradients; under selective one layer's gradients (about its kept activations) plus what its
