@@ -52,6 +52,43 @@ def test_b_then_w_equals_one_backward(recompute: bool, autocast: bool) -> None:
     assert {n for n in ref if "norm" in n} <= after_b
 
 
+def test_b_then_w_equals_one_backward_on_the_lean_recipe() -> None:
+    # bf16 residual stream, fused-kernel norms, native GQA: B + W still give autograd's gradients.
+    model = StageModel(SPEC, layers=(0, 2), embedding=False, head=False, rope_len=16, compute_dtype=torch.bfloat16)
+    dx, ref, _ = _grads(model, split=False, autocast=True)
+    dx_split, got, after_b = _grads(model, split=True, autocast=True)
+    torch.testing.assert_close(dx_split, dx, rtol=1e-2, atol=1e-2)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-2, atol=1e-2, msg=name)
+    assert {n for n in ref if "norm" in n} == after_b
+
+
+def test_split_gemms_share_one_weight_copy_per_update() -> None:
+    """ZB-H1 holds several micro-batches' forwards until their W: their split GEMMs save one bf16 copy
+    of each weight, as autocast's weight cache does for F.linear, not one per micro-batch. An update
+    makes a new copy; a weight stored in bf16 is its own."""
+    from hethub.profiler.tensor_memory import saved_for_backward
+
+    model = StageModel(SPEC, layers=(0, 2), embedding=False, head=False, rope_len=16, compute_dtype=torch.bfloat16)
+    params = list(model.parameters())
+    outs = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), saved_for_backward(exclude=params, weights=params) as rec:
+        for _ in range(3):
+            with weight_grad.recording():
+                outs.append(model(torch.randn(2, 16, SPEC.hidden_size)))
+    gemm_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
+    assert rec.copy_bytes == 2 * gemm_weights
+    w = model.layers["0"].attn.wq.weight
+    copy = weight_grad.cast_weight(w, torch.bfloat16)
+    assert weight_grad.cast_weight(w, torch.bfloat16) is copy
+    with torch.no_grad():
+        w.mul_(2.0)
+    again = weight_grad.cast_weight(w, torch.bfloat16)
+    assert again is not copy and torch.equal(again, w.detach().bfloat16())
+    stored = torch.nn.Parameter(torch.randn(3, 3).bfloat16())
+    assert weight_grad.cast_weight(stored, torch.bfloat16).data_ptr() == stored.data_ptr()
+
+
 def test_outside_recording_it_is_f_linear() -> None:
     lin = weight_grad.Linear(4, 3)
     x = torch.randn(5, 4, requires_grad=True)
