@@ -1,15 +1,17 @@
 """Predicted vs measured memory per part, for the local CPU plans, through the real runtime.
 
-    python bench/memory_accuracy.py [--model small] [--seq-len 128] [--steps 2] [--sets tuning,math,recompute]
-        [--json OUT]
+    python bench/memory_accuracy.py [--model small] [--seq-len 128] [--steps 2]
+        [--sets tuning,math,recompute,bf16] [--json OUT]
 
 For every plan of bench/_accuracy_plans.py's TUNING set on examples/clusters/local-cpu.toml (and two
 of them again with math attention on every kind; set ``recompute``: those two with their stages
-recomputing selective, full, none, ... in turn, flash and math), it runs the plan's ranks (forked gloo processes,
-``hethub.comm.local_ranks``) through the runtime's own Trainer for ``--steps`` steps and accounts, on
-each rank (``hethub.profiler.stage_memory.measure_rank_memory``):
+recomputing selective, full, none, ... in turn, flash and math; set ``bf16``: those two in
+bf16-mixed, every rank autocasting on the CPU), it runs the plan's ranks (forked gloo
+processes, ``hethub.comm.local_ranks``) through the runtime's own Trainer for ``--steps`` steps and
+accounts, on each rank (``hethub.profiler.stage_memory.measure_rank_memory``):
 
-* weights, gradients and AdamW state: storage bytes of the module's parameters, their ``.grad``
+* weights, gradients and AdamW state: storage bytes of the module's parameters (in bf16-mixed plus
+  the peak of their bf16 copies the GEMMs hold, which the model counts as weights), their ``.grad``
   after backward, and the optimizer's per-parameter tensors after the step;
 * activations: the tensors autograd holds for backward *at the same time*, followed from save to
   release through the real 1F1B/GPipe schedule (``saved_tensors_hooks``): the in-flight peak;
@@ -27,7 +29,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -46,13 +48,15 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "examples" / "clusters" / "local-cpu.toml"
 PARTS = ("weights", "grads", "optimizer", "activations", "grad_sync_buffer")
 MATH_PLANS = ("2 stages fast/fast 4|4", "TP2 fast 5 | slow 3")
+MIXED = "bf16-mixed"
 TARGET = 0.10
 
 
 def _worker(rank: int, plan_dict: dict, steps: int) -> dict:
     plan = Plan.from_dict(plan_dict)
     comm = make_communicator(plan=plan, rank=rank)
-    return asdict(measure_rank_memory(plan, rank=rank, comm=comm, steps=steps))
+    precision = plan.precision if plan.precision != "fp32" else None
+    return asdict(measure_rank_memory(plan, rank=rank, comm=comm, steps=steps, precision=precision))
 
 
 def plans(*, sets: list[str], model_name: str, seq_len: int) -> list[Plan]:
@@ -69,7 +73,16 @@ def plans(*, sets: list[str], model_name: str, seq_len: int) -> list[Plan]:
         if "recompute" in sets and d.name in MATH_PLANS:
             out += [_recomputing(plan, name=d.name, attention=att, cluster_kinds=cluster.kind_names)
                     for att in ("flash", "math")]
+        if "bf16" in sets and d.name in MATH_PLANS:
+            out.append(_mixed(plan, name=d.name))
     return out
+
+
+def _mixed(plan: Plan, *, name: str) -> Plan:
+    """``plan`` in bf16-mixed: its CPU kinds told they run it (the Trainer autocasts them on request)."""
+    kinds = {n: replace(k, precisions=(MIXED, "fp32")) for n, k in plan.cluster.kinds.items()}
+    return replace(plan, cluster=replace(plan.cluster, kinds=kinds), precision=MIXED,
+                   meta={**plan.meta, "bench": f"{name}, {MIXED}"}).validate()
 
 
 def _recomputing(plan: Plan, *, name: str, attention: str, cluster_kinds: tuple[str, ...]) -> Plan:
@@ -95,7 +108,8 @@ def rows_for(plan: Plan, *, steps: int) -> list[dict]:
         predicted = {"weights": mem.weights_bytes + mem.master_weights_bytes, "grads": mem.grads_bytes,
                      "optimizer": mem.optimizer_bytes, "activations": mem.activations_bytes,
                      "grad_sync_buffer": mem.grad_sync_buffer_bytes}
-        got = {"weights": m["weights_bytes"], "grads": m["grads_bytes"], "optimizer": m["optimizer_bytes"],
+        got = {"weights": m["weights_bytes"] + m["weight_copies_bytes"], "grads": m["grads_bytes"],
+               "optimizer": m["optimizer_bytes"],
                "activations": m["activations_peak_bytes"], "grad_sync_buffer": m["grad_sync_buffer_bytes"]}
         rows.append({"plan": plan.meta.get("bench", ""), "rank": m["rank"], "stage": (m["pipeline"], m["stage"]),
                      "attention": sp.attention, "in_flight": sp.in_flight, "pred": predicted, "meas": got})
@@ -116,7 +130,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2,
                     help="steps per plan (AdamW's state exists after the first; the second runs with it)")
-    ap.add_argument("--sets", default="tuning,math,recompute")
+    ap.add_argument("--sets", default="tuning,math,recompute,bf16")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as every rank runs; also before forking ranks

@@ -193,7 +193,10 @@ class _LinearFn(torch.autograd.Function):
             dyc = dy.to(wc.dtype)
             dx = (dyc @ wc).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         later = Deferred()
-        later.work.append(_Queued(weight, bias, xc, dyc, ctx.autocast))
+        # Detached: the saved input is the layer's own tensor wherever no cast was needed (fp32, or a
+        # 16-bit stream), and W's products of it would otherwise build a graph holding dY until the
+        # gradients are dropped.
+        later.work.append(_Queued(weight, bias, xc.detach(), dyc, ctx.autocast))
         if _state.queue is not None:
             _state.queue.extend(later.work)
         else:  # recorded, but not split: the weight gradients now
