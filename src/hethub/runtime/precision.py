@@ -7,8 +7,10 @@ CPUs). Parameters, gradients and optimizer state stay fp32 (autocast casts copie
 each op), so the master weights are the parameters themselves.
 
 Stage boundaries: an activation leaves a stage in that stage's compute dtype (bf16/fp16, or fp32) and
-its gradient comes back in the same dtype; the receiving stage converts it to its own precision
-(autocast casts its inputs per op). Both ends know the dtype from the plan, so buffers match.
+its gradient comes back in the same dtype; the receiving stage casts it into its own residual
+stream, which is in its compute dtype (``StageModel(compute_dtype=...)``: a 16-bit stage keeps its
+hidden states in 16 bits, so a message already in its dtype enters as it came). Both ends know the
+dtype from the plan, so buffers match.
 
 Loss scaling: fp16 gradients underflow without it. When any kind of the plan trains in fp16, every
 rank uses one :class:`DynamicLossScaler` (a global scale: gradients of every stage descend from the
