@@ -169,6 +169,44 @@ def unit_param_prefix(unit: str) -> str:
     return _MODULE_OF_UNIT[unit]
 
 
+# Megatron-LM's default data-parallel bucket (``--ddp-bucket-size``: 40M elements, 160 MB of fp32
+# gradients): large enough to amortise a collective's latency, small enough that the backward still
+# has work left to hide the next bucket behind.
+DEFAULT_BUCKET_ELEMS = 40_000_000
+
+
+def unit_position(unit: str, *, num_layers: int) -> int:
+    """A unit's place in the forward pass: embedding, positions, layers 0..L-1, final norm, head."""
+    if unit.startswith("layer."):
+        return 2 + int(unit[len("layer."):])
+    return {"embed": 0, "pos": 1, "final_norm": num_layers + 2, "head": num_layers + 3}[unit]
+
+
+def reduction_key(param_name: str, *, num_layers: int) -> tuple[int, str]:
+    """Sort key of a parameter in the gradient reduction order: units in reverse forward order (the
+    order the backward makes their gradients final), then by name. Every rank sorts its gradient
+    buckets by it, so ranks sharing a group issue their collectives in the same order (NCCL requires
+    it). A tied head's embedding matrix sorts with the embedding, last."""
+    return (-unit_position(unit_of(param_name), num_layers=num_layers), param_name)
+
+
+def bucket_ranges(numels: list[int] | tuple[int, ...], *, cap_elems: int) -> list[tuple[int, int]]:
+    """Consecutive items ``[i, j)`` of each bucket over tensors of these sizes, in order: a bucket
+    closes once it holds at least ``cap_elems`` elements (Megatron's rule: a tensor is never split, so
+    one larger than the cap is a bucket of its own)."""
+    if cap_elems < 1:
+        raise ValueError(f"the gradient bucket size must be >= 1 element, got {cap_elems}")
+    out, start, acc = [], 0, 0
+    for i, n in enumerate(numels):
+        acc += n
+        if acc >= cap_elems:
+            out.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(numels):
+        out.append((start, len(numels)))
+    return out
+
+
 def block_starts(sizes: list[int] | tuple[int, ...]) -> list[int]:
     """Where each of consecutive blocks of these sizes starts (an exclusive prefix sum): replica r
     takes sequences [start_r, start_r + samples_r) of each global batch; stage s's first layer."""

@@ -18,6 +18,9 @@ from hethub.runtime.tensor_parallel import TPContext, shard
 from hethub.runtime.trainer import Trainer, TrainerConfig
 
 TOL = 1e-5
+# Gradient buckets of ~4k elements: several per sync group of the t6 model, reduced while the last
+# backward runs (runtime/grad_buffer.py), so every parity case covers the overlapped path.
+BUCKET_ELEMS = 4096
 
 
 @pytest.fixture(autouse=True, params=["auto", "force"])
@@ -29,7 +32,7 @@ def bridge(request, monkeypatch):
 
 def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any], optim: OptimConfig) -> dict:
     comm = make_communicator(plan=plan, rank=rank, timeout=TIMEOUT)
-    trainer = Trainer(plan, rank=rank, comm=comm, cfg=TrainerConfig(optim=optim))
+    trainer = Trainer(plan, rank=rank, comm=comm, cfg=TrainerConfig(optim=optim, grad_bucket_elems=BUCKET_ELEMS))
     tp = TPContext(size=trainer.place.stage.tp, rank=trainer.place.tp_rank)
 
     def mine(name: str, full: torch.Tensor) -> torch.Tensor:

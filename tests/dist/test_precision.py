@@ -1,5 +1,6 @@
 """Per-kind precision in the runtime, on CPU (autocast bf16/fp16 works there): a mixed-precision
-plan against one device in the same precision, kinds of different precision in one pipeline, and fp16
+plan against one device in the same precision and recipe (parameters stored in the compute dtype,
+AdamW on fp32 masters, fp32 main grads), kinds of different precision in one pipeline, and fp16
 loss scaling that skips a step whose gradients overflowed and then carries on."""
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], cfg: TrainerConfig,
         loss, _ = trainer.forward_backward(batch)
         trainer.sync_grads()
         if poison == (step, rank):  # an overflow on one rank only, after the sync, as a bad kernel would give
-            next(iter(named.values())).grad.view(-1)[0] = math.inf
+            next(iter(named.values())).main_grad.view(-1)[0] = math.inf
         trainer.clip_and_update()
         out["losses"].append(loss)
         out["skipped"].append(trainer.last_step_skipped)
         out["moved"].append(any(not torch.equal(before[n], p.detach()) for n, p in named.items()))
     tp = trainer.place.stage.tp
-    out["params"] = {n: p.detach().clone() for n, p in named.items()}
+    # The fp32 masters AdamW steps; the parameters are their compute-dtype rounding.
+    assert trainer.masters is not None
+    out["params"] = {n: trainer.masters.of(p).detach().clone() for n, p in named.items()}
+    out["dtypes"] = {n: str(p.dtype) for n, p in named.items()}
     out["dims"] = {n: trainer.model.shard_dim(n) for n in named}
     out["tp"] = (tp, trainer.place.tp_rank)
     out["out_dtype"] = str(trainer.executor.out_dtype)
@@ -71,13 +75,14 @@ def test_mixed_precision_plan_matches_one_device_in_that_precision(precision: st
     plan, kinds = _plan_in({"cpu-fast": precision, "cpu-slow": precision})
     data = batches(plan, steps=3)
     scale = 2.0**8  # small enough never to overflow here: both runs take every step
-    ref = train_single_device(SPEC, data, optim=OPTIM, precision=precision,
+    ref = train_single_device(SPEC, data, optim=OPTIM, precision=precision, master_copy=True,
                               scaler=DynamicLossScaler(scale=scale) if precision == "fp16-mixed" else None)
     cfg = TrainerConfig(optim=OPTIM, init_loss_scale=scale, cpu_autocast=True, precision=kinds)
     res = run_ranks(plan.world_size, _worker, plan, data, cfg, None)
     tol = TOL[precision]
     for r in res:
         assert r["precision"] == precision and not any(r["skipped"])
+        assert set(r["dtypes"].values()) == {str(ref_dtype(precision))}, "parameters in the compute dtype"
         for got, want in zip(r["losses"], ref["losses"], strict=True):
             assert abs(got - want) <= tol["loss"], (got, want)
         assert _param_diff(r, ref) <= tol["param"]
@@ -110,7 +115,7 @@ def test_fp16_loss_scaling_skips_an_overflow_everywhere_and_recovers() -> None:
     cfg = TrainerConfig(optim=optim, init_loss_scale=2.0**10, loss_scale_growth_interval=2, cpu_autocast=True,
                         precision=kinds)
     res = run_ranks(plan.world_size, _worker, plan, data, cfg, (1, 2))
-    ref = train_single_device(SPEC, [data[0], *data[2:]], optim=optim, precision="fp16-mixed",
+    ref = train_single_device(SPEC, [data[0], *data[2:]], optim=optim, precision="fp16-mixed", master_copy=True,
                               scaler=DynamicLossScaler(scale=2.0**10))
     for r in res:
         assert r["precision"] == "fp16-mixed"

@@ -29,12 +29,14 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
-from hethub.comm.communicator import Communicator, GroupKey
+from hethub.comm.communicator import DONE, Communicator, GroupKey
 from hethub.comm.hierarchical import (
     DEFAULT_CHUNK_BYTES,
     GroupMaker,
     HostPool,
     Route,
+    StartedAllReduce,
+    StartedReduce,
     build_route,
     hierarchical_all_gather,
     hierarchical_all_reduce,
@@ -200,6 +202,31 @@ class BridgedCommunicator(Communicator):
             assert route.local is not None
             dist.all_reduce(tensor, op=rop, group=route.local.pg_for(tensor))
         return tensor
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int]) -> Any:
+        """As :meth:`Communicator.start_all_reduce`; across islands the island's native reduce starts
+        now and the bridge step runs at ``wait()`` (:class:`StartedAllReduce`)."""
+        route = self._route(group)
+        if len(route.members) == 1:
+            return DONE
+        if route.bridged:
+            return StartedAllReduce(tensor, route=route, rank=self.rank, op=_OPS["sum"], chunk_bytes=self.chunk_bytes,
+                                    pool=self._pool, stage_host=self.stage_host)
+        assert route.local is not None
+        return dist.all_reduce(tensor, group=route.local.pg_for(tensor), async_op=True)
+
+    def start_reduce(self, tensor: torch.Tensor, *, group: Sequence[int], dst: int) -> Any:
+        """As :meth:`Communicator.start_reduce`; across islands each island reduces natively onto its
+        proxy for ``dst`` now and the proxies' partial sums cross the bridge at ``wait()``
+        (:class:`StartedReduce`)."""
+        route = self._route(group)
+        if len(route.members) == 1:
+            return DONE
+        if route.bridged:
+            return StartedReduce(tensor, route=route, rank=self.rank, dst=dst, pool=self._pool,
+                                 stage_host=self.stage_host)
+        assert route.local is not None
+        return dist.reduce(tensor, dst=dst, group=route.local.pg_for(tensor), async_op=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int],
                        sizes: Sequence[int] | None = None) -> torch.Tensor:

@@ -22,6 +22,16 @@ import torch.distributed as dist
 GroupKey = tuple[int, ...]
 
 
+class _Done:
+    """A started operation that had nothing to do (a group of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
 class Communicator:
     def __init__(self, *, timeout: timedelta | None = None) -> None:
         if not dist.is_initialized():
@@ -84,6 +94,23 @@ class Communicator:
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         dist.all_reduce(tensor, op=rop, group=self._pg(group))
         return tensor
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int]) -> Any:
+        """Start an in-place sum over ``group`` without waiting; returns an object whose ``wait()``
+        completes it (on a GPU backend: makes the current stream wait, no host sync). Used by the
+        gradient sync to reduce buckets while the backward runs; a rank waits on what it started in
+        the order it started it."""
+        if len(group) == 1:
+            return DONE
+        return dist.all_reduce(tensor, group=self._pg(group), async_op=True)
+
+    def start_reduce(self, tensor: torch.Tensor, *, group: Sequence[int], dst: int) -> Any:
+        """Start a sum of a contiguous ``tensor`` over ``group`` onto rank ``dst`` (in place there; the
+        others' tensors may be used as scratch), as :meth:`start_all_reduce`: ZeRO-1's reduction of a
+        bucket's piece to the piece's owner."""
+        if len(group) == 1:
+            return DONE
+        return dist.reduce(tensor, dst=dst, group=self._pg(group), async_op=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int],
                        sizes: Sequence[int] | None = None) -> torch.Tensor:

@@ -13,6 +13,11 @@ data-parallel group, the world) may span islands; then an all-reduce runs in thr
 Reduce-scatters and all-gathers over such groups run the two-level schedule of
 :mod:`hethub.islands` (native inside each island, only each owner's chunk over the bridge).
 
+The gradient sync starts its reductions while the backward still runs (``runtime/grad_buffer.py``):
+:class:`StartedAllReduce` and :class:`StartedReduce` (one owner's part of the two-level
+reduce-scatter) post the native island step asynchronously when created and run the bridge step
+when waited on, after the backward.
+
 Every rank builds the same groups in the same order (``new_group`` is collective over the world),
 including groups it is not a member of.
 
@@ -186,33 +191,104 @@ def bridged_all_reduce(tensor: torch.Tensor, *, group: Any, op: Any, chunk_bytes
 def hierarchical_all_reduce(tensor: torch.Tensor, *, route: Route, rank: int, op: Any, chunk_bytes: int,
                             pool: HostPool, stage_host: bool) -> None:
     """In-place all-reduce over a bridged route: island reduce, leaders over the bridge, broadcast."""
-    local = route.local
-    if local is None:
-        raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
-    work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    if len(local.ranks) > 1:
-        dist.reduce(work, dst=local.leader, op=op, group=local.pg_for(work))
-    if rank == local.leader:
-        bridged_all_reduce(work, group=route.leaders_pg, op=op, chunk_bytes=chunk_bytes, pool=pool,
-                           stage=stage_host or work.device.type != "cpu")
-    if len(local.ranks) > 1:
-        dist.broadcast(work, src=local.leader, group=local.pg_for(work))
-    if work is not tensor:
-        tensor.copy_(work)
+    StartedAllReduce(tensor, route=route, rank=rank, op=op, chunk_bytes=chunk_bytes, pool=pool,
+                     stage_host=stage_host).wait()
+
+
+# Bridge messages of gradient reductions carry this tag, apart from the pipeline's (which count up
+# from 0 per micro-batch): a reduction may finish while a peer's pipeline messages are still about.
+REDUCTION_TAG = 1 << 24
+
+
+class StartedAllReduce:
+    """A bridged all-reduce whose first step, the reduce inside this rank's island onto its leader
+    (native, asynchronous), is posted at construction; :meth:`wait` runs the rest (the leaders' bridge
+    all-reduce, the island's broadcast). Ranks must wait on their started reductions in one order,
+    the same on every rank (the gradient sync waits in bucket order), so the later steps pair up."""
+
+    def __init__(self, tensor: torch.Tensor, *, route: Route, rank: int, op: Any, chunk_bytes: int,
+                 pool: HostPool, stage_host: bool) -> None:
+        local = route.local
+        if local is None:
+            raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
+        self.tensor, self.local, self.route, self.rank, self.op = tensor, local, route, rank, op
+        self.chunk_bytes, self.pool, self.stage_host = chunk_bytes, pool, stage_host
+        self.work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self.first = (dist.reduce(self.work, dst=local.leader, op=op, group=local.pg_for(self.work), async_op=True)
+                      if len(local.ranks) > 1 else None)
+
+    def wait(self) -> None:
+        local, work = self.local, self.work
+        if self.first is not None:
+            self.first.wait()
+        if self.rank == local.leader:
+            bridged_all_reduce(work, group=self.route.leaders_pg, op=self.op, chunk_bytes=self.chunk_bytes,
+                               pool=self.pool, stage=self.stage_host or work.device.type != "cpu")
+        if len(local.ranks) > 1:
+            dist.broadcast(work, src=local.leader, group=local.pg_for(work))
+        if work is not self.tensor:
+            self.tensor.copy_(work)
+
+
+class StartedReduce:
+    """A sum of ``tensor`` over a bridged route onto member ``dst`` (in place there; other members'
+    tensors are scratch), the hierarchical reduce-scatter of :mod:`hethub.islands` for one owner:
+    each island reduces natively onto its proxy for ``dst`` (``dst`` itself in its own island),
+    posted at construction; :meth:`wait` sends every other island's partial sum from its proxy to
+    ``dst`` over the bridge, and ``dst`` adds them in island order (the same sum on every run). Waits
+    in one order on every rank, as for :class:`StartedAllReduce`."""
+
+    def __init__(self, tensor: torch.Tensor, *, route: Route, rank: int, dst: int, pool: HostPool,
+                 stage_host: bool) -> None:
+        local, ex = route.local, route.exchange
+        if local is None:
+            raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
+        if not tensor.is_contiguous():
+            raise ValueError("a started reduce needs a contiguous tensor (it is reduced in place)")
+        self.tensor, self.route, self.rank, self.dst, self.pool, self.stage_host = tensor, route, rank, dst, pool, \
+            stage_host
+        me = ex.island_index(rank)
+        self.root = ex.proxy(dst, me)
+        self.first = (dist.reduce(tensor, dst=self.root, group=local.pg_for(tensor), async_op=True)
+                      if len(local.ranks) > 1 else None)
+
+    def wait(self) -> None:
+        ex, flat = self.route.exchange, self.tensor.view(-1)
+        if self.first is not None:
+            self.first.wait()
+        mine = ex.island_index(self.rank)
+        if self.rank == self.dst:
+            others = [i for i in range(len(ex.islands)) if i != mine]
+            parts = [flat.new_empty(flat.numel()) for _ in others]
+            recvs = [_staged_p2p(part, peer=ex.proxy(self.dst, i), send=False, group=self.route.host_pg,
+                                 pool=self.pool, stage_host=self.stage_host, tag=REDUCTION_TAG)
+                     for part, i in zip(parts, others, strict=True)]
+            for part, (work, host) in zip(parts, recvs, strict=True):
+                work.wait()
+                if host is not None:
+                    part.copy_(host)
+                    self.pool.give(host, like=part)
+                flat.add_(part)  # island order: the same sum on every run
+        elif self.rank == self.root:
+            work, host = _staged_p2p(flat, peer=self.dst, send=True, group=self.route.host_pg, pool=self.pool,
+                                     stage_host=self.stage_host, tag=REDUCTION_TAG)
+            work.wait()
+            if host is not None:
+                self.pool.give(host, like=flat)
 
 
 # ---- the sharded (reduce-scatter / all-gather) exchange ---------------------------------------------
 def _staged_p2p(flat: torch.Tensor, *, peer: int, send: bool, group: Any, pool: HostPool,
-                stage_host: bool) -> tuple[Any, torch.Tensor | None]:
+                stage_host: bool, tag: int = 0) -> tuple[Any, torch.Tensor | None]:
     """isend/irecv of a contiguous 1-D tensor over gloo, through a pooled host copy unless it is a host
     tensor and ``stage_host`` is off. Returns (work, host copy or None); a received host copy must be
     copied into ``flat`` after the wait."""
     if flat.device.type == "cpu" and not stage_host:
-        return (dist.isend if send else dist.irecv)(flat, peer, group=group), None
+        return (dist.isend if send else dist.irecv)(flat, peer, group=group, tag=tag), None
     host = pool.take(flat)
     if send:
         host.copy_(flat)  # blocking for device tensors: on the host when this returns
-    return (dist.isend if send else dist.irecv)(host, peer, group=group), host
+    return (dist.isend if send else dist.irecv)(host, peer, group=group, tag=tag), host
 
 
 def hierarchical_reduce_scatter(tensor: torch.Tensor, *, route: Route, rank: int, pool: HostPool,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hethub.layout import StagePlace, split_elems, stage_places, unit_holders
 from hethub.plan import Plan
+from hethub.predict.memory.model import layer_elems
 from hethub.spec.model import ModelSpec
 
 StageId = tuple[int, int]
@@ -35,7 +36,7 @@ def unit_elems(model: ModelSpec, unit: str, *, tp: int) -> int:
     column-parallel weights and biases (wq, wk, wv, w1, w3) and row-parallel weights (wo, w2) split,
     norms and row-parallel biases replicated; embedding and head split by vocabulary where ``tp``
     divides it (``runtime/tensor_parallel.vocab_parallel``)."""
-    h, kv, f, v = model.hidden_size, model.kv_dim, model.ffn_hidden_size, model.vocab_size
+    h, v = model.hidden_size, model.vocab_size
     vtp = tp if tp > 1 and v % tp == 0 else 1
     if unit == "embed":
         return v * h // vtp
@@ -45,10 +46,7 @@ def unit_elems(model: ModelSpec, unit: str, *, tp: int) -> int:
         return v * h // vtp
     if unit == "final_norm":
         return model.final_norm_params
-    norms = 2 * h if model.arch == "llama" else 4 * h
-    column_bias = (h + 2 * kv + f) if model.has_bias else (h + 2 * kv) if model.qkv_bias else 0
-    row_bias = 2 * h if model.has_bias else 0
-    return model.layer_matmul_params // tp + norms + column_bias // tp + row_bias
+    return layer_elems(model, tp=tp)
 
 
 @dataclass(frozen=True)

@@ -150,8 +150,12 @@ def snapshot(trainer: Trainer, step: int, *, buffers: dict[str, torch.Tensor] | 
     # the files hold the same full tensors whatever the sharding: loading re-shards for any plan.
     states = trainer.zero.gather_state(trainer.optimizer) if trainer.zero is not None else None
     for name, p in sorted(trainer.model.named_parameters()):
-        st = states.get(name, {}) if states is not None else trainer.optimizer.state.get(p, {})
-        # Sharded fp32 masters (mixed precision, runtime/zero.py) are saved, not their 16-bit rounding.
+        if states is not None:
+            st = states.get(name, {})
+        else:  # what AdamW steps: the parameter, or its fp32 master in mixed precision (runtime/precision.py)
+            master = trainer.masters.of(p) if trainer.masters is not None else p
+            st = trainer.optimizer.state.get(master, {}) | ({"param": master} if master is not p else {})
+        # fp32 masters (mixed precision) are saved, not their 16-bit rounding.
         full = ({"param": _full(trainer, name, st.get("param", p))}
                 | {k: _full(trainer, name, st[k]) for k in _OPT_KEYS if k in st})
         if owner_rank(trainer, name) != rank:
@@ -369,10 +373,14 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, allow_schedule_change
         for name, p in named.items():
             dim = trainer.model.shard_dim(name)
             p.copy_(shard(data[f"param:{name}"], dim=dim, tp=tp))
-            if trainer.zero is None and manifest["tensors"][name].get("optim"):
-                trainer.optimizer.state[p] = {
-                    "step": data[f"step:{name}"].clone(),
-                    **{k: shard(data[f"{k}:{name}"], dim=dim, tp=tp).clone().to(p.device) for k in _OPT_KEYS}}
+            if trainer.zero is None:
+                master = trainer.masters.of(p) if trainer.masters is not None else p
+                if master is not p:  # the fp32 values, not the 16-bit parameter's rounding
+                    master.copy_(shard(data[f"param:{name}"], dim=dim, tp=tp))
+                if manifest["tensors"][name].get("optim"):
+                    trainer.optimizer.state[master] = {
+                        "step": data[f"step:{name}"].clone().to(p.device),  # fused AdamW keeps it there
+                        **{k: shard(data[f"{k}:{name}"], dim=dim, tp=tp).clone().to(p.device) for k in _OPT_KEYS}}
         if trainer.zero is not None:
             _load_sharded(trainer, manifest, data)
     step = int(manifest["step"])

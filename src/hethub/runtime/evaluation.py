@@ -40,7 +40,7 @@ def evaluate(trainer: Trainer, batches: list[torch.Tensor]) -> float:
             for batch in batches:
                 mbs = [(x.to(trainer.device), y.to(trainer.device)) for x, y in micro_batches(batch, trainer.share)]
                 loss_sum, _ = ex.run(mbs)
-                total += loss_sum if reports else 0.0
+                total += float(loss_sum) if reports else 0.0
     finally:
         trainer.model.train(was_training)
     t = torch.tensor([total], dtype=torch.float64, device=trainer.device)

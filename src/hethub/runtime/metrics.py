@@ -34,9 +34,12 @@ def stage_flops_per_step(plan: Plan, stage: StagePlace, *, samples: int) -> floa
 
 
 def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float, optim_s: float, step_s: float,
-                emulated_sleep_s: float, compute_cpu_s: float = 0.0, detail: bool = True) -> dict[str, Any]:
+                emulated_sleep_s: float, compute_cpu_s: float = 0.0, detail: bool = True,
+                reductions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One rank's step timings. Without `detail` (hethub.train's default) the per-micro-batch
-    events are dropped: the totals are enough for per-step metrics and keep the gather small."""
+    events are dropped: the totals are enough for per-step metrics and keep the gather small.
+    ``reductions``: each gradient bucket's reduction, started (in the backward, with overlap) and
+    found done, kept with the detail."""
     st = place.stage
     # Gradient sync and the optimizer close the step, in that order: place them from its end.
     opt_start = step_s - optim_s
@@ -46,7 +49,8 @@ def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float,
             "step_s": round(step_s, 6), "busy_s": round(trace.busy_s, 6), "recv_wait_s": round(trace.recv_wait_s, 6),
             "send_wait_s": round(trace.send_wait_s, 6), "sync_s": round(sync_s, 6), "optim_s": round(optim_s, 6),
             "emulated_sleep_s": round(emulated_sleep_s, 6),
-            "compute_cpu_s": round(compute_cpu_s, 6), "events": [*(trace.events if detail else ()), *tail]}
+            "compute_cpu_s": round(compute_cpu_s, 6), "events": [*(trace.events if detail else ()), *tail],
+            **({"reductions": reductions} if detail and reductions else {})}
 
 
 def step_record(*, plan: Plan, topo: Topology, step: int, loss: float, lr: float, grad_norm: float,

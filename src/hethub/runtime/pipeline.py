@@ -35,6 +35,7 @@ from hethub.layout import RankPlace
 from hethub.runtime import weight_grad
 from hethub.runtime.model import StageModel
 from hethub.runtime.slowdown import Emulator
+from hethub.runtime.timing import OpTimer
 from hethub.schedules import Op, get_schedule
 
 
@@ -55,18 +56,33 @@ class StepTrace:
 
     events: list[dict[str, Any]] = field(default_factory=list)  # {"op","mb","start_s","end_s"}
     busy_s: float = 0.0  # compute incl. emulated sleep
+    # Ops' (op, mb, chunk, start, end) marks on the device's timeline (runtime/timing.py), turned
+    # into ``events`` and ``busy_s`` by :meth:`resolve` once they can be read without a stall.
+    marks: list[tuple[str, int, int, Any, Any]] = field(default_factory=list)
     recv_wait_s: float = 0.0
     send_wait_s: float = 0.0
     # Most micro-batches whose saved activations were held at once (F until B, or W); with virtual
     # stages, (micro-batch, chunk) pairs.
     max_in_flight: int = 0
 
+    def resolve(self, timer: OpTimer, t0: Any) -> None:
+        """Read the marks (after the step's host synchronisation on a device) into events and busy time."""
+        for op, mb, chunk, a, b in self.marks:
+            start, end = timer.seconds(t0, a), timer.seconds(t0, b)
+            self.busy_s += end - start
+            event = {"op": op, "mb": mb, "start_s": round(start, 6), "end_s": round(end, 6)}
+            if chunk:
+                event["chunk"] = chunk
+            self.events.append(event)
+        self.marks = []
+
 
 class PipelineExecutor:
     def __init__(self, model: StageModel, *, place: RankPlace, comm: Communicator, schedule: str, seq_len: int,
                  hidden_size: int, emulator: Emulator | None = None, act_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, in_dtype: torch.dtype | None = None,
-                 out_dtype: torch.dtype | None = None, wrap_dtype: torch.dtype | None = None) -> None:
+                 out_dtype: torch.dtype | None = None, wrap_dtype: torch.dtype | None = None,
+                 timer: OpTimer | None = None) -> None:
         self.model, self.place, self.comm = model, place, comm
         st = place.stage
         self.first, self.last = st.stage == 0, st.stage == st.num_stages - 1
@@ -91,21 +107,24 @@ class PipelineExecutor:
         self.wrap_dtype = wrap_dtype or act_dtype
         # The head stage back-propagates loss * loss_scale (fp16 dynamic loss scaling; 1 otherwise).
         self.loss_scale = 1.0
+        self.timer = timer or OpTimer(self.device)
 
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, t0: float | None = None,
-            ) -> tuple[float, StepTrace]:
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, t0: Any = None,
+            ) -> tuple[torch.Tensor, StepTrace]:
         """Forward and backward every micro-batch in schedule order; gradients accumulate in the model.
 
         ``micro_batches[i]`` is (inputs, targets) of micro-batch i (only the first stage reads the
-        inputs, only the last the targets). Returns this rank's summed loss (0 off the head stage).
+        inputs, only the last the targets). Returns this rank's summed loss (0 off the head stage), a
+        float64 tensor left on the device (no host synchronisation per micro-batch), and the trace;
+        ``t0``: the step's start mark (``self.timer``).
         """
-        t0 = time.perf_counter() if t0 is None else t0
+        t0 = self.timer.mark() if t0 is None else t0
         trace = StepTrace()
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         pending: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
         recvs = _Receives(self, lookahead=RECV_LOOKAHEAD)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         held: set[tuple[int, int]] = set()  # (micro-batch, chunk) whose graph this stage still holds
         deferred: dict[tuple[int, int], weight_grad.Deferred] = {}  # (micro-batch, chunk) -> its W's work
         # A split executor builds weight GEMMs whose B defers their weight gradients (weight_grad.py);
@@ -122,12 +141,12 @@ class PipelineExecutor:
                 # The model casts a received activation into its residual stream's dtype, if it is not
                 # in it already (a 16-bit stage keeps a 16-bit message as it came).
                 target = micro_batches[mb][1] if last else None
-                start = time.perf_counter()
+                start = self.timer.mark()
                 with self.emulator.chunk(), recording():
                     out = self.model(x, target, chunk=chunk) if v > 1 else self.model(x, target)
                 self._record(trace, "F", mb, start, t0, chunk)
                 if last:
-                    loss_sum += float(out.detach())
+                    loss_sum += out.detach().double()
                 else:
                     payload = self._outgoing(out.detach().to(self.out_dtype), split=self.place.split_out)
                     into = chunk + 1 if self.last else chunk  # the consumer's chunk (fwd_tag)
@@ -138,7 +157,7 @@ class PipelineExecutor:
                 held.add(key)
                 trace.max_in_flight = max(trace.max_in_flight, len(held))
             elif op == "W":
-                start = time.perf_counter()
+                start = self.timer.mark()
                 work = deferred.pop(key, None)
                 if work is not None:
                     with self.emulator.chunk():
@@ -148,7 +167,7 @@ class PipelineExecutor:
             else:
                 x, out = inputs.pop(key), outputs.pop(key)
                 grad = None if got is None else got.to(out.dtype)
-                start = time.perf_counter()
+                start = self.timer.mark()
                 with self.emulator.chunk():
                     if got is None and self.loss_scale != 1.0:
                         out = out * self.loss_scale
@@ -171,6 +190,8 @@ class PipelineExecutor:
         for work, _ in pending:
             work.wait()
         trace.send_wait_s = time.perf_counter() - w
+        if not self.timer.device_events:
+            trace.resolve(self.timer, t0)  # host marks read at once; device marks after the step's sync
         return loss_sum, trace
 
     def _outgoing(self, t: torch.Tensor, *, split: bool) -> torch.Tensor:
@@ -200,14 +221,9 @@ class PipelineExecutor:
         its input gradient; W neither."""
         return _op_peers(self, op, chunk)
 
-    @staticmethod
-    def _record(trace: StepTrace, op: str, mb: int, start: float, t0: float, chunk: int = 0) -> None:
-        end = time.perf_counter()
-        trace.busy_s += end - start
-        event = {"op": op, "mb": mb, "start_s": round(start - t0, 6), "end_s": round(end - t0, 6)}
-        if chunk:
-            event["chunk"] = chunk
-        trace.events.append(event)
+    def _record(self, trace: StepTrace, op: str, mb: int, start: Any, t0: Any, chunk: int = 0) -> None:
+        del t0  # marks are read relative to the step's start in StepTrace.resolve
+        trace.marks.append((op, mb, chunk, start, self.timer.mark()))
 
 
 def _op_peers(ex: Any, op: str, chunk: int) -> tuple[int | None, tuple[int, ...]]:

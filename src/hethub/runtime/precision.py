@@ -3,8 +3,14 @@ and dynamic loss scaling for fp16.
 
 Each stage computes in its kind's precision (the plan's per-kind precision: ``bf16-mixed`` where the
 kind supports bf16, ``fp16-mixed`` where it has only fp16 tensor cores (Volta, Turing), ``fp32`` on
-CPUs). Parameters, gradients and optimizer state stay fp32 (autocast casts copies of the weights for
-each op), so the master weights are the parameters themselves.
+CPUs).
+
+Parameters and master weights (Megatron-LM's recipe, every mixed-precision plan, sharded optimizer or
+not): a mixed-precision rank stores its parameters in the compute dtype (:func:`param_dtype`), so
+autocast finds its weights already cast and keeps no second copy; gradients accumulate in fp32 "main
+grads" (one contiguous buffer, ``runtime/grad_buffer.py``); AdamW steps fp32 master weights
+(:class:`MasterWeights`, or ZeRO-1's owned slices of them, ``runtime/zero.py``) and each step's
+updated masters are rounded back into the parameters. In fp32 the parameters are their own masters.
 
 Stage boundaries: an activation leaves a stage in that stage's compute dtype (bf16/fp16, or fp32) and
 its gradient comes back in the same dtype; the receiving stage casts it into its own residual
@@ -28,6 +34,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hethub.plan import Plan
 
@@ -41,6 +48,64 @@ def compute_dtype(precision: str) -> torch.dtype | None:
         return COMPUTE_DTYPES[precision]
     except KeyError:
         raise ValueError(f"unknown precision {precision!r}; the runtime runs {', '.join(COMPUTE_DTYPES)}") from None
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype a rank stores its parameters in: the compute dtype in mixed precision, else fp32."""
+    return compute_dtype(precision) or torch.float32
+
+
+def store_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store ``model``'s parameters (not its buffers: RoPE tables keep theirs) in ``dtype``."""
+    for p in model.parameters():
+        if p.dtype != dtype:
+            p.grad = None  # a gradient of the old dtype would not fit the parameter any more
+            p.data = p.data.to(dtype)
+
+
+class MasterWeights:
+    """fp32 master weights of an unsharded rank, what its AdamW steps (module doc). Built from the
+    fp32 parameters, it keeps a copy of each and stores the parameters in ``dtype`` when that is 16
+    bits; in fp32 a parameter is its own master. A copied master's ``.grad`` is its parameter's fp32
+    main grad (:meth:`bind_grads`); :meth:`copy_to_params` rounds the updated masters into the
+    parameters after each step."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], *, dtype: torch.dtype) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.copied = dtype != torch.float32
+        self.masters = [p.detach().clone().requires_grad_(True) if self.copied else p for p in self.params]
+        if self.copied:
+            store_params(nn.ParameterList(self.params), dtype)
+        self._by_id = {id(p): m for p, m in zip(self.params, self.masters, strict=True)}
+
+    def of(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor AdamW steps for parameter ``p``."""
+        return self._by_id[id(p)]
+
+    def pieces(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """(name, master, decayed) for ``optim.build_optimizer_for``: matrices decayed, as in
+        ``optim.build_optimizer``."""
+        return [(n, m, m.ndim >= 2) for n, m in zip(self.names, self.masters, strict=True)]
+
+    def bind_grads(self) -> None:
+        """Point each copied master's ``.grad`` at its parameter's fp32 main grad."""
+        if self.copied:
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.grad = p.main_grad  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def copy_to_params(self) -> None:
+        if self.copied:
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Set the masters from the parameters again, after weights were loaded into the model."""
+        if self.copied:
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.copy_(p)
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager[object]:

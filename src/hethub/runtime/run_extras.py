@@ -119,8 +119,7 @@ def setup(args: argparse.Namespace, trainer: Trainer) -> RunExtras:
 
         meta["hf_config"] = check_spec_matches(plan.model, args.init_from, seq_len=plan.seq_len)
         stats = load_stage(trainer.model, args.init_from)
-        if trainer.zero is not None:  # its fp32 master copies were taken from the initial weights
-            trainer.zero.refresh_masters()
+        trainer.refresh_masters()  # the fp32 master copies were taken from the initial weights
         extras.say(f"initialised from {args.init_from} (this rank read {stats.tensors} tensors, "
                    f"{stats.bytes_read / 2**20:.1f} MiB)")
     if args.data:

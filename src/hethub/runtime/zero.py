@@ -1,44 +1,44 @@
 """ZeRO-1 across unequal data-parallel holders: each holder keeps AdamW state for one slice only.
 
-For every bucket of parameters with the same holders (the gradient sync's grouping,
-``runtime/data_parallel.py``), the members of each reduction group (``hethub.predict.sharding``:
-one rank per holder with equal TP rank, or every rank of every holder when their TP degrees differ)
-split the bucket's flat element range into consecutive slices, member i owning the i-th; slice sizes
-come from ``hethub.layout.split_elems`` over the members' weights, which the plan carries
+For every sync group (the ranks that sum one set of gradients, ``runtime/data_parallel.py``), the
+members of the group (``hethub.predict.sharding``: one rank per holder with equal TP rank, or every
+rank of every holder when their TP degrees differ) split the group's flat element range (its
+parameters in the gradient buffer's order) into consecutive slices, member i owning the i-th; slice
+sizes come from ``hethub.layout.split_elems`` over the members' weights, which the plan carries
 (``training.optimizer_shard_weights``: free device memory by default, at the headroom the plan was
 scored with), so the slices are the ones the predictor's memory model counted.
 
 One step:
 
-1. gradients are packed into a padded buffer (``len(group)`` chunks of the largest slice) and
-   reduce-scattered (``Communicator.reduce_scatter``: native inside one vendor's island; across the
-   bridge native inside each island and only each owner's slice, unpadded, over the bridge:
-   ``hethub.islands``); each owner divides its slice by the global sample count (the single-device
-   mean, as in GradSync);
+1. gradients accumulate in the rank's contiguous fp32 buffer (``runtime/grad_buffer.py``), cut into
+   the same buckets as an unsharded run; as soon as a bucket's gradients are final in the last
+   micro-batch's backward, each of its pieces (its intersection with one member's slice) is reduced
+   onto that member, asynchronously (``Communicator.start_reduce``: native inside one vendor island;
+   across islands native inside each, then only the owner's piece over the bridge,
+   ``comm/hierarchical.StartedReduce``). The pieces of all buckets are the group's reduce-scatter,
+   bucketed: every element is reduced once, onto its owner. Each owner then divides its slice by
+   the global sample count (the single-device mean, as in GradSync);
 2. the global gradient norm is the square root of the world sum of each owner's squared slice norm,
    each element counted once (elements replicated over a TP group only on TP rank 0's line), so
    clipping is exact;
 3. AdamW (``runtime/optim.py``, the same update as unsharded: it is element-wise) steps each owned
    *piece* (a slice's intersection with one parameter, decayed as its parameter would be). In fp32
-   a piece of a same-TP bucket is a view of the rank's own parameter (the parameter is the master:
-   no copy); a piece of a mixed bucket lies in the full-size layout, which the rank may not hold, so
-   it keeps an fp32 master copy of it. In mixed precision (bf16/fp16, as Megatron's distributed
-   optimizer) every piece is an fp32 master copy, the rank's parameters are stored in the compute
-   dtype, and gradients accumulate over micro-batches in an fp32 ``main_grad`` beside each
-   parameter (a tensor hook adds each 16-bit gradient there): the master weights are sharded with
-   the moments;
+   a piece of a same-TP group is a view of the rank's own parameter (the parameter is the master:
+   no copy) and its gradient a view of the buffer; a piece of a mixed group lies in the full-size
+   layout, which the rank may not hold, so it keeps an fp32 master copy of it. In mixed precision
+   (bf16/fp16, the recipe of ``runtime/precision.py``) every piece is an fp32 master copy and the
+   rank's parameters are stored in the compute dtype: the master weights are sharded with the
+   moments;
 4. updated slices are all-gathered (padded; unpadded over a bridge) and copied into every member's
    parameters, in the members' parameter dtype when they all store the same one (bf16: half the
    bytes), else fp32.
 
-Model gradients are dropped after the reduce-scatter (owners keep only their slice's). ZeRO-2
-(gradients sharded while the backward runs) is not built: gradients accumulate whole over all
-micro-batches before any sync, so sharding them would not lower the step's peak.
+The gradient buffer stays whole (as Megatron's distributed optimizer keeps its grad buffer): ZeRO-2
+(gradients sharded while the backward runs) is not built.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,16 +46,19 @@ import torch
 from torch import nn
 
 from hethub.comm.communicator import Communicator
-from hethub.layout import Topology, block_starts, split_elems, unit_of
-from hethub.runtime.data_parallel import world_grad_norm
+from hethub.layout import DEFAULT_BUCKET_ELEMS, Topology, block_starts, split_elems, unit_of
+from hethub.runtime.data_parallel import backward_passes, bucket_layout, world_grad_norm
+from hethub.runtime.grad_buffer import Bucket, GradBuffer
 from hethub.runtime.model import StageModel
+from hethub.runtime.precision import store_params
+from hethub.runtime.timing import Mark, OpTimer
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
 class _Seg:
-    """Elements [start, stop) of parameter ``param`` (flat, in the bucket's layout) in member ``member``'s
+    """Elements [start, stop) of parameter ``param`` (flat, in the group's layout) in member ``member``'s
     slice at offset ``pos``."""
 
     param: int
@@ -67,15 +70,18 @@ class _Seg:
 
 @dataclass
 class _Bucket:
+    """One sync group's sharding: its parameters in the buffer's order and who owns which elements."""
+
     line: tuple[int, ...]
     mixed: bool
     params: list[tuple[str, nn.Parameter, int | None]] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)  # per parameter, in the bucket's layout
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # per parameter, in the group's layout
     sizes: list[int] = field(default_factory=list)
     me: int = 0
     gather_dtype: torch.dtype = torch.float32  # the updated slices' all-gather
     segs: list[_Seg] = field(default_factory=list)
     pieces: list[tuple[_Seg, torch.Tensor]] = field(default_factory=list)  # this rank's, with their tensors
+    first: list[int] = field(default_factory=list)  # per parameter, its first element in the layout
 
     @property
     def pad(self) -> int:
@@ -88,7 +94,9 @@ class ZeroSync:
     rank's AdamW steps (``optim.build_optimizer_for``)."""
 
     def __init__(self, model: StageModel, *, topo: Topology, rank: int, comm: Communicator,
-                 weights: dict[int, float], param_dtypes: dict[int, torch.dtype] | None = None) -> None:
+                 weights: dict[int, float], param_dtypes: dict[int, torch.dtype] | None = None,
+                 bucket_elems: int = DEFAULT_BUCKET_ELEMS, overlap: bool = True, timer: OpTimer | None = None,
+                 ) -> None:
         """``param_dtypes``: every rank's parameter storage dtype (its compute dtype in mixed precision,
         fp32 otherwise; all fp32 when None). A 16-bit one here shards the fp32 masters."""
         self.comm, self.rank, self.model = comm, rank, model
@@ -98,38 +106,46 @@ class ZeroSync:
         place = topo.place(rank)
         self.tp, self.tp_rank = place.stage.tp, place.tp_rank
         self.device = next(model.parameters()).device
+        self.timer = timer or OpTimer(self.device)
         self.params = [p for _, p in sorted(model.named_parameters())]
         self.steps = 0  # optimizer steps taken (AdamW's per-parameter "step", the same for every piece)
+        named, groups, numels, dims = bucket_layout(model, topo, rank)
+        dim_of = {n: d for (n, _), d in zip(named, dims, strict=True)}
+        self.buffer = GradBuffer(named, groups=groups, layout_numels=numels,
+                                 finals=[place.num_micro_batches * backward_passes(model, n) for n, _ in named],
+                                 num_layers=model.spec.num_layers, cap_elems=bucket_elems, overlap=overlap,
+                                 launch=self._launch)
         by_line: dict[tuple[int, ...], _Bucket] = {}
         self._first_holder: dict[str, bool] = {}
-        for name, p in sorted(model.named_parameters()):
-            unit = unit_of(name)
-            g = topo.sync_group(unit, rank)
-            dim = model.shard_dim(name)
-            b = by_line.setdefault(g.ranks, _Bucket(line=g.ranks, mixed=g.mixed))
-            b.params.append((name, p, dim))
-            b.shapes.append(self._layout_shape(p, dim) if g.mixed else tuple(p.shape))
-            self._first_holder[name] = rank in topo.unit_holders[unit][0].ranks
+        self._where: dict[int, tuple[_Bucket, int]] = {}  # buffer bucket -> (its group, its first element there)
+        for b in self.buffer.buckets:
+            zb = by_line.setdefault(b.group.ranks, _Bucket(line=b.group.ranks, mixed=b.group.mixed))
+            self._where[b.index] = (zb, sum(int(torch.Size(x).numel()) for x in zb.shapes))
+            for name, p in self.buffer.bucket_params(b):
+                zb.params.append((name, p, dim_of[name]))
+                zb.shapes.append(self._layout_shape(p, dim_of[name]) if zb.mixed else tuple(p.shape))
+                self._first_holder[name] = rank in topo.unit_holders[unit_of(name)][0].ranks
         self.buckets = list(by_line.values())
+        self.buffer_index = {n: k for k, n in enumerate(self.buffer.names)}
+        self._group_index = {n: i for zb in self.buckets for i, (n, _, _) in enumerate(zb.params)}
         self.pieces: list[tuple[str, torch.Tensor, bool]] = []  # (parameter name, tensor, decayed)
         self._counted: list[torch.Tensor] = []  # pieces whose gradients count in the global norm
-        for b in self.buckets:
-            members = {dtypes.get(r, torch.float32) for r in b.line}
-            b.gather_dtype = members.pop() if len(members) == 1 else torch.float32
-            self._place(b, weights)
+        for zb in self.buckets:
+            members = {dtypes.get(r, torch.float32) for r in zb.line}
+            zb.gather_dtype = members.pop() if len(members) == 1 else torch.float32
+            self._place(zb, weights)
         if self.sharded_masters:  # the masters are copied: parameters drop to the compute dtype
-            for p in self.params:
-                p.data = p.data.to(self.param_dtype)
-                p.main_grad = None  # type: ignore[attr-defined]
-                # A tensor hook sees every gradient reaching the parameter, also those ZB-H1's split
-                # weight pass hands to autograd's accumulation (runtime/weight_grad.py); the 16-bit
-                # .grad is then dropped at once.
-                p.register_hook(functools.partial(_to_main_grad, p))
-                p.register_post_accumulate_grad_hook(_drop_grad)
+            store_params(model, self.param_dtype)
+            self.buffer.reset()
+        self.t0: Mark = None
+        self.reductions: list[tuple[int, Mark, Mark]] = []  # (bucket, started, found done) this step
+
+    def begin_step(self, t0: Mark) -> None:
+        self.t0, self.reductions = t0, []
 
     # ---- layout ---------------------------------------------------------------------------------
     def _layout_shape(self, p: torch.Tensor, dim: int | None) -> tuple[int, ...]:
-        """A mixed bucket's layout: the full (unsharded) parameter."""
+        """A mixed group's layout: the full (unsharded) parameter."""
         shape = list(p.shape)
         if dim is not None and self.tp > 1:
             shape[dim] *= self.tp
@@ -137,7 +153,7 @@ class ZeroSync:
 
     def _to_layout(self, b: _Bucket, i: int, t: torch.Tensor, *, first_holder_only: bool = False) -> torch.Tensor:
         """This rank's contribution to parameter i's layout tensor (mixed: its TP shard in place, zeros
-        elsewhere; a replicated one from TP rank 0 only). Same-TP buckets: ``t`` itself."""
+        elsewhere; a replicated one from TP rank 0 only). Same-TP groups: ``t`` itself."""
         name, _, dim = b.params[i]
         if not b.mixed:
             return t
@@ -158,6 +174,7 @@ class ZeroSync:
 
     def _place(self, b: _Bucket, weights: dict[int, float]) -> None:
         numels = [int(torch.Size(s).numel()) for s in b.shapes]
+        b.first = block_starts(numels)
         b.sizes = split_elems(sum(numels), [weights[r] for r in b.line])
         b.me = b.line.index(self.rank)
         offsets = block_starts(b.sizes)
@@ -183,14 +200,13 @@ class ZeroSync:
 
     def _master_values(self, b: _Bucket) -> Any:
         """segment -> its fp32 values from the parameters, for pieces kept as master copies (None where
-        a piece is a view of the parameter). Collective over the line for a mixed bucket: masters of
+        a piece is a view of the parameter). Collective over the line for a mixed group: masters of
         elements this rank may not hold are the full values, summed from the first holder's ranks."""
         if b.mixed:
             full = torch.cat([self._to_layout(b, i, p.detach().float(), first_holder_only=True).reshape(-1)
                               for i, (_, p, _) in enumerate(b.params)])
             self.comm.all_reduce(full, group=b.line)
-            starts = block_starts([int(torch.Size(x).numel()) for x in b.shapes])
-            return lambda s: full[starts[s.param] + s.start:starts[s.param] + s.stop]
+            return lambda s: full[b.first[s.param] + s.start:b.first[s.param] + s.stop]
         if self.sharded_masters:
             return lambda s: b.params[s.param][1].detach().reshape(-1)[s.start:s.stop].float()
         return None
@@ -206,31 +222,68 @@ class ZeroSync:
                     t.copy_(values(s))
 
     # ---- the step ---------------------------------------------------------------------------------
+    def _launch(self, bb: Bucket) -> None:
+        """Reduce each piece of a ready bucket onto its owner (module doc, step 1)."""
+        zb, at = self._where[bb.index]
+        if len(zb.line) <= 1:
+            return
+        bb.extra["start"] = self.timer.mark()
+        if zb.mixed:
+            src = self._full_size(zb, bb, at)
+            bb.extra["full"] = src
+        else:
+            src = self.buffer.data[bb.lo:bb.hi]
+        works = []
+        for j, (off, size) in enumerate(zip(block_starts(zb.sizes), zb.sizes, strict=True)):
+            lo, hi = max(at, off), min(at + bb.layout_numel, off + size)
+            if lo < hi:
+                works.append(self.comm.start_reduce(src[lo - at:hi - at], group=zb.line, dst=zb.line[j]))
+        bb.extra["works"] = works
+
+    def _full_size(self, zb: _Bucket, bb: Bucket, at: int) -> torch.Tensor:
+        """A mixed bucket's contribution in the group's full-size layout."""
+        full = torch.empty(bb.layout_numel, dtype=torch.float32, device=self.device)
+        for k, g in zip(bb.params, self.buffer.bucket_grads(bb), strict=True):
+            i = self._group_index[self.buffer.names[k]]
+            lo = zb.first[i] - at
+            full[lo:lo + int(torch.Size(zb.shapes[i]).numel())] = self._to_layout(zb, i, g).reshape(-1)
+        return full
+
+    def flush(self) -> None:
+        """Start the reductions the backward did not (call once the rank's last backward is done,
+        before any other collective)."""
+        self.buffer.flush()
+
     def sync(self, *, global_samples: int) -> None:
-        """Reduce-scatter every bucket's gradients to their owners (as the mean over the global batch)."""
-        for b in self.buckets:
-            grads = [self._to_layout(b, i, self._grad(p)).reshape(-1) for i, (_, p, _) in enumerate(b.params)]
-            pad = b.pad
-            buf = torch.zeros(pad * len(b.line), dtype=torch.float32, device=self.device)
-            for s in b.segs:
-                buf[s.member * pad + s.pos:s.member * pad + s.pos + s.stop - s.start] = grads[s.param][s.start:s.stop]
-            del grads
-            mine = self.comm.reduce_scatter(buf, group=b.line, sizes=b.sizes)[:b.sizes[b.me]]
-            mine.div_(float(global_samples))
-            for s, t in b.pieces:
-                t.grad = mine[s.pos:s.pos + s.stop - s.start]
-        self._drop_model_grads()  # owners keep their slices' gradients only
+        """Finish every bucket's reductions (in bucket order); each owner's slice, divided by the global
+        sample count, becomes its pieces' gradients."""
+        self.flush()
+        fulls: dict[int, tuple[torch.Tensor, int]] = {}
+        for bb in self.buffer.buckets:
+            works = bb.extra.pop("works", None)
+            if works is None:
+                continue
+            for w in works:
+                w.wait()
+            if "full" in bb.extra:
+                fulls[bb.index] = (bb.extra.pop("full"), self._where[bb.index][1])
+            self.reductions.append((bb.index, bb.extra.pop("start"), self.timer.mark()))
+        for zb in self.buckets:
+            for seg, t in zb.pieces:
+                t.grad = self._reduced(zb, seg, fulls)
+        grads = [t.grad for _, t, _ in self.pieces if t.grad is not None and t.numel()]
+        if grads:
+            torch._foreach_div_(grads, float(global_samples))
 
-    def _grad(self, p: nn.Parameter) -> torch.Tensor:
-        """The parameter's gradient summed over this step's micro-batches, fp32 (zeros if it got none)."""
-        g = p.main_grad if self.sharded_masters else p.grad  # type: ignore[attr-defined]
-        return torch.zeros(p.shape, dtype=torch.float32, device=p.device) if g is None else g
-
-    def _drop_model_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
-            if self.sharded_masters:
-                p.main_grad = None  # type: ignore[attr-defined]
+    def _reduced(self, zb: _Bucket, seg: _Seg, fulls: dict[int, tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """An owned segment's reduced gradient: a view of the buffer (same-TP) or of its bucket's
+        full-size tensor (mixed)."""
+        k = self.buffer_index[zb.params[seg.param][0]]
+        if not zb.mixed:
+            return self.buffer.views[k].reshape(-1)[seg.start:seg.stop]
+        full, at = fulls[self.buffer.bucket_of[k]]
+        lo = zb.first[seg.param] + seg.start - at
+        return full[lo:lo + seg.stop - seg.start]
 
     def global_norm(self) -> torch.Tensor:
         """The global gradient norm from every owner's slice (each element once), identical on every rank."""
@@ -248,7 +301,7 @@ class ZeroSync:
                 torch._foreach_div_(grads, float(scale))
 
     def after_step(self) -> None:
-        """All-gather every bucket's updated slices into every member's parameters."""
+        """All-gather every group's updated slices into every member's parameters."""
         self.steps += 1
         with torch.no_grad():
             for b in self.buckets:
@@ -271,7 +324,7 @@ class ZeroSync:
             put(b, i, f.view(b.shapes[i]))
 
     def zero(self) -> None:
-        self._drop_model_grads()
+        self.buffer.reset()
         for _, t, _ in self.pieces:
             t.grad = None
 
@@ -319,7 +372,7 @@ class ZeroSync:
                 if b.mixed or self.sharded_masters:
                     t.copy_(self._piece_of(b, s, full[name]["param"], shard))
                 if "exp_avg" in full[name]:
-                    optimizer.state[t] = {"step": torch.tensor(float(steps)),
+                    optimizer.state[t] = {"step": torch.tensor(float(steps), device=t.device),
                                           **{k: self._piece_of(b, s, full[name][k], shard).clone() for k in _MOMENTS}}
 
     def _piece_of(self, b: _Bucket, s: _Seg, x: torch.Tensor, shard: Any) -> torch.Tensor:
@@ -327,16 +380,3 @@ class ZeroSync:
         local = x if b.mixed else shard(x, b.params[s.param][0])
         return local.reshape(-1)[s.start:s.stop].to(self.device)
 
-
-def _to_main_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
-    """Tensor hook of a 16-bit parameter: add this gradient to the fp32 ``main_grad`` (the sum over
-    micro-batches stays fp32, as with fp32 parameters under autocast)."""
-    if p.main_grad is None:  # type: ignore[attr-defined]
-        p.main_grad = grad.float() if grad.dtype != torch.float32 else grad.clone()  # type: ignore[attr-defined]
-    else:
-        p.main_grad.add_(grad)  # type: ignore[attr-defined]
-
-
-def _drop_grad(p: torch.Tensor) -> None:
-    """The 16-bit gradient, already in ``main_grad``, is not kept."""
-    p.grad = None

@@ -114,6 +114,8 @@ class StageCost:
         self.params_per_layer = stage_params(m, layers=1, embedding=False, head=False, tp=tp) - p0
         self.emb_params = stage_params(m, layers=0, embedding=True, head=False, tp=tp) - p0
         self.head_params = stage_params(m, layers=0, embedding=False, head=True, tp=tp) - p0
+        self.tied_matrix = self.emb_params + self.head_params - (
+            stage_params(m, layers=0, embedding=True, head=True, tp=tp) - p0)
         self.capacity_bytes = float("inf") if job.relax_memory else usable_bytes(kind, headroom=job.mem_headroom)
         self._max: dict[tuple[bool, bool, int, int], int] = {}
         self._forms: dict[tuple[bool, bool], tuple | bool] = {}
@@ -129,8 +131,10 @@ class StageCost:
         return layers * self.update_per_layer_s + emb * self.emb_update_s + head * self.head_update_s
 
     def params(self, layers: int, *, emb: bool, head: bool) -> float:
-        """Parameters on one device of the stage."""
-        return layers * self.params_per_layer + emb * self.emb_params + head * self.head_params
+        """Parameters on one device of the stage (``stage_params``: a tied head beside the embedding
+        shares its matrix)."""
+        shared = self.tied_matrix if emb and head else 0.0
+        return layers * self.params_per_layer + emb * self.emb_params + head * self.head_params - shared
 
     def work(self, *, emb: bool, head: bool) -> Affine:
         """Forward + backward time of one micro-batch as a function of the layer count."""

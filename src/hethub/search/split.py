@@ -277,7 +277,7 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
         fwd.append(k * sm.fwd_per_layer_s + emb * sm.emb_fwd_s + head * sm.head_fwd_s)
         bwd.append(k * sm.bwd_per_layer_s + emb * sm.emb_bwd_s + head * sm.head_bwd_s)
         upd.append(k * sm.update_per_layer_s + emb * sm.emb_update_s + head * sm.head_update_s)
-        params.append(k * sm.params_per_layer + emb * sm.emb_params + head * sm.head_params)
+        params.append(sm.params(k, emb=emb, head=head))
     job = models[0].job
     act = mbs * job.seq_len * model.hidden_size * act_bytes_for(job.precision)
     numel = mbs * job.seq_len * model.hidden_size

@@ -17,6 +17,7 @@ from hethub.predict.memory.model import (
     PHASES,
     STATE_BYTES_PER_PARAM,
     StageMemory,
+    layer_elems,
     sharded_memory,
     stage_memory,
     stage_params,
@@ -30,9 +31,23 @@ from hethub.spec.model import ModelSpec
 RUNTIME_VOCAB_PARALLEL = True
 
 __all__ = [
-    "DEFAULT_MEM_HEADROOM", "PARTS", "PHASES", "RUNTIME_VOCAB_PARALLEL", "STATE_BYTES_PER_PARAM", "StageMemory",
-    "act_bytes_for", "check_headroom", "describe_peak", "over_capacity_message",
-    "runtime_vocab_parallel", "sharded_memory", "stage_memory", "stage_params", "state_bytes_per_param", "usable_bytes",
+    "DEFAULT_MEM_HEADROOM",
+    "PARTS",
+    "PHASES",
+    "RUNTIME_VOCAB_PARALLEL",
+    "STATE_BYTES_PER_PARAM",
+    "StageMemory",
+    "act_bytes_for",
+    "check_headroom",
+    "describe_peak",
+    "layer_elems",
+    "over_capacity_message",
+    "runtime_vocab_parallel",
+    "sharded_memory",
+    "stage_memory",
+    "stage_params",
+    "state_bytes_per_param",
+    "usable_bytes",
 ]
 
 

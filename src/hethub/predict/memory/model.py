@@ -57,18 +57,30 @@ def state_bytes_per_param(precision: str) -> dict[str, int]:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(STATE_BYTES_PER_PARAM)}") from None
 
 
+def layer_elems(model: ModelSpec, *, tp: int) -> int:
+    """Elements of one decoder layer's parameters on one rank of a TP-``tp`` stage, as the runtime holds
+    them: column-parallel weights and biases (wq, wk, wv, w1, w3) and row-parallel weights (wo, w2)
+    split, norms and row-parallel biases replicated."""
+    h, kv, f = model.hidden_size, model.kv_dim, model.ffn_hidden_size
+    norms = 2 * h if model.arch == "llama" else 4 * h
+    column_bias = (h + 2 * kv + f) if model.has_bias else (h + 2 * kv) if model.qkv_bias else 0
+    row_bias = 2 * h if model.has_bias else 0
+    return model.layer_matmul_params // tp + norms + column_bias // tp + row_bias
+
+
 def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int,
                  vocab_parallel: bool = True) -> float:
     """Parameters held by one device of a stage (TP splits matmuls, and embedding and head by
-    vocabulary where ``vocab_parallel``; otherwise those are replicated)."""
+    vocabulary where ``vocab_parallel``; otherwise those are replicated). A tied head on the stage
+    that holds the embedding uses the embedding's matrix: counted once."""
     h = model.hidden_size
-    per_layer = model.layer_matmul_params / tp + (model.layer_params - model.layer_matmul_params)
+    per_layer = layer_elems(model, tp=tp)
     n = layers * per_layer
     vtp = tp if vocab_parallel else 1
     if embedding:
         n += model.vocab_size * h / vtp + (model.embedding_params - model.vocab_size * h)
     if head:
-        n += model.head_params / vtp + model.final_norm_params
+        n += model.final_norm_params + (0 if embedding and model.tied_embeddings else model.head_params / vtp)
     return n
 
 
