@@ -112,7 +112,7 @@ def test_parts_add_up_to_the_peak(kind):
 
 def test_the_binding_moment_sets_the_transient_part():
     # A thin stage with a small micro-batch peaks in the optimizer step (foreach AdamW's scratch) or in
-    # the gradient sync (the flat copy), not in forward/backward.
+    # the gradient sync (full-size buckets of holders with another TP degree), not in forward/backward.
     k = catalog()["a100-80gb"]
     kw = dict(layers=2, embedding=False, head=False, tp=1, mbs=1, seq_len=16, recompute=True, precision="fp32",
               in_flight=1, kind=k)
@@ -120,7 +120,9 @@ def test_the_binding_moment_sets_the_transient_part():
     assert alone.peak_phase == "optimizer_step" and alone.parts["activations"] == 0
     synced = stage_memory(M, synced=True, mixed_sync=True, **{**kw, "tp": 2})
     assert synced.peak_phase == "grad_sync"
-    assert synced.parts["grad_sync_buffer"] == pytest.approx(4 * synced.grads_bytes)  # full-size twice, TP 2
+    assert synced.parts["grad_sync_buffer"] == pytest.approx(2 * synced.grads_bytes)  # full size, TP 2
+    # Holders of the same TP degree reduce in place in the gradient buffer: no transient.
+    assert stage_memory(M, synced=True, **{**kw, "tp": 2}).grad_sync_buffer_bytes == 0
 
 
 def test_math_attention_keeps_the_scores():
@@ -269,24 +271,29 @@ def test_a_sailor_plan_records_what_sailors_runs_used():
     assert all(s.attention == "math" and s.precision == "fp32" for s in predict(again).stages)
 
 
-def test_grad_sync_buffer_is_the_largest_group_with_the_same_holders():
+def test_grad_sync_buffer_is_the_full_size_of_the_groups_mixing_tp_degrees():
     from conftest import small_cluster, tiny_model
     from hethub.predict.memory import runtime_vocab_parallel
 
     model = tiny_model(layers=8)
     cluster = small_cluster(fast=4, slow=4)
-    whole = Pipeline(2, 2, (Stage("fast", (0,), (0, 8), embedding=True, head=True),))
+    # Replica 0: one TP-2 stage; replica 1: two TP-1 stages. Every group mixes TP degrees.
+    whole = Pipeline(2, 2, (Stage("fast", (0, 1), (0, 8), embedding=True, head=True),))
     split = Pipeline(2, 2, (Stage("slow", (4,), (0, 5), embedding=True), Stage("slow", (5,), (5, 8), head=True)))
     plan = Plan(model=model, cluster=cluster, global_batch=8, seq_len=32, pipelines=(whole, split),
                 precision="fp32").validate()
     stages = {(s.pipeline, s.stage): s.memory for s in predict(plan).stages}
 
-    def n(layers: int, emb: bool = False, head: bool = False) -> float:
-        return stage_params(model, layers=layers, embedding=emb, head=head, tp=1,
-                            vocab_parallel=runtime_vocab_parallel(model, 1))
+    def n(layers: int, emb: bool = False, head: bool = False, tp: int = 1) -> float:
+        return stage_params(model, layers=layers, embedding=emb, head=head, tp=tp,
+                            vocab_parallel=runtime_vocab_parallel(model, tp))
 
-    # The whole-model stage syncs layers 0-4 + embedding with one stage, layers 5-7 + head with the
-    # other: two buffers, the larger one at a time (runtime/data_parallel.py flattens per group).
-    assert stages[(0, 0)].grad_sync_buffer_bytes == 4 * max(n(5, emb=True), n(3, head=True))
+    # Both groups of the TP-2 stage are built at full size (x2) and in flight together.
+    assert stages[(0, 0)].grad_sync_buffer_bytes == 4 * 2 * n(8, emb=True, head=True, tp=2)
     assert stages[(1, 0)].grad_sync_buffer_bytes == 4 * n(5, emb=True)
     assert stages[(1, 1)].grad_sync_buffer_bytes == 4 * n(3, head=True)
+    # Same TP degree everywhere: the buckets are reduced in place in the gradient buffer.
+    same = Plan(model=model, cluster=cluster, global_batch=8, seq_len=32,
+                pipelines=(Pipeline(2, 2, (Stage("fast", (0,), (0, 8), embedding=True, head=True),)), split),
+                precision="fp32").validate()
+    assert all(s.memory.grad_sync_buffer_bytes == 0 for s in predict(same).stages)

@@ -204,10 +204,10 @@ def sync_shape(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
 
 
 def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
-    """Per stage: whether other replicas hold its parameters, and, of the groups the runtime flattens
-    into one all-reduce buffer (units with the same holders, runtime/data_parallel.py), whether the
-    largest one on this stage mixes TP degrees (full-size gradients are built first) and its
-    parameters on one device."""
+    """Per stage: whether other replicas hold its parameters, whether any of its sync groups (units
+    with the same holders, runtime/data_parallel.py) mixes TP degrees, and the parameters on one
+    device of those mixed groups (their full-size buckets are built for the reduction, all in flight
+    at once; other groups are reduced in place in the gradient buffer)."""
     model = plan.model
     # Layers between consecutive stage boundaries (of any pipeline) have the same holders: one
     # "segment" per such run, so the work is segments x pipelines, not layers x pipelines.
@@ -252,7 +252,6 @@ def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]
         if not synced:
             out[sid] = (False, False, 0.0)
             continue
-        tp = plan.pipelines[sid[0]].stages[sid[1]].tp
-        n, mixed = max(synced, key=lambda g: g[0] * (2 * tp if g[1] and tp > 1 else 1))
-        out[sid] = (True, mixed, n)
+        mixed = [n for n, m in synced if m]
+        out[sid] = (True, bool(mixed), float(sum(mixed)))
     return out

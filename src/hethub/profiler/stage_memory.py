@@ -81,7 +81,7 @@ class RankMemory:
     grads_bytes: int
     optimizer_bytes: int
     activations_peak_bytes: int  # saved tensors held at once, over the schedule
-    grad_sync_buffer_bytes: int  # the largest gradient all-reduce buffer
+    grad_sync_buffer_bytes: int  # gradient-reduction buffers beside the gradient buffer, all in flight at once
     weight_copies_bytes: int = 0  # parameters' compute-dtype copies saved at once (mixed precision)
 
 
@@ -90,9 +90,11 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
     """Train ``steps`` steps of ``plan`` as rank ``rank`` (the runtime's Trainer, on CPU) and account
     each part: parameters, gradients (after backward), AdamW state (after the step), the saved
     tensors autograd holds at once during forward/backward (live tracking through the real schedule),
-    the parameters' cast copies among them, and the largest float buffer the gradient sync
-    all-reduces. ``precision``: train every rank in it (CPU autocast); None: the plan's CPU precision
-    (fp32). Call on every rank of an initialised process group (``hethub.comm.local_ranks.run_local_ranks``)."""
+    the parameters' cast copies among them, and the float buffers the gradient sync reduces beside
+    its gradient buffer (buckets reduced in place count nothing; they are all started before the
+    sync waits, so they add up). ``precision``: train every rank in it (CPU autocast); None: the
+    plan's CPU precision (fp32). Call on every rank of an initialised process group
+    (``hethub.comm.local_ranks.run_local_ranks``)."""
     from hethub.profiler.tensor_memory import LiveSavedTensors
     from hethub.runtime.trainer import Trainer, TrainerConfig
 
@@ -103,15 +105,25 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
     sync_max = [0]
     sync = trainer.grad_sync
     inner = sync.comm
+    own = sync.buffer.data.untyped_storage().data_ptr()
+    step_bytes: dict[int, int] = {}  # storage -> bytes, of this step's reductions
 
-    class _Recording:  # sees what GradSync all-reduces, forwards everything
+    class _Recording:  # sees what the gradient sync reduces, forwards everything
         def __getattr__(self, name: str) -> Any:
             return getattr(inner, name)
 
-        def all_reduce(self, tensor: torch.Tensor, **kw: Any) -> Any:
-            if tensor.is_floating_point():
-                sync_max[0] = max(sync_max[0], tensor.untyped_storage().nbytes())
-            return inner.all_reduce(tensor, **kw)
+        def _see(self, tensor: torch.Tensor) -> None:
+            storage = tensor.untyped_storage()
+            if tensor.is_floating_point() and storage.data_ptr() != own:
+                step_bytes[storage.data_ptr()] = storage.nbytes()
+
+        def start_all_reduce(self, tensor: torch.Tensor, **kw: Any) -> Any:
+            self._see(tensor)
+            return inner.start_all_reduce(tensor, **kw)
+
+        def start_reduce(self, tensor: torch.Tensor, **kw: Any) -> Any:
+            self._see(tensor)
+            return inner.start_reduce(tensor, **kw)
 
     sync.comm = _Recording()
     g = torch.Generator().manual_seed(seed)
@@ -122,6 +134,8 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
             trainer.forward_backward(batch)
         grads = max(grads, training_state_bytes(trainer.model).grads_bytes)
         trainer.sync_grads()
+        sync_max[0] = max(sync_max[0], sum(step_bytes.values()))
+        step_bytes.clear()
         trainer.clip_and_update()
     state = training_state_bytes(trainer.model, trainer.optimizer)
     st = trainer.place.stage

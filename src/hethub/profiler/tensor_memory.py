@@ -51,7 +51,8 @@ class StateBytes:
 def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateBytes:
     """Parameters, gradients (where allocated) and per-parameter optimizer state of ``model``."""
     params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
+    # Gradients: .grad, and the fp32 main grads a 16-bit parameter accumulates into (runtime/grad_buffer.py).
+    grads = [g for p in params for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
     opt: list[torch.Tensor] = []
     if optimizer is not None:
         # The optimizer's own tensors: the model's parameters, or a sharded run's owned pieces (runtime/zero.py).

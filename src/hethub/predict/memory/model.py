@@ -8,9 +8,10 @@ state that persists across steps (weights, master copies, gradients, optimizer s
   top (the loss's logits and their fp32 gradients at the head; one layer's recomputed activations
   under full recomputation; under selective recomputation one layer's re-run attention core on top
   of its gradients; one layer's gradients otherwise);
-* gradient sync: hethub's runtime flattens each group's gradients into one buffer for the all-reduce
-  (``runtime/data_parallel.py``: ``torch.cat``), a full copy of the stage's gradients; holders of
-  different TP degrees first build full-size gradients (zeros elsewhere), a second full-size copy;
+* gradient sync: the gradients already lie in one contiguous buffer, which buckets reduce in place
+  (``runtime/grad_buffer.py``): nothing more, except for groups whose holders differ in TP degree,
+  whose buckets are built at full size (zeros outside this rank's shard) for the reduction, all of
+  them in flight at once until the sync waits;
 * optimizer step: AdamW's multi-tensor (foreach) path on GPUs allocates the square-root denominator
   for every parameter at once (4 bytes per fp32 parameter); on CPU it runs tensor by tensor.
 
@@ -187,10 +188,10 @@ def stage_memory(
     ``in_flight``: micro-batches whose activations the stage holds at its peak under the schedule.
     ``kind``: supplies the framework reserve, fragmentation and whether the optimizer step runs
     multi-tensor (accelerators) or tensor by tensor (CPU); None counts none of them (bare tensors).
-    ``synced``: the stage's gradients are all-reduced with other holders (a flat copy is made);
-    ``mixed_sync``: some holder has another TP degree (full-size gradients are built first).
-    ``sync_bucket_params``: parameters (on this device) of the largest group synced as one buffer;
-    None: all of the stage's (its parameters all have the same holders).
+    ``synced``: the stage's gradients are reduced with other holders; ``mixed_sync``: some group's
+    holders differ in TP degree (its buckets are built at full size for the reduction).
+    ``sync_bucket_params``: parameters (on this device) of those mixed groups; None: all of the
+    stage's.
     ``communicators``: collective-library communicators this device joins (each holds buffers).
     """
     recompute = Recompute.of(recompute)
@@ -224,9 +225,9 @@ def stage_memory(
         work = max(work, tokens * act.head_transient_bytes_per_token(model, vocab_tp=vtp, precision=precision))
     grads = params * per["grads"]
     sync = 0.0
-    if synced:
+    if synced and mixed_sync:  # full-size buckets of the groups mixing TP degrees (same-TP ones: in place)
         bucket = params if sync_bucket_params is None else sync_bucket_params
-        sync = bucket * per["grads"] * (2 * tp if mixed_sync and tp > 1 else 1)
+        sync = bucket * per["grads"] * tp
     gpu_like = kind is not None and kind.device_type != "cpu"
     if gpu_like:
         step_tmp = params * 4  # foreach AdamW: sqrt(exp_avg_sq) for every fp32 parameter at once
