@@ -43,7 +43,7 @@ from hethub.predict.plan_costs import PlanCosts, StageStepCost
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems
-from hethub.predict.sync import SyncResult, simulate_sync, sync_groups, world_collectives
+from hethub.predict.sync import SyncResult, exposed_sync_groups, simulate_sync, sync_groups, world_collectives
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.schedules import DEFAULT_P2P, Schedule, get_schedule
 from hethub.schedules.simulate import StageSchedule
@@ -178,6 +178,9 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     world = list(world_collectives(plan))
     if host is not None:
         groups, world = host.price_collectives(groups), host.price_collectives(world)
+    else:  # only what the buckets leave after the last backward (an emulation host replays the rest itself)
+        backward = {(pi, si): cost.bwd_s for pi, si, cost, _, _, _ in partial}
+        groups = exposed_sync_groups(plan, groups, backward_s=backward)
     sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline and host is None, groups=groups,
                          world=world)
     stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync,
@@ -262,7 +265,10 @@ def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCo
     costs = PlanCosts(plan, profiles) if costs is None else costs
     updates = [[costs.of_stage(s, mbs=p.micro_batch_size).times.update_s for s in p.stages] for p in plan.pipelines]
     zeros = [[0.0] * len(p.stages) for p in plan.pipelines]
-    tail = simulate_sync(plan, finish_s=zeros, update_s=updates, groups=sync_groups(plan),
+    backward = {(pi, si): costs.of_stage(s, mbs=p.micro_batch_size).bwd_s
+                for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+    tail = simulate_sync(plan, finish_s=zeros, update_s=updates,
+                         groups=exposed_sync_groups(plan, sync_groups(plan), backward_s=backward),
                          world=list(world_collectives(plan))).step_time_s
     return tail * (1 - 1e-12)  # the sync adds the same times to the finish in another order (rounding)
 

@@ -46,20 +46,38 @@ all-gather is counted in the group's sync slot (it runs after the update in the 
 update's own waiting is not modelled), and slices are those of ``predict/sharding.py`` with the
 holder stages as the members (mixed TP degrees costed as lined up, as for all-reduces).
 
-Approximations: gradient sync does not overlap the backward (the runtime syncs after the last
-backward, as DeepSpeed's pipeline engine does; DDP-style buckets that start during the backward
-would make this an overestimate); mismatched TP shard layouts among holders are costed as if they
-lined up; a NIC is shared only among one group's rings, not with another stage's sync that
-happens to run on the same node at the same time.
+Overlap (:func:`exposed_sync_groups`): the runtime reduces gradients in buckets of ~40M elements
+(``runtime/grad_buffer.py``), each started as soon as its parameters' gradients are final in the
+last micro-batch's backward, in reverse layer order, one after another per rank. Only what is left
+after the backward counts: a group's buckets become ready through its holders' last backward (the
+backward taken as proportional to the parameters it has passed, units in reverse forward order), run
+back to back on each holder from then, and the group is priced by the part of its buckets' time
+after the backward's end (every holder's end taken as the same instant, as the loss barrier makes
+it). Each bucket is its own all-reduce (its latency counts). ZeRO-1 groups are priced whole: their
+all-gather follows the update.
+
+Approximations: mismatched TP shard layouts among holders are costed as if they lined up; a NIC is
+shared only among one group's rings, not with another stage's sync that happens to run on the same
+node at the same time; the overlap above is an estimate (a backward is not uniform over its
+parameters, and the collective shares the device with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from hethub.islands import Exchange, exchange, island_of_kind
-from hethub.layout import split_elems, stage_places, unit_holders, unit_param_prefix
+from hethub.layout import (
+    DEFAULT_BUCKET_ELEMS,
+    split_elems,
+    stage_places,
+    stage_units,
+    unit_holders,
+    unit_param_prefix,
+    unit_position,
+)
 from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.comm import (
@@ -69,6 +87,7 @@ from hethub.predict.comm import (
     slowest_link,
     small_allreduce_time_s,
 )
+from hethub.predict.sharding import unit_elems
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
@@ -245,6 +264,60 @@ def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str]) -> list[Sy
         out.append(SyncGroup(", ".join(g.name for g in gs), hs, nbytes, gs[0].link,
                              allreduce_time_s(nbytes=nbytes, participants=len(hs), link=gs[0].link)))
     return out
+
+
+def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
+                        bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> list[SyncGroup]:
+    """``groups`` (:func:`sync_groups`, unsharded) with each one's time cut to the part of its bucketed
+    reduction left after its holders' last backward (module doc: Overlap). ``backward_s``: each
+    stage's backward of one micro-batch (its last one overlaps the buckets)."""
+    model = plan.model
+    if plan.sharded_optimizer:
+        return list(groups)
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
+    units_of: dict[tuple[StageId, ...], list[str]] = {}
+    for u, hs in unit_holders(plan, tuple(places.values())).items():
+        units_of.setdefault(tuple((st.pipeline, st.stage) for st in hs), []).append(u)
+    spans: dict[StageId, dict[str, tuple[float, float]]] = {}
+
+    def span(x: StageId) -> dict[str, tuple[float, float]]:
+        """Each unit of stage x: the fractions of its backward done when the unit starts and ends."""
+        if x not in spans:
+            st = places[x]
+            us = sorted(stage_units(st, tied=model.tied_embeddings, learned_pos=model.arch == "gpt"),
+                        key=lambda u: -unit_position(u, num_layers=model.num_layers))
+            sizes = [unit_elems(model, u, tp=st.tp) for u in us]
+            total, acc, out = float(sum(sizes)) or 1.0, 0.0, {}
+            for u, n in zip(us, sizes, strict=True):
+                out[u] = (acc / total, (acc + n) / total)
+                acc += n
+            spans[x] = out
+        return spans[x]
+
+    buckets = []  # (order key, group, holders, ready time per holder relative to the backward's end, duration)
+    for gi, g in enumerate(groups):
+        us = units_of.get(g.holders)
+        if g.time_s <= 0 or g.participants <= 1 or not us:
+            continue
+        n = max(1, math.ceil(g.nbytes / grad_bytes / bucket_elems))
+        d = allreduce_time_s(nbytes=g.nbytes / n, participants=g.participants, link=g.link)
+        first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
+        for k in range(n):
+            ready = {}
+            for x in g.holders:
+                a, c = min(span(x)[u][0] for u in us), max(span(x)[u][1] for u in us)
+                ready[x] = -backward_s[x] * (1.0 - (a + (c - a) * (k + 1) / n))
+            buckets.append(((first, g.name, k), gi, g.holders, ready, d))
+    buckets.sort(key=lambda b: b[0])
+    cursor: dict[StageId, float] = {}
+    exposed = dict.fromkeys({b[1] for b in buckets}, 0.0)
+    for _, gi, hs, ready, d in buckets:
+        start = max(max(ready[x], cursor.get(x, -math.inf)) for x in hs)
+        for x in hs:
+            cursor[x] = start + d
+        exposed[gi] += max(0.0, start + d) - max(0.0, start)
+    return [replace(g, time_s=exposed[gi]) if gi in exposed else g for gi, g in enumerate(groups)]
 
 
 def world_collectives(plan: Plan) -> tuple[SyncGroup, SyncGroup]:
