@@ -5,8 +5,8 @@ back to back, the part after the backward's end counted."""
 from __future__ import annotations
 
 import pytest
-from conftest import small_cluster, tiny_model
 
+from conftest import small_cluster, tiny_model
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.predictor import predict

@@ -85,7 +85,9 @@ def run(args: argparse.Namespace, *, plan_of: PlanOf) -> None:
                             total_steps=args.steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
         device = placement.device
         # Each rank trains in its kind's precision (runtime/precision.py: kind_precision).
-        cfg = TrainerConfig(optim=optim, seed=args.seed, device=str(device), trace=args.trace)
+        cfg = TrainerConfig(optim=optim, seed=args.seed, device=str(device), trace=args.trace,
+                            grad_bucket_elems=args.grad_bucket_elems,
+                            overlap_grad_reduce=not args.no_overlap_grad_reduce, compile=args.compile)
         trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
         extras = run_extras.setup(args, trainer)  # initial weights, data, evaluation, TensorBoard
         source = extras.source

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hethub.argtypes import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from hethub.errors import SpecError
+from hethub.layout import DEFAULT_BUCKET_ELEMS
 from hethub.runtime import train_config
 
 # (flag, argparse keywords). Order = the order of --help.
@@ -28,6 +29,15 @@ _TRAINING: list[tuple[str, dict]] = [
     ("--seed", {"type": int, "default": 0, "help": "parameter initialisation seed"}),
     ("--trace", {"action": "store_true",
                  "help": "log every micro-batch's forward/backward interval per rank (for the report's timeline)"}),
+    ("--grad-bucket-elems", {"type": positive_int, "default": DEFAULT_BUCKET_ELEMS, "metavar": "N",
+                             "help": "data-parallel gradient bucket size in elements (Megatron's default: 40M); "
+                                     "each bucket is reduced as soon as its gradients are final in the last backward"}),
+    ("--no-overlap-grad-reduce", {"action": "store_true",
+                                  "help": "start every gradient bucket's reduction after the whole backward instead "
+                                          "of inside it"}),
+    ("--compile", {"action": "store_true",
+                   "help": "torch.compile each decoder block (needs a C++ compiler on the host; the first steps "
+                           "pay the compilation)"}),
     ("--tokenizer", {"help": "a tokenizer.json (or a folder holding one), or a local Hugging Face tokenizer name "
                              "(default: bytes)"}),
     ("--timeout-s", {"type": positive_float, "default": 600.0,
