@@ -105,7 +105,11 @@ class GradBuffer:
         self.counts = [0] * len(self.params)
         self._next = 0  # the first bucket not launched yet
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._hook(i))
+            hook = self._hook(i)
+            p.register_post_accumulate_grad_hook(hook)
+            # ZB-H1's weight pass fuses an fp32 weight's GEMM into its main grad and calls this itself
+            # (runtime/weight_grad.py: Megatron's gradient-accumulation fusion).
+            p.grad_ready = hook  # type: ignore[attr-defined]
         self.reset()
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:

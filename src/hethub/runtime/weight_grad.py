@@ -9,7 +9,8 @@ the *detached* weight, so B's autograd never reaches the weight: its backward co
 :func:`deferring`, queues dA and the bias gradient; :meth:`Deferred.run` (W) computes them and hands
 them to ``.grad`` (in place, fused with the GEMM) or, for parameters with hooks, through autograd's
 own accumulation, so every tensor and post-accumulate hook sees them exactly as in a whole backward
-(ZeRO-1's fp32 ``main_grad`` relies on those hooks). Everything else (norms,
+(the gradient buffer's hooks rely on it; an fp32 weight in it gets the GEMM fused into its main
+grad, ``Deferred.run``). Everything else (norms,
 attention, the elementwise ops, the embedding) stays in B, as in the paper.
 
 Why not torch's own split (``torch.distributed.pipelining._backward``, retained graph plus one
@@ -69,17 +70,26 @@ class Deferred:
         """Compute every queued weight gradient and accumulate it. A parameter without hooks gets it
         straight into ``.grad``, the GEMM accumulating in place where a gradient of its dtype is there
         (``addmm_``, Megatron's gradient-accumulation fusion: no product to allocate, which at hidden
-        256 made W ~1.5x slower); a parameter with tensor or post-accumulate hooks (ZeRO-1's fp32
-        ``main_grad``) gets it through autograd's own accumulation (one ``torch.autograd.backward``
-        on all of them), so the hooks see it as in a whole backward."""
+        256 made W ~1.5x slower). A weight in the gradient buffer (``runtime/grad_buffer.py``) whose
+        fp32 main grad has the GEMM's dtype gets the same fusion into its main grad, then tells the
+        buffer once (``grad_ready``) as its hook would. Any other parameter with tensor or
+        post-accumulate hooks (a 16-bit one's main grad) gets it through autograd's own accumulation
+        (one ``torch.autograd.backward`` on all of them), so the hooks see it as in a whole backward."""
         work, self.work = self.work, []
         hooked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        fused: dict[int, torch.Tensor] = {}
         for q in work:
             d2 = q.dyc.reshape(-1, q.dyc.shape[-1])
             x2 = q.xc.reshape(-1, q.xc.shape[-1])
             with torch.autocast(d2.device.type, enabled=False) if q.autocast else contextlib.nullcontext():
                 for p, is_weight in ((q.weight, True), (q.bias, False)):
                     if p is None or not p.requires_grad:
+                        continue
+                    main = getattr(p, "main_grad", None)
+                    if is_weight and main is not None and hasattr(p, "grad_ready") and main.dtype == d2.dtype:
+                        with torch.no_grad():  # a view of the buffer: no graph through it
+                            main.addmm_(d2.t(), x2)
+                        fused[id(p)] = p
                         continue
                     if not _has_hooks(p) and is_weight and p.grad is not None and p.grad.dtype == d2.dtype:
                         p.grad.addmm_(d2.t(), x2)
@@ -93,6 +103,8 @@ class Deferred:
                         continue
                     old = hooked.get(id(p))  # a tied head's two uses: one sum
                     hooked[id(p)] = (p, g if old is None else old[1] + g)
+        for p in fused.values():
+            p.grad_ready(p)  # type: ignore[attr-defined]
         if hooked:
             params, values = zip(*hooked.values(), strict=True)
             torch.autograd.backward(list(params), grad_tensors=list(values))

@@ -150,7 +150,7 @@ class ModelSpec:
         mixed precision: 16-bit weights (what a ZeRO-1 all-gather moves), fp32 gradients, fp32 master
         weights and two fp32 Adam moments; fp32: everything fp32. Gradients are 4 bytes in mixed
         precision too because that is what gets synced: hethub's runtime accumulates them in fp32
-        (``runtime/precision.py``'s fp32 parameters; ZeRO-1's fp32 ``main_grad``), as Megatron-LM does
+        (the fp32 main-grad buffer, ``runtime/grad_buffer.py``), as Megatron-LM does
         under bf16 (``accumulate_allreduce_grads_in_fp32``). What a device holds, part by part, is
         the memory model's (``hethub.predict.memory.STATE_BYTES_PER_PARAM``).
         """

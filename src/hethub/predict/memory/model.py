@@ -20,11 +20,11 @@ fraction more (fragmentation), and the process holds memory outside the allocato
 context and the collective library's buffers per communicator (``spec/catalog.toml``).
 
 Precision (Adam, bytes per parameter on this device): fp32 keeps fp32 weights (4), gradients (4) and
-two moments (8). bf16-mixed keeps bf16 compute copies of the weights (2, what autocast's weight cache
-holds in hethub's runtime), fp32 master weights (4, the module's parameters), fp32 gradients (4:
-gradients land on the fp32 parameters, as Megatron's default fp32 gradient accumulation) and two
-fp32 moments (8): 18 in all. Under ZeRO-1 (:func:`sharded_memory`) a mixed-precision device stores
-the parameters themselves in 16 bits (2) and keeps masters and moments for its owned slice only.
+two moments (8). bf16-mixed keeps the parameters in bf16 (2), fp32 master weights (4,
+``runtime/precision.MasterWeights``), fp32 gradients (4: the main-grad buffer,
+``runtime/grad_buffer.py``, as Megatron's fp32 gradient accumulation) and two fp32 moments (8): 18 in
+all. Under ZeRO-1 (:func:`sharded_memory`) a mixed-precision device keeps masters and moments for its
+owned slice only.
 """
 
 from __future__ import annotations
