@@ -10,12 +10,14 @@ bf16-mixed, every rank autocasting on the CPU), it runs the plan's ranks (forked
 processes, ``hethub.comm.local_ranks``) through the runtime's own Trainer for ``--steps`` steps and
 accounts, on each rank (``hethub.profiler.stage_memory.measure_rank_memory``):
 
-* weights, gradients and AdamW state: storage bytes of the module's parameters (in bf16-mixed plus
-  the peak of their bf16 copies the GEMMs hold, which the model counts as weights), their ``.grad``
-  after backward, and the optimizer's per-parameter tensors after the step;
+* weights, gradients and AdamW state: storage bytes of the module's parameters (in bf16-mixed: the
+  bf16 parameters, their fp32 masters, and the peak of any bf16 copies the GEMMs hold, which the
+  model counts as weights), the gradient buffer after backward, and the optimizer's per-parameter
+  tensors after the step;
 * activations: the tensors autograd holds for backward *at the same time*, followed from save to
   release through the real 1F1B/GPipe schedule (``saved_tensors_hooks``): the in-flight peak;
-* gradient-sync buffer: the largest float tensor the gradient sync all-reduces (the flat copy).
+* gradient-sync buffer: the float buffers the gradient sync reduces beside its gradient buffer
+  (full-size buckets where holders differ in TP degree; none otherwise).
 
 It prints, per rank, predicted / measured for each part and the relative error, then the largest
 error per part. Target: every part within 10%. CPU has no framework context, collective buffers or

@@ -14,6 +14,7 @@ from _harness import OPTIM, TIMEOUT, F, S, batches, make_plan, run_ranks
 
 from hethub.comm.factory import make_communicator
 from hethub.plan import Plan
+from hethub.predict.predictor import with_shard_weights
 from hethub.runtime.trainer import Trainer, TrainerConfig
 
 BUCKET_ELEMS = 4096  # several buckets per replica of the t6 model
@@ -36,7 +37,7 @@ def _plan(schedule: str, *, sharded: bool) -> Plan:
     # stage's weight gradients come in W.
     stages = [[(F, 1, 6)], [(S, 1, 6)]] if schedule == "1f1b" else [[(F, 1, 3), (F, 1, 3)], [(S, 1, 2), (S, 1, 4)]]
     plan = make_plan([(2, 3, stages[0]), (2, 1, stages[1])], schedule=schedule)
-    return replace(plan, optimizer_sharding="zero1").validate() if sharded else plan
+    return with_shard_weights(replace(plan, optimizer_sharding="zero1").validate()) if sharded else plan
 
 
 @pytest.mark.parametrize(("schedule", "sharded"), [("1f1b", False), ("zb-h1", False), ("1f1b", True)])

@@ -61,11 +61,12 @@ def test_plan_records_sharding_and_round_trips(plan: Plan) -> None:
 def test_plan_carries_the_split_and_its_headroom(plan: Plan) -> None:
     """A sharded plan carries its ranks' split weights and the headroom they were computed at
     (version 7); the predictor then splits by them whatever headroom it is asked to check."""
-    # Replica 1's first two stages split layers 0-6 otherwise than replica 0's, so holders of one
-    # layer differ in free memory, and by how much depends on the headroom.
+    # Replica 1's first two stages split their layers otherwise than replica 0's first stage, so holders
+    # of one layer differ in free memory, and by how much depends on the headroom.
     first, second = plan.pipelines
-    moved = (replace(second.stages[0], layers=(0, 4)), replace(second.stages[1], layers=(4, 7)))
-    assert first.stages[0].layers == (0, 3)
+    cut, end = first.stages[0].layers[1] + 1, second.stages[1].layers[1]
+    assert cut < end
+    moved = (replace(second.stages[0], layers=(0, cut)), replace(second.stages[1], layers=(cut, end)))
     shifted = replace(second, stages=moved + second.stages[2:])
     sharded = replace(plan, pipelines=(first, shifted), optimizer_sharding="zero1").validate()
     at_30 = with_shard_weights(sharded, mem_headroom=0.3)

@@ -18,7 +18,7 @@ import torch
 
 from hethub.plan import Plan
 from hethub.profiler.layers import tp_alone
-from hethub.profiler.tensor_memory import StateBytes, saved_for_backward, training_state_bytes
+from hethub.profiler.tensor_memory import StateBytes, saved_for_backward, storage_bytes, training_state_bytes
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.precision import autocast, compute_dtype
@@ -77,7 +77,7 @@ class RankMemory:
     rank: int
     pipeline: int
     stage: int
-    weights_bytes: int
+    weights_bytes: int  # the parameters and any separate fp32 masters (mixed precision)
     grads_bytes: int
     optimizer_bytes: int
     activations_peak_bytes: int  # saved tensors held at once, over the schedule
@@ -138,8 +138,14 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
         step_bytes.clear()
         trainer.clip_and_update()
     state = training_state_bytes(trainer.model, trainer.optimizer)
+    # fp32 master copies beside 16-bit parameters (runtime/precision.py; ZeRO-1's owned slices of them).
+    if trainer.zero is not None:
+        masters = trainer.zero.state_bytes(trainer.optimizer)[1]
+    else:
+        masters = storage_bytes(m for m, p in zip(trainer.masters.masters, trainer.masters.params, strict=True)
+                                if m is not p) if trainer.masters is not None else 0
     st = trainer.place.stage
-    return RankMemory(rank=rank, pipeline=st.pipeline, stage=st.stage, weights_bytes=state.weights_bytes,
+    return RankMemory(rank=rank, pipeline=st.pipeline, stage=st.stage, weights_bytes=state.weights_bytes + masters,
                       grads_bytes=grads, optimizer_bytes=state.optimizer_bytes,
                       activations_peak_bytes=tracker.peak_bytes, grad_sync_buffer_bytes=sync_max[0],
                       weight_copies_bytes=tracker.copy_peak_bytes)
