@@ -21,25 +21,63 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hethub.plan import Plan, Recompute
-from hethub.plan_parts import LayerChunks
+from hethub.plan_parts import LayerChunks, SeqGrid
 
 
 @dataclass(frozen=True)
-class StagePlace(LayerChunks):
+class StagePlace(LayerChunks, SeqGrid):
     pipeline: int
     stage: int
     num_stages: int
     kind: str
-    ranks: tuple[int, ...]  # torch ranks, TP rank order
+    ranks: tuple[int, ...]  # torch ranks, CP-major, TP rank order within each CP rank (SeqGrid)
     layers: tuple[int, int]  # with chunks: the first chunk's
     embedding: bool
     head: bool
     recompute: Recompute = Recompute.NONE
     chunks: tuple[tuple[int, int], ...] = ()  # layer ranges of the stage's model chunks (virtual stages)
+    cp: int = 1
+    sequence_parallel: bool = False
 
-    @property
-    def tp(self) -> int:
-        return len(self.ranks)
+    def _members(self) -> tuple[int, ...]:
+        return self.ranks
+
+
+@dataclass(frozen=True)
+class Hop:
+    """How one message between adjacent stages travels, from each sending rank to each receiving rank
+    of the same CP rank (receiver q's sender is TP rank q mod (sender's TP)).
+
+    ``piece``: ``whole`` (the receiver gets the whole tensor), ``flat`` (1/t of the flattened tensor,
+    slice q from sender q; Megatron's scatter-gather between equal TP degrees) or ``seq`` (the
+    receiver's own sequence slice: positions [q s/t, (q+1) s/t) of the CP-local sequence, t the
+    receiver's TP degree). ``source_gathers``: the sender, holding only its own sequence slice (a
+    sequence-parallel stage), first all-gathers the slices over its TP group. ``dest_gathers``: the
+    receiver all-gathers the pieces over its TP group on arrival (``flat`` or ``seq``)."""
+
+    piece: str = "whole"
+    source_gathers: bool = False
+    dest_gathers: bool = False
+    parts: int = 1  # ``seq``: the receiving stage's TP degree (how many slices the sequence is cut into)
+
+
+WHOLE = Hop()
+
+
+def hop(*, src_tp: int, src_sp: bool, dst_tp: int, dst_sp: bool, numel: int, flat: bool = True) -> Hop:
+    """How a tensor moves from a stage of TP degree ``src_tp`` to one of ``dst_tp``, each holding it
+    sequence-split over its TP ranks or not (``*_sp``): forward, the sender's output to the receiver's
+    input; backward, the receiver's input gradient back to the sender (the same rule, roles swapped).
+    Sequence slices travel as they are held (Korthikanti et al. 2022): a sequence-parallel receiver
+    gets only its slice, a sequence-parallel sender of the same TP degree sends its own; a
+    sequence-parallel sender facing another degree gathers first. Between two stages that replicate
+    it, ``split_hop`` (``flat``: allowed only where ``flat``; the wrap of virtual stages sends whole
+    tensors). The predictor prices each case from the same result (``predict/seq_parallel.py``)."""
+    if dst_sp:
+        return Hop("seq", source_gathers=src_sp and src_tp != dst_tp, parts=dst_tp)
+    if src_sp:
+        return Hop("seq", dest_gathers=True, parts=dst_tp) if src_tp == dst_tp else Hop("whole", source_gathers=True)
+    return Hop("flat", dest_gathers=True) if flat and split_hop(a=src_tp, b=dst_tp, numel=numel) else WHOLE
 
 
 @dataclass(frozen=True)
@@ -67,6 +105,26 @@ class RankPlace:
     wrap_send_to: tuple[int, ...] = ()  # last stage: ranks chunk c < v - 1 sends its output to
     wrap_grad_recv_from: int | None = None  # last stage: rank sending chunk c < v - 1 its output gradient
     wrap_grad_send_to: tuple[int, ...] = ()  # first stage: ranks chunk c > 0 sends its input gradient to
+    cp_rank: int = 0  # this rank's CP rank: it holds sequence positions seq_positions(.., cp, cp_rank)
+    # How each message this rank sends or receives travels (``hop``): the input from the previous
+    # stage, the output to the next, the output's gradient from the next, the input's gradient to the
+    # previous; and the wrap between the last and first stage (virtual stages), both directions.
+    hop_in: Hop = WHOLE
+    hop_out: Hop = WHOLE
+    hop_grad_in: Hop = WHOLE
+    hop_grad_out: Hop = WHOLE
+    wrap_hop: Hop = WHOLE  # the last stage's output to the first (from either end)
+    wrap_grad_hop: Hop = WHOLE  # its gradient back
+
+    @property
+    def tp_group(self) -> tuple[int, ...]:
+        """This rank's TP group (its CP rank's), in TP rank order."""
+        return self.stage.tp_group(self.cp_rank)
+
+    @property
+    def cp_group(self) -> tuple[int, ...]:
+        """This rank's CP ring: the stage's ranks of its TP rank, in CP rank order."""
+        return self.stage.cp_group(self.tp_rank)
 
     def fwd_peers(self, chunk: int) -> tuple[int | None, tuple[int, ...]]:
         """(rank chunk ``chunk``'s forward input comes from or None, ranks its output goes to)."""
@@ -253,12 +311,15 @@ class Topology:
         tps = {s.tp for s in holders}
         if len(tps) > 1:
             return GradGroup(ranks=tuple(sorted(r for s in holders for r in s.ranks)), mixed=True)
+        # Every CP rank of a holder is one more holder: it saw other positions of the same sequences
+        # (Megatron's data-parallel group with context parallelism).
         q = self.places[rank].tp_rank
-        return GradGroup(ranks=tuple(sorted(s.ranks[q] for s in holders)), mixed=False)
+        return GradGroup(ranks=tuple(sorted(r for s in holders for r in s.cp_group(q))), mixed=False)
 
     def owns(self, unit: str, rank: int) -> bool:
-        """True on the ranks of the unit's first holder stage: they count it in the gradient norm."""
-        return rank in self.unit_holders[unit][0].ranks
+        """True on the ranks of CP rank 0 of the unit's first holder stage: they count it in the
+        gradient norm (after the sync every CP rank has the same gradient)."""
+        return rank in self.unit_holders[unit][0].tp_group(0)
 
 
 def stage_places(plan: Plan) -> tuple[StagePlace, ...]:
@@ -266,7 +327,8 @@ def stage_places(plan: Plan) -> tuple[StagePlace, ...]:
     rank_of = plan.rank_of_device()
     return tuple(StagePlace(pipeline=pi, stage=si, num_stages=len(p.stages), kind=s.kind,
                             ranks=tuple(rank_of[d] for d in s.devices), layers=s.layers, embedding=s.embedding,
-                            head=s.head, recompute=s.recompute, chunks=s.chunks)
+                            head=s.head, recompute=s.recompute, chunks=s.chunks, cp=s.cp,
+                            sequence_parallel=s.sequence_parallel)
                  for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages))
 
 
@@ -293,30 +355,37 @@ def build_topology(plan: Plan) -> Topology:
     for pi, (p, sp) in enumerate(zip(plan.pipelines, by_pipeline, strict=True)):
         first, last = sp[0], sp[-1]
         wraps = first.num_chunks > 1
+        numel = p.micro_batch_size * plan.seq_len // first.cp * plan.model.hidden_size  # one CP rank's message
         for si, st in enumerate(sp):
             prev = sp[si - 1] if si > 0 else None
             nxt = sp[si + 1] if si + 1 < len(sp) else None
-            numel = p.micro_batch_size * plan.seq_len * plan.model.hidden_size
-            split_in = prev is not None and split_hop(a=prev.tp, b=st.tp, numel=numel)
-            split_out = nxt is not None and split_hop(a=st.tp, b=nxt.tp, numel=numel)
-            for q, r in enumerate(st.ranks):
-                wrap: dict[str, object] = {}
-                if wraps and si == 0:
-                    wrap.update(wrap_recv_from=last.ranks[fwd_source(a=last.tp, q=q)],
-                                wrap_grad_send_to=tuple(last.ranks[t] for t in bwd_targets(a=last.tp, b=st.tp, q=q)))
-                if wraps and si == len(sp) - 1:
-                    wrap.update(wrap_send_to=tuple(first.ranks[t] for t in fwd_targets(a=st.tp, b=first.tp, j=q)),
-                                wrap_grad_recv_from=first.ranks[bwd_source(b=first.tp, j=q)])
-                places[r] = RankPlace(
-                    split_in=split_in, split_out=split_out,
-                    rank=r, stage=st, tp_rank=q, micro_batch_size=p.micro_batch_size,
-                    num_micro_batches=p.num_micro_batches, sample_offset=offsets[pi],
-                    fwd_recv_from=prev.ranks[fwd_source(a=prev.tp, q=q)] if prev else None,
-                    fwd_send_to=tuple(nxt.ranks[t] for t in fwd_targets(a=st.tp, b=nxt.tp, j=q)) if nxt else (),
-                    bwd_recv_from=nxt.ranks[bwd_source(b=nxt.tp, j=q)] if nxt else None,
-                    bwd_send_to=tuple(prev.ranks[t] for t in bwd_targets(a=prev.tp, b=st.tp, q=q)) if prev else (),
-                    **wrap,  # type: ignore[arg-type]
-                )
+            hops = stage_hops(prev, st, nxt, numel=numel)
+            if wraps and si in (0, len(sp) - 1):
+                hops.update(wrap_hops(last, first, numel=numel))
+            # The CP ranks of adjacent stages hold the same positions (Plan.validate: one CP degree per
+            # pipeline), so each talks to its own: TP routing happens within CP rank c.
+            for c in range(st.cp):
+                pt, nt = (prev.tp_group(c) if prev else ()), (nxt.tp_group(c) if nxt else ())
+                for q, r in enumerate(st.tp_group(c)):
+                    wrap: dict[str, object] = {}
+                    if wraps and si == 0:
+                        lt = last.tp_group(c)
+                        wrap.update(wrap_recv_from=lt[fwd_source(a=last.tp, q=q)],
+                                    wrap_grad_send_to=tuple(lt[t] for t in bwd_targets(a=last.tp, b=st.tp, q=q)))
+                    if wraps and si == len(sp) - 1:
+                        ft = first.tp_group(c)
+                        wrap.update(wrap_send_to=tuple(ft[t] for t in fwd_targets(a=st.tp, b=first.tp, j=q)),
+                                    wrap_grad_recv_from=ft[bwd_source(b=first.tp, j=q)])
+                    places[r] = RankPlace(
+                        split_in=hops["hop_in"].piece == "flat", split_out=hops["hop_out"].piece == "flat",
+                        rank=r, stage=st, tp_rank=q, cp_rank=c, micro_batch_size=p.micro_batch_size,
+                        num_micro_batches=p.num_micro_batches, sample_offset=offsets[pi],
+                        fwd_recv_from=pt[fwd_source(a=prev.tp, q=q)] if prev else None,
+                        fwd_send_to=tuple(nt[t] for t in fwd_targets(a=st.tp, b=nxt.tp, j=q)) if nxt else (),
+                        bwd_recv_from=nt[bwd_source(b=nxt.tp, j=q)] if nxt else None,
+                        bwd_send_to=tuple(pt[t] for t in bwd_targets(a=prev.tp, b=st.tp, q=q)) if prev else (),
+                        **hops, **wrap,  # type: ignore[arg-type]
+                    )
     topo = Topology(world_size=plan.world_size, places=tuple(places[r] for r in range(plan.world_size)),
                     stages=stages, unit_holders=unit_holders(plan, stages), groups=(),
                     global_batch=plan.global_batch,
@@ -324,12 +393,51 @@ def build_topology(plan: Plan) -> Topology:
     return _with_groups(topo)
 
 
+def stage_hops(prev: StagePlace | None, st: StagePlace, nxt: StagePlace | None, *, numel: int) -> dict[str, Hop]:
+    """RankPlace's four hops of a stage between ``prev`` and ``nxt`` (``hop``; ``numel``: one CP rank's
+    micro-batch activation)."""
+    out = {"hop_in": WHOLE, "hop_out": WHOLE, "hop_grad_in": WHOLE, "hop_grad_out": WHOLE}
+    sp = st.sequence_parallel
+    if prev is not None:
+        out["hop_in"] = hop(src_tp=prev.tp, src_sp=prev.sequence_parallel, dst_tp=st.tp, dst_sp=sp, numel=numel)
+        out["hop_grad_out"] = hop(src_tp=st.tp, src_sp=sp, dst_tp=prev.tp, dst_sp=prev.sequence_parallel, numel=numel)
+    if nxt is not None:
+        out["hop_out"] = hop(src_tp=st.tp, src_sp=sp, dst_tp=nxt.tp, dst_sp=nxt.sequence_parallel, numel=numel)
+        out["hop_grad_in"] = hop(src_tp=nxt.tp, src_sp=nxt.sequence_parallel, dst_tp=st.tp, dst_sp=sp, numel=numel)
+    return out
+
+
+def wrap_hops(last: StagePlace, first: StagePlace, *, numel: int) -> dict[str, Hop]:
+    """The hops of the wrap from a pipeline's last stage to its first (virtual stages): never ``flat``."""
+    return {"wrap_hop": hop(src_tp=last.tp, src_sp=last.sequence_parallel, dst_tp=first.tp,
+                            dst_sp=first.sequence_parallel, numel=numel, flat=False),
+            "wrap_grad_hop": hop(src_tp=first.tp, src_sp=first.sequence_parallel, dst_tp=last.tp,
+                                 dst_sp=last.sequence_parallel, numel=numel, flat=False)}
+
+
+def seq_positions(seq_len: int, *, cp: int, cp_rank: int) -> tuple[tuple[int, int], ...]:
+    """The sequence positions [start, end) CP rank ``cp_rank`` of ``cp`` holds, in the order it holds
+    them: the sequence cut into 2cp equal chunks, rank c takes chunks c and 2cp-1-c, so under a causal
+    mask every rank has the same attention work (an early chunk sees few keys, its partner many).
+    One chunk pair, the whole sequence, for cp 1."""
+    if cp == 1:
+        return ((0, seq_len),)
+    n = seq_len // (2 * cp)
+    late = 2 * cp - 1 - cp_rank
+    return ((cp_rank * n, (cp_rank + 1) * n), (late * n, (late + 1) * n))
+
+
 def _with_groups(topo: Topology) -> Topology:
-    """TP groups first, then gradient-sync groups; singletons skipped (nothing to reduce)."""
+    """TP groups first, then CP rings, then gradient-sync groups; singletons skipped (nothing to reduce)."""
     seen: dict[tuple[int, ...], None] = {}
     for st in topo.stages:
         if st.tp > 1:
-            seen.setdefault(tuple(sorted(st.ranks)), None)
+            for c in range(st.cp):
+                seen.setdefault(tuple(sorted(st.tp_group(c))), None)
+    for st in topo.stages:
+        if st.cp > 1:
+            for q in range(st.tp):
+                seen.setdefault(tuple(sorted(st.cp_group(q))), None)
     for unit in topo.unit_holders:
         for st in topo.unit_holders[unit]:
             for r in st.ranks:

@@ -44,11 +44,14 @@ PLAN_FORMAT = "hethub-plan"
 # would recompute the split at its default memory headroom, and a rank could then hold more optimizer
 # state than predicted). Written only for sharded plans that carry it; sharded files without it still
 # load, and the training entry point computes it (hethub.train).
+# 8: a stage's "cp" (context parallelism: devices = tp x cp, CP-major) and "sequence_parallel"; an
+# older reader would take every device for TP. Written only for plans that use either.
 PLAN_VERSION = 4
 PLAN_VERSION_CHUNKS = 5
 PLAN_VERSION_P2P = 6
 PLAN_VERSION_SHARDS = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+PLAN_VERSION_SEQ = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 KIND_SETTINGS = ("precision", "attention")
 # Optimizer-state sharding across a parameter group's data-parallel holders (runtime/zero.py):
 # "zero1" shards the AdamW moments (ZeRO stage 1, Megatron's distributed optimizer). ZeRO-2 (sharded
@@ -84,6 +87,11 @@ class Plan:
     # The ZeRO-1 split's weights per rank and the headroom they were computed at (None: not computed;
     # the training entry point computes them). Written and read only for sharded plans.
     shard_weights: ShardWeights | None = None
+
+    @property
+    def splits_sequences(self) -> bool:
+        """Whether some stage uses context or sequence parallelism (plan version 8)."""
+        return any(s.cp > 1 or s.sequence_parallel for p in self.pipelines for s in p.stages)
 
     @property
     def sharded_optimizer(self) -> bool:
@@ -185,6 +193,7 @@ class Plan:
             for si, s in enumerate(p.stages):
                 sw = f"{where}.stages[{si}]"
                 _check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1)
+                _check_seq_split(s, sw, seq_len=self.seq_len, cp0=p.stages[0].cp)
                 for d in s.devices:
                     if d in used:
                         _fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",
@@ -204,7 +213,8 @@ class Plan:
         weights = self.shard_weights if self.sharded_optimizer else None
         return {
             "format": PLAN_FORMAT,
-            "version": (PLAN_VERSION_SHARDS if weights else PLAN_VERSION_P2P if self.p2p != DEFAULT_P2P else
+            "version": (PLAN_VERSION_SEQ if self.splits_sequences else
+                        PLAN_VERSION_SHARDS if weights else PLAN_VERSION_P2P if self.p2p != DEFAULT_P2P else
                         PLAN_VERSION_CHUNKS if any(p.virtual_stages > 1 for p in self.pipelines) else PLAN_VERSION),
             "strategy": self.strategy,
             "training": {"global_batch": self.global_batch, "seq_len": self.seq_len,
@@ -221,8 +231,9 @@ class Plan:
                     "num_micro_batches": p.num_micro_batches,
                     **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {}),
                     "stages": [
-                        {"kind": s.kind, "tp": s.tp, "devices": list(s.devices),
-                         "ranks": [rank[d] for d in s.devices],
+                        {"kind": s.kind, "tp": s.tp, **({"cp": s.cp} if s.cp > 1 else {}),
+                         **({"sequence_parallel": True} if s.sequence_parallel else {}),
+                         "devices": list(s.devices), "ranks": [rank[d] for d in s.devices],
                          **({"chunks": [list(r) for r in s.chunks]} if s.chunks else {"layers": list(s.layers)}),
                          "embedding": s.embedding, "head": s.head, "recompute": s.recompute.value}
                         for s in p.stages
@@ -332,6 +343,35 @@ def _check_layer_ranges(p: Pipeline, where: str, *, model: ModelSpec, schedule: 
               f"make the last {'chunk' if v > 1 else 'stage'}'s layers end at {model.num_layers}")
 
 
+def _check_seq_split(s: Stage, sw: str, *, seq_len: int, cp0: int) -> None:
+    """Context and sequence parallelism: a CP degree that divides the devices and the sequence into
+    2cp load-balanced chunks, equal on every stage of the pipeline (CP rank c of each stage holds the
+    same positions, so stage messages go CP rank to CP rank); SP only with TP > 1 and a CP-local
+    sequence the TP degree divides."""
+    if isinstance(s.cp, bool) or not isinstance(s.cp, int) or s.cp < 1:
+        _fail(f"{sw}.cp", f"is {s.cp!r}", "give the context-parallel degree, an integer >= 1")
+    if len(s.devices) % s.cp:
+        _fail(f"{sw}.cp", f"is {s.cp}, which does not divide the stage's {len(s.devices)} devices",
+              "list tp x cp devices (CP-major: CP rank c's TP group first, then the next)")
+    if s.cp != cp0:
+        _fail(f"{sw}.cp", f"is {s.cp} but the pipeline's first stage has cp {cp0}",
+              "give every stage of a pipeline the same CP degree (replicas may differ)")
+    if s.cp > 1 and seq_len % (2 * s.cp):
+        _fail(f"{sw}.cp", f"is {s.cp}, but seq_len {seq_len} does not split into 2 x cp = {2 * s.cp} equal chunks "
+              "(causal load balancing: CP rank c holds chunks c and 2cp-1-c)",
+              f"use a CP degree with seq_len divisible by 2 x cp, or a sequence length divisible by {2 * s.cp}")
+    if not isinstance(s.sequence_parallel, bool):
+        _fail(f"{sw}.sequence_parallel", f"is {s.sequence_parallel!r}", "write true or false")
+    if s.sequence_parallel and s.tp < 2:
+        _fail(f"{sw}.sequence_parallel", "is true on a stage with TP 1 (sequence parallelism splits what TP "
+              "replicates)", "give the stage TP > 1 or set it false")
+    local = seq_len // s.cp
+    if s.sequence_parallel and local % s.tp:
+        _fail(f"{sw}.sequence_parallel", f"is true, but the {local} tokens each CP rank holds do not split "
+              f"evenly over TP {s.tp}",
+              "use a sequence length (per CP rank) divisible by the TP degree, or set it false")
+
+
 def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first: bool, last: bool) -> None:
     if s.kind not in cluster.kinds:
         _fail(f"{sw}.kind", f"is {s.kind!r}, not a kind of cluster {cluster.name!r}",
@@ -345,8 +385,11 @@ def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first
         if cluster.devices[d].kind != s.kind:
             _fail(f"{sw}.devices", f"includes device {d} of kind {cluster.devices[d].kind!r}, not {s.kind!r}",
                   "use only devices of the stage's kind")
-    if len({cluster.devices[d].node for d in s.devices}) > 1:
-        _fail(f"{sw}.devices", "span several nodes", "keep a tensor-parallel group inside one node")
+    for c in range(s.cp):
+        if len({cluster.devices[d].node for d in s.tp_group(c)}) > 1:
+            where = f" (CP rank {c}'s TP group {list(s.tp_group(c))})" if s.cp > 1 else ""
+            _fail(f"{sw}.devices", f"span several nodes{where}", "keep a tensor-parallel group inside one node"
+                  + (" (devices are CP-major: CP rank c's TP group is devices[c*tp:(c+1)*tp])" if s.cp > 1 else ""))
     tp = s.tp
     if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
         _fail(f"{sw}.tp", f"is {tp}, which does not divide the model's heads ({model.num_heads}), KV heads "
@@ -430,13 +473,17 @@ def _pipeline_from_dict(p: Any, where: str) -> Pipeline:
             layers = chunks[0]
         else:
             layers = _layer_range(_get(s, "layers", sw, list), f"{sw}.layers")
-        if "tp" in s and s["tp"] != len(devices):
-            _fail(f"{sw}.tp", f"is {s['tp']!r} but the stage lists {len(devices)} devices",
-                  "a stage's TP degree equals its number of devices")
+        cp = _get(s, "cp", sw, int, default=1)
+        if cp < 1:
+            _fail(f"{sw}.cp", f"is {cp}", "give the context-parallel degree, an integer >= 1")
+        if "tp" in s and s["tp"] * cp != len(devices):
+            _fail(f"{sw}.tp", f"is {s['tp']!r} but the stage lists {len(devices)} devices for cp {cp}",
+                  "a stage's TP degree times its CP degree equals its number of devices")
         stages.append(Stage(kind=_get(s, "kind", sw, str), devices=tuple(devices), layers=layers,
                             embedding=_get(s, "embedding", sw, bool, default=False),
                             head=_get(s, "head", sw, bool, default=False),
-                            recompute=_recompute(s, sw), chunks=chunks))
+                            recompute=_recompute(s, sw), chunks=chunks, cp=cp,
+                            sequence_parallel=_get(s, "sequence_parallel", sw, bool, default=False)))
     pipe = Pipeline(micro_batch_size=_get(p, "micro_batch_size", where, int),
                     num_micro_batches=_get(p, "num_micro_batches", where, int), stages=tuple(stages))
     v = _get(p, "virtual_stages", where, int, default=1)

@@ -62,10 +62,35 @@ class LayerChunks:
         return sum(b - a for a, b in self.layer_ranges)
 
 
+class SeqGrid:
+    """A stage's grid of TP x CP members (the plan's Stage: device ids; the layout's StagePlace: torch
+    ranks), CP-major: CP rank c's TP group is members[c*tp:(c+1)*tp]. The one rule of where a member
+    sits, for the plan's validation, the layout's groups and the predictor's rings."""
+
+    cp: int
+
+    def _members(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def tp(self) -> int:
+        return len(self._members()) // max(1, self.cp)  # an invalid cp is refused by Plan.validate
+
+    def tp_group(self, cp_rank: int) -> tuple[int, ...]:
+        """The members of CP rank ``cp_rank``'s TP group, in TP rank order."""
+        t = self.tp
+        return self._members()[cp_rank * t:(cp_rank + 1) * t]
+
+    def cp_group(self, tp_rank: int) -> tuple[int, ...]:
+        """The members holding TP rank ``tp_rank`` of each CP rank (one ring of the stage's context
+        parallelism), in CP rank order."""
+        return self._members()[tp_rank::self.tp]
+
+
 @dataclass(frozen=True)
-class Stage(LayerChunks):
+class Stage(LayerChunks, SeqGrid):
     kind: str
-    devices: tuple[int, ...]  # cluster device ids; len == tp
+    devices: tuple[int, ...]  # cluster device ids; len == tp x cp, CP-major (SeqGrid)
     layers: tuple[int, int]  # decoder layers [start, end); with chunks: the first chunk's
     embedding: bool = False
     head: bool = False
@@ -80,10 +105,16 @@ class Stage(LayerChunks):
     # chunk, ``layers``. The embedding is on chunk 0 of the first stage, the head on the last chunk
     # of the last stage.
     chunks: tuple[tuple[int, int], ...] = ()
+    # Context parallelism (runtime/context_parallel.py): the stage's ranks split each sequence cp
+    # ways, CP rank c holding the load-balanced chunks c and 2cp-1-c of 2cp (layout.seq_positions).
+    cp: int = 1
+    # Sequence parallelism (Korthikanti et al. 2022): with TP > 1, norms and the residual stream are
+    # held split along the sequence across the TP group (all-gather before and reduce-scatter after
+    # the tensor-parallel blocks instead of all-reduces).
+    sequence_parallel: bool = False
 
-    @property
-    def tp(self) -> int:
-        return len(self.devices)
+    def _members(self) -> tuple[int, ...]:
+        return self.devices
 
 
 @dataclass(frozen=True)

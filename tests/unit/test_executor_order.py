@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from hethub.layout import WHOLE
 from hethub.runtime import weight_grad
 from hethub.runtime.pipeline import PipelineExecutor
 from hethub.schedules import SCHEDULES, get_schedule
@@ -60,11 +61,13 @@ class RecordingStage(nn.Module):
 def _run(schedule: str, *, stage: int, num_stages: int, m: int) -> tuple[list[tuple[str, int]], list[str]]:
     log: list[str] = []
     last = stage == num_stages - 1
-    place = SimpleNamespace(stage=SimpleNamespace(stage=stage, num_stages=num_stages, ranks=(stage,), tp=1),
-                            micro_batch_size=MBS, tp_rank=0, split_in=False, split_out=False,
+    place = SimpleNamespace(stage=SimpleNamespace(stage=stage, num_stages=num_stages, ranks=(stage,), tp=1, cp=1,
+                                                  sequence_parallel=False),
+                            micro_batch_size=MBS, tp_rank=0, tp_group=(stage,), split_in=False, split_out=False,
                             num_micro_batches=m, fwd_recv_from=stage - 1 if stage else None,
                             bwd_recv_from=None if last else stage + 1, fwd_send_to=() if last else (stage + 1,),
-                            bwd_send_to=(stage - 1,) if stage else ())
+                            bwd_send_to=(stage - 1,) if stage else (), hop_in=WHOLE, hop_out=WHOLE,
+                            hop_grad_in=WHOLE, hop_grad_out=WHOLE)
     ex = PipelineExecutor(RecordingStage(last=last, log=log), place=place, comm=FakeComm(),  # type: ignore[arg-type]
                           schedule=schedule, seq_len=SEQ, hidden_size=HIDDEN)
     batches = [(torch.ones(MBS, SEQ, HIDDEN), torch.zeros(MBS, SEQ, dtype=torch.long)) for _ in range(m)]

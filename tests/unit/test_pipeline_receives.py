@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hethub.layout import WHOLE
 from hethub.runtime.pipeline import StepTrace, _Receives, bwd_tag, fwd_tag
 from hethub.schedules import SCHEDULES, get_schedule
 
@@ -35,7 +36,8 @@ def _executor(stage: int, schedule: str, comm: FakeComm) -> SimpleNamespace:
     return SimpleNamespace(ops=ops,
                            first=stage == 0, last=stage == STAGES - 1, place=place, comm=comm, act_shape=(1,),
                            act_dtype=torch.float32, in_dtype=torch.float32, out_dtype=torch.float32,
-                           device=torch.device("cpu"))
+                           device=torch.device("cpu"), hop_into=lambda op, chunk: WHOLE,
+                           messages=SimpleNamespace(recv_shape=lambda hop: (1,), arrived=lambda buf, hop: buf))
 
 
 def _posts(stage: int, schedule: str, *, ordered: bool, lookahead: int) -> tuple[dict, list[int]]:

@@ -107,7 +107,7 @@ class PlanCosts:
         if mem is None:
             plan = self.plan
             (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
-             sync_bucket_params) = key
+             sync_bucket_params, sequence_parallel, cp) = key
             k, precision, attention = plan.cluster.kinds[kind], plan.precision_of(kind), plan.attention_of(kind)
             mem = self.memory[key] = _MEMORY.get(
                 (id(plan.model), id(k), plan.seq_len, precision, attention, key),
@@ -116,21 +116,23 @@ class PlanCosts:
                     recompute=recompute, precision=precision, in_flight=in_flight,
                     vocab_parallel=runtime_vocab_parallel(plan.model, tp), attention=attention, kind=k,
                     synced=synced, mixed_sync=mixed_sync, communicators=communicators,
-                    sync_bucket_params=sync_bucket_params),
+                    sync_bucket_params=sync_bucket_params, sequence_parallel=sequence_parallel, cp=cp),
                 pin=(plan.model, k))
         return mem
 
     def stage_shape(self, pi: int, si: int, *, in_flight: float) -> tuple:
         """What stage ``si`` of pipeline ``pi``'s memory depends on, its gradient sync as the runtime does
         it: (kind, layers, embedding, head, tp, micro-batch size, recompute, in_flight, synced, mixed
-        sync, communicators, sync bucket parameters). ``in_flight``: micro-batches of the whole stage
-        held at the peak (fractional for chunks)."""
+        sync, communicators, sync bucket parameters, sequence parallel, CP degree). ``in_flight``:
+        micro-batches of the whole stage held at the peak (fractional for chunks)."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
         synced, mixed, bucket = self.sync_shape[(pi, si)]
-        comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1)  # world, TP, DP, p2p neighbours
+        if s.cp > 1 and not synced:  # CP ranks sum their gradients like data-parallel holders: all of them
+            synced, bucket = True, None
+        comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1) + (s.cp > 1)  # world, TP, DP, p2p, CP ring
         return (s.kind, s.num_layers, s.embedding, s.head, s.tp, p.micro_batch_size, s.recompute, in_flight, synced,
-                mixed, comms, bucket)
+                mixed, comms, bucket, s.sequence_parallel, s.cp)
 
     def plan_stage_memory(self, pi: int, si: int, *, in_flight: float, recompute: Recompute | None = None,
                           ) -> StageMemory:
@@ -185,7 +187,8 @@ class PlanCosts:
                                 mbs=p.micro_batch_size, seq_len=self.plan.seq_len, recompute=s.recompute,
                                 precision=self.plan.precision_of(s.kind), in_flight=1,
                                 vocab_parallel=runtime_vocab_parallel(self.plan.model, s.tp),
-                                attention=self.plan.attention_of(s.kind)).activations_bytes
+                                attention=self.plan.attention_of(s.kind), sequence_parallel=s.sequence_parallel,
+                                cp=s.cp).activations_bytes
 
         weights = [acts(b - a, s.embedding and c == 0, s.head and c == v - 1)
                    for c, (a, b) in enumerate(s.layer_ranges)]

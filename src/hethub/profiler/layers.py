@@ -24,6 +24,7 @@ import torch
 
 from hethub.predict.profiles import LayerTimes
 from hethub.profiler.tensor_memory import saved_for_backward, training_state_bytes
+from hethub.runtime.context_parallel import CPContext
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.tensor_parallel import TPContext
@@ -57,20 +58,48 @@ class EntryResult:
 
 
 class NoCollectives:
-    """Stands in for the Communicator where one TP rank runs alone: collectives are skipped (they
-    change no shape and no saved tensor: an all-reduce's output is a fresh tensor either way)."""
+    """Stands in for the Communicator where one TP (or CP) rank runs alone: collectives are skipped
+    but give their results' shapes (they change no saved tensor: a collective's output is a fresh
+    tensor either way); a ring receive gets zeros."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
 
     def all_reduce(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor, *, dim: int = 0, **_: Any) -> torch.Tensor:
+        return torch.cat([tensor] * self.size, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
+        return tensor.chunk(self.size)[0].clone()
+
+    def isend(self, tensor: torch.Tensor, **_: Any) -> Any:
+        return _Done()
+
+    def irecv(self, tensor: torch.Tensor, **_: Any) -> Any:
+        tensor.zero_()
+        return _Done()
 
     def barrier(self) -> None:
         return None
 
 
-def tp_alone(size: int, *, rank: int = 0) -> TPContext:
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+def tp_alone(size: int, *, rank: int = 0, sequence_parallel: bool = False) -> TPContext:
     """TP rank ``rank`` of a group of ``size``, run alone (:class:`NoCollectives`; TP 1 needs none)."""
-    return TPContext(size=size, rank=rank, group=tuple(range(size)),
-                     comm=NoCollectives() if size > 1 else None)  # type: ignore[arg-type]
+    return TPContext(size=size, rank=rank, group=tuple(range(size)), sequence_parallel=sequence_parallel,
+                     comm=NoCollectives(size) if size > 1 else None)  # type: ignore[arg-type]
+
+
+def cp_alone(size: int, *, rank: int = 0) -> CPContext:
+    """CP rank ``rank`` of ``size``, run alone: its ring's messages are zeros."""
+    return CPContext(size=size, rank=rank, ring=tuple(range(size)),
+                     comm=NoCollectives(size) if size > 1 else None)  # type: ignore[arg-type]
 
 
 def _sync(device: torch.device) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hethub.plan import Plan
-from hethub.profiler.layers import tp_alone
+from hethub.profiler.layers import cp_alone, tp_alone
 from hethub.profiler.tensor_memory import StateBytes, saved_for_backward, storage_bytes, training_state_bytes
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
@@ -42,14 +42,16 @@ def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int 
     torch.manual_seed(seed)
     pipe = plan.pipelines[pipeline]
     st = pipe.stages[stage]
-    tp = tp_alone(st.tp, rank=tp_rank)
+    tp = tp_alone(st.tp, rank=tp_rank, sequence_parallel=st.sequence_parallel)
     model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
                        recompute=st.recompute, seed=seed, attention=plan.attention_of(st.kind), chunks=st.chunks,
-                       compute_dtype=compute_dtype(precision))
+                       compute_dtype=compute_dtype(precision), cp=cp_alone(st.cp), rope_len=plan.seq_len)
     opt, _ = build_optimizer(model, OptimConfig())
     sched = get_schedule(plan.schedule, chunks=st.num_chunks)
     in_flight = sched.in_flight(stage=stage, num_stages=len(pipe.stages), num_micro_batches=pipe.num_micro_batches)
     mbs, s, v = pipe.micro_batch_size, plan.seq_len, plan.model.vocab_size
+    # A received activation is this rank's share: s / cp tokens, 1/tp of them under sequence parallelism.
+    held = s // st.cp // (st.tp if st.sequence_parallel else 1)
     if st.num_chunks > 1:
         return _chunked(model, opt, st=st, sched=sched, stage=stage, pipe=pipe, seq_len=s, in_flight=in_flight,
                         precision=precision)
@@ -60,7 +62,7 @@ def measure_stage_memory(plan: Plan, *, pipeline: int, stage: int, tp_rank: int 
             saved_for_backward(exclude=exclude, weights=model.parameters()) as rec:
         for _ in range(in_flight):
             x = (torch.randint(0, v, (mbs, s)) if st.embedding
-                 else torch.randn(mbs, s, plan.model.hidden_size).requires_grad_(True))
+                 else torch.randn(mbs, held, plan.model.hidden_size).requires_grad_(True))
             outs.append(model(x, torch.randint(0, v, (mbs, s)) if st.head else None))
     acts = rec.nbytes
     for out in outs:

@@ -49,7 +49,7 @@ def owner_rank(trainer: Trainer, name: str) -> int:
 def _full(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a TP-sharded parameter (or its optimizer state); collective over the TP group.
     Not a copy when unsharded: :func:`_to_host` makes the snapshot's own copy."""
-    dim, ranks = trainer.model.shard_dim(name), trainer.place.stage.ranks
+    dim, ranks = trainer.model.shard_dim(name), trainer.place.tp_group
     if dim is None or len(ranks) == 1:
         return t.detach()
     # all_gather concatenates in ascending rank order; TP rank order is the stage's device order.

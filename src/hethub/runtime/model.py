@@ -21,13 +21,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from hethub.errors import RuntimeSetupError
+from hethub.layout import seq_positions
 from hethub.plan import Recompute
+from hethub.runtime.context_parallel import CPContext, ring_attention
 from hethub.runtime.norms import make_norm
 from hethub.runtime.tensor_parallel import (
     TPContext,
-    copy_to_tp,
-    reduce_from_tp,
+    enter_tp,
+    gather_seq,
+    leave_tp,
+    scatter_seq,
     shard,
+    sum_grad_over_tp,
     vocab_parallel,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -114,9 +119,10 @@ class Attention(nn.Module):
     gradients in another order)."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash", *,
-                 recompute_core: bool = False, native_gqa: bool = False) -> None:
+                 recompute_core: bool = False, native_gqa: bool = False, cp: CPContext | None = None) -> None:
         super().__init__()
         self.tp, self.recompute_core, self.native_gqa = tp, recompute_core, native_gqa
+        self.cp, self.kernel = cp or CPContext(), attention
         self.heads, self.kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
         self.head_dim = spec.head_dim
         h, bias = spec.hidden_size, spec.has_bias
@@ -132,8 +138,8 @@ class Attention(nn.Module):
         self.backends = SDPA_BACKENDS[attention]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = enter_tp(x, self.tp)  # under sequence parallelism: the whole (CP-local) sequence
         b, s, _ = x.shape
-        x = copy_to_tp(x, self.tp)
         q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -144,8 +150,8 @@ class Attention(nn.Module):
             o = checkpoint(self._core, q, k, v, tables, use_reentrant=False)
         else:
             o = self._core(q, k, v, tables)
-        o = reduce_from_tp(self.wo(o.transpose(1, 2).reshape(b, s, -1)), self.tp)
-        return o if self.wo_bias is None else o + self.wo_bias
+        o = leave_tp(self.wo(o.transpose(1, 2).reshape(b, s, -1)), self.tp)
+        return o if self.wo_bias is None else o + sum_grad_over_tp(self.wo_bias, self.tp)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -153,6 +159,8 @@ class Attention(nn.Module):
         K/V head serving its group of query heads (GQA)."""
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
+        if self.cp.size > 1:  # K and V travel the CP ring at their own head count
+            return ring_attention(q, k, v, self.cp, kernel=self.kernel)
         grouped = self.kv_heads != self.heads
         if grouped and not self.native_gqa:
             rep = self.heads // self.kv_heads
@@ -172,22 +180,22 @@ class MLP(nn.Module):
         self.w2_bias = nn.Parameter(torch.zeros(h)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp)
+        x = enter_tp(x, self.tp)
         if self.w3 is not None:
             y = F.silu(self.w1(x)) * self.w3(x)
         else:
             y = F.gelu(self.w1(x)) if self.act == "gelu" else F.relu(self.w1(x))
-        y = reduce_from_tp(self.w2(y), self.tp)
-        return y if self.w2_bias is None else y + self.w2_bias
+        y = leave_tp(self.w2(y), self.tp)
+        return y if self.w2_bias is None else y + sum_grad_over_tp(self.w2_bias, self.tp)
 
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TPContext, attention: str = "flash", *,
-                 recompute_core: bool = False, native_gqa: bool = False) -> None:
+                 recompute_core: bool = False, native_gqa: bool = False, cp: CPContext | None = None) -> None:
         super().__init__()
-        self.attn_norm = make_norm(spec)
-        self.attn = Attention(spec, tp, attention, recompute_core=recompute_core, native_gqa=native_gqa)
-        self.mlp_norm, self.mlp = make_norm(spec), MLP(spec, tp)
+        self.attn_norm = make_norm(spec, tp)
+        self.attn = Attention(spec, tp, attention, recompute_core=recompute_core, native_gqa=native_gqa, cp=cp)
+        self.mlp_norm, self.mlp = make_norm(spec, tp), MLP(spec, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -213,9 +221,17 @@ class StageModel(nn.Module):
     def __init__(self, spec: ModelSpec, *, layers: tuple[int, int], embedding: bool, head: bool,
                  tp: TPContext | None = None, recompute: Recompute | str | bool = Recompute.NONE, seed: int = 0,
                  rope_len: int | None = None, attention: str = "flash",
-                 chunks: tuple[tuple[int, int], ...] = (), compute_dtype: torch.dtype | None = None) -> None:
+                 chunks: tuple[tuple[int, int], ...] = (), compute_dtype: torch.dtype | None = None,
+                 cp: CPContext | None = None) -> None:
         super().__init__()
         self.residual_dtype = compute_dtype or torch.float32
+        # Context parallelism: this rank's sequence positions (layout.seq_positions), in its order.
+        self.cp = cp or CPContext()
+        self.seq_len = rope_len or spec.max_seq_len
+        if self.cp.size > 1:
+            held = seq_positions(self.seq_len, cp=self.cp.size, cp_rank=self.cp.rank)
+            idx = [i for a, b in held for i in range(a, b)]
+            self.register_buffer("cp_index", torch.tensor(idx), persistent=False)
         # Virtual stages: the module holds every chunk's layers (named as in the full model) and
         # forward(chunk=c) runs chunk c's; the embedding belongs to chunk 0, the head to the last.
         self.chunk_layers = [[str(i) for i in range(a, b)] for a, b in (chunks or (layers,))]
@@ -231,10 +247,10 @@ class StageModel(nn.Module):
         # Selective recomputation checkpoints inside each block; full checkpoints whole blocks (forward).
         core = self.recompute is Recompute.SELECTIVE
         self.layers = nn.ModuleDict({i: Block(spec, self.tp, attention, recompute_core=core,
-                                              native_gqa=compute_dtype is not None)
+                                              native_gqa=compute_dtype is not None, cp=self.cp)
                                      for c in self.chunk_layers for i in c})
         if head:
-            self.norm = make_norm(spec)
+            self.norm = make_norm(spec, self.tp)
             if not spec.tied_embeddings:
                 self.head = Linear(spec.hidden_size, vocab, bias=False)
         if spec.arch == "llama":
@@ -242,6 +258,8 @@ class StageModel(nn.Module):
             # table would be 128 MiB per rank. Each position's angles do not depend on the length.
             cos, sin = rope_tables(head_dim=spec.head_dim, seq_len=rope_len or spec.max_seq_len, base=spec.rope_theta,
                                    scaling=dict(spec.rope_scaling), dtype=self.residual_dtype)
+            if self.cp.size > 1:  # this rank's positions only, as buffers (model state, not activations)
+                cos, sin = cos[self.cp_index], sin[self.cp_index]
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         init_parameters(self, seed=seed, tp=self.tp, num_layers=spec.num_layers)
@@ -252,10 +270,17 @@ class StageModel(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, *, chunk: int = 0) -> torch.Tensor:
         last_chunk = chunk == len(self.chunk_layers) - 1
+        sp = self.tp.sequence_parallel
         if self.has_embedding and chunk == 0:
-            h = vocab_parallel_embedding(x, self.embed.weight, self.tp) if self.vocab_parallel else self.embed(x)
+            if self.cp.size > 1:
+                x = x[:, self.cp_index]
+            if self.vocab_parallel:
+                h = vocab_parallel_embedding(x, self.embed.weight, self.tp)  # sequence parallel: this rank's slice
+            else:
+                h = self.embed(x)
+                h = scatter_seq(h, self.tp) if sp else h
             if self.spec.arch == "gpt":
-                h = h + self.pos(torch.arange(x.shape[1], device=x.device))
+                h = h + self._positions(x)
         else:
             h = x
         h = h.to(self.residual_dtype)  # the same tensor where it already is (fp32 stages, 16-bit messages)
@@ -270,14 +295,34 @@ class StageModel(nn.Module):
             return h
         if targets is None:
             raise ValueError("the head stage needs targets to compute the loss")
+        if self.cp.size > 1:
+            targets = targets[:, self.cp_index]
         w = self.embed.weight if self.spec.tied_embeddings else self.head.weight
         if not self.vocab_parallel:  # TP 1, or an indivisible vocabulary: full logits on every rank
-            logits = linear(self.norm(h), w).float()
+            hn = gather_seq(self.norm(h), self.tp, split_grad=True) if sp else self.norm(h)
+            logits = linear(hn, w).float()
             tok = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-            return tok.view(targets.shape).mean(dim=1).sum()
-        # Column-parallel over the vocabulary: copy_to_tp sums the partial input gradients in backward.
-        logits = linear(copy_to_tp(self.norm(h), self.tp), w).float()
-        return vocab_parallel_cross_entropy(logits, targets, self.tp).mean(dim=1).sum()
+            return self._sample_losses(tok.view(targets.shape))
+        # Column-parallel over the vocabulary: enter_tp sums the partial input gradients in backward.
+        logits = linear(enter_tp(self.norm(h), self.tp), w).float()
+        return self._sample_losses(vocab_parallel_cross_entropy(logits, targets, self.tp))
+
+    def _sample_losses(self, tok: torch.Tensor) -> torch.Tensor:
+        """The sum over samples of each sample's mean token loss; a CP rank's share of it (its tokens'
+        losses over the whole sequence length), which the CP ranks' losses and gradients add up to."""
+        if self.cp.size == 1:
+            return tok.mean(dim=1).sum()
+        return (tok.sum(dim=1) / self.seq_len).sum()
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """GPT's learned position embedding of this rank's tokens (under sequence parallelism its slice;
+        the table then sees one slice per TP rank, so its gradient is summed over them)."""
+        if self.cp.size == 1 and not self.tp.sequence_parallel:
+            return self.pos(torch.arange(ids.shape[1], device=ids.device))
+        pos = self.cp_index if self.cp.size > 1 else torch.arange(ids.shape[1], device=ids.device)
+        if self.tp.sequence_parallel:
+            pos = pos.chunk(self.tp.size)[self.tp.rank]
+        return F.embedding(pos, sum_grad_over_tp(self.pos.weight, self.tp))
 
 
 def param_seed(seed: int, name: str) -> int:

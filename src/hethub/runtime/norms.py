@@ -24,33 +24,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hethub.runtime.tensor_parallel import TPContext, sum_grad_over_tp
 from hethub.spec.model import ModelSpec
+
+_NO_TP = TPContext()
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, tp: TPContext = _NO_TP) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp = eps, tp  # tp: under sequence parallelism, its weight sees one slice
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = sum_grad_over_tp(self.weight, self.tp)
         if x.dtype == torch.float32:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-        return _FusedRMSNorm.apply(x, self.weight, self.eps)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+        return _FusedRMSNorm.apply(x, w, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):
+    def __init__(self, dim: int, eps: float = 1e-5, *, tp: TPContext = _NO_TP) -> None:
+        super().__init__(dim, eps=eps)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = sum_grad_over_tp(self.weight, self.tp), sum_grad_over_tp(self.bias, self.tp)
         if x.dtype == torch.float32:
-            return super().forward(x)
+            return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
         with torch.autocast(x.device.type, enabled=False):
-            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
-def make_norm(spec: ModelSpec) -> nn.Module:
-    """The model's norm: LayerNorm for GPT-style models, RMSNorm for Llama-style ones."""
-    return LayerNorm(spec.hidden_size, eps=spec.norm_eps) if spec.arch == "gpt" else \
-        RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+def make_norm(spec: ModelSpec, tp: TPContext = _NO_TP) -> nn.Module:
+    """The model's norm: LayerNorm for GPT-style models, RMSNorm for Llama-style ones. ``tp``: the
+    stage's TP context (under sequence parallelism the norm runs on this rank's slice)."""
+    return LayerNorm(spec.hidden_size, eps=spec.norm_eps, tp=tp) if spec.arch == "gpt" else \
+        RMSNorm(spec.hidden_size, eps=spec.norm_eps, tp=tp)
 
 
 class _FusedRMSNorm(torch.autograd.Function):

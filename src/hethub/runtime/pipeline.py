@@ -35,6 +35,7 @@ from hethub.layout import RankPlace
 from hethub.runtime import weight_grad
 from hethub.runtime.model import StageModel
 from hethub.runtime.slowdown import Emulator
+from hethub.runtime.stage_messages import StageMessages
 from hethub.runtime.timing import OpTimer
 from hethub.schedules import Op, get_schedule
 
@@ -93,10 +94,9 @@ class PipelineExecutor:
         self.split = sched.split_backward
         self.ops: tuple[Op, ...] = sched.ops(stage=st.stage, num_stages=st.num_stages,
                                              num_micro_batches=place.num_micro_batches)
-        self.act_shape = (place.micro_batch_size, seq_len, hidden_size)
-        # TP-split hops (layout.split_hop): send this TP rank's slice, all-gather the slices on arrival.
-        self.tp_order = st.ranks
-        self.slice_numel = place.micro_batch_size * seq_len * hidden_size // st.tp
+        # What travels between stages (layout.Hop: whole tensors, TP slices, sequence slices).
+        self.messages = StageMessages(place=place, comm=comm, micro_batch_size=place.micro_batch_size,
+                                      seq_len=seq_len, hidden_size=hidden_size)
         self.emulator = emulator or Emulator()
         self.act_dtype, self.device = act_dtype, device or torch.device("cpu")
         # The dtypes of the two boundaries: what arrives from the previous stage (and its gradient goes
@@ -148,10 +148,12 @@ class PipelineExecutor:
                 if last:
                     loss_sum += out.detach().double()
                 else:
-                    payload = self._outgoing(out.detach().to(self.out_dtype), split=self.place.split_out)
+                    dests = self.peers("F", chunk)[1]
+                    hop = self.place.wrap_hop if self.last else self.place.hop_out
+                    payloads = self.messages.outgoing(out.detach().to(self.out_dtype), hop, dests=len(dests))
                     into = chunk + 1 if self.last else chunk  # the consumer's chunk (fwd_tag)
                     pending += [(self.comm.isend(payload, dst=d, tag=fwd_tag(mb, into, v)), payload)
-                                for d in self.peers("F", chunk)[1]]
+                                for d, payload in zip(dests, payloads, strict=True)]
                     _let_sends_start()
                 inputs[key], outputs[key] = x, out
                 held.add(key)
@@ -180,11 +182,12 @@ class PipelineExecutor:
                 if not self.split:
                     held.discard(key)
                 if not first:
-                    # The wrap hop (first stage, chunk > 0) sends whole tensors: split_in is False there.
-                    g = self._outgoing(x.grad.to(self.wrap_dtype if self.first else self.in_dtype),
-                                       split=self.place.split_in)
+                    dests = self.peers("B", chunk)[1]
+                    hop = self.place.wrap_grad_hop if self.first else self.place.hop_grad_out
+                    gs = self.messages.outgoing(x.grad.to(self.wrap_dtype if self.first else self.in_dtype), hop,
+                                                dests=len(dests))
                     pending += [(self.comm.isend(g, dst=d, tag=bwd_tag(mb, chunk, v)), g)
-                                for d in self.peers("B", chunk)[1]]
+                                for d, g in zip(dests, gs, strict=True)]
                     _let_sends_start()
         w = time.perf_counter()
         for work, _ in pending:
@@ -194,18 +197,13 @@ class PipelineExecutor:
             trace.resolve(self.timer, t0)  # host marks read at once; device marks after the step's sync
         return loss_sum, trace
 
-    def _outgoing(self, t: torch.Tensor, *, split: bool) -> torch.Tensor:
-        """What this rank sends of a replicated tensor: all of it, or its TP rank's slice."""
-        if not split:
-            return t
-        return t.reshape(-1).chunk(len(self.tp_order))[self.place.tp_rank].contiguous()
-
-    def _gathered(self, part: torch.Tensor) -> torch.Tensor:
-        """The whole tensor from every TP rank's slice (all-gathered over the stage's TP group, which
-        concatenates in ascending rank order; slice q belongs to the stage's TP rank q)."""
-        ranks = tuple(sorted(self.tp_order))
-        pieces = self.comm.all_gather(part, group=ranks).chunk(len(ranks))
-        return torch.cat([pieces[ranks.index(r)] for r in self.tp_order]).view(self.act_shape)
+    def hop_into(self, op: str, chunk: int) -> Any:
+        """The layout.Hop of what op ``op`` of chunk ``chunk`` receives (F: its input; B: its output's
+        gradient), the wrap between the last and first stage included."""
+        pl = self.place
+        if op == "F":
+            return pl.wrap_hop if self.first and chunk > 0 else pl.hop_in
+        return pl.wrap_grad_hop if self.last and chunk < self.chunks - 1 else pl.hop_grad_in
 
     def is_first(self, chunk: int) -> bool:
         """Whether (this stage's) chunk ``chunk`` is the pipeline's first virtual stage (reads the data)."""
@@ -278,9 +276,9 @@ class _Receives:
             return src, fwd_tag(mb, chunk, v)
         return src, bwd_tag(mb, chunk + 1 if ex.last else chunk, v)  # from the consumer's chunk
 
-    def _split(self, j: int) -> bool:
-        """Whether op j receives a TP slice (to all-gather) rather than the whole tensor."""
-        return self.ex.place.split_in if self.ex.ops[j][0] == "F" else self.ex.place.split_out
+    def _hop(self, j: int) -> Any:
+        op, _, chunk = self.ex.ops[j]
+        return self.ex.hop_into(op, chunk)
 
     def _sends_to(self, k: int) -> tuple[int, ...]:
         op, _, chunk = self.ex.ops[k]
@@ -299,8 +297,7 @@ class _Receives:
         ex = self.ex
         op, _, chunk = ex.ops[j]
         dtype = (ex.wrap_dtype if ex.first and chunk > 0 else ex.in_dtype) if op == "F" else ex.out_dtype
-        shape = (ex.slice_numel,) if self._split(j) else ex.act_shape
-        buf = torch.empty(shape, dtype=dtype, device=ex.device)
+        buf = torch.empty(ex.messages.recv_shape(self._hop(j)), dtype=dtype, device=ex.device)
         self.posted[j] = (ex.comm.irecv(buf, src=src[0], tag=src[1]), buf)
 
     def take(self, i: int, trace: StepTrace) -> torch.Tensor | None:
@@ -313,7 +310,6 @@ class _Receives:
         work, buf = self.posted.pop(i)
         w = time.perf_counter()
         work.wait()
-        if self._split(i):
-            buf = self.ex._gathered(buf)
+        buf = self.ex.messages.arrived(buf, self._hop(i))
         trace.recv_wait_s += time.perf_counter() - w
         return buf

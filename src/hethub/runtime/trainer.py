@@ -21,6 +21,7 @@ from hethub.comm.communicator import Communicator
 from hethub.layout import DEFAULT_BUCKET_ELEMS, build_topology
 from hethub.plan import Plan
 from hethub.runtime.compile import compile_blocks
+from hethub.runtime.context_parallel import CPContext
 from hethub.runtime.data import Share, micro_batches
 from hethub.runtime.data_parallel import GradSync
 from hethub.runtime.emulated_links import EmulatedLinks, emulated_links_of
@@ -74,8 +75,10 @@ class Trainer:
         self.place = place = self.topo.place(rank)
         st = place.stage
         self.kind = plan.cluster.kinds[st.kind]
-        tp = TPContext(size=st.tp, rank=place.tp_rank, group=tuple(sorted(st.ranks)),
-                       comm=comm if st.tp > 1 else None)
+        tp = TPContext(size=st.tp, rank=place.tp_rank, group=tuple(sorted(place.tp_group)),
+                       comm=comm if st.tp > 1 else None, sequence_parallel=st.sequence_parallel,
+                       order=place.tp_group)
+        cp = CPContext(size=st.cp, rank=place.cp_rank, ring=place.cp_group, comm=comm if st.cp > 1 else None)
         self.device = torch.device(self.cfg.device)
         self.precisions = {k: kind_precision(plan, k, override=self.cfg.precision, cpu_autocast=self.cfg.cpu_autocast)
                            for k in plan.cluster.kinds}
@@ -83,7 +86,7 @@ class Trainer:
         self.model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
                                 recompute=st.recompute, seed=self.cfg.seed, rope_len=plan.seq_len,
                                 attention=plan.attention_of(st.kind), chunks=st.chunks,
-                                compute_dtype=compute_dtype(self.precision)).to(self.device)
+                                compute_dtype=compute_dtype(self.precision), cp=cp).to(self.device)
         if self.cfg.compile:
             compile_blocks(self.model)
         self.timer = OpTimer(self.device)

@@ -31,9 +31,15 @@ Further, in both:
 * LayerNorm keeps its input and output, plus mean and rstd.
 
 With tensor parallelism (no sequence parallelism) the norms are replicated and everything between the
-column- and row-parallel projections is split by t. Full recomputation keeps only each layer's input.
-Selective recomputation (the paper's Sec. 5) checkpoints the attention core (in hethub's runtime:
-rotary, GQA's repeat where there is one, scores, softmax, attention over V): the layer keeps the
+column- and row-parallel projections is split by t. Under sequence parallelism (``sp``) each TP rank
+keeps the norms' inputs and statistics for its 1/t of the tokens; the all-gathered norm output, which
+the projections keep as their input, stays whole (Megatron keeps the slice and all-gathers it again
+in backward, which hethub's runtime does not). With context parallelism (``cp``) every count is per
+token of the rank's own share of the sequence (the caller's tokens are s/cp per sequence), and the
+attention core is the ring's (``runtime/context_parallel.py``): Q, K and V at their own head count,
+the output and the fp32 log-sum-exp, whatever the kernel (its blocks' scores are recomputed). Full
+recomputation keeps only each layer's input. Selective recomputation (the paper's Sec. 5) checkpoints
+the attention core (in hethub's runtime: rotary, GQA's repeat where there is one, scores, softmax, attention over V): the layer keeps the
 projections' Q, K and V (K and V at their own ``kv_heads`` width) and the output, and drops what the
 kernel saves (the log-sum-exp, or math's scores and fp32 copies), i.e. the paper's 5 a s^2 b.
 """
@@ -55,14 +61,17 @@ def compute_bytes(precision: str) -> int:
     return 2 if precision in MIXED else 4
 
 
-def norm_bytes_per_token(model: ModelSpec, *, precision: str) -> float:
+def norm_bytes_per_token(model: ModelSpec, *, precision: str, tp: int = 1, sp: bool = False) -> float:
     """One norm: its input, its output (kept by the projections it feeds) and its statistics; the fp32
-    recipe's written-out RMSNorm also keeps the normalised x."""
+    recipe's written-out RMSNorm also keeps the normalised x. ``sp``: all but the (gathered) output
+    for 1/tp of the tokens."""
     h, cb = model.hidden_size, compute_bytes(precision)
     if model.arch == "llama":
         normalised = h * cb if precision not in MIXED else 0
-        return 2 * h * cb + normalised + STAT_BYTES
-    return 2 * h * cb + 2 * STAT_BYTES
+        own = h * cb + normalised + STAT_BYTES
+    else:
+        own = h * cb + 2 * STAT_BYTES
+    return (own / tp if sp else own) + h * cb
 
 
 def kv_width(model: ModelSpec, *, precision: str) -> int:
@@ -72,13 +81,16 @@ def kv_width(model: ModelSpec, *, precision: str) -> int:
 
 
 def attention_bytes_per_token(model: ModelSpec, *, tp: int, seq_len: int, attention: str, precision: str,
-                              selective: bool = False) -> float:
+                              selective: bool = False, cp: int = 1) -> float:
     """Q, K, V and the output, plus the log-sum-exp (flash) or the scores (math: Q, K and V in fp32 at
     full width too). ``selective``: the core is recomputed, so only the projections' Q, K, V (at their
-    own width) and the output are kept."""
+    own width) and the output are kept. ``cp`` > 1: the ring's, K and V at their own width and the
+    log-sum-exp for any kernel."""
     cb, h, heads = compute_bytes(precision), model.hidden_size, model.num_heads / tp
     if selective:
         return (2 * h + 2 * model.kv_dim) / tp * cb
+    if cp > 1:
+        return (2 * h + 2 * model.kv_dim) / tp * cb + heads * STAT_BYTES
     if attention == "math":
         return 3 * h / tp * MATH_BYTES + h / tp * cb + scores_bytes_per_token(model, tp=tp, seq_len=seq_len)
     return (2 * h + 2 * kv_width(model, precision=precision)) / tp * cb + heads * STAT_BYTES
@@ -95,15 +107,16 @@ def mlp_bytes_per_token(model: ModelSpec, *, tp: int, precision: str) -> float:
 
 
 def layer_bytes_per_token(model: ModelSpec, *, tp: int, seq_len: int, attention: str, precision: str,
-                          recompute: Recompute | str | bool) -> float:
+                          recompute: Recompute | str | bool, sp: bool = False, cp: int = 1) -> float:
     """What one decoder layer keeps per token between its forward and backward (``recompute``: a
-    :class:`~hethub.plan.Recompute` mode; a bool means full or none)."""
+    :class:`~hethub.plan.Recompute` mode; a bool means full or none). ``sp``: sequence parallelism;
+    ``cp``: the context-parallel degree (per token of the rank's share)."""
     mode = Recompute.of(recompute)
-    if mode is Recompute.FULL:
-        return float(model.hidden_size * compute_bytes(precision))  # the checkpointed layer's input
-    return (2 * norm_bytes_per_token(model, precision=precision)
+    if mode is Recompute.FULL:  # the checkpointed layer's input: this rank's slice under sequence parallelism
+        return model.hidden_size * compute_bytes(precision) / (tp if sp else 1)
+    return (2 * norm_bytes_per_token(model, precision=precision, tp=tp, sp=sp)
             + attention_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
-                                        selective=mode is Recompute.SELECTIVE)
+                                        selective=mode is Recompute.SELECTIVE, cp=cp)
             + mlp_bytes_per_token(model, tp=tp, precision=precision))
 
 
@@ -113,11 +126,11 @@ def embedding_bytes_per_token(model: ModelSpec, *, vocab_tp: int = 1) -> float:
     return float(INDEX_BYTES + (vocab_tp > 1))
 
 
-def head_bytes_per_token(model: ModelSpec, *, vocab_tp: int, precision: str) -> float:
+def head_bytes_per_token(model: ModelSpec, *, vocab_tp: int, precision: str, tp: int = 1, sp: bool = False) -> float:
     """Final norm, the fp32 log-softmax of the logits (the loss upcasts them; a vocabulary-parallel
     loss keeps its local softmax, V/t, and the mask of targets outside its rows), and the targets."""
-    return (norm_bytes_per_token(model, precision=precision) + 4 * model.vocab_size / vocab_tp + INDEX_BYTES
-            + (vocab_tp > 1))
+    return (norm_bytes_per_token(model, precision=precision, tp=tp, sp=sp) + 4 * model.vocab_size / vocab_tp
+            + INDEX_BYTES + (vocab_tp > 1))
 
 
 def head_bytes_per_micro_batch(*, vocab_tp: int) -> float:

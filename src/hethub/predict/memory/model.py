@@ -180,7 +180,7 @@ def stage_memory(
     recompute: Recompute | str | bool, precision: str, in_flight: int, vocab_parallel: bool = True,
     attention: str = "flash",
     kind: DeviceKind | None = None, synced: bool = False, mixed_sync: bool = False, communicators: int = 1,
-    sync_bucket_params: float | None = None,
+    sync_bucket_params: float | None = None, sequence_parallel: bool = False, cp: int = 1,
 ) -> StageMemory:
     """Peak memory of one device of a stage (see the module docstring for the parts).
 
@@ -193,25 +193,28 @@ def stage_memory(
     ``sync_bucket_params``: parameters (on this device) of those mixed groups; None: all of the
     stage's.
     ``communicators``: collective-library communicators this device joins (each holds buffers).
+    ``sequence_parallel``, ``cp``: the stage's sequence and context parallelism (the seq_len is the
+    whole sequence's; a device holds seq_len / cp tokens of each).
     """
     recompute = Recompute.of(recompute)
+    sp = sequence_parallel and tp > 1
     params, full_layer, kept_layer = _SHAPE_TERMS.get(
-        (id(model), layers, embedding, head, tp, vocab_parallel, seq_len, attention, precision, recompute),
+        (id(model), layers, embedding, head, tp, vocab_parallel, seq_len, attention, precision, recompute, sp, cp),
         lambda: (stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp,
                               vocab_parallel=vocab_parallel),
                  act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
-                                           recompute=False),
+                                           recompute=False, sp=sp, cp=cp),
                  act.layer_bytes_per_token(model, tp=tp, seq_len=seq_len, attention=attention, precision=precision,
-                                           recompute=recompute)),
+                                           recompute=recompute, sp=sp, cp=cp)),
         pin=(model,))
     per = state_bytes_per_param(precision)
-    tokens = mbs * seq_len
+    tokens = mbs * seq_len / cp if cp > 1 else mbs * seq_len
     vtp = tp if vocab_parallel else 1
     per_mb = layers * kept_layer
     if embedding:
         per_mb += act.embedding_bytes_per_token(model, vocab_tp=vtp)
     if head:
-        per_mb += act.head_bytes_per_token(model, vocab_tp=vtp, precision=precision)
+        per_mb += act.head_bytes_per_token(model, vocab_tp=vtp, precision=precision, tp=tp, sp=sp)
     acts = in_flight * (tokens * per_mb + (act.head_bytes_per_micro_batch(vocab_tp=vtp) if head else 0.0))
     # One micro-batch's working set beyond what is kept (estimates, docs/predictor.md): the loss's
     # logits at the head; under full recomputation the re-run layer's full activations and their

@@ -1,0 +1,66 @@
+"""What one rank sends to, and makes of what it receives from, an adjacent stage, per ``layout.Hop``.
+
+A message is one CP rank's part of a micro-batch's activation or gradient, [b, s/cp, h]. A stage
+holds it whole on every TP rank, or, under sequence parallelism, TP rank q holds its sequence slice
+q ([b, s/(cp t), h]). The hop says what travels (the whole tensor, a flat 1/t, or the receiver's
+sequence slice) and who all-gathers over a TP group: the sender before sending (a sequence-parallel
+stage facing another TP degree), or the receiver on arrival. The TP gathers run on the stage's own
+TP group, usually the fast intra-node link; the slow inter-stage link carries one copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hethub.comm.communicator import Communicator
+from hethub.layout import Hop, RankPlace
+
+
+class StageMessages:
+    def __init__(self, *, place: RankPlace, comm: Communicator, micro_batch_size: int, seq_len: int,
+                 hidden_size: int) -> None:
+        st = place.stage
+        self.place, self.comm = place, comm
+        self.tp, self.tp_rank = st.tp, place.tp_rank
+        self.order = place.tp_group  # TP rank order
+        self.sp = st.sequence_parallel
+        self.shape = (micro_batch_size, seq_len // st.cp, hidden_size)  # this CP rank's whole message
+
+    def outgoing(self, t: torch.Tensor, hop: Hop, *, dests: int) -> list[torch.Tensor]:
+        """The payload for each of ``dests`` receivers (in the layout's order: TP ranks q = j, j + t,
+        ...) of this rank's tensor ``t`` (its slice under sequence parallelism)."""
+        if hop.source_gathers:
+            t = self.gather_seq(t)
+        whole = not self.sp or hop.source_gathers
+        if hop.piece == "whole":
+            return [t] * dests
+        if hop.piece == "flat":
+            return [t.reshape(-1).chunk(self.tp)[self.tp_rank].contiguous()] * dests
+        if not whole:  # a sequence-parallel sender facing its own TP degree: its slice is the receiver's
+            return [t.contiguous()] * dests
+        parts = hop.parts
+        return [t.chunk(parts, dim=1)[self.tp_rank + i * self.tp].contiguous() for i in range(dests)]
+
+    def recv_shape(self, hop: Hop) -> tuple[int, ...]:
+        """The buffer a receive of ``hop`` posts."""
+        if hop.piece == "flat":
+            return (self.shape[0] * self.shape[1] * self.shape[2] // self.tp,)
+        if hop.piece == "seq":
+            return (self.shape[0], self.shape[1] // self.tp, self.shape[2])
+        return self.shape
+
+    def arrived(self, buf: torch.Tensor, hop: Hop) -> torch.Tensor:
+        """What the receiving rank works on: the buffer, or the pieces all-gathered over its TP group."""
+        if not hop.dest_gathers:
+            return buf
+        if hop.piece == "seq":
+            return self.gather_seq(buf)
+        ranks = tuple(sorted(self.order))
+        pieces = self.comm.all_gather(buf, group=ranks).chunk(len(ranks))
+        return torch.cat([pieces[ranks.index(r)] for r in self.order]).view(self.shape)
+
+    def gather_seq(self, t: torch.Tensor) -> torch.Tensor:
+        """TP rank q's sequence slice at q: the whole (CP-local) sequence, outside autograd."""
+        ranks = tuple(sorted(self.order))
+        parts = self.comm.all_gather(t.contiguous(), group=ranks, dim=1).chunk(len(ranks), dim=1)
+        return torch.cat([parts[ranks.index(r)] for r in self.order], dim=1)
