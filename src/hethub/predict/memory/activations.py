@@ -39,9 +39,9 @@ token of the rank's own share of the sequence (the caller's tokens are s/cp per 
 attention core is the ring's (``runtime/context_parallel.py``): Q, K and V at their own head count,
 the output and the fp32 log-sum-exp, whatever the kernel (its blocks' scores are recomputed). Full
 recomputation keeps only each layer's input. Selective recomputation (the paper's Sec. 5) checkpoints
-the attention core (in hethub's runtime: rotary, GQA's repeat where there is one, scores, softmax, attention over V): the layer keeps the
-projections' Q, K and V (K and V at their own ``kv_heads`` width) and the output, and drops what the
-kernel saves (the log-sum-exp, or math's scores and fp32 copies), i.e. the paper's 5 a s^2 b.
+the attention core (in hethub's runtime: rotary, GQA's repeat where there is one, scores, softmax,
+attention over V): the layer keeps the projections' Q, K and V (K and V at their own ``kv_heads``
+width) and the output, and drops what the kernel saves (the log-sum-exp, or math's scores and fp32 copies), i.e. the paper's 5 a s^2 b.
 """
 
 from __future__ import annotations
