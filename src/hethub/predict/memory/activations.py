@@ -41,7 +41,8 @@ the output and the fp32 log-sum-exp, whatever the kernel (its blocks' scores are
 recomputation keeps only each layer's input. Selective recomputation (the paper's Sec. 5) checkpoints
 the attention core (in hethub's runtime: rotary, GQA's repeat where there is one, scores, softmax,
 attention over V): the layer keeps the projections' Q, K and V (K and V at their own ``kv_heads``
-width) and the output, and drops what the kernel saves (the log-sum-exp, or math's scores and fp32 copies), i.e. the paper's 5 a s^2 b.
+width) and the output, and drops what the kernel saves (the log-sum-exp, or math's scores and fp32
+copies), i.e. the paper's 5 a s^2 b.
 """
 
 from __future__ import annotations
