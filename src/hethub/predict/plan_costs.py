@@ -11,14 +11,16 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from hethub.layout import split_hop
 from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
 from hethub.predict.memory import StageMemory, act_bytes_for, runtime_vocab_parallel, stage_memory, stage_params
 from hethub.predict.profiles import KindProfile, ProfileSet
+from hethub.predict.seq_parallel import boundary_hop_s, cp_compute_share, cp_ring_s, sp_tp_comm_s, splits_sequence
 from hethub.schedules import Schedule
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.spec.cluster import Link
@@ -70,12 +72,16 @@ class PlanCosts:
 
     def of_stage(self, stage: Stage, *, mbs: int) -> StageStepCost:
         """``stage_cost`` of a plan stage at micro-batch size ``mbs``, all its layers as one."""
-        return self.stage_cost(kind=stage.kind, layers=stage.num_layers, embedding=stage.embedding, head=stage.head,
-                               tp=stage.tp, mbs=mbs, recompute=stage.recompute)
+        return self.with_ring(stage, self.stage_cost(
+            kind=stage.kind, layers=stage.num_layers, embedding=stage.embedding, head=stage.head, tp=stage.tp,
+            mbs=mbs, recompute=stage.recompute, sp=stage.sequence_parallel, cp=stage.cp),
+            mbs=mbs, layers=stage.num_layers)
 
     def stage_cost(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
-                   recompute: Recompute) -> StageStepCost:
-        key = (kind, layers, embedding, head, tp, mbs, recompute)
+                   recompute: Recompute, sp: bool = False, cp: int = 1) -> StageStepCost:
+        """``sp``, ``cp``: the stage's sequence and context parallelism (``predict/seq_parallel.py``);
+        the CP ring's passes depend on the devices and are added by ``with_ring``."""
+        key = (kind, layers, embedding, head, tp, mbs, recompute, sp, cp)
         cost = self.stage.get(key)
         if cost is None:
             plan = self.plan
@@ -83,14 +89,42 @@ class PlanCosts:
             times = stage_times(plan.model, k, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
                                 seq_len=plan.seq_len, recompute=recompute, precision=plan.precision_of(kind),
                                 profile=self.profile(kind))
-            act = mbs * plan.seq_len * plan.model.hidden_size * self.act_bytes
+            if cp > 1:
+                share = cp_compute_share(cp)
+                times = replace(times, fwd_s=times.fwd_s * share, bwd_s=times.bwd_s * share)
+            act = mbs * plan.seq_len // cp * plan.model.hidden_size * self.act_bytes
             intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
-            tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
+            if sp:
+                tp_f, tp_b = sp_tp_comm_s(act_bytes_per_layer=act, layers=layers, tp=tp,
+                                          hidden_size=plan.model.hidden_size, link=intra)
+            else:
+                tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
             if times.tp_comm_included:
                 # Profiles measured on a real TP group have its collectives inside already.
                 tp_f = tp_b = 0.0
             cost = self.stage[key] = StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
         return cost
+
+    def with_ring(self, stage: Stage, cost: StageStepCost, *, mbs: int, layers: int) -> StageStepCost:
+        """``cost`` with the stage's CP ring passes for ``layers`` layers added (none without CP)."""
+        if stage.cp == 1:
+            return cost
+        plan = self.plan
+        f, b = cp_ring_s(plan.cluster, stage, model=plan.model, mbs=mbs, seq_len=plan.seq_len,
+                         act_bytes=self.act_bytes, layers=layers)
+        return StageStepCost(cost.times, cost.fwd_s + f, cost.bwd_s + b)
+
+    def boundary_s(self, src: Stage, dst: Stage, *, mbs: int, flat: bool = True) -> float:
+        """One micro-batch's transfer from stage ``src`` to ``dst`` and its gradient back: the plain
+        TP rule (``comm.stage_hop_time_s``) or, where either splits sequences, seq_parallel's."""
+        plan = self.plan
+        h = plan.model.hidden_size
+        if splits_sequence((src, dst)):
+            return boundary_hop_s(plan.cluster, src, dst, mbs=mbs, seq_len=plan.seq_len, hidden_size=h,
+                                  act_bytes=self.act_bytes, flat=flat)
+        numel = mbs * plan.seq_len * h
+        return self.hop_s(senders=src.devices, receivers=dst.devices, nbytes=numel * self.act_bytes,
+                          split=flat and split_hop(a=src.tp, b=dst.tp, numel=numel))
 
     def hop_s(self, *, senders: tuple[int, ...], receivers: tuple[int, ...], nbytes: float, split: bool) -> float:
         """``comm.stage_hop_time_s`` on the plan's cluster."""
@@ -167,12 +201,13 @@ class PlanCosts:
         fwd, bwd = [0.0] * (n * v), [0.0] * (n * v)
         for si, s in enumerate(p.stages):
             for c, (a, b) in enumerate(s.layer_ranges):
-                cost = self.stage_cost(kind=s.kind, layers=b - a, embedding=s.embedding and c == 0,
-                                       head=s.head and c == v - 1, tp=s.tp, mbs=mbs, recompute=s.recompute)
+                cost = self.with_ring(s, self.stage_cost(kind=s.kind, layers=b - a, embedding=s.embedding and c == 0,
+                                                         head=s.head and c == v - 1, tp=s.tp, mbs=mbs,
+                                                         recompute=s.recompute, sp=s.sequence_parallel, cp=s.cp),
+                                      mbs=mbs, layers=b - a)
                 fwd[c * n + si], bwd[c * n + si] = cost.fwd_s, cost.bwd_s
-        # The wrap sends whole tensors (the executor never TP-splits it).
-        wrap = stage_hop_time_s(self.plan.cluster, senders=p.stages[-1].devices, receivers=p.stages[0].devices,
-                                nbytes=mbs * self.plan.seq_len * self.plan.model.hidden_size * self.act_bytes)
+        # The wrap never sends a flat TP slice (layout.wrap_hops).
+        wrap = self.boundary_s(p.stages[-1], p.stages[0], mbs=mbs, flat=False)
         hops = [p2p[k % n] if k % n < n - 1 else wrap for k in range(n * v - 1)]
         return fwd, bwd, hops
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import replace
 
-from hethub.layout import split_hop
 from hethub.plan import Pipeline, Plan, Recompute, ShardWeights
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
@@ -132,7 +131,6 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     mem_headroom = check_headroom(mem_headroom)
     model = plan.model
     costs = PlanCosts(plan, profiles)
-    p2p_bytes_per_mbs = plan.seq_len * model.hidden_size * costs.act_bytes
     partial: list[tuple[int, int, StageStepCost, StageMemory, float, int]] = []
     finish: list[list[float]] = []
     updates: list[list[float]] = []
@@ -149,11 +147,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         for si, s in enumerate(p.stages):
             cost = costs.of_stage(s, mbs=mbs)
             in_flight, mem = _stage_mem(costs, schedule, pi, si)
-            send = 0.0
-            if si < n - 1:
-                nxt = p.stages[si + 1]
-                send = costs.hop_s(senders=s.devices, receivers=nxt.devices, nbytes=mbs * p2p_bytes_per_mbs,
-                                   split=split_hop(a=s.tp, b=nxt.tp, numel=mbs * plan.seq_len * model.hidden_size))
+            send = costs.boundary_s(s, p.stages[si + 1], mbs=mbs) if si < n - 1 else 0.0
             fwd.append(cost.fwd_s)
             bwd.append(cost.bwd_s)
             p2p.append(send)

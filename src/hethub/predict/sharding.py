@@ -61,7 +61,8 @@ class Bucket:
         """The reduction groups (sorted ranks): one per TP rank, or one of every rank when mixed."""
         if self.mixed:
             return [tuple(sorted(r for s in self.holders for r in s.ranks))]
-        return [tuple(sorted(s.ranks[q] for s in self.holders)) for q in range(self.holders[0].tp)]
+        # Every CP rank of a holder is a member (layout.Topology.sync_group).
+        return [tuple(sorted(r for s in self.holders for r in s.cp_group(q))) for q in range(self.holders[0].tp)]
 
     def elems(self, model: ModelSpec) -> int:
         """Elements each member of a line reduces: the local TP shard's, or the full size when mixed."""

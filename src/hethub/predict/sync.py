@@ -111,10 +111,11 @@ class SyncGroup:
     nbytes: float  # per participant
     link: Link
     time_s: float
+    members: int = 0  # ranks per reduction line where holders have several CP ranks (0: one per holder)
 
     @property
     def participants(self) -> int:
-        return len(self.holders)
+        return self.members or len(self.holders)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
     if plan.sharded_optimizer:  # the split depends on the ranks' weights
         return _sync_groups(plan, shard_weights=shard_weights)
     key = (id(plan.model), id(plan.cluster), plan.precision,
-           tuple(tuple((s.devices, s.layers, s.chunks, s.embedding, s.head) for s in p.stages) for p in plan.pipelines))
+           tuple(tuple((s.devices, s.layers, s.chunks, s.embedding, s.head, s.cp) for s in p.stages)
+                 for p in plan.pipelines))
     return list(_GROUPS.get(key, lambda: tuple(_sync_groups(plan, shard_weights=None)), pin=(plan.model, plan.cluster)))
 
 
@@ -144,6 +146,7 @@ def _sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None) -> list[
 
     tp_of = {(pi, si): s.tp for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
     devs = {(pi, si): s.devices for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+    stage_of = {(pi, si): s for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
     first_dev = {x: d[0] for x, d in devs.items()}
     h, v = model.hidden_size, model.vocab_size
     norm_layer = model.layer_params - model.layer_matmul_params
@@ -154,10 +157,14 @@ def _sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None) -> list[
         hs = tuple(stages)
         link = links.get(hs)
         if link is None:  # one ring per TP rank of the smallest degree, all at once (lined up)
-            rings = tuple(tuple(devs[x][q] for x in hs) for q in range(min(tp_of[x] for x in hs)))
+            # Every CP rank of a holder is in the ring (layout.Topology.sync_group).
+            rings = tuple(tuple(d for x in hs for d in stage_of[x].cp_group(q))
+                          for q in range(min(tp_of[x] for x in hs)))
             link = links[hs] = _RINGS.get((id(cluster), rings), lambda: rings_link(cluster, rings), pin=(cluster,))
         nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
-        return SyncGroup(name, hs, nbytes, link, allreduce_time_s(nbytes=nbytes, participants=len(hs), link=link))
+        members = sum(stage_of[x].cp for x in hs)
+        return SyncGroup(name, hs, nbytes, link, allreduce_time_s(nbytes=nbytes, participants=members, link=link),
+                         members=members if members != len(hs) else 0)
 
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
@@ -216,7 +223,10 @@ def _sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], gr
     if p <= 1:
         return g
     elems = round(g.nbytes / grad_bytes)
-    slices = split_elems(elems, [weight[x] for x in g.holders])
+    # With CP ranks among the members, their slices are taken as equal (an estimate; the runtime
+    # splits by each rank's weight).
+    slices = (split_elems(elems, [weight[x] for x in g.holders]) if not g.members
+              else split_elems(elems, [1.0] * g.members))
     chunk_elems = max(slices)
     param_bytes = gather_bytes_per_param(plan, g.holders)
     ex = holder_exchange(plan, g.holders)
@@ -262,7 +272,8 @@ def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str]) -> list[Sy
             continue
         hs, nbytes = gs[0].holders, sum(g.nbytes for g in gs)
         out.append(SyncGroup(", ".join(g.name for g in gs), hs, nbytes, gs[0].link,
-                             allreduce_time_s(nbytes=nbytes, participants=len(hs), link=gs[0].link)))
+                             allreduce_time_s(nbytes=nbytes, participants=gs[0].participants, link=gs[0].link),
+                             members=gs[0].members))
     return out
 
 

@@ -204,6 +204,11 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
     _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
     _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    # Llama 3.1 8B: Llama 3 8B's layers at 131,072 positions (its config.json: rope_theta 500000,
+    # rope_scaling llama3, factor 8 from 8,192), the long-context preset (context parallelism).
+    replace(_llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072), rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192}),
     # HETHUB trains a Llama-style ~140B model without publishing its shape. Ours: Llama-2-70B's
     # recipe widened to hidden 12288 (96 heads of 128, 8 KV heads), FFN 32768, 90 layers:
     # 139.0e9 parameters.
