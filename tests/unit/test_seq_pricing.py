@@ -110,7 +110,7 @@ def test_plan_refuses_cp_not_dividing_devices_and_tp_spanning_nodes():
     plan = _plan({"cp": 2}, {"cp": 2})
     st = plan.pipelines[0].stages[0]
     with pytest.raises(PlanError, match="does not divide"):
-        replace(plan, pipelines=(replace(plan.pipelines[0], stages=(replace(st, devices=st.devices + (9,)),
+        replace(plan, pipelines=(replace(plan.pipelines[0], stages=(replace(st, devices=(*st.devices, 9)),
                                                                    plan.pipelines[0].stages[1])),)).validate()
     # CP-major: with tp 2 the devices [0, 4, 1, 5] put TP groups across nodes.
     bad = replace(st, devices=(0, 4, 1, 5), cp=2)
