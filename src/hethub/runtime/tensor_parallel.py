@@ -111,26 +111,18 @@ class _GatherSeq(torch.autograd.Function):
         return (_seq_slice(grad, ctx.tp) if ctx.split else _seq_reduce_scatter(grad, ctx.tp)), None, None
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
+class _ToSlice(torch.autograd.Function):
+    """This rank's sequence slice of partial sums (``reduce``: reduce-scattered) or of a tensor every
+    rank has whole (taken); backward all-gathers the slices' gradients."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext, reduce: bool) -> torch.Tensor:
         ctx.tp = tp
-        return _seq_reduce_scatter(x, tp)
+        return _seq_reduce_scatter(x, tp) if reduce else _seq_slice(x, tp)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_all_gather(grad, ctx.tp), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-        ctx.tp = tp
-        return _seq_slice(x, tp)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_all_gather(grad, ctx.tp), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _seq_all_gather(grad, ctx.tp), None, None
 
 
 class _SumGradOverTP(torch.autograd.Function):
@@ -154,12 +146,12 @@ def gather_seq(x: torch.Tensor, tp: TPContext, *, split_grad: bool = False) -> t
 
 def reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """After a row-parallel block (or a vocabulary-parallel lookup): the sum, as this rank's slice."""
-    return _ReduceScatterSeq.apply(x, tp)
+    return _ToSlice.apply(x, tp, True)
 
 
 def scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """A tensor every TP rank has whole -> this rank's sequence slice (backward all-gathers)."""
-    return _ScatterSeq.apply(x, tp)
+    return _ToSlice.apply(x, tp, False)
 
 
 def sum_grad_over_tp(p: torch.Tensor, tp: TPContext) -> torch.Tensor:

@@ -124,7 +124,8 @@ class ZeroSync:
             for name, p in self.buffer.bucket_params(b):
                 zb.params.append((name, p, dim_of[name]))
                 zb.shapes.append(self._layout_shape(p, dim_of[name]) if zb.mixed else tuple(p.shape))
-                self._first_holder[name] = rank in topo.unit_holders[unit_of(name)][0].tp_group(0)  # CP rank 0 counts it
+                # CP rank 0 of the first holder: every CP rank holds the same values.
+                self._first_holder[name] = rank in topo.unit_holders[unit_of(name)][0].tp_group(0)
         self.buckets = list(by_line.values())
         self.buffer_index = {n: k for k, n in enumerate(self.buffer.names)}
         self._group_index = {n: i for zb in self.buckets for i, (n, _, _) in enumerate(zb.params)}
