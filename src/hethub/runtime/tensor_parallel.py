@@ -125,19 +125,6 @@ class _ToSlice(torch.autograd.Function):
         return _seq_all_gather(grad, ctx.tp), None, None
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, p: torch.Tensor, tp: TPContext) -> torch.Tensor:
-        ctx.tp = tp
-        return p.view_as(p)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        g = grad.contiguous().clone()
-        ctx.tp.comm.all_reduce(g, group=ctx.tp.group)
-        return g, None
-
-
 def gather_seq(x: torch.Tensor, tp: TPContext, *, split_grad: bool = False) -> torch.Tensor:
     """Before a column-parallel block of a sequence-parallel stage: the whole sequence from every TP
     rank's slice. ``split_grad``: the gradient arrives whole on every rank (a replicated head)."""
@@ -159,7 +146,8 @@ def sum_grad_over_tp(p: torch.Tensor, tp: TPContext) -> torch.Tensor:
     backward, so every rank's ``.grad`` is the whole gradient as without sequence parallelism (and the
     data-parallel sync, ZeRO and checkpoints see nothing new). One all-reduce of the parameter's size
     per micro-batch; Megatron sums these once per step instead, which its gradient buffer allows."""
-    return p if not tp.sequence_parallel or tp.size == 1 else _SumGradOverTP.apply(p, tp)
+    # copy_to_tp's function: identity forward, all-reduce of the gradient backward.
+    return p if not tp.sequence_parallel or tp.size == 1 else _CopyToTP.apply(p, tp)
 
 
 def enter_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
