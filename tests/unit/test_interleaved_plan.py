@@ -83,8 +83,8 @@ def test_split_evenly_and_interleave_helpers():
 
 
 def test_planner_chooses_virtual_stages_where_they_pay_under_memory():
-    # 16 A100-80GB + 16 MI250X, llama-3-70b, batch 16 x 4096: one pipeline of 4 stages, 16
-    # micro-batches. "auto" picks interleaved (v = 3) over 1F1B and ZB-H1 (predicted).
+    # 16 A100-80GB + 16 MI250X, llama-3-70b, batch 16 x 8192 (long enough sequences that activation
+    # memory, not compute, limits the stages): "auto" picks interleaved (v = 3) over 1F1B and ZB-H1.
     from pathlib import Path
 
     from hethub.search.config import PlannerConfig
@@ -94,8 +94,8 @@ def test_planner_chooses_virtual_stages_where_they_pay_under_memory():
 
     cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/nvidia-amd-32.toml")
     model = get_model("llama-3-70b")
-    one = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=16, seq_len=4096, schedule="1f1b"))
-    auto = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=16, seq_len=4096, schedule="auto"))
+    one = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=16, seq_len=8192, schedule="1f1b"))
+    auto = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=16, seq_len=8192, schedule="auto"))
     assert auto.plan.schedule == "interleaved" and max(p.virtual_stages for p in auto.plan.pipelines) > 1
     assert auto.prediction.step_time_s < one.prediction.step_time_s
     assert auto.notes[0].startswith("schedule interleaved chosen")
