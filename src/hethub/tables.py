@@ -90,21 +90,29 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
 
 
 def calibration_notes(plan: Plan, pred: Prediction) -> list[str]:
-    """Say which kinds' times rest on uncalibrated catalog numbers, and how to measure them instead.
-    CPU kinds (backend gloo) have only nominal placeholders in the catalog, so their analytic times
-    can be off several-fold; accelerator kinds have datasheet peaks times an assumed efficiency."""
-    analytic = sorted(k for k, v in pred.compute_sources.items() if v == "analytic")
-    cpu = [k for k in analytic if plan.cluster.kinds[k].backend == "gloo"]
-    accel = [k for k in analytic if k not in cpu]
+    """Say which kinds' times rest on assumed numbers, and how to measure them instead. CPU kinds
+    (backend gloo) have only nominal placeholders in the catalog, so their analytic times can be off
+    several-fold; accelerator kinds use datasheet peaks with efficiencies that are fitted on cited
+    measurements where the catalog has them (`hethub predict --json`: sources.calibration)."""
+    roofline = sorted(k for k, v in pred.compute_sources.items() if v == "analytic, constant efficiency")
+    cpu = [k for k in roofline if plan.cluster.kinds[k].backend == "gloo"]
+    accel = [k for k in roofline if k not in cpu]
+    uncal = sorted(k for k, v in pred.compute_sources.items() if v == "analytic, uncalibrated")
+    partly = {k: v for k, v in sorted(pred.compute_sources.items()) if v.startswith("analytic, partly calibrated")}
     out = []
     if cpu:
         out.append(f"UNCALIBRATED: {', '.join(cpu)}: times from the catalog's nominal CPU numbers (placeholders, not "
                    "measurements); this prediction can be off several-fold. Calibrate: hethub profile --model "
                    f"{plan.model.name} --seq-len {plan.seq_len} --kind {','.join(cpu)} --out profiles/, then pass "
                    "--profiles profiles/")
-    if accel:
-        out.append(f"uncalibrated: {', '.join(accel)}: times from datasheet peaks x an assumed efficiency (catalog); "
-                   "measured profiles (hethub profile on the device, or Sailor's) replace them via --profiles")
+    if accel or uncal:
+        out.append(f"uncalibrated: {', '.join(accel + uncal)}: times from datasheet peaks x assumed efficiencies "
+                   "(catalog); measured profiles (hethub profile on the device, or Sailor's) replace them via "
+                   "--profiles")
+    for kind, src in partly.items():
+        assumed = src.rpartition(" (")[2].rstrip(")")
+        out.append(f"partly calibrated: {kind}: {assumed} (the rest fitted on cited measurements: "
+                   "hethub predict --json, sources.calibration)")
     return out
 
 

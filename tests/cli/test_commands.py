@@ -40,9 +40,15 @@ def test_plan_then_predict_agree(tmp_path, capsys):
         assert sum(parts.values()) == pytest.approx(pred["step_time_s"])
     assert set(pred["mfu_by_kind"]) == {"a100-40gb", "v100-16gb", "all"}
     assert all(0 < v < 1 for v in pred["mfu_by_kind"].values())
-    assert pred["sources"]["compute"]["a100-40gb"].startswith("analytic, partly calibrated on Sailor profiles")
+    assert pred["sources"]["compute"]["a100-40gb"].startswith("analytic, calibrated on MAMF table, Sailor profiles")
+    # every efficiency the op model used, per kind, with its value and where it comes from
+    numbers = pred["sources"]["calibration"]["v100-16gb"]["numbers"]
+    assert numbers["gemm_eff"] == {"value": 0.8, "source": "assumed default"}
+    k_half = numbers["gemm_k_half"]["source"]
+    assert k_half.startswith("Sailor profiles") and "V100-16" in k_half
     code, out, _ = run(["predict", "--plan", plan_path], capsys)
     assert "predicted step time" in out and "a100-40gb" in out
+    assert "partly calibrated: v100-16gb: gemm_eff 0.8 assumed" in out  # the text says what is assumed too
 
 
 def test_compare_prints_every_strategy_with_speedups(capsys):

@@ -73,8 +73,13 @@ def test_fit_recovers_known_numbers():
 
 def test_sources_say_calibrated_or_not():
     assert kernel_params(catalog()["a100-40gb"], "fp32")[1].startswith("analytic, calibrated on Sailor")
-    assert kernel_params(catalog()["a100-40gb"], "bf16-mixed")[1].startswith("analytic, partly calibrated on Sailor")
-    assert kernel_params(catalog()["h100-sxm"], "bf16-mixed")[1] == "analytic, uncalibrated"
+    assert kernel_params(catalog()["a100-40gb"], "bf16-mixed")[1] == (
+        "analytic, calibrated on MAMF table, Sailor profiles GPT-Neo-2.7, LLAMA-3-8, OPT-30, OPT-350 on A100-40, "
+        "FlashAttention-2 paper")
+    h100 = kernel_params(catalog()["h100-sxm"], "bf16-mixed")[1]
+    assert h100.startswith("analytic, partly calibrated on MAMF")
+    assert h100.endswith("(gemm_k_half 64, kernel_launch_s 1e-05 assumed)")
+    assert kernel_params(catalog()["mi300x"], "fp32")[1] == "analytic, uncalibrated"
     assert kernel_params(catalog()["cpu"], "fp32") is None  # no compute-unit data: constant-efficiency roofline
 
 

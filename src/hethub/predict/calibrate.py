@@ -18,6 +18,7 @@ from hethub.predict.gemm import (
     KernelParams,
     flash_time_s,
     gemm_time_from_terms,
+    gemm_time_s,
     memory_time_s,
     split_k_options,
     stream_time_s,
@@ -245,3 +246,18 @@ def fit_shared_mem_eff(groups: dict[str, tuple[Sequence[Sample], KernelParams, d
     out = {k: fit_kind(smp, base=base, peaks=peaks, mem_eff=best, start=fits.get(k))
            for k, (smp, base, peaks) in groups.items()}
     return best, out
+
+
+def gemm_tflops(p: KernelParams, *, m: int, n: int, k: int, elem_bytes: int = 2) -> float:
+    """TFLOP/s the kernel model gives one GEMM of C[m, n] = A[m, k] @ B[k, n] with numbers `p`."""
+    return 2.0 * m * n * k / gemm_time_s(p, m=m, n=n, k=k, elem_bytes=elem_bytes) / 1e12
+
+
+def fit_gemm_eff(shapes_tflops: Sequence[tuple[int, int, int, float]], p: KernelParams) -> float:
+    """The GEMM efficiency with which the kernel model reproduces measured (m, n, k, TFLOP/s) points
+    best (least squared log error) on a kind whose other numbers are `p`. Large GEMMs are compute-bound,
+    where time is inversely proportional to the efficiency: the fit is the geometric mean of each
+    point's measured / modelled-at-efficiency-1 ratio."""
+    one = replace(p, gemm_eff=1.0)
+    logs = [math.log(t / gemm_tflops(one, m=m, n=n, k=k)) for m, n, k, t in shapes_tflops]
+    return math.exp(sum(logs) / len(logs))

@@ -127,29 +127,74 @@ def kernel_params(kind: DeviceKind, precision: str) -> tuple[KernelParams, str] 
     has no compute-unit data (the constant-efficiency roofline applies).
 
     bf16-mixed runs its GEMMs on the tensor cores at the dense bf16 peak; fp32 on the non-tensor fp32
-    units (PyTorch's default: TF32 off for matmuls). The GEMM efficiency of that precision, and the
-    shape, memory and launch numbers, each come from the catalog where fitted, else are assumed; the
-    source says which: "calibrated on ...", "partly calibrated on ..." or "uncalibrated".
+    units (PyTorch's default: TF32 off for matmuls). Each number comes from the catalog where fitted,
+    else is assumed; the source says which (:func:`efficiency_sources`): "calibrated on ...",
+    "partly calibrated on ... (X assumed ...)" or "uncalibrated".
     """
     if kind.sm_count is None or not kind.mem_bw_bytes_per_s:
         return None
-    if precision == "fp32":
-        peak, eff = kind.fp32_flops or kind.peak_flops / 8, kind.gemm_eff_fp32
-    else:
-        peak, eff = kind.peak_flops, kind.gemm_eff
-    shared = (kind.gemm_k_half, kind.mem_eff, kind.kernel_launch_s)
+    numbers = efficiency_sources(kind, precision)
+    value = {name: entry["value"] for name, entry in numbers.items()}
     # gemm_k_half is in K steps of the fp32 units (calibrate.Fit.params: Sailor's TF32 runs fit with it
-    # scaled by peak / fp32 peak). bf16 keeps the fp32 number unscaled: no bf16 run has measured it,
-    # and 16x (A100) would extrapolate twice beyond what TF32 showed.
+    # scaled by peak / fp32 peak). bf16 keeps the fp32 number unscaled: the published bf16 GEMMs are all
+    # long-K, where it barely matters, and 16x (A100) would extrapolate twice beyond what TF32 showed.
     params = KernelParams(
-        sm_count=kind.sm_count, matmul_flops=peak, mem_bw_bytes_per_s=kind.mem_bw_bytes_per_s,
-        gemm_eff=eff if eff is not None else DEFAULT_GEMM_EFF,
-        k_half=kind.gemm_k_half if kind.gemm_k_half is not None else DEFAULT_K_HALF,
-        mem_eff=kind.mem_eff if kind.mem_eff is not None else DEFAULT_MEM_EFF,
-        launch_s=kind.kernel_launch_s if kind.kernel_launch_s is not None else DEFAULT_LAUNCH_S)
-    if not kind.calibration or all(v is None for v in (eff, *shared)):
+        sm_count=kind.sm_count, matmul_flops=_matmul_peak(kind, precision), mem_bw_bytes_per_s=kind.mem_bw_bytes_per_s,
+        gemm_eff=value["gemm_eff"], k_half=value["gemm_k_half"], mem_eff=value["mem_eff"],
+        launch_s=value["kernel_launch_s"], flash_eff=value.get("flash_eff", 0.0))
+    fitted = {n: e["source"] for n, e in numbers.items() if not e["source"].startswith("assumed")}
+    if not fitted:
         return params, "analytic, uncalibrated"
-    if eff is None or any(v is None for v in shared):
-        return params, (f"analytic, partly calibrated on {kind.calibration} ({precision} GEMM efficiency "
-                        f"assumed {params.gemm_eff:g})")
-    return params, f"analytic, calibrated on {kind.calibration}"
+    # short names here (each source's text up to its first parenthesis or colon); in full in efficiency_sources
+    sources = ", ".join(dict.fromkeys(v.split(" (")[0].split(":")[0] for v in fitted.values()))
+    assumed = [f"{n} {e['value']:g}" for n, e in numbers.items() if n not in fitted]
+    if assumed:
+        return params, f"analytic, partly calibrated on {sources} ({', '.join(assumed)} assumed)"
+    return params, f"analytic, calibrated on {sources}"
+
+
+def _matmul_peak(kind: DeviceKind, precision: str) -> float:
+    if precision == "fp32":
+        return kind.fp32_flops or kind.peak_flops / 8
+    return kind.peak_flops
+
+
+def efficiency_sources(kind: DeviceKind, precision: str) -> dict[str, dict[str, float | str]]:
+    """Every efficiency the op model uses for `kind` at `precision`: its value and where it comes from
+    (a cited public measurement, the profiles named in the kind's `calibration`, or "assumed default").
+    `hethub predict --json` reports it per kind (sources["calibration"]). ``flash_eff`` appears where
+    the stage runs fused attention (a flash kind, 16-bit: fp32 runs math attention)."""
+    eff_field = "gemm_eff_fp32" if precision == "fp32" else "gemm_eff"
+    fields = {"gemm_eff": (eff_field, DEFAULT_GEMM_EFF), "gemm_k_half": ("gemm_k_half", DEFAULT_K_HALF),
+              "mem_eff": ("mem_eff", DEFAULT_MEM_EFF), "kernel_launch_s": ("kernel_launch_s", DEFAULT_LAUNCH_S)}
+    out: dict[str, dict[str, float | str]] = {}
+    for name, (field, default) in fields.items():
+        out[name] = _entry(kind, field, default)
+    if precision != "fp32" and kind.attention == "flash":
+        flash = _entry(kind, "flash_eff", out["gemm_eff"]["value"])
+        if flash["source"].startswith("assumed"):
+            flash["source"] = "assumed: equal to gemm_eff (no published attention-kernel figure for this kind)"
+        out["flash_eff"] = flash
+    return out
+
+
+def _entry(kind: DeviceKind, field: str, default: float) -> dict[str, float | str]:
+    value = getattr(kind, field)
+    if value is None:
+        return {"value": default, "source": "assumed default"}
+    own = getattr(kind, f"{field}_source", "")
+    return {"value": value, "source": own or kind.calibration or "cluster file (no source given)"}
+
+
+def calibration_of(kind: DeviceKind, *, precision: str, compute_source: str) -> dict[str, object]:
+    """What a stage's compute time rests on, for ``hethub predict --json`` (sources["calibration"]): a
+    measured profile; the op model's efficiencies each with its value and source; or the constant
+    efficiency of the roofline (always assumed or nominal in the catalog)."""
+    if compute_source == "profile":
+        return {"status": "measured profile"}
+    op = kernel_params(kind, precision)
+    if op is None:
+        return {"status": "uncalibrated (constant efficiency)", "precision": precision,
+                "numbers": {"efficiency": {"value": kind.efficiency, "source": "catalog (assumed or nominal)"}}}
+    status = op[1].removeprefix("analytic, ").split(" on ")[0]
+    return {"status": status, "precision": precision, "numbers": efficiency_sources(kind, precision)}

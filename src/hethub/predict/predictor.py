@@ -29,6 +29,7 @@ from collections.abc import Collection
 from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan, Recompute, ShardWeights
+from hethub.predict.compute import calibration_of
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
     DEFAULT_MEM_HEADROOM,
@@ -365,7 +366,10 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
             "roofline's score and value FLOPs) where a stage is analytic"
             + (f"; estimated on profiled kinds {', '.join(profiled)} as the core's share of the layer's forward "
                "FLOPs times the measured forward (a profile times whole layers)" if profiled else ""))
-    return {"compute": {s.kind: s.compute_source for s in stages}, "communication": comm, **out,
+    return {"compute": {s.kind: s.compute_source for s in stages}, "calibration": {
+                s.kind: calibration_of(cluster.kinds[s.kind], precision=s.precision, compute_source=s.compute_source)
+                for s in stages},
+            "communication": comm, **out,
             "memory": "analytic: named parts (predict/memory): state per precision, kept activations per layer, "
                       "working set, sync and optimizer buffers; framework context, collective buffers and "
                       "fragmentation from the catalog",

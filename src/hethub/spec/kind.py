@@ -21,13 +21,17 @@ BACKENDS = ("nccl", "gloo", "hccl", "xccl", "mccl", "mpi")
 DEVICE_TYPE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu", "xccl": "xpu", "mccl": "musa", "gloo": "cpu", "mpi": "cpu"}
 DEVICE_TYPES = ("cuda", "npu", "xpu", "musa", "cpu")
 
+# Fitted op-model numbers that may name their own source (a public measurement) instead of the kind's
+# `calibration` (the profiles the rest were fitted on): `<field>_source`.
+OPMODEL_SOURCES = ("gemm_eff_source", "flash_eff_source", "mem_eff_source")
+
 _KIND_KEYS = {
     "base", "vendor", "mem_bytes", "mem_gib", "peak_flops", "intra_node_bw_bytes_per_s",
     "intra_node_latency_s", "mem_bw_bytes_per_s", "backend", "efficiency", "emulated_slowdown",
     "source", "notes", "device_type", "torch_package", "price_per_hour", "price_source", *(
         # the operator-level compute model (predict/opmodel.py); all optional
         "sm_count", "fp32_flops", "tf32_flops", "attention", "gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32",
-        "gemm_k_half", "mem_eff", "kernel_launch_s", "calibration"),
+        "gemm_k_half", "mem_eff", "kernel_launch_s", "calibration", "flash_eff", *OPMODEL_SOURCES),
     "precisions", "context_bytes", "comm_buffer_bytes", "fragmentation",
 }
 ATTENTION_IMPLS = ("flash", "math")
@@ -102,6 +106,14 @@ class DeviceKind:
     mem_eff: float | None = None
     kernel_launch_s: float | None = None
     calibration: str = ""
+    # bf16 fused-attention kernel's fraction of peak_flops (forward and backward; predict/gemm.py); None:
+    # taken equal to gemm_eff
+    flash_eff: float | None = None
+    # where gemm_eff (bf16), flash_eff and mem_eff come from when not from `calibration`: a cited public
+    # measurement and how the number follows from it
+    gemm_eff_source: str = ""
+    flash_eff_source: str = ""
+    mem_eff_source: str = ""
     # Memory model inputs (see hethub.predict.memory; ``attention`` above is shared with it): the
     # precisions hethub's runtime runs natively here (the first is the fallback), the per-process
     # framework reserve (CUDA/ROCm context + BLAS/DNN workspaces), the collective library's buffers
@@ -221,7 +233,7 @@ def _opmodel_fields(table: dict[str, Any], *, where: str, base: dict[str, Any]) 
     for key in ("fp32_flops", "tf32_flops", "gemm_k_half", "kernel_launch_s"):
         v = table.get(key, base.get(key))
         out[key] = None if v is None else get_number({key: v}, key, where=where)
-    for key in ("gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32", "mem_eff"):
+    for key in ("gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32", "mem_eff", "flash_eff"):
         v = table.get(key, base.get(key))
         out[key] = None if v is None else get_number({key: v}, key, where=where)
         if v is not None and out[key] > 1:
@@ -230,7 +242,8 @@ def _opmodel_fields(table: dict[str, Any], *, where: str, base: dict[str, Any]) 
     out["sm_count"] = None if sm is None else get_int({"sm_count": sm}, "sm_count", where=where)
     out["attention"] = get_str(table, "attention", where=where, default=base.get("attention", "flash"),
                                choices=ATTENTION_IMPLS)
-    out["calibration"] = _text(table, "calibration", where=where, default=base.get("calibration", ""))
+    for key in ("calibration", *OPMODEL_SOURCES):
+        out[key] = _text(table, key, where=where, default=base.get(key, ""))
     return out
 def _precisions(table: dict[str, Any], *, where: str, default: tuple[str, ...]) -> tuple[str, ...]:
     from hethub.spec.model import PRECISIONS
