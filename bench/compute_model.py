@@ -97,9 +97,11 @@ SAILOR_CODE = {
 ELEM_BYTES = 4  # Sailor profiled fp32 (Megatron-DeepSpeed fp32 runs; TF32 where the GPU has it)
 
 
-def load() -> tuple[dict, dict, dict[tuple[str, str], str]]:
+def load(root: Path = REF) -> tuple[dict, dict, dict[tuple[str, str], str]]:
+    """Sailor's profiles, its intra-node bandwidths and the copies among the files, from `root` (the
+    full reference set; the tests pass their vendored copy)."""
     profiles, digests = {}, {}
-    for f in sorted((REF / "profiles").glob("*/*/profile.json")):
+    for f in sorted((root / "profiles").glob("*/*/profile.json")):
         model, gpu = f.parent.parent.name, f.parent.name
         profiles[(gpu, model)] = json.loads(f.read_bytes())
         digests[(gpu, model)] = hashlib.sha256(json.dumps(profiles[(gpu, model)], sort_keys=True).encode()).digest()
@@ -112,7 +114,7 @@ def load() -> tuple[dict, dict, dict[tuple[str, str], str]]:
         twins = [m for (g, m), d in digests.items() if g == gpu and m != model and d == dg]
         if twins and layers not in (spec.num_layers + 2, spec.num_layers + 3):
             dup[(gpu, model)] = twins[0]
-    bws = json.loads((REF / "intra_node_bandwidths.json").read_text())
+    bws = json.loads((root / "intra_node_bandwidths.json").read_text())
     return profiles, bws, dup
 
 

@@ -91,3 +91,12 @@ def test_a_prediction_reports_each_efficiency_with_its_source():
     assert ascend["status"].startswith("uncalibrated") and ascend["numbers"]["efficiency"]["value"] == 0.45
     assert calibration_of(catalog()["a100-40gb"], precision="bf16-mixed", compute_source="profile") == {
         "status": "measured profile"}
+
+
+def test_a_cluster_file_override_is_not_credited_to_the_base_kinds_source():
+    from hethub.spec.kind import parse_kind
+
+    mine = parse_kind("my-h100", {"gemm_eff": 0.7}, where="cluster.toml: kinds.my-h100", base=catalog()["h100-sxm"])
+    numbers = efficiency_sources(mine, "bf16-mixed")
+    assert numbers["gemm_eff"] == {"value": 0.7, "source": "cluster file"}
+    assert "arXiv:2307.08691" in numbers["flash_eff"]["source"]  # not overridden: still the cited figure

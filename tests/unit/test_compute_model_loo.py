@@ -9,19 +9,15 @@ import statistics
 import sys
 from pathlib import Path
 
-import pytest
-
+from conftest import SAILOR_DATA
 from hethub.predict.calibrate import DEFAULT_MEM_EFF, fit_kind, predicted_layer_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import compute_model as bench
 
-needs_sailor = pytest.mark.skipif(not (bench.REF / "profiles").is_dir(), reason="../shared/reference/sailor is absent")
 
-
-@needs_sailor
 def test_v100_leave_one_model_out_meets_the_targets():
-    profiles, bws, dup = bench.load()
+    profiles, bws, dup = bench.load(SAILOR_DATA)
     gpu = "V100-16"
     samples = bench.samples_of({k: v for k, v in profiles.items() if k[0] == gpu}, bws)
     models = sorted(m for _, m in samples)

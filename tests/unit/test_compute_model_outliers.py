@@ -1,7 +1,8 @@
 """The entries bench/compute_model.py leaves outside 15%: for each, the mechanism it names is shown from
 the measured files themselves (no model involved) to be absent from them or contradicted by them, so
 no mechanism fitted on the other files can reach it. Entries are (GPU, model, micro-batch, TP) of
-Sailor's profiles (../shared/reference/sailor); times are a decoder layer's forward + backward."""
+Sailor's profiles (tests/data/sailor, vendored with their source); times are a decoder layer's forward +
+backward."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ import statistics
 
 import pytest
 
-from conftest import SHARED
-
-SAILOR = SHARED / "reference" / "sailor"
-needs_sailor = pytest.mark.skipif(not (SAILOR / "profiles").is_dir(), reason="../shared/reference/sailor is absent")
+from conftest import SAILOR_DATA as SAILOR
 
 
 def _profile(model: str, gpu: str) -> dict:
@@ -29,7 +27,6 @@ def _fwd(prof: dict, mbs: int, tp: int) -> float:
     return prof[str(mbs)][str(tp)]["2"][0]
 
 
-@needs_sailor
 def test_measurement_less_work_takes_longer():
     # GH-96 OPT-350 mbs 1 TP 4 (-63%): one micro-batch takes longer than two at the same TP; no
     # mechanism makes less work take longer.
@@ -37,7 +34,6 @@ def test_measurement_less_work_takes_longer():
     assert _t(prof, 1, 4) > 1.2 * _t(prof, 2, 4)
 
 
-@needs_sailor
 def test_measurement_larger_batches_ran_faster_per_byte():
     # RTX-3090 OPT-350 mbs 16 and 32 at TP 4 (+57%, +38%): at TP 1 and 2 and up to mbs 8 at TP 4 each
     # doubling of the micro-batch doubles the time (work and all-reduce bytes both double), but mbs 16
@@ -53,7 +49,6 @@ def test_measurement_larger_batches_ran_faster_per_byte():
     assert _t(prof, 32, 4) / _t(prof, 8, 4) < 2 * 2 * 0.8
 
 
-@needs_sailor
 def test_host_topology_is_in_no_input():
     # RTX-3090 OPT-350 TP 8 (7 entries, -45% to -63%): on this box an 8-GPU group is more than twice
     # as slow as a 4-GPU one at every micro-batch, while on the other two 8-GPU PCIe boxes (Titan-RTX,
@@ -74,7 +69,6 @@ def test_host_topology_is_in_no_input():
     assert 0.6 < bws["RTX-3090"]["8"][1] / bws["RTX-3090"]["4"][1] < 0.75
 
 
-@needs_sailor
 @pytest.mark.parametrize(("gpu", "mbs", "tp"), [("A100-40", 1, 4), ("A100-80", 1, 4), ("GH-96", 1, 2),
                                                 ("GH-96", 2, 4)])
 def test_rank_skew_is_a_fixed_wait_not_in_the_file(gpu, mbs, tp):
@@ -98,7 +92,6 @@ def test_rank_skew_is_a_fixed_wait_not_in_the_file(gpu, mbs, tp):
     assert len(prof[str(mbs)][str(tp)]["2"]) == 3  # forward, backward, update: one time per layer
 
 
-@needs_sailor
 def test_short_k_cost_is_absent_from_gh96_opt30():
     # GH-96 OPT-30 at micro-batch 1 (TP 1, 2, 4: +15% to +26%) and 2 (TP 4: +15%): the weight-gradient
     # GEMMs reduce over the tokens (K = 2048 at micro-batch 1), and the model, with the tile's fixed
@@ -111,7 +104,6 @@ def test_short_k_cost_is_absent_from_gh96_opt30():
             assert 1.98 < _t(prof, 2 * m, tp) / _t(prof, m, tp) < 2.1, (tp, m)
 
 
-@needs_sailor
 def test_no_eight_gpu_bandwidth_for_v100():
     # V100-16 OPT-350 mbs 4 TP 8 (+15.0%): the TP all-reduces are priced at Sailor's measured rate for
     # the group's size; for V100 the file has 2- and 4-GPU figures only, while the profile has TP 8
@@ -122,7 +114,6 @@ def test_no_eight_gpu_bandwidth_for_v100():
     assert all("8" in by_tp for mbs, by_tp in _profile("OPT-350", "V100-16").items() if int(mbs) >= 2)
 
 
-@needs_sailor
 def test_the_rtx3090_boxs_shm_rate_is_in_no_input():
     # RTX-3090 OPT-350 mbs 1 TP 4 (+15.8%; its other TP-4 entries +10%): the box is priced with the
     # other PCIe boxes' SHM factor (it has one model, nothing to fit its own on). Its layers' TP-4
