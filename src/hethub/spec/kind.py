@@ -245,7 +245,7 @@ def _opmodel_fields(table: dict[str, Any], *, where: str, base: dict[str, Any]) 
     for key in ("calibration", *OPMODEL_SOURCES):
         out[key] = _text(table, key, where=where, default=base.get(key, ""))
     for key in OPMODEL_SOURCES:  # a number overridden without its source is the cluster file's, not the base's
-        if key.removesuffix("_source") in table and key not in table:
+        if base and key.removesuffix("_source") in table and key not in table:
             out[key] = "cluster file"
     return out
 def _precisions(table: dict[str, Any], *, where: str, default: tuple[str, ...]) -> tuple[str, ...]:
