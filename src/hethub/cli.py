@@ -132,7 +132,7 @@ def _for_file(plan: Plan, config: PlannerConfig) -> Plan:
 def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: str | None) -> int:
     """The plan for --objective/--budget-per-hour/--min-tokens-per-s, beside the throughput plan."""
     from hethub.search.cost import plan_for_cost
-    from hethub.tables import format_plan_table, format_summary
+    from hethub.tables import format_plan_table, format_summary, prediction_basis
 
     cp = plan_for_cost(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     chosen = _for_file(cp.chosen.result.plan, config)
@@ -153,7 +153,8 @@ def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: st
     print(f"objective {config.objective}"
           + (f", budget ${config.budget_per_hour:,.2f}/h" if config.budget_per_hour else "")
           + (f", at least {config.min_tokens_per_s:,.0f} tokens/s" if config.min_tokens_per_s else "")
-          + f"; {cp.considered} sub-fleets searched")
+          + f"; {cp.considered} sub-fleets searched; predicted, "
+          + prediction_basis(cluster, cp.chosen.result.prediction, cp.throughput.result.prediction))
     print(f"{'':<16} {'tokens/s':>12} {'$/h':>9} {'$/M tokens':>10} {'devices':>7}  left out")
     for name, c in rows:
         left = ", ".join(f"{n} x {k}" for k, n in c.left_out.items()) or "none"
@@ -225,6 +226,9 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
                            "optimizer_sharding": z}
                           for (s, t, st, e, n, d, usd, err, sch), z in zip(rows, shardings, strict=True)], indent=2))
         return 0
+    from hethub.tables import prediction_basis
+
+    print(f"predicted, {prediction_basis(cluster, *(r.prediction for r in results))}")
     print(f"{'strategy':<28} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
           f"{'pipelines':>9} {'devices':>7} {'schedule':>11} {'optimizer':>9}")
     for (s, t, st, e, n, d, usd, err, sch), z in zip(rows, shardings, strict=True):
@@ -344,7 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
     sp.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
     sp.add_argument("--strategy", default="hethub", choices=["hethub", "uniform", "flops-proportional",
-                                                             "homogeneous"])
+                                                             "homogeneous"],
+                    help="hethub: the planner's search; the others are baselines (uniform: equal layers and batch "
+                         "shares on every device; flops-proportional: shares by peak FLOP/s; homogeneous: the best "
+                         "plan on one kind alone); docs/planner.md")
     sp.add_argument("--schedule", default=AUTO_SCHEDULE, choices=(AUTO_SCHEDULE, *SCHEDULES),
                     help=f"pipeline schedule; {AUTO_SCHEDULE} (default): the best predicted of "
                          f"{', '.join(AUTO_CANDIDATES)}")
@@ -374,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("predict", help="predict step time, throughput and memory of a plan")
-    sp.add_argument("--plan", required=True)
+    sp.add_argument("--plan", required=True, help="plan JSON (from 'hethub plan', 'import-plan' or written by hand)")
     sp.add_argument("--profiles", help="measured layer profiles (directory or file)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm'")
     sp.add_argument("--p2p", choices=P2P_MODES, default=None,
@@ -382,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "runtime), blocking (a stage waits for its send, as in Megatron-LM) or lockstep (DeepSpeed's "
                          "pipeline engine, which Sailor uses: its instruction order, each send and receive a "
                          "rendezvous; 1F1B only); see docs/predictor.md")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="print one JSON object (warnings go to stderr)")
     _add_headroom(sp)
     sp.set_defaults(func=cmd_predict)
 

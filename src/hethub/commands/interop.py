@@ -57,19 +57,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("import-plan", help="convert another planner's plan into a hethub plan")
-    sp.add_argument("file")
-    sp.add_argument("--format", required=True, choices=["sailor"])
+    sp.add_argument("file", help="the other planner's plan file")
+    sp.add_argument("--format", required=True, choices=["sailor"], help="the file's format (Sailor's plan JSON)")
     sp.add_argument("--cluster", required=True, help="cluster TOML whose devices the plan is placed on")
     sp.add_argument("--model", help="model preset or config.json (Sailor plans do not name theirs)")
     sp.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
-    sp.add_argument("--out")
+    sp.add_argument("--out", help="write the hethub plan JSON here (default: print it)")
     sp.set_defaults(func=cmd_import)
 
     sp = sub.add_parser("export-plan", help="write a hethub plan in another planner's format")
-    sp.add_argument("plan")
-    sp.add_argument("--format", required=True, choices=["sailor"])
+    sp.add_argument("plan", help="hethub plan JSON")
+    sp.add_argument("--format", required=True, choices=["sailor"], help="the format to write (Sailor's plan JSON)")
     sp.add_argument("--nearest-equal", action="store_true",
                     help="if replicas take unequal batch shares (Sailor cannot express that), write every "
                          "replica with the mean share rounded")
-    sp.add_argument("--out")
+    sp.add_argument("--out", help="write the exported plan here (default: print it)")
     sp.set_defaults(func=cmd_export)

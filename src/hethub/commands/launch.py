@@ -181,12 +181,15 @@ def slurm_script(launches: list[NodeLaunch], *, plan: Plan, plan_path: str, trai
     return body
 
 
-def _checked_train_args(plan_path: str, steps: int, extra: list[str]) -> list[str]:
+def _checked_train_args(plan_path: str, steps: int | None, extra: list[str]) -> list[str]:
     """The ranks' arguments, parsed by the parser ``hethub train`` and every rank use: a bad value or an
-    unknown flag stops here, not on every node after the allocation is granted."""
+    unknown flag stops here, not on every node after the allocation is granted. ``--steps`` is passed
+    only when given (before or after '--', not both)."""
     from hethub.runtime.train_args import parse_rank_args
 
-    train_args = ["--steps", str(steps), *extra]
+    if steps is not None and any(a == "--steps" or a.startswith("--steps=") for a in extra):
+        raise SpecError("--steps is given twice, before and after '--'. Fix: keep one.")
+    train_args = [*(["--steps", str(steps)] if steps is not None else []), *extra]
     parse_rank_args(["--plan", plan_path, *train_args])
     return train_args
 
@@ -201,6 +204,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     train_args = _checked_train_args(args.plan, args.steps, extra)
+    steps_note = ""
+    if "--steps" not in train_args and not any(a.startswith("--steps=") for a in train_args):
+        from hethub.runtime.train_args import rank_parser
+
+        steps_note = (f"no --steps given: the ranks train {rank_parser().get_default('steps')} steps "
+                      "(python -m hethub.train's default)")
     if args.slurm:
         default = f"{Path(args.plan).stem}.sbatch"
         out = Path(args.out or default)
@@ -212,9 +221,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
         out.write_text(slurm_script(launches, plan=plan, plan_path=args.plan, train_args=train_args, opts=opts),
                        encoding="utf-8")
         print(f"wrote {out} ({len(launches)} nodes, {plan.world_size} ranks): sbatch {out}")
+        if steps_note:
+            print(f"note: {steps_note}")
         return 0
     print(f"# {plan.world_size} ranks on {len(launches)} nodes; run each line on its host (node 0 first or in "
           "any order: they wait for each other)")
+    if steps_note:
+        print(f"# {steps_note}")
     for n in launches:
         needs = f", needs {', '.join(n.needs)}" if n.needs else ""
         print(f"# {n.host}: cluster node {n.cluster_node}, {n.nproc} x {'+'.join(n.kinds)}{needs}, ranks "
@@ -226,12 +239,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("launch", help="print the torchrun command of every node of a plan, or write an sbatch "
                                        "script (--slurm)")
-    sp.add_argument("--plan", required=True)
+    sp.add_argument("--plan", required=True, help="plan JSON written by 'hethub plan' (the same path on every node)")
     sp.add_argument("--hosts", required=True, help="comma-separated host names, one per node, in rank order")
     sp.add_argument("--slurm", action="store_true", help="write a Slurm batch script instead of printing commands")
     sp.add_argument("--out", help="the sbatch script's path (default: PLAN.sbatch)")
     sp.add_argument("--port", type=positive_int, default=DEFAULT_PORT, help="rendezvous port on the first host")
-    sp.add_argument("--steps", type=positive_int, default=100)
+    sp.add_argument("--steps", type=positive_int, default=None,
+                    help="training steps, passed to every rank as --steps (default: none passed, so "
+                         "'python -m hethub.train' uses its own default); same as giving it after '--'")
     sl = sp.add_argument_group("the sbatch script (--slurm)")
     sl.add_argument("--time", help="the job's time limit, e.g. 24:00:00 (sbatch --time)")
     sl.add_argument("--partition", help="sbatch --partition")

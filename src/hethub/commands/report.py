@@ -48,7 +48,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("report", help="draw the plan and its timeline; write a Chrome trace and a summary")
-    sp.add_argument("--plan", required=True)
+    sp.add_argument("--plan", required=True, help="plan JSON the run trained (or any plan, for its prediction alone)")
     sp.add_argument("--metrics", help="JSON lines written by a run's --metrics (adds measured timings)")
     sp.add_argument("--profiles", help="measured layer profiles used for the prediction")
     sp.add_argument("--out", required=True, help="output directory")

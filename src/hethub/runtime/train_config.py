@@ -59,7 +59,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    "(config.json + *.safetensors); the plan's model must be that folder's config.json")
     g.add_argument("--data", nargs="+", metavar="FILE", help="train on these text/JSONL/Parquet files or globs "
                    "(default: the Python standard library's source, byte-level)")
-    g.add_argument("--data-format", default="auto", choices=["auto", "text", "jsonl", "parquet"])
+    g.add_argument("--data-format", default="auto", choices=["auto", "text", "jsonl", "parquet"],
+                   help="how to read --data; auto: by each file's extension (.jsonl or .json: JSONL, .parquet: "
+                        "Parquet, else text)")
     g.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     g.add_argument("--eos-token", help="token placed between packed documents (default: the tokenizer's own)")
     g.add_argument("--data-cache", default="runs/token-cache", help="where tokenised data is cached")
