@@ -8,6 +8,8 @@ from __future__ import annotations
 from hethub.plan import Plan
 from hethub.predict.result import Prediction
 from hethub.schedules import DEFAULT_P2P
+from hethub.spec.cluster import Cluster
+from hethub.spec.kind import DeviceKind
 from hethub.units import GIB, fmt_chunks
 
 GB = GIB  # memory columns are GiB, as everywhere (hethub.units)
@@ -69,7 +71,7 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
            if plan.sharded_optimizer else "")
         + (f"; {plan.p2p} sends between stages (training.p2p)" if plan.p2p != DEFAULT_P2P else ""),
         f"predicted step time {pred.step_time_s:.3f} s, {pred.tokens_per_s:,.0f} tokens/s "
-        f"(global batch {plan.global_batch} x {plan.seq_len} tokens)",
+        f"(global batch {plan.global_batch} x {plan.seq_len} tokens); {prediction_basis(plan.cluster, pred)}",
     ]
     if upper_bound_tokens_per_s:
         out.append(f"upper bound {upper_bound_tokens_per_s:,.0f} tokens/s -> efficiency "
@@ -87,6 +89,35 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
     if not pred.fits_memory:
         out.append("WARNING: some stages exceed device memory (marked '!')")
     return "\n".join(out)
+
+
+# What a kind's compute times stand on (the predictor's compute_source, read for a person).
+MEASURED, CALIBRATED, PARTLY_CALIBRATED, PLACEHOLDER, DATASHEET = (
+    "measured profiles", "catalog numbers calibrated on measurements",
+    "catalog numbers partly calibrated on measurements", "catalog placeholders (nominal CPU numbers, not measured)",
+    "datasheet peaks x an assumed efficiency (uncalibrated)")
+
+
+def compute_basis(kind: DeviceKind, compute_source: str) -> str:
+    """One of the labels above for a kind's ``compute_source`` (hethub.predict.compute.StageTimes)."""
+    if compute_source == "profile":
+        return MEASURED
+    if "partly calibrated on" in compute_source:
+        return PARTLY_CALIBRATED
+    if "calibrated on" in compute_source:
+        return CALIBRATED
+    # CPU kinds (gloo) have only nominal placeholder numbers in the catalog; other kinds a datasheet.
+    return PLACEHOLDER if kind.backend == "gloo" else DATASHEET
+
+
+def prediction_basis(cluster: Cluster, *predictions: Prediction) -> str:
+    """What the predicted figures on the same line stand on, by kind: "compute from measured profiles:
+    a, b; catalog placeholders (...): c". Several predictions (a table's rows) merge their kinds."""
+    by_label: dict[str, list[str]] = {}
+    sources = {k: v for p in predictions for k, v in p.compute_sources.items()}
+    for kind, source in sorted(sources.items()):
+        by_label.setdefault(compute_basis(cluster.kinds[kind], source), []).append(kind)
+    return "compute from " + "; ".join(f"{label}: {', '.join(kinds)}" for label, kinds in by_label.items())
 
 
 def calibration_notes(plan: Plan, pred: Prediction) -> list[str]:

@@ -46,6 +46,7 @@ def _make_plan(sec: dict[str, Any], *, init: str | None, where: str, out_dir: Pa
     from hethub.search.planner import make_plan
     from hethub.spec.cluster import load_cluster
     from hethub.spec.model import get_model
+    from hethub.tables import prediction_basis
 
     model_ref = sec.get("model") or (str(Path(init) / "config.json") if init else None)
     if model_ref is None:
@@ -64,5 +65,5 @@ def _make_plan(sec: dict[str, Any], *, init: str | None, where: str, out_dir: Pa
     result.plan.save(out)
     pred = result.prediction
     print(f"planned {result.plan.world_size} ranks, {len(result.plan.pipelines)} pipelines, predicted "
-          f"{pred.tokens_per_s:,.0f} tokens/s: {out}", flush=True)
+          f"{pred.tokens_per_s:,.0f} tokens/s ({prediction_basis(result.plan.cluster, pred)}): {out}", flush=True)
     return str(out)
