@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import sys
 import tempfile
@@ -53,6 +52,7 @@ from _accuracy_plans import HELD_OUT, RANKING, SEEN, TUNING, PlanDef, build_plan
 from _ranking import misordered_pairs, regret, separated, spearman
 from hethub.emulation.effects import HostEffects
 from hethub.emulation.host import host_model, usable_cores
+from hethub.emulation.load import ForeignLoad, machine_busy_s
 from hethub.emulation.measure.collbench import measure_host_links
 from hethub.emulation.measure.corun import measure_corun
 from hethub.emulation.measure.split import measure_split_backward
@@ -158,14 +158,6 @@ def session_order(n_plans: int, n_entries: int, *, rep: int) -> list[tuple[str, 
     return tasks
 
 
-def _cpu_busy_s() -> float:
-    """Seconds all cores of the machine spent busy since boot (/proc/stat), for other users' load."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    vals = [float(v) for v in fields]
-    idle = vals[3] + vals[4]  # idle + iowait
-    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def wait_for_quiet(*, max_wait_s: float, busy_cores_below: float = 0.3) -> float:
     """Wait (up to max_wait_s) until other processes use under `busy_cores_below` cores; returns that use.
 
@@ -174,9 +166,9 @@ def wait_for_quiet(*, max_wait_s: float, busy_cores_below: float = 0.3) -> float
     """
     t_end = time.monotonic() + max_wait_s
     while True:
-        b0, t0 = _cpu_busy_s(), time.monotonic()
+        b0, t0 = machine_busy_s() or 0.0, time.monotonic()
         time.sleep(0.25)
-        busy = (_cpu_busy_s() - b0) / (time.monotonic() - t0)
+        busy = ((machine_busy_s() or 0.0) - b0) / (time.monotonic() - t0)
         if busy < busy_cores_below or time.monotonic() > t_end:
             return busy
 
@@ -189,21 +181,13 @@ def measure_once(plan: Plan, *, steps: int, warmup: int, workdir: Path, launcher
     path = workdir / "plan.json"
     plan.save(path)
     wait_for_quiet(max_wait_s=quiet_wait_s)
-    own0, busy0, t0 = _children_cpu_s(), _cpu_busy_s(), time.monotonic()
+    load = ForeignLoad()
     recs = step_records(path, nproc=plan.world_size, steps=steps, launcher=launcher)[warmup:]
-    wall = time.monotonic() - t0
-    foreign = max(0.0, (_cpu_busy_s() - busy0) - (_children_cpu_s() - own0)) / wall
+    foreign = load.cores() or 0.0
     parts = ("step_s", "busy_s", "recv_wait_s", "send_wait_s", "sync_s", "optim_s", "emulated_sleep_s", "compute_cpu_s")
     ranks = [{k: statistics.median(r["ranks"][i][k] for r in recs) for k in parts}
              for i in range(len(recs[0]["ranks"]))]
     return {"step_s": statistics.median(r["step_time_s"] for r in recs), "foreign": foreign, "ranks": ranks}
-
-
-def _children_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
-
-
 
 
 def time_per_sample_s(plan: Plan, step_s: float) -> float:

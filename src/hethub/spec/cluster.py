@@ -7,7 +7,8 @@ node, device by device; that number is the device id a plan refers to.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,17 @@ class Cluster:
 
     def count_by_kind(self) -> dict[str, int]:
         return {k: len(self.devices_of_kind(k)) for k in self.kind_names}
+
+    def only_kinds(self, kinds: Iterable[str]) -> Cluster:
+        """This cluster without the node groups of every other kind (a fleet of some of its kinds),
+        named after the kinds it keeps."""
+        keep = [k for k in self.kind_names if k in set(kinds)]
+        if not keep:
+            raise SpecError(f"cluster {self.name!r}: no kind of {sorted(kinds)} is in it (kinds: "
+                            f"{', '.join(self.kind_names)}). Fix: name kinds of this cluster.")
+        return replace(self, name=f"{self.name}[{'+'.join(keep)}]",
+                       groups=tuple(g for g in self.groups if g.kind in keep),
+                       kinds={k: v for k, v in self.kinds.items() if k in keep})
 
     def link(self, a: int, b: int) -> Link:
         """The link data takes from device a to device b."""
