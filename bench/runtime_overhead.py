@@ -159,7 +159,8 @@ def main() -> None:
     print(f"{'ratio runtime/plain':>22}: {rt / plain:8.3f}")
     if args.skip_demo:
         return
-    print("\ndemo plans on local-cpu.toml (EMULATED slow kind), measured through torchrun vs predicted:")
+    print("\nthe demo's uniform and hethub plans on demo-cpu.toml (EMULATED kinds), measured through torchrun vs "
+          "predicted:")
     with tempfile.TemporaryDirectory() as d:
         rows = demo_plans_rows(steps=args.steps, warmup=args.warmup, workdir=Path(d))
     print(f"{'plan':>10} {'measured ms':>12} {'predicted ms':>13} {'error':>8}")

@@ -34,6 +34,7 @@ EXPECTED_COUNTS = {
     "three-kinds-48.toml": {"h100-sxm": 16, "a100-80gb": 16, "mi300x": 16},
     "cluster-4096.toml": {"h100-sxm": 2048, "a100-80gb": 1024, "mi300x": 1024},
     "local-cpu.toml": {"cpu-fast": 2, "cpu-slow": 2},
+    "demo-cpu.toml": {"cpu-fast": 2, "cpu-slow": 2},
     "nvidia-amd-32.toml": {"a100-80gb": 16, "mi250x": 16},
     "nvidia-ascend-32.toml": {"a100-80gb": 16, "ascend-910b": 16},
     "nvidia-iluvatar-32.toml": {"a100-80gb": 16, "iluvatar-bi-v150": 16},
