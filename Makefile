@@ -5,11 +5,12 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint clean
 
-$(BIN)/hethub: pyproject.toml
+$(BIN)/hethub: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch is pinned ==2.13.0 in pyproject.toml: the CPU wheel on this machine, never a CUDA build.
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The package accepts any torch in its range (vendor builds); constraints.txt pins this project's own
+	# machines to the exact CPU wheel, never a CUDA build.
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 demo: $(BIN)/hethub

@@ -72,7 +72,7 @@ def missing_extra(err: ModuleNotFoundError, *, what: str) -> MissingExtraError |
     if extra is None:
         return None
     return MissingExtraError(f"{what} needs {top}, which is not installed. Fix: pip install 'hethub[{extra}]' "
-                             "(or 'hethub[dev]' for everything; torch is pinned to the CPU build 2.13.0).")
+                             "(or 'hethub[dev]' for everything); beside a vendor's PyTorch, keep it: docs/install.md.")
 
 
 def require_extra(package: str, *, what: str) -> None:

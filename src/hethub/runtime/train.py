@@ -41,6 +41,7 @@ from hethub.runtime.devices import (
 )
 from hethub.runtime.elastic import init_process_group, maybe_inject_fault
 from hethub.runtime.optim import OptimConfig
+from hethub.runtime.stack_check import check_rank_stack
 from hethub.runtime.train_args import done_marker, parse_rank_args
 from hethub.runtime.trainer import Trainer, TrainerConfig
 
@@ -69,8 +70,10 @@ def run(args: argparse.Namespace, *, plan_of: PlanOf) -> None:
         raise RuntimeSetupError(f"the job has WORLD_SIZE={world} processes but plan {args.plan} needs "
                                 f"{plan.world_size} (one per device). Fix: launch with --nproc-per-node "
                                 f"{plan.world_size} (or nodes x nproc = {plan.world_size}).")
-    # Each rank on its kind's device (catalog device_type, index from the node layout). A missing
-    # package or device stops here, before any process group, naming the rank and the kind.
+    # Each rank on its kind's device (catalog device_type, index from the node layout). A torch or
+    # extension of the wrong version, a missing package or device stops here, before any process
+    # group, naming the rank and the kind.
+    check_rank_stack(plan, rank)
     placement = plan_placement(plan, rank)
     activate(placement)
     init_process_group(world_backend(plan), timeout=timedelta(seconds=args.timeout_s))
