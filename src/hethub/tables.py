@@ -94,8 +94,8 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
 # What a kind's compute times stand on (the predictor's compute_source, read for a person).
 MEASURED, CALIBRATED, PARTLY_CALIBRATED, PLACEHOLDER, DATASHEET = (
     "measured profiles", "catalog numbers calibrated on measurements",
-    "catalog numbers partly calibrated on measurements", "catalog placeholders (nominal CPU numbers, not measured)",
-    "datasheet peaks x an assumed efficiency (uncalibrated)")
+    "catalog numbers partly calibrated on measurements", "catalog placeholders, not measured",
+    "datasheet peaks x an assumed efficiency, uncalibrated")
 
 
 def compute_basis(kind: DeviceKind, compute_source: str) -> str:
