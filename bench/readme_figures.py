@@ -333,7 +333,7 @@ def current_cells(text: str) -> dict[str, str]:
     cells = {}
     for line in text.split(BEGIN, 1)[1].split(END, 1)[0].splitlines():
         parts = [p.strip() for p in line.strip().strip("|").split(" | ")]
-        if len(parts) == 3 and not line.startswith("|---"):
+        if len(parts) == 3 and not line.startswith("|---") and parts[0] != "what":
             cells[parts[0]] = parts[1]
     return cells
 

@@ -100,7 +100,8 @@ ALL_THERE = tuple(Feature(f.name, f.since, lambda: True) for f in BASE_FEATURES)
      [r"kind 'ascend-910b'", r"found torch 2\.6\.0, torch_npu 2\.5\.1", r"torch_npu 2\.5\.1 does not match torch "
       r"2\.6\.0 \(major\.minor\.patch must be equal: 2\.6\.0\)", r"install torch_npu of the same version"]),
     # Ascend: the extension missing altogether.
-    ("ascend-910b", Found(torch="2.6.0"), [r"torch_npu not installed", r"the package 'torch_npu' is not installed beside torch"]),
+    ("ascend-910b", Found(torch="2.6.0"),
+     [r"torch_npu not installed", r"the package 'torch_npu' is not installed beside torch"]),
     # Moore Threads: torch_musa for another minor.
     ("mthreads-s4000", Found(torch="2.11.0", extension="2.9.1"),
      [r"kind 'mthreads-s4000'", r"torch_musa 2\.9\.1 does not match torch 2\.11\.0 \(major\.minor must be equal: "
