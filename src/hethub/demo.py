@@ -150,7 +150,7 @@ def why_mixed_wins(mixed: PlanResult, alone: PlanResult, uniform: PlanResult) ->
     rest = ", ".join(f"{k}'s {kind_role(mixed.plan, k)}" for k in mixed.plan.cluster.kind_names
                      if k in kept and shares.get(k, 0.0) > 0)
     pace = _pace_setter(uniform)
-    return (f"{what} (in proportion to its speed: emulated {speed} slower than a core), beside {rest}; that "
+    return (f"{what} (emulated speeds: {speed} slower than a core), beside {rest}; that "
             f"frees {', '.join(sorted(kept))} from {freed:.0%} of the work it does alone, so the step is predicted "
             f"at {mixed.prediction.step_time_s:.2f} s against {alone.prediction.step_time_s:.2f} s "
             f"alone. uniform gives every device the same share, so {pace} set its pace "
