@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from dataclasses import replace
 
 import pytest
 from packaging.requirements import Requirement
@@ -131,8 +132,8 @@ def test_each_mismatch_is_one_message_naming_kind_versions_and_fix(kind, found, 
 
 
 def test_a_missing_api_is_named_with_the_release_that_has_it():
-    gone = (Feature("torch.nn.utils.get_total_norm", "2.6", lambda: False), *ALL_THERE[1:])
-    with pytest.raises(RuntimeSetupError, match=r"lacks torch\.nn\.utils\.get_total_norm \(torch 2\.6\+\)"):
+    gone = (Feature("torch.nn.utils.get_total_norm", "torch 2.6 on", lambda: False), *ALL_THERE[1:])
+    with pytest.raises(RuntimeSetupError, match=r"lacks torch\.nn\.utils\.get_total_norm \(torch 2\.6 on\)"):
         check_rank_stack(_plan("cpu"), 0, found=Found(torch="2.13.0+cpu"), features=gone)
 
 
@@ -142,3 +143,12 @@ def test_this_torch_passes_for_cpu_kinds_and_the_plans_attention_is_checked():
     names = [f.name for f in features_for(plan, "cpu")]
     assert any(plan.attention_of("cpu") in n and "sdpa_kernel" in n for n in names)
     assert all(f.present() for f in features_for(plan, "cpu"))
+    assert not any("_fused_rms_norm" in n for n in names)  # a CPU kind trains in fp32
+
+
+def test_a_16_bit_kind_needs_the_fused_rms_norm_kernel():
+    plan = replace(_plan("a100-80gb"), precision="bf16-mixed")
+    feats = features_for(plan, "a100-80gb")
+    assert any("_fused_rms_norm" in f.name for f in feats)
+    assert all(f.present() for f in feats)  # this torch (2.13) has every one
+    assert not any("_fused_rms_norm" in f.name for f in features_for(_plan("a100-80gb"), "a100-80gb"))  # fp32

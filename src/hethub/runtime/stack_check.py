@@ -30,7 +30,7 @@ _SDPA_NAMES = {"flash": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENT
 
 @dataclass(frozen=True)
 class Feature:
-    """An API the runtime calls, the torch release that brought it, and how to tell it is there."""
+    """An API the runtime calls, the torch releases that have it (words), and how to tell it is there."""
 
     name: str
     since: str
@@ -61,19 +61,29 @@ def _sdpa(names: tuple[str, ...]) -> Callable[[], bool]:
 
 
 BASE_FEATURES = (
-    Feature("torch.nn.utils.get_total_norm", "2.6", _has("torch.nn.utils.get_total_norm")),
-    Feature("torch.nn.utils.clip_grads_with_norm_", "2.6", _has("torch.nn.utils.clip_grads_with_norm_")),
-    Feature("torch.get_autocast_dtype", "2.4", _has("torch.get_autocast_dtype")),
+    Feature("torch.nn.utils.get_total_norm", "torch 2.6 on", _has("torch.nn.utils.get_total_norm")),
+    Feature("torch.nn.utils.clip_grads_with_norm_", "torch 2.6 on", _has("torch.nn.utils.clip_grads_with_norm_")),
+    Feature("torch.get_autocast_dtype", "torch 2.4 on", _has("torch.get_autocast_dtype")),
 )
 
 
+# A 16-bit stage's RMSNorm runs torch's fused kernel (runtime/norms.py), which releases from mid-2025 on
+# have (pytorch/pytorch pull request 153666); fp32 stages do not call it.
+FUSED_RMS_NORM = Feature("torch.ops.aten._fused_rms_norm (16-bit stages' RMSNorm)", "torch releases from mid-2025 on",
+                         lambda: hasattr(torch.ops.aten, "_fused_rms_norm"))
+
+
 def features_for(plan: Plan, kind: str) -> tuple[Feature, ...]:
-    """What ranks of ``kind`` call in ``plan``: the base APIs and the SDPA backends of its attention."""
+    """What ranks of ``kind`` call in ``plan``: the base APIs, the SDPA backends of its attention and,
+    where the kind trains in 16 bits, the fused RMSNorm kernel."""
+    from hethub.runtime.precision import kind_precision
+
     attention = plan.attention_of(kind)
     names = _SDPA_NAMES.get(attention, ())
     sdpa = Feature(f"torch.nn.attention.sdpa_kernel with SDPBackend.{', '.join(names)} ({attention} attention)",
-                   "2.3", _sdpa(names))
-    return (*BASE_FEATURES, sdpa)
+                   "torch 2.3 on", _sdpa(names))
+    sixteen = kind_precision(plan, kind) != "fp32" and plan.model.arch != "gpt"
+    return (*BASE_FEATURES, sdpa, *((FUSED_RMS_NORM,) if sixteen else ()))
 
 
 def installed_version(distribution: str) -> str | None:
@@ -100,7 +110,7 @@ def check_rank_stack(plan: Plan, rank: int, *, found: Found | None = None,
     problems = stack_problems(kind, found, on_device=kind.device_type != "cpu")
     missing = [f for f in (features if features is not None else features_for(plan, kind.name)) if not f.present()]
     if missing:
-        problems.append(f"torch {found.torch} lacks {', '.join(f'{f.name} (torch {f.since}+)' for f in missing)}, "
+        problems.append(f"torch {found.torch} lacks {', '.join(f'{f.name} ({f.since})' for f in missing)}, "
                         "which the runtime calls for this plan; install a torch that has them")
     if not problems:
         return
