@@ -120,7 +120,7 @@ def test_sbatch_script_runs_under_a_fake_srun_and_requests_the_plans_devices(tmp
     (tmp_path / "jobs").mkdir()
     assert cli.main(["launch", "--plan", str(path), "--hosts", "gpu1,mt1", "--slurm", "--out",
                      str(tmp_path / "jobs") + "/", "--time", "02:00:00", "--partition", "gpu", "--account", "proj",
-                     "--cpus-per-rank", "4", "--env-setup", "export HETHUB_ENV_READY=yes",
+                     "--cpus-per-rank", "4", "--env-setup", "export HETHUB_ENV_READY=yes", "--steps", "100",
                      "--", "--metrics", "run.jsonl"]) == 0
     script = tmp_path / "jobs" / "plan.sbatch"
     text = script.read_text()
