@@ -382,7 +382,8 @@ def main() -> int:
     if args.dry_run:
         print(table)
         return 0
-    head, rest = text.split(BEGIN, 1)
+    # Read again: the rows can take an hour, and the README may have been edited meanwhile.
+    head, rest = README.read_text(encoding="utf-8").split(BEGIN, 1)
     README.write_text(head + table + rest.split(END, 1)[1], encoding="utf-8")
     print(f"README.md: {len(chosen)} row(s) regenerated")
     return 0
