@@ -52,6 +52,14 @@ def sh(cmd: list[str], *, cwd: Path = REPO, timeout_s: float = 3600) -> str:
     return proc.stdout
 
 
+def bench_json(script: str) -> dict:
+    """What a bench script writes with ``--json FILE``."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "out.json"
+        sh([sys.executable, script, "--json", str(out)])
+        return json.loads(out.read_text())
+
+
 def children_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -154,10 +162,7 @@ def compute_model(_: argparse.Namespace) -> str:
 
 
 def lean_activations(_: argparse.Namespace) -> str:
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "bytes.json"
-        sh([sys.executable, "bench/activation_bytes.py", "--json", str(out)])
-        got = json.loads(out.read_text())
+    got = bench_json("bench/activation_bytes.py")
     row = {(r["model"], r["tp"], r["recompute"]): r for r in got["rows"]}
     small, big = row[("small", 1, "none")], row[("llama-3-8b/4", 1, "none")]
     zb = next(c for c in got["weight_copies"] if c["model"] == "small" and c["split"])
@@ -227,10 +232,7 @@ def overhead(_: argparse.Namespace) -> str:
 
 
 def predictor_accuracy(_: argparse.Namespace) -> str:
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "acc.json"
-        sh([sys.executable, "bench/predictor_accuracy.py", "--json", str(out)])
-        got = json.loads(out.read_text())
+    got = bench_json("bench/predictor_accuracy.py")
     s = got["sets"]["ranking"]["summary"]
     met = s["spearman"] >= 0.9 and s["regret"] <= 0.05
     return (f"**Spearman {s['spearman']:.3f}, regret {s['regret']:+.1%}** (targets >= 0.9, <= 5 %: "
