@@ -175,7 +175,7 @@ def lean_activations(_: argparse.Namespace) -> str:
 def calibration(_: argparse.Namespace) -> str:
     out = sh([sys.executable, "bench/calibration.py"])
     held = re.search(r"held-out GEMM rows: (\d+), median \|err\| ([\d.]+)%, max \|err\| ([\d.]+)%", out)
-    errs = re.findall(r"(H100 tokens/s/GPU|A100 tokens/s/GPU|H100 / A100)\s*: \d+ configurations, median error "
+    errs = re.findall(r"(H100 tokens/s/GPU|A100 tokens/s/GPU|H100 / A100)\s*: \d+ configurations, median error\s*"
                       r"([+-]?[\d.]+)%", out)
     if not held or len(errs) != 6:
         raise SystemExit(f"bench/calibration.py: unexpected output:\n{out[-2000:]}")
