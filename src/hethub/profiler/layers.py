@@ -25,6 +25,7 @@ import torch
 from hethub.predict.profiles import LayerTimes
 from hethub.profiler.tensor_memory import saved_for_backward, training_state_bytes
 from hethub.runtime.context_parallel import CPContext
+from hethub.runtime.grad_clip import clip_with_norm_, total_norm
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.tensor_parallel import TPContext
@@ -176,8 +177,7 @@ def _update(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, sched:
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     torch._foreach_div_(grads, 2.0)
-    total = torch.nn.utils.get_total_norm(grads)
-    torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
+    clip_with_norm_(params, grad_clip, total_norm(grads))
     opt.step()
     sched.step()  # type: ignore[attr-defined]
     # zero_grad is left to the caller, after reading the state bytes.

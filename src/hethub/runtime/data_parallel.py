@@ -23,6 +23,7 @@ from torch import nn
 from hethub.comm.communicator import Communicator
 from hethub.layout import DEFAULT_BUCKET_ELEMS, GradGroup, Topology, unit_of
 from hethub.runtime.grad_buffer import Bucket, GradBuffer
+from hethub.runtime.grad_clip import clip_coefficient, total_norm
 from hethub.runtime.model import StageModel
 from hethub.runtime.timing import Mark, OpTimer
 
@@ -30,16 +31,10 @@ from hethub.runtime.timing import Mark, OpTimer
 def world_grad_norm(grads: list[torch.Tensor], *, comm: Communicator, device: torch.device) -> torch.Tensor:
     """The L2 norm over every rank's ``grads`` (each rank passing the gradients it alone counts):
     local norms squared in float64, summed over the world, identical on every rank."""
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    local = total_norm(grads) if grads else torch.zeros((), device=device)
     sq = local.double().pow(2).reshape(1)
     comm.all_reduce(sq)
     return sq.sqrt()
-
-
-def clip_coefficient(total: torch.Tensor, *, max_norm: float) -> torch.Tensor:
-    """What gradients are multiplied by to clip to ``max_norm``: ``torch.nn.utils.clip_grads_with_norm_``'s
-    formula (fp32, at most 1), so a single-device run matches exactly."""
-    return torch.clamp(max_norm / (total.float().reshape(()) + 1e-6), max=1.0)
 
 
 def backward_passes(model: StageModel, name: str) -> int:

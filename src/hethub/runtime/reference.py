@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hethub.runtime.grad_clip import total_norm
 from hethub.runtime.model import StageModel
 from hethub.runtime.optim import OptimConfig, build_optimizer
 from hethub.runtime.precision import DynamicLossScaler, autocast, compute_dtype
@@ -50,7 +51,7 @@ def train_single_device(spec: ModelSpec, data: list[torch.Tensor], *, optim: Opt
             out["loss"] = float(loss.detach())
             out["grads"] = {n: p.grad.clone() for n, p in master.named_parameters()}
         out["losses"].append(float(loss.detach()))
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in master.parameters()]))
+        norm = float(total_norm([p.grad for p in master.parameters()]))
         skip = bool(scaler and scaler.overflowed(norm))
         out["skipped"].append(skip)
         if scaler:

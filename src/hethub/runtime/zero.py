@@ -49,6 +49,7 @@ from hethub.comm.communicator import Communicator
 from hethub.layout import DEFAULT_BUCKET_ELEMS, Topology, block_starts, split_elems, unit_of
 from hethub.runtime.data_parallel import backward_passes, bucket_layout, world_grad_norm
 from hethub.runtime.grad_buffer import Bucket, GradBuffer
+from hethub.runtime.grad_clip import clip_with_norm_
 from hethub.runtime.model import StageModel
 from hethub.runtime.precision import store_params
 from hethub.runtime.timing import Mark, OpTimer
@@ -293,7 +294,7 @@ class ZeroSync:
 
     def clip_with(self, total: torch.Tensor, *, max_norm: float) -> None:
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_([t for _, t, _ in self.pieces], max_norm, total.float().reshape(()))
+            clip_with_norm_([t for _, t, _ in self.pieces], max_norm, total)
 
     def unscale(self, scale: float) -> None:
         if scale != 1.0:
