@@ -5,8 +5,9 @@ A 16-bit input is the mixed-precision residual stream (``runtime/model.py``): th
 its input and the fp32 per-token statistics only, as the fused kernels of Apex, Transformer Engine and
 ``torch.nn.functional.rms_norm`` on CUDA do, and returns its output in the input's dtype. RMSNorm's
 forward is torch's fused kernel (``aten._fused_rms_norm``, which returns the fp32 inverse RMS beside
-the output) where the weight has the input's dtype (parameters stored in the compute dtype), else the
-same arithmetic in fp32 ops; its backward recomputes the normalised input from the two in fp32. On
+the output) where the weight has the input's dtype (parameters stored in the compute dtype) and torch
+has the kernel (releases from mid-2025 on), else the same arithmetic in fp32 ops, keeping the same
+tensors (so the memory model holds either way); its backward recomputes the normalised input from the two in fp32. On
 CPU, torch's ``F.rms_norm`` runs a composite of six ops whose autograd keeps three full-size fp32
 tensors (and on CUDA too when the weight is fp32 and the input 16-bit), hence the explicit function.
 LayerNorm runs ``F.layer_norm`` with autocast off, so every device keeps the 16-bit input, mean and
@@ -63,18 +64,29 @@ def make_norm(spec: ModelSpec, tp: TPContext = _NO_TP) -> nn.Module:
         RMSNorm(spec.hidden_size, eps=spec.norm_eps, tp=tp)
 
 
+# torch releases from mid-2025 on (pytorch/pytorch pull request 153666); before them the fp32 ops below.
+_FUSED_KERNEL = getattr(torch.ops.aten, "_fused_rms_norm", None)
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of a 16-bit ``x`` in fp32 ops: y in x's dtype and the fp32 inverse RMS (shape ``[..., 1]``),
+    what ``aten._fused_rms_norm`` returns."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.float()).to(x.dtype), rstd
+
+
 class _FusedRMSNorm(torch.autograd.Function):
     """y = x / rms(x) * w in fp32, returned in x's dtype; keeps x and the fp32 inverse RMS."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            if weight.dtype == x.dtype:  # the kernel F.rms_norm itself dispatches to on CUDA
-                y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
-            else:  # fp32 weights beside a 16-bit stream, which that kernel does not take on every device
-                xf = x.float()
-                rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-                y = (xf * rstd * weight.float()).to(x.dtype)
+            if weight.dtype == x.dtype and _FUSED_KERNEL is not None:  # what F.rms_norm runs on CUDA
+                y, rstd = _FUSED_KERNEL(x, [x.shape[-1]], weight, eps)
+            else:  # fp32 weights beside a 16-bit stream (which that kernel does not take on every device), or
+                # a torch without the kernel: the same fp32 arithmetic, the same tensors kept
+                y, rstd = _rms_norm_fp32(x, weight, eps)
         ctx.save_for_backward(x, rstd, weight)
         return y
 
