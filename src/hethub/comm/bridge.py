@@ -42,6 +42,7 @@ from hethub.comm.hierarchical import (
     hierarchical_all_reduce,
     hierarchical_reduce_scatter,
 )
+from hethub.comm.reduce_scatter import reduce_scatter_into
 from hethub.errors import RuntimeSetupError
 from hethub.islands import HOST_BACKENDS as _HOST_BACKENDS
 from hethub.islands import island_of_kind
@@ -242,7 +243,7 @@ class BridgedCommunicator(Communicator):
                                                stage_host=self.stage_host, sizes=sizes)
         assert route.local is not None
         out = torch.empty(tensor.numel() // k, dtype=tensor.dtype, device=tensor.device)
-        dist.reduce_scatter_single(out, tensor.contiguous(), group=route.local.pg_for(tensor))
+        reduce_scatter_into(out, tensor.contiguous(), group=route.local.pg_for(tensor))
         return out
 
     def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0,

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hethub.comm.reduce_scatter import reduce_scatter_into
+
 GroupKey = tuple[int, ...]
 
 
@@ -123,7 +125,7 @@ class Communicator:
         if len(key) == 1:
             return tensor
         out = torch.empty(tensor.numel() // len(key), dtype=tensor.dtype, device=tensor.device)
-        dist.reduce_scatter_single(out, tensor.contiguous(), group=self._pg(group))
+        reduce_scatter_into(out, tensor.contiguous(), group=self._pg(group))
         return out
 
     def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0,

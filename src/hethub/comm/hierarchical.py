@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
+from hethub.comm.reduce_scatter import reduce_scatter_into
 from hethub.islands import Exchange, exchange
 
 GroupKey = tuple[int, ...]
@@ -320,7 +321,7 @@ def hierarchical_reduce_scatter(tensor: torch.Tensor, *, route: Route, rank: int
             for t, owner in enumerate(ex.blocks[m]):
                 buf[j * slots + t] = chunks[index[owner]]
         block = chunks.new_empty(slots, chunks.shape[1])
-        dist.reduce_scatter_single(block.view(-1), buf.view(-1), group=local.pg_for(tensor))
+        reduce_scatter_into(block.view(-1), buf.view(-1), group=local.pg_for(tensor))
         del buf
         rows = list(block.unbind(0))
     else:  # alone in its island: the block is the buffer's own rows, no copy
