@@ -21,8 +21,8 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.stacks import Found, stack_of, stack_problems, stacks, torch_range
 
 ADMITTED = ["2.13.0+cpu", "2.13.0", "2.6.0", "2.6.0+rocm6.2.4", "2.7.1+cu126", "2.6.0a0+ecf3bae40a.nv25.01",
-            "2.9.0+corex.4.3.0", "2.8.0+mc3.1.0.1"]
-EXCLUDED = ["2.5.1+rocm6.2", "2.5.1", "2.4.0+cpu", "1.13.1+corex.3.3.0", "2.0.0+mc2.18.0.8", "3.0.0", "3.0.0rc1",
+            "2.9.0+corex.4.3.0", "2.8.0+mc3.1.0.1", "2.5.1+rocm6.2", "2.5.1", "2.5.0", "2.5.0a0+git32f585d"]
+EXCLUDED = ["2.4.1", "2.4.0+cpu", "2.4.1+rocm6.1", "1.13.1+corex.3.3.0", "2.0.0+mc2.18.0.8", "3.0.0", "3.0.0rc1",
             "3.1.0+cpu"]
 
 
@@ -114,9 +114,9 @@ ALL_THERE = tuple(Feature(f.name, f.since, lambda: True) for f in BASE_FEATURES)
     # NVIDIA: the CPU wheel on a GPU node.
     ("a100-80gb", Found(torch="2.13.0+cpu"), [r"is a CPU-only build, but the kind needs torch \(CUDA build\)"]),
     # A ROCm build below the floor.
-    ("mi300x", Found(torch="2.5.1+rocm6.2", hip="6.2"),
-     [r"found torch 2\.5\.1\+rocm6\.2 \(ROCm/HIP 6\.2\)", r"outside the versions hethub's runtime supports "
-      r"\(>= 2\.6\.0a0, < 3\); install torch >= 2\.6\.0, < 3"]),
+    ("mi300x", Found(torch="2.4.1+rocm6.1", hip="6.1"),
+     [r"found torch 2\.4\.1\+rocm6\.1 \(ROCm/HIP 6\.1\)", r"outside the versions hethub's runtime supports "
+      r"\(>= 2\.5\.0a0, < 3\); install torch >= 2\.5\.0, < 3"]),
     # Iluvatar: a stock CUDA torch instead of the CoreX build.
     ("iluvatar-bi-v150", Found(torch="2.6.0+cu124", cuda="12.4"), [r"is not torch \(Iluvatar CoreX build.*'corex'"]),
 ])
@@ -132,9 +132,11 @@ def test_each_mismatch_is_one_message_naming_kind_versions_and_fix(kind, found, 
 
 
 def test_a_missing_api_is_named_with_the_release_that_has_it():
-    gone = (Feature("torch.nn.utils.get_total_norm", "torch 2.6 on", lambda: False), *ALL_THERE[1:])
-    with pytest.raises(RuntimeSetupError, match=r"lacks torch\.nn\.utils\.get_total_norm \(torch 2\.6 on\)"):
-        check_rank_stack(_plan("cpu"), 0, found=Found(torch="2.13.0+cpu"), features=gone)
+    gqa = next(f for f in BASE_FEATURES if "enable_gqa" in f.name)
+    gone = (*(f for f in ALL_THERE if f.name != gqa.name), Feature(gqa.name, gqa.since, lambda: False))
+    with pytest.raises(RuntimeSetupError, match=r"lacks torch\.nn\.functional\.scaled_dot_product_attention"
+                                                r"\(enable_gqa=\.\.\.\) \(torch 2\.5 on\)"):
+        check_rank_stack(_plan("cpu"), 0, found=Found(torch="2.5.0a0+git32f585d"), features=gone)
 
 
 def test_this_torch_passes_for_cpu_kinds_and_the_plans_attention_is_checked():
@@ -143,12 +145,13 @@ def test_this_torch_passes_for_cpu_kinds_and_the_plans_attention_is_checked():
     names = [f.name for f in features_for(plan, "cpu")]
     assert any(plan.attention_of("cpu") in n and "sdpa_kernel" in n for n in names)
     assert all(f.present() for f in features_for(plan, "cpu"))
-    assert not any("_fused_rms_norm" in n for n in names)  # a CPU kind trains in fp32
 
 
-def test_a_16_bit_kind_needs_the_fused_rms_norm_kernel():
-    plan = replace(_plan("a100-80gb"), precision="bf16-mixed")
-    feats = features_for(plan, "a100-80gb")
-    assert any("_fused_rms_norm" in f.name for f in feats)
-    assert all(f.present() for f in feats)  # this torch (2.13) has every one
-    assert not any("_fused_rms_norm" in f.name for f in features_for(_plan("a100-80gb"), "a100-80gb"))  # fp32
+def test_apis_newer_than_the_floor_are_not_demanded_at_any_precision():
+    """torch 2.5 has neither the gradient-clipping pair (2.6) nor the fused RMSNorm kernel (mid-2025):
+    the runtime falls back for each (runtime/grad_clip.py, runtime/norms.py), so no plan demands them."""
+    for precision in ("fp32", "bf16-mixed", "fp16-mixed"):
+        names = " ".join(f.name for f in features_for(replace(_plan("a100-80gb"), precision=precision), "a100-80gb"))
+        assert "get_total_norm" not in names and "clip_grads_with_norm_" not in names
+        assert "_fused_rms_norm" not in names
+    assert all(f.since in ("torch 2.3 on", "torch 2.4 on", "torch 2.5 on") for f in BASE_FEATURES)

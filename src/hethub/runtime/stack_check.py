@@ -2,8 +2,11 @@
 
 What it reads: torch's version and build (``torch.version.cuda`` / ``.hip``), the installed version of
 the kind's extension (its package metadata: no import, so a mismatched extension cannot crash the
-import first), and whether torch has the APIs the runtime calls for this plan (the gradient-clipping
-pair, per-device autocast, the SDPA backends of the kind's attention implementation). The rules live in
+import first), and whether torch has the APIs the runtime calls for this plan (per-device autocast,
+device events, SDPA's grouped-query option, the SDPA backends of the kind's attention implementation).
+APIs newer than the range's floor are not demanded: the runtime has a fallback for each (gradient
+clipping in runtime/grad_clip.py, the fused RMSNorm kernel in runtime/norms.py, the one-tensor
+reduce-scatter in comm/reduce_scatter.py). The rules live in
 ``spec/torch_stacks.toml`` (hethub.spec.stacks); the distributed backend and the device itself are
 checked next, by the device map (runtime/devices.py), after the extension's import has registered them.
 
@@ -60,30 +63,32 @@ def _sdpa(names: tuple[str, ...]) -> Callable[[], bool]:
     return probe
 
 
+def _sdpa_gqa() -> bool:
+    """Whether SDPA takes ``enable_gqa`` (a tiny CPU call: the kernel is a builtin without a signature)."""
+    import torch.nn.functional as F
+
+    q, kv = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
 BASE_FEATURES = (
-    Feature("torch.nn.utils.get_total_norm", "torch 2.6 on", _has("torch.nn.utils.get_total_norm")),
-    Feature("torch.nn.utils.clip_grads_with_norm_", "torch 2.6 on", _has("torch.nn.utils.clip_grads_with_norm_")),
     Feature("torch.get_autocast_dtype", "torch 2.4 on", _has("torch.get_autocast_dtype")),
+    Feature("torch.Event (device timing marks, checkpoint fences)", "torch 2.4 on", _has("torch.Event")),
+    Feature("torch.nn.functional.scaled_dot_product_attention(enable_gqa=...)", "torch 2.5 on", _sdpa_gqa),
 )
 
 
-# A 16-bit stage's RMSNorm runs torch's fused kernel (runtime/norms.py), which releases from mid-2025 on
-# have (pytorch/pytorch pull request 153666); fp32 stages do not call it.
-FUSED_RMS_NORM = Feature("torch.ops.aten._fused_rms_norm (16-bit stages' RMSNorm)", "torch releases from mid-2025 on",
-                         lambda: hasattr(torch.ops.aten, "_fused_rms_norm"))
-
-
 def features_for(plan: Plan, kind: str) -> tuple[Feature, ...]:
-    """What ranks of ``kind`` call in ``plan``: the base APIs, the SDPA backends of its attention and,
-    where the kind trains in 16 bits, the fused RMSNorm kernel."""
-    from hethub.runtime.precision import kind_precision
-
+    """What ranks of ``kind`` call in ``plan``: the base APIs and the SDPA backends of its attention."""
     attention = plan.attention_of(kind)
     names = _SDPA_NAMES.get(attention, ())
     sdpa = Feature(f"torch.nn.attention.sdpa_kernel with SDPBackend.{', '.join(names)} ({attention} attention)",
                    "torch 2.3 on", _sdpa(names))
-    sixteen = kind_precision(plan, kind) != "fp32" and plan.model.arch != "gpt"
-    return (*BASE_FEATURES, sdpa, *((FUSED_RMS_NORM,) if sixteen else ()))
+    return (*BASE_FEATURES, sdpa)
 
 
 def installed_version(distribution: str) -> str | None:
