@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from hethub import __version__
 from hethub.argtypes import HelpFormatter, headroom_fraction, positive_float, positive_int
 from hethub.errors import HethubError, missing_extra
-from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES, Plan
+from hethub.plan import OPTIMIZER_SHARES, PLANNED_SHARDINGS, Plan
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, P2P_MODES, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--top-k", type=positive_int, default=1, help="also show the k best plans")
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm' (replaces catalog links)")
-    sp.add_argument("--optimizer-sharding", default="auto", choices=("auto", *OPTIMIZER_SHARDINGS),
+    sp.add_argument("--optimizer-sharding", default="auto", choices=("auto", *PLANNED_SHARDINGS),
                     help="ZeRO-1 optimizer-state sharding across each layer's data-parallel holders; auto "
                          "(default): plan with and without it and keep the faster predicted")
     sp.add_argument("--optimizer-shares", default="proportional", choices=OPTIMIZER_SHARES,

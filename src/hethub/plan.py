@@ -46,18 +46,25 @@ PLAN_FORMAT = "hethub-plan"
 # load, and the training entry point computes it (hethub.train).
 # 8: a stage's "cp" (context parallelism: devices = tp x cp, CP-major) and "sequence_parallel"; an
 # older reader would take every device for TP. Written only for plans that use either.
+# 9: training.optimizer_sharding "zero2" or "zero3" (a version-8 reader would refuse the word anyway; the
+# bump says which hethub runs them). Written only for such plans.
 PLAN_VERSION = 4
 PLAN_VERSION_CHUNKS = 5
 PLAN_VERSION_P2P = 6
 PLAN_VERSION_SHARDS = 7
 PLAN_VERSION_SEQ = 8
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+PLAN_VERSION_ZERO23 = 9
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 KIND_SETTINGS = ("precision", "attention")
-# Optimizer-state sharding across a parameter group's data-parallel holders (runtime/zero.py):
-# "zero1" shards the AdamW moments (ZeRO stage 1, Megatron's distributed optimizer). ZeRO-2 (sharded
-# gradients) is not offered: the runtime accumulates full gradients over a step's micro-batches and
-# reduces them once at the end, so sharding them would save nothing at the step's peak.
-OPTIMIZER_SHARDINGS = ("none", "zero1")
+# Sharding across a parameter group's data-parallel holders (runtime/zero.py), one split for all three:
+# "zero1" shards the AdamW moments and fp32 masters (ZeRO stage 1, Megatron's distributed optimizer);
+# "zero2" also the gradients (each micro-batch's reduced onto their owners as its backward makes them,
+# no whole gradient buffer); "zero3" also the parameters (gathered per layer before each use, released
+# after: runtime/zero_params.py).
+OPTIMIZER_SHARDINGS = ("none", "zero1", "zero2", "zero3")
+# What the planner chooses among today (hethub plan --optimizer-sharding); zero2/zero3 plans are
+# written by hand or by editing a planned one.
+PLANNED_SHARDINGS = ("none", "zero1")
 # How a group's elements are split among its holders: in proportion to each holder's free device
 # memory (predicted without optimizer state), or equally.
 OPTIMIZER_SHARES = ("proportional", "equal")
@@ -96,6 +103,11 @@ class Plan:
     @property
     def sharded_optimizer(self) -> bool:
         return self.optimizer_sharding != "none"
+
+    @property
+    def zero_stage(self) -> int:
+        """0 unsharded, else the ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters."""
+        return 0 if self.optimizer_sharding == "none" else int(self.optimizer_sharding[-1])
 
     def rank_shard_weights(self) -> dict[int, float]:
         """Each rank's weight in the ZeRO-1 split (``predict/sharding.py``), as the plan carries it."""
@@ -145,10 +157,10 @@ class Plan:
         if self.schedule not in SCHEDULES:
             _fail("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            hint = (" (ZeRO-2 is not offered: gradients are accumulated whole over the micro-batches, so "
-                    "sharding them saves nothing at the step's peak)" if self.optimizer_sharding == "zero2" else "")
-            _fail("training.optimizer_sharding", f"is {self.optimizer_sharding!r}{hint}",
+            _fail("training.optimizer_sharding", f"is {self.optimizer_sharding!r}",
                   f"use one of {', '.join(OPTIMIZER_SHARDINGS)}")
+        if self.zero_stage >= 2:
+            _check_zero23(self)
         if self.optimizer_shares not in OPTIMIZER_SHARES:
             _fail("training.optimizer_shares", f"is {self.optimizer_shares!r}",
                   f"use one of {', '.join(OPTIMIZER_SHARES)}")
@@ -213,7 +225,7 @@ class Plan:
         weights = self.shard_weights if self.sharded_optimizer else None
         return {
             "format": PLAN_FORMAT,
-            "version": (PLAN_VERSION_SEQ if self.splits_sequences else
+            "version": (PLAN_VERSION_ZERO23 if self.zero_stage >= 2 else PLAN_VERSION_SEQ if self.splits_sequences else
                         PLAN_VERSION_SHARDS if weights else PLAN_VERSION_P2P if self.p2p != DEFAULT_P2P else
                         PLAN_VERSION_CHUNKS if any(p.virtual_stages > 1 for p in self.pipelines) else PLAN_VERSION),
             "strategy": self.strategy,
@@ -441,6 +453,22 @@ def _shard_weights(training: dict[str, Any]) -> ShardWeights | None:
     if not all(isinstance(w, int | float) and not isinstance(w, bool) for w in by_rank):
         _fail(f"{where}.by_rank", "must be a list of numbers, one per rank", "re-create the plan with 'hethub plan'")
     return ShardWeights(mem_headroom=float(headroom), by_rank=tuple(float(w) for w in by_rank))
+
+
+def _check_zero23(plan: Plan) -> None:
+    """ZeRO-2 and ZeRO-3 run one collective per micro-batch (and per layer use) over each group of
+    holders, matched in order among them (runtime/zero.py): every holder must run as many. Every
+    pipeline holds every layer, so that is every pipeline."""
+    counts = sorted({p.num_micro_batches for p in plan.pipelines})
+    if len(counts) > 1:
+        _fail("training.optimizer_sharding", f"is {plan.optimizer_sharding!r}, but the pipelines run "
+              f"{', '.join(map(str, counts))} micro-batches per step (each micro-batch's gradients are reduced "
+              "onto their owners, and under zero3 each layer gathered, as collectives all holders join)",
+              "give every pipeline the same num_micro_batches (their micro_batch_size may differ), or use zero1")
+    if plan.zero_stage == 3 and any(p.virtual_stages > 1 for p in plan.pipelines):
+        _fail("training.optimizer_sharding", "is 'zero3' on a pipeline with virtual stages (its gathers follow "
+              "each holder's forward order, which chunks interleave differently per holder)",
+              "give each stage one layer range, or use zero2")
 
 
 def _check_shard_weights(w: ShardWeights, *, world_size: int) -> None:

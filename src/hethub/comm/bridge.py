@@ -36,6 +36,7 @@ from hethub.comm.hierarchical import (
     HostPool,
     Route,
     StartedAllReduce,
+    StartedBroadcast,
     StartedReduce,
     build_route,
     hierarchical_all_gather,
@@ -107,7 +108,7 @@ class BridgedCommunicator(Communicator):
                                  timeout=timeout)
         # Cross-island traffic always rides gloo: the default group when the world is gloo, else its own.
         self._bridge_pg = self._maker.get(range(self.world_size), "gloo")
-        self._routes: dict[GroupKey, Route] = {}
+        self._routes: dict[tuple[GroupKey, str], Route] = {}
         self._pool = HostPool()
         # The world is a group too (all_reduce with group=None); building it also creates each
         # island's group over all its ranks, which same-island point-to-point uses.
@@ -133,19 +134,21 @@ class BridgedCommunicator(Communicator):
                 "stage_host": self.stage_host, "islands": islands}
 
     # ---- groups ----------------------------------------------------------------------------------
-    def create_groups(self, groups: Iterable[Sequence[int]]) -> None:
+    def create_groups(self, groups: Iterable[Sequence[int]], *, channel: str = "") -> None:
         for ranks in groups:
             key = tuple(sorted(ranks))
-            if key not in self._routes:
-                self._routes[key] = build_route(key, rank=self.rank, island_of_rank=self.island_of_rank,
-                                                backend_of_island=self.backend_of_island, groups=self._maker)
+            if (key, channel) not in self._routes:
+                self._routes[(key, channel)] = build_route(key, rank=self.rank, island_of_rank=self.island_of_rank,
+                                                           backend_of_island=self.backend_of_island,
+                                                           groups=self._maker, channel=channel)
 
-    def _route(self, group: Sequence[int] | None) -> Route:
+    def _route(self, group: Sequence[int] | None, channel: str = "") -> Route:
         key = tuple(range(self.world_size)) if group is None else tuple(sorted(group))
         try:
-            return self._routes[key]
+            return self._routes[(key, channel)]
         except KeyError:
-            raise RuntimeError(f"group {key} was not created; list it in create_groups on every rank") from None
+            raise RuntimeError(f"group {key} (channel {channel!r}) was not created; list it in create_groups on "
+                               "every rank") from None
 
     def _same_island(self, peer: int) -> bool:
         return self.island_of_rank[peer] == self.island_of_rank[self.rank]
@@ -216,7 +219,7 @@ class BridgedCommunicator(Communicator):
         assert route.local is not None
         return dist.all_reduce(tensor, group=route.local.pg_for(tensor), async_op=True)
 
-    def start_reduce(self, tensor: torch.Tensor, *, group: Sequence[int], dst: int) -> Any:
+    def start_reduce(self, tensor: torch.Tensor, *, group: Sequence[int], dst: int, eager: bool = False) -> Any:
         """As :meth:`Communicator.start_reduce`; across islands each island reduces natively onto its
         proxy for ``dst`` now and the proxies' partial sums cross the bridge at ``wait()``
         (:class:`StartedReduce`)."""
@@ -225,9 +228,21 @@ class BridgedCommunicator(Communicator):
             return DONE
         if route.bridged:
             return StartedReduce(tensor, route=route, rank=self.rank, dst=dst, pool=self._pool,
-                                 stage_host=self.stage_host)
+                                 stage_host=self.stage_host, eager=eager)
         assert route.local is not None
         return dist.reduce(tensor, dst=dst, group=route.local.pg_for(tensor), async_op=True)
+
+    def start_broadcast(self, tensor: torch.Tensor, *, group: Sequence[int], src: int, channel: str = "") -> Any:
+        """As :meth:`Communicator.start_broadcast`; across islands ``src`` sends its tensor once to its
+        proxy in every other island and each island broadcasts natively (:class:`StartedBroadcast`)."""
+        route = self._route(group, channel)
+        if len(route.members) == 1:
+            return DONE
+        if route.bridged:
+            return StartedBroadcast(tensor, route=route, rank=self.rank, src=src, pool=self._pool,
+                                    stage_host=self.stage_host)
+        assert route.local is not None
+        return dist.broadcast(tensor, src=src, group=route.local.pg_for(tensor), async_op=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int],
                        sizes: Sequence[int] | None = None) -> torch.Tensor:

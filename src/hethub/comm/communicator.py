@@ -6,8 +6,11 @@ This implementation uses plain ``torch.distributed`` over the groups it is given
 A later bridge for p2p/all-reduce across device kinds replaces it behind the same methods, so the
 runtime never names a backend.
 
-Groups are identified by their sorted rank tuple. ``create_groups`` must be called on every rank
-with the same list in the same order (``new_group`` is collective over the world).
+Groups are identified by their sorted rank tuple and a *channel* (default ""): the same ranks on
+another channel are another process group, whose collectives are ordered apart (ZeRO-3 gathers the
+forward's and the backward's parameters on two channels, runtime/zero_params.py). ``create_groups``
+must be called on every rank with the same list in the same order (``new_group`` is collective over
+the world).
 """
 
 from __future__ import annotations
@@ -44,27 +47,28 @@ class Communicator:
         self._groups: dict[GroupKey, Any] = {}
 
     # ---- groups ----------------------------------------------------------------------------------
-    def create_groups(self, groups: Iterable[Sequence[int]]) -> None:
+    def create_groups(self, groups: Iterable[Sequence[int]], *, channel: str = "") -> None:
         for ranks in groups:
             key = tuple(sorted(ranks))
-            if key in self._groups:
+            if (key, channel) in self._groups:
                 continue
-            if len(key) == self.world_size:
-                self._groups[key] = None  # the default group; a copy would only cost a new gloo context
+            if len(key) == self.world_size and not channel:
+                self._groups[(key, channel)] = None  # the default group; a copy would only cost a new gloo context
             else:
                 kw = {"timeout": self._timeout} if self._timeout else {}
-                self._groups[key] = dist.new_group(ranks=list(key), **kw)
+                self._groups[(key, channel)] = dist.new_group(ranks=list(key), **kw)
 
-    def _pg(self, group: Sequence[int] | None) -> Any:
+    def _pg(self, group: Sequence[int] | None, channel: str = "") -> Any:
         if group is None:
             return None
         key = tuple(sorted(group))
-        if len(key) == self.world_size:
+        if len(key) == self.world_size and not channel:
             return None
         try:
-            return self._groups[key]
+            return self._groups[(key, channel)]
         except KeyError:
-            raise RuntimeError(f"group {key} was not created; list it in create_groups on every rank") from None
+            raise RuntimeError(f"group {key} (channel {channel!r}) was not created; list it in create_groups on "
+                               "every rank") from None
 
     # ---- point to point --------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> Any:
@@ -106,13 +110,23 @@ class Communicator:
             return DONE
         return dist.all_reduce(tensor, group=self._pg(group), async_op=True)
 
-    def start_reduce(self, tensor: torch.Tensor, *, group: Sequence[int], dst: int) -> Any:
+    def start_reduce(self, tensor: torch.Tensor, *, group: Sequence[int], dst: int, eager: bool = False) -> Any:
         """Start a sum of a contiguous ``tensor`` over ``group`` onto rank ``dst`` (in place there; the
         others' tensors may be used as scratch), as :meth:`start_all_reduce`: ZeRO-1's reduction of a
-        bucket's piece to the piece's owner."""
+        bucket's piece to the piece's owner. ``eager``: every step of it posted now, so that members
+        may wait for it at different points (ZeRO-2's rounds; a bridge's concern, one collective here)."""
+        del eager
         if len(group) == 1:
             return DONE
         return dist.reduce(tensor, dst=dst, group=self._pg(group), async_op=True)
+
+    def start_broadcast(self, tensor: torch.Tensor, *, group: Sequence[int], src: int, channel: str = "") -> Any:
+        """Start copying member ``src``'s contiguous ``tensor`` into every member's, as
+        :meth:`start_all_reduce`: ZeRO-3's gather of a layer's parameters, one broadcast per owner of
+        a part of them (unequal parts need no padding)."""
+        if len(group) == 1:
+            return DONE
+        return dist.broadcast(tensor, src=src, group=self._pg(group, channel), async_op=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, *, group: Sequence[int],
                        sizes: Sequence[int] | None = None) -> torch.Tensor:

@@ -55,16 +55,18 @@ class GroupMaker:
         self.world_size = world_size
         self.world_backend = world_backend
         self._timeout = timeout
-        self._cache: dict[tuple[GroupKey, str], Any] = {}
+        self._cache: dict[tuple[GroupKey, str, str], Any] = {}
 
-    def get(self, ranks: Iterable[int], backend: str) -> Any:
+    def get(self, ranks: Iterable[int], backend: str, channel: str = "") -> Any:
+        """The group over ``ranks`` on ``backend``; another ``channel`` is another group of the same
+        ranks (its collectives ordered apart, ``comm/communicator.py``)."""
         key = tuple(sorted(ranks))
-        if len(key) == self.world_size and backend == self.world_backend:
+        if len(key) == self.world_size and backend == self.world_backend and not channel:
             return None
-        if (key, backend) not in self._cache:
+        if (key, backend, channel) not in self._cache:
             kw = {"timeout": self._timeout} if self._timeout else {}
-            self._cache[(key, backend)] = dist.new_group(ranks=list(key), backend=backend, **kw)
-        return self._cache[(key, backend)]
+            self._cache[(key, backend, channel)] = dist.new_group(ranks=list(key), backend=backend, **kw)
+        return self._cache[(key, backend, channel)]
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class Route:
 
 
 def build_route(members: Sequence[int], *, rank: int, island_of_rank: Sequence[str],
-                backend_of_island: Mapping[str, str], groups: GroupMaker) -> Route:
+                backend_of_island: Mapping[str, str], groups: GroupMaker, channel: str = "") -> Route:
     key = tuple(sorted(members))
     by_island: dict[str, list[int]] = {}
     for r in key:
@@ -116,13 +118,13 @@ def build_route(members: Sequence[int], *, rank: int, island_of_rank: Sequence[s
         backend = backend_of_island[name]
         native = host = None
         if len(ranks) > 1:
-            native = groups.get(ranks, backend)
-            host = native if backend == "gloo" else groups.get(ranks, "gloo")
+            native = groups.get(ranks, backend, channel)
+            host = native if backend == "gloo" else groups.get(ranks, "gloo", channel)
         parts[name] = IslandPart(ranks=tuple(ranks), backend=backend, native_pg=native, host_pg=host)
     leaders_pg = host_pg = None
     if len(by_island) > 1:
-        leaders_pg = groups.get([p.leader for p in parts.values()], "gloo")
-        host_pg = groups.get(key, "gloo")
+        leaders_pg = groups.get([p.leader for p in parts.values()], "gloo", channel)
+        host_pg = groups.get(key, "gloo", channel)
     local = parts[island_of_rank[rank]] if rank in key else None
     return Route(members=key, islands=tuple(p.ranks for p in parts.values()), local=local,
                  leaders_pg=leaders_pg, host_pg=host_pg,
@@ -237,10 +239,15 @@ class StartedReduce:
     each island reduces natively onto its proxy for ``dst`` (``dst`` itself in its own island),
     posted at construction; :meth:`wait` sends every other island's partial sum from its proxy to
     ``dst`` over the bridge, and ``dst`` adds them in island order (the same sum on every run). Waits
-    in one order on every rank, as for :class:`StartedAllReduce`."""
+    in one order on every rank, as for :class:`StartedAllReduce`.
+
+    ``eager``: the bridge's messages are posted at construction too (a proxy first waits for its
+    island's reduce), so a member waiting for the sum needs no other member to have waited: ZeRO-2
+    finishes its oldest reduction while later micro-batches still run, at points that differ per
+    member (``runtime/zero_grads.py``)."""
 
     def __init__(self, tensor: torch.Tensor, *, route: Route, rank: int, dst: int, pool: HostPool,
-                 stage_host: bool) -> None:
+                 stage_host: bool, eager: bool = False) -> None:
         local, ex = route.local, route.exchange
         if local is None:
             raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
@@ -252,30 +259,97 @@ class StartedReduce:
         self.root = ex.proxy(dst, me)
         self.first = (dist.reduce(tensor, dst=self.root, group=local.pg_for(tensor), async_op=True)
                       if len(local.ranks) > 1 else None)
+        self.posted: list[tuple[torch.Tensor | None, Any, torch.Tensor | None]] | None = None
+        if eager:
+            self._post()
 
-    def wait(self) -> None:
+    def _post(self) -> None:
+        """The island step done, post the bridge's messages: (part received or None, work, host copy)."""
         ex, flat = self.route.exchange, self.tensor.view(-1)
         if self.first is not None:
             self.first.wait()
         mine = ex.island_index(self.rank)
+        self.posted = []
         if self.rank == self.dst:
-            others = [i for i in range(len(ex.islands)) if i != mine]
-            parts = [flat.new_empty(flat.numel()) for _ in others]
-            recvs = [_staged_p2p(part, peer=ex.proxy(self.dst, i), send=False, group=self.route.host_pg,
-                                 pool=self.pool, stage_host=self.stage_host, tag=REDUCTION_TAG)
-                     for part, i in zip(parts, others, strict=True)]
-            for part, (work, host) in zip(parts, recvs, strict=True):
-                work.wait()
-                if host is not None:
-                    part.copy_(host)
-                    self.pool.give(host, like=part)
-                flat.add_(part)  # island order: the same sum on every run
+            for i in (i for i in range(len(ex.islands)) if i != mine):
+                part = flat.new_empty(flat.numel())
+                work, host = _staged_p2p(part, peer=ex.proxy(self.dst, i), send=False, group=self.route.host_pg,
+                                         pool=self.pool, stage_host=self.stage_host, tag=REDUCTION_TAG)
+                self.posted.append((part, work, host))
         elif self.rank == self.root:
             work, host = _staged_p2p(flat, peer=self.dst, send=True, group=self.route.host_pg, pool=self.pool,
                                      stage_host=self.stage_host, tag=REDUCTION_TAG)
+            self.posted.append((None, work, host))
+
+    def wait(self) -> None:
+        if self.posted is None:
+            self._post()
+        assert self.posted is not None
+        flat = self.tensor.view(-1)
+        for part, work, host in self.posted:
+            work.wait()
+            if part is None:
+                if host is not None:
+                    self.pool.give(host, like=flat)
+                continue
+            if host is not None:
+                part.copy_(host)
+                self.pool.give(host, like=part)
+            flat.add_(part)  # island order: the same sum on every run
+        self.posted = []
+
+
+class StartedBroadcast:
+    """Member ``src``'s ``tensor`` copied into every member's over a bridged route: ``src`` sends it to
+    its proxy in every other island over the bridge and broadcasts it natively in its own island,
+    posted at construction (the other islands' proxies post their receives then); :meth:`wait` runs
+    each other island's native broadcast from its proxy. Waits in one order on every rank, as for
+    :class:`StartedAllReduce`."""
+
+    def __init__(self, tensor: torch.Tensor, *, route: Route, rank: int, src: int, pool: HostPool,
+                 stage_host: bool) -> None:
+        local, ex = route.local, route.exchange
+        if local is None:
+            raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
+        if not tensor.is_contiguous():
+            raise ValueError("a started broadcast needs a contiguous tensor (it is written in place)")
+        self.tensor, self.local, self.pool = tensor, local, pool
+        flat = tensor.view(-1)
+        mine, home = ex.island_index(rank), ex.island_index(src)
+        self.root = src if mine == home else ex.proxy(src, mine)
+        self.sends: list[tuple[Any, torch.Tensor | None]] = []
+        self.recv: tuple[Any, torch.Tensor | None] | None = None
+        self.native: Any = None
+        if rank == src:
+            self.sends = [_staged_p2p(flat, peer=ex.proxy(src, i), send=True, group=route.host_pg, pool=pool,
+                                      stage_host=stage_host, tag=BROADCAST_TAG)
+                          for i in range(len(ex.islands)) if i != home]
+        elif rank == self.root:
+            self.recv = _staged_p2p(flat, peer=src, send=False, group=route.host_pg, pool=pool,
+                                    stage_host=stage_host, tag=BROADCAST_TAG)
+        if mine == home and len(local.ranks) > 1:
+            self.native = dist.broadcast(tensor, src=src, group=local.pg_for(tensor), async_op=True)
+
+    def wait(self) -> None:
+        flat = self.tensor.view(-1)
+        for work, host in self.sends:
             work.wait()
             if host is not None:
                 self.pool.give(host, like=flat)
+        if self.recv is not None:
+            work, host = self.recv
+            work.wait()
+            if host is not None:
+                flat.copy_(host)
+                self.pool.give(host, like=flat)
+        if self.native is not None:
+            self.native.wait()
+        elif len(self.local.ranks) > 1:  # another island's: from its proxy, once that has the data
+            dist.broadcast(self.tensor, src=self.root, group=self.local.pg_for(self.tensor))
+
+
+# Bridge messages of parameter broadcasts (ZeRO-3's gathers), apart from reductions' and the pipeline's.
+BROADCAST_TAG = 1 << 23
 
 
 # ---- the sharded (reduce-scatter / all-gather) exchange ---------------------------------------------

@@ -56,6 +56,40 @@ class Bucket:
         return self.hi - self.lo
 
 
+def build_buckets(named: Sequence[tuple[str, nn.Parameter]], *, groups: Sequence[GradGroup],
+                  layout_numels: Sequence[int], finals: Sequence[int], num_layers: int, cap_elems: int,
+                  ) -> tuple[list[str], list[nn.Parameter], list[int], list[Bucket], list[int]]:
+    """The buckets of the module doc over the rank's parameters: (names, parameters and their finals in
+    buffer order, buckets, each parameter's bucket). ``runtime/grad_rounds.py`` cuts the same ones."""
+    order = sorted(range(len(named)), key=lambda i: reduction_key(named[i][0], num_layers=num_layers))
+    by_group: dict[GradGroup, list[int]] = {}
+    for i in order:
+        by_group.setdefault(groups[i], []).append(i)
+    spans: list[tuple[GradGroup, list[int]]] = []
+    for g, idx in by_group.items():
+        for a, b in bucket_ranges([layout_numels[i] for i in idx], cap_elems=cap_elems):
+            spans.append((g, idx[a:b]))
+    spans.sort(key=lambda span: reduction_key(named[span[1][0]][0], num_layers=num_layers))
+    params: list[nn.Parameter] = []
+    kept: list[int] = []
+    buckets: list[Bucket] = []
+    bucket_of: list[int] = []
+    offset = 0
+    for k, (g, idx) in enumerate(spans):
+        lo = offset
+        members = []
+        for i in idx:
+            members.append(len(params))
+            params.append(named[i][1])
+            kept.append(finals[i])
+            bucket_of.append(k)
+            offset += named[i][1].numel()
+        buckets.append(Bucket(index=k, group=g, params=members, lo=lo, hi=offset,
+                              layout_numel=sum(layout_numels[i] for i in idx)))
+    names = [named[i][0] for _, idx in spans for i in idx]
+    return names, params, kept, buckets, bucket_of
+
+
 class GradBuffer:
     """The main-grad buffer and its buckets (module doc). ``named``: the rank's parameters; ``groups``,
     ``layout_numels`` and ``finals``: per parameter (same order), its sync group, its element count in
@@ -65,33 +99,10 @@ class GradBuffer:
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], *, groups: Sequence[GradGroup],
                  layout_numels: Sequence[int], finals: Sequence[int], num_layers: int, cap_elems: int,
                  overlap: bool, launch: Callable[[Bucket], None]) -> None:
-        order = sorted(range(len(named)), key=lambda i: reduction_key(named[i][0], num_layers=num_layers))
-        by_group: dict[GradGroup, list[int]] = {}
-        for i in order:
-            by_group.setdefault(groups[i], []).append(i)
-        spans: list[tuple[GradGroup, list[int]]] = []
-        for g, idx in by_group.items():
-            for a, b in bucket_ranges([layout_numels[i] for i in idx], cap_elems=cap_elems):
-                spans.append((g, idx[a:b]))
-        spans.sort(key=lambda span: reduction_key(named[span[1][0]][0], num_layers=num_layers))
-        self.names = [n for n, _ in named]
-        self.params: list[nn.Parameter] = []
-        self.finals: list[int] = []
-        self.buckets: list[Bucket] = []
-        self.bucket_of: list[int] = []
-        offset = 0
-        for k, (g, idx) in enumerate(spans):
-            lo = offset
-            members = []
-            for i in idx:
-                members.append(len(self.params))
-                self.params.append(named[i][1])
-                self.finals.append(finals[i])
-                self.bucket_of.append(k)
-                offset += named[i][1].numel()
-            self.buckets.append(Bucket(index=k, group=g, params=members, lo=lo, hi=offset,
-                                       layout_numel=sum(layout_numels[i] for i in idx)))
-        self.names = [self.names[i] for _, idx in spans for i in idx]
+        self.names, self.params, self.finals, self.buckets, self.bucket_of = build_buckets(
+            named, groups=groups, layout_numels=layout_numels, finals=finals, num_layers=num_layers,
+            cap_elems=cap_elems)
+        offset = self.buckets[-1].hi if self.buckets else 0
         device = self.params[0].device if self.params else torch.device("cpu")
         self.data = torch.zeros(offset, dtype=torch.float32, device=device)
         self.views: list[torch.Tensor] = []

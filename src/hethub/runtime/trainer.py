@@ -42,6 +42,9 @@ from hethub.runtime.slowdown import Emulator
 from hethub.runtime.tensor_parallel import TPContext
 from hethub.runtime.timing import OpTimer
 from hethub.runtime.zero import ZeroSync
+from hethub.runtime.zero_grads import Zero2Sync, Zero3Sync
+
+_ZERO = {1: ZeroSync, 2: Zero2Sync, 3: Zero3Sync}
 
 
 @dataclass(frozen=True)
@@ -115,9 +118,9 @@ class Trainer:
         buckets = {"bucket_elems": self.cfg.grad_bucket_elems, "overlap": self.cfg.overlap_grad_reduce,
                    "timer": self.timer}
         # Ranks computing in 16 bits store their parameters so; AdamW steps fp32 masters (precision.py).
-        if plan.sharded_optimizer:  # ZeRO-1: this rank's AdamW steps only its slices (runtime/zero.py)
+        if plan.sharded_optimizer:  # ZeRO-1/2/3: this rank's AdamW steps only its slices (runtime/zero.py)
             dtypes = {r: param_dtype(self.precisions[self.topo.place(r).stage.kind]) for r in range(plan.world_size)}
-            self.zero = ZeroSync(self.model, topo=self.topo, rank=rank, comm=comm,
+            self.zero = _ZERO[plan.zero_stage](self.model, topo=self.topo, rank=rank, comm=comm,
                                  weights=plan.rank_shard_weights(), param_dtypes=dtypes, **buckets)
             self.grad_sync: GradSync | ZeroSync = self.zero
             self.optimizer, self.scheduler = build_optimizer_for(self.zero.pieces, self.cfg.optim)

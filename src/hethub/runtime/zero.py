@@ -33,8 +33,9 @@ One step:
    parameters, in the members' parameter dtype when they all store the same one (bf16: half the
    bytes), else fp32.
 
-The gradient buffer stays whole (as Megatron's distributed optimizer keeps its grad buffer): ZeRO-2
-(gradients sharded while the backward runs) is not built.
+The gradient buffer stays whole (as Megatron's distributed optimizer keeps its grad buffer). ZeRO-2
+and ZeRO-3 (``runtime/zero_grads.py``, ``runtime/zero_params.py``) keep this split and these pieces,
+and shard the gradients (and the parameters) among the same owners.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class ZeroSync:
     methods the Trainer calls on GradSync, plus :meth:`after_step`); :attr:`pieces` are what the
     rank's AdamW steps (``optim.build_optimizer_for``)."""
 
+    stage = 1
+    copies_params = False  # every piece an fp32 copy even where the parameter is fp32 (ZeRO-3: it is freed)
+
     def __init__(self, model: StageModel, *, topo: Topology, rank: int, comm: Communicator,
                  weights: dict[int, float], param_dtypes: dict[int, torch.dtype] | None = None,
                  bucket_elems: int = DEFAULT_BUCKET_ELEMS, overlap: bool = True, timer: OpTimer | None = None,
@@ -103,7 +107,7 @@ class ZeroSync:
         self.comm, self.rank, self.model = comm, rank, model
         dtypes = param_dtypes or {}
         self.param_dtype = dtypes.get(rank, torch.float32)
-        self.sharded_masters = self.param_dtype != torch.float32
+        self.sharded_masters = self.param_dtype != torch.float32 or self.copies_params
         place = topo.place(rank)
         self.tp, self.tp_rank = place.stage.tp, place.tp_rank
         self.device = next(model.parameters()).device
@@ -112,10 +116,9 @@ class ZeroSync:
         self.steps = 0  # optimizer steps taken (AdamW's per-parameter "step", the same for every piece)
         named, groups, numels, dims = bucket_layout(model, topo, rank)
         dim_of = {n: d for (n, _), d in zip(named, dims, strict=True)}
-        self.buffer = GradBuffer(named, groups=groups, layout_numels=numels,
-                                 finals=[place.num_micro_batches * backward_passes(model, n) for n, _ in named],
-                                 num_layers=model.spec.num_layers, cap_elems=bucket_elems, overlap=overlap,
-                                 launch=self._launch)
+        self.buffer = self._make_buffer(named, groups=groups, layout_numels=numels,
+                                        micro_batches=place.num_micro_batches, bucket_elems=bucket_elems,
+                                        overlap=overlap)
         by_line: dict[tuple[int, ...], _Bucket] = {}
         self._first_holder: dict[str, bool] = {}
         self._where: dict[int, tuple[_Bucket, int]] = {}  # buffer bucket -> (its group, its first element there)
@@ -141,6 +144,14 @@ class ZeroSync:
             self.buffer.reset()
         self.t0: Mark = None
         self.reductions: list[tuple[int, Mark, Mark]] = []  # (bucket, started, found done) this step
+
+    def _make_buffer(self, named: list[tuple[str, nn.Parameter]], *, groups: list[Any], layout_numels: list[int],
+                     micro_batches: int, bucket_elems: int, overlap: bool) -> Any:
+        """The whole main-grad buffer (ZeRO-2/3 override it with per-micro-batch rounds)."""
+        return GradBuffer(named, groups=groups, layout_numels=layout_numels,
+                          finals=[micro_batches * backward_passes(self.model, n) for n, _ in named],
+                          num_layers=self.model.spec.num_layers, cap_elems=bucket_elems, overlap=overlap,
+                          launch=self._launch)
 
     def begin_step(self, t0: Mark) -> None:
         self.t0, self.reductions = t0, []
@@ -235,17 +246,23 @@ class ZeroSync:
             bb.extra["full"] = src
         else:
             src = self.buffer.data[bb.lo:bb.hi]
+        bb.extra["works"] = self._reduce_pieces(zb, at, src)
+
+    def _reduce_pieces(self, zb: _Bucket, at: int, src: torch.Tensor, *, eager: bool = False) -> list[Any]:
+        """Start reducing each piece of ``src`` (a bucket at element ``at`` of group ``zb``'s layout)
+        onto its owner (``eager``: ``Communicator.start_reduce``'s)."""
         works = []
         for j, (off, size) in enumerate(zip(block_starts(zb.sizes), zb.sizes, strict=True)):
-            lo, hi = max(at, off), min(at + bb.layout_numel, off + size)
+            lo, hi = max(at, off), min(at + src.numel(), off + size)
             if lo < hi:
-                works.append(self.comm.start_reduce(src[lo - at:hi - at], group=zb.line, dst=zb.line[j]))
-        bb.extra["works"] = works
+                works.append(self.comm.start_reduce(src[lo - at:hi - at], group=zb.line, dst=zb.line[j], eager=eager))
+        return works
 
-    def _full_size(self, zb: _Bucket, bb: Bucket, at: int) -> torch.Tensor:
-        """A mixed bucket's contribution in the group's full-size layout."""
+    def _full_size(self, zb: _Bucket, bb: Bucket, at: int, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """A mixed bucket's contribution in the group's full-size layout (``grads``: its parameters'
+        gradients, default their main grads)."""
         full = torch.empty(bb.layout_numel, dtype=torch.float32, device=self.device)
-        for k, g in zip(bb.params, self.buffer.bucket_grads(bb), strict=True):
+        for k, g in zip(bb.params, self.buffer.bucket_grads(bb) if grads is None else grads, strict=True):
             i = self._group_index[self.buffer.names[k]]
             lo = zb.first[i] - at
             full[lo:lo + int(torch.Size(zb.shapes[i]).numel())] = self._to_layout(zb, i, g).reshape(-1)
@@ -307,10 +324,16 @@ class ZeroSync:
         self.steps += 1
         with torch.no_grad():
             for b in self.buckets:
+                if not self.keeps_whole(b):
+                    continue
                 mine = torch.zeros(b.pad, dtype=b.gather_dtype, device=self.device)
                 for s, t in b.pieces:
                     mine[s.pos:s.pos + s.stop - s.start] = t
                 self._scatter_gathered(b, self.comm.all_gather(mine, group=b.line, sizes=b.sizes), self._set_param)
+
+    def keeps_whole(self, b: _Bucket) -> bool:
+        """Whether every member keeps group ``b``'s parameters whole (ZeRO-3 gathers some instead)."""
+        return True
 
     def _set_param(self, b: _Bucket, i: int, full: torch.Tensor) -> None:
         b.params[i][1].data.copy_(self._from_layout(b, i, full))

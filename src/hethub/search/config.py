@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.errors import SpecError
-from hethub.plan import OPTIMIZER_SHARDINGS, OPTIMIZER_SHARES
+from hethub.plan import OPTIMIZER_SHARES, PLANNED_SHARDINGS
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
@@ -90,9 +90,9 @@ class PlannerConfig:
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
                 raise bad(name, f"must be a non-empty tuple of positive integers, got {vals!r}",
                           "give e.g. (1, 2, 4)")
-        if self.optimizer_sharding not in (*OPTIMIZER_SHARDINGS, "auto"):
+        if self.optimizer_sharding not in (*PLANNED_SHARDINGS, "auto"):
             raise bad("optimizer_sharding", f"is {self.optimizer_sharding!r}",
-                      f"use one of {', '.join(OPTIMIZER_SHARDINGS)} or auto")
+                      f"use one of {', '.join(PLANNED_SHARDINGS)} or auto")
         if self.optimizer_shares not in OPTIMIZER_SHARES:
             raise bad("optimizer_shares", f"is {self.optimizer_shares!r}", f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.objective not in OBJECTIVES:
