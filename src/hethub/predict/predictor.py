@@ -38,11 +38,12 @@ from hethub.predict.memory import (
     describe_peak,
     sharded_memory,
     usable_bytes,
+    zero23_memory,
 )
 from hethub.predict.plan_costs import PlanCosts, StageStepCost
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems
+from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems, zero23_rank_bytes
 from hethub.predict.sync import SyncResult, exposed_sync_groups, simulate_sync, sync_groups, world_collectives
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.schedules import DEFAULT_P2P, Schedule, get_schedule
@@ -299,15 +300,27 @@ def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
     weights = (plan.rank_shard_weights() if plan.shard_weights is not None
                else _shard_weights(plan, mems, headroom=headroom))
     per_stage = stage_shard_elems(plan, rank_shards(plan, weights))
-    return {sid: _sharded(plan, *sid, mem, per_stage[sid]) for sid, mem in mems.items()}, weights
+    out = {sid: _sharded(plan, *sid, mem, per_stage[sid]) for sid, mem in mems.items()}
+    if plan.zero_stage >= 2:  # the stage's device: each part at its largest over the stage's ranks
+        by_rank = zero23_rank_bytes(plan, weights)
+        rank_of = plan.rank_of_device()
+        for (pi, si), mem in out.items():
+            ranks = [by_rank[rank_of[d]] for d in plan.pipelines[pi].stages[si].devices]
+            out[(pi, si)] = zero23_memory(mem, stage=plan.zero_stage, moment_elems=per_stage[(pi, si)][0],
+                                          **{f: max(getattr(x, f) for x in ranks) for f in (
+                                              "grad_bytes", "whole_weight_bytes", "gathered_bytes", "round_bytes")})
+    return out, weights
 
 
 def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float) -> dict[int, float]:
     """Each rank's weight in its buckets' optimizer-state split (predict/sharding.py): with
     ``proportional`` shares, its device's usable memory less the stage's predicted peak without
     optimizer state and master weights (both sharded in mixed precision; none in fp32)."""
+    # What ZeRO-2 and 3 shard too (gradients; parameters) is not what a share has to fit beside.
+    sharded = {2: ("grads",), 3: ("grads", "weights")}.get(plan.zero_stage, ())
     free = {sid: usable_bytes(plan.cluster.kinds[plan.pipelines[sid[0]].stages[sid[1]].kind], headroom=headroom)
-            - (mem.total_bytes - mem.optimizer_bytes - mem.master_weights_bytes) for sid, mem in mems.items()}
+            - (mem.total_bytes - mem.optimizer_bytes - mem.master_weights_bytes
+               - sum(getattr(mem, f"{part}_bytes") for part in sharded)) for sid, mem in mems.items()}
     return rank_weights(plan, free_bytes=free)
 
 

@@ -23,7 +23,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hethub.layout import StagePlace, split_elems, stage_places, unit_holders
+from hethub.layout import (
+    DEFAULT_BUCKET_ELEMS,
+    ZERO_IN_FLIGHT_ROUNDS,
+    StagePlace,
+    bucket_ranges,
+    gathers_params,
+    split_elems,
+    stage_places,
+    unit_holders,
+    unit_position,
+)
 from hethub.plan import Plan
 from hethub.predict.memory.model import layer_elems
 from hethub.spec.model import ModelSpec
@@ -127,3 +137,104 @@ def stage_shard_elems(plan: Plan, shards: RankShards) -> dict[StageId, tuple[int
         out[(st.pipeline, st.stage)] = (max(shards.moment_elems[r] for r in st.ranks),
                                         max(shards.master_elems[r] for r in st.ranks))
     return out
+
+
+@dataclass(frozen=True)
+class Zero23Bytes:
+    """One rank's memory under ZeRO-2/3 beyond ZeRO-1's (``runtime/zero_grads.py``, ``zero_params.py``):
+    its persistent fp32 gradient shard, the parameters it keeps whole, the peak of the units it has
+    gathered at once (ZeRO-3) and a bound on its in-flight reduction rounds."""
+
+    grad_bytes: int
+    whole_weight_bytes: int
+    gathered_bytes: int
+    round_bytes: int
+
+
+def zero23_rank_bytes(plan: Plan, weights: Mapping[int, float], *,
+                      bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> dict[int, Zero23Bytes]:
+    """Every rank's :class:`Zero23Bytes` (a ZeRO-2 plan's ranks gather nothing and keep every parameter)."""
+    model, stage3 = plan.model, plan.zero_stage == 3
+    shards = rank_shards(plan, weights)
+    place_of = {r: st for st in stage_places(plan) for r in st.ranks}
+    wbytes = {r: ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for r, st in place_of.items()}
+    whole = dict.fromkeys(range(plan.world_size), 0)
+    sizes: dict[int, dict[str, tuple[int, int]]] = {r: {} for r in range(plan.world_size)}  # unit -> (bytes, staging)
+    largest = dict.fromkeys(range(plan.world_size), (0, 0))  # (layout elems, local elems) of the largest bucket
+    for b in buckets(plan):
+        precisions = {plan.precision_of(s.kind) for s in b.holders}
+        gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
+        gathered = stage3 and gathers_params(b.holders)
+        for line in b.lines():
+            for r in line:
+                tp = place_of[r].tp
+                layout = [unit_elems(model, u, tp=1 if b.mixed else tp) for u in b.units]
+                local = [unit_elems(model, u, tp=tp) for u in b.units]
+                spans = bucket_ranges(layout, cap_elems=bucket_elems)  # units are not split here: a bound
+                big = max(((sum(layout[i:j]), sum(local[i:j])) for i, j in spans), default=(0, 0))
+                largest[r] = max(largest[r], big)
+                for u, n_layout, n in zip(b.units, layout, local, strict=True):
+                    if not gathered:
+                        whole[r] += n * wbytes[r]
+                        continue
+                    direct = not b.mixed and gather_bytes == wbytes[r]
+                    sizes[r][u] = (n * wbytes[r], 0 if direct else n_layout * gather_bytes)
+    mixed_any = {r for b in buckets(plan) if b.mixed for line in b.lines() for r in line}
+    out = {}
+    for r in range(plan.world_size):
+        layout_elems, local_elems = largest[r]
+        rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if r in mixed_any else 0)
+        out[r] = Zero23Bytes(grad_bytes=4 * shards.moment_elems[r], whole_weight_bytes=whole[r],
+                             gathered_bytes=_gather_peak(place_of[r], sizes[r], tied=model.tied_embeddings,
+                                                         num_layers=model.num_layers),
+                             round_bytes=rounds)
+    return out
+
+
+def _gather_peak(st: StagePlace, sizes: Mapping[str, tuple[int, int]], *, tied: bool, num_layers: int) -> int:
+    """Most bytes of gathered units a rank holds at once: its forward and backward ops replayed as
+    ``runtime/zero_params.py`` runs them (groups gathered in data-flow order, the next one prefetched,
+    a layer released after its use; a staging tensor lives from a gather's start to its wait)."""
+    order = sorted(sizes, key=lambda u: unit_position(u, num_layers=num_layers))
+    layers = [u for u in order if u.startswith("layer.")]
+    front = [u for u in order if u in ("embed", "pos") and st.embedding]
+    tail = [u for u in order if u in ("final_norm", "head") or (u == "embed" and not st.embedding)]
+    back = [u for u in order if u in ("final_norm", "head") or (u == "embed" and tied)]
+    replay = _Replay(sizes)
+    for seq in ([g for g in (front, *([u] for u in layers), tail) if g],
+                [g for g in (back, *([u] for u in reversed(layers))) if g]):
+        replay.op(seq)
+    return replay.peak
+
+
+class _Replay:
+    """The live bytes of one rank's gathers over its ops (``_gather_peak``)."""
+
+    def __init__(self, sizes: Mapping[str, tuple[int, int]]) -> None:
+        self.sizes, self.peak = sizes, 0
+
+    def op(self, seq: list[list[str]]) -> None:
+        self.live, self.started, self.waited = 0, set(), set()
+        for k, g in enumerate(seq):
+            layer = g[0].startswith("layer.")
+            if k == 0 and layer:
+                self._start(g)
+            self._run(seq, k)
+            if layer:
+                self.live -= self.sizes[g[0]][0]  # released after its use
+
+    def _start(self, g: list[str]) -> None:
+        for u in g:
+            if u not in self.started:
+                self.started.add(u)
+                self.live += sum(self.sizes[u])
+                self.peak = max(self.peak, self.live)
+
+    def _run(self, seq: list[list[str]], k: int) -> None:
+        self._start(seq[k])
+        for u in seq[k]:
+            if u not in self.waited:
+                self.waited.add(u)
+                self.live -= self.sizes[u][1]
+        if k + 1 < len(seq):
+            self._start(seq[k + 1])

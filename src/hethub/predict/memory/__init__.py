@@ -22,6 +22,7 @@ from hethub.predict.memory.model import (
     stage_memory,
     stage_params,
     state_bytes_per_param,
+    zero23_memory,
 )
 from hethub.spec.model import ModelSpec
 
@@ -48,6 +49,7 @@ __all__ = [
     "stage_params",
     "state_bytes_per_param",
     "usable_bytes",
+    "zero23_memory",
 ]
 
 

@@ -47,8 +47,8 @@ STATE_BYTES_PER_PARAM: dict[str, dict[str, int]] = {
 }
 PHASES = ("forward_backward", "grad_sync", "optimizer_step")
 # Parts in the order they are reported; StageMemory.parts gives them at the peak.
-PARTS = ("weights", "master_weights", "grads", "optimizer", "activations", "fb_temporaries", "grad_sync_buffer",
-         "optimizer_temporaries", "fragmentation", "framework_context", "comm_buffers")
+PARTS = ("weights", "master_weights", "grads", "optimizer", "activations", "fb_temporaries", "gathered_weights",
+         "grad_sync_buffer", "optimizer_temporaries", "fragmentation", "framework_context", "comm_buffers")
 
 
 def state_bytes_per_param(precision: str) -> dict[str, int]:
@@ -117,6 +117,7 @@ class StageMemory:
     fragmentation_ratio: float = 0.0
     framework_context_bytes: float = 0.0
     comm_buffers_bytes: float = 0.0
+    gathered_bytes: float = 0.0  # ZeRO-3: parameters gathered at once for their use (forward/backward moment)
 
     @property
     def persistent_bytes(self) -> float:
@@ -125,7 +126,7 @@ class StageMemory:
     @_cached
     def phases(self) -> dict[str, float]:
         """Transient bytes of each moment of the step (added to the persistent state)."""
-        return {"forward_backward": self.activations_bytes + self.fb_temporaries_bytes,
+        return {"forward_backward": self.activations_bytes + self.fb_temporaries_bytes + self.gathered_bytes,
                 "grad_sync": self.grad_sync_buffer_bytes, "optimizer_step": self.optimizer_temporaries_bytes}
 
     @_cached
@@ -153,6 +154,7 @@ class StageMemory:
             "optimizer": self.optimizer_bytes,
             "activations": self.activations_bytes if fb else 0.0,
             "fb_temporaries": self.fb_temporaries_bytes if fb else 0.0,
+            "gathered_weights": self.gathered_bytes if fb else 0.0,
             "grad_sync_buffer": self.grad_sync_buffer_bytes if sync else 0.0,
             "optimizer_temporaries": self.optimizer_temporaries_bytes if step else 0.0,
             "fragmentation": self.allocated_bytes * self.fragmentation_ratio,
@@ -263,6 +265,22 @@ def sharded_memory(mem: StageMemory, *, moment_elems: float, master_elems: float
                    master_weights_bytes=sharded_master_bytes(precision, moment_elems=moment_elems,
                                                              master_elems=master_elems),
                    optimizer_temporaries_bytes=step_tmp)
+
+
+def zero23_memory(mem: StageMemory, *, stage: int, moment_elems: float, grad_bytes: float, whole_weight_bytes: float,
+                  gathered_bytes: float, round_bytes: float) -> StageMemory:
+    """``mem`` (under ZeRO-1, :func:`sharded_memory`) under ZeRO-2 or 3 (``runtime/zero_grads.py``; the
+    bytes from ``predict/sharding.zero23_rank_bytes``): the gradients are the fp32 shard of the owned
+    elements; the rounds of per-micro-batch reductions in flight (a bound: buckets at their largest)
+    live while the backward runs and at the sync. ZeRO-3 keeps only the parameters of groups it does
+    not gather, gathers the others per use (``gathered_bytes``, at their peak) and keeps an fp32 master
+    of every owned element, also in fp32 (the parameter it would view is freed)."""
+    out = replace(mem, grads_bytes=grad_bytes, grad_sync_buffer_bytes=round_bytes,
+                  fb_temporaries_bytes=mem.fb_temporaries_bytes + round_bytes)
+    if stage == 3:
+        out = replace(out, weights_bytes=whole_weight_bytes, gathered_bytes=gathered_bytes,
+                      master_weights_bytes=moment_elems * 4)
+    return out
 
 
 def sharded_master_bytes(precision: str, *, moment_elems: float, master_elems: float) -> float:
