@@ -38,10 +38,14 @@ def _train(rank: int, plan: Plan, data: list[torch.Tensor], *, start: int = 0, s
         losses.append(loss)
     if save is not None:
         save_checkpoint(trainer, root=save, step=stop, keep=2)
+    # ZeRO-3 frees parameters between uses: their values are the fp32 masters (collective).
+    masters = trainer.zero.gather_state(trainer.optimizer) if trainer.zero is not None and trainer.zero.stage == 3 \
+        else {}
     return {"losses": losses, "lr": trainer.optimizer.param_groups[0]["lr"],
             # numpy, not torch: torch tensors cross the result queue through shared memory a forked child's
             # os._exit tears down before the parent reads it.
-            "params": {n: p.detach().float().numpy().copy() for n, p in trainer.model.named_parameters()}}
+            "params": {n: masters.get(n, {}).get("param", p.detach()).float().numpy().copy()
+                       for n, p in trainer.model.named_parameters()}}
 
 
 def _run(plan: Plan, data: list[torch.Tensor], **kw: Any) -> list[dict[str, Any]]:

@@ -21,10 +21,10 @@ TOL = 1e-6
 SAVE, STOP = 3, 5
 
 
-def _zero1(plan: Plan, shares: str = "proportional") -> Plan:
+def _zero1(plan: Plan, shares: str = "proportional", sharding: str = "zero1") -> Plan:
     kinds = dict(plan.cluster.kinds)
     kinds[S] = replace(kinds[S], mem_bytes=2**31)  # unequal free memory: unequal slices
-    return with_shard_weights(replace(plan, cluster=replace(plan.cluster, kinds=kinds), optimizer_sharding="zero1",
+    return with_shard_weights(replace(plan, cluster=replace(plan.cluster, kinds=kinds), optimizer_sharding=sharding,
                                       optimizer_shares=shares).validate())
 
 
@@ -71,3 +71,15 @@ def test_mixed_precision_master_shards_resume_resharded(tmp_path: Path) -> None:
     p = replace(make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)]), (2, 1, [(S, 1, 6)])]), precision="bf16-mixed")
     cfg = replace(CFG, precision="bf16-mixed", cpu_autocast=True)
     _assert_equal_to_uninterrupted(_zero1(p), _zero1(p, shares="equal"), tmp_path, cfg=cfg)
+
+
+@pytest.mark.parametrize(("p_sharding", "q_sharding"), [("zero3", "zero1"), ("zero3", "none"), ("none", "zero3"),
+                                                        ("zero1", "zero2"), ("zero2", "zero3")])
+def test_resume_zero23_under_another_sharding(tmp_path: Path, p_sharding: str, q_sharding: str) -> None:
+    # ZeRO-2/3 need equal micro-batch counts: p's replicas align their layer splits (ZeRO-3 gathers every
+    # layer), q's do not (the layers whose holders sit at different positions stay whole).
+    p = make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)]), (2, 2, [(S, 1, 4), (S, 1, 2)])])
+    q = make_plan([(1, 2, [(S, 1, 2), (F, 2, 4)]), (3, 2, [(F, 1, 3), (S, 1, 3)])])
+    p = p if p_sharding == "none" else _zero1(p, sharding=p_sharding)
+    q = q if q_sharding == "none" else _zero1(q, sharding=q_sharding)
+    _assert_equal_to_uninterrupted(p, q, tmp_path)
