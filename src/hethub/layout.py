@@ -454,11 +454,12 @@ def _with_groups(topo: Topology) -> Topology:
 ZERO_IN_FLIGHT_ROUNDS = 2
 
 
-def gathers_params(holders: Sequence[StagePlace]) -> bool:
-    """Whether ZeRO-3 shards the parameters of a unit with these holder stages (runtime/zero_params.py):
-    two or more holders, all at the same position of pipelines of the same depth. Their forwards and
+def gathers_params(positions: Sequence[tuple[int, int]]) -> bool:
+    """Whether ZeRO-3 shards the parameters of a unit whose holder stages sit at these positions
+    ((stage index, stages in its pipeline) each; runtime/zero_params.py): two or more holders, all at
+    the same position of pipelines of the same depth. Their forwards and
     backwards then run in one order, so gathering before each use (a collective of all holders) pairs
     up; holders at different positions interleave them differently (a last stage runs B(0) before
     F(1), a first stage F(1) before B(0)) and per-use gathers would wait on each other in a cycle, so
     such a unit keeps its parameters whole (its gradients and optimizer state stay sharded)."""
-    return len(holders) > 1 and len({(s.stage, s.num_stages) for s in holders}) == 1
+    return len(positions) > 1 and len(set(positions)) == 1

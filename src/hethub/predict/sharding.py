@@ -164,7 +164,7 @@ def zero23_rank_bytes(plan: Plan, weights: Mapping[int, float], *,
     for b in buckets(plan):
         precisions = {plan.precision_of(s.kind) for s in b.holders}
         gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
-        gathered = stage3 and gathers_params(b.holders)
+        gathered = stage3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
         for line in b.lines():
             for r in line:
                 tp = place_of[r].tp

@@ -71,6 +71,7 @@ from dataclasses import dataclass, replace
 from hethub.islands import Exchange, exchange, island_of_kind
 from hethub.layout import (
     DEFAULT_BUCKET_ELEMS,
+    gathers_params,
     split_elems,
     stage_places,
     stage_units,
@@ -112,6 +113,11 @@ class SyncGroup:
     link: Link
     time_s: float
     members: int = 0  # ranks per reduction line where holders have several CP ranks (0: one per holder)
+    # ZeRO-2/3 (exposed_sync_groups): one micro-batch's reduction onto the owners, and under ZeRO-3 a
+    # step's per-use gathers of the group's parameters with the units they are cut into.
+    round_s: float = 0.0
+    gather_s: float = 0.0
+    gather_units: int = 0
 
     @property
     def participants(self) -> int:
@@ -231,13 +237,24 @@ def _sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], gr
     param_bytes = gather_bytes_per_param(plan, g.holders)
     ex = holder_exchange(plan, g.holders)
     if len(ex.islands) == 1:
-        t = sum(ring_pass_time_s(chunk_bytes=chunk_elems * b, participants=p, link=g.link)
-                for b in (grad_bytes, param_bytes))
+        rs, ag = (ring_pass_time_s(chunk_bytes=chunk_elems * b, participants=p, link=g.link)
+                  for b in (grad_bytes, param_bytes))
     else:
-        t = sum(_hierarchical_pass_s(plan, g.holders, ex, slices=slices, elem_bytes=b)
-                for b in (grad_bytes, param_bytes))
+        rs, ag = (_hierarchical_pass_s(plan, g.holders, ex, slices=slices, elem_bytes=b)
+                  for b in (grad_bytes, param_bytes))
     # nbytes: the volume of an all-reduce of equal cost (what a measured host all-reduce is priced on).
-    return SyncGroup(g.name, g.holders, chunk_elems * (grad_bytes + param_bytes) / 2 * p, g.link, t)
+    nbytes = chunk_elems * (grad_bytes + param_bytes) / 2 * p
+    if plan.zero_stage < 2:
+        return SyncGroup(g.name, g.holders, nbytes, g.link, rs + ag)
+    # ZeRO-2/3: the last micro-batch's reduction here, the earlier ones in exposed_sync_groups; ZeRO-3
+    # gathers a group's parameters before each use (a forward and a backward per micro-batch) instead
+    # of after the update, each gather one pass of the group's bytes (one broadcast per owner moves
+    # what a ring all-gather moves).
+    gathered = plan.zero_stage == 3 and gathers_params(
+        [(si, len(plan.pipelines[pi].stages)) for pi, si in g.holders])
+    m = plan.pipelines[g.holders[0][0]].num_micro_batches
+    return SyncGroup(g.name, g.holders, nbytes, g.link, rs + (0.0 if gathered else ag), round_s=rs,
+                     gather_s=2 * m * ag if gathered else 0.0, gather_units=len(g.name.split(", ")))
 
 
 def _hierarchical_pass_s(plan: Plan, holders: Sequence[StageId], ex: Exchange, *, slices: Sequence[int],
@@ -283,6 +300,8 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
     reduction left after its holders' last backward (module doc: Overlap). ``backward_s``: each
     stage's backward of one micro-batch (its last one overlaps the buckets)."""
     model = plan.model
+    if plan.zero_stage >= 2:
+        return _exposed_rounds(plan, groups, backward_s=backward_s)
     if plan.sharded_optimizer:
         return list(groups)
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
@@ -329,6 +348,29 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
             cursor[x] = start + d
         exposed[gi] += max(0.0, start + d) - max(0.0, start)
     return [replace(g, time_s=exposed[gi]) if gi in exposed else g for gi, g in enumerate(groups)]
+
+
+def _exposed_rounds(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
+                    ) -> list[SyncGroup]:
+    """ZeRO-2/3 groups (an estimate): each micro-batch's reduction runs beside the next micro-batch's
+    work, so the earlier rounds show only where one outlasts a backward of the slowest-to-hide holder
+    (the shortest backward); the last round is priced whole, after the backward. ZeRO-3's per-use
+    gathers are prefetched one unit ahead: per op the first unit's gather shows, and the rest only
+    where the step's gathers outlast the compute they hide behind (a forward taken as half a
+    backward)."""
+    out = []
+    for g in groups:
+        if g.participants <= 1 or g.round_s <= 0:
+            out.append(g)
+            continue
+        m = plan.pipelines[g.holders[0][0]].num_micro_batches
+        bwd = min(backward_s[x] for x in g.holders)
+        extra = (m - 1) * max(0.0, g.round_s - bwd)
+        if g.gather_s > 0:
+            first = g.gather_s / max(1, g.gather_units)  # one unit's gather per op, 2m ops
+            extra += first + max(0.0, g.gather_s - first - m * 1.5 * bwd)
+        out.append(replace(g, time_s=g.time_s + extra))
+    return out
 
 
 def world_collectives(plan: Plan) -> tuple[SyncGroup, SyncGroup]:

@@ -92,7 +92,8 @@ class ZeroParams:
             self.comm.create_groups(sync_lines(topo), channel=channel)
         self.units: dict[str, _Unit] = {}
         for zb in zero.buckets:
-            if gathers_params(topo.unit_holders[unit_of(zb.params[0][0])]):
+            holders = topo.unit_holders[unit_of(zb.params[0][0])]
+            if gathers_params([(st.stage, st.num_stages) for st in holders]):
                 self._build(zb)
         num_layers = model.spec.num_layers
         order = sorted(self.units, key=lambda u: unit_position(u, num_layers=num_layers))
