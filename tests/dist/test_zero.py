@@ -86,20 +86,8 @@ def check(plan: Plan, *, tol: dict[str, float] | None = None) -> list[dict]:
     """Parity with one device and the memory model's bytes; ``plan.precision`` mixed: against one device
     with the same recipe (16-bit parameters, fp32 masters) within ``tol``."""
     mixed = plan.precision != "fp32"
-    tol = tol or dict.fromkeys(("loss", "norm", "grad", "param"), TOL)
-    data = batches(plan, steps=3)
-    ref = (train_single_device(plan.model, data, optim=OPTIM, precision=plan.precision, master_copy=True)
-           if mixed else reference(plan.model, data, optim=OPTIM))
-    assert ref["norms"][0] > OPTIM.grad_clip, "clipping must be active for the test to cover it"
-    cfg = TrainerConfig(optim=OPTIM, precision=plan.precision if mixed else None, cpu_autocast=mixed,
-                        grad_bucket_elems=BUCKET_ELEMS)
-    res = run_ranks(plan.world_size, _worker, plan, data, ref, cfg)
-    assert set().union(*(r["names"] for r in res)) == set(ref["params"])
+    res = run_and_compare(plan, _worker, tol=tol)
     for r in res:
-        assert abs(r["loss"] - ref["loss"]) <= tol["loss"]
-        assert abs(r["norm"] - ref["norms"][0]) <= tol["norm"] * max(1.0, ref["norms"][0])
-        assert r["grad_diff"] <= tol["grad"], r
-        assert r["param_diff"] <= tol["param"], r
         assert r["dtypes"] == ({str(compute_dtype(plan.precision))} if mixed else {"torch.float32"})
     # The memory model's prediction, per rank, equals what each rank's AdamW allocated.
     shards = rank_shards(plan, plan.rank_shard_weights())
@@ -114,6 +102,27 @@ def check(plan: Plan, *, tol: dict[str, float] | None = None) -> list[dict]:
         assert sp.memory is not None and sp.memory.master_weights_bytes == max(res[q]["master_bytes"] for q in ranks)
         # fp32 main grads, one buffer (no 16-bit .grad is left after the backward), as the memory model says
         assert sp.grads_bytes == max(res[q]["grad_bytes"] for q in ranks), (sp.stage, sp.grads_bytes, ranks)
+    return res
+
+
+def run_and_compare(plan: Plan, worker: Any, *, tol: dict[str, float] | None = None) -> list[dict]:
+    """``worker`` (as :func:`_worker`) on every rank for 3 steps of ``plan``; its loss, norm, owned
+    gradient slices and parameters checked against one device (same recipe in mixed precision)."""
+    mixed = plan.precision != "fp32"
+    tol = tol or dict.fromkeys(("loss", "norm", "grad", "param"), TOL)
+    data = batches(plan, steps=3)
+    ref = (train_single_device(plan.model, data, optim=OPTIM, precision=plan.precision, master_copy=True)
+           if mixed else reference(plan.model, data, optim=OPTIM))
+    assert ref["norms"][0] > OPTIM.grad_clip, "clipping must be active for the test to cover it"
+    cfg = TrainerConfig(optim=OPTIM, precision=plan.precision if mixed else None, cpu_autocast=mixed,
+                        grad_bucket_elems=BUCKET_ELEMS)
+    res = run_ranks(plan.world_size, worker, plan, data, ref, cfg)
+    assert set().union(*(r["names"] for r in res)) == set(ref["params"])
+    for r in res:
+        assert abs(r["loss"] - ref["loss"]) <= tol["loss"]
+        assert abs(r["norm"] - ref["norms"][0]) <= tol["norm"] * max(1.0, ref["norms"][0])
+        assert r["grad_diff"] <= tol["grad"], r
+        assert r["param_diff"] <= tol["param"], r
     return res
 
 

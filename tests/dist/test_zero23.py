@@ -11,19 +11,15 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import OPTIM, SPEC, TIMEOUT, F, S, batches, make_plan, reference, run_ranks, warm_imports
+from _harness import SPEC, TIMEOUT, F, S, make_plan, warm_imports
+from test_zero import MIXED_TOL, run_and_compare
 
 from hethub.comm.factory import make_communicator
 from hethub.plan import Plan, Recompute
 from hethub.predict.predictor import predict, with_shard_weights
 from hethub.predict.sharding import rank_shards
-from hethub.runtime.reference import train_single_device
 from hethub.runtime.tensor_parallel import TPContext, shard
 from hethub.runtime.trainer import Trainer, TrainerConfig
-
-TOL = 1e-5
-BUCKET_ELEMS = 4096  # several buckets per group, several rounds in flight
-MIXED_TOL = {"loss": 1e-3, "norm": 1e-3, "grad": 2e-3, "param": 1e-2}  # test_zero.py's, measured there
 
 warm_imports()
 
@@ -73,21 +69,8 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]
 
 
 def check(plan: Plan, *, tol: dict[str, float] | None = None) -> list[dict]:
-    mixed = plan.precision != "fp32"
-    tol = tol or dict.fromkeys(("loss", "norm", "grad", "param"), TOL)
-    data = batches(plan, steps=3)
-    ref = (train_single_device(plan.model, data, optim=OPTIM, precision=plan.precision, master_copy=True)
-           if mixed else reference(plan.model, data, optim=OPTIM))
-    assert ref["norms"][0] > OPTIM.grad_clip, "clipping must be active for the test to cover it"
-    cfg = TrainerConfig(optim=OPTIM, precision=plan.precision if mixed else None, cpu_autocast=mixed,
-                        grad_bucket_elems=BUCKET_ELEMS)
-    res = run_ranks(plan.world_size, _worker, plan, data, ref, cfg)
-    assert set().union(*(r["names"] for r in res)) == set(ref["params"])
+    res = run_and_compare(plan, _worker, tol=tol)
     for r in res:
-        assert abs(r["loss"] - ref["loss"]) <= tol["loss"]
-        assert abs(r["norm"] - ref["norms"][0]) <= tol["norm"] * max(1.0, ref["norms"][0])
-        assert r["grad_diff"] <= tol["grad"], r
-        assert r["param_diff"] <= tol["param"], r
         assert not r["leftover"], r["leftover"]
     shards = rank_shards(plan, plan.rank_shard_weights())
     pred = predict(plan)
