@@ -73,8 +73,7 @@ def test_mixed_precision_master_shards_resume_resharded(tmp_path: Path) -> None:
     _assert_equal_to_uninterrupted(_zero1(p), _zero1(p, shares="equal"), tmp_path, cfg=cfg)
 
 
-@pytest.mark.parametrize(("p_sharding", "q_sharding"), [("zero3", "zero1"), ("zero3", "none"), ("none", "zero3"),
-                                                        ("zero1", "zero2"), ("zero2", "zero3")])
+@pytest.mark.parametrize(("p_sharding", "q_sharding"), [("zero3", "zero1"), ("none", "zero3"), ("zero2", "zero3")])
 def test_resume_zero23_under_another_sharding(tmp_path: Path, p_sharding: str, q_sharding: str) -> None:
     # ZeRO-2/3 need equal micro-batch counts: p's replicas align their layer splits (ZeRO-3 gathers every
     # layer), q's do not (the layers whose holders sit at different positions stay whole).
