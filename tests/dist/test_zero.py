@@ -46,6 +46,17 @@ def zero1(plan: Plan, *, shares: str = "proportional", slow_mem_bytes: int = 2**
     return with_shard_weights(sharded, mem_headroom=HEADROOM)
 
 
+def owned_grad_diff(zero: Any, ref: dict[str, Any], *, tp: TPContext) -> float:
+    """Largest difference of an owner's reduced gradient pieces from one device's gradients."""
+    diff = 0.0
+    for b in zero.buckets:
+        for s, t in b.pieces:
+            name, _, dim = b.params[s.param]
+            local = ref["grads"][name] if b.mixed else shard(ref["grads"][name], dim=dim, tp=tp)
+            diff = max(diff, (t.grad - local.reshape(-1)[s.start:s.stop]).abs().max().item())
+    return diff
+
+
 def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any], cfg: TrainerConfig) -> dict:
     comm = make_communicator(plan=plan, rank=rank, timeout=TIMEOUT)
     trainer = Trainer(plan, rank=rank, comm=comm, cfg=cfg)
@@ -58,14 +69,8 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]
                 for t in (p.grad, p.main_grad) if t is not None}
     grad_bytes = sum(storages.values())
     trainer.sync_grads()
-    grad_diff, owned = 0.0, 0
-    for b in zero.buckets:
-        for s, t in b.pieces:
-            name, _, dim = b.params[s.param]
-            full = ref["grads"][name]
-            local = full if b.mixed else shard(full, dim=dim, tp=tp)
-            grad_diff = max(grad_diff, (t.grad - local.reshape(-1)[s.start:s.stop]).abs().max().item())
-            owned += t.numel()
+    grad_diff = owned_grad_diff(zero, ref, tp=tp)
+    owned = sum(t.numel() for b in zero.buckets for _, t in b.pieces)
     assert len(storages) == 1, "every gradient lives in the one contiguous main-grad buffer"
     norm = trainer.clip_and_update()
     for step in range(1, len(data)):

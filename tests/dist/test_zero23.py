@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from _harness import SPEC, TIMEOUT, F, S, make_plan, warm_imports
-from test_zero import MIXED_TOL, run_and_compare
+from test_zero import MIXED_TOL, owned_grad_diff, run_and_compare
 
 from hethub.comm.factory import make_communicator
 from hethub.plan import Plan, Recompute
@@ -43,13 +43,7 @@ def _worker(rank: int, plan: Plan, data: list[torch.Tensor], ref: dict[str, Any]
     trainer.sync_grads()
     # No gradient outside the shard once the step's rounds are reduced.
     leftover = [n for n, p in trainer.model.named_parameters() if p.grad is not None or hasattr(p, "main_grad")]
-    grad_diff = 0.0
-    for b in zero.buckets:
-        for s, t in b.pieces:
-            name, _, dim = b.params[s.param]
-            full = ref["grads"][name]
-            local = full if b.mixed else shard(full, dim=dim, tp=tp)
-            grad_diff = max(grad_diff, (t.grad - local.reshape(-1)[s.start:s.stop]).abs().max().item())
+    grad_diff = owned_grad_diff(zero, ref, tp=tp)
     norm = trainer.clip_and_update()
     for step in range(1, len(data)):
         trainer.train_step(data[step], step=step)
