@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ def owner_rank(trainer: Trainer, name: str) -> int:
     return min(r for st in trainer.topo.unit_holders[unit_of(name)] for r in st.ranks)
 
 
-def _full(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
+def full_tensor(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a TP-sharded parameter (or its optimizer state); collective over the TP group.
     Not a copy when unsharded: :func:`_to_host` makes the snapshot's own copy."""
     dim, ranks = trainer.model.shard_dim(name), trainer.place.tp_group
@@ -139,15 +140,14 @@ def begin_save(trainer: Trainer, *, root: Path, step: int) -> None:
     _raise_if_failed(trainer, error, root=root, step=step)
 
 
-def snapshot(trainer: Trainer, step: int, *, buffers: dict[str, torch.Tensor] | None = None) -> Snapshot:
-    """Collective: this rank's share of the checkpoint, copied to host memory. TP shards are gathered
-    within their stage and a sharded optimizer's slices within their owners (every rank takes part);
-    each parameter is then kept by its one writer, the lowest rank holding it."""
-    rank = trainer.rank
-    owned: dict[str, torch.Tensor] = {}
-    shapes: dict[str, dict[str, Any]] = {}
+def full_states(trainer: Trainer) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Collective (every rank iterates to the end): each of this rank's parameters by full-model name,
+    as full-size tensors: ``param`` (the fp32 master where one is kept) and, once AdamW has stepped,
+    ``exp_avg``, ``exp_avg_sq`` and ``step``. TP shards are gathered within the stage and a sharded
+    optimizer's slices within their owners, so the result is the same under any plan: what a
+    checkpoint stores and what a live layer move carries (runtime/rebalance.py)."""
     # A sharded optimizer's slices, all-gathered into each parameter's local state (collective), so
-    # the files hold the same full tensors whatever the sharding: loading re-shards for any plan.
+    # the result holds the same full tensors whatever the sharding.
     states = trainer.zero.gather_state(trainer.optimizer) if trainer.zero is not None else None
     for name, p in sorted(trainer.model.named_parameters()):
         if states is not None:
@@ -155,13 +155,24 @@ def snapshot(trainer: Trainer, step: int, *, buffers: dict[str, torch.Tensor] | 
         else:  # what AdamW steps: the parameter, or its fp32 master in mixed precision (runtime/precision.py)
             master = trainer.masters.of(p) if trainer.masters is not None else p
             st = trainer.optimizer.state.get(master, {}) | ({"param": master} if master is not p else {})
-        # fp32 masters (mixed precision) are saved, not their 16-bit rounding.
-        full = ({"param": _full(trainer, name, st.get("param", p))}
-                | {k: _full(trainer, name, st[k]) for k in _OPT_KEYS if k in st})
-        if owner_rank(trainer, name) != rank:
-            continue
+        # fp32 masters (mixed precision) are taken, not their 16-bit rounding.
+        full = ({"param": full_tensor(trainer, name, st.get("param", p))}
+                | {k: full_tensor(trainer, name, st[k]) for k in _OPT_KEYS if k in st})
         if "step" in st:
             full["step"] = st["step"]
+        yield name, full
+
+
+def snapshot(trainer: Trainer, step: int, *, buffers: dict[str, torch.Tensor] | None = None) -> Snapshot:
+    """Collective: this rank's share of the checkpoint, copied to host memory. TP shards are gathered
+    within their stage and a sharded optimizer's slices within their owners (every rank takes part);
+    each parameter is then kept by its one writer, the lowest rank holding it."""
+    rank = trainer.rank
+    owned: dict[str, torch.Tensor] = {}
+    shapes: dict[str, dict[str, Any]] = {}
+    for name, full in full_states(trainer):
+        if owner_rank(trainer, name) != rank:
+            continue
         owned |= {f"{k}:{name}": _to_host(v, buffers, f"{k}:{name}") for k, v in full.items()}
         shapes[name] = {"shape": list(full["param"].shape), "dtype": str(full["param"].dtype).removeprefix("torch."),
                         "optim": "step" in full}
@@ -368,21 +379,9 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, allow_schedule_change
     data: dict[str, torch.Tensor] = {}
     for f in need:
         data |= torch.load(step_dir / f, map_location="cpu", weights_only=True, mmap=True)
-    tp = trainer.model.tp
-    with torch.no_grad():
-        for name, p in named.items():
-            dim = trainer.model.shard_dim(name)
-            p.copy_(shard(data[f"param:{name}"], dim=dim, tp=tp))
-            if trainer.zero is None:
-                master = trainer.masters.of(p) if trainer.masters is not None else p
-                if master is not p:  # the fp32 values, not the 16-bit parameter's rounding
-                    master.copy_(shard(data[f"param:{name}"], dim=dim, tp=tp))
-                if manifest["tensors"][name].get("optim"):
-                    trainer.optimizer.state[master] = {
-                        "step": data[f"step:{name}"].clone().to(p.device),  # fused AdamW keeps it there
-                        **{k: shard(data[f"{k}:{name}"], dim=dim, tp=tp).clone().to(p.device) for k in _OPT_KEYS}}
-        if trainer.zero is not None:
-            _load_sharded(trainer, manifest, data)
+    load_full_state(trainer, {n: {"param": data[f"param:{n}"]}
+                              | ({k: data[f"{k}:{n}"] for k in (*_OPT_KEYS, "step")}
+                                 if manifest["tensors"][n].get("optim") else {}) for n in named})
     step = int(manifest["step"])
     restore_schedule(trainer, step)
     if not resharded and rng_file:
@@ -392,18 +391,30 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, allow_schedule_change
     return Resumed(step=step, path=step_dir, resharded=resharded)
 
 
-def _load_sharded(trainer: Trainer, manifest: dict[str, Any], data: dict[str, torch.Tensor]) -> None:
-    """A ZeRO-1 rank takes its slices of the full tensors (runtime/zero.py), whatever the saving run's
-    plan or sharding was."""
-    assert trainer.zero is not None
-    names = [n for n, _ in trainer.model.named_parameters()]
-    full = {n: {"param": data[f"param:{n}"]} | ({k: data[f"{k}:{n}"] for k in _OPT_KEYS}
-                                                if manifest["tensors"][n].get("optim") else {}) for n in names}
-    stepped = [n for n in names if manifest["tensors"][n].get("optim")]
-    steps = int(data[f"step:{stepped[0]}"]) if stepped else 0  # AdamW's count (fp16 skips excluded)
+def load_full_state(trainer: Trainer, full: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """This rank's parameters and AdamW state from full-size tensors by name (``full_states``' form:
+    ``param``, and once stepped ``exp_avg``, ``exp_avg_sq`` and ``step``), whatever the plan or the
+    sharding they came from: each rank slices what it holds; a ZeRO-1 rank takes its slices
+    (runtime/zero.py)."""
     tp = trainer.model.tp
-    trainer.zero.load_state(trainer.optimizer, full=full, steps=steps,
-                            shard=lambda x, name: shard(x, dim=trainer.model.shard_dim(name), tp=tp))
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            dim = trainer.model.shard_dim(name)
+            p.copy_(shard(full[name]["param"], dim=dim, tp=tp))
+            if trainer.zero is None:
+                master = trainer.masters.of(p) if trainer.masters is not None else p
+                if master is not p:  # the fp32 values, not the 16-bit parameter's rounding
+                    master.copy_(shard(full[name]["param"], dim=dim, tp=tp))
+                if "exp_avg" in full[name]:
+                    trainer.optimizer.state[master] = {
+                        "step": full[name]["step"].clone().to(p.device),  # fused AdamW keeps it there
+                        **{k: shard(full[name][k], dim=dim, tp=tp).clone().to(p.device) for k in _OPT_KEYS}}
+        if trainer.zero is not None:
+            mine = {n: full[n] for n, _ in trainer.model.named_parameters()}
+            stepped = [n for n, v in mine.items() if "exp_avg" in v]
+            steps = int(mine[stepped[0]]["step"]) if stepped else 0  # AdamW's count (fp16 skips excluded)
+            trainer.zero.load_state(trainer.optimizer, full=mine, steps=steps,
+                                    shard=lambda x, name: shard(x, dim=trainer.model.shard_dim(name), tp=tp))
 
 
 def restore_schedule(trainer: Trainer, step: int) -> None:
