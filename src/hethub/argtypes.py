@@ -45,6 +45,14 @@ def positive_float(text: str) -> float:
     return v
 
 
+def above_one(text: str) -> float:
+    """A number > 1 (a factor that means "slower")."""
+    v = _finite(text)
+    if v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number > 1, got {text!r}")
+    return v
+
+
 def nonneg_float(text: str) -> float:
     v = _finite(text)
     if v < 0:

@@ -8,7 +8,9 @@ creates any process group or communication thread:
 * a job that came back with fewer processes than the plan has devices is re-planned for them
   (``--replan-on-shrink``: :mod:`hethub.commands.replan`);
 * a ZeRO-1 plan that carries no optimizer shard weights (a file from before plan version 7, or one
-  made in code) gets them from the predictor at the default memory headroom, with a note.
+  made in code) gets them from the predictor at the default memory headroom, with a note;
+* online re-balancing gets the predictor's per-stage times and memory limits, and a resumed run the
+  shares and layers its checkpoint was saved under (:mod:`hethub.commands.rebalance_plan`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ __all__ = ["main", "parse_args", "rank_plan"]
 def rank_plan(args: argparse.Namespace, *, world_size: int, rank: int) -> Plan:
     """The plan rank ``rank`` of a ``world_size``-process job runs: ``args.plan``, re-planned for fewer
     processes where ``--replan-on-shrink`` allows it, with its ZeRO-1 split computed where missing."""
+    from hethub.commands.rebalance_plan import saved_balance, with_rebalance_meta
+
     plan = Plan.load(args.plan)
+    if not (args.replan_on_shrink and world_size < plan.world_size):
+        plan = saved_balance(plan, args)
     if args.replan_on_shrink and world_size < plan.world_size:
         from hethub.commands.replan import replan_path, shrunk_plan
         from hethub.emulation.host import host_model
@@ -57,7 +63,7 @@ def rank_plan(args: argparse.Namespace, *, world_size: int, rank: int) -> Plan:
                   f"optimizer_shard_weights); computed at the default memory headroom "
                   f"{plan.shard_weights.mem_headroom:g}. Re-create the plan with 'hethub plan' to keep the "
                   "headroom it was planned at.", flush=True)
-    return plan
+    return with_rebalance_meta(plan, layers=args.rebalance == "layers")
 
 
 def main(argv: list[str] | None = None) -> int:

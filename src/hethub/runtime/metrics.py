@@ -7,7 +7,11 @@ Schema of one record::
     kinds: {kind: {devices, flops, achieved_flops_per_s (per device, over the step time),
                    busy_flops_per_s (over time spent computing), emulated, emulated_slowdown}},
     ranks: [{rank, kind, pipeline, stage, tp_rank, step_s, busy_s, recv_wait_s, send_wait_s, sync_s,
-             optim_s, emulated_sleep_s, compute_cpu_s, events: [{op: "F"|"B"|"sync"|"optim", mb, start_s, end_s}]}]
+             optim_s, emulated_sleep_s, compute_cpu_s, mb_fwd_s, mb_bwd_s, span_s,
+             events: [{op: "F"|"B"|"sync"|"optim", mb, start_s, end_s}]}]
+
+``mb_fwd_s``/``mb_bwd_s``: the rank's forward and backward (B and W) time per micro-batch, ``span_s``
+when its last of them ended: what online re-balancing measures (hethub.rebalance.measure).
 
 FLOPs are model FLOPs (forward + backward = 3x forward, no recomputation), a rank's share being its
 stage's FLOPs over its TP degree. Times of an emulated kind include its emulation sleep: they are
@@ -41,6 +45,10 @@ def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float,
     ``reductions``: each gradient bucket's reduction, started (in the backward, with overlap) and
     found done, kept with the detail."""
     st = place.stage
+    m = max(1, place.num_micro_batches)
+    op_s = {"F": 0.0, "B": 0.0, "W": 0.0}
+    for e in trace.events:
+        op_s[e["op"]] += e["end_s"] - e["start_s"]
     # Gradient sync and the optimizer close the step, in that order: place them from its end.
     opt_start = step_s - optim_s
     tail = [{"op": "sync", "mb": None, "start_s": round(opt_start - sync_s, 6), "end_s": round(opt_start, 6)},
@@ -49,7 +57,10 @@ def rank_record(*, rank: int, place: RankPlace, trace: StepTrace, sync_s: float,
             "step_s": round(step_s, 6), "busy_s": round(trace.busy_s, 6), "recv_wait_s": round(trace.recv_wait_s, 6),
             "send_wait_s": round(trace.send_wait_s, 6), "sync_s": round(sync_s, 6), "optim_s": round(optim_s, 6),
             "emulated_sleep_s": round(emulated_sleep_s, 6),
-            "compute_cpu_s": round(compute_cpu_s, 6), "events": [*(trace.events if detail else ()), *tail],
+            "compute_cpu_s": round(compute_cpu_s, 6), "mb_fwd_s": round(op_s["F"] / m, 6),
+            "mb_bwd_s": round((op_s["B"] + op_s["W"]) / m, 6),
+            "span_s": round(max((e["end_s"] for e in trace.events), default=0.0), 6),
+            "events": [*(trace.events if detail else ()), *tail],
             **({"reductions": reductions} if detail and reductions else {})}
 
 

@@ -41,6 +41,7 @@ from hethub.runtime.devices import (
 )
 from hethub.runtime.elastic import init_process_group, maybe_inject_fault
 from hethub.runtime.optim import OptimConfig
+from hethub.runtime.rebalance import LiveRebalance
 from hethub.runtime.stack_check import check_rank_stack
 from hethub.runtime.train_args import done_marker, parse_rank_args
 from hethub.runtime.trainer import Trainer, TrainerConfig
@@ -110,9 +111,13 @@ def run(args: argparse.Namespace, *, plan_of: PlanOf) -> None:
         # bar's own periodic lines go to a sink.
         bar = progress(args.steps - start, desc="train", unit="steps",
                        stream=sys.stderr if logs and sys.stderr.isatty() else io.StringIO())
+        rebalance = LiveRebalance.from_args(args, trainer)  # docs/rebalance.md
         for step in range(start, args.steps):
             maybe_inject_fault(rank=rank, step=step)
+            rebalance.before_step(step)
             rec = trainer.train_step(source.global_batch_at(step), step=step)
+            # A change applies at this step boundary on every rank; a save in flight commits first.
+            rebalance.after_step(step, rec, before_change=saver and (lambda: _saved(saver.wait(), saver, trainer)))
             extras.after_step(step, rec)
             if saver is not None:
                 _saved(saver.poll(), saver, trainer)  # commits a background save once every rank wrote it

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hethub.argtypes import fraction, nonneg_float, nonneg_int, positive_float, positive_int
+from hethub.argtypes import above_one, fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from hethub.errors import SpecError
 from hethub.layout import DEFAULT_BUCKET_ELEMS
+from hethub.rebalance.config import DEFAULT_MODE, MODES, RebalanceConfig
 from hethub.runtime import train_config
+from hethub.runtime.slowdown import parse_slowdown
 
 # (flag, argparse keywords). Order = the order of --help.
 _TRAINING: list[tuple[str, dict]] = [
@@ -67,7 +69,23 @@ _CHECKPOINTS: list[tuple[str, dict]] = [
     ("--replan-on-shrink", {"action": "store_true",
                             "help": "if fewer processes than the plan's devices start, plan for them and resume"}),
 ]
-FLAGS = [flag for flag, _ in _TRAINING + _CHECKPOINTS]
+_REBALANCE: list[tuple[str, dict]] = [
+    ("--rebalance", {"choices": MODES, "default": DEFAULT_MODE,
+                     "help": "follow measured speed without a restart: off (measure and name stragglers only), shares "
+                             "(re-split the micro-batch counts among replicas), layers (also move a layer between "
+                             "adjacent stages where that pays more)"}),
+    ("--rebalance-min-gain", {"type": fraction, "default": RebalanceConfig.min_gain, "metavar": "F",
+                              "help": "change only when the step is predicted to get this fraction faster"}),
+    ("--rebalance-patience", {"type": positive_int, "default": RebalanceConfig.patience, "metavar": "N",
+                              "help": "... on N consecutive steps"}),
+    ("--straggler-factor", {"type": above_one, "default": RebalanceConfig.straggler_factor, "metavar": "X",
+                            "help": "name a rank a straggler when its time per micro-batch is X times its prediction"}),
+    ("--emulate-slowdown", {"type": parse_slowdown, "action": "append", "default": None,
+                            "metavar": "RANK_OR_KIND:FACTOR@STEP",
+                            "help": "local emulation: from STEP on, slow one rank (by number) or every rank of a kind "
+                                    "by FACTOR, e.g. 3:2@10 (repeatable)"}),
+]
+FLAGS = [flag for flag, _ in _TRAINING + _CHECKPOINTS + _REBALANCE]
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> None:
@@ -77,6 +95,9 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> None:
     ck = ap.add_argument_group("checkpoints and restarts (docs/reliability.md)")
     for flag, kw in _CHECKPOINTS:
         ck.add_argument(flag, **kw)
+    rb = ap.add_argument_group("online re-balancing (docs/rebalance.md)")
+    for flag, kw in _REBALANCE:
+        rb.add_argument(flag, **kw)
 
 
 def check_train_args(args: argparse.Namespace) -> None:
@@ -131,7 +152,10 @@ def train_argv(args: argparse.Namespace) -> list[str]:
         if v == action.default:
             continue
         flag = action.option_strings[0]
-        if isinstance(v, bool):
+        if isinstance(action, argparse._AppendAction):
+            for item in v:
+                out += [flag, str(item)]
+        elif isinstance(v, bool):
             out.append(flag)
         elif isinstance(v, list | tuple):
             out += [flag, *map(str, v)]
