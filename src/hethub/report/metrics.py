@@ -39,6 +39,8 @@ class MeasuredRun:
     events: dict[int, tuple[Event, ...]]  # rank -> events, times relative to the step start
     timeline_step_time_s: float | None = None  # the logged step time of `timeline_step`
     warnings: tuple[str, ...] = field(default=())
+    # Online re-balancing, per step that logged it: (step, the record's "rebalance" object).
+    rebalance: tuple[tuple[int, dict[str, Any]], ...] = field(default=())
 
     @property
     def typical_step_time_s(self) -> float | None:
@@ -66,6 +68,7 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
     step_time: dict[int, float] = {}
     tokens: dict[int, float] = {}
     rank_records: dict[int, dict[int, list[Any]]] = {}  # step -> rank -> raw events
+    rebalance: dict[int, dict[str, Any]] = {}
     layout = stage_layout(plan)
     with p.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
@@ -86,6 +89,8 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
             if (v := _as_float(rec.get("tokens_per_s"))) is not None:
                 tokens[step] = v
             _check_belongs(rec, plan, where=f"metrics file '{p}' line {lineno}")
+            if isinstance(rec.get("rebalance"), dict):
+                rebalance[step] = rec["rebalance"]
             for rr in _rank_records(rec):
                 rank = _as_int(rr.get("rank"))
                 if rank is None or not isinstance(rr.get("events"), list):
@@ -104,6 +109,7 @@ def read_metrics(path: str | Path, *, plan: Plan) -> MeasuredRun:
         tokens_per_s=tuple(tokens[s] for s in sorted(tokens)),
         timeline_step=timeline_step, events=events, warnings=tuple(warnings),
         timeline_step_time_s=step_time.get(timeline_step) if timeline_step is not None else None,
+        rebalance=tuple(sorted(rebalance.items())),
     )
 
 

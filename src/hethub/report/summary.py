@@ -8,6 +8,7 @@ from hethub.report._style import fmt_time
 from hethub.report.analysis import Bubble, bubble, kind_use
 from hethub.report.groups import stage_predictions, stage_rows
 from hethub.report.metrics import MeasuredRun
+from hethub.report.rebalance import rebalance_markdown
 from hethub.units import fmt_flops
 
 GIB = 1024**3
@@ -38,6 +39,8 @@ def summary_markdown(*, plan: Plan, prediction: Prediction, measured: MeasuredRu
     out += ["", *_efficiency(plan, prediction.tokens_per_s, m_tps), "", *_bubble(prediction, measured, m_step), "",
             *_kinds(plan, prediction.step_time_s, m_step), "", *_stages(plan, prediction), "",
             *_memory(plan, prediction)]
+    if measured and measured.rebalance:
+        out += ["", *rebalance_markdown(measured)]
     if measured and measured.warnings:
         out += ["", "## Metrics file warnings", "", *[f"- {w}" for w in measured.warnings[:20]]]
         if len(measured.warnings) > 20:
