@@ -173,8 +173,9 @@ def _train(plan_path: Path, plan: Plan, *, steps: int, metrics: Path) -> tuple[l
 
     metrics.unlink(missing_ok=True)
     load = ForeignLoad()
+    # Each plan is measured as planned: online re-balancing would move the uniform baseline's shares.
     proc = launch_local(plan_path, nproc=plan.world_size, steps=steps, metrics=metrics, capture=True,
-                        extra_args=["--lr", "3e-3", "--warmup-steps", "3", "--trace"])
+                        extra_args=["--lr", "3e-3", "--warmup-steps", "3", "--trace", "--rebalance", "off"])
     foreign = load.cores()
     if proc.returncode != 0:
         raise RuntimeSetupError(f"demo training of {plan_path} failed (exit {proc.returncode}):\n"

@@ -7,10 +7,12 @@ resumes with them."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from _harness import OPTIM, TIMEOUT, F, S, batches, make_plan, reference, run_ranks, warm_imports
 
@@ -153,3 +155,32 @@ def test_checkpoint_after_changes_resumes_with_them(tmp_path: Path) -> None:
     for r in res:
         assert (r["step"], r["resharded"]) == (2, False)
         assert r["param_diff"] <= TOL, r
+
+
+@pytest.mark.slow
+def test_hethub_train_rebalances_a_slowed_rank_and_the_report_shows_it(tmp_path: Path) -> None:
+    """The whole path under torchrun: --emulate-slowdown slows rank 1 three times from step 1, the
+    shares move away from it at a step boundary, the change is logged with its reason and predicted
+    gain, and the report lists the shares over the run."""
+    from hethub.predict.predictor import predict
+    from hethub.report import write_report
+    from hethub.runtime.launch import launch_local
+
+    plan = make_plan([(1, 4, [(F, 1, 6)]), (1, 4, [(F, 1, 6)])])
+    plan.save(tmp_path / "plan.json")
+    metrics = tmp_path / "m.jsonl"
+    proc = launch_local(tmp_path / "plan.json", nproc=2, steps=6, metrics=metrics, capture=True, timeout_s=180,
+                        extra_args=["--timeout-s", "60", "--emulate-slowdown", "1:3@1", "--rebalance-patience", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    changes = [(r["step"], r["rebalance"]["change"]) for r in recs if "change" in r["rebalance"]]
+    assert changes, [r["rebalance"] for r in recs]
+    step, change = changes[0]
+    assert change["shares"][0] > change["shares"][1] and sum(change["shares"]) == 8
+    assert change["predicted_gain"] > 0.05 and "pipelines finish at" in change["reason"]
+    assert recs[step + 1]["rebalance"]["shares"] == change["shares"]
+    assert all(r["ranks"][0]["mb_fwd_s"] > 0 and r["ranks"][1]["span_s"] > 0 for r in recs)
+    assert "re-balanced after step" in proc.stdout
+    summary = write_report(plan=plan, prediction=predict(plan), out_dir=tmp_path / "report",
+                           metrics_path=metrics).summary_md.read_text()
+    assert "## Re-balancing (measured)" in summary and str(change["shares"]) in summary

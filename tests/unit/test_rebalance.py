@@ -196,3 +196,24 @@ def test_straggler_watch_fits_one_scale_and_follows_moves() -> None:
     assert [s.rank for s in w.check({0: 3.0, 1: 6.0, 2: 6.0})] == [1]
     w.rescale(1, 2.0)
     assert w.check({0: 3.0, 1: 6.0, 2: 6.0}) == []
+
+
+def test_emulate_slowdown_flag_parses_applies_and_reaches_the_ranks() -> None:
+    import argparse
+
+    from hethub.runtime.slowdown import parse_slowdown, slowdown_at
+    from hethub.runtime.train_args import parse_rank_args, train_argv
+
+    a, b = parse_slowdown("3:2@10"), parse_slowdown("cpu-slow:1.5@0")
+    assert (a.target, a.factor, a.step, str(a)) == ("3", 2.0, 10, "3:2@10")
+    assert slowdown_at([a, b], rank=3, kind="cpu-slow", step=9) == 1.5
+    assert slowdown_at([a, b], rank=3, kind="cpu-slow", step=10) == 3.0
+    assert slowdown_at([a, b], rank=2, kind="cpu-fast", step=50) == 1.0
+    for bad in ("3:0.5@1", "3:2", ":2@1", "3:x@1", "3:2@-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="RANK_OR_KIND:FACTOR@STEP"):
+            parse_slowdown(bad)
+    args = parse_rank_args(["--plan", "p.json", "--emulate-slowdown", "3:2@10", "--emulate-slowdown",
+                            "cpu-slow:1.5@0", "--rebalance", "layers"])
+    argv = train_argv(args)
+    assert argv == ["--rebalance", "layers", "--emulate-slowdown", "3:2@10", "--emulate-slowdown", "cpu-slow:1.5@0"]
+    assert parse_rank_args(["--plan", "p.json", *argv]).emulate_slowdown == args.emulate_slowdown
