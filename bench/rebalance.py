@@ -11,10 +11,13 @@ alternated ``--rounds`` times:
 
 * **live**: the even split; from step ``--slow-at`` on, rank ``--slow-rank`` runs ``--factor`` times
   slower (``--emulate-slowdown``'s emulation); re-balancing reacts;
-* **fresh**: a plan made for the new speeds: the same replicas with the split that is best when rank
-  ``--slow-rank`` runs ``--factor`` times slower (exhaustive over the splits; ties: the most even),
-  the rank slowed from step 0, no re-balancing. (The planner itself, asked on this 2-core host,
-  leaves the fourth device out for core sharing, a different structure: docs/rebalance.md.)
+* **fresh**: a plan made for the new speeds, as re-profiling and re-planning would: first the new
+  speeds are measured (``--profile-steps`` steps of the even split with the rank slowed from step 0:
+  each rank's median emulated device time per micro-batch, its CPU time plus emulated sleep), then
+  the same replicas get the split best for them (exhaustive over the splits; ties: the most even),
+  trained with the rank slowed from step 0 and no
+  re-balancing. (The planner itself, asked on this 2-core host, leaves the fourth device out for
+  core sharing, a different structure: docs/rebalance.md.)
 
 Printed per round: the step whose measurement decided the change (and how many slowed steps that
 took), the shares before and after, the steady step time after the change (median from two steps
@@ -36,6 +39,7 @@ from hethub.comm.local_ranks import run_local_ranks
 from hethub.commands.rebalance_plan import with_rebalance_meta
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.rebalance import RebalanceConfig
+from hethub.rebalance.measure import rank_times
 from hethub.runtime.optim import OptimConfig
 from hethub.runtime.rebalance import LiveRebalance
 from hethub.runtime.slowdown import SlowdownAt
@@ -47,39 +51,26 @@ SPEC = ModelSpec(name="bench", num_layers=2, hidden_size=128, num_heads=4, num_k
                  vocab_size=256, max_seq_len=128)
 
 
-def cluster(replicas: int, slow_rank: int, factor: float):
-    """``replicas`` cpu devices on this host; the slow rank's device is a kind of its own, emulated
-    ``factor`` times slower (1: as fast as the others)."""
-    def kind(slowdown: float) -> dict:
-        return {"base": "cpu", "emulated_slowdown": slowdown}
-
-    groups = [{"kind": "cpu-a", "nodes": 1, "devices_per_node": slow_rank},
-              {"kind": "cpu-b", "nodes": 1, "devices_per_node": 1},
-              {"kind": "cpu-c", "nodes": 1, "devices_per_node": replicas - slow_rank - 1}]
-    data = {"name": "bench-rebalance", "host_cores": "auto",
-            "kinds": {"cpu-a": kind(1.0), "cpu-b": kind(factor), "cpu-c": kind(1.0)},
-            "group": [g for g in groups if g["devices_per_node"] > 0],
-            "network": {"inter_node_bw_bytes_per_s": 1.5e9, "inter_node_latency_s": 50e-6,
-                        "cross_kind_bw_bytes_per_s": 1.5e9, "cross_kind_latency_s": 50e-6}}
-    return parse_cluster(data, where="bench")
-
-
-def dp_plan(counts: tuple[int, ...], *, slow_rank: int, factor: float, seq_len: int) -> Plan:
-    c = cluster(len(counts), slow_rank, factor)
-    pipes = tuple(Pipeline(1, m, (Stage(c.devices[d].kind, (d,), (0, SPEC.num_layers), embedding=True, head=True),))
+def dp_plan(counts: tuple[int, ...], *, seq_len: int) -> Plan:
+    """One-stage replicas, one per CPU device of this host, with these micro-batch counts."""
+    c = parse_cluster({"name": "bench-rebalance", "host_cores": "auto", "kinds": {"cpu": {"base": "cpu"}},
+                       "group": [{"kind": "cpu", "nodes": 1, "devices_per_node": len(counts)}],
+                       "network": {"inter_node_bw_bytes_per_s": 1.5e9, "inter_node_latency_s": 50e-6,
+                                   "cross_kind_bw_bytes_per_s": 1.5e9, "cross_kind_latency_s": 50e-6}}, where="bench")
+    pipes = tuple(Pipeline(1, m, (Stage("cpu", (d,), (0, SPEC.num_layers), embedding=True, head=True),))
                   for d, m in enumerate(counts))
     return Plan(model=SPEC, cluster=c, global_batch=sum(counts), seq_len=seq_len, pipelines=pipes,
                 precision="fp32").validate()
 
 
-def fresh_counts(n: int, total: int, *, slow_rank: int, factor: float) -> tuple[int, ...]:
-    """The split of ``total`` micro-batches among ``n`` identical one-stage replicas that is best for
-    the true new speeds (a replica's step is its micro-batches times its slowdown; exhaustive; among
-    equals, the most even)."""
-    best = None
+def fresh_counts(per_mb_s: list[float], total: int) -> tuple[int, ...]:
+    """The split of ``total`` micro-batches among one-stage replicas that is best for their measured
+    time per micro-batch (a replica's step is its micro-batches times that; exhaustive; among equals,
+    the most even)."""
+    n, best = len(per_mb_s), None
     for cut in itertools.combinations(range(1, total), n - 1):
         counts = tuple(b - a for a, b in zip((0, *cut), (*cut, total), strict=True))
-        key = (max(m * (factor if r == slow_rank else 1.0) for r, m in enumerate(counts)), max(counts) - min(counts))
+        key = (max(m * t for m, t in zip(counts, per_mb_s, strict=True)), max(counts) - min(counts))
         if best is None or key < best[0]:
             best = (key, counts)
     assert best is not None
@@ -101,7 +92,8 @@ def run(rank: int, plan: Plan, steps: int, slow: tuple[SlowdownAt, ...], mode: s
         if rec is not None:
             rb = rec["rebalance"]
             out.append({"step": step, "step_s": rec["step_time_s"], "shares": rb["shares"], "change": rb.get("change"),
-                        "stragglers": [s["rank"] for s in rb["stragglers"]]})
+                        "fb_s": [t.fb_s for t in sorted(rank_times(rec["ranks"], emulated_host=True),
+                                                        key=lambda t: t.rank)]})
     return out if out else None
 
 
@@ -120,17 +112,23 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--slow-at", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile-steps", type=int, default=10, help="steps measuring the new speeds for the fresh plan")
     a = ap.parse_args()
     n, total = a.replicas, a.replicas * a.micro_batches
-    even = dp_plan((a.micro_batches,) * n, slow_rank=a.slow_rank, factor=1.0, seq_len=a.seq_len)
+    even = dp_plan((a.micro_batches,) * n, seq_len=a.seq_len)
     even = with_rebalance_meta(even, layers=False)
-    best = fresh_counts(n, total, slow_rank=a.slow_rank, factor=a.factor)
-    fresh = dp_plan(best, slow_rank=a.slow_rank, factor=1.0, seq_len=a.seq_len)
     slow_live = (SlowdownAt(target=str(a.slow_rank), factor=a.factor, step=a.slow_at),)
     slow_fresh = (SlowdownAt(target=str(a.slow_rank), factor=a.factor, step=0),)
+    # The new speeds, measured as a profile would be: the even split with the rank slowed from the start.
+    prof = trained(even, a.profile_steps, slow_fresh, "off")
+    per_mb = [statistics.median(r["fb_s"][i] for r in prof[2:]) for i in range(n)]
+    others = statistics.median(t for i, t in enumerate(per_mb) if i != a.slow_rank)
+    best = fresh_counts(per_mb, total)
+    fresh = dp_plan(best, seq_len=a.seq_len)
     print(f"{n} replicas x {a.micro_batches} micro-batches of 1 x {a.seq_len} tokens, {SPEC.num_layers} layers of "
-          f"{SPEC.hidden_size}; rank {a.slow_rank} {a.factor:g}x slower from step {a.slow_at} (emulated); "
-          f"fresh plan's split for the new speeds: {list(best)}")
+          f"{SPEC.hidden_size}; rank {a.slow_rank} {a.factor:g}x slower from step {a.slow_at} (emulated; measured "
+          f"{per_mb[a.slow_rank] / others:.2f}x the others' device time per micro-batch); "
+          f"fresh plan's split for the measured new speeds: {list(best)}")
     print(f"{'round':>5} {'decided at':>10} {'slowed steps':>12} {'shares after':>16} {'live steady s':>13} "
           f"{'fresh steady s':>14} {'live / fresh':>12}")
     ratios = []

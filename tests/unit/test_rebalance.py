@@ -178,6 +178,15 @@ def test_policy_leaves_a_noisy_balanced_run_alone() -> None:
     assert changes == [] and obs.stragglers == ()
 
 
+def test_policy_ignores_single_slow_steps() -> None:
+    """A rank descheduled for one step (5x) now and then moves nothing: the window's median ignores it."""
+    plan = _plan([(1, 4, [6])] * 4)
+    spikes = {7: 1, 12: 2, 13: 3, 20: 2}
+    speeds = lambda s: {r: 5.0 if spikes.get(s) == r else 1.0 for r in range(4)}  # noqa: E731
+    _, changes, _ = _run(plan, RebalanceConfig(), speeds, 30)
+    assert changes == []
+
+
 def test_policy_moves_a_layer_when_that_pays_more_than_shares() -> None:
     """One pipeline: shares cannot help, a layer off the slowed stage can (within its memory limit)."""
     plan = _plan([(1, 8, [3, 3])])
@@ -191,11 +200,12 @@ def test_policy_moves_a_layer_when_that_pays_more_than_shares() -> None:
 
 
 def test_straggler_watch_fits_one_scale_and_follows_moves() -> None:
-    w = StragglerWatch(factor=1.5, predicted_s={0: 1.0, 1: 1.0, 2: 2.0})
-    assert w.check({0: 3.0, 1: 3.0, 2: 6.0}) == []  # uniformly 3x the prediction: nobody stands out
-    assert [s.rank for s in w.check({0: 3.0, 1: 6.0, 2: 6.0})] == [1]
+    w = StragglerWatch(factor=1.5, predicted_s={0: 1.0, 1: 1.0, 2: 2.0, 3: 1.0})
+    assert w.check({0: 3.0, 1: 3.0, 2: 6.0, 3: 3.0}) == []  # uniformly 3x the prediction: nobody stands out
+    assert w.check({0: 9.0, 1: 9.0, 2: 18.0, 3: 9.0}) == []  # and later load on every rank neither
+    assert [(s.rank, s.ratio) for s in w.check({0: 3.0, 1: 6.0, 2: 6.0, 3: 3.0})] == [(1, 2.0)]
     w.rescale(1, 2.0)
-    assert w.check({0: 3.0, 1: 6.0, 2: 6.0}) == []
+    assert w.check({0: 3.0, 1: 6.0, 2: 6.0, 3: 3.0}) == []
 
 
 def test_emulate_slowdown_flag_parses_applies_and_reaches_the_ranks() -> None:

@@ -4,12 +4,15 @@ Every step after the warm-up, the log rank feeds the gathered rank records to :m
 the times are smoothed, stragglers named, and the step model (``step_model``) prices the best
 re-split of the micro-batch counts and, in ``layers`` mode, every single layer move. A change is
 returned only when the best one is predicted to cut the step by more than ``min_gain`` on
-``patience`` consecutive steps; after one, nothing is decided for ``cooldown_steps`` steps (and a
-moved layer's ranks are measured afresh after ``warmup_steps``).
+``patience`` consecutive steps (the newest step's best is applied: ties among equally fast
+replicas may alternate); after one, nothing is decided for
+``cooldown_steps`` steps (and a moved layer's ranks are measured afresh after ``warmup_steps``).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,8 +40,8 @@ class _State:
     measure_from: int
     decide_from: int
     streak: int = 0
-    step_s: float | None = None  # smoothed measured step
-    extra_s: dict[int, float] = field(default_factory=dict)  # per pipeline (step_model.PipeModel.extra_s)
+    step_s: deque[float] = field(default_factory=deque)  # measured steps, the newest ``window``
+    extra_s: dict[int, deque[float]] = field(default_factory=dict)  # per pipeline (step_model.PipeModel.extra_s)
 
 
 class Rebalancer:
@@ -51,7 +54,7 @@ class Rebalancer:
         predicted = ({rank_of[d]: float(fb[pi][si]) for pi, p in enumerate(plan.pipelines)
                       for si, s in enumerate(p.stages) for d in s.devices} if fb else None)
         self.watch = StragglerWatch(factor=cfg.straggler_factor, predicted_s=predicted)
-        self.smooth = Smoothed(weight=cfg.smoothing)
+        self.smooth = Smoothed(window=cfg.window)
         self.state = _State(measure_from=cfg.warmup_steps, decide_from=cfg.warmup_steps)
         self.caps = [count_cap(plan.schedule, chunks=p.virtual_stages, num_stages=len(p.stages),
                                planned=p.num_micro_batches, total=plan.global_batch // p.micro_batch_size)
@@ -70,18 +73,14 @@ class Rebalancer:
         st = self.state
         if step < st.measure_from:
             return Observation()
-        times = rank_times(ranks)
+        times = rank_times(ranks, emulated_host=self.plan.cluster.host is not None)
         if len(times) < self.plan.world_size:
             return Observation()
         self.smooth.add(times)
-        w = self.cfg.smoothing
-        st.step_s = step_time_s if st.step_s is None else st.step_s + w * (step_time_s - st.step_s)
+        _push(st.step_s, step_time_s, self.cfg.window)
         raw = {t.rank: t for t in times}
         for pi in range(len(self.plan.pipelines)):
-            model = self._pipe(pi, raw)
-            extra = model.extra_s
-            old = st.extra_s.get(pi)
-            st.extra_s[pi] = extra if old is None else old + w * (extra - old)
+            _push(st.extra_s.setdefault(pi, deque()), self._pipe(pi, raw).extra_s, self.cfg.window)
         stragglers = tuple(self.watch.check({r: t.fb_s for r, t in self.smooth.by_rank.items()}))
         if not self.cfg.changes or step < st.decide_from:
             return Observation(stragglers=stragglers)
@@ -133,13 +132,14 @@ class Rebalancer:
 
     def _best(self, stragglers: Sequence[Straggler]) -> Decision | None:
         plan, st = self.plan, self.state
-        if len(self.smooth.by_rank) < plan.world_size or st.step_s is None:
+        if len(self.smooth.by_rank) < plan.world_size or not st.step_s:
             return None
-        pipes = [replace(self._pipe(pi, self.smooth.by_rank), extra_s=st.extra_s.get(pi, 0.0))
+        pipes = [replace(self._pipe(pi, self.smooth.by_rank),
+                         extra_s=statistics.median(st.extra_s[pi]) if st.extra_s.get(pi) else 0.0)
                  for pi in range(len(plan.pipelines))]
         counts = shares_of(plan)
         now_s = max(p.time_s(m) for p, m in zip(pipes, counts, strict=True))
-        tail_s = max(0.0, st.step_s - now_s)  # gradient sync, optimizer: the same under any split
+        tail_s = max(0.0, statistics.median(st.step_s) - now_s)  # gradient sync, optimizer: the same under any split
         why = self._reason(stragglers, pipes, counts)
         best: Decision | None = None
         found = best_counts(pipes, total_samples=plan.global_batch, caps=self.caps, prefer=counts)
@@ -172,3 +172,9 @@ class Rebalancer:
         times = ", ".join(f"{p.time_s(m):.3g}" for p, m in zip(pipes, counts, strict=True))
         slow = "; ".join(f"rank {s.rank} at {s.ratio:.2f}x {self.watch.basis}" for s in stragglers[:3])
         return (f"{slow}; " if slow else "") + f"pipelines finish at {times} s under shares {list(counts)}"
+
+
+def _push(values: deque[float], value: float, window: int) -> None:
+    values.append(value)
+    while len(values) > window:
+        values.popleft()

@@ -2,10 +2,10 @@
 
 The prediction is the predictor's per-stage forward + backward per micro-batch, which the training
 entry point writes into the plan (``meta.rebalance.stage_fb_s``); its absolute scale may be off on an
-uncalibrated host, so one scale (the median over ranks of measured / predicted, taken once, on the
-first measured step) is fitted and a rank is compared with its prediction times that scale. A rank
-that drifts later, or that was out of line from the start, stands out; a uniformly mis-predicted
-cluster does not. Without a prediction each rank's first measured step is its reference.
+uncalibrated host, and load can slow every rank at once, so each check fits one scale, the median
+over ranks of measured / predicted, and compares every rank with its prediction times that scale. A
+rank out of line with the others stands out; a uniformly mis-predicted or uniformly loaded cluster
+names nobody. Without a prediction each rank's first measured time is its reference.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class StragglerWatch:
         self.factor = factor
         self.reference: dict[int, float] | None = dict(predicted_s) if predicted_s else None
         self.basis = "its predicted time" if predicted_s else "its first measured step"
-        self.scale: float | None = None
+        self.scale = 1.0  # the last check's
 
     def check(self, measured_s: Mapping[int, float]) -> list[Straggler]:
         """The stragglers among ``measured_s`` (rank -> forward + backward per micro-batch), slowest first."""
@@ -34,11 +34,9 @@ class StragglerWatch:
             self.reference = dict(measured_s)
         ref = self.reference
         known = [r for r in measured_s if ref.get(r, 0.0) > 0]
-        if self.scale is None:
-            if not known:
-                return []
-            self.scale = statistics.median(measured_s[r] / ref[r] for r in known)
-        scale = self.scale or 1.0
+        if not known:
+            return []
+        self.scale = scale = statistics.median(measured_s[r] / ref[r] for r in known)
         out = [Straggler(rank=r, ratio=measured_s[r] / (ref[r] * scale)) for r in known]
         return sorted((s for s in out if s.ratio > self.factor), key=lambda s: -s.ratio)
 

@@ -7,10 +7,9 @@ the sleep (thread limits or CPU affinity would scale with that load instead). Sl
 touches tensors, so numerics are unchanged. The predictor's model of this sleep is
 ``hethub.emulation.contention``.
 
-A *drift* (``--emulate-slowdown``: a rank or kind that turns slower during a run) sleeps (d-1) times
-the chunk's wall time, its kind's sleep included, instead: the rank is then d times slower than it
-would otherwise run, whatever the host's load, which is what online re-balancing must see (on a
-loaded host a CPU-time sleep is diluted by the time the rank waits for a core anyway).
+A *drift* (``--emulate-slowdown``: a rank or kind that turns slower during a run) sleeps a further
+(d-1) times the chunk's CPU time and its kind's sleep together: the emulated device is then d times
+slower than its kind.
 """
 
 from __future__ import annotations
@@ -37,16 +36,12 @@ class Emulator:
 
     @contextmanager
     def chunk(self) -> Iterator[None]:
-        t0, w0 = time.thread_time(), time.perf_counter()
+        t0 = time.thread_time()
         yield
         cpu = time.thread_time() - t0
         self.cpu_s += cpu
-        if self.active:
-            pause = (self.slowdown - 1.0) * cpu
-            time.sleep(pause)
-            self.slept_s += pause
-        if self.drift != 1.0:
-            pause = (self.drift - 1.0) * (time.perf_counter() - w0)
+        if self.active or self.drift != 1.0:
+            pause = (self.slowdown * self.drift - 1.0) * cpu
             time.sleep(pause)
             self.slept_s += pause
 
