@@ -6,7 +6,8 @@ few integers in one all-reduce (only the log rank contributes non-zeros), so all
 change between the same two steps: no restart, no new process.
 
 * **Shares** (new micro-batch counts): nothing moves. Each rank takes its new slice of every global
-  batch and its schedule's ops for the new count; parameters, optimizer state and groups stay. The
+  batch, its schedule's ops and its gradient buckets' accumulation counts for the new count;
+  parameters, optimizer state and groups stay. The
   gradient of the mean loss over the same global batch is unchanged (the sync divides by the global
   sample count), so training stays that of one device.
 * **A layer move**: every rank rebuilds its trainer from the new plan, carrying its state over by
@@ -132,9 +133,14 @@ class LiveRebalance:
 
 def set_shares(trainer: Trainer, plan: Plan) -> None:
     """New micro-batch counts (``plan`` differs from the trainer's in those only): this rank's slice of
-    the global batch and its schedule's ops for its new count; nothing else changes."""
+    the global batch, its schedule's ops for its new count, and the number of gradient accumulations
+    after which each bucket's reduction starts (``GradBuffer.finals``: micro-batches x backward passes);
+    nothing else changes."""
+    old_m = trainer.place.num_micro_batches
     topo = build_topology(plan)
     place = topo.place(trainer.rank)
+    buffer = trainer.grad_sync.buffer
+    buffer.finals = [f // old_m * place.num_micro_batches for f in buffer.finals]
     trainer.plan, trainer.topo, trainer.place = plan, topo, place
     trainer.share = Share(offset=place.sample_offset, micro_batch_size=place.micro_batch_size,
                           num_micro_batches=place.num_micro_batches)
