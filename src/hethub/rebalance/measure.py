@@ -25,6 +25,7 @@ class RankTimes:
     fwd_s: float  # per micro-batch
     bwd_s: float
     span_s: float  # end of the rank's last forward/backward op, from the step's start
+    scale: float = 1.0  # these times per wall second (an emulated device's time: module doc)
 
     @property
     def fb_s(self) -> float:
@@ -49,7 +50,7 @@ def rank_times(records: Iterable[Mapping[str, Any]], *, emulated_host: bool = Fa
             scale = (float(r["compute_cpu_s"]) + float(r.get("emulated_sleep_s", 0.0))) / busy
         out.append(RankTimes(rank=int(r["rank"]), pipeline=int(r["pipeline"]), stage=int(r["stage"]),
                              fwd_s=float(r["mb_fwd_s"]) * scale, bwd_s=float(r["mb_bwd_s"]) * scale,
-                             span_s=float(r["span_s"]) * scale))
+                             span_s=float(r["span_s"]) * scale, scale=scale))
     return out
 
 
@@ -68,7 +69,8 @@ class Smoothed:
             recent.append(t)
             self.by_rank[t.rank] = RankTimes(rank=t.rank, pipeline=t.pipeline, stage=t.stage,
                                              fwd_s=statistics.median(x.fwd_s for x in recent),
-                                             bwd_s=statistics.median(x.bwd_s for x in recent), span_s=t.span_s)
+                                             bwd_s=statistics.median(x.bwd_s for x in recent), span_s=t.span_s,
+                                             scale=t.scale)
 
     def forget(self, ranks: Iterable[int]) -> None:
         """Drop these ranks' history (their work changed: a layer moved)."""

@@ -40,7 +40,8 @@ class _State:
     measure_from: int
     decide_from: int
     streak: int = 0
-    step_s: deque[float] = field(default_factory=deque)  # measured steps, the newest ``window``
+    # The step after the slowest pipeline's last op (gradient sync, optimizer), the newest ``window``.
+    tail_s: deque[float] = field(default_factory=deque)
     extra_s: dict[int, deque[float]] = field(default_factory=dict)  # per pipeline (step_model.PipeModel.extra_s)
 
 
@@ -77,7 +78,9 @@ class Rebalancer:
         if len(times) < self.plan.world_size:
             return Observation()
         self.smooth.add(times)
-        _push(st.step_s, step_time_s, self.cfg.window)
+        # In the times' own units (an emulated device's: measure.rank_times), like the pipelines'.
+        scale = statistics.median(t.scale for t in times)
+        _push(st.tail_s, max(0.0, step_time_s - max(t.span_s / t.scale for t in times)) * scale, self.cfg.window)
         raw = {t.rank: t for t in times}
         for pi in range(len(self.plan.pipelines)):
             _push(st.extra_s.setdefault(pi, deque()), self._pipe(pi, raw).extra_s, self.cfg.window)
@@ -132,14 +135,14 @@ class Rebalancer:
 
     def _best(self, stragglers: Sequence[Straggler]) -> Decision | None:
         plan, st = self.plan, self.state
-        if len(self.smooth.by_rank) < plan.world_size or not st.step_s:
+        if len(self.smooth.by_rank) < plan.world_size or not st.tail_s:
             return None
         pipes = [replace(self._pipe(pi, self.smooth.by_rank),
                          extra_s=statistics.median(st.extra_s[pi]) if st.extra_s.get(pi) else 0.0)
                  for pi in range(len(plan.pipelines))]
         counts = shares_of(plan)
         now_s = max(p.time_s(m) for p, m in zip(pipes, counts, strict=True))
-        tail_s = max(0.0, statistics.median(st.step_s) - now_s)  # gradient sync, optimizer: the same under any split
+        tail_s = statistics.median(st.tail_s)  # gradient sync, optimizer: the same under any split
         why = self._reason(stragglers, pipes, counts)
         best: Decision | None = None
         found = best_counts(pipes, total_samples=plan.global_batch, caps=self.caps, prefer=counts)
