@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ from hethub.runtime.slowdown import SlowdownAt, slowdown_at
 from hethub.runtime.trainer import Trainer
 from hethub.schedules import get_schedule
 
+# The optimizer shardings whose share changes and layer moves the parity tests cover.
+UNDER_TEST = ("none", "zero1")
 # Tags of the moved layer's messages: far above the pipeline's (2 x micro-batches x chunks).
 _MOVE_TAG = 1 << 24
 
@@ -51,9 +54,16 @@ class LiveRebalance:
 
     def __init__(self, trainer: Trainer, *, cfg: RebalanceConfig, slowdowns: Sequence[SlowdownAt] = (),
                  say: Callable[[str], None] | None = None) -> None:
-        self.trainer, self.cfg, self.slowdowns = trainer, cfg, tuple(slowdowns)
-        self.policy = Rebalancer(cfg, trainer.plan) if trainer.rank == trainer.topo.log_rank else None
         self.say = say or (lambda text: print(f"hethub.train: {text}", flush=True))
+        logs = trainer.rank == trainer.topo.log_rank
+        if cfg.changes and trainer.plan.optimizer_sharding not in UNDER_TEST:
+            # Not yet proven to keep one device's numerics there (tests/dist/test_rebalance_parity.py).
+            if logs:
+                self.say(f"--rebalance {cfg.mode}: not offered under optimizer sharding "
+                         f"{trainer.plan.optimizer_sharding!r} yet; measuring and naming stragglers only")
+            cfg = replace(cfg, mode="off")
+        self.trainer, self.cfg, self.slowdowns = trainer, cfg, tuple(slowdowns)
+        self.policy = Rebalancer(cfg, trainer.plan) if logs else None
         self._named: tuple[int, ...] = ()
         if self.policy is not None and cfg.mode == "layers" and not self.policy.moves_layers:
             self.say("--rebalance layers: the plan carries no per-stage memory limits (meta.rebalance.max_layers, "
