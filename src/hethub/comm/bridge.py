@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
-from hethub.comm.communicator import DONE, Communicator, GroupKey
+from hethub.comm.communicator import DONE, Communicator, GroupKey, group_name
 from hethub.comm.hierarchical import (
     DEFAULT_CHUNK_BYTES,
     GroupMaker,
@@ -43,6 +43,7 @@ from hethub.comm.hierarchical import (
     hierarchical_all_reduce,
     hierarchical_reduce_scatter,
 )
+from hethub.comm.recording import Channel
 from hethub.comm.reduce_scatter import reduce_scatter_into
 from hethub.errors import RuntimeSetupError
 from hethub.islands import HOST_BACKENDS as _HOST_BACKENDS
@@ -182,6 +183,14 @@ class BridgedCommunicator(Communicator):
             return False  # across islands: gloo
         backend = self.backend_of_island[self.island_of_rank[self.rank]]
         return backend not in _HOST_BACKENDS and device.type == DEVICE_OF_BACKEND.get(backend)
+
+    def p2p_channel(self, peer: int, *, device: torch.device) -> Channel:
+        """Same island, on the island's device: its native group (NCCL: issue order). Anything
+        through gloo, the bridge's host path included, matches by tag."""
+        if self.p2p_in_issue_order(peer, device=device):
+            mates = tuple(r for r, i in enumerate(self.island_of_rank) if i == self.island_of_rank[self.rank])
+            return Channel(group_name(mates, world_size=self.world_size), ordered=True)
+        return Channel("bridge", ordered=False)
 
     def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
         if self._same_island(src):

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hethub.comm.recording import Channel
 from hethub.comm.reduce_scatter import reduce_scatter_into
+from hethub.islands import HOST_BACKENDS
 
 GroupKey = tuple[int, ...]
 
@@ -35,6 +37,11 @@ class _Done:
 
 
 DONE = _Done()
+
+
+def group_name(key: GroupKey, *, world_size: int) -> str:
+    """The name of the communicator a group's operations run on ("world" for every rank)."""
+    return "world" if len(key) == world_size else f"group{key}"
 
 
 class Communicator:
@@ -85,6 +92,18 @@ class Communicator:
         peer. gloo and MPI match by tag."""
         del peer, device
         return str(dist.get_backend()) not in ("gloo", "mpi")
+
+    def p2p_channel(self, peer: int, *, device: torch.device) -> Channel:
+        """The communicator point-to-point messages with ``peer`` run on, and its ordering rule (what a
+        recording of this rank's posts carries: ``comm/recording.py``)."""
+        del peer, device
+        return Channel(group_name(tuple(range(self.world_size)), world_size=self.world_size),
+                       ordered=str(dist.get_backend()) not in HOST_BACKENDS)
+
+    def group_channel(self, group: Sequence[int]) -> Channel:
+        """The communicator collectives over ``group`` run on. Every backend runs one group's
+        collectives in the order they were issued, each needing every member."""
+        return Channel(group_name(tuple(sorted(group)), world_size=self.world_size), ordered=True)
 
     def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
         """Non-blocking receive into ``tensor``: posted early, the transfer overlaps the caller's work
