@@ -1,6 +1,6 @@
 """The GPU checks of the mixed-vendor runtime, as one script: run it on a machine with CUDA.
 
-    python bench/gpu_check.py [--steps 3] [--cpu-only] [--out DIR]
+    python bench/gpu_check.py [--steps 3] [--dry-run] [--out DIR]
 
 Each check trains a small model through the real entry point (``torchrun -m hethub.train``) and
 compares the trained parameters (read from the run's checkpoint) with one device:
@@ -11,16 +11,23 @@ compares the trained parameters (read from the run's checkpoint) with one device
 2. cuda+cpu fp32: stage 0 on cuda:0 (nccl kind), stage 1 on the CPU (gloo kind), through the bridge.
 3. cuda+cpu bf16: the same plan in bf16-mixed (the GPU kind autocasts to bf16, the CPU kind stays fp32).
 4. cuda+cpu fp16: the GPU kind in fp16-mixed with dynamic loss scaling (as on Volta/Turing).
+5. every schedule (1F1B, GPipe, ZB-H1, interleaved with 2 chunks) on a 2-stage bf16 pipeline whose
+   messages are 8 MiB (1 x 2048 tokens x 2048 hidden in bf16: far above NCCL's internal buffering,
+   so a posting order that only works when sends are buffered hangs, which the timeout turns into
+   FAIL): over NCCL on 2 GPUs; with one GPU, its stage 1 on the host through the bridge. Each prints
+   its step time and first loss; every schedule must start from the same loss (same model and data).
 
 fp32 checks must match one CPU device to 1e-4 (kernel rounding; TF32 is off by default for matmuls);
 16-bit checks must stay within the stated 16-bit tolerance of the fp32 reference. The placement log
 of every run must show the GPU kind on cuda. Without CUDA it prints "skipped: no CUDA" and exits 0;
-``--cpu-only`` runs checks 2-4 with the GPU kind emulated on the CPU (gloo), which is how the script
-itself is exercised without a GPU (the runtime keeps CPU ranks in fp32, so there all three run fp32).
-Then bench/gpu_step_check.py profiles the GPU's layers, runs 3-4 plans through the runtime and
-prints predicted vs measured step time per plan and peak memory per rank (``--cpu-only``: its
-``--dry-run`` on the CPU), and bench/gpu_memory_check.py (GPU only) compares memory per part. Each
-runs as its own process: a crash or failure there is reported as a failed check, not lost.
+``--dry-run`` runs checks 2 and 5 with the GPU kind emulated on the CPU (gloo) and check 5 with
+the small model's 16 KiB messages, which is how the script itself is exercised without a GPU (the
+runtime keeps CPU ranks in fp32, so checks 3-4 would repeat check 2 there). Then, on a GPU, bench/gpu_step_check.py
+profiles the GPU's layers, runs 3-4 plans through the runtime and prints predicted vs measured
+step time per plan and peak memory per rank, bench/gpu_memory_check.py compares memory per part,
+and bench/activation_bytes.py and bench/dp_overlap.py, where present, print saved activation
+bytes and exposed gradient-sync time (``--dry-run`` lists them). Each runs as its own process: a
+crash or failure there is reported as a failed check, not lost.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import Any
 import torch
 
 import hethub
-from hethub.plan import Pipeline, Plan, Stage
+from hethub.plan import Pipeline, Plan, Stage, interleave, split_evenly
 from hethub.runtime.checkpoint_io import latest_dir, read_manifest
 from hethub.runtime.data import BatchSource, byte_tokenize, load_tokens
 from hethub.runtime.optim import OptimConfig
@@ -54,6 +61,12 @@ SEQ, BATCH = 64, 8
 TOL_FP32 = 1e-4
 TOL_16 = {"bf16-mixed": 2e-2, "fp16-mixed": 1e-2}  # loss and parameters vs the fp32 reference
 TRAIN_ARGS = ["--lr", "1e-3", "--warmup-steps", "1", "--grad-clip", "1.0", "--timeout-s", "120"]
+# Check 5: one message is 1 x 2048 x 2048 bf16 = 8 MiB; a small vocabulary keeps a host stage cheap.
+P2P_SPEC = ModelSpec(name="gpucheck-p2p", num_layers=4, hidden_size=2048, num_heads=16, num_kv_heads=8,
+                     ffn_hidden_size=4096, vocab_size=256, max_seq_len=2048)
+P2P_SEQ, P2P_MICRO_BATCHES = 2048, 4
+SCHEDULE_CHECKS = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2))
+COMPANIONS = ("activation_bytes.py", "dp_overlap.py")  # other checks' scripts, run where present
 
 
 def _cluster(*, gpus: int, cpu_only: bool, precision: str, with_host: bool) -> Cluster:
@@ -87,6 +100,50 @@ def plans(*, gpus: int, cpu_only: bool) -> list[tuple[str, Plan]]:
         out.append((f"cuda+cpu {precision}", Plan(model=SPEC, cluster=cl, global_batch=BATCH, seq_len=SEQ,
                                                   pipelines=(Pipeline(1, BATCH, stages),), precision=precision)))
     return [(name, p.validate()) for name, p in out]
+
+
+def schedule_plans(*, gpus: int, cpu_only: bool) -> list[tuple[str, Plan]]:
+    """Check 5's plans: every schedule on 2 stages, bf16 on the GPU kind (fp32 where emulated), the
+    big model's 8 MiB messages on a GPU and the small model's where the GPU kind is emulated."""
+    spec, seq = (SPEC, SEQ) if cpu_only else (P2P_SPEC, P2P_SEQ)
+    two_gpus = gpus >= 2
+    cl = _cluster(gpus=2 if two_gpus or cpu_only else 1, cpu_only=cpu_only, precision="bf16-mixed",
+                  with_host=not (two_gpus or cpu_only))
+    second = "gpu" if two_gpus or cpu_only else "host"  # device 1 either way
+    half = spec.num_layers // 2
+    stages = (Stage("gpu", (0,), (0, half), embedding=True),
+              Stage(second, (1,), (half, spec.num_layers), head=True))
+    out = []
+    for schedule, chunks in SCHEDULE_CHECKS:
+        pipe = Pipeline(1, P2P_MICRO_BATCHES, stages)
+        if chunks > 1:
+            pipe = interleave(pipe, [split_evenly(half, chunks), split_evenly(spec.num_layers - half, chunks)])
+        where = "NCCL, 2 GPUs" if two_gpus else "emulated on the CPU" if cpu_only else "GPU + host, bridged"
+        mib = seq * spec.hidden_size * (4 if cpu_only else 2) / 2**20
+        out.append((f"{schedule}{f' x{chunks}' if chunks > 1 else ''} ({where}, {mib:g} MiB messages)",
+                    Plan(model=spec, cluster=cl, global_batch=P2P_MICRO_BATCHES, seq_len=seq, pipelines=(pipe,),
+                         precision="bf16-mixed", schedule=schedule).validate()))
+    return out
+
+
+def check_schedules(*, gpus: int, steps: int, work: Path, cpu_only: bool) -> list[bool]:
+    """Check 5: every schedule runs to the end and starts from the same loss."""
+    results, first = [], None
+    for i, (name, plan) in enumerate(schedule_plans(gpus=gpus, cpu_only=cpu_only)):
+        got = run_plan(plan, steps=steps, work=work / f"sched{i}")
+        if "error" in got:
+            print(f"{name:<56} FAIL: training exited with an error (a hang ends at the timeout):\n{got['error']}")
+            results.append(False)
+            continue
+        loss = got["records"][0]["loss"]
+        first = loss if first is None else first
+        tol = TOL_FP32 if kind_precision(plan, "gpu") == "fp32" else TOL_16["bf16-mixed"]
+        ok = abs(loss - first) <= tol
+        times = sorted(r["step_time_s"] for r in got["records"][1:]) or [got["records"][0]["step_time_s"]]
+        print(f"{name:<56} {'ok  ' if ok else 'FAIL'} first loss {loss:.5f} (first schedule's {first:.5f}, tol "
+              f"{tol:g}), median step {times[len(times) // 2] * 1e3:.1f} ms over {len(times)} step(s)")
+        results.append(ok)
+    return results
 
 
 def corpus_batches(plan: Plan, steps: int) -> list[torch.Tensor]:
@@ -143,28 +200,38 @@ def check(name: str, plan: Plan, *, steps: int, work: Path, cpu_only: bool) -> b
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--cpu-only", action="store_true", help="emulate the GPU kind on the CPU (tests the script)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="emulate the GPU kind on the CPU with small messages (tests the script without a GPU)")
     ap.add_argument("--out", help="keep runs here (default: a temporary directory)")
     args = ap.parse_args()
     # Checked without initialising CUDA here: the ranks are separate processes.
-    if not args.cpu_only and not torch.cuda.is_available():
+    if not args.dry_run and not torch.cuda.is_available():
         print("skipped: no CUDA")
         return 0
-    gpus = 0 if args.cpu_only else torch.cuda.device_count()
-    print(f"torch {torch.__version__}, {'CPU only (GPU kind emulated)' if args.cpu_only else f'{gpus} CUDA device(s)'}")
+    gpus = 0 if args.dry_run else torch.cuda.device_count()
+    print(f"torch {torch.__version__}, {'CPU only (GPU kind emulated)' if args.dry_run else f'{gpus} CUDA device(s)'}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
-        results = [check(name, plan, steps=args.steps, work=root / f"run{i}", cpu_only=args.cpu_only)
-                   for i, (name, plan) in enumerate(plans(gpus=gpus, cpu_only=args.cpu_only))]
-    step = [str(Path(__file__).with_name("gpu_step_check.py"))] + (["--dry-run"] if args.cpu_only else [])
-    memory = [] if args.cpu_only else [str(Path(__file__).with_name("gpu_memory_check.py"))]
-    for cmd in (step, memory):
-        if cmd:
-            print(f"running {Path(cmd[0]).name} {' '.join(cmd[1:])}".rstrip(), flush=True)
-            code = subprocess.run([sys.executable, *cmd], check=False).returncode
-            if code != 0:
-                print(f"{Path(cmd[0]).name} FAIL: exit code {code}")
-            results.append(code == 0)
+        todo = plans(gpus=gpus, cpu_only=args.dry_run)
+        if args.dry_run:  # on the CPU checks 3-4 run fp32 too: the same run as check 2
+            todo = [(n, p) for n, p in todo if n == "cuda+cpu fp32"]
+        results = [check(name, plan, steps=args.steps, work=root / f"run{i}", cpu_only=args.dry_run)
+                   for i, (name, plan) in enumerate(todo)]
+        results += check_schedules(gpus=gpus, steps=args.steps, work=root, cpu_only=args.dry_run)
+    here = Path(__file__).parent
+    scripts = ["gpu_step_check.py", "gpu_memory_check.py", *(c for c in COMPANIONS if (here / c).exists())]
+    for c in COMPANIONS:
+        if not (here / c).exists():
+            print(f"{c}: not present in this checkout")
+    for name in scripts:
+        if args.dry_run:  # each GPU script has its own CPU test; here only what would run
+            print(f"would run {name} on the GPU")
+            continue
+        print(f"running {name}", flush=True)
+        code = subprocess.run([sys.executable, str(here / name)], check=False).returncode
+        if code != 0:
+            print(f"{name} FAIL: exit code {code}")
+        results.append(code == 0)
     print("PASS" if all(results) else f"FAIL: {results.count(False)} check(s)")
     return 0 if all(results) else 1
 

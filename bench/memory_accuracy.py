@@ -16,6 +16,9 @@ accounts, on each rank (``hethub.profiler.stage_memory.measure_rank_memory``):
   tensors after the step;
 * activations: the tensors autograd holds for backward *at the same time*, followed from save to
   release through the real 1F1B/GPipe schedule (``saved_tensors_hooks``): the in-flight peak;
+* point-to-point buffers: the send and receive buffers the executor holds at once (its trace,
+  ``StepTrace.max_p2p_bytes``: distinct live storages when each batch is posted), the largest over
+  the stage's TP ranks (the model prices the busiest: rank 0 sends and receives on both boundaries);
 * gradient-sync buffer: the float buffers the gradient sync reduces beside its gradient buffer
   (full-size buckets where holders differ in TP degree; none otherwise).
 
@@ -48,7 +51,7 @@ from hethub.spec.model import get_model
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "examples" / "clusters" / "local-cpu.toml"
-PARTS = ("weights", "grads", "optimizer", "activations", "grad_sync_buffer")
+PARTS = ("weights", "grads", "optimizer", "activations", "p2p_buffers", "grad_sync_buffer")
 MATH_PLANS = ("2 stages fast/fast 4|4", "TP2 fast 5 | slow 3")
 MIXED = "bf16-mixed"
 TARGET = 0.10
@@ -103,16 +106,23 @@ def _recomputing(plan: Plan, *, name: str, attention: str, cluster_kinds: tuple[
 def rows_for(plan: Plan, *, steps: int) -> list[dict]:
     pred = {(s.pipeline, s.stage): s for s in predict(plan).stages}
     measured = run_local_ranks(plan.world_size, _worker, plan.to_dict(), steps, timeout_s=600)
+    # A stage's point-to-point term is its busiest TP rank's (rank 0 sends and receives on both
+    # boundaries; on a hop to fewer TP ranks the others send nothing): compared with that rank.
+    p2p_of_stage: dict[tuple[int, int], int] = {}
+    for m in measured:
+        key = (m["pipeline"], m["stage"])
+        p2p_of_stage[key] = max(p2p_of_stage.get(key, 0), m["p2p_buffers_bytes"])
     rows = []
     for m in measured:
         sp = pred[(m["pipeline"], m["stage"])]
         mem = sp.memory
         predicted = {"weights": mem.weights_bytes + mem.master_weights_bytes, "grads": mem.grads_bytes,
                      "optimizer": mem.optimizer_bytes, "activations": mem.activations_bytes,
-                     "grad_sync_buffer": mem.grad_sync_buffer_bytes}
+                     "p2p_buffers": mem.p2p_buffers_bytes, "grad_sync_buffer": mem.grad_sync_buffer_bytes}
         got = {"weights": m["weights_bytes"] + m["weight_copies_bytes"], "grads": m["grads_bytes"],
-               "optimizer": m["optimizer_bytes"],
-               "activations": m["activations_peak_bytes"], "grad_sync_buffer": m["grad_sync_buffer_bytes"]}
+               "optimizer": m["optimizer_bytes"], "activations": m["activations_peak_bytes"],
+               "p2p_buffers": p2p_of_stage[(m["pipeline"], m["stage"])],
+               "grad_sync_buffer": m["grad_sync_buffer_bytes"]}
         rows.append({"plan": plan.meta.get("bench", ""), "rank": m["rank"], "stage": (m["pipeline"], m["stage"]),
                      "attention": sp.attention, "in_flight": sp.in_flight, "pred": predicted, "meas": got})
     return rows

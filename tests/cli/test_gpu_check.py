@@ -34,6 +34,33 @@ def test_gpu_check_plans_cover_what_the_issue_asks():
         assert plan.cluster.kinds["gpu"].device_type == "cuda"
 
 
+def test_gpu_check_runs_every_schedule_with_8_mib_bf16_messages():
+    gpu_check = _import_bench("gpu_check")
+    for gpus in (1, 2):
+        plans = gpu_check.schedule_plans(gpus=gpus, cpu_only=False)
+        assert {(p.schedule, p.pipelines[0].virtual_stages) for _, p in plans} == {
+            ("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2)}
+        for _, plan in plans:
+            pipe = plan.pipelines[0]
+            assert plan.precision == "bf16-mixed" and len(pipe.stages) == 2
+            assert pipe.micro_batch_size * plan.seq_len * plan.model.hidden_size * 2 >= 8 * 2**20
+            kinds = {s.kind for s in pipe.stages}
+            assert kinds == ({"gpu"} if gpus == 2 else {"gpu", "host"})  # NCCL on 2 GPUs, else bridged
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: --dry-run is for hosts without")
+def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
+    """The whole script on the CPU, the GPU kind emulated: the bridge checks and every schedule."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--dry-run", "--steps", "2"],
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "PASS"
+    for schedule in ("1f1b", "gpipe", "zb-h1", "interleaved x2"):
+        assert any(x.startswith(f"{schedule} (emulated on the CPU") and " ok " in x for x in lines), proc.stdout
+
+
 def _import_bench(name: str):
     sys.path.insert(0, str(BENCH))
     try:

@@ -21,15 +21,16 @@ and dtype, as with torch.distributed; the receiver's copy lands on the receiver'
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
-from hethub.comm.communicator import DONE, Communicator, GroupKey, group_name
+from hethub.comm.communicator import DONE, P2P, Batch, Communicator, GroupKey, group_name, torch_p2p_ops
 from hethub.comm.hierarchical import (
     DEFAULT_CHUNK_BYTES,
     GroupMaker,
@@ -69,13 +70,20 @@ class StagedWork:
         done = self.work.wait(timeout) if timeout is not None else self.work.wait()
         if self.host is not None:
             if self.recv_into is not None:
-                self.recv_into.copy_(self.host.view(self.recv_into.shape))  # blocking: done reading host
-            self.pool.give(self.host, like=self.like)
+                _land(self.host, into=self.recv_into, pool=self.pool)
+            else:
+                self.pool.give(self.host, like=self.like)
             self.host = None
         return done
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
+
+
+def _land(host: torch.Tensor, *, into: torch.Tensor, pool: HostPool) -> None:
+    """A staged receive, complete: its host copy onto the caller's tensor, the buffer back to the pool."""
+    into.copy_(host.view(into.shape))  # blocking: done reading the host buffer when this returns
+    pool.give(host, like=into)
 
 
 class BridgedCommunicator(Communicator):
@@ -174,11 +182,35 @@ class BridgedCommunicator(Communicator):
         host.copy_(data.view(-1))  # blocking for CUDA sources: on the host when this returns
         return StagedWork(dist.isend(host, dst=dst, tag=tag, group=self._bridge_pg), host, data, self._pool)
 
+    def batch_isend_irecv(self, ops: Sequence[P2P]) -> Batch:
+        """As :meth:`Communicator.batch_isend_irecv`. The operations with same-island peers on the
+        island's device form one native batch (NCCL: one group); the others ride gloo, those crossing
+        islands staged through pooled host buffers (a send's copy is made here, a receive's lands on
+        its tensor when the batch's wait returns). torch batches one group at a time, so each group
+        present gets its own."""
+        by_group: dict[int, tuple[Any, list[P2P]]] = {}
+        finish = []
+        for o in ops:
+            pg, t = (self._p2p_pg(o.tensor) if self._same_island(o.peer) else self._bridge_pg), o.tensor
+            if not self._same_island(o.peer) and self._staged(t):
+                host = self._pool.take(t)
+                if o.op == "send":
+                    host.copy_(t.reshape(-1))  # blocking for device sources: on the host when this returns
+                    finish.append(partial(self._pool.give, host, like=t))
+                else:
+                    finish.append(partial(_land, host, into=t, pool=self._pool))
+                t = host
+            by_group.setdefault(id(pg), (pg, []))[1].append(replace(o, tensor=t))
+        works = [w for pg, group_ops in by_group.values()
+                 for w in dist.batch_isend_irecv(torch_p2p_ops(group_ops, group=pg))]
+        return Batch(works, finish=finish)
+
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
         self.irecv(tensor, src=src, tag=tag).wait()
         return tensor
 
-    def p2p_in_issue_order(self, peer: int, *, device: torch.device) -> bool:
+    def _ordered_p2p(self, peer: int, *, device: torch.device) -> bool:
+        """Whether p2p with ``peer`` runs on a native accelerator group (NCCL-like: issue order)."""
         if not self._same_island(peer):
             return False  # across islands: gloo
         backend = self.backend_of_island[self.island_of_rank[self.rank]]
@@ -187,7 +219,7 @@ class BridgedCommunicator(Communicator):
     def p2p_channel(self, peer: int, *, device: torch.device) -> Channel:
         """Same island, on the island's device: its native group (NCCL: issue order). Anything
         through gloo, the bridge's host path included, matches by tag."""
-        if self.p2p_in_issue_order(peer, device=device):
+        if self._ordered_p2p(peer, device=device):
             mates = tuple(r for r, i in enumerate(self.island_of_rank) if i == self.island_of_rank[self.rank])
             return Channel(group_name(mates, world_size=self.world_size), ordered=True)
         return Channel("bridge", ordered=False)

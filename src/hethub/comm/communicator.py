@@ -15,7 +15,8 @@ the world).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +43,43 @@ DONE = _Done()
 def group_name(key: GroupKey, *, world_size: int) -> str:
     """The name of the communicator a group's operations run on ("world" for every rank)."""
     return "world" if len(key) == world_size else f"group{key}"
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One operation of a point-to-point batch: ``op`` "send" sends ``tensor`` to ``peer``, "recv"
+    receives into it from ``peer``."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+
+
+class Batch:
+    """The work of one batch: :meth:`wait` returns once every operation has completed (then the send
+    buffers may be reused and the receive buffers read). Under NCCL the batch is one group whose
+    operations complete together; under gloo each is its own work."""
+
+    def __init__(self, works: Sequence[Any], *, finish: Sequence[Callable[[], None]] = ()) -> None:
+        self.works, self.finish = list(works), list(finish)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        for f in self.finish:  # the bridge's host copies: back onto the device, back to the pool
+            f()
+        self.works, self.finish = [], []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def torch_p2p_ops(ops: Sequence[P2P], *, group: Any) -> list[Any]:
+    """``ops`` as torch's P2POp list on ``group``."""
+    return [dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, tag=o.tag, group=group)
+            for o in ops]
 
 
 class Communicator:
@@ -86,12 +124,14 @@ class Communicator:
         dist.recv(tensor, src=src, tag=tag)
         return tensor
 
-    def p2p_in_issue_order(self, peer: int, *, device: torch.device) -> bool:
-        """Whether messages with `peer` run in the order they were posted whatever their tags (NCCL:
-        one stream per pair of ranks), so that a receive posted early holds back later sends to that
-        peer. gloo and MPI match by tag."""
-        del peer, device
-        return str(dist.get_backend()) not in ("gloo", "mpi")
+    def batch_isend_irecv(self, ops: Sequence[P2P]) -> Batch:
+        """Post ``ops`` as one batch (torch's ``batch_isend_irecv``: under NCCL one group, whose
+        operations progress together, so a send never waits behind a receive of the same batch
+        whatever their order; gloo runs each on its own). Send tensors must be contiguous and stay
+        unchanged until the batch's wait returns."""
+        if not ops:
+            return Batch(())
+        return Batch(dist.batch_isend_irecv(torch_p2p_ops(ops, group=None)))
 
     def p2p_channel(self, peer: int, *, device: torch.device) -> Channel:
         """The communicator point-to-point messages with ``peer`` run on, and its ordering rule (what a

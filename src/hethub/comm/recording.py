@@ -116,14 +116,20 @@ class RecordingCommunicator:
         self.events.append(Post(handle=h, ops=tuple(ops), batched=batched))
         return h
 
-    def _collective(self, name: str, tensor: torch.Tensor, group: Sequence[int] | None) -> None:
+    def _started(self, name: str, tensor: torch.Tensor, group: Sequence[int] | None) -> int | None:
+        """Record a collective's start; its handle (None for a group of one: nothing runs)."""
         key = tuple(sorted(range(self.inner.world_size) if group is None else group))
         if len(key) == 1:
-            return
+            return None
         h = self._handle()
         self.events.append(Collective(handle=h, name=name, group=key, nbytes=_nbytes(tensor),
                                       channel=self.inner.group_channel(key)))
-        self.events.append(Wait(h))
+        return h
+
+    def _collective(self, name: str, tensor: torch.Tensor, group: Sequence[int] | None) -> None:
+        h = self._started(name, tensor, group)
+        if h is not None:
+            self.events.append(Wait(h))
 
     # ---- point to point --------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> _RecordedWork:
@@ -134,6 +140,13 @@ class RecordingCommunicator:
         h = self._post([self._op("recv", tensor, src, tag)], batched=False)
         return _RecordedWork(self.inner.irecv(tensor, src=src, tag=tag), log=self, handle=h)
 
+    def batch_isend_irecv(self, ops: Sequence[Any]) -> Any:
+        """A batch (``comm.communicator.P2P`` operations); an empty one posts nothing."""
+        if not ops:
+            return self.inner.batch_isend_irecv(ops)
+        h = self._post([self._op(o.op, o.tensor, o.peer, o.tag) for o in ops], batched=True)
+        return _RecordedWork(self.inner.batch_isend_irecv(ops), log=self, handle=h)
+
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
         self.irecv(tensor, src=src, tag=tag).wait()
         return tensor
@@ -142,6 +155,17 @@ class RecordingCommunicator:
     def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None, op: str = "sum") -> torch.Tensor:
         self._collective(f"all_reduce.{op}", tensor, group)
         return self.inner.all_reduce(tensor, group=group, op=op)
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int]) -> Any:
+        """An asynchronous all-reduce: recorded when started, its wait when waited."""
+        h = self._started("all_reduce.sum", tensor, group)
+        work = self.inner.start_all_reduce(tensor, group=group)
+        return work if h is None else _RecordedWork(work, log=self, handle=h)
+
+    def start_reduce(self, tensor: torch.Tensor, *, group: Sequence[int], dst: int) -> Any:
+        h = self._started(f"reduce.{dst}", tensor, group)
+        work = self.inner.start_reduce(tensor, group=group, dst=dst)
+        return work if h is None else _RecordedWork(work, log=self, handle=h)
 
     def all_gather(self, tensor: torch.Tensor, *, group: Sequence[int], dim: int = 0,
                    sizes: Sequence[int] | None = None) -> torch.Tensor:

@@ -18,10 +18,18 @@ from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
-from hethub.predict.memory import StageMemory, act_bytes_for, runtime_vocab_parallel, stage_memory, stage_params
+from hethub.predict.memory import (
+    StageMemory,
+    StageMessages,
+    act_bytes_for,
+    p2p_buffer_bytes,
+    runtime_vocab_parallel,
+    stage_memory,
+    stage_params,
+)
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_compute_share, cp_ring_s, sp_tp_comm_s, splits_sequence
-from hethub.schedules import Schedule
+from hethub.schedules import Schedule, get_schedule
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.spec.cluster import Link
 
@@ -141,7 +149,7 @@ class PlanCosts:
         if mem is None:
             plan = self.plan
             (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
-             sync_bucket_params, sequence_parallel, cp) = key
+             sync_bucket_params, sequence_parallel, cp, p2p_bytes) = key
             k, precision, attention = plan.cluster.kinds[kind], plan.precision_of(kind), plan.attention_of(kind)
             mem = self.memory[key] = _MEMORY.get(
                 (id(plan.model), id(k), plan.seq_len, precision, attention, key),
@@ -150,14 +158,16 @@ class PlanCosts:
                     recompute=recompute, precision=precision, in_flight=in_flight,
                     vocab_parallel=runtime_vocab_parallel(plan.model, tp), attention=attention, kind=k,
                     synced=synced, mixed_sync=mixed_sync, communicators=communicators,
-                    sync_bucket_params=sync_bucket_params, sequence_parallel=sequence_parallel, cp=cp),
+                    sync_bucket_params=sync_bucket_params, sequence_parallel=sequence_parallel, cp=cp,
+                    p2p_bytes=p2p_bytes),
                 pin=(plan.model, k))
         return mem
 
     def stage_shape(self, pi: int, si: int, *, in_flight: float) -> tuple:
         """What stage ``si`` of pipeline ``pi``'s memory depends on, its gradient sync as the runtime does
         it: (kind, layers, embedding, head, tp, micro-batch size, recompute, in_flight, synced, mixed
-        sync, communicators, sync bucket parameters, sequence parallel, CP degree). ``in_flight``:
+        sync, communicators, sync bucket parameters, sequence parallel, CP degree, point-to-point buffer
+        bytes). ``in_flight``:
         micro-batches of the whole stage held at the peak (fractional for chunks)."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
@@ -166,7 +176,26 @@ class PlanCosts:
             synced, bucket = True, None
         comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1) + (s.cp > 1)  # world, TP, DP, p2p, CP ring
         return (s.kind, s.num_layers, s.embedding, s.head, s.tp, p.micro_batch_size, s.recompute, in_flight, synced,
-                mixed, comms, bucket, s.sequence_parallel, s.cp)
+                mixed, comms, bucket, s.sequence_parallel, s.cp, self.p2p_bytes(pi, si))
+
+    def p2p_bytes(self, pi: int, si: int) -> float:
+        """Point-to-point buffer bytes one device of stage ``si`` of pipeline ``pi`` holds at once
+        (``predict/memory/p2p.py``), as TP rank 0 (which sends and receives on both boundaries)."""
+        plan, p = self.plan, self.plan.pipelines[pi]
+        n, s = len(p.stages), p.stages[si]
+        numel = p.micro_batch_size * plan.seq_len * plan.model.hidden_size
+
+        def elem(stage: Stage) -> int:
+            return act_bytes_for(plan.precision_of(stage.kind))
+
+        def boundary(a: Stage, b: Stage) -> float:  # a message from stage a to stage b, in a's dtype
+            return numel / (a.tp if split_hop(a=a.tp, b=b.tp, numel=numel) else 1) * elem(a)
+
+        msgs = StageMessages(stage=si, num_stages=n, chunks=p.virtual_stages,
+                             in_bytes=boundary(p.stages[si - 1], s) if si > 0 else 0.0,
+                             out_bytes=boundary(s, p.stages[si + 1]) if si < n - 1 else 0.0,
+                             wrap_bytes=numel * elem(p.stages[-1]) if p.virtual_stages > 1 else 0.0)
+        return _p2p_peak(plan.schedule, msgs, p.num_micro_batches)
 
     def plan_stage_memory(self, pi: int, si: int, *, in_flight: float, recompute: Recompute | None = None,
                           ) -> StageMemory:
@@ -293,3 +322,10 @@ def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]
         mixed = [n for n, m in synced if m]
         out[sid] = (True, bool(mixed), float(sum(mixed)))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _p2p_peak(schedule: str, msgs: StageMessages, num_micro_batches: int) -> float:
+    ops = get_schedule(schedule, chunks=msgs.chunks).ops(stage=msgs.stage, num_stages=msgs.num_stages,
+                                                         num_micro_batches=num_micro_batches)
+    return p2p_buffer_bytes(ops, msgs)

@@ -85,6 +85,7 @@ class RankMemory:
     activations_peak_bytes: int  # saved tensors held at once, over the schedule
     grad_sync_buffer_bytes: int  # gradient-reduction buffers beside the gradient buffer, all in flight at once
     weight_copies_bytes: int = 0  # parameters' compute-dtype copies saved at once (mixed precision)
+    p2p_buffers_bytes: int = 0  # point-to-point buffers held at once (the executor's trace)
 
 
 def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, seed: int = 0,
@@ -94,7 +95,8 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
     tensors autograd holds at once during forward/backward (live tracking through the real schedule),
     the parameters' cast copies among them, and the float buffers the gradient sync reduces beside
     its gradient buffer (buckets reduced in place count nothing; they are all started before the
-    sync waits, so they add up). ``precision``: train every rank in it (CPU autocast); None: the
+    sync waits, so they add up), and the point-to-point buffers the executor holds at once (its
+    trace). ``precision``: train every rank in it (CPU autocast); None: the
     plan's CPU precision (fp32). Call on every rank of an initialised process group
     (``hethub.comm.local_ranks.run_local_ranks``)."""
     from hethub.profiler.tensor_memory import LiveSavedTensors
@@ -129,11 +131,12 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
 
     sync.comm = _Recording()
     g = torch.Generator().manual_seed(seed)
-    grads = 0
+    grads = p2p = 0
     for _ in range(steps):
         batch = torch.randint(0, plan.model.vocab_size, (plan.global_batch, plan.seq_len + 1), generator=g)
         with tracker.active():
-            trainer.forward_backward(batch)
+            _, trace = trainer.forward_backward(batch)
+        p2p = max(p2p, trace.max_p2p_bytes)
         grads = max(grads, training_state_bytes(trainer.model).grads_bytes)
         trainer.sync_grads()
         sync_max[0] = max(sync_max[0], sum(step_bytes.values()))
@@ -150,7 +153,7 @@ def measure_rank_memory(plan: Plan, *, rank: int, comm: Any, steps: int = 3, see
     return RankMemory(rank=rank, pipeline=st.pipeline, stage=st.stage, weights_bytes=state.weights_bytes + masters,
                       grads_bytes=grads, optimizer_bytes=state.optimizer_bytes,
                       activations_peak_bytes=tracker.peak_bytes, grad_sync_buffer_bytes=sync_max[0],
-                      weight_copies_bytes=tracker.copy_peak_bytes)
+                      weight_copies_bytes=tracker.copy_peak_bytes, p2p_buffers_bytes=p2p)
 
 
 def _chunked(model: StageModel, opt: Any, *, st: Any, sched: Any, stage: int, pipe: Any, seq_len: int,

@@ -146,7 +146,7 @@ def _memory(plan: Plan, prediction: Prediction) -> list[str]:
         if sp is None or sp.memory is None:
             continue
         p = sp.memory.parts
-        temps = p["fb_temporaries"] + p["grad_sync_buffer"] + p["optimizer_temporaries"]
+        temps = p["fb_temporaries"] + p["p2p_buffers"] + p["grad_sync_buffer"] + p["optimizer_temporaries"]
         out.append(
             f"| {r.label.split(' · ')[0]} | {r.stage} | {r.kind} | {sp.precision} / {sp.attention} / "
             f"{plan.pipelines[r.pipeline].stages[r.stage].recompute} | "

@@ -5,8 +5,8 @@ sends straight over c10d. Here adjacent stages may have different TP degrees (re
 stage reads from sender q % a of the TP-a stage before it; sender j gets its output gradient from
 receiver j % b), and every message must go through our Communicator so a later bridge can route
 it across device kinds. What is left is small: the op order (the schedule registry's, which the
-predictor simulates: ``hethub.schedules``), isend, and irecv posted two ops ahead, with a tag per
-micro-batch and direction, and waiting on all sends before the step ends. Between stages of equal
+predictor simulates: ``hethub.schedules``) and, after each op, one batch of its sends and the next
+op's receive (``runtime/p2p.py``: NCCL-safe for every order). Between stages of equal
 TP degree each rank sends only its slice of the (replicated) activation or gradient and the
 receiving stage all-gathers it over its TP group (Megatron's scatter-gather; ``layout.split_hop``),
 so the slow inter-stage link carries one copy, not one per TP rank.
@@ -18,37 +18,32 @@ own split, ``torch.distributed.pipelining._backward``, measured ~1.5 backwards h
 module). Norm weights, the embedding and the weightless ops stay in B. The first stage has no input
 gradient to send: its B runs the whole backward and its W is empty, which times the same because
 ZB-H1 runs the first stage's W right after its B.
+
+A stage output, once sent, keeps only its autograd node (Megatron's ``deallocate_output_tensor``):
+backward needs the output's grad_fn, not its values, so its memory goes back as soon as the send
+completes instead of when its backward runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hethub.comm.communicator import Communicator
+from hethub.comm.communicator import P2P, Communicator
 from hethub.layout import RankPlace
 from hethub.runtime import weight_grad
 from hethub.runtime.model import StageModel
+from hethub.runtime.p2p import Exchange, bwd_tag, fwd_tag, op_peers
 from hethub.runtime.slowdown import Emulator
 from hethub.runtime.stage_messages import StageMessages
 from hethub.runtime.timing import OpTimer
 from hethub.schedules import Op, get_schedule
 
-
-def fwd_tag(mb: int, chunk: int = 0, chunks: int = 1) -> int:
-    """Tag of micro-batch ``mb``'s activation into model chunk ``chunk`` of the receiving stage (the
-    last stage's chunk c sends to the first's chunk c + 1, so tags name the consumer's chunk)."""
-    return 2 * (mb * chunks + chunk)
-
-
-def bwd_tag(mb: int, chunk: int = 0, chunks: int = 1) -> int:
-    """Tag of the gradient of that activation, sent back by the consuming chunk ``chunk``."""
-    return 2 * (mb * chunks + chunk) + 1
+__all__ = ["PipelineExecutor", "StepTrace", "bwd_tag", "fwd_tag"]
 
 
 @dataclass
@@ -65,6 +60,10 @@ class StepTrace:
     # Most micro-batches whose saved activations were held at once (F until B, or W); with virtual
     # stages, (micro-batch, chunk) pairs.
     max_in_flight: int = 0
+    # Most point-to-point buffers holding memory at once, and their bytes, counted when each batch
+    # is posted: send buffers, sent stage outputs not yet freed, receives not yet consumed (LiveBuffers).
+    max_p2p_buffers: int = 0
+    max_p2p_bytes: int = 0
 
     def resolve(self, timer: OpTimer, t0: Any) -> None:
         """Read the marks (after the step's host synchronisation on a device) into events and busy time."""
@@ -76,6 +75,29 @@ class StepTrace:
                 event["chunk"] = chunk
             self.events.append(event)
         self.marks = []
+
+
+class LiveBuffers:
+    """Weak references to one step's point-to-point tensors, to count those still holding memory
+    (distinct storages; a freed stage output keeps a one-element placeholder, which does not count).
+    A received input, once its forward has run, is a saved activation and is no longer counted."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        self.refs += [weakref.ref(t) for t in tensors]
+
+    def release(self, t: torch.Tensor) -> None:
+        self.refs = [r for r in self.refs if r() is not t]
+
+    def live(self) -> tuple[int, int]:
+        """(buffers, bytes) still holding memory: distinct storages of the tracked tensors alive."""
+        alive = [t for r in self.refs if (t := r()) is not None]
+        self.refs = [weakref.ref(t) for t in alive]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive
+                    if t.untyped_storage().nbytes() > t.element_size()}
+        return len(storages), sum(storages.values())
 
 
 class PipelineExecutor:
@@ -119,83 +141,100 @@ class PipelineExecutor:
         ``t0``: the step's start mark (``self.timer``).
         """
         t0 = self.timer.mark() if t0 is None else t0
-        trace = StepTrace()
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        pending: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
-        recvs = _Receives(self, lookahead=RECV_LOOKAHEAD)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        held: set[tuple[int, int]] = set()  # (micro-batch, chunk) whose graph this stage still holds
-        deferred: dict[tuple[int, int], weight_grad.Deferred] = {}  # (micro-batch, chunk) -> its W's work
+        st = _Step(trace=StepTrace(), t0=t0, micro_batches=micro_batches,
+                   loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
+        self.buffers = LiveBuffers()
+        link = Exchange(self, st.trace)
+        link.post([], next_op=0)
+        for i, op in enumerate(self.ops):
+            sends = self._run_op(op, link.take(), st)
+            link.post(sends, next_op=i + 1)
+            for out in st.to_free:  # posted: the outputs' values are no longer needed
+                _free_output(out)
+            st.to_free = []
+            n, nbytes = self.buffers.live()
+            st.trace.max_p2p_buffers = max(st.trace.max_p2p_buffers, n)
+            st.trace.max_p2p_bytes = max(st.trace.max_p2p_bytes, nbytes)
+        link.take()
+        link.finish()
+        if not self.timer.device_events:
+            st.trace.resolve(self.timer, t0)  # host marks read at once; device marks after the step's sync
+        return st.loss_sum, st.trace
+
+    def _run_op(self, op: Op, got: torch.Tensor | None, st: _Step) -> list[P2P]:
+        """Run one op on its received tensor (None: nothing received); what it sends."""
+        kind, mb, chunk = op
+        key = (mb, chunk)
+        if kind == "F":
+            return self._forward(key, got, st)
+        if kind == "W":
+            start = self.timer.mark()
+            work = st.deferred.pop(key, None)
+            if work is not None:
+                with self.emulator.chunk():
+                    work.run()
+            self._record(st.trace, "W", mb, start, st.t0, chunk)
+            st.held.discard(key)
+            return []
+        return self._backward(key, got, st)
+
+    def _forward(self, key: tuple[int, int], got: torch.Tensor | None, st: _Step) -> list[P2P]:
+        mb, chunk = key
+        grad = torch.is_grad_enabled()  # False in evaluation: nothing is kept for a backward
+        x = st.micro_batches[mb][0] if got is None else got.requires_grad_(grad)
+        self.buffers.release(x)  # a saved activation from here on
+        # The model casts a received activation into its residual stream's dtype, if it is not in it
+        # already (a 16-bit stage keeps a 16-bit message as it came).
+        last = self.is_last(chunk)
+        target = st.micro_batches[mb][1] if last else None
+        start = self.timer.mark()
         # A split executor builds weight GEMMs whose B defers their weight gradients (weight_grad.py);
         # the first stage sends no input gradient, so its B is the whole backward (and its W empty).
         defers = self.split and not self.first
-        recording = weight_grad.recording if defers else contextlib.nullcontext
-        v = self.chunks
-        for i, (op, mb, chunk) in enumerate(self.ops):
-            got = recvs.take(i, trace)
-            key = (mb, chunk)
-            first, last = self.is_first(chunk), self.is_last(chunk)
-            if op == "F":
-                x = micro_batches[mb][0] if got is None else got.requires_grad_(True)
-                # The model casts a received activation into its residual stream's dtype, if it is not
-                # in it already (a 16-bit stage keeps a 16-bit message as it came).
-                target = micro_batches[mb][1] if last else None
-                start = self.timer.mark()
-                with self.emulator.chunk(), recording():
-                    out = self.model(x, target, chunk=chunk) if v > 1 else self.model(x, target)
-                self._record(trace, "F", mb, start, t0, chunk)
-                if last:
-                    loss_sum += out.detach().double()
-                else:
-                    dests = self.peers("F", chunk)[1]
-                    hop = self.place.wrap_hop if self.last else self.place.hop_out
-                    payloads = self.messages.outgoing(out.detach().to(self.out_dtype), hop, dests=len(dests))
-                    into = chunk + 1 if self.last else chunk  # the consumer's chunk (fwd_tag)
-                    pending += [(self.comm.isend(payload, dst=d, tag=fwd_tag(mb, into, v)), payload)
-                                for d, payload in zip(dests, payloads, strict=True)]
-                    _let_sends_start()
-                inputs[key], outputs[key] = x, out
-                held.add(key)
-                trace.max_in_flight = max(trace.max_in_flight, len(held))
-            elif op == "W":
-                start = self.timer.mark()
-                work = deferred.pop(key, None)
-                if work is not None:
-                    with self.emulator.chunk():
-                        work.run()
-                self._record(trace, "W", mb, start, t0, chunk)
-                held.discard(key)
+        with self.emulator.chunk(), (weight_grad.recording() if defers else contextlib.nullcontext()):
+            out = self.model(x, target, chunk=chunk) if self.chunks > 1 else self.model(x, target)
+        self._record(st.trace, "F", mb, start, st.t0, chunk)
+        if grad:
+            st.inputs[key], st.outputs[key] = x, out
+            st.held.add(key)
+            st.trace.max_in_flight = max(st.trace.max_in_flight, len(st.held))
+        if last:
+            st.loss_sum += out.detach().double()
+            return []
+        dests = self.peers("F", chunk)[1]
+        hop = self.place.wrap_hop if self.last else self.place.hop_out
+        payloads = self.messages.outgoing(out.detach().to(self.out_dtype), hop, dests=len(dests))
+        st.to_free.append(out)
+        self.buffers.track(out)  # until freed (its placeholder does not count)
+        into = chunk + 1 if self.last else chunk  # the consumer's chunk (fwd_tag)
+        return [P2P("send", t, d, fwd_tag(mb, into, self.chunks)) for d, t in zip(dests, payloads, strict=True)]
+
+    def _backward(self, key: tuple[int, int], got: torch.Tensor | None, st: _Step) -> list[P2P]:
+        mb, chunk = key
+        x, out = st.inputs.pop(key), st.outputs.pop(key)
+        grad = None if got is None else got.to(out.dtype)
+        if got is not None:  # consumed here (a split backward's W may keep it: W's state, not a buffer)
+            self.buffers.release(got)
+        start = self.timer.mark()
+        with self.emulator.chunk():
+            if got is None and self.loss_scale != 1.0:
+                out = out * self.loss_scale
+            if self.split and not self.first:  # (B's recomputed forward, if any, builds what F built)
+                with weight_grad.deferring() as st.deferred[key]:
+                    _run_backward(out, grad)
             else:
-                x, out = inputs.pop(key), outputs.pop(key)
-                grad = None if got is None else got.to(out.dtype)
-                start = self.timer.mark()
-                with self.emulator.chunk():
-                    if got is None and self.loss_scale != 1.0:
-                        out = out * self.loss_scale
-                    if defers:  # (B's recomputed forward, if any, builds what F built)
-                        with weight_grad.deferring() as deferred[key]:
-                            torch.autograd.backward(out, grad_tensors=grad)
-                    else:
-                        torch.autograd.backward(out, grad_tensors=grad)
-                self._record(trace, "B", mb, start, t0, chunk)
-                if not self.split:
-                    held.discard(key)
-                if not first:
-                    dests = self.peers("B", chunk)[1]
-                    hop = self.place.wrap_grad_hop if self.first else self.place.hop_grad_out
-                    gs = self.messages.outgoing(x.grad.to(self.wrap_dtype if self.first else self.in_dtype), hop,
-                                                dests=len(dests))
-                    pending += [(self.comm.isend(g, dst=d, tag=bwd_tag(mb, chunk, v)), g)
-                                for d, g in zip(dests, gs, strict=True)]
-                    _let_sends_start()
-        w = time.perf_counter()
-        for work, _ in pending:
-            work.wait()
-        trace.send_wait_s = time.perf_counter() - w
-        if not self.timer.device_events:
-            trace.resolve(self.timer, t0)  # host marks read at once; device marks after the step's sync
-        return loss_sum, trace
+                _run_backward(out, grad)
+        self._record(st.trace, "B", mb, start, st.t0, chunk)
+        if not self.split:
+            st.held.discard(key)
+        if self.is_first(chunk):
+            return []
+        # Detached from x, which a split backward's W may keep: the buffer then lives only until sent.
+        dx, x.grad = x.grad, None
+        dests = self.peers("B", chunk)[1]
+        hop = self.place.wrap_grad_hop if self.first else self.place.hop_grad_out
+        gs = self.messages.outgoing(dx.to(self.wrap_dtype if self.first else self.in_dtype), hop, dests=len(dests))
+        return [P2P("send", g, d, bwd_tag(mb, chunk, self.chunks)) for d, g in zip(dests, gs, strict=True)]
 
     def hop_into(self, op: str, chunk: int) -> Any:
         """The layout.Hop of what op ``op`` of chunk ``chunk`` receives (F: its input; B: its output's
@@ -217,99 +256,44 @@ class PipelineExecutor:
         """(rank op ``op`` of chunk ``chunk`` receives from or None, ranks it sends to): a forward
         receives its input and sends its output; a backward receives its output gradient and sends
         its input gradient; W neither."""
-        return _op_peers(self, op, chunk)
+        return op_peers(self, op, chunk)
 
     def _record(self, trace: StepTrace, op: str, mb: int, start: Any, t0: Any, chunk: int = 0) -> None:
         del t0  # marks are read relative to the step's start in StepTrace.resolve
         trace.marks.append((op, mb, chunk, start, self.timer.mark()))
 
 
-def _op_peers(ex: Any, op: str, chunk: int) -> tuple[int | None, tuple[int, ...]]:
-    """PipelineExecutor.peers, for anything with its ``place``, ``first``, ``last`` (and ``chunks``)."""
-    if op == "W":
-        return None, ()
-    pl = ex.place
-    if getattr(ex, "chunks", 1) > 1:
-        return pl.fwd_peers(chunk) if op == "F" else pl.bwd_peers(chunk)
-    if op == "F":
-        return (None if ex.first else pl.fwd_recv_from), (() if ex.last else pl.fwd_send_to)
-    return (None if ex.last else pl.bwd_recv_from), (() if ex.first else pl.bwd_send_to)
+
+@dataclass
+class _Step:
+    """What one step of the executor keeps between ops."""
+
+    trace: StepTrace
+    t0: Any
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    loss_sum: torch.Tensor
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    held: set[tuple[int, int]] = field(default_factory=set)  # (micro-batch, chunk) whose graph is held
+    deferred: dict[tuple[int, int], weight_grad.Deferred] = field(default_factory=dict)  # W's work
+    to_free: list[torch.Tensor] = field(default_factory=list)  # outputs the step sent (or a peerless TP rank would)
 
 
-def _let_sends_start() -> None:
-    """Give up the core once after posting sends. gloo moves the data on a helper thread, which the
-    scheduler wakes on this (busy) core; without a yield it may wait a whole time slice behind the
-    next forward or backward while the receiver idles (hand-offs of 1-10 ms seen in traces on a
-    2-core host, well under 1 ms with it)."""
-    if hasattr(os, "sched_yield"):
-        os.sched_yield()
+def _free_output(out: torch.Tensor) -> None:
+    """Free a sent stage output's values, keeping its autograd node (Megatron's
+    ``deallocate_output_tensor``): the tensor's data becomes a one-element placeholder. Skipped when
+    backward needs the values themselves: an output that is a leaf or a view (a stage whose chunk
+    passes its input through, say)."""
+    if out.grad_fn is None or out._base is not None:
+        return
+    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
 
 
-# Receives posted ahead of the op that needs them. A blocking recv posted only when the op starts
-# waits for a handshake with the sender, whose progress thread competes with its busy compute:
-# measured 1-7 ms per hand-off on a 2-core host, where a pre-posted irecv has the data waiting.
-# Two ops ahead covers 1F1B's alternation and GPipe's runs; each posted receive holds one buffer.
-# Where a pair of ranks runs its messages in the order posted (NCCL), a receive is never posted
-# ahead of a send to the same peer that an earlier op makes: the peer may need that send before it
-# can send what we wait for (stage s+1 needs F(i+1) before it sends B(i)'s gradient), which would
-# deadlock; the per-peer order then stays exactly that of receiving at each op's start.
-RECV_LOOKAHEAD = 2
-
-
-class _Receives:
-    """The receives of one step's ops, each posted ``lookahead`` ops before its op runs."""
-
-    def __init__(self, ex: PipelineExecutor, *, lookahead: int) -> None:
-        self.ex, self.lookahead = ex, lookahead
-        self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
-        self.next = 0
-
-    def _source(self, j: int) -> tuple[int, int] | None:
-        """(peer, tag) op j receives from, or None."""
-        ex = self.ex
-        op, mb, chunk = ex.ops[j]
-        src = _op_peers(ex, op, chunk)[0]
-        if src is None:
-            return None  # the first virtual stage's F, the last's B, W
-        v = getattr(ex, "chunks", 1)
-        if op == "F":
-            return src, fwd_tag(mb, chunk, v)
-        return src, bwd_tag(mb, chunk + 1 if ex.last else chunk, v)  # from the consumer's chunk
-
-    def _hop(self, j: int) -> Any:
-        op, _, chunk = self.ex.ops[j]
-        return self.ex.hop_into(op, chunk)
-
-    def _sends_to(self, k: int) -> tuple[int, ...]:
-        op, _, chunk = self.ex.ops[k]
-        return _op_peers(self.ex, op, chunk)[1]
-
-    def _may_post(self, j: int, *, now: int) -> bool:
-        src = self._source(j)
-        if src is None or not self.ex.comm.p2p_in_issue_order(src[0], device=self.ex.device):
-            return True
-        return all(src[0] not in self._sends_to(k) for k in range(now, j))
-
-    def _post(self, j: int) -> None:
-        src = self._source(j)
-        if src is None:
-            return
-        ex = self.ex
-        op, _, chunk = ex.ops[j]
-        dtype = (ex.wrap_dtype if ex.first and chunk > 0 else ex.in_dtype) if op == "F" else ex.out_dtype
-        buf = torch.empty(ex.messages.recv_shape(self._hop(j)), dtype=dtype, device=ex.device)
-        self.posted[j] = (ex.comm.irecv(buf, src=src[0], tag=src[1]), buf)
-
-    def take(self, i: int, trace: StepTrace) -> torch.Tensor | None:
-        """Op i's received tensor (None if it receives nothing), waiting for it if it has not arrived."""
-        while self.next < min(len(self.ex.ops), i + 1 + self.lookahead) and self._may_post(self.next, now=i):
-            self._post(self.next)
-            self.next += 1
-        if i not in self.posted:
-            return None
-        work, buf = self.posted.pop(i)
-        w = time.perf_counter()
-        work.wait()
-        buf = self.ex.messages.arrived(buf, self._hop(i))
-        trace.recv_wait_s += time.perf_counter() - w
-        return buf
+def _run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``torch.autograd.backward(out, grad)`` through the engine, without the check that ``grad``
+    has ``out``'s shape: a freed output keeps a placeholder (Megatron-LM's ``custom_backward``)."""
+    if grad is None:
+        torch.autograd.backward(out)
+        return
+    torch.autograd.graph._engine_run_backward((out,), (grad,), False, False, (), allow_unreachable=True,
+                                              accumulate_grad=True)

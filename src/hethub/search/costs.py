@@ -179,7 +179,8 @@ class StageCost:
         form = (line(lambda m: m.persistent_bytes), line(lambda m: m.grad_sync_buffer_bytes),
                 line(lambda m: m.optimizer_temporaries_bytes),
                 # activations per in-flight micro-batch
-                line(lambda m: m.activations_bytes), z.fb_temporaries_bytes, one.fb_temporaries_bytes,
+                line(lambda m: m.activations_bytes), z.fb_temporaries_bytes + z.p2p_buffers_bytes,
+                one.fb_temporaries_bytes + one.p2p_buffers_bytes,
                 one.fragmentation_ratio, one.framework_context_bytes + one.comm_buffers_bytes)
         if one_f2.activations_bytes != 2 * one.activations_bytes:
             return False

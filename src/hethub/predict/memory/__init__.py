@@ -17,6 +17,7 @@ from hethub.predict.memory.model import (
     PHASES,
     STATE_BYTES_PER_PARAM,
     StageMemory,
+    act_bytes_for,
     layer_elems,
     sharded_memory,
     stage_memory,
@@ -24,6 +25,7 @@ from hethub.predict.memory.model import (
     state_bytes_per_param,
     zero23_memory,
 )
+from hethub.predict.memory.p2p import StageMessages, p2p_buffer_bytes
 from hethub.spec.model import ModelSpec
 
 # hethub's runtime splits the embedding and the head by vocabulary across a stage's TP group, as
@@ -38,11 +40,13 @@ __all__ = [
     "RUNTIME_VOCAB_PARALLEL",
     "STATE_BYTES_PER_PARAM",
     "StageMemory",
+    "StageMessages",
     "act_bytes_for",
     "check_headroom",
     "describe_peak",
     "layer_elems",
     "over_capacity_message",
+    "p2p_buffer_bytes",
     "runtime_vocab_parallel",
     "sharded_memory",
     "stage_memory",
@@ -57,8 +61,3 @@ def runtime_vocab_parallel(model: ModelSpec, tp: int) -> bool:
     """Whether the runtime splits a TP-``tp`` stage's embedding and head by vocabulary (mirrors
     ``hethub.runtime.tensor_parallel.vocab_parallel``; no torch import here)."""
     return RUNTIME_VOCAB_PARALLEL and model.vocab_size % tp == 0
-
-
-def act_bytes_for(precision: str) -> int:
-    """Bytes per element of the activations a stage sends to the next (timing of p2p transfers)."""
-    return 2 if precision in ("bf16-mixed", "fp16-mixed") else 4

@@ -7,7 +7,8 @@ state that persists across steps (weights, master copies, gradients, optimizer s
   (:mod:`hethub.predict.memory.activations`), plus the largest working set one micro-batch adds on
   top (the loss's logits and their fp32 gradients at the head; one layer's recomputed activations
   under full recomputation; under selective recomputation one layer's re-run attention core on top
-  of its gradients; one layer's gradients otherwise);
+  of its gradients; one layer's gradients otherwise), plus the point-to-point buffers in flight
+  (one op's sends and the next op's receive: :mod:`hethub.predict.memory.p2p`);
 * gradient sync: the gradients already lie in one contiguous buffer, which buckets reduce in place
   (``runtime/grad_buffer.py``): nothing more, except for groups whose holders differ in TP degree,
   whose buckets are built at full size (zeros outside this rank's shard) for the reduction, all of
@@ -48,7 +49,13 @@ STATE_BYTES_PER_PARAM: dict[str, dict[str, int]] = {
 PHASES = ("forward_backward", "grad_sync", "optimizer_step")
 # Parts in the order they are reported; StageMemory.parts gives them at the peak.
 PARTS = ("weights", "master_weights", "grads", "optimizer", "activations", "fb_temporaries", "gathered_weights",
-         "grad_sync_buffer", "optimizer_temporaries", "fragmentation", "framework_context", "comm_buffers")
+         "p2p_buffers", "grad_sync_buffer", "optimizer_temporaries", "fragmentation", "framework_context",
+         "comm_buffers")
+
+
+def act_bytes_for(precision: str) -> int:
+    """Bytes per element of the activations a stage sends to the next (its boundary dtype)."""
+    return 2 if precision in ("bf16-mixed", "fp16-mixed") else 4
 
 
 def state_bytes_per_param(precision: str) -> dict[str, int]:
@@ -118,6 +125,7 @@ class StageMemory:
     framework_context_bytes: float = 0.0
     comm_buffers_bytes: float = 0.0
     gathered_bytes: float = 0.0  # ZeRO-3: parameters gathered at once for their use (forward/backward moment)
+    p2p_buffers_bytes: float = 0.0  # point-to-point buffers in flight (forward/backward moment)
 
     @property
     def persistent_bytes(self) -> float:
@@ -126,7 +134,8 @@ class StageMemory:
     @_cached
     def phases(self) -> dict[str, float]:
         """Transient bytes of each moment of the step (added to the persistent state)."""
-        return {"forward_backward": self.activations_bytes + self.fb_temporaries_bytes + self.gathered_bytes,
+        return {"forward_backward": self.activations_bytes + self.fb_temporaries_bytes + self.gathered_bytes
+                + self.p2p_buffers_bytes,
                 "grad_sync": self.grad_sync_buffer_bytes, "optimizer_step": self.optimizer_temporaries_bytes}
 
     @_cached
@@ -155,6 +164,7 @@ class StageMemory:
             "activations": self.activations_bytes if fb else 0.0,
             "fb_temporaries": self.fb_temporaries_bytes if fb else 0.0,
             "gathered_weights": self.gathered_bytes if fb else 0.0,
+            "p2p_buffers": self.p2p_buffers_bytes if fb else 0.0,
             "grad_sync_buffer": self.grad_sync_buffer_bytes if sync else 0.0,
             "optimizer_temporaries": self.optimizer_temporaries_bytes if step else 0.0,
             "fragmentation": self.allocated_bytes * self.fragmentation_ratio,
@@ -183,6 +193,7 @@ def stage_memory(
     attention: str = "flash",
     kind: DeviceKind | None = None, synced: bool = False, mixed_sync: bool = False, communicators: int = 1,
     sync_bucket_params: float | None = None, sequence_parallel: bool = False, cp: int = 1,
+    p2p_bytes: float | None = None,
 ) -> StageMemory:
     """Peak memory of one device of a stage (see the module docstring for the parts).
 
@@ -197,6 +208,9 @@ def stage_memory(
     ``communicators``: collective-library communicators this device joins (each holds buffers).
     ``sequence_parallel``, ``cp``: the stage's sequence and context parallelism (the seq_len is the
     whole sequence's; a device holds seq_len / cp tokens of each).
+    ``p2p_bytes``: the stage's point-to-point buffers in flight (:func:`~hethub.predict.memory.p2p.p2p_buffer_bytes`
+    for a plan's stage); None: the most any stage holds, one whole activation sent and one received
+    in this precision's boundary dtype (for callers that do not know the stage's neighbours yet).
     """
     recompute = Recompute.of(recompute)
     sp = sequence_parallel and tp > 1
@@ -246,6 +260,7 @@ def stage_memory(
         fragmentation_ratio=kind.fragmentation if kind is not None else 0.0,
         framework_context_bytes=kind.context_bytes if kind is not None else 0.0,
         comm_buffers_bytes=kind.comm_buffer_bytes * communicators if kind is not None else 0.0,
+        p2p_buffers_bytes=2 * tokens * model.hidden_size * act_bytes_for(precision) if p2p_bytes is None else p2p_bytes,
     )
 
 
