@@ -1,13 +1,13 @@
 """The GPU checks of the mixed-vendor runtime, as one script: run it on a machine with CUDA.
 
-    python bench/gpu_check.py [--steps 3] [--dry-run] [--out DIR]
+    python bench/gpu_check.py [--steps 3] [--dry-run] [--schedules 1f1b,gpipe,zb-h1,interleaved] [--out DIR]
 
 Each check trains a small model through the real entry point (``torchrun -m hethub.train``) and
 compares the trained parameters (read from the run's checkpoint) with one device:
 
 1. cuda-only: a plan whose only kind is an NVIDIA GPU kind (nccl), one rank per GPU (up to 2); with 2
-   GPUs it is a 2-stage 1F1B pipeline over NCCL, whose point-to-point runs in posting order (the
-   ordering rule of runtime/pipeline.py; a wrong order deadlocks, which the timeout turns into FAIL).
+   GPUs it is a 2-stage 1F1B pipeline over NCCL, whose point-to-point runs in posting order on each
+   lane (runtime/p2p.py; a wrong order deadlocks, which the timeout turns into FAIL).
 2. cuda+cpu fp32: stage 0 on cuda:0 (nccl kind), stage 1 on the CPU (gloo kind), through the bridge.
 3. cuda+cpu bf16: the same plan in bf16-mixed (the GPU kind autocasts to bf16, the CPU kind stays fp32).
 4. cuda+cpu fp16: the GPU kind in fp16-mixed with dynamic loss scaling (as on Volta/Turing).
@@ -16,6 +16,8 @@ compares the trained parameters (read from the run's checkpoint) with one device
    so a posting order that only works when sends are buffered hangs, which the timeout turns into
    FAIL): over NCCL on 2 GPUs; with one GPU, its stage 1 on the host through the bridge. Each prints
    its step time and first loss; every schedule must start from the same loss (same model and data).
+   Every message runs on its own lane (a communicator per direction of a rank pair and kind: the
+   ordering rule of runtime/p2p.py), sends in flight while the next ops compute.
 
 fp32 checks must match one CPU device to 1e-4 (kernel rounding; TF32 is off by default for matmuls);
 16-bit checks must stay within the stated 16-bit tolerance of the fp32 reference. The placement log
@@ -126,10 +128,13 @@ def schedule_plans(*, gpus: int, cpu_only: bool) -> list[tuple[str, Plan]]:
     return out
 
 
-def check_schedules(*, gpus: int, steps: int, work: Path, cpu_only: bool) -> list[bool]:
-    """Check 5: every schedule runs to the end and starts from the same loss."""
+def check_schedules(*, gpus: int, steps: int, work: Path, cpu_only: bool,
+                    schedules: tuple[str, ...] | None = None) -> list[bool]:
+    """Check 5: every schedule (or those named) runs to the end and starts from the same loss."""
     results, first = [], None
     for i, (name, plan) in enumerate(schedule_plans(gpus=gpus, cpu_only=cpu_only)):
+        if schedules is not None and plan.schedule not in schedules:
+            continue
         got = run_plan(plan, steps=steps, work=work / f"sched{i}")
         if "error" in got:
             print(f"{name:<56} FAIL: training exited with an error (a hang ends at the timeout):\n{got['error']}")
@@ -202,8 +207,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true",
                     help="emulate the GPU kind on the CPU with small messages (tests the script without a GPU)")
+    ap.add_argument("--schedules", help="check 5 for these schedules only (comma-separated; default: all)")
     ap.add_argument("--out", help="keep runs here (default: a temporary directory)")
     args = ap.parse_args()
+    only = tuple(args.schedules.split(",")) if args.schedules else None
     # Checked without initialising CUDA here: the ranks are separate processes.
     if not args.dry_run and not torch.cuda.is_available():
         print("skipped: no CUDA")
@@ -217,7 +224,7 @@ def main() -> int:
             todo = [(n, p) for n, p in todo if n == "cuda+cpu fp32"]
         results = [check(name, plan, steps=args.steps, work=root / f"run{i}", cpu_only=args.dry_run)
                    for i, (name, plan) in enumerate(todo)]
-        results += check_schedules(gpus=gpus, steps=args.steps, work=root, cpu_only=args.dry_run)
+        results += check_schedules(gpus=gpus, steps=args.steps, work=root, cpu_only=args.dry_run, schedules=only)
     here = Path(__file__).parent
     scripts = ["gpu_step_check.py", "gpu_memory_check.py", *(c for c in COMPANIONS if (here / c).exists())]
     for c in COMPANIONS:

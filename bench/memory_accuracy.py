@@ -17,7 +17,7 @@ accounts, on each rank (``hethub.profiler.stage_memory.measure_rank_memory``):
 * activations: the tensors autograd holds for backward *at the same time*, followed from save to
   release through the real 1F1B/GPipe schedule (``saved_tensors_hooks``): the in-flight peak;
 * point-to-point buffers: the send and receive buffers the executor holds at once (its trace,
-  ``StepTrace.max_p2p_bytes``: distinct live storages when each batch is posted), the largest over
+  ``StepTrace.max_p2p_bytes``: distinct live storages after each op's sends are posted), the largest over
   the stage's TP ranks (the model prices the busiest: rank 0 sends and receives on both boundaries);
 * gradient-sync buffer: the float buffers the gradient sync reduces beside its gradient buffer
   (full-size buckets where holders differ in TP degree; none otherwise).

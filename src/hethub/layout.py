@@ -306,6 +306,19 @@ class Topology:
     def place(self, rank: int) -> RankPlace:
         return self.places[rank]
 
+    @property
+    def p2p_lanes(self) -> tuple[tuple[int, int, str], ...]:
+        """Every (source rank, destination rank, kind) that carries pipeline messages, kind "fwd" for
+        activations and "bwd" for their gradients (the wrap between the last and first stage of
+        virtual stages included), sorted: the runtime gives each its own communicator (comm's
+        ``create_p2p_lanes``; why: docs/communicator.md). Identical on every rank."""
+        lanes = set()
+        for pl in self.places:
+            for chunk in range(pl.stage.num_chunks):
+                lanes.update((pl.rank, d, "fwd") for d in pl.fwd_peers(chunk)[1])
+                lanes.update((pl.rank, d, "bwd") for d in pl.bwd_peers(chunk)[1])
+        return tuple(sorted(lanes))
+
     def sync_group(self, unit: str, rank: int) -> GradGroup:
         holders = self.unit_holders[unit]
         tps = {s.tp for s in holders}

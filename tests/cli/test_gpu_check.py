@@ -50,15 +50,20 @@ def test_gpu_check_runs_every_schedule_with_8_mib_bf16_messages():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: --dry-run is for hosts without")
 def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
-    """The whole script on the CPU, the GPU kind emulated: the bridge checks and every schedule."""
+    """The script's plumbing on the CPU, the GPU kind emulated, with small messages: the bridge check
+    and the schedule check for interleaved (both directions on one rank pair, the wrap hop); the
+    other schedules and the 8 MiB messages are the script's own job on a GPU (their NCCL ordering is
+    tests/unit/test_nccl_replay.py's)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH.parent / "src"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--dry-run", "--steps", "2"],
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--dry-run", "--steps", "1",
+                           "--schedules", "interleaved"],
                           capture_output=True, text=True, env=env, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1] == "PASS"
-    for schedule in ("1f1b", "gpipe", "zb-h1", "interleaved x2"):
-        assert any(x.startswith(f"{schedule} (emulated on the CPU") and " ok " in x for x in lines), proc.stdout
+    assert any(x.startswith("cuda+cpu fp32") and " ok " in x for x in lines), proc.stdout
+    assert [x.split(" (")[0] for x in lines if "(emulated on the CPU" in x] == ["interleaved x2"], proc.stdout
+    assert " ok " in next(x for x in lines if x.startswith("interleaved x2")), proc.stdout
 
 
 def _import_bench(name: str):

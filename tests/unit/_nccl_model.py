@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from hethub.comm.recording import Collective, Event, OpRecord, Post, Wait
+from hethub.comm.recording import Collective, Event, Note, OpRecord, Post, Wait
 
 
 class Deadlock(AssertionError):
@@ -85,6 +85,8 @@ class _Replay:
         self.sends: dict[tuple[Any, ...], deque[_Op]] = {}
         self.recvs: dict[tuple[Any, ...], deque[_Op]] = {}
         self.colls: dict[tuple[Any, ...], dict[int, deque[_Op]]] = {}
+        # (rank, event index) of every wait on sends alone that found them not yet complete.
+        self.blocked_sends: set[tuple[int, int]] = set()
 
     # ---- posting ---------------------------------------------------------------------------------
     def _enqueue(self, rank: int, stream: tuple[Any, ...], ops: list[_Op]) -> None:
@@ -155,8 +157,13 @@ class _Replay:
             elif isinstance(ev, Collective):
                 self._collective(rank, ev)
             elif isinstance(ev, Wait):
-                if not all(op.done for op in self.handles[(rank, ev.handle)]):
+                ops = self.handles[(rank, ev.handle)]
+                if not all(op.done for op in ops):
+                    if all(op.rec is not None and op.rec.op == "send" for op in ops):
+                        self.blocked_sends.add((rank, self.pc[rank]))
                     break
+            elif isinstance(ev, Note):
+                pass
             else:
                 raise TypeError(f"unknown event {ev!r}")
             self.pc[rank] += 1
@@ -221,8 +228,11 @@ class _Replay:
         return "\n".join(lines)
 
 
-def replay(events: dict[int, list[Event]], *, eager_bytes: int = 0) -> None:
+def replay(events: dict[int, list[Event]], *, eager_bytes: int = 0) -> set[tuple[int, int]]:
     """Run every rank's recorded events under the rules above; raise :class:`Deadlock` (saying where
     each rank stands) unless every rank finishes and every operation completes, :class:`Mismatch`
-    when NCCL would pair operations that do not belong together."""
-    _Replay(events, eager_bytes=eager_bytes).run()
+    when NCCL would pair operations that do not belong together. Returns where a rank waited on
+    sends that had not completed yet: (rank, index of the wait in its events)."""
+    r = _Replay(events, eager_bytes=eager_bytes)
+    r.run()
+    return r.blocked_sends

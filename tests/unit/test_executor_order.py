@@ -22,24 +22,15 @@ class _Done:
     def wait(self) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 class FakeComm:
     """Point-to-point that never blocks: every receive gets ones (the values do not matter here)."""
 
-    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> _Done:
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> _Done:
         return _Done()
 
-    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> _Done:
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> _Done:
         tensor.fill_(1.0)
-        return _Done()
-
-    def batch_isend_irecv(self, ops: list) -> _Done:
-        for o in ops:
-            if o.op == "recv":
-                o.tensor.fill_(1.0)
         return _Done()
 
 

@@ -3,33 +3,42 @@ rank of a plan in this process, over a communicator that never blocks, and recor
 (``hethub.comm.recording``); the tests' model of NCCL (``_nccl_model``) replays all ranks' posts with
 every send larger than NCCL's buffering (eager limit 0), which gloo would have buffered.
 
-The matrix: 1F1B, GPipe and ZB-H1 x ten plan shapes (TP hops of unequal and of equal degree,
-uneven replicas, cross-kind hops inside one NCCL island and through the host bridge between
-vendors, one micro-batch, fewer micro-batches than stages, two stages). Interleaved (2 and 3
-chunks) on the same shapes is not NCCL-safe yet: the shapes where the model finds its hang are
-pinned as expected failures (strict: one that starts passing fails the test)."""
+The matrix: every schedule (1F1B, GPipe, ZB-H1, interleaved with 2 and 3 chunks) x twelve plan
+shapes (TP hops of unequal and of equal degree, uneven replicas, cross-kind hops inside one NCCL
+island and through the host bridge between vendors, one micro-batch, fewer micro-batches than
+stages, two stages, sequence-parallel stages, a context-parallel pipeline whose ring runs its own
+point-to-point). The same recordings show that the executor's sends never hold a rank up before
+its last op (the predictor's ``async`` p2p mode) and that its live point-to-point buffers are the
+memory model's term, on the executor's own trace.
+"""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
 import torch
 from _nccl_model import Deadlock, replay
 
-from hethub.comm.communicator import Communicator, group_name
-from hethub.comm.recording import Channel, Event, Post, RecordingCommunicator, Wait
+from hethub.comm.communicator import Communicator, group_name, lane_name
+from hethub.comm.recording import Channel, Event, Note, Post, RecordingCommunicator, Wait
 from hethub.islands import island_of_kind
 from hethub.layout import build_topology
 from hethub.plan import Pipeline, Plan, Stage, interleave, split_evenly
+from hethub.predict.predictor import predict
+from hethub.runtime.context_parallel import CPContext
 from hethub.runtime.model import StageModel
-from hethub.runtime.pipeline import PipelineExecutor
+from hethub.runtime.pipeline import PipelineExecutor, StepTrace
 from hethub.runtime.tensor_parallel import TPContext
+from hethub.schedules import DEFAULT_P2P
 from hethub.spec.cluster import Cluster, Link, NodeGroup
 from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
 SEQ = 4
+CP_RING_TAG = 1 << 24  # runtime/context_parallel.py's ring tags start here
 
 
 def _kind(name: str, vendor: str) -> DeviceKind:
@@ -43,8 +52,8 @@ CLUSTER = Cluster(name="nccl-model", kinds={"a100": _kind("a100", "nvidia"), "v1
                   groups=(NodeGroup("a100", 1, 8), NodeGroup("v100", 1, 8), NodeGroup("mi250", 1, 8)),
                   inter_node=Link(1e10, 1e-5), cross_kind=Link(1e10, 1e-5))
 
-# (name, [(micro-batch size, micro-batches, [(kind, tp), ...]), ...]) per pipeline
-SHAPES: list[tuple[str, list[tuple[int, int, list[tuple[str, int]]]]]] = [
+# (name, [(micro-batch size, micro-batches, [(kind, tp[, cp, sequence parallel]), ...]), ...]) per pipeline
+SHAPES: list[tuple[str, list[tuple[int, int, list[tuple]]]]] = [
     ("4-stages", [(1, 6, [("a100", 1)] * 4)]),
     ("tp-1-2-2-1", [(2, 5, [("a100", 1), ("a100", 2), ("a100", 2), ("a100", 1)])]),
     ("uneven-replicas", [(1, 5, [("a100", 1), ("v100", 1), ("a100", 1)]), (2, 2, [("v100", 1), ("v100", 2)])]),
@@ -55,17 +64,13 @@ SHAPES: list[tuple[str, list[tuple[int, int, list[tuple[str, int]]]]]] = [
     ("fewer-micro-batches-than-stages", [(1, 2, [("a100", 1)] * 4)]),
     ("tp-2-2-2", [(1, 4, [("a100", 2)] * 3)]),
     ("bridged-both-ways", [(1, 5, [("mi250", 1), ("a100", 1), ("mi250", 1), ("v100", 1)])]),
+    # SP TP 2 -> TP 1 (the sender gathers), TP 1 -> SP TP 2 (one sequence slice per receiver), SP -> SP.
+    ("sequence-parallel", [(1, 4, [("a100", 2, 1, True), ("a100", 1), ("v100", 2, 1, True), ("v100", 2, 1, True)])]),
+    # CP 2 on every stage (the ring's own sends and receives), SP inside, a bridged hop.
+    ("context-parallel", [(1, 3, [("a100", 1, 2, False), ("v100", 2, 2, True), ("mi250", 1, 2, False)])]),
 ]
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)]
-# Known failures, pinned so that they are seen: the executor keeps interleaved stages' sends out of
-# the per-op batches (runtime/p2p.py says why), which NCCL's rules hang on most shapes.
-INTERLEAVED_HANGS = pytest.mark.xfail(raises=Deadlock, strict=True,
-                                      reason="interleaved stages are not NCCL-safe yet (runtime/p2p.py)")
 CASES = [(s, v, name) for s, v in SCHEDULES for name, _ in SHAPES]
-SAFE = [c for c in CASES if c[0] != "interleaved"]
-PINNED = [pytest.param(*c, marks=INTERLEAVED_HANGS) for c in CASES
-          if c[0] == "interleaved" and c[2] not in ("bridged", "bridged-tp", "one-micro-batch",
-                                                    "fewer-micro-batches-than-stages", "bridged-both-ways")]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -88,10 +93,11 @@ def make_plan(schedule: str, chunks: int, shape: str) -> Plan:
         n = len(stages)
         split = [num_layers // n + (i < num_layers % n) for i in range(n)]
         built, start = [], 0
-        for i, ((kind, tp), layers) in enumerate(zip(stages, split, strict=True)):
-            built.append(Stage(kind=kind, devices=tuple(free[kind][:tp]), layers=(start, start + layers),
-                               embedding=i == 0, head=i == n - 1))
-            free[kind], start = free[kind][tp:], start + layers
+        for i, ((kind, tp, *more), layers) in enumerate(zip(stages, split, strict=True)):
+            cp, sp = more or (1, False)
+            built.append(Stage(kind=kind, devices=tuple(free[kind][:tp * cp]), layers=(start, start + layers),
+                               embedding=i == 0, head=i == n - 1, cp=cp, sequence_parallel=sp))
+            free[kind], start = free[kind][tp * cp:], start + layers
         pipe = Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(built))
         if chunks > 1 and n > 1:  # virtual stage c * n + s is stage s's chunk c
             counts = split_evenly(num_layers, n * chunks)
@@ -120,26 +126,21 @@ class NeverBlocks:
         self.island = [island_of_kind(k, backend="nccl", vendor=plan.cluster.kinds[k].vendor, force_bridge=False)
                        for k in kinds]
 
-    def p2p_channel(self, peer: int, *, device: torch.device) -> Channel:
-        mine = self.island[self.rank]
-        if self.island[peer] != mine:
+    def p2p_channel(self, src: int, dst: int, *, device: torch.device, lane: str | None = None) -> Channel:
+        if self.island[src] != self.island[dst]:
             return Channel("bridge", ordered=False)
-        mates = tuple(r for r, i in enumerate(self.island) if i == mine)
+        if lane is not None:
+            return Channel(lane_name(src, dst, lane), ordered=True)
+        mates = tuple(r for r, i in enumerate(self.island) if i == self.island[self.rank])
         return Channel(group_name(mates, world_size=self.world_size), ordered=True)
 
     group_channel = Communicator.group_channel
 
-    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> _Done:
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> _Done:
         return _Done()
 
-    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> _Done:
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> _Done:
         tensor.fill_(0.5)
-        return _Done()
-
-    def batch_isend_irecv(self, ops: list[Any]) -> _Done:
-        for o in ops:
-            if o.op == "recv":
-                o.tensor.fill_(0.5)
         return _Done()
 
     def all_reduce(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -148,35 +149,64 @@ class NeverBlocks:
     def all_gather(self, tensor: torch.Tensor, *, group: Any, dim: int = 0, **_: Any) -> torch.Tensor:
         return torch.cat([tensor] * len(group), dim=dim)
 
+    def reduce_scatter(self, tensor: torch.Tensor, *, group: Any, **_: Any) -> torch.Tensor:
+        return tensor.chunk(len(group))[sorted(group).index(self.rank)].clone()
 
-def record(plan: Plan, rank: int, *, forward_only: bool = False) -> list[Event]:
+
+@dataclass
+class Recorded:
+    """One rank's step: what it posted (with a Note before each op it computed) and its trace."""
+
+    events: list[Event]
+    trace: StepTrace
+
+
+def record(plan: Plan, rank: int, *, forward_only: bool = False) -> Recorded:
     """What the executor of ``rank`` posts in one step (``forward_only``: as evaluation runs it)."""
     place = build_topology(plan).place(rank)
     st = place.stage
     comm = RecordingCommunicator(NeverBlocks(plan, rank))
-    tp = TPContext(size=st.tp, rank=place.tp_rank, group=tuple(sorted(st.ranks)), comm=comm if st.tp > 1 else None)
+    tp = TPContext(size=st.tp, rank=place.tp_rank, group=tuple(sorted(place.tp_group)),
+                   comm=comm if st.tp > 1 else None, sequence_parallel=st.sequence_parallel,
+                   order=place.tp_group)  # type: ignore[arg-type]
+    cp = CPContext(size=st.cp, rank=place.cp_rank, ring=place.cp_group,
+                   comm=comm if st.cp > 1 else None)  # type: ignore[arg-type]
     model = StageModel(plan.model, layers=st.layers, embedding=st.embedding, head=st.head, tp=tp,
-                       rope_len=plan.seq_len, chunks=st.chunks)
+                       rope_len=plan.seq_len, chunks=st.chunks, cp=cp)
     ex = PipelineExecutor(model, place=place, comm=comm, schedule=plan.schedule,  # type: ignore[arg-type]
                           seq_len=plan.seq_len, hidden_size=plan.model.hidden_size)
+    run_op = ex._run_op
+
+    def noted(op: Any, got: Any, step: Any) -> Any:
+        comm.events.append(Note(f"{op.kind}{op.micro_batch}.{op.chunk}"))
+        return run_op(op, got, step)
+
+    ex._run_op = noted  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(rank)
     mbs = [(torch.randint(0, plan.model.vocab_size, (place.micro_batch_size, plan.seq_len), generator=g),) * 2
            for _ in range(place.num_micro_batches)]
     if forward_only:
         ex.ops = type(ex.ops)(op for op in ex.ops if op[0] == "F")
         with torch.no_grad():
-            ex.run(mbs)
+            _, trace = ex.run(mbs)
     else:
-        ex.run(mbs)
-    return comm.events
+        _, trace = ex.run(mbs)
+    return Recorded(comm.events, trace)
 
 
-def record_all(plan: Plan, *, forward_only: bool = False) -> dict[int, list[Event]]:
+@functools.cache
+def record_all(schedule: str, chunks: int, shape: str, *, forward_only: bool = False) -> dict[int, Recorded]:
+    """Every rank of the case's plan, recorded once per test process (the tests below share them)."""
+    plan = make_plan(schedule, chunks, shape)
     return {r: record(plan, r, forward_only=forward_only) for r in range(plan.world_size)}
 
 
+def events_of(case: tuple[str, int, str], **kw: Any) -> dict[int, list[Event]]:
+    return {r: rec.events for r, rec in record_all(*case, **kw).items()}
+
+
 def test_the_matrix_covers_every_schedule_and_shape():
-    assert len(SAFE) >= 30
+    assert len(CASES) >= 30
     plans = [make_plan(*c) for c in CASES]
     assert {p.schedule for p in plans} == {"1f1b", "gpipe", "zb-h1", "interleaved"}
     assert {p.pipelines[0].virtual_stages for p in plans} == {1, 2, 3}
@@ -184,49 +214,101 @@ def test_the_matrix_covers_every_schedule_and_shape():
     assert any(p.split_in for p in topo.places)  # a TP-split hop (slice sent, all-gathered on arrival)
     bridged = NeverBlocks(make_plan("1f1b", 1, "bridged"), 0)
     assert len(set(bridged.island)) == 2
+    sp = build_topology(make_plan("1f1b", 1, "sequence-parallel"))
+    assert {pl.hop_out.piece for pl in sp.places if pl.stage.stage < 3} == {"whole", "seq"}
+    assert any(pl.hop_out.source_gathers for pl in sp.places)
+    cp = make_plan("1f1b", 1, "context-parallel")
+    assert {s.cp for s in cp.pipelines[0].stages} == {2}
 
 
-@pytest.mark.parametrize(("schedule", "chunks", "shape"), SAFE)
+@pytest.mark.parametrize(("schedule", "chunks", "shape"), CASES)
 def test_every_rank_finishes_under_nccl_rules(schedule, chunks, shape):
-    replay(record_all(make_plan(schedule, chunks, shape)), eager_bytes=0)
+    replay(events_of((schedule, chunks, shape)), eager_bytes=0)
 
 
-@pytest.mark.parametrize(("schedule", "chunks", "shape"), PINNED)
-def test_interleaved_known_hangs(schedule, chunks, shape):
-    replay(record_all(make_plan(schedule, chunks, shape)), eager_bytes=0)
+@pytest.mark.parametrize(("schedule", "chunks", "shape"), CASES)
+def test_sends_never_hold_a_rank_up_before_its_last_op(schedule, chunks, shape):
+    """What the predictor's default p2p mode (``async``: a sender posts and goes on) assumes of
+    hethub's runtime: every pipeline send the executor waits on before its last op has completed
+    by then (it waits only where a receive proves the message arrived). A send waited on right after
+    it is posted (a blocking send) would be caught: its receive has not run yet."""
+    assert DEFAULT_P2P == "async" and make_plan(schedule, chunks, shape).p2p == DEFAULT_P2P
+    events = events_of((schedule, chunks, shape))
+    blocked = replay(events, eager_bytes=0)
+    for r, evs in events.items():
+        last_op = max(i for i, e in enumerate(evs) if isinstance(e, Note))
+        sends = {e.handle for e in evs if isinstance(e, Post) and _pipeline_send(e)}
+        for i, e in enumerate(evs):
+            if isinstance(e, Wait) and e.handle in sends and i < last_op:
+                assert (r, i) not in blocked, f"rank {r} waits on an incomplete send at event {i}"
 
 
-@pytest.mark.parametrize("shape", ["4-stages", "bridged-tp"])
+def test_a_blocking_send_would_be_seen():
+    """The check above can fail: the same posts with each send waited on as soon as it is posted."""
+    events = events_of(("1f1b", 1, "4-stages"))
+    blocking = {}
+    for r, evs in events.items():
+        sends = {e.handle for e in evs if isinstance(e, Post) and _pipeline_send(e)}
+        out: list[Event] = []
+        for e in evs:
+            if not (isinstance(e, Wait) and e.handle in sends):
+                out.append(e)
+            if isinstance(e, Post) and e.handle in sends:
+                out.append(Wait(e.handle))
+        blocking[r] = out
+    assert replay(blocking, eager_bytes=0)
+
+
+def _pipeline_send(post: Post) -> bool:
+    """A send of pipeline messages (the CP ring's tags are far above the pipeline's)."""
+    return all(o.op == "send" and o.tag < CP_RING_TAG for o in post.ops)
+
+
+@pytest.mark.parametrize("shape", ["4-stages", "bridged-tp", "context-parallel"])
 def test_forward_only_steps_finish_too(shape):
-    replay(record_all(make_plan("1f1b", 1, shape), forward_only=True), eager_bytes=0)
+    replay(events_of(("1f1b", 1, shape), forward_only=True), eager_bytes=0)
 
 
-def _lone(events: list[Event]) -> list[Event]:
-    """The same operations, each posted alone (sends first) and waited where its batch was."""
+def _one_communicator(events: list[Event], channel: Channel) -> list[Event]:
+    """The same posts with every lane folded into one ``channel`` (per rank pair when ordered)."""
     out: list[Event] = []
-    handles: dict[int, list[int]] = {}
-    n = 10**6
     for ev in events:
         if isinstance(ev, Post):
-            handles[ev.handle] = []
-            for op in sorted(ev.ops, key=lambda o: o.op != "send"):
-                n += 1
-                handles[ev.handle].append(n)
-                out.append(Post(handle=n, ops=(op,), batched=False))
-        elif isinstance(ev, Wait) and ev.handle in handles:
-            out += [Wait(h) for h in handles[ev.handle]]
-        else:
-            out.append(ev)
+            ev = Post(handle=ev.handle, batched=ev.batched, ops=tuple(
+                replace(o, channel=channel) if o.channel.name.startswith("lane") else o for o in ev.ops))
+        out.append(ev)
     return out
 
 
-@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("zb-h1", 1)])
-def test_the_model_finds_the_hang_of_unbatched_sends(schedule, chunks):
-    """The executor's operations posted one by one, as it did before batching them, hang under NCCL's
-    rules once messages exceed its buffering; buffered (gloo) they complete."""
-    plan = make_plan(schedule, chunks, "4-stages")
-    lone = {r: _lone(evs) for r, evs in record_all(plan).items()}
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_the_model_finds_the_hang_without_lanes(schedule, chunks):
+    """The executor's posts on one NCCL communicator per rank pair (torch's default for lone sends
+    and receives on one group) hang: a receive posted ahead heads the pair's stream while the peer's
+    send it waits for is queued behind one of ours. On gloo (matched by tag) they complete."""
+    events = events_of((schedule, chunks, "4-stages"))
     with pytest.raises(Deadlock):
-        replay(lone, eager_bytes=0)
-    replay(lone, eager_bytes=1 << 40)
+        replay({r: _one_communicator(evs, Channel("world", ordered=True)) for r, evs in events.items()})
+    replay({r: _one_communicator(evs, Channel("gloo", ordered=False)) for r, evs in events.items()})
 
+
+@pytest.mark.parametrize(("schedule", "chunks", "shape"), CASES)
+def test_live_p2p_buffers_are_bounded_and_predicted(schedule, chunks, shape):
+    """On every rank the executor's traced point-to-point buffers (distinct live storages, counted
+    after each op's sends: ``StepTrace.max_p2p_*``) hold the memory model's term
+    (``predict/memory/p2p.py``) at most, exactly on each stage's TP rank 0 (which sends and receives
+    on both boundaries), and a number of messages that does not grow with the micro-batches beyond
+    the schedule's in-flight count: a send buffer kept until the step ends, or a sent output kept
+    until its backward, would fail both."""
+    plan = make_plan(schedule, chunks, shape)
+    topo = build_topology(plan)
+    predicted = {(s.pipeline, s.stage): s.memory.p2p_buffers_bytes for s in predict(plan).stages}
+    for r, rec in record_all(schedule, chunks, shape).items():
+        pl = topo.place(r)
+        key, t = (pl.stage.pipeline, pl.stage.stage), rec.trace
+        assert t.max_p2p_bytes <= predicted[key], (r, t.max_p2p_bytes, predicted[key])
+        if pl.tp_rank == 0:
+            assert t.max_p2p_bytes == predicted[key], (r, t.max_p2p_bytes, predicted[key])
+        # Each op sends one buffer, or one per receiver of a sequence slice.
+        fan = max([1] + [len(peers[1]) for c in range(pl.stage.num_chunks)
+                         for peers in (pl.fwd_peers(c), pl.bwd_peers(c))])
+        assert t.max_p2p_buffers <= (t.max_in_flight + 3) * fan, (r, t.max_p2p_buffers, t.max_in_flight)

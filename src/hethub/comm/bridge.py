@@ -21,16 +21,15 @@ and dtype, as with torch.distributed; the receiver's copy lands on the receiver'
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
-from hethub.comm.communicator import DONE, P2P, Batch, Communicator, GroupKey, group_name, torch_p2p_ops
+from hethub.comm.communicator import DONE, Communicator, GroupKey, Lane, group_name, lane_name
 from hethub.comm.hierarchical import (
     DEFAULT_CHUNK_BYTES,
     GroupMaker,
@@ -70,20 +69,13 @@ class StagedWork:
         done = self.work.wait(timeout) if timeout is not None else self.work.wait()
         if self.host is not None:
             if self.recv_into is not None:
-                _land(self.host, into=self.recv_into, pool=self.pool)
-            else:
-                self.pool.give(self.host, like=self.like)
+                self.recv_into.copy_(self.host.view(self.recv_into.shape))  # blocking: done reading host
+            self.pool.give(self.host, like=self.like)
             self.host = None
         return done
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
-
-
-def _land(host: torch.Tensor, *, into: torch.Tensor, pool: HostPool) -> None:
-    """A staged receive, complete: its host copy onto the caller's tensor, the buffer back to the pool."""
-    into.copy_(host.view(into.shape))  # blocking: done reading the host buffer when this returns
-    pool.give(host, like=into)
 
 
 class BridgedCommunicator(Communicator):
@@ -162,48 +154,36 @@ class BridgedCommunicator(Communicator):
     def _same_island(self, peer: int) -> bool:
         return self.island_of_rank[peer] == self.island_of_rank[self.rank]
 
-    def _p2p_pg(self, tensor: torch.Tensor) -> Any:
-        """Same-island p2p: the island's native group for its device, else gloo (host tensors)."""
+    def _p2p_pg(self, tensor: torch.Tensor, src: int, dst: int, lane: str | None) -> Any:
+        """Same-island p2p: the lane's (or without one the island's) native group for its device, else
+        gloo (host tensors, matched by tag)."""
         native = DEVICE_OF_BACKEND.get(self.backend_of_island[self.island_of_rank[self.rank]])
-        return self._island_pg if tensor.device.type == native else self._bridge_pg
+        if tensor.device.type != native:
+            return self._bridge_pg
+        return self._island_pg if lane is None else self._lane_pg(src, dst, lane)
+
+    def _new_lane(self, lane: Lane) -> Any:
+        """A lane inside an island is a group of the island's backend; one across islands rides the
+        bridge (gloo, matched by tag), so it needs no group of its own."""
+        src, dst, _ = lane
+        if self.island_of_rank[src] != self.island_of_rank[dst]:
+            return self._bridge_pg
+        return self._maker.get((src, dst), self.backend_of_island[self.island_of_rank[src]], channel=lane_name(*lane))
 
     def _staged(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type != "cpu" or self.stage_host or not tensor.is_contiguous()
 
     # ---- point to point --------------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> Any:
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> Any:
         data = tensor.contiguous()
         if self._same_island(dst):
-            return dist.isend(data, dst=dst, tag=tag, group=self._p2p_pg(data))
+            return dist.isend(data, dst=dst, tag=tag, group=self._p2p_pg(data, self.rank, dst, lane))
         if not self._staged(data):
             # Already in host memory; like any isend, the caller keeps it unchanged until wait().
             return dist.isend(data, dst=dst, tag=tag, group=self._bridge_pg)
         host = self._pool.take(data)
         host.copy_(data.view(-1))  # blocking for CUDA sources: on the host when this returns
         return StagedWork(dist.isend(host, dst=dst, tag=tag, group=self._bridge_pg), host, data, self._pool)
-
-    def batch_isend_irecv(self, ops: Sequence[P2P]) -> Batch:
-        """As :meth:`Communicator.batch_isend_irecv`. The operations with same-island peers on the
-        island's device form one native batch (NCCL: one group); the others ride gloo, those crossing
-        islands staged through pooled host buffers (a send's copy is made here, a receive's lands on
-        its tensor when the batch's wait returns). torch batches one group at a time, so each group
-        present gets its own."""
-        by_group: dict[int, tuple[Any, list[P2P]]] = {}
-        finish = []
-        for o in ops:
-            pg, t = (self._p2p_pg(o.tensor) if self._same_island(o.peer) else self._bridge_pg), o.tensor
-            if not self._same_island(o.peer) and self._staged(t):
-                host = self._pool.take(t)
-                if o.op == "send":
-                    host.copy_(t.reshape(-1))  # blocking for device sources: on the host when this returns
-                    finish.append(partial(self._pool.give, host, like=t))
-                else:
-                    finish.append(partial(_land, host, into=t, pool=self._pool))
-                t = host
-            by_group.setdefault(id(pg), (pg, []))[1].append(replace(o, tensor=t))
-        works = [w for pg, group_ops in by_group.values()
-                 for w in dist.batch_isend_irecv(torch_p2p_ops(group_ops, group=pg))]
-        return Batch(works, finish=finish)
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
         self.irecv(tensor, src=src, tag=tag).wait()
@@ -216,17 +196,20 @@ class BridgedCommunicator(Communicator):
         backend = self.backend_of_island[self.island_of_rank[self.rank]]
         return backend not in _HOST_BACKENDS and device.type == DEVICE_OF_BACKEND.get(backend)
 
-    def p2p_channel(self, peer: int, *, device: torch.device) -> Channel:
-        """Same island, on the island's device: its native group (NCCL: issue order). Anything
-        through gloo, the bridge's host path included, matches by tag."""
-        if self._ordered_p2p(peer, device=device):
-            mates = tuple(r for r, i in enumerate(self.island_of_rank) if i == self.island_of_rank[self.rank])
-            return Channel(group_name(mates, world_size=self.world_size), ordered=True)
-        return Channel("bridge", ordered=False)
+    def p2p_channel(self, src: int, dst: int, *, device: torch.device, lane: str | None = None) -> Channel:
+        """Same island, on the island's device: the lane's native group, or without one the island's
+        (NCCL: issue order). Anything through gloo, the bridge's host path included, matches by tag."""
+        peer = dst if src == self.rank else src
+        if not self._ordered_p2p(peer, device=device):
+            return Channel("bridge", ordered=False)
+        if lane is not None:
+            return Channel(lane_name(src, dst, lane), ordered=True)
+        mates = tuple(r for r, i in enumerate(self.island_of_rank) if i == self.island_of_rank[self.rank])
+        return Channel(group_name(mates, world_size=self.world_size), ordered=True)
 
-    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> Any:
         if self._same_island(src):
-            return dist.irecv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor))
+            return dist.irecv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor, src, self.rank, lane))
         if not self._staged(tensor):
             return dist.irecv(tensor, src=src, tag=tag, group=self._bridge_pg)
         host = self._pool.take(tensor)

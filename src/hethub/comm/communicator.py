@@ -11,12 +11,17 @@ another channel are another process group, whose collectives are ordered apart (
 forward's and the backward's parameters on two channels, runtime/zero_params.py). ``create_groups``
 must be called on every rank with the same list in the same order (``new_group`` is collective over
 the world).
+
+Pipeline messages run on *lanes*: one communicator per direction of a rank pair and per message
+kind (``layout.Topology.p2p_lanes``, ``create_p2p_lanes``). NCCL runs each communicator's operations
+in issue order on a stream of its own, so a lane carries one ordered stream of messages whose sends
+and receives the two ends post in the same order, and nothing on another lane can queue ahead of
+them: a forward send never waits behind a backward receive (docs/communicator.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +33,8 @@ from hethub.comm.reduce_scatter import reduce_scatter_into
 from hethub.islands import HOST_BACKENDS
 
 GroupKey = tuple[int, ...]
+# (source rank, destination rank, message kind): one direction of one rank pair's messages of a kind.
+Lane = tuple[int, int, str]
 
 
 class _Done:
@@ -45,41 +52,9 @@ def group_name(key: GroupKey, *, world_size: int) -> str:
     return "world" if len(key) == world_size else f"group{key}"
 
 
-@dataclass(frozen=True)
-class P2P:
-    """One operation of a point-to-point batch: ``op`` "send" sends ``tensor`` to ``peer``, "recv"
-    receives into it from ``peer``."""
-
-    op: str
-    tensor: torch.Tensor
-    peer: int
-    tag: int
-
-
-class Batch:
-    """The work of one batch: :meth:`wait` returns once every operation has completed (then the send
-    buffers may be reused and the receive buffers read). Under NCCL the batch is one group whose
-    operations complete together; under gloo each is its own work."""
-
-    def __init__(self, works: Sequence[Any], *, finish: Sequence[Callable[[], None]] = ()) -> None:
-        self.works, self.finish = list(works), list(finish)
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        for f in self.finish:  # the bridge's host copies: back onto the device, back to the pool
-            f()
-        self.works, self.finish = [], []
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
-def torch_p2p_ops(ops: Sequence[P2P], *, group: Any) -> list[Any]:
-    """``ops`` as torch's P2POp list on ``group``."""
-    return [dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, tag=o.tag, group=group)
-            for o in ops]
+def lane_name(src: int, dst: int, lane: str) -> str:
+    """The name of the communicator of a lane (what a recording's channel carries)."""
+    return f"lane{src}>{dst}.{lane}"
 
 
 class Communicator:
@@ -90,6 +65,7 @@ class Communicator:
         self.world_size = dist.get_world_size()
         self._timeout = timeout
         self._groups: dict[GroupKey, Any] = {}
+        self._lanes: dict[Lane, Any] = {}
 
     # ---- groups ----------------------------------------------------------------------------------
     def create_groups(self, groups: Iterable[Sequence[int]], *, channel: str = "") -> None:
@@ -102,6 +78,28 @@ class Communicator:
             else:
                 kw = {"timeout": self._timeout} if self._timeout else {}
                 self._groups[(key, channel)] = dist.new_group(ranks=list(key), **kw)
+
+    def create_p2p_lanes(self, lanes: Iterable[Lane]) -> None:
+        """A communicator (a process group of the two ranks) for each lane. Call on every rank with the
+        same list in the same order, like :meth:`create_groups`."""
+        for lane in lanes:
+            if lane not in self._lanes:
+                self._lanes[lane] = self._new_lane(lane)
+
+    def _new_lane(self, lane: Lane) -> Any:
+        """A lane is its two ranks' group on a channel of its own (``create_groups``)."""
+        self.create_groups([lane[:2]], channel=lane_name(*lane))
+        return self._pg(lane[:2], channel=lane_name(*lane))
+
+    def _lane_pg(self, src: int, dst: int, lane: str | None) -> Any:
+        """The process group of a lane; None (the default group) when ``lane`` is None."""
+        if lane is None:
+            return None
+        try:
+            return self._lanes[(src, dst, lane)]
+        except KeyError:
+            raise RuntimeError(f"p2p lane {src}->{dst} {lane!r} was not created. Fix: list it in create_p2p_lanes "
+                               "on every rank (layout.Topology.p2p_lanes).") from None
 
     def _pg(self, group: Sequence[int] | None, channel: str = "") -> Any:
         if group is None:
@@ -116,39 +114,32 @@ class Communicator:
                                "every rank") from None
 
     # ---- point to point --------------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> Any:
-        """Non-blocking send; the caller keeps ``tensor`` alive and waits on the returned work."""
-        return dist.isend(tensor.contiguous(), dst=dst, tag=tag)
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> Any:
+        """Non-blocking send; the caller keeps ``tensor`` alive and waits on the returned work.
+        ``lane``: the message kind whose lane to ``dst`` carries it (None: the default group)."""
+        return dist.isend(tensor.contiguous(), dst=dst, tag=tag, group=self._lane_pg(self.rank, dst, lane))
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
         dist.recv(tensor, src=src, tag=tag)
         return tensor
 
-    def batch_isend_irecv(self, ops: Sequence[P2P]) -> Batch:
-        """Post ``ops`` as one batch (torch's ``batch_isend_irecv``: under NCCL one group, whose
-        operations progress together, so a send never waits behind a receive of the same batch
-        whatever their order; gloo runs each on its own). Send tensors must be contiguous and stay
-        unchanged until the batch's wait returns."""
-        if not ops:
-            return Batch(())
-        return Batch(dist.batch_isend_irecv(torch_p2p_ops(ops, group=None)))
-
-    def p2p_channel(self, peer: int, *, device: torch.device) -> Channel:
-        """The communicator point-to-point messages with ``peer`` run on, and its ordering rule (what a
+    def p2p_channel(self, src: int, dst: int, *, device: torch.device, lane: str | None = None) -> Channel:
+        """The communicator a message from ``src`` to ``dst`` runs on, and its ordering rule (what a
         recording of this rank's posts carries: ``comm/recording.py``)."""
-        del peer, device
-        return Channel(group_name(tuple(range(self.world_size)), world_size=self.world_size),
-                       ordered=str(dist.get_backend()) not in HOST_BACKENDS)
+        del device
+        name = group_name(tuple(range(self.world_size)), world_size=self.world_size) if lane is None else \
+            lane_name(src, dst, lane)
+        return Channel(name, ordered=str(dist.get_backend()) not in HOST_BACKENDS)
 
     def group_channel(self, group: Sequence[int]) -> Channel:
         """The communicator collectives over ``group`` run on. Every backend runs one group's
         collectives in the order they were issued, each needing every member."""
         return Channel(group_name(tuple(sorted(group)), world_size=self.world_size), ordered=True)
 
-    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> Any:
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> Any:
         """Non-blocking receive into ``tensor``: posted early, the transfer overlaps the caller's work
         (a late blocking recv waits for a handshake with a sender that may be busy computing)."""
-        return dist.irecv(tensor, src=src, tag=tag)
+        return dist.irecv(tensor, src=src, tag=tag, group=self._lane_pg(src, self.rank, lane))
 
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,

@@ -69,7 +69,14 @@ class Wait:
     handle: int
 
 
-Event = Post | Collective | Wait
+@dataclass(frozen=True)
+class Note:
+    """A label the caller adds between posts (a test marks where each op computes); no operation."""
+
+    label: str
+
+
+Event = Post | Collective | Wait | Note
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -107,9 +114,10 @@ class RecordingCommunicator:
         self._next += 1
         return self._next
 
-    def _op(self, op: str, tensor: torch.Tensor, peer: int, tag: int) -> OpRecord:
+    def _op(self, op: str, tensor: torch.Tensor, peer: int, tag: int, lane: str | None) -> OpRecord:
+        src, dst = (self.inner.rank, peer) if op == "send" else (peer, self.inner.rank)
         return OpRecord(op=op, peer=peer, tag=tag, nbytes=_nbytes(tensor),
-                        channel=self.inner.p2p_channel(peer, device=tensor.device))
+                        channel=self.inner.p2p_channel(src, dst, device=tensor.device, lane=lane))
 
     def _post(self, ops: Iterable[OpRecord], *, batched: bool) -> int:
         h = self._handle()
@@ -132,20 +140,13 @@ class RecordingCommunicator:
             self.events.append(Wait(h))
 
     # ---- point to point --------------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int) -> _RecordedWork:
-        h = self._post([self._op("send", tensor, dst, tag)], batched=False)
-        return _RecordedWork(self.inner.isend(tensor, dst=dst, tag=tag), log=self, handle=h)
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> _RecordedWork:
+        h = self._post([self._op("send", tensor, dst, tag, lane)], batched=False)
+        return _RecordedWork(self.inner.isend(tensor, dst=dst, tag=tag, lane=lane), log=self, handle=h)
 
-    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int) -> _RecordedWork:
-        h = self._post([self._op("recv", tensor, src, tag)], batched=False)
-        return _RecordedWork(self.inner.irecv(tensor, src=src, tag=tag), log=self, handle=h)
-
-    def batch_isend_irecv(self, ops: Sequence[Any]) -> Any:
-        """A batch (``comm.communicator.P2P`` operations); an empty one posts nothing."""
-        if not ops:
-            return self.inner.batch_isend_irecv(ops)
-        h = self._post([self._op(o.op, o.tensor, o.peer, o.tag) for o in ops], batched=True)
-        return _RecordedWork(self.inner.batch_isend_irecv(ops), log=self, handle=h)
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> _RecordedWork:
+        h = self._post([self._op("recv", tensor, src, tag, lane)], batched=False)
+        return _RecordedWork(self.inner.irecv(tensor, src=src, tag=tag, lane=lane), log=self, handle=h)
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
         self.irecv(tensor, src=src, tag=tag).wait()

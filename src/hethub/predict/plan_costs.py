@@ -20,8 +20,8 @@ from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
 from hethub.predict.compute import StageTimes, stage_times
 from hethub.predict.memory import (
     StageMemory,
-    StageMessages,
     act_bytes_for,
+    message_bytes,
     p2p_buffer_bytes,
     runtime_vocab_parallel,
     stage_memory,
@@ -29,7 +29,7 @@ from hethub.predict.memory import (
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_compute_share, cp_ring_s, sp_tp_comm_s, splits_sequence
-from hethub.schedules import Schedule, get_schedule
+from hethub.schedules import Schedule
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.spec.cluster import Link
 
@@ -180,22 +180,11 @@ class PlanCosts:
 
     def p2p_bytes(self, pi: int, si: int) -> float:
         """Point-to-point buffer bytes one device of stage ``si`` of pipeline ``pi`` holds at once
-        (``predict/memory/p2p.py``), as TP rank 0 (which sends and receives on both boundaries)."""
-        plan, p = self.plan, self.plan.pipelines[pi]
-        n, s = len(p.stages), p.stages[si]
-        numel = p.micro_batch_size * plan.seq_len * plan.model.hidden_size
-
-        def elem(stage: Stage) -> int:
-            return act_bytes_for(plan.precision_of(stage.kind))
-
-        def boundary(a: Stage, b: Stage) -> float:  # a message from stage a to stage b, in a's dtype
-            return numel / (a.tp if split_hop(a=a.tp, b=b.tp, numel=numel) else 1) * elem(a)
-
-        msgs = StageMessages(stage=si, num_stages=n, chunks=p.virtual_stages,
-                             in_bytes=boundary(p.stages[si - 1], s) if si > 0 else 0.0,
-                             out_bytes=boundary(s, p.stages[si + 1]) if si < n - 1 else 0.0,
-                             wrap_bytes=numel * elem(p.stages[-1]) if p.virtual_stages > 1 else 0.0)
-        return _p2p_peak(plan.schedule, msgs, p.num_micro_batches)
+        (``predict/memory/p2p.py``)."""
+        p = self.plan.pipelines[pi]
+        return p2p_buffer_bytes(self.plan.schedule, message_bytes(self.plan, pi, si), stage=si,
+                                num_stages=len(p.stages), num_micro_batches=p.num_micro_batches,
+                                chunks=p.virtual_stages)
 
     def plan_stage_memory(self, pi: int, si: int, *, in_flight: float, recompute: Recompute | None = None,
                           ) -> StageMemory:
@@ -322,10 +311,3 @@ def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]
         mixed = [n for n, m in synced if m]
         out[sid] = (True, bool(mixed), float(sum(mixed)))
     return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _p2p_peak(schedule: str, msgs: StageMessages, num_micro_batches: int) -> float:
-    ops = get_schedule(schedule, chunks=msgs.chunks).ops(stage=msgs.stage, num_stages=msgs.num_stages,
-                                                         num_micro_batches=num_micro_batches)
-    return p2p_buffer_bytes(ops, msgs)

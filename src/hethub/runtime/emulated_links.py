@@ -18,8 +18,7 @@ Tensor methods only, no torch import: the wrapped communicator's tensors carry w
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 from hethub.schedules.simulate import link_arrival_s
@@ -40,65 +39,22 @@ class EmulatedLinks:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.comm, name)
 
-    def hold(self, *, link: Link, src: int, nbytes: int, sent_s: float) -> None:
-        """Sleep until a message from ``src`` sent at ``sent_s`` arrives over ``link`` (received messages
-        from one peer come in the order it sent them, which the link state needs)."""
-        arrive = link_arrival_s(sent_s=sent_s, link_free_s=self.arrived_s.get(src, 0.0), transfer_s=link.time_s(nbytes))
-        self.arrived_s[src] = arrive
-        pause = arrive - time.time()
-        if pause > 0:
-            time.sleep(pause)
-            self.delayed_s += pause
-
-    def isend(self, tensor: Any, *, dst: int, tag: int) -> Any:
+    def isend(self, tensor: Any, *, dst: int, tag: int, lane: str | None = None) -> Any:
         if self.link_of(self.comm.rank, dst) is None:
-            return self.comm.isend(tensor, dst=dst, tag=tag)
+            return self.comm.isend(tensor, dst=dst, tag=tag, lane=lane)
+        # The stamp rides the payload's lane just ahead of it: both ends post the two in that order.
         stamp = tensor.new_zeros(1).double().fill_(time.time())
-        return _Both(self.comm.isend(stamp, dst=dst, tag=tag + STAMP_TAG_OFFSET),
-                     self.comm.isend(tensor, dst=dst, tag=tag), keep=stamp)
+        return _Both(self.comm.isend(stamp, dst=dst, tag=tag + STAMP_TAG_OFFSET, lane=lane),
+                     self.comm.isend(tensor, dst=dst, tag=tag, lane=lane), keep=stamp)
 
-    def irecv(self, tensor: Any, *, src: int, tag: int) -> Any:
+    def irecv(self, tensor: Any, *, src: int, tag: int, lane: str | None = None) -> Any:
         link = self.link_of(src, self.comm.rank)
         if link is None:
-            return self.comm.irecv(tensor, src=src, tag=tag)
+            return self.comm.irecv(tensor, src=src, tag=tag, lane=lane)
         stamp = tensor.new_zeros(1).double()
         return _Arrival(self, link=link, src=src, nbytes=tensor.numel() * tensor.element_size(), stamp=stamp,
-                        works=(self.comm.irecv(stamp, src=src, tag=tag + STAMP_TAG_OFFSET),
-                               self.comm.irecv(tensor, src=src, tag=tag)))
-
-
-    def batch_isend_irecv(self, ops: Sequence[Any]) -> Any:
-        """The wrapped communicator's batch (``comm.communicator.P2P`` operations), each emulated
-        message's stamp posted in the same batch; the wait then holds each receive back until its
-        emulated arrival, in posting order."""
-        out, arrivals = [], []
-        for o in ops:
-            src, dst = (self.comm.rank, o.peer) if o.op == "send" else (o.peer, self.comm.rank)
-            link = self.link_of(src, dst)
-            if link is not None:
-                stamp = o.tensor.new_zeros(1).double()
-                if o.op == "send":
-                    stamp.fill_(time.time())
-                else:
-                    arrivals.append((link, o.peer, o.tensor.numel() * o.tensor.element_size(), stamp))
-                out.append(replace(o, tensor=stamp, tag=o.tag + STAMP_TAG_OFFSET))
-            out.append(o)
-        return _BatchArrivals(self, self.comm.batch_isend_irecv(out), arrivals)
-
-
-class _BatchArrivals:
-    def __init__(self, links: EmulatedLinks, work: Any, arrivals: list[tuple[Link, int, int, Any]]) -> None:
-        self.links, self.work, self.arrivals = links, work, arrivals
-
-    def wait(self) -> bool:
-        self.work.wait()
-        for link, src, nbytes, stamp in self.arrivals:
-            self.links.hold(link=link, src=src, nbytes=nbytes, sent_s=float(stamp[0]))
-        self.arrivals = []
-        return True
-
-    def is_completed(self) -> bool:
-        return bool(self.work.is_completed())
+                        works=(self.comm.irecv(stamp, src=src, tag=tag + STAMP_TAG_OFFSET, lane=lane),
+                               self.comm.irecv(tensor, src=src, tag=tag, lane=lane)))
 
 
 class _Both:
@@ -122,7 +78,13 @@ class _Arrival:
     def wait(self) -> bool:
         for w in self.works:
             w.wait()
-        self.links.hold(link=self.link, src=self.src, nbytes=self.nbytes, sent_s=float(self.stamp[0]))
+        arrive = link_arrival_s(sent_s=float(self.stamp[0]), link_free_s=self.links.arrived_s.get(self.src, 0.0),
+                                transfer_s=self.link.time_s(self.nbytes))
+        self.links.arrived_s[self.src] = arrive
+        pause = arrive - time.time()
+        if pause > 0:
+            time.sleep(pause)
+            self.links.delayed_s += pause
         return True
 
 

@@ -5,8 +5,9 @@ sends straight over c10d. Here adjacent stages may have different TP degrees (re
 stage reads from sender q % a of the TP-a stage before it; sender j gets its output gradient from
 receiver j % b), and every message must go through our Communicator so a later bridge can route
 it across device kinds. What is left is small: the op order (the schedule registry's, which the
-predictor simulates: ``hethub.schedules``) and, after each op, one batch of its sends and the next
-op's receive (``runtime/p2p.py``: NCCL-safe for every order). Between stages of equal
+predictor simulates: ``hethub.schedules``) and its messages, each on the lane of its direction and
+kind, receives posted one op ahead and sends left in flight (``runtime/p2p.py``: NCCL-safe for
+every order). Between stages of equal
 TP degree each rank sends only its slice of the (replicated) activation or gradient and the
 receiving stage all-gathers it over its TP group (Megatron's scatter-gather; ``layout.split_hop``),
 so the slow inter-stage link carries one copy, not one per TP rank.
@@ -20,8 +21,8 @@ gradient to send: its B runs the whole backward and its W is empty, which times 
 ZB-H1 runs the first stage's W right after its B.
 
 A stage output, once sent, keeps only its autograd node (Megatron's ``deallocate_output_tensor``):
-backward needs the output's grad_fn, not its values, so its memory goes back as soon as the send
-completes instead of when its backward runs.
+backward needs the output's grad_fn, not its values, so its memory goes back once its send is
+released instead of when its backward runs.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from typing import Any
 
 import torch
 
-from hethub.comm.communicator import P2P, Communicator
+from hethub.comm.communicator import Communicator
 from hethub.layout import RankPlace
 from hethub.runtime import weight_grad
 from hethub.runtime.model import StageModel
-from hethub.runtime.p2p import Exchange, bwd_tag, fwd_tag, op_peers
+from hethub.runtime.p2p import Exchange, Send, bwd_tag, fwd_tag, op_peers
 from hethub.runtime.slowdown import Emulator
 from hethub.runtime.stage_messages import StageMessages
 from hethub.runtime.timing import OpTimer
@@ -112,7 +113,7 @@ class PipelineExecutor:
         # Virtual stages: this device runs chunks 0..v-1; chunk c of the first stage takes its input
         # from chunk c - 1 of the last (place.fwd_peers / bwd_peers route it).
         self.chunks = getattr(st, "num_chunks", 1)
-        sched = get_schedule(schedule, chunks=self.chunks)
+        self.schedule = sched = get_schedule(schedule, chunks=self.chunks)
         self.split = sched.split_backward
         self.ops: tuple[Op, ...] = sched.ops(stage=st.stage, num_stages=st.num_stages,
                                              num_micro_batches=place.num_micro_batches)
@@ -145,23 +146,23 @@ class PipelineExecutor:
                    loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
         self.buffers = LiveBuffers()
         link = Exchange(self, st.trace)
-        link.post([], next_op=0)
+        link.post_receive(0)
         for i, op in enumerate(self.ops):
-            sends = self._run_op(op, link.take(), st)
-            link.post(sends, next_op=i + 1)
+            link.post_receive(i + 1)  # its transfer overlaps this op
+            sends = self._run_op(op, link.take(i), st)
+            link.send(op, sends)  # in flight while the next ops run (runtime/p2p.py)
             for out in st.to_free:  # posted: the outputs' values are no longer needed
                 _free_output(out)
             st.to_free = []
             n, nbytes = self.buffers.live()
             st.trace.max_p2p_buffers = max(st.trace.max_p2p_buffers, n)
             st.trace.max_p2p_bytes = max(st.trace.max_p2p_bytes, nbytes)
-        link.take()
         link.finish()
         if not self.timer.device_events:
             st.trace.resolve(self.timer, t0)  # host marks read at once; device marks after the step's sync
         return st.loss_sum, st.trace
 
-    def _run_op(self, op: Op, got: torch.Tensor | None, st: _Step) -> list[P2P]:
+    def _run_op(self, op: Op, got: torch.Tensor | None, st: _Step) -> list[Send]:
         """Run one op on its received tensor (None: nothing received); what it sends."""
         kind, mb, chunk = op
         key = (mb, chunk)
@@ -178,7 +179,7 @@ class PipelineExecutor:
             return []
         return self._backward(key, got, st)
 
-    def _forward(self, key: tuple[int, int], got: torch.Tensor | None, st: _Step) -> list[P2P]:
+    def _forward(self, key: tuple[int, int], got: torch.Tensor | None, st: _Step) -> list[Send]:
         mb, chunk = key
         grad = torch.is_grad_enabled()  # False in evaluation: nothing is kept for a backward
         x = st.micro_batches[mb][0] if got is None else got.requires_grad_(grad)
@@ -207,9 +208,9 @@ class PipelineExecutor:
         st.to_free.append(out)
         self.buffers.track(out)  # until freed (its placeholder does not count)
         into = chunk + 1 if self.last else chunk  # the consumer's chunk (fwd_tag)
-        return [P2P("send", t, d, fwd_tag(mb, into, self.chunks)) for d, t in zip(dests, payloads, strict=True)]
+        return [Send(t, d, fwd_tag(mb, into, self.chunks)) for d, t in zip(dests, payloads, strict=True)]
 
-    def _backward(self, key: tuple[int, int], got: torch.Tensor | None, st: _Step) -> list[P2P]:
+    def _backward(self, key: tuple[int, int], got: torch.Tensor | None, st: _Step) -> list[Send]:
         mb, chunk = key
         x, out = st.inputs.pop(key), st.outputs.pop(key)
         grad = None if got is None else got.to(out.dtype)
@@ -234,7 +235,7 @@ class PipelineExecutor:
         dests = self.peers("B", chunk)[1]
         hop = self.place.wrap_grad_hop if self.first else self.place.hop_grad_out
         gs = self.messages.outgoing(dx.to(self.wrap_dtype if self.first else self.in_dtype), hop, dests=len(dests))
-        return [P2P("send", g, d, bwd_tag(mb, chunk, self.chunks)) for d, g in zip(dests, gs, strict=True)]
+        return [Send(g, d, bwd_tag(mb, chunk, self.chunks)) for d, g in zip(dests, gs, strict=True)]
 
     def hop_into(self, op: str, chunk: int) -> Any:
         """The layout.Hop of what op ``op`` of chunk ``chunk`` receives (F: its input; B: its output's

@@ -34,12 +34,14 @@ class StageMessages:
         whole = not self.sp or hop.source_gathers
         if hop.piece == "whole":
             return [t] * dests
+        # Pieces are copies: a view would keep the whole tensor's storage until the send is released.
         if hop.piece == "flat":
-            return [t.reshape(-1).chunk(self.tp)[self.tp_rank].contiguous()] * dests
+            return [t.reshape(-1).chunk(self.tp)[self.tp_rank].clone()] * dests
         if not whole:  # a sequence-parallel sender facing its own TP degree: its slice is the receiver's
             return [t.contiguous()] * dests
         parts = hop.parts
-        return [t.chunk(parts, dim=1)[self.tp_rank + i * self.tp].contiguous() for i in range(dests)]
+        return [t.chunk(parts, dim=1)[self.tp_rank + i * self.tp].clone(memory_format=torch.contiguous_format)
+                for i in range(dests)]
 
     def recv_shape(self, hop: Hop) -> tuple[int, ...]:
         """The buffer a receive of ``hop`` posts."""

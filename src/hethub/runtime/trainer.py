@@ -75,6 +75,7 @@ class Trainer:
         self.cfg = cfg or TrainerConfig()
         self.topo = build_topology(plan)
         comm.create_groups(self.topo.groups)
+        comm.create_p2p_lanes(self.topo.p2p_lanes)
         self.place = place = self.topo.place(rank)
         st = place.stage
         self.kind = plan.cluster.kinds[st.kind]

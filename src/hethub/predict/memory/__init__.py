@@ -25,7 +25,7 @@ from hethub.predict.memory.model import (
     state_bytes_per_param,
     zero23_memory,
 )
-from hethub.predict.memory.p2p import StageMessages, p2p_buffer_bytes
+from hethub.predict.memory.p2p import MessageBytes, message_bytes, p2p_buffer_bytes
 from hethub.spec.model import ModelSpec
 
 # hethub's runtime splits the embedding and the head by vocabulary across a stage's TP group, as
@@ -39,12 +39,13 @@ __all__ = [
     "PHASES",
     "RUNTIME_VOCAB_PARALLEL",
     "STATE_BYTES_PER_PARAM",
+    "MessageBytes",
     "StageMemory",
-    "StageMessages",
     "act_bytes_for",
     "check_headroom",
     "describe_peak",
     "layer_elems",
+    "message_bytes",
     "over_capacity_message",
     "p2p_buffer_bytes",
     "runtime_vocab_parallel",

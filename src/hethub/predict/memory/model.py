@@ -8,7 +8,8 @@ state that persists across steps (weights, master copies, gradients, optimizer s
   top (the loss's logits and their fp32 gradients at the head; one layer's recomputed activations
   under full recomputation; under selective recomputation one layer's re-run attention core on top
   of its gradients; one layer's gradients otherwise), plus the point-to-point buffers in flight
-  (one op's sends and the next op's receive: :mod:`hethub.predict.memory.p2p`);
+  (sends in flight until a receive proves them arrived, and the next op's receive:
+  :mod:`hethub.predict.memory.p2p`);
 * gradient sync: the gradients already lie in one contiguous buffer, which buckets reduce in place
   (``runtime/grad_buffer.py``): nothing more, except for groups whose holders differ in TP degree,
   whose buckets are built at full size (zeros outside this rank's shard) for the reduction, all of
@@ -209,8 +210,10 @@ def stage_memory(
     ``sequence_parallel``, ``cp``: the stage's sequence and context parallelism (the seq_len is the
     whole sequence's; a device holds seq_len / cp tokens of each).
     ``p2p_bytes``: the stage's point-to-point buffers in flight (:func:`~hethub.predict.memory.p2p.p2p_buffer_bytes`
-    for a plan's stage); None: the most any stage holds, one whole activation sent and one received
-    in this precision's boundary dtype (for callers that do not know the stage's neighbours yet).
+    for a plan's stage); None: an estimate for callers that know neither the stage's neighbours nor
+    its schedule yet (the planner's search), two whole messages in this precision's boundary dtype; a
+    plan's stage holds up to its in-flight count plus one to three (``PlanCosts.p2p_bytes`` prices it),
+    each message a small fraction of one micro-batch's activations.
     """
     recompute = Recompute.of(recompute)
     sp = sequence_parallel and tp > 1

@@ -1,64 +1,119 @@
 """The point-to-point buffers a pipeline stage holds beside its activations.
 
-The runtime (``runtime/p2p.py``) posts, after each op of the stage's schedule, one batch of that
-op's sends and the receive the next op needs, and waits for it before the next op runs; a sent
-stage output keeps no values. So besides the saved activations (a received input is one of them
-once its forward runs) a device holds at most one op's send buffer (one per op whatever the number
-of receivers) and one receive buffer: the term is the largest sum, over consecutive ops, of what
-the first sends and the second receives. Messages are the stage's activation or its gradient, a
-TP rank's slice of it on a split hop (``layout.split_hop``), in the sending stage's boundary dtype.
+The runtime (``runtime/p2p.py``) posts each op's receive one op ahead and leaves its sends in flight
+until an op whose receive proves they arrived; a sent stage output keeps no values. The rule of
+what that holds at once is ``schedules.messages.peak_buffer_bytes`` over the stage's order (the
+runtime's traced count follows the same rule: ``tests/dist/test_p2p_buffers.py``); here are the
+bytes of each message, as one device of the stage holds them: its TP rank 0, which sends and
+receives on both boundaries. A message is one CP rank's activation or gradient, moved as
+``layout.hop`` says (whole, a flat 1/t, or sequence slices, one per receiver), in the dtype of the
+stage that sends the activation (its gradient comes back in the same dtype).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+import functools
 from dataclasses import dataclass
 
-from hethub.schedules import Op
+from hethub.layout import hop
+from hethub.plan import Plan, Stage
+from hethub.predict.memory.model import act_bytes_for
+from hethub.schedules import Op, get_schedule
+from hethub.schedules.messages import peak_buffer_bytes, send_releases
 
 
 @dataclass(frozen=True)
-class StageMessages:
-    """Bytes of one stage's messages on each boundary (0 where there is none): the input boundary
-    (activation in, its gradient out) and the output boundary (activation out, gradient in), and,
-    for virtual stages, the wrap hop between the last stage and the first (whole tensors)."""
+class MessageBytes:
+    """Bytes one device of a stage holds per message: what an F sends (its output) and receives (its
+    input), what a B sends (its input's gradient) and receives (its output's gradient); ``wrap_*``:
+    the same across the wrap between the last stage and the first (virtual stages)."""
 
-    stage: int
-    num_stages: int
-    chunks: int
-    in_bytes: float
-    out_bytes: float
-    wrap_bytes: float = 0.0
-
-    def input_bytes(self, chunk: int) -> float:
-        """Bytes of chunk ``chunk``'s input boundary (0 for the pipeline's first virtual stage)."""
-        if self.stage > 0:
-            return self.in_bytes
-        return self.wrap_bytes if chunk > 0 else 0.0
-
-    def output_bytes(self, chunk: int) -> float:
-        """Bytes of chunk ``chunk``'s output boundary (0 for the last virtual stage)."""
-        if self.stage < self.num_stages - 1:
-            return self.out_bytes
-        return self.wrap_bytes if chunk < self.chunks - 1 else 0.0
+    f_sent: float = 0.0
+    f_received: float = 0.0
+    b_sent: float = 0.0
+    b_received: float = 0.0
+    wrap_f_sent: float = 0.0
+    wrap_f_received: float = 0.0
+    wrap_b_sent: float = 0.0
+    wrap_b_received: float = 0.0
 
 
-def p2p_buffer_bytes(ops: Sequence[Op], msgs: StageMessages) -> float:
-    """Peak bytes of the point-to-point buffers a device of the stage holds at once (module doc)."""
+@functools.lru_cache(maxsize=1024)
+def _releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int, stage: int,
+              ) -> tuple[tuple[Op, ...], dict[Op, Op | None]]:
+    sched = get_schedule(schedule, chunks=chunks)
+    orders = [sched.ops(stage=s, num_stages=num_stages, num_micro_batches=num_micro_batches)
+              for s in range(num_stages)]
+    return tuple(orders[stage]), send_releases(orders, stage, chunks=chunks)
+
+
+def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
+                     chunks: int = 1) -> float:
+    """Peak bytes of the point-to-point buffers one device of the stage holds at once (module doc)."""
+    order, releases = _releases(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
+                                chunks=chunks, stage=stage)
+    first, last = stage == 0, stage == num_stages - 1
+
     def sent(op: Op) -> float:
         if op.kind == "F":
-            return msgs.output_bytes(op.chunk)
-        return msgs.input_bytes(op.chunk) if op.kind == "B" else 0.0
+            return msgs.wrap_f_sent if last else msgs.f_sent
+        return msgs.wrap_b_sent if first else msgs.b_sent
 
     def received(op: Op) -> float:
         if op.kind == "F":
-            return msgs.input_bytes(op.chunk)
-        return msgs.output_bytes(op.chunk) if op.kind == "B" else 0.0
-
-    if not ops:
+            return (msgs.wrap_f_received if op.chunk > 0 else 0.0) if first else msgs.f_received
+        if op.kind == "B":
+            return (msgs.wrap_b_received if op.chunk < chunks - 1 else 0.0) if last else msgs.b_received
         return 0.0
-    peak = max(received(ops[0]), sent(ops[-1]))
-    for a, b in itertools.pairwise(ops):
-        peak = max(peak, sent(a) + received(b))
-    return peak
+
+    return peak_buffer_bytes(order, releases, sent=sent, received=received)
+
+
+def _piece_bytes(src: Stage, dst: Stage, *, numel: int, elem: int, flat: bool, sending: bool) -> float:
+    """Bytes TP rank 0 of ``src`` sends (``sending``), or TP rank 0 of ``dst`` receives, of one message
+    from ``src`` to ``dst`` (``layout.hop``; runtime/stage_messages.py)."""
+    h = hop(src_tp=src.tp, src_sp=src.sequence_parallel, dst_tp=dst.tp, dst_sp=dst.sequence_parallel, numel=numel,
+            flat=flat)
+    whole = numel * elem
+    if h.piece == "whole":
+        return whole
+    if h.piece == "flat":
+        return whole / src.tp
+    if not sending:
+        return whole / h.parts
+    # Sequence slices: a sequence-parallel sender facing its own degree sends the slice it holds; any
+    # other sender cuts one slice per receiver it serves (receivers q = 0, a, 2a, ... for TP rank 0).
+    own = src.sequence_parallel and not h.source_gathers
+    return whole / h.parts * (1 if own else -(-dst.tp // src.tp))
+
+
+def message_bytes(plan: Plan, pi: int, si: int) -> MessageBytes:
+    """The bytes of each message of stage ``si`` of pipeline ``pi`` on its TP rank 0 (module doc)."""
+    p = plan.pipelines[pi]
+    n, s = len(p.stages), p.stages[si]
+    numel = p.micro_batch_size * plan.seq_len // s.cp * plan.model.hidden_size  # one CP rank's message
+
+    def elem_of(stage: Stage) -> int:
+        return act_bytes_for(plan.precision_of(stage.kind))
+
+    out: dict[str, float] = {}
+    if si < n - 1:  # activations to the next stage (its dtype: ours), gradients back
+        nxt = p.stages[si + 1]
+        e = elem_of(s)
+        out["f_sent"] = _piece_bytes(s, nxt, numel=numel, elem=e, flat=True, sending=True)
+        out["b_received"] = _piece_bytes(nxt, s, numel=numel, elem=e, flat=True, sending=False)
+    if si > 0:  # activations from the previous stage (its dtype), gradients back
+        prev = p.stages[si - 1]
+        e = elem_of(prev)
+        out["f_received"] = _piece_bytes(prev, s, numel=numel, elem=e, flat=True, sending=False)
+        out["b_sent"] = _piece_bytes(s, prev, numel=numel, elem=e, flat=True, sending=True)
+    if p.virtual_stages > 1:  # the wrap: the last stage's output into the first, whole-tensor rule
+        first, last = p.stages[0], p.stages[-1]
+        e = elem_of(last)
+        if si == n - 1:
+            out["wrap_f_sent"] = _piece_bytes(last, first, numel=numel, elem=e, flat=False, sending=True)
+            out["wrap_b_received"] = _piece_bytes(first, last, numel=numel, elem=e, flat=False, sending=False)
+        if si == 0:
+            out["wrap_f_received"] = _piece_bytes(last, first, numel=numel, elem=e, flat=False, sending=False)
+            out["wrap_b_sent"] = _piece_bytes(first, last, numel=numel, elem=e, flat=False, sending=True)
+    return MessageBytes(**out)
