@@ -3,7 +3,7 @@
 The runtime (``runtime/p2p.py``) posts each op's receive one op ahead and leaves its sends in flight
 until an op whose receive proves they arrived; a sent stage output keeps no values. The rule of
 what that holds at once is ``schedules.messages.peak_buffer_bytes`` over the stage's order (the
-runtime's traced count follows the same rule: ``tests/dist/test_p2p_buffers.py``); here are the
+runtime's traced bytes equal it on TP rank 0: ``tests/unit/test_nccl_replay.py``); here are the
 bytes of each message, as one device of the stage holds them: its TP rank 0, which sends and
 receives on both boundaries. A message is one CP rank's activation or gradient, moved as
 ``layout.hop`` says (whole, a flat 1/t, or sequence slices, one per receiver), in the dtype of the
