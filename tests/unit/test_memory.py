@@ -227,8 +227,8 @@ def test_headroom_decides_what_fits_and_predict_warns_inside_it():
     assert any("within the" in w and "headroom" in w for w in tight.warnings)
     # The planner's stage model uses the same budget: more headroom, fewer layers fit.
     job = dict(model=OPT, seq_len=2048, precision="fp32", schedule="1f1b")
-    loose = CostBook(Job(**job, mem_headroom=0.0), cluster.kinds).stage("v100-16gb", tp=1, mbs=1, recompute=True)
-    strict = CostBook(Job(**job, mem_headroom=0.6), cluster.kinds).stage("v100-16gb", tp=1, mbs=1, recompute=True)
+    loose = CostBook(Job(**job, mem_headroom=0.0), cluster).stage("v100-16gb", tp=1, mbs=1, recompute=True)
+    strict = CostBook(Job(**job, mem_headroom=0.6), cluster).stage("v100-16gb", tp=1, mbs=1, recompute=True)
     n_loose = loose.max_layers(emb=True, head=False, in_flight=4, limit=24)
     n_strict = strict.max_layers(emb=True, head=False, in_flight=4, limit=24)
     assert 0 <= n_strict < n_loose

@@ -13,7 +13,7 @@ import hethub.search.templates as templates
 from hethub.search import PlannerConfig
 from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
 from hethub.search.combine import Group, allocate, water_level, water_level_beside
-from hethub.search.costs import Job, StageCost
+from hethub.search.costs import CostBook, Job, StageCost
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
 from hethub.search.holding import smallest_holding
 from hethub.search.split import Slot
@@ -48,9 +48,9 @@ def test_max_layers_is_what_a_scan_of_stage_memory_finds():
     cluster = _cluster(1)
     for model_name, precision in (("llama-2-13b", "bf16-mixed"), ("llama-2-70b", "fp32")):
         model = get_model(model_name)
-        job = Job(model=model, seq_len=4096, precision=precision, schedule="1f1b")
+        book = CostBook(Job(model=model, seq_len=4096, precision=precision, schedule="1f1b"), cluster)
         for kind, tp, mbs, rc in itertools.product(KINDS, (1, 8), (1, 4), (False, True)):
-            sm = StageCost(job, cluster.kinds[kind], tp=tp, mbs=mbs, recompute=rc)
+            sm = book.stage(kind, tp=tp, mbs=mbs, recompute=rc)
             for emb, head, in_flight in itertools.product((False, True), (False, True), (1, 3, 17)):
                 assert sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=model.num_layers) == \
                     _scan_max_layers(sm, emb, head, in_flight, model.num_layers)

@@ -11,13 +11,14 @@ from hethub.layout import split_hop
 from hethub.predict.comm import stage_hop_time_s
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
+from hethub.schedules.classic import round_trip_period_s
 from hethub.schedules.simulate import simulate_pipeline_time
 from hethub.search import PlannerConfig
 from hethub.search.combine import Group
 from hethub.search.families import families
 from hethub.search.mixed import _box_core, _box_level, _boxes_level, _rate_level, _split
 from hethub.search.mixed_sync import SyncFloors
-from hethub.search.split import Slot, round_trip_period_s
+from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec

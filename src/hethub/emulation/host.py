@@ -32,6 +32,7 @@ from hethub.emulation.stragglers import SpeedDraws, SpeedSpread, median_over_dra
 from hethub.plan import Plan
 from hethub.predict.host import HostStep, ReplayEvent, StageId, StageStep
 from hethub.predict.profiles import KindProfile, ProfileSet
+from hethub.predict.stage_cost import usable_profile
 from hethub.predict.sync import SyncGroup
 from hethub.spec.cluster import Cluster, Link
 
@@ -86,8 +87,7 @@ class EmulationModel:
 
     def _profile(self, plan: Plan, profiles: ProfileSet | None, kind: str) -> KindProfile | None:
         """The kind's profile where the predictor used it (measured at the plan's sequence length)."""
-        prof = profiles.get(kind) if profiles is not None else None
-        return prof if prof is not None and prof.seq_len == plan.seq_len else None
+        return usable_profile(profiles, kind, seq_len=plan.seq_len)
 
     def _speed_spread(self, plan: Plan, profiles: ProfileSet | None, *, step_s: float) -> SpeedSpread | None:
         """The host's measured speed spread (one host: the first of the plan's kinds' profiles that has

@@ -40,8 +40,11 @@ class StageTimes:
 def stage_times(
     model: ModelSpec, kind: DeviceKind, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
     seq_len: int, recompute: Recompute | str | bool, precision: str, profile: KindProfile | None = None,
+    attention: str | None = None,
 ) -> StageTimes:
-    """``recompute``: the stage's :class:`~hethub.plan.Recompute` mode (a bool means full or none)."""
+    """``recompute``: the stage's :class:`~hethub.plan.Recompute` mode (a bool means full or none);
+    ``attention``: the implementation the stage runs (the plan's per-kind setting; None: the kind's
+    catalog default). A profile measured it already, so it changes only the analytic times."""
     recompute = Recompute.of(recompute)
     entry = profile.lookup(mbs=mbs, tp=tp) if profile is not None else None
     if entry is not None:
@@ -75,7 +78,7 @@ def stage_times(
     if op is not None:
         params_k, source = op
         elem = act_bytes_for(precision)
-        attention = kind.attention if precision != "fp32" else "math"  # flash kernels need 16-bit inputs
+        attention = (attention or kind.attention) if precision != "fp32" else "math"  # flash needs 16-bit inputs
         shape = opmodel.Shape.of(model, mbs=mbs, seq_len=seq_len, tp=tp, elem_bytes=elem, attention=attention)
         lf, lb = _phase_times("layer", shape, params_k)
         rerun = {Recompute.NONE: 0.0, Recompute.FULL: lf, Recompute.SELECTIVE: _core_time_s(shape, params_k)}

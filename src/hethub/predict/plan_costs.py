@@ -11,40 +11,20 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-from dataclasses import dataclass, replace
 
 from hethub.layout import split_hop
 from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
-from hethub.predict.comm import stage_hop_time_s, tp_comm_time_s
-from hethub.predict.compute import StageTimes, stage_times
-from hethub.predict.memory import (
-    StageMemory,
-    act_bytes_for,
-    message_bytes,
-    p2p_buffer_bytes,
-    runtime_vocab_parallel,
-    stage_memory,
-    stage_params,
-)
+from hethub.predict.comm import stage_hop_time_s
+from hethub.predict.memory import StageMemory, act_bytes_for, message_bytes, p2p_buffer_bytes
 from hethub.predict.profiles import KindProfile, ProfileSet
-from hethub.predict.seq_parallel import boundary_hop_s, cp_compute_share, cp_ring_s, sp_tp_comm_s, splits_sequence
+from hethub.predict.seq_parallel import boundary_hop_s, cp_ring_s, splits_sequence
+from hethub.predict.stage_cost import StageJob, StageStepCost, stage_memory_of, stage_params_of, stage_step
 from hethub.schedules import Schedule
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
-from hethub.spec.cluster import Link
 
+__all__ = ["PlanCosts", "StageStepCost", "sync_shape"]
 
-@dataclass(frozen=True)
-class StageStepCost:
-    """One stage's compute times with its TP collectives added (what the schedule simulation runs)."""
-
-    times: StageTimes
-    fwd_s: float  # compute + TP collectives
-    bwd_s: float
-
-
-# stage_memory's results by model and device kind (ids, pinned) and the stage's own key.
-_MEMORY = Kept(100_000)
 # Pipeline finishes by the event simulation's inputs (pure: floats, counts, the schedule's name and
 # the p2p mode).
 _FINISH = Kept(4096)
@@ -56,11 +36,13 @@ _HOPS = Kept(100_000)
 
 
 class PlanCosts:
-    """Caches of stage costs and pipeline simulations, keyed by everything that determines them."""
+    """Caches of stage costs (:mod:`hethub.predict.stage_cost`) and pipeline simulations, keyed by
+    everything that determines them."""
 
     def __init__(self, plan: Plan, profiles: ProfileSet | None) -> None:
         self.plan = plan
         self.profiles = profiles
+        self.job = StageJob.of_plan(plan, profiles)
         self.act_bytes = act_bytes_for(plan.precision)
         self.stage: dict[tuple, StageStepCost] = {}
         self.memory: dict[tuple, StageMemory] = {}
@@ -73,10 +55,8 @@ class PlanCosts:
         return sync_shape(self.plan)
 
     def profile(self, kind: str) -> KindProfile | None:
-        prof = self.profiles.get(kind) if self.profiles is not None else None
-        # Attention cost grows faster than linearly with sequence length, so a profile measured at
-        # another length is not rescaled: the roofline is used instead (visible in compute_source).
-        return prof if prof is not None and prof.seq_len == self.plan.seq_len else None
+        """The kind's profile where it applies (the stage cost model's sequence-length rule)."""
+        return self.job.profile(kind)
 
     def of_stage(self, stage: Stage, *, mbs: int) -> StageStepCost:
         """``stage_cost`` of a plan stage at micro-batch size ``mbs``, all its layers as one."""
@@ -92,25 +72,9 @@ class PlanCosts:
         key = (kind, layers, embedding, head, tp, mbs, recompute, sp, cp)
         cost = self.stage.get(key)
         if cost is None:
-            plan = self.plan
-            k = plan.cluster.kinds[kind]
-            times = stage_times(plan.model, k, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
-                                seq_len=plan.seq_len, recompute=recompute, precision=plan.precision_of(kind),
-                                profile=self.profile(kind))
-            if cp > 1:
-                share = cp_compute_share(cp)
-                times = replace(times, fwd_s=times.fwd_s * share, bwd_s=times.bwd_s * share)
-            act = mbs * plan.seq_len // cp * plan.model.hidden_size * self.act_bytes
-            intra = Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
-            if sp:
-                tp_f, tp_b = sp_tp_comm_s(act_bytes_per_layer=act, layers=layers, tp=tp,
-                                          hidden_size=plan.model.hidden_size, link=intra)
-            else:
-                tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=intra)
-            if times.tp_comm_included:
-                # Profiles measured on a real TP group have its collectives inside already.
-                tp_f = tp_b = 0.0
-            cost = self.stage[key] = StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
+            cost = self.stage[key] = stage_step(self.job, self.plan.cluster.kinds[kind], layers=layers,
+                                                embedding=embedding, head=head, tp=tp, mbs=mbs, recompute=recompute,
+                                                sp=sp, cp=cp)
         return cost
 
     def with_ring(self, stage: Stage, cost: StageStepCost, *, mbs: int, layers: int) -> StageStepCost:
@@ -126,11 +90,10 @@ class PlanCosts:
         """One micro-batch's transfer from stage ``src`` to ``dst`` and its gradient back: the plain
         TP rule (``comm.stage_hop_time_s``) or, where either splits sequences, seq_parallel's."""
         plan = self.plan
-        h = plan.model.hidden_size
         if splits_sequence((src, dst)):
-            return boundary_hop_s(plan.cluster, src, dst, mbs=mbs, seq_len=plan.seq_len, hidden_size=h,
-                                  act_bytes=self.act_bytes, flat=flat)
-        numel = mbs * plan.seq_len * h
+            return boundary_hop_s(plan.cluster, src, dst, mbs=mbs, seq_len=plan.seq_len,
+                                  hidden_size=plan.model.hidden_size, act_bytes=self.act_bytes, flat=flat)
+        numel = self.job.hop_numel(mbs)
         return self.hop_s(senders=src.devices, receivers=dst.devices, nbytes=numel * self.act_bytes,
                           split=flat and split_hop(a=src.tp, b=dst.tp, numel=numel))
 
@@ -142,41 +105,33 @@ class PlanCosts:
                                                   split=split), pin=(cluster,))
 
     def memory_of(self, shape: tuple, recompute: Recompute | None = None) -> StageMemory:
-        """memory.stage_memory of a `stage_shape` (recomputing ``recompute`` where given, else its own
-        mode), kept per PlanCosts and between predictions."""
+        """The stage cost model's memory of a `stage_shape` (recomputing ``recompute`` where given,
+        else its own mode), kept per PlanCosts and between predictions."""
         key = shape if recompute is None or recompute == shape[6] else (*shape[:6], recompute, *shape[7:])
         mem = self.memory.get(key)
         if mem is None:
-            plan = self.plan
-            (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, communicators,
+            (kind, layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, neighbours,
              sync_bucket_params, sequence_parallel, cp, p2p_bytes) = key
-            k, precision, attention = plan.cluster.kinds[kind], plan.precision_of(kind), plan.attention_of(kind)
-            mem = self.memory[key] = _MEMORY.get(
-                (id(plan.model), id(k), plan.seq_len, precision, attention, key),
-                lambda: stage_memory(
-                    plan.model, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs, seq_len=plan.seq_len,
-                    recompute=recompute, precision=precision, in_flight=in_flight,
-                    vocab_parallel=runtime_vocab_parallel(plan.model, tp), attention=attention, kind=k,
-                    synced=synced, mixed_sync=mixed_sync, communicators=communicators,
-                    sync_bucket_params=sync_bucket_params, sequence_parallel=sequence_parallel, cp=cp,
-                    p2p_bytes=p2p_bytes),
-                pin=(plan.model, k))
+            mem = self.memory[key] = stage_memory_of(
+                self.job, self.plan.cluster.kinds[kind], layers=layers, embedding=embedding, head=head, tp=tp,
+                mbs=mbs, recompute=recompute, in_flight=in_flight, synced=synced, mixed_sync=mixed_sync,
+                neighbours=neighbours, sync_bucket_params=sync_bucket_params, sp=sequence_parallel, cp=cp,
+                p2p_bytes=p2p_bytes)
         return mem
 
     def stage_shape(self, pi: int, si: int, *, in_flight: float) -> tuple:
         """What stage ``si`` of pipeline ``pi``'s memory depends on, its gradient sync as the runtime does
         it: (kind, layers, embedding, head, tp, micro-batch size, recompute, in_flight, synced, mixed
-        sync, communicators, sync bucket parameters, sequence parallel, CP degree, point-to-point buffer
-        bytes). ``in_flight``:
+        sync, pipeline neighbours, sync bucket parameters, sequence parallel, CP degree, point-to-point
+        buffer bytes). ``in_flight``:
         micro-batches of the whole stage held at the peak (fractional for chunks)."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
         synced, mixed, bucket = self.sync_shape[(pi, si)]
         if s.cp > 1 and not synced:  # CP ranks sum their gradients like data-parallel holders: all of them
             synced, bucket = True, None
-        comms = 1 + (s.tp > 1) + synced + (si > 0) + (si < n - 1) + (s.cp > 1)  # world, TP, DP, p2p, CP ring
         return (s.kind, s.num_layers, s.embedding, s.head, s.tp, p.micro_batch_size, s.recompute, in_flight, synced,
-                mixed, comms, bucket, s.sequence_parallel, s.cp, self.p2p_bytes(pi, si))
+                mixed, (si > 0) + (si < n - 1), bucket, s.sequence_parallel, s.cp, self.p2p_bytes(pi, si))
 
     def p2p_bytes(self, pi: int, si: int) -> float:
         """Point-to-point buffer bytes one device of stage ``si`` of pipeline ``pi`` holds at once
@@ -235,13 +190,12 @@ class PlanCosts:
         order with each chunk weighed by its own activation bytes (chunks may differ)."""
         s, v = p.stages[si], p.virtual_stages
 
+        kind = self.plan.cluster.kinds[s.kind]
+
         def acts(layers: int, emb: bool, head: bool) -> float:
-            return stage_memory(self.plan.model, layers=layers, embedding=emb, head=head, tp=s.tp,
-                                mbs=p.micro_batch_size, seq_len=self.plan.seq_len, recompute=s.recompute,
-                                precision=self.plan.precision_of(s.kind), in_flight=1,
-                                vocab_parallel=runtime_vocab_parallel(self.plan.model, s.tp),
-                                attention=self.plan.attention_of(s.kind), sequence_parallel=s.sequence_parallel,
-                                cp=s.cp).activations_bytes
+            return stage_memory_of(self.job, kind, layers=layers, embedding=emb, head=head, tp=s.tp,
+                                   mbs=p.micro_batch_size, recompute=s.recompute, in_flight=1, synced=False,
+                                   neighbours=0, sp=s.sequence_parallel, cp=s.cp).activations_bytes
 
         weights = [acts(b - a, s.embedding and c == 0, s.head and c == v - 1)
                    for c, (a, b) in enumerate(s.layer_ranges)]
@@ -292,8 +246,8 @@ def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]
     def size(u: str, tp: int) -> float:
         t = u if u in ("embedding", "head") else "layer"
         if (t, tp) not in sizes:
-            sizes[(t, tp)] = stage_params(model, layers=t == "layer", embedding=t == "embedding", head=t == "head",
-                                          tp=tp, vocab_parallel=runtime_vocab_parallel(model, tp))
+            sizes[(t, tp)] = stage_params_of(model, layers=t == "layer", embedding=t == "embedding", head=t == "head",
+                                             tp=tp)
         return sizes[(t, tp)]
 
     buckets: dict[tuple[int, int], dict[tuple, list]] = {}

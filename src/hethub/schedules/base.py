@@ -85,6 +85,18 @@ class Schedule(ABC):
     def per_micro_batch_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float]) -> float:
         """Steady-state time each further micro-batch adds to the pipeline."""
 
+    def period_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float]) -> float:
+        """The steady-state period the planner prices a pipeline with, transfers counted where they
+        slow the steady state (1F1B's round trips); here, ``per_micro_batch_s``."""
+        return self.per_micro_batch_s(fwd_s=fwd_s, bwd_s=bwd_s)
+
+    def period_floor_s(self, *, bottleneck_s: float, work_s: float, p2p_s: float, max_hop_s: float,
+                       max_pair_s: float, stages: int) -> float:
+        """A floor under ``period_s`` knowing only floors of its terms: the slowest stage's work, the
+        summed work and hops, the slowest hop, the slowest adjacent pair's work and hop averaged over
+        the two, and the stage count (the planner's bounds prune with it). Here: the bottleneck."""
+        return bottleneck_s
+
     def fill_drain_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float],
                      per_micro_batch_s: float) -> float:
         """T(m) - m x per_micro_batch_s: one micro-batch's forward and backward through every stage

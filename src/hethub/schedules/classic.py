@@ -44,6 +44,39 @@ class OneFOneB(Schedule):
     def per_micro_batch_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float]) -> float:
         return max(f + b for f, b in zip(fwd_s, bwd_s, strict=True))
 
+    def period_s(self, *, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float]) -> float:
+        per = self.per_micro_batch_s(fwd_s=fwd_s, bwd_s=bwd_s)
+        return max(per, round_trip_period_s(fwd_s, bwd_s, p2p_s)) if any(p2p_s) else per
+
+    def period_floor_s(self, *, bottleneck_s: float, work_s: float, p2p_s: float, max_hop_s: float,
+                       max_pair_s: float, stages: int) -> float:
+        # round_trip_period_s's windows under floors of their terms: the whole pipeline, the slowest
+        # adjacent pair, the slowest hop.
+        if p2p_s <= 0:
+            return bottleneck_s
+        return max(bottleneck_s, (work_s + 2 * p2p_s) / stages, max_hop_s, max_pair_s)
+
+
+def round_trip_period_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float]) -> float:
+    """A floor under 1F1B's steady-state period with transfers (the event simulation's): for stages
+    s..t, B(t, i) -> B(s, i) -> F(s, i + p - s) -> F(t, i + p - s) -> B(t, i + t - s + 1) is a cycle
+    of the schedule's dependencies, so the period is at least the window's forwards and backwards plus
+    both transfers per hop inside it, over t - s + 1; and a link carries one message at a time. All
+    windows are O(p^2); this takes the whole pipeline's prefixes and suffixes and every adjacent pair,
+    O(p), which includes the uniform pipeline's 2 c (p - 1) / p and the slow hop between two kinds."""
+    p = len(fwd_s)
+    work = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
+    hops = list(p2p_s[:p - 1])
+    best = max(hops, default=0.0)
+    for s in range(p - 1):
+        best = max(best, (work[s] + work[s + 1] + 2 * hops[s]) / 2)
+    head = tail = 0.0
+    for n in range(1, p + 1):
+        head += work[n - 1] + (2 * hops[n - 2] if n > 1 else 0.0)
+        tail += work[p - n] + (2 * hops[p - n] if n > 1 else 0.0)
+        best = max(best, head / n, tail / n)
+    return best
+
 
 class GPipe(Schedule):
     """GPipe: every stage runs all forwards F0..F(m-1), then all backwards B0..B(m-1), so it holds

@@ -322,11 +322,8 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
             hop_max = max(hop_max, seg[1])
         prev = here
     fill = sched.fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
-    period = bottleneck
-    if job.schedule == "1f1b" and job.chunks == 1 and p2p > 0:
-        # split.round_trip_period_s's windows under floors of their stages' work: the whole pipeline,
-        # the pairs across kinds, the slowest hop (PipeCost.per_mb_s takes the largest of them).
-        period = max(period, (work + 2 * p2p) / p, hop_max, pair)
+    period = sched.period_floor_s(bottleneck_s=bottleneck, work_s=work, p2p_s=p2p, max_hop_s=hop_max,
+                                  max_pair_s=pair, stages=p)
     # T(m) >= work + 2 p2p + (m - 1) period (fill_drain_s + m per_micro_batch_s)
     out = PipeFloor(base_s=fill + 2 * p2p - period, per_mb_s=period)
     book.pipe_floors[key] = out

@@ -12,21 +12,24 @@ import functools
 import itertools
 
 from hethub.layout import split_hop
-from hethub.predict.comm import stage_hop_time_s
+from hethub.predict.comm import rings_link, stage_hop_time_s
+from hethub.predict.stage_cost import tp_link
 from hethub.search.split import Slot
 from hethub.spec.cluster import Cluster, Link
 
 
 class LinkBook:
+    """The planner's caches over the predictor's link rules (``Cluster.link``, and the NIC-sharing
+    rule of ``predict.comm.shared_links`` through ``stage_hop_time_s`` and ``rings_link``), read on
+    representative devices: each kind's first nodes, from their first device."""
+
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.ring_cache: dict[tuple, dict] = {}  # all-reduce times by ring size, shared by a search's estimates
         self.node_size: dict[str, int] = {}
-        self.nic_size: dict[str, int] = {}  # devices behind one NIC (the fewest over the kind's groups)
-        self._p2p: dict[tuple[str, int, str, int], Link] = {}
-        self._nic: dict[str, float] = {}
         self._hops: dict[tuple, float] = {}
         self._pipes: dict[tuple, tuple[float, ...]] = {}
+        self._rings: dict[tuple, Link] = {}
         self._nodes: dict[str, list[list[int]]] = {}  # device ids of each node, by kind
         for d in cluster.devices:
             nodes = self._nodes.setdefault(d.kind, [])
@@ -34,33 +37,23 @@ class LinkBook:
                 nodes.append([])
             nodes[-1].append(d.id)
         for g in cluster.groups:
-            nic = g.inter_node_bw_bytes_per_s or cluster.inter_node.bw_bytes_per_s
             self.node_size[g.kind] = min(self.node_size.get(g.kind, g.devices_per_node), g.devices_per_node)
-            self.nic_size[g.kind] = min(self.nic_size.get(g.kind, g.nic_size), g.nic_size)
-            self._nic[g.kind] = min(self._nic.get(g.kind, nic), nic)
 
     def intra(self, kind: str) -> Link:
-        k = self.cluster.kinds[kind]
-        return Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
+        return tp_link(self.cluster.kinds[kind])
 
     @functools.cache  # noqa: B019 - one LinkBook per search, a handful of kinds
     def between(self, a: str, b: str) -> Link:
-        """Inter-node link from kind a to kind b (the cluster's rule in Cluster.link)."""
-        c = self.cluster
-        bw, lat = min(self._nic[a], self._nic[b]), c.inter_node.latency_s
-        if a != b:
-            bw, lat = min(bw, c.cross_kind.bw_bytes_per_s), max(lat, c.cross_kind.latency_s)
-        return Link(bw, lat)
+        """The link from a device of kind a to one of kind b on another node (``Cluster.link``)."""
+        na, nb = self._nodes[a], self._nodes[b]
+        other = [n for n in nb if n is not na[0]]
+        return self.cluster.link(na[0][0], other[0][0]) if other else self.intra(a)
 
     def p2p(self, a: Slot, b: Slot) -> Link:
-        key = (a.kind, a.tp, b.kind, b.tp)  # cached: every layer split prices its stage boundaries
-        link = self._p2p.get(key)
-        if link is None:
-            if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind]:
-                link = self._p2p[key] = self.intra(a.kind)
-            else:
-                link = self._p2p[key] = self.between(a.kind, b.kind)
-        return link
+        """The link between consecutive stages where no representative devices place them."""
+        if a.kind == b.kind and a.tp + b.tp <= self.node_size[a.kind]:
+            return self.intra(a.kind)
+        return self.between(a.kind, b.kind)
 
     def pipe_hops(self, slots: tuple[Slot, ...], *, numel: int, nbytes: float) -> tuple[float, ...]:
         """Each hop of a pipeline of these stages (`hop_s`), its kinds' segments laid out from a node's
@@ -117,18 +110,18 @@ class LinkBook:
             return None
         return src[0][:a.tp], other[0][:b.tp]
 
-    def nic_share(self, kind: str, rings: int) -> int:
-        """How many of `rings` concurrent rings (one per TP rank of a stage) cross one NIC of `kind`'s
-        nodes: a TP group starts a node or a NIC's share of one, so min(rings, devices per NIC)."""
-        return min(rings, self.nic_size[kind])
-
     def replicas(self, kinds: frozenset[str], *, devices: int, rings: int = 1) -> Link:
         """Slowest link of a data-parallel ring over pipelines made of these kinds, one of `rings` that
-        run at once (one per TP rank of the holders' smallest degree): across nodes, the rings of a
-        stage's ranks behind one NIC share it (predict.comm.rings_link; `nic_share` of them)."""
+        run at once (one per TP rank of the holders' smallest degree): the rings laid on two nodes of
+        each kind (one where it has one), ring q through each node's q-th device, priced by
+        ``predict.comm.rings_link`` (the rings' hops through one NIC share it)."""
         ks = sorted(kinds)
-        if len(ks) == 1 and devices <= self.node_size[ks[0]]:
-            return self.intra(ks[0])
-        share = {k: self.nic_share(k, rings) for k in ks}
-        links = [(self.between(a, b), max(share[a], share[b])) for a in ks for b in ks]
-        return Link(min(lk.bw_bytes_per_s / n for lk, n in links), max(lk.latency_s for lk, _ in links))
+        if len(ks) == 1 and (devices <= self.node_size[ks[0]] or len(self._nodes[ks[0]]) < 2):
+            return self.intra(ks[0])  # the holders share a node
+        key = (tuple(ks), rings)
+        link = self._rings.get(key)
+        if link is None:
+            nodes = [n for k in ks for n in self._nodes[k][:2]]
+            width = min([rings, *(len(n) for n in nodes)])
+            link = self._rings[key] = rings_link(self.cluster, [[n[q] for n in nodes] for q in range(width)])
+        return link

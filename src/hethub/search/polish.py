@@ -13,11 +13,12 @@ from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan, Recompute
 from hethub.predict.host import HostModel
-from hethub.predict.memory import DEFAULT_MEM_HEADROOM, stage_memory, usable_bytes
+from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.predict.stage_cost import StageJob, StageModel
 from hethub.schedules import get_schedule
 from hethub.search.costs import recompute_options
 
@@ -110,9 +111,10 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
     """p with these layer counts, recomputing exactly where a stage does not fit otherwise. `memo`
     shares that decision among the identical pipelines a move changes together (and among the moves of
     one job: it depends on the stage's shape and the job only). Memory is judged as the planner does
-    (search/costs.py: synced, two neighbours); the predictor then checks the plan."""
+    (predict.stage_cost.StageModel: synced, two neighbours); the predictor then checks the plan."""
     memo = {} if memo is None else memo
     schedule = get_schedule(plan.schedule)
+    job = StageJob.of_plan(plan, None)
     stages, start = [], 0
     for i, (s, k) in enumerate(zip(p.stages, counts, strict=True)):
         in_flight = schedule.in_flight(stage=i, num_stages=len(counts), num_micro_batches=p.num_micro_batches)
@@ -122,12 +124,8 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
             kind = plan.cluster.kinds[s.kind]
             cap = usable_bytes(kind, headroom=headroom)
             for rc in recompute_options(allow_recompute):
-                mem = stage_memory(plan.model, layers=k, embedding=s.embedding, head=s.head, tp=s.tp,
-                                   mbs=p.micro_batch_size, seq_len=plan.seq_len, recompute=rc,
-                                   precision=plan.precision_of(s.kind), in_flight=in_flight,
-                                   attention=plan.attention_of(s.kind), kind=kind, synced=True,
-                                   communicators=1 + (s.tp > 1) + 1 + 2)
-                if mem.total_bytes <= cap:
+                model = StageModel(job, kind, tp=s.tp, mbs=p.micro_batch_size, recompute=rc, capacity_bytes=cap)
+                if model.memory(k, emb=s.embedding, head=s.head, in_flight=in_flight).total_bytes <= cap:
                     memo[key] = rc
                     break
         mode = memo[key]

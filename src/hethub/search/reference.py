@@ -312,9 +312,8 @@ class _PostFloor:
         if link is None:
             lb = self.s.links
             if len(kinds) == 1 and devices <= lb.node_size[own]:  # intra-node, or a superset's pairs
-                a, b = lb.intra(own), lb.between(own, own)
-                b_bw = b.bw_bytes_per_s / lb.nic_share(own, rings)
-                link = Link(max(a.bw_bytes_per_s, b_bw), min(a.latency_s, b.latency_s))
+                a, b = lb.intra(own), lb.replicas(kinds, devices=lb.node_size[own] + 1, rings=rings)
+                link = Link(max(a.bw_bytes_per_s, b.bw_bytes_per_s), min(a.latency_s, b.latency_s))
             else:  # the slowest pair over these kinds; more kinds only add pairs
                 link = lb.replicas(kinds, devices=devices, rings=rings)
             self._links[key] = link

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from hethub.plan import Recompute
-from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.costs import CostBook, StageCost, recompute_options
 from hethub.spec.model import ModelSpec
@@ -64,10 +63,8 @@ class PipeCost:
 
     @functools.cached_property
     def per_mb_s(self) -> float:
-        per = get_schedule(self.schedule, chunks=self.chunks).per_micro_batch_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s)
-        if self.schedule == "1f1b" and self.chunks == 1 and any(self.p2p_s):
-            per = max(per, round_trip_period_s(self.fwd_s, self.bwd_s, self.p2p_s))
-        return per
+        return get_schedule(self.schedule, chunks=self.chunks).period_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s,
+                                                                        p2p_s=self.p2p_s)
 
     @functools.cached_property
     def base_s(self) -> float:
@@ -83,29 +80,6 @@ class PipeCost:
         for s in self.slots:
             out[s.kind] = out.get(s.kind, 0) + s.tp
         return out
-
-
-def round_trip_period_s(fwd_s: tuple[float, ...], bwd_s: tuple[float, ...], p2p_s: tuple[float, ...]) -> float:
-    """A floor under 1F1B's steady-state period with transfers (the event simulation's, which the
-    predictor runs): for stages s..t, B(t, i) -> B(s, i) -> F(s, i + p - s) -> F(t, i + p - s) ->
-    B(t, i + t - s + 1) is a cycle of the schedule's dependencies, so the period is at least the
-    window's forwards and backwards plus both transfers per hop inside it, over t - s + 1; and a
-    link carries one message at a time. The bottleneck alone left out 10-40 % where a cross-kind hop
-    is a third of a stage (tests/unit/test_planner_closed_form.py). Every window is O(p^2); this
-    takes the whole pipeline's prefixes and suffixes and every adjacent pair, O(p), which includes
-    the uniform pipeline's 2 c (p - 1) / p and the slow hop between two kinds."""
-    p = len(fwd_s)
-    work = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
-    hops = p2p_s[:p - 1]
-    best = max(hops, default=0.0)
-    for s in range(p - 1):
-        best = max(best, (work[s] + work[s + 1] + 2 * hops[s]) / 2)
-    head = tail = 0.0
-    for n in range(1, p + 1):
-        head += work[n - 1] + (2 * hops[n - 2] if n > 1 else 0.0)
-        tail += work[p - n] + (2 * hops[p - n] if n > 1 else 0.0)
-        best = max(best, head / n, tail / n)
-    return best
 
 
 class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
@@ -155,7 +129,7 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
         cand = _greedy(opts, lows, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
             pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, hops=hops,
-                          schedule=job.schedule)
+                          schedule=job.schedule, chunks=job.chunks)
             if all(pipe.layers != o.layers or pipe.recompute != o.recompute for o in out):
                 out.append(pipe)
     return out
@@ -210,7 +184,7 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
             return None
         opts.append(ops)
     return _price(job_model=job.model, slots=slots, opts=opts, counts=list(counts), mbs=mbs, hops=hops,
-                  schedule=job.schedule)
+                  schedule=job.schedule, chunks=job.chunks)
 
 
 def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_flight: int, low: int,
@@ -259,30 +233,26 @@ def _cheapest(ops: list[_Option], k: int) -> _Option:
 
 
 def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Option]], counts: list[int],
-           mbs: int, hops: PipeHops, schedule: str) -> PipeCost:
+           mbs: int, hops: PipeHops, schedule: str, chunks: int) -> PipeCost:
     models = [_cheapest(ops, k).sm for ops, k in zip(opts, counts, strict=True)]
-    return price(models, counts, model=job_model, slots=slots, mbs=mbs, hops=hops, schedule=schedule)
+    return price(models, counts, model=job_model, slots=slots, mbs=mbs, hops=hops, schedule=schedule, chunks=chunks)
 
 
 def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots: tuple[Slot, ...], mbs: int,
-          hops: PipeHops, schedule: str) -> PipeCost:
-    """Closed-form costs of a pipeline whose stage models and layer counts are given.
-
-    StageCost.fwd_s / bwd_s / update_s / params inlined (same arithmetic): this runs for every split.
-    """
+          hops: PipeHops, schedule: str, chunks: int = 1) -> PipeCost:
+    """Closed-form costs of a pipeline whose stage models and layer counts are given: each stage's
+    times and parameters exactly as the predictor has them (StageModel.step)."""
     p = len(slots)
     fwd, bwd, upd, params = [], [], [], []
     for s, (sm, k) in enumerate(zip(models, counts, strict=True)):
         emb, head = s == 0, s == p - 1
-        fwd.append(k * sm.fwd_per_layer_s + emb * sm.emb_fwd_s + head * sm.head_fwd_s)
-        bwd.append(k * sm.bwd_per_layer_s + emb * sm.emb_bwd_s + head * sm.head_bwd_s)
-        upd.append(k * sm.update_per_layer_s + emb * sm.emb_update_s + head * sm.head_update_s)
+        step = sm.step(k, emb=emb, head=head)
+        fwd.append(step.fwd_s)
+        bwd.append(step.bwd_s)
+        upd.append(step.times.update_s)
         params.append(sm.params(k, emb=emb, head=head))
     job = models[0].job
-    act = mbs * job.seq_len * model.hidden_size * act_bytes_for(job.precision)
-    numel = mbs * job.seq_len * model.hidden_size
-    p2p = hops(slots, numel=numel, nbytes=act)
+    p2p = hops(slots, numel=job.hop_numel(mbs), nbytes=job.hop_bytes(mbs))
     return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
                     fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
-                    schedule=schedule, chunks=job.chunks)
-
+                    schedule=schedule, chunks=chunks)

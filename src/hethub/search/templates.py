@@ -70,7 +70,7 @@ class Searcher:
                        optimizer_shard_holders=config.shard_holders if config.optimizer_sharding == "zero1" else 1)
         books = Books() if books is None else books
         if relax_memory not in books.costs:
-            books.costs[relax_memory] = CostBook(self.job, cluster.kinds)
+            books.costs[relax_memory] = CostBook(self.job, cluster)
         self.book = books.costs[relax_memory]
         if books.links is None:
             books.links = LinkBook(cluster)

@@ -1,0 +1,367 @@
+"""One stage's cost: the rules the predictor and the planner share.
+
+A stage is a kind, a TP degree, a micro-batch size, a recomputation mode and a layer count (with or
+without the embedding and the head). Its numbers come from here, for the predictor
+(:class:`hethub.predict.plan_costs.PlanCosts`) and the planner (``hethub.search``, which keeps
+caches over :class:`StageModel` and never restates a rule):
+
+* **time**: compute (:func:`hethub.predict.compute.stage_times`: a measured profile, else the op
+  model or the roofline) at the kind's precision and attention implementation *of the plan*
+  (``training.kinds.<kind>``), plus Megatron TP's two all-reduces per layer each way over the kind's
+  intra-node link, unless the profile measured them on a real TP group (``tp_comm_included``);
+* **profile rule**: a profile measured at another sequence length is not used (attention cost grows
+  faster than linearly, so it is not rescaled): the roofline is, and ``compute_source`` says so;
+* **memory**: :func:`hethub.predict.memory.stage_memory` with the runtime's vocabulary-parallel rule
+  (:func:`~hethub.predict.memory.runtime_vocab_parallel`) and the plan's attention, by in-flight count;
+* **hops and rings**: :func:`hethub.predict.comm.stage_hop_time_s` and
+  :func:`~hethub.predict.comm.rings_link`, which read ``Cluster.link`` and share a NIC among the
+  messages through it (:func:`~hethub.predict.comm.shared_links`).
+
+:class:`StageModel` is one stage shape for the planner: its time affine in the layer count (exact
+where the profile does not change per-layer time with depth; :meth:`StageModel.step` is always
+exact), its memory by in-flight count and the most layers that fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from hethub.memo import Kept
+from hethub.plan import Plan, Recompute
+from hethub.predict.comm import tp_comm_time_s
+from hethub.predict.compute import StageTimes, stage_times
+from hethub.predict.memory import (
+    StageMemory,
+    act_bytes_for,
+    runtime_vocab_parallel,
+    sharded_memory,
+    stage_memory,
+    stage_params,
+)
+from hethub.predict.profiles import KindProfile, ProfileSet
+from hethub.predict.seq_parallel import cp_compute_share, sp_tp_comm_s
+from hethub.spec.cluster import Cluster, Link
+from hethub.spec.kind import DeviceKind
+from hethub.spec.model import ModelSpec
+
+# stage_memory's results by model and device kind (ids, pinned) and the stage's own key: the
+# predictor and the planner ask the same shapes across many plans of one job.
+_MEMORY = Kept(100_000)
+
+
+@dataclass(frozen=True, eq=False)
+class StageJob:
+    """What every stage's cost depends on besides the stage: the model, the sequence length, the
+    plan-wide precision (it sizes the activations sent between stages), each kind's precision and
+    attention implementation, and the measured profiles."""
+
+    model: ModelSpec
+    seq_len: int
+    precision: str
+    precisions: Mapping[str, str]  # by kind name
+    attentions: Mapping[str, str]  # by kind name
+    profiles: ProfileSet | None = None
+    _usable: dict[str, KindProfile | None] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of_plan(cls, plan: Plan, profiles: ProfileSet | None) -> StageJob:
+        """The job of ``plan``: its per-kind precision and attention (``Plan.precision_of`` /
+        ``attention_of``)."""
+        kinds = plan.cluster.kinds
+        return cls(model=plan.model, seq_len=plan.seq_len, precision=plan.precision, profiles=profiles,
+                   precisions={k: plan.precision_of(k) for k in kinds},
+                   attentions={k: plan.attention_of(k) for k in kinds})
+
+    @classmethod
+    def planned(cls, *, model: ModelSpec, cluster: Cluster, seq_len: int, precision: str,
+                profiles: ProfileSet | None) -> StageJob:
+        """The job of the plans the planner writes: no per-kind settings, so each kind trains in
+        ``precision`` where it runs it and with its catalog attention (what ``Plan.precision_of`` /
+        ``attention_of`` give such a plan)."""
+        kinds = cluster.kinds
+        return cls(model=model, seq_len=seq_len, precision=precision, profiles=profiles,
+                   precisions={k: v.precision_for(precision) for k, v in kinds.items()},
+                   attentions={k: v.attention for k, v in kinds.items()})
+
+    def profile(self, kind: str) -> KindProfile | None:
+        """The kind's profile where it applies (:func:`usable_profile`)."""
+        if kind not in self._usable:
+            self._usable[kind] = usable_profile(self.profiles, kind, seq_len=self.seq_len)
+        return self._usable[kind]
+
+    def hop_numel(self, mbs: int, *, cp: int = 1) -> int:
+        """Elements of one micro-batch's activations sent from a stage to the next (of one CP rank's
+        s / cp tokens: what its TP collectives carry too)."""
+        return mbs * self.seq_len // cp * self.model.hidden_size
+
+    def hop_bytes(self, mbs: int, *, cp: int = 1) -> float:
+        """Bytes of ``hop_numel``."""
+        return self.hop_numel(mbs, cp=cp) * act_bytes_for(self.precision)
+
+
+def usable_profile(profiles: ProfileSet | None, kind: str, *, seq_len: int) -> KindProfile | None:
+    """The kind's profile where it was measured at ``seq_len``, else None (the analytic model then
+    prices the kind): attention cost grows faster than linearly with the sequence, so a profile of
+    another length is not rescaled."""
+    prof = profiles.get(kind) if profiles is not None else None
+    return prof if prof is not None and prof.seq_len == seq_len else None
+
+
+@dataclass(frozen=True)
+class StageStepCost:
+    """One stage's compute times with its TP collectives added (what the schedule simulation runs)."""
+
+    times: StageTimes
+    fwd_s: float  # compute + TP collectives
+    bwd_s: float
+
+
+def tp_link(kind: DeviceKind) -> Link:
+    """The link a TP group's collectives run over: the kind's intra-node one (TP stays in a node)."""
+    return Link(kind.intra_node_bw_bytes_per_s, kind.intra_node_latency_s)
+
+
+def stage_step(job: StageJob, kind: DeviceKind, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
+               recompute: Recompute, sp: bool = False, cp: int = 1) -> StageStepCost:
+    """One micro-batch's forward and backward time of a stage, TP collectives included, and its update.
+    ``sp``, ``cp``: the stage's sequence and context parallelism (their rules are
+    :mod:`hethub.predict.seq_parallel`'s; the CP ring's passes depend on the devices and are added
+    by ``PlanCosts.with_ring``)."""
+    times = stage_times(job.model, kind, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
+                        seq_len=job.seq_len, recompute=recompute, precision=job.precisions[kind.name],
+                        attention=job.attentions[kind.name], profile=job.profile(kind.name))
+    if cp > 1:
+        share = cp_compute_share(cp)
+        times = replace(times, fwd_s=times.fwd_s * share, bwd_s=times.bwd_s * share)
+    if times.tp_comm_included:  # profiles measured on a real TP group have the collectives inside
+        return StageStepCost(times, times.fwd_s, times.bwd_s)
+    act = job.hop_bytes(mbs, cp=cp)
+    if sp and tp > 1:
+        tp_f, tp_b = sp_tp_comm_s(act_bytes_per_layer=act, layers=layers, tp=tp, hidden_size=job.model.hidden_size,
+                                  link=tp_link(kind))
+    else:
+        tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=tp_link(kind))
+    return StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
+
+
+def stage_params_of(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int) -> float:
+    """Parameters on one device of a stage, its embedding and head split as the runtime splits them."""
+    return stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp,
+                        vocab_parallel=runtime_vocab_parallel(model, tp))
+
+
+def communicators(*, tp: int, synced: bool, neighbours: int, cp: int = 1) -> int:
+    """Collective-library communicators a stage's device holds: the world's, its TP group's, its
+    data-parallel group's, one per pipeline neighbour and its CP ring's (each costs buffers:
+    predict/memory)."""
+    return 1 + (tp > 1) + synced + neighbours + (cp > 1)
+
+
+def stage_memory_of(job: StageJob, kind: DeviceKind, *, layers: int, embedding: bool, head: bool, tp: int,
+                    mbs: int, recompute: Recompute, in_flight: float, synced: bool, mixed_sync: bool = False,
+                    neighbours: int, sync_bucket_params: float | None = None, sp: bool = False,
+                    cp: int = 1, p2p_bytes: float | None = None) -> StageMemory:
+    """Peak memory of one device of a stage holding ``in_flight`` micro-batches (kept between calls);
+    ``sp``, ``cp``: its sequence and context parallelism; ``p2p_bytes``: its point-to-point buffers
+    (``PlanCosts.p2p_bytes`` for a plan's stage; None: the memory model's estimate before a plan exists)."""
+    precision, attention = job.precisions[kind.name], job.attentions[kind.name]
+    comms = communicators(tp=tp, synced=synced, neighbours=neighbours, cp=cp)
+    key = (layers, embedding, head, tp, mbs, recompute, in_flight, synced, mixed_sync, comms, sync_bucket_params,
+           sp, cp, p2p_bytes)
+    return _MEMORY.get(
+        (id(job.model), id(kind), job.seq_len, precision, attention, key),
+        lambda: stage_memory(job.model, layers=layers, embedding=embedding, head=head, tp=tp, mbs=mbs,
+                             seq_len=job.seq_len, recompute=recompute, precision=precision, in_flight=in_flight,
+                             vocab_parallel=runtime_vocab_parallel(job.model, tp), attention=attention, kind=kind,
+                             synced=synced, mixed_sync=mixed_sync, communicators=comms,
+                             sync_bucket_params=sync_bucket_params, sequence_parallel=sp, cp=cp,
+                             p2p_bytes=p2p_bytes),
+        pin=(job.model, kind))
+
+
+@dataclass(frozen=True)
+class Affine:
+    """A cost as a line in the layer count: ``base`` with no layers, ``per_layer`` each."""
+
+    per_layer: float
+    base: float
+
+    def at(self, layers: int) -> float:
+        return self.base + layers * self.per_layer
+
+
+class StageModel:
+    """One stage shape (kind, TP degree, micro-batch size, recomputation) as the planner prices it.
+
+    Before a plan exists a stage is taken to sync with other replicas and to talk to two pipeline
+    neighbours (the most buffers a stage holds), and, under ZeRO-1, to keep optimizer state for
+    ``1 / shard_holders`` of its parameters; the predictor re-scores the planner's finalists with
+    each plan's own. ``capacity_bytes``: the memory a stage may use (inf: unlimited).
+    """
+
+    def __init__(self, job: StageJob, kind: DeviceKind, *, tp: int, mbs: int, recompute: Recompute,
+                 capacity_bytes: float, shard_holders: int = 1) -> None:
+        self.job, self.kind, self.tp, self.mbs, self.recompute = job, kind, tp, mbs, Recompute.of(recompute)
+        self.capacity_bytes, self.shard_holders = capacity_bytes, shard_holders
+        self._steps: dict[tuple[int, bool, bool], StageStepCost] = {}
+        z, one = self.step(0, emb=False, head=False), self.step(1, emb=False, head=False)
+        e, h = self.step(0, emb=True, head=False), self.step(0, emb=False, head=True)
+        self.fwd_per_layer_s = one.fwd_s - z.fwd_s
+        self.bwd_per_layer_s = one.bwd_s - z.bwd_s
+        self.update_per_layer_s = one.times.update_s - z.times.update_s
+        self.emb_fwd_s, self.emb_bwd_s = e.fwd_s - z.fwd_s, e.bwd_s - z.bwd_s
+        self.head_fwd_s, self.head_bwd_s = h.fwd_s - z.fwd_s, h.bwd_s - z.bwd_s
+        prof = job.profile(kind.name)
+        entry = prof.lookup(mbs=mbs, tp=tp) if prof is not None else None
+        # Measured per-layer times that change with the stack's depth make the time non-affine:
+        # step() then evaluates each count (the coefficients still order the split's choices).
+        self.affine = entry is None or not entry.layer_by_depth
+        p0 = self.params(0, emb=False, head=False)
+        self.params_per_layer = self.params(1, emb=False, head=False) - p0
+        self._max: dict[tuple[bool, bool, float, int], int] = {}
+        self._lines: dict[tuple[bool, bool], _MemoryLines | None] = {}
+
+    # ---- time ---------------------------------------------------------------------------------------
+    def step(self, layers: int, *, emb: bool, head: bool) -> StageStepCost:
+        """Exactly the predictor's stage cost at this layer count (kept per count)."""
+        key = (layers, emb, head)
+        hit = self._steps.get(key)
+        if hit is None:
+            hit = self._steps[key] = stage_step(self.job, self.kind, layers=layers, embedding=emb, head=head,
+                                                tp=self.tp, mbs=self.mbs, recompute=self.recompute)
+        return hit
+
+    def work(self, *, emb: bool, head: bool) -> Affine:
+        """Forward + backward time of one micro-batch as a line in the layer count."""
+        return Affine(self.fwd_per_layer_s + self.bwd_per_layer_s,
+                      emb * (self.emb_fwd_s + self.emb_bwd_s) + head * (self.head_fwd_s + self.head_bwd_s)
+                      + self.step(0, emb=False, head=False).fwd_s + self.step(0, emb=False, head=False).bwd_s)
+
+    # ---- parameters and memory ------------------------------------------------------------------
+    def params(self, layers: int, *, emb: bool, head: bool) -> float:
+        """Parameters on one device of the stage."""
+        return stage_params_of(self.job.model, layers=layers, embedding=emb, head=head, tp=self.tp)
+
+    def memory(self, layers: int, *, emb: bool, head: bool, in_flight: float) -> StageMemory:
+        """The stage's peak memory under the planning assumptions (see the class)."""
+        mem = stage_memory_of(self.job, self.kind, layers=layers, embedding=emb, head=head, tp=self.tp,
+                              mbs=self.mbs, recompute=self.recompute, in_flight=in_flight, synced=True, neighbours=2)
+        if self.shard_holders > 1:
+            mem = sharded_memory(mem, moment_elems=self.params(layers, emb=emb, head=head) / self.shard_holders,
+                                 master_elems=0.0, precision=self.job.precisions[self.kind.name], kind=self.kind)
+        return mem
+
+    def memory_bytes(self, layers: int, *, emb: bool, head: bool, in_flight: float) -> float:
+        """``memory(...).total_bytes`` from per-part lines in the layer count (checked where read),
+        or from ``memory`` itself where the parts are not such lines."""
+        key = (emb, head)
+        if key not in self._lines:
+            self._lines[key] = _MemoryLines.read(lambda n, f: self.memory(n, emb=emb, head=head, in_flight=f))
+        lines = self._lines[key]
+        if lines is None:
+            return self.memory(layers, emb=emb, head=head, in_flight=in_flight).total_bytes
+        return lines.total(layers, in_flight)
+
+    def max_layers(self, *, emb: bool, head: bool, in_flight: float, limit: int) -> int:
+        """Most layers (<= limit) the stage holds within ``capacity_bytes``; -1 if not even zero fit."""
+        if self.capacity_bytes == float("inf"):
+            return limit
+        key = (emb, head, in_flight, limit)
+        n = self._max.get(key)
+        if n is None:
+            n = self._max[key] = self._solve_max_layers(emb, head, in_flight, limit)
+        return n
+
+    def _solve_max_layers(self, emb: bool, head: bool, in_flight: float, limit: int) -> int:
+        cap = self.capacity_bytes
+
+        def over(n: int) -> bool:
+            return self.memory_bytes(n, emb=emb, head=head, in_flight=in_flight) > cap
+
+        if over(0):
+            return -1
+        lines = self._lines.get((emb, head))
+        if lines is not None:  # the closed-form answer, confirmed by two exact evaluations
+            n = lines.most_layers(cap, in_flight, limit)
+            if n >= 1 and not over(n) and (n == limit or over(n + 1)):
+                return n
+        if over(1):
+            return 0
+        # From one layer up memory grows with the count (the peak's phase may change, bending the
+        # lines), so bisection finds the exact answer.
+        lo, hi = 1, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if not over(mid) else (lo, mid - 1)
+        return lo
+
+
+@dataclass(frozen=True)
+class _Line:
+    """A memory part in the layer count: its value with no layers, and base + slope x n from one up."""
+
+    at0: float
+    base: float
+    slope: float
+
+    def at(self, n: int) -> float:
+        return self.at0 if n == 0 else self.base + self.slope * n
+
+
+@dataclass(frozen=True)
+class _MemoryLines:
+    """A stage's memory parts as lines in the layer count (activations also times the in-flight
+    count), mirroring ``StageMemory.total_bytes``: persistent state plus the largest of the three
+    phases' transients, times the fragmentation, plus what sits outside the allocator."""
+
+    persistent: _Line
+    sync: _Line
+    step: _Line
+    acts: _Line  # per in-flight micro-batch
+    work0: float  # forward/backward transients besides the activations, without and with layers
+    work1: float
+    frag: float
+    outside: float
+
+    @classmethod
+    def read(cls, mem) -> _MemoryLines | None:
+        """The lines read off ``mem(layers, in_flight)`` and checked at two more points; None where
+        the parts are not of that shape."""
+        z, one, two, one_f2 = mem(0, 1), mem(1, 1), mem(2, 1), mem(1, 2)
+
+        def line(get) -> _Line:
+            return _Line(get(z), get(one) - (get(two) - get(one)), get(two) - get(one))
+
+        lines = cls(line(lambda m: m.persistent_bytes), line(lambda m: m.grad_sync_buffer_bytes),
+                    line(lambda m: m.optimizer_temporaries_bytes), line(lambda m: m.activations_bytes),
+                    _fb_besides_acts(z), _fb_besides_acts(one), one.fragmentation_ratio,
+                    one.framework_context_bytes + one.comm_buffers_bytes)
+        if one_f2.activations_bytes != 2 * one.activations_bytes:
+            return None
+        for n, f in ((3, 3), (7, 5)):
+            exact = mem(n, f).total_bytes
+            if abs(lines.total(n, f) - exact) > 1e-9 * exact:
+                return None
+        return lines
+
+    def total(self, n: int, f: float) -> float:
+        fb = f * self.acts.at(n) + (self.work0 if n == 0 else self.work1)
+        top = max(fb, self.sync.at(n), self.step.at(n))
+        return (self.persistent.at(n) + top) * (1 + self.frag) + self.outside
+
+    def most_layers(self, cap: float, f: float, limit: int) -> int:
+        """The largest n >= 1 whose forward/backward peak fits in ``cap`` by the lines (a starting
+        point the caller confirms)."""
+        g = 1 + self.frag
+        slope = (self.persistent.slope + f * self.acts.slope) * g
+        base = (self.persistent.base + f * self.acts.base + self.work1) * g + self.outside
+        if slope <= 0:
+            return limit
+        return max(1, min(limit, int((cap - base) // slope)))
+
+
+def _fb_besides_acts(mem: StageMemory) -> float:
+    """The forward/backward moment's transients other than the kept activations (working set,
+    point-to-point buffers, gathered parameters)."""
+    return mem.phases["forward_backward"] - mem.activations_bytes
