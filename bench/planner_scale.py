@@ -1,12 +1,15 @@
-"""Planner search time and efficiency from 32 to 4,096 devices (2-3 device kinds).
+"""Planner time and plan quality on `hethub plan`'s default path, 32 to 4,096 devices and HETHUB-768.
 
-Usage: python bench/planner_scale.py [--sizes 32,128,512,4096]
+Usage: python bench/planner_scale.py [--sizes 32,128,512,4096,768]
 
-Targets (docs/planner.md): <= 1 s at 512 devices, <= 10 s at 4,096, on a 2-core machine. On a shared
-machine the wall time says little; the CPU seconds (cpu_s) and the load average printed beside them
-say how busy it was. cpu_s counts this process and its children: from 256 devices the planner runs
-the bound's searches and most template scans in a forked child (PlannerConfig.search_processes), whose
-CPU is work done too.
+Each case runs exactly what `hethub plan --cluster C --model M --global-batch B --seq-len S` runs
+(the command's own parser and config: schedule auto, optimizer sharding auto); "768" is the
+README's HETHUB-768 command (examples/clusters/hethub-768.toml, llama-140b, 1536 x 4096). Targets
+(docs/planner.md) on a 2-core machine: 512 devices <= 3 s, 4,096 <= 10 s, HETHUB-768 <= 4 s. On a
+shared machine the wall time says little: cpu_s (this process and its children) and the load
+average beside it say how busy it was. Each plan's tokens/s is printed beside main's at the commit
+named in REFERENCE (measured with this script's cases before the default path shared one
+enumeration), with their ratio: the plans must not get worse.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import argparse
 import os
 import time
 
-from hethub.search import PlannerConfig, make_plan
-from hethub.spec.cluster import Cluster, parse_cluster
+from hethub.cli import build_parser, plan_config
+from hethub.search import make_plan
+from hethub.spec.cluster import Cluster, load_cluster, parse_cluster
 from hethub.spec.model import get_model
 
 # A 400 Gb/s NIC per device (rail-optimised training nodes: devices_per_nic = 1 below), a slower
@@ -31,6 +35,10 @@ SIZES: dict[int, tuple[list[tuple[str, int]], str, int, int]] = {
     512: ([("h100-sxm", 32), ("a100-80gb", 16), ("mi300x", 16)], "llama-2-70b", 1024, 4096),
     4096: ([("h100-sxm", 256), ("a100-80gb", 128), ("mi300x", 128)], "llama-2-70b", 2048, 4096),
 }
+HETHUB_768 = ("examples/clusters/hethub-768.toml", "llama-140b", 1536, 4096)
+# The default path's plans on main 0b33228 (2026-12-05, this script's cases through `hethub plan`'s
+# defaults: six searches, three schedules x two shardings), tokens/s.
+REFERENCE = {32: 100_607, 128: 616_399, 512: 550_344, 768: 67_057, 4096: 3_369_460}
 
 
 def build(groups: list[tuple[str, int]], n: int) -> Cluster:
@@ -46,24 +54,33 @@ def _cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def case(n: int) -> tuple[Cluster, str, int, int]:
+    if n == 768:
+        path, model, gb, seq = HETHUB_768
+        return load_cluster(path), model, gb, seq
+    groups, model, gb, seq = SIZES[n]
+    cluster = build(groups, n)
+    assert cluster.num_devices == n
+    return cluster, model, gb, seq
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--sizes", default="32,128,512,4096,768")
     args = ap.parse_args()
-    print(f"{'devices':>8} {'kinds':>5} {'model':>12} {'search_s':>9} {'cpu_s':>7} {'load':>5} {'efficiency':>10} "
-          f"{'tokens/s':>12} {'pipelines':>9} {'used':>5}")
+    print(f"{'devices':>8} {'model':>12} {'search_s':>9} {'cpu_s':>7} {'load':>5} {'efficiency':>10} "
+          f"{'tokens/s':>12} {'main':>12} {'ratio':>7} {'pipelines':>9} {'used':>5}  schedule, sharding")
     for n in (int(x) for x in args.sizes.split(",")):
-        groups, model, gb, seq = SIZES[n]
-        cluster = build(groups, n)
-        assert cluster.num_devices == n
+        cluster, model, gb, seq = case(n)
+        cli = build_parser().parse_args(["plan", "--cluster", cluster.name, "--model", model,
+                                         "--global-batch", str(gb), "--seq-len", str(seq)])
         t0, c0 = time.perf_counter(), _cpu_s()
-        r = make_plan(cluster=cluster, model=get_model(model), config=PlannerConfig(global_batch=gb, seq_len=seq))
+        r = make_plan(cluster=cluster, model=get_model(model), config=plan_config(cli))
         wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
-        print(f"{n:>8} {len(groups):>5} {model:>12} {wall:>9.2f} {cpu:>7.2f} {os.getloadavg()[0]:>5.1f} "
-              f"{r.efficiency:>10.3f} {r.prediction.tokens_per_s:>12,.0f} {len(r.plan.pipelines):>9} "
-              f"{r.plan.world_size:>5}")
-        for note in r.notes:
-            print(f"{'':>8} note: {note}")
+        tps, ref = r.prediction.tokens_per_s, REFERENCE.get(n)
+        print(f"{n:>8} {model:>12} {wall:>9.2f} {cpu:>7.2f} {os.getloadavg()[0]:>5.1f} {r.efficiency:>10.3f} "
+              f"{tps:>12,.0f} {ref or 0:>12,} {tps / ref if ref else float('nan'):>7.4f} {len(r.plan.pipelines):>9} "
+              f"{r.plan.world_size:>5}  {r.plan.schedule}, {r.plan.optimizer_sharding}")
 
 
 if __name__ == "__main__":

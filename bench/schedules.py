@@ -11,7 +11,7 @@ layers split so the stages' times are close (16 layers: 6, 6, 2, 2), ``--micro-b
 micro-batches, the small preset widened to ``--hidden`` (the weight GEMMs that ZB-H1's W runs are a
 larger share of a wider layer's backward); under
 ``interleaved`` each stage's layers are split into ``--chunks`` chunks (the planner's layout,
-``hethub.search.interleave.with_chunks``; a one-layer stage gets an empty chunk that passes its
+``hethub.search.polish.with_chunks``; a one-layer stage gets an empty chunk that passes its
 input on). Both kinds are EMULATED here: cpu-fast ``--fast-slowdown`` k times slower than this
 host's core and cpu-slow 2.5 k (the cluster file's ratio; default k = 2), i.e. after each forward, backward (B) or
 weight-gradient pass (W) a rank sleeps (k - 1) x the CPU time it used (hethub.runtime.slowdown).
@@ -58,7 +58,7 @@ from hethub.emulation.measure.wake import measure_wake_penalty
 from hethub.predict.predictor import predict
 from hethub.profiler.layers import Repetitions
 from hethub.schedules import SCHEDULES
-from hethub.search.interleave import with_chunks
+from hethub.search.polish import with_chunks
 from hethub.spec.cluster import Cluster, load_cluster
 from hethub.spec.model import get_model
 from predictor_accuracy import CLUSTER, measure_once, median_profiles, profile_for_plan

@@ -44,9 +44,19 @@ def _load_profiles(arg: str | None, model=None, seq_len: int | None = None):
 
 
 # ---- plan / predict ---------------------------------------------------------------------------------
+def plan_config(args: argparse.Namespace) -> PlannerConfig:
+    """The planner's config of a parsed ``hethub plan`` command (bench/planner_scale.py times it)."""
+    from hethub.search.config import PlannerConfig
+
+    return PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
+                         schedule=args.schedule, precision=args.precision, top_k=args.top_k,
+                         objective=args.objective, budget_per_hour=args.budget_per_hour,
+                         min_tokens_per_s=args.min_tokens_per_s, mem_headroom=args.mem_headroom,
+                         optimizer_sharding=args.optimizer_sharding, optimizer_shares=args.optimizer_shares)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from hethub.commands.host import host_for
-    from hethub.search.config import PlannerConfig
     from hethub.search.planner import make_plan
     from hethub.spec.cluster import load_cluster
     from hethub.spec.model import get_model
@@ -67,12 +77,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         raise SpecError(f"--seq-len {args.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}. Fix: use "
                         f"--seq-len {model.max_seq_len} or less, or a model with a longer context.")
-    config = PlannerConfig(global_batch=args.global_batch, seq_len=args.seq_len, strategy=args.strategy,
-                           schedule=args.schedule, precision=args.precision, top_k=args.top_k,
-                           objective=args.objective, budget_per_hour=args.budget_per_hour,
-                           min_tokens_per_s=args.min_tokens_per_s,
-                           mem_headroom=args.mem_headroom, optimizer_sharding=args.optimizer_sharding,
-                           optimizer_shares=args.optimizer_shares)
+    config = plan_config(args)
     profiles = _load_profiles(args.profiles, model, args.seq_len)
     host = host_for(cluster, args.profiles, model=model, seq_len=args.seq_len)
     if args.compare:
@@ -131,7 +136,7 @@ def _for_file(plan: Plan, config: PlannerConfig) -> Plan:
 
 def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: str | None) -> int:
     """The plan for --objective/--budget-per-hour/--min-tokens-per-s, beside the throughput plan."""
-    from hethub.search.cost import plan_for_cost
+    from hethub.search.prices import plan_for_cost
     from hethub.tables import format_plan_table, format_summary, prediction_basis
 
     cp = plan_for_cost(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
@@ -173,8 +178,8 @@ def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: st
 def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
-    from hethub.search.cost import plan_price_per_hour, usd_per_million_tokens
     from hethub.search.planner import candidate_config, make_plan, merged_bound, reused_searches
+    from hethub.search.prices import plan_price_per_hour, usd_per_million_tokens
 
     rows: list[tuple] = []
     results = []  # every row's search, whose kinds-alone bounds merge into the one the rows are read against

@@ -7,7 +7,7 @@ import pytest
 from hethub.cli import main
 from hethub.errors import InfeasibleError, SpecError
 from hethub.search import PlannerConfig
-from hethub.search.cost import plan_for_cost, plan_price_per_hour, sub_fleets, usd_per_million_tokens
+from hethub.search.prices import plan_for_cost, plan_price_per_hour, sub_fleets, usd_per_million_tokens
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.kind import catalog
 from hethub.spec.model import get_model

@@ -18,7 +18,7 @@ from hethub.predict.memory import (
 from hethub.predict.memory.activations import scores_bytes_per_token
 from hethub.predict.predictor import predict
 from hethub.search.config import PlannerConfig
-from hethub.search.costs import CostBook, Job
+from hethub.search.split import CostBook, Job
 from hethub.spec.cluster import Cluster, Link, NodeGroup
 from hethub.spec.kind import catalog
 from hethub.spec.model import PRESETS

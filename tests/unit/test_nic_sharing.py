@@ -3,7 +3,7 @@
 A node's ``devices_per_nic`` (cluster file, per [[group]]) says how many of its devices reach other
 nodes through one NIC: left out, one NIC serves the whole node (a workstation cluster on Ethernet);
 1 gives every device its own (a rail-optimised training node). The predictor (predict/comm.py) and
-the planner's representative links (search/links.py) price the same rule.
+the planner's representative links (predict/stage_links.py) price the same rule.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from hethub.errors import SpecError
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.comm import allreduce_time_s, rings_link, stage_hop_time_s
+from hethub.predict.stage_links import LinkBook
 from hethub.predict.sync import sync_groups
-from hethub.search.links import LinkBook
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import get_model
 

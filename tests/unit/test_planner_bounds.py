@@ -11,12 +11,10 @@ from hypothesis import strategies as st
 
 import hethub.search.templates as templates
 from hethub.search import PlannerConfig
-from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
+from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound, smallest_holding
 from hethub.search.combine import Group, allocate, water_level, water_level_beside
-from hethub.search.costs import CostBook, Job, StageCost
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
-from hethub.search.holding import smallest_holding
-from hethub.search.split import Slot
+from hethub.search.split import CostBook, Job, Slot, StageCost
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import get_model
@@ -229,7 +227,7 @@ def test_water_level_beside_a_stream_is_the_first_time_the_batch_is_done(specs, 
 
 def _segment_memory_stage_by_stage(book, kind, tp, mbs, flights, first, last, n_modes, mid):
     """segments.segment_memory as a plain loop over the stages (its definition)."""
-    from hethub.search.segments import stage_modes
+    from hethub.search.bounds import stage_modes
     by_cap, plain, one, n = {}, 0, [], len(flights)
     for i, f in enumerate(flights):
         emb, head = first and i == 0, last and i == n - 1
@@ -246,7 +244,7 @@ def _segment_memory_stage_by_stage(book, kind, tp, mbs, flights, first, last, n_
 def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
     # pipe_floor's segments read their middle stages off runs of equal modes (counts running down by
     # one, as 1F1B gives them) or count by count: both must be the stage-by-stage loop exactly.
-    from hethub.search.segments import segment_memory
+    from hethub.search.bounds import segment_memory
     s = Searcher(cluster=_cluster(4), model=get_model("llama-2-70b"),
                  config=PlannerConfig(global_batch=256, seq_len=4096), profiles=None)
     checked = infeasible = 0
@@ -273,7 +271,7 @@ def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
 
 def test_runs_count_each_value_of_a_range_of_counts():
     # holding.Runs: the floors read a range of in-flight counts' modes by runs of equal values.
-    from hethub.search.holding import Runs
+    from hethub.search.bounds import Runs
     rng = random.Random(5)
     values = [rng.choice("aab") for _ in range(60)]
     runs = Runs()

@@ -6,7 +6,7 @@ import math
 import random
 import statistics
 
-import hethub.search.families as families_mod
+import hethub.search.mixed as families_mod
 from hethub.layout import split_hop
 from hethub.predict.comm import stage_hop_time_s
 from hethub.predict.memory import act_bytes_for
@@ -15,9 +15,7 @@ from hethub.schedules.classic import round_trip_period_s
 from hethub.schedules.simulate import simulate_pipeline_time
 from hethub.search import PlannerConfig
 from hethub.search.combine import Group
-from hethub.search.families import families
-from hethub.search.mixed import _box_core, _box_level, _boxes_level, _rate_level, _split
-from hethub.search.mixed_sync import SyncFloors
+from hethub.search.mixed import SyncFloors, _box_core, _box_level, _boxes_level, _rate_level, _split, families
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import parse_cluster

@@ -124,28 +124,49 @@ def test_reused_searches_answer_a_repeated_search_with_its_first_result():
     assert again is not first and again.plan.pipelines == first.plan.pipelines
 
 
-def test_polish_budget_gives_the_best_start_its_minimum_and_the_runners_up_the_share(monkeypatch):
-    # planner.POLISH_MIN_S is the best start's least budget; the runners-up share POLISH_SHARE of the
-    # search time (docs/planner.md). A stand-in polish records each start's budget and returns at once.
+def test_the_default_path_gives_the_same_plan_under_a_slow_clock(monkeypatch):
+    # The polish's budget is counted in predictions (planner.POLISH_BUDGETS), so a loaded machine,
+    # here a clock that runs 1,000x fast, changes nothing the search chooses.
+    import time
+
     import hethub.search.planner as planner
 
-    budgets = []
+    cluster = parse_cluster({"name": "two", "group": [{"kind": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+                                                      {"kind": "v100-16gb", "nodes": 1, "devices_per_node": 4}]},
+                            where="test")
+    config = PlannerConfig(global_batch=32, seq_len=1024, schedule="auto", optimizer_sharding="auto")
+    model = get_model("llama-2-7b")
+    calm = planner.make_plan(cluster=cluster, model=model, config=config)
+    real = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000 * real())
+    busy = planner.make_plan(cluster=cluster, model=model, config=config)
+    assert busy.plan.to_dict()["pipelines"] == calm.plan.to_dict()["pipelines"]
+    assert busy.prediction.step_time_s == calm.prediction.step_time_s
+    assert busy.search_time_s > 100 * calm.search_time_s  # the clock did run fast
 
-    def fake_polish(plan, pred, *, budget_s, **_):
-        budgets.append(budget_s)
-        return plan, pred
 
-    monkeypatch.setattr(planner, "polish", fake_polish)
+def test_the_default_path_shows_one_progress_bar(monkeypatch):
+    # `hethub plan`'s defaults (schedule and sharding auto) price every variant from one enumeration
+    # per sharding inside one search: one bar, where six searches each showed their own.
+    import hethub.search.planner as planner
+
+    bars = []
+    real = planner.progress
+
+    def counted(*args, **kwargs):
+        bars.append(kwargs.get("desc"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "progress", counted)
     cluster = parse_cluster({"name": "two", "group": [{"kind": "a100-80gb", "nodes": 1, "devices_per_node": 4},
                                                       {"kind": "v100-16gb", "nodes": 1, "devices_per_node": 4}]},
                             where="test")
     result = planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
-                               config=PlannerConfig(global_batch=32, seq_len=1024))
-    assert len(budgets) == planner.POLISH_STARTS
-    assert budgets[0] >= planner.POLISH_MIN_S * 0.99
-    share = planner.POLISH_SHARE * result.search_time_s
-    assert share < planner.POLISH_MIN_S  # a fast search: the minimum is the best start's alone
-    assert all(b <= share for b in budgets[1:])
+                               config=PlannerConfig(global_batch=32, seq_len=1024, schedule="auto",
+                                                    optimizer_sharding="auto"))
+    assert bars == ["plan two"]
+    assert any(n.startswith("schedule ") for n in result.notes)
+    assert any(n.startswith("optimizer sharding: ") for n in result.notes)
 
 
 def test_a_search_pauses_the_collector_and_leaves_no_reference_cycles():
@@ -171,22 +192,13 @@ def test_a_search_pauses_the_collector_and_leaves_no_reference_cycles():
         gc.collect()
         planner._make_plan = spy
         planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
-                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False, search_processes=1))
+                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False))
         assert seen == [False] and gc.isenabled()
         gc.disable()
         planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
-                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False, search_processes=1))
+                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False))
         assert not gc.isenabled()  # a caller's paused collector stays paused
         assert gc.collect() == 0
-        if planner.FORK_AVAILABLE:  # two processes: the scans from elsewhere hold no cycle either
-            planner_forks = planner.FORK_MIN_DEVICES, planner.usable_cpus
-            planner.FORK_MIN_DEVICES, planner.usable_cpus = 1, lambda: 2
-            try:
-                planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
-                                  config=PlannerConfig(global_batch=64, seq_len=1024, polish=False))
-            finally:
-                planner.FORK_MIN_DEVICES, planner.usable_cpus = planner_forks
-            assert gc.collect() == 0
     finally:
         planner._make_plan = search
         if was:

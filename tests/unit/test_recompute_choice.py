@@ -1,5 +1,5 @@
 """The planner's per-stage recomputation: none, selective (the attention core only) or full, the
-fastest that fits each stage's memory once the plan is laid out (search/recompute.py)."""
+fastest that fits each stage's memory once the plan is laid out (search/assemble.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 from hethub.plan import Plan, Recompute
 from hethub.predict.predictor import predict, stage_memory_fits
+from hethub.search.assemble import choose_recompute, with_recompute
 from hethub.search.config import PlannerConfig
 from hethub.search.planner import make_plan
-from hethub.search.recompute import choose_recompute, with_recompute
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 

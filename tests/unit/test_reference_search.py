@@ -1,5 +1,5 @@
 """Property test: on random small instances the planner's plan is within 1% of the slow reference
-search's (search/reference.py), both scored by the same predictor.
+search's (tests/unit/_reference_search.py), both scored by the same predictor.
 
 Instances are seeded: 2-3 kinds, 8-128 devices, four model shapes (few layers, so the reference's
 exhaustive mixed-pipeline enumeration stays small), several global batches, both schedules. Both
@@ -11,15 +11,15 @@ pipelines are searched by branch-and-bound over every TP degree, replica count a
 kind (search/mixed.py; before, small pools combined two TP degrees per kind, large pools used every
 stage of each kind and replica counts were spread geometrically), pure templates may have L + 2
 stages (embedding-only and head-only ends), and the 1F1B closed form carries the round-trip period
-and the predictor's hop rule (search/split.py, search/links.py): 11 of 30 were behind before.
+and the predictor's hop rule (search/split.py, predict/stage_links.py): 11 of 30 were behind before.
 """
 
 import random
 
 import pytest
+from _reference_search import reference_plan
 
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.reference import reference_plan
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec
 

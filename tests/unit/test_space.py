@@ -1,9 +1,9 @@
 """The planner against exhaustive enumeration of the same space, under the same predictor."""
 
 import pytest
+from _plan_space import _splits, enumerate_plans, exhaustive_best
 
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.space import _splits, enumerate_plans, exhaustive_best
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec
 

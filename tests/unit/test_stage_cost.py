@@ -16,7 +16,7 @@ from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
 from hethub.predict.stage_cost import StageJob, StageModel
 from hethub.schedules import get_schedule
-from hethub.search.costs import CostBook, Job
+from hethub.search.split import CostBook, Job
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import get_model
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.schedules import get_schedule
 from hethub.search.combine import Group, step_time_s
-from hethub.search.costs import recompute_options
-from hethub.search.split import Slot, price
+from hethub.search.split import Slot, price, recompute_options
 from hethub.search.templates import Searcher, tp_options
 
 

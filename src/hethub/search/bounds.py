@@ -1,4 +1,5 @@
-"""A closed-form upper bound on a kind-pure template's rate, so hopeless stage counts are not split.
+"""Closed-form floors: an upper bound on a kind-pure template's rate, so hopeless stage counts are not
+split, and the stage and segment floors the mixed search prunes with.
 
 Splitting a template (split.py) and pricing its sync dominate the template scan. Before splitting
 (kind, TP, micro-batch size, p stages) we bound the rate it can reach from below-bounding its step:
@@ -23,16 +24,30 @@ could not become finalists (hetero._mixed_around).
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from hethub.predict.memory import act_bytes_for
+from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
-from hethub.search.costs import RECOMPUTE_ORDER, CostBook
-from hethub.search.holding import Runs, least_layer_work, smallest_holding
-from hethub.search.links import LinkBook
-from hethub.search.segments import in_flights, segment_memory, segment_terms, stage_modes
-from hethub.search.split import Slot
+from hethub.search.split import RECOMPUTE_ORDER, Cache, CostBook, Slot, StageCost
+
+# The floors' caches in each job's CostBook.
+_PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
+_STAGE_VARIANTS: Cache[list[StageCost]] = Cache("modes")
+_STAGE_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("stage-modes")
+_SEGMENT_TERMS: Cache[tuple[float, float, float, float, float, float]] = Cache("segment-terms")
+_SEGMENT_MEMORY: Cache[tuple | None] = Cache("segment-memory")
+_MIDDLE_RUNS: Cache[_MiddleRuns] = Cache("middle-runs")
+_SEGMENT_HOPS: Cache[tuple[float, float]] = Cache("segment-hops")
+_IN_FLIGHT_BOUNDS: Cache[dict[int, tuple[int, ...]]] = Cache("in-flight bounds")
+_CAPACITY: Cache[Capacity] = Cache("capacity")
+_TEMPLATE_FLOORS: Cache[tuple[float, float] | None] = Cache("template floors")
+_PIPE_FLOORS: Cache[PipeFloor | None] = Cache("pipe floors")
 
 
 class Capacity:
@@ -45,7 +60,7 @@ class Capacity:
         self.kind, self.tp, self.mbs = kind, tp, mbs  # not the book: it keeps this (no reference cycle)
         self._runs = Runs()  # a middle stage's modes by in-flight count (_middle_groups)
         # Each stage's in-flight bound by stage count, shared by every (kind, TP, micro-batch size).
-        self._in_flights: dict[int, tuple[int, ...]] = book.capacity.setdefault(("in-flight", schedule.name), {})
+        self._in_flights: dict[int, tuple[int, ...]] = book.cache(_IN_FLIGHT_BOUNDS).setdefault(schedule.name, {})
         self.limit = book.job.model.num_layers
         self.schedule = schedule
         self._totals: dict[tuple[int, int], int] = {}
@@ -63,15 +78,19 @@ class Capacity:
             hit = self._ats[key] = max(0, n)
         return hit
 
+    def _bound_of(self, stage: int, p: int) -> int:
+        n = self.schedule.max_in_flight(stage=stage, num_stages=p)
+        if n is None:
+            raise ValueError("Capacity needs a schedule with an in-flight bound")
+        return n
+
     def total(self, p: int, *, variant: int) -> int:
         key = (p, variant)
         if key not in self._totals:
             # O(p) per p: each stage's count is cached in its StageCost (max_layers).
             bounds = self._in_flights.get(p)
             if bounds is None:
-                bounds = self._in_flights[p] = tuple(self.schedule.max_in_flight(stage=s, num_stages=p)
-                                                     for s in range(p))  # type: ignore[misc]
-                assert None not in bounds, "Capacity needs a schedule with an in-flight bound"
+                bounds = self._in_flights[p] = tuple(self._bound_of(s, p) for s in range(p))
             if p == 1:
                 self._totals[key] = self._at(variant, emb=True, head=True, in_flight=bounds[0])
             else:  # the middle stages' counts by in-flight count, filled once (a dict lookup each after)
@@ -125,7 +144,8 @@ class Capacity:
 
 def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
     key = (kind, tp, mbs)
-    if key not in book.capacity:
+    caps = book.cache(_CAPACITY)
+    if key not in caps:
         sched = get_schedule(book.job.schedule, chunks=book.job.chunks)
         if sched.max_in_flight(stage=0, num_stages=1) is None or sched.chunks_per_stage > 1:
             # A schedule without an in-flight bound (GPipe) gets 1F1B's capacity: a full pipeline
@@ -133,8 +153,8 @@ def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
             # template scan starts; the rate bound skips its recomputation term for such schedules).
             # So does interleaving, whose bound counts chunks, not whole-stage micro-batches.
             sched = get_schedule("1f1b")
-        book.capacity[key] = Capacity(book, kind, tp=tp, mbs=mbs, schedule=sched)
-    return book.capacity[key]  # type: ignore[return-value]
+        caps[key] = Capacity(book, kind, tp=tp, mbs=mbs, schedule=sched)
+    return caps[key]
 
 
 def rate_bound(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int, p: int, kind_devices: int,
@@ -142,9 +162,9 @@ def rate_bound(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int,
     """Upper bound on `Searcher.rate` of every split of p stages (kind, tp), 0 when none can fit."""
     c = kind_devices // (p * tp)
     key = (kind, tp, mbs, p)
-    floor = book.floors.get(key, ())
+    floor = book.cache(_TEMPLATE_FLOORS).get(key, ())
     if floor == ():
-        floor = book.floors[key] = _template_floor(book, links, kind=kind, tp=tp, mbs=mbs, p=p)
+        floor = book.cache(_TEMPLATE_FLOORS)[key] = _template_floor(book, links, kind=kind, tp=tp, mbs=mbs, p=p)
     if c < 1 or floor is None:
         return 0.0
     fill, bottleneck = floor
@@ -246,9 +266,9 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     if not segments or p > n_layers + 2:
         return None
     key = (segments, mbs, memory, in_flight_hint, recompute)
-    hit = book.pipe_floors.get(key, ())
+    hit = book.cache(_PIPE_FLOORS).get(key, ())
     if hit != ():
-        return hit  # type: ignore[return-value]
+        return hit
     n_modes = len(RECOMPUTE_ORDER) if recompute else 1
     sched = get_schedule(job.schedule, chunks=job.chunks)
     inv_w, base_over_w, base_sum, w_min = 0.0, 0.0, 0.0, math.inf
@@ -271,7 +291,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
             flights = in_flights(book, sched, p, in_flight_hint)[pos:pos + n]
             seg = segment_memory(book, kind, tp, mbs, flights, first, last, n_modes, mid)
             if seg is None:
-                book.pipe_floors[key] = None
+                book.cache(_PIPE_FLOORS)[key] = None
                 return None
             seg_caps, seg_plain, one_first, one_last, seg_one_max, seg_held = seg
             caps += seg_caps
@@ -285,14 +305,14 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
         one_max = max(one_max, seg_one_max)
         pos += n
     if w_min <= 0 or (memory and held < n_layers):
-        book.pipe_floors[key] = None
+        book.cache(_PIPE_FLOORS)[key] = None
         return None
 
     # Every B below the continuous balance holds fewer than L layers, so start there.
     balance = max((n_layers + base_over_w) / inv_w, one_max)
     lo = smallest_holding(caps, n_layers, balance) if memory else balance
     if lo is None:  # not reached: the capacities were checked to hold L above
-        book.pipe_floors[key] = None
+        book.cache(_PIPE_FLOORS)[key] = None
         return None
     bottleneck = lo
     forced = max(0.0, n_layers - plain_total) if memory else 0.0
@@ -314,10 +334,10 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
             hop_max = max(hop_max, h)
             pair = max(pair, (ends[i - 1][1] + ends[i][0] + 2 * h) / 2)
         if n > 1:
-            seg = book.stage_floors.get(("segment-hops", kind, tp, n, mbs))
+            seg = book.cache(_SEGMENT_HOPS).get((kind, tp, n, mbs))
             if seg is None:
                 inner = links.pipe_hops((here,) * n, numel=numel, nbytes=nbytes)
-                seg = book.stage_floors[("segment-hops", kind, tp, n, mbs)] = (sum(inner), max(inner))
+                seg = book.cache(_SEGMENT_HOPS)[(kind, tp, n, mbs)] = (sum(inner), max(inner))
             p2p += seg[0]
             hop_max = max(hop_max, seg[1])
         prev = here
@@ -326,5 +346,312 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
                                   max_pair_s=pair, stages=p)
     # T(m) >= work + 2 p2p + (m - 1) period (fill_drain_s + m per_micro_batch_s)
     out = PipeFloor(base_s=fill + 2 * p2p - period, per_mb_s=period)
-    book.pipe_floors[key] = out
+    book.cache(_PIPE_FLOORS)[key] = out
     return out
+
+
+# ---- Stages holding a model's whole layers, each in one of its recomputation modes.
+def least_layer_work(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int) -> float:
+    """A floor under the layers' share of one micro-batch's work over all stages (bases apart): each
+    stage's cost is above its lower convex hull (`_hull`); the hulls' cheapest slopes first (over all
+    stages) then give the least total for L layers."""
+    pieces: list[tuple[float, int]] = []  # (cost per layer, layers) over all stages
+    for k, modes in caps:
+        pieces += [(slope, k * n) for slope, n in _hull(modes)]
+    pieces.sort()
+    total, left = 0.0, n_layers
+    for cost, n in pieces:
+        take = min(n, left)
+        total += take * cost
+        left -= take
+        if left <= 0:
+            break
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _hull(modes: tuple[tuple[int, float, float], ...]) -> tuple[tuple[float, int], ...]:
+    """(slope, layers) pieces of the lower convex hull of a stage's layer work (bases apart). Holding k
+    layers costs k w_m in the cheapest mode m whose capacity cap_m >= k; between two consecutive
+    capacities that is a line through the origin above the chord of its end points, so the cost is
+    at least the lower convex hull of (0, 0) and each (cap_m, cost at cap_m)."""
+    points = sorted({(c, min(w for cm, w, _ in modes if cm >= c) * c) for c, _, _ in modes if c > 0})
+    hull = [(0, 0.0)]
+    for pt in points:  # lower hull, left to right (slopes increase)
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (pt[0] - hull[-2][0])
+                                  >= (pt[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append(pt)
+    return tuple(((y1 - y0) / (x1 - x0), x1 - x0) for (x0, y0), (x1, y1) in itertools.pairwise(hull))
+
+
+def smallest_holding(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int,
+                     lo: float) -> float | None:
+    """The smallest B >= lo at which the stages hold L whole layers with every stage's time <= B (just
+    below it: a floor). A stage holds j layers within B iff some mode with capacity >= j has
+    base + j w <= B, so t(j) = min over those modes of base + j w, nondecreasing in j, is when it
+    can first hold j (j = 0: its base; before that it counts -1, as it cannot run at all); walk those
+    times in order from lo until the stages hold L. Exact. None: they never hold L. (Every floor of
+    the search calls this, thousands of times: `_time_to_hold` is inlined and min/max are comparisons.)"""
+    heap, total, floor, inf = [], 0, math.floor, math.inf
+    for g, (k, modes) in enumerate(caps):
+        x = -1
+        for cap, w, base in modes:
+            if cap >= 0 and lo >= base:
+                y = floor((lo - base) / w)
+                if y > cap:
+                    y = cap
+                if y > x:
+                    x = y
+        total += k * x
+        j, t = x + 1, inf
+        for cap, w, base in modes:  # _time_to_hold(modes, j)
+            if cap >= j:
+                c = base + j * w
+                if c < t:
+                    t = c
+        if t < inf:
+            heap.append((t, g, j))
+    if total >= n_layers:
+        return lo
+    heapq.heapify(heap)
+    b = lo
+    pop, replace = heapq.heappop, heapq.heapreplace
+    while heap:
+        t, g, j = heap[0]
+        k, modes = caps[g]
+        total += k
+        if t > b:
+            b = t
+        if total >= n_layers:
+            return b * (1 - 1e-12)
+        j += 1
+        t = inf
+        for cap, w, base in modes:
+            if cap >= j:
+                c = base + j * w
+                if c < t:
+                    t = c
+        if t < inf:
+            replace(heap, (t, g, j))
+        else:
+            pop(heap)
+    return None
+
+
+class Runs:
+    """Values at the counts f = 1, 2, ... (added in order) kept as runs of equal consecutive values, so
+    that how many counts of a range have each value is read in O(runs). A stage's modes by its
+    in-flight count change only where a capacity steps down, and under 1F1B a segment's stages hold
+    consecutive counts: the floors read their stages this way rather than one by one."""
+
+    def __init__(self) -> None:
+        self.runs: list[list] = []  # [first f, last f, value]
+        self.run_of = [0]  # run index by f (f = 0 unused)
+
+    @property
+    def last(self) -> int:
+        """The largest count added (0: none)."""
+        return len(self.run_of) - 1
+
+    def add(self, value: Any) -> None:
+        """The value at the next count."""
+        f = len(self.run_of)
+        if self.runs and self.runs[-1][2] == value:
+            self.runs[-1][1] = f
+        else:
+            self.runs.append([f, f, value])
+        self.run_of.append(len(self.runs) - 1)
+
+    def value(self, f: int) -> Any:
+        return self.runs[self.run_of[f]][2]
+
+    def counts(self, lo: int, hi: int) -> list[tuple[Any, int]]:
+        """(value, how many of the counts lo .. hi have it) by run, in count order."""
+        return [(v, min(hi, b) - max(lo, a) + 1) for a, b, v in self.runs[self.run_of[lo]:self.run_of[hi] + 1]]
+
+
+# ---- A pipeline segment's stages as the floors read them.
+def in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int, ...]:
+    """Each stage's planning_in_flight (what split.split_layers sizes it for) of a p-stage pipeline."""
+    key = (sched.name, p, hint)
+    hit = book.cache(_PLANNING_IN_FLIGHTS).get(key)
+    if hit is None:
+        hit = book.cache(_PLANNING_IN_FLIGHTS)[key] = tuple(sched.planning_in_flight(stage=s, num_stages=p,
+                                                                      expected_micro_batches=hint) for s in range(p))
+    return hit
+
+
+def stage_variants(book: CostBook, kind: str, tp: int, mbs: int) -> list:
+    """Every recomputation mode a split may give a stage (none, selective, full: split._options)."""
+    key = (kind, tp, mbs)
+    hit = book.cache(_STAGE_VARIANTS).get(key)
+    if hit is None:
+        hit = book.cache(_STAGE_VARIANTS)[key] = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc)
+                                                  for rc in RECOMPUTE_ORDER]
+    return hit
+
+
+def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: bool,
+                 in_flight: int) -> tuple[tuple[int, float, float], ...]:
+    """(capacity in layers, -1 if not even none fit; cost per layer; base) of one stage position in each
+    mode (none first), as split._options prices it; cached (every floor asks the same positions)."""
+    key = (kind, tp, mbs, emb, head, in_flight)
+    hit = book.cache(_STAGE_MODES).get(key)
+    if hit is None:
+        n_layers, out = book.job.model.num_layers, []
+        for v in stage_variants(book, kind, tp, mbs):
+            cap = v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
+            w = v.work(emb=emb, head=head)
+            out.append((max(cap, -1), w.per_layer, w.base if emb or head else 0.0))
+        hit = book.cache(_STAGE_MODES)[key] = tuple(out)
+    return hit
+
+
+def segment_terms(book: CostBook, kind: str, tp: int, n: int, mbs: int, first: bool, last: bool,
+                   n_modes: int) -> tuple[float, float, float, float, float, float]:
+    """pipe_floor's time terms of one segment of n stages (the pipeline's first and/or last or
+    neither): sum 1 / w_s, sum base_s / w_s, sum base_s, the least w, a middle stage's least one-layer
+    work and the least extra recomputation costs per layer (inf: none); cached per segment shape."""
+    key = (kind, tp, n, mbs, first, last, n_modes)
+    hit = book.cache(_SEGMENT_TERMS).get(key)
+    if hit is None:
+        variants = stage_variants(book, kind, tp, mbs)[:n_modes]
+        mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
+        # The segment's stages by what they hold besides layers: the embedding (first stage of the
+        # pipeline), the head (its last), both (one stage), neither (the others).
+        if n == 1:
+            shapes = [(first, last, 1)]
+        else:
+            shapes = [(e, h, 1) for e, h in ((first, False), (False, last)) if e or h]
+            shapes.append((False, False, n - len(shapes)))
+        inv_w = base_over_w = base_sum = 0.0
+        w_min = math.inf
+        for emb, head, k in shapes:
+            if k == 0:
+                continue
+            costs = [v.work(emb=emb, head=head) for v in variants]
+            per_layer, base = min(c.per_layer for c in costs), min(c.base for c in costs)
+            inv_w += k / per_layer if per_layer > 0 else math.inf
+            base_over_w += k * base / per_layer if per_layer > 0 else 0.0
+            base_sum += k * base
+            w_min = min(w_min, per_layer)
+        wp, *wrs = [v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants]
+        wr = min(wrs, default=wp)
+        hit = book.cache(_SEGMENT_TERMS)[key] = (inv_w, base_over_w, base_sum, w_min, mid,
+                                                 wr - wp if wr > wp else math.inf)
+    return hit
+
+
+def segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple[int, ...], first: bool, last: bool,
+                    n_modes: int, mid: float) -> tuple[list, int, float, float, float, int] | None:
+    """pipe_floor's memory terms of one segment whose stages hold `flights` micro-batches (the
+    pipeline's first and/or last stage among them or not): its stages grouped by their modes
+    (capacity, w, base); the layers they hold without recomputation; its first and last stage's least
+    one-layer work and the largest over its stages (0 for the embedding's and the head's stages,
+    which may hold none); and the most layers its stages hold in any mode. None where some stage fits
+    in no mode. Cached: the orders of one shape, and shapes beside other pure groups, ask the same
+    segments at the same positions again. Middle stages whose in-flight counts run down by one (1F1B)
+    are read off `_MiddleRuns` in O(runs of equal modes) rather than stage by stage."""
+    key = (kind, tp, mbs, flights, first, last, n_modes)
+    hit = book.cache(_SEGMENT_MEMORY).get(key, ())
+    if hit != ():
+        return hit
+    n = len(flights)
+    by_cap: dict[tuple, int] = {}  # stages of the segment by their modes' capacities and bases
+    plain = held = 0
+    one_first = one_last = one_max = 0.0
+    ends = [i for i in (0 if first else -1, n - 1 if last else -1) if i >= 0]  # the embedding's, the head's
+    for i in dict.fromkeys(ends):
+        modes = stage_modes(book, kind, tp, mbs, first and i == 0, last and i == n - 1, flights[i])[:n_modes]
+        top = max(c for c, _, _ in modes)
+        if top < 0:
+            book.cache(_SEGMENT_MEMORY)[key] = None
+            return None
+        by_cap[modes] = by_cap.get(modes, 0) + 1
+        plain += max(modes[0][0], 0)
+        held += top
+    lo_i, hi_i = (1 if first else 0), (n - 2 if last else n - 1)  # the middle stages' indices
+    if lo_i <= hi_i:
+        mids = flights[lo_i:hi_i + 1]
+        runs = _middle_runs(book, kind, tp, mbs, n_modes)
+        got = (runs.terms(book, mids[-1], mids[0], mid) if mids == tuple(range(mids[0], mids[-1] - 1, -1))
+               else runs.terms_of(book, mids, mid))
+        if got is None:
+            book.cache(_SEGMENT_MEMORY)[key] = None
+            return None
+        groups, m_plain, m_held, f_first, f_last, m_max = got
+        for modes, k in groups:
+            by_cap[modes] = by_cap.get(modes, 0) + k
+        plain += m_plain
+        held += m_held
+        one_max = m_max
+        if lo_i == 0:
+            one_first = f_first
+        if hi_i == n - 1:
+            one_last = f_last
+    out = book.cache(_SEGMENT_MEMORY)[key] = ([(k, modes) for modes, k in by_cap.items()], plain, one_first,
+                                              one_last, one_max, held)
+    return out
+
+
+def _middle_runs(book: CostBook, kind: str, tp: int, mbs: int, n_modes: int) -> _MiddleRuns:
+    key = (kind, tp, mbs, n_modes)
+    hit = book.cache(_MIDDLE_RUNS).get(key)
+    if hit is None:
+        hit = book.cache(_MIDDLE_RUNS)[key] = _MiddleRuns(kind, tp, mbs, n_modes)
+    return hit
+
+
+class _MiddleRuns:
+    """A middle stage's modes (`stage_modes`, the first n_modes) by in-flight count f = 1, 2, ... as
+    `holding.Runs` (each with its best capacity and least one-layer work), and running sums of the
+    layers a stage holds without recomputation and in its best mode, so that the stages of a segment
+    whose counts run down by one are summed in O(runs). The book it reads is passed in, not kept: the
+    book keeps this (no reference cycle)."""
+
+    def __init__(self, kind: str, tp: int, mbs: int, n_modes: int) -> None:
+        self.args = (kind, tp, mbs, n_modes)
+        self.runs = Runs()  # (modes, best capacity, least one-layer w or None) by f
+        self.plain = [0]  # layers held without recomputation by stages of counts 1 .. f
+        self.held = [0]  # layers held in the best mode by stages of counts 1 .. f
+
+    def _fill(self, book: CostBook, f_max: int) -> None:
+        kind, tp, mbs, n_modes = self.args
+        for f in range(self.runs.last + 1, f_max + 1):
+            modes = stage_modes(book, kind, tp, mbs, False, False, f)[:n_modes]
+            one = [w for c, w, _ in modes if c >= 1]
+            top = max(c for c, _, _ in modes)
+            self.runs.add((modes, top, min(one) if one else None))
+            self.plain.append(self.plain[-1] + max(modes[0][0], 0))
+            self.held.append(self.held[-1] + top)
+
+    def terms(self, book: CostBook, lo: int, hi: int, mid: float) -> tuple | None:
+        """(groups as (modes, stages), layers held without recomputation, in the best mode, one-layer
+        work of the stage at count hi and at lo, the largest one-layer work) of stages holding lo .. hi
+        micro-batches (one each); None where one fits in no mode (capacities fall with f: the one at hi)."""
+        self._fill(book, hi)
+        runs = self.runs
+        if runs.value(hi)[1] < 0:
+            return None
+        groups, one_max = [], 0.0
+        for (modes, _, one), k in runs.counts(lo, hi):
+            groups.append((modes, k))
+            one_max = max(one_max, mid if one is None else one)
+        at_hi, at_lo = runs.value(hi)[2], runs.value(lo)[2]
+        return (groups, self.plain[hi] - self.plain[lo - 1], self.held[hi] - self.held[lo - 1],
+                mid if at_hi is None else at_hi, mid if at_lo is None else at_lo, one_max)
+
+    def terms_of(self, book: CostBook, flights: tuple[int, ...], mid: float) -> tuple | None:
+        """`terms` of stages holding these counts, in this order (first's and last's one-layer work)."""
+        self._fill(book, max(flights))
+        groups, plain, held, ones = {}, 0, 0, []
+        for f in flights:
+            modes, top, one = self.runs.value(f)
+            if top < 0:
+                return None
+            groups[modes] = groups.get(modes, 0) + 1
+            plain += self.plain[f] - self.plain[f - 1]
+            held += top
+            ones.append(mid if one is None else one)
+        return list(groups.items()), plain, held, ones[0], ones[-1], max(ones)

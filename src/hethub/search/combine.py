@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from hethub.layout import block_starts
 from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
+from hethub.predict.stage_links import LinkBook
 from hethub.schedules import get_schedule
-from hethub.search.links import LinkBook
 from hethub.search.split import PipeCost, Slot
 from hethub.spec.model import ModelSpec
 

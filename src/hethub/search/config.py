@@ -34,7 +34,7 @@ class PlannerConfig:
     # None: finalists + top_k per size, so allowing more sizes never loses the plan one size gives;
     # 0: none beyond the overall ones (faster, but more sizes can then give a worse plan).
     finalists_per_size: int | None = None
-    # Cost-aware planning (search/cost.py): most tokens/s, or fewest dollars per token; both within
+    # Cost-aware planning (search/prices.py): most tokens/s, or fewest dollars per token; both within
     # the budget (dollars per hour of the devices used) and above the throughput floor, if given.
     objective: str = "throughput"
     # The predictor-driven local search after the closed-form search (planner.py); cost planning
@@ -52,25 +52,17 @@ class PlannerConfig:
     # (its replicas are not chosen yet); the predictor re-scores each finalist with its real ones.
     shard_holders: int = 1
     # Model chunks per stage the search sizes stages and prices pipelines for (the interleaved
-    # schedule's v; the planner sets it while choosing v, search/interleave.py).
+    # schedule's v; the planner sets it while choosing v, search/polish.py).
     virtual_stages: int = 1
-    # Processes one plan's search may use: 2 runs the bound's kind-alone searches (and the mixed
-    # search's template scans but the smallest micro-batch size's) in a forked child beside the mixed
-    # search on large clusters (planner.py; the same plan, sooner on two free cores, for more CPU in
-    # all); 1 searches in this process only.
-    # The planner forks one child at most, so more act as 2.
-    search_processes: int = 2
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> SpecError:
             return SpecError(f"planner option '{field}' {problem}. Fix: {fix}.")
 
-        fixes = {"search_processes": "give 1 to search in this process only, or 2 to let large searches use a "
-                                     "second process"}
-        for name in ("global_batch", "seq_len", "top_k", "finalists", "virtual_stages", "search_processes"):
+        for name in ("global_batch", "seq_len", "top_k", "finalists", "virtual_stages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, f"must be a positive integer, got {v!r}", fixes.get(name, "give a positive integer"))
+                raise bad(name, f"must be a positive integer, got {v!r}", "give a positive integer")
         v = self.finalists_per_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise bad("finalists_per_size", f"must be a non-negative integer or None, got {v!r}",

@@ -1,12 +1,12 @@
 """The search's finalists: the plans of its best distinct candidates laid out, then scored with the
-predictor (the step floor screening those that could not be among the first few). Used by the
-planner's searches and the reference search alike."""
+predictor (the step floor screening those that could not be among the first few); and each kind
+alone, the upper bound's parts. Used by the planner's searches and the reference search alike."""
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
@@ -15,11 +15,12 @@ from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.search.assemble import build_plan
+from hethub.search.assemble import build_plan, choose_recompute
 from hethub.search.config import PlannerConfig
-from hethub.search.hetero import plan_key, size_key
-from hethub.search.recompute import choose_recompute
-from hethub.search.templates import Searcher
+from hethub.search.hetero import plan_key, search, size_key
+from hethub.search.templates import Books, Searcher
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import ModelSpec
 
 
 def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str, per_size: int = 0) -> list[Plan]:
@@ -69,3 +70,56 @@ def score_plans(plans: list[Plan], profiles: ProfileSet | None, *, headroom: flo
                 del steps[keep:]
     scored.sort(key=lambda x: x[1].step_time_s)
     return scored
+
+
+# ---- Each kind alone: the upper bound's parts and each kind's best single-kind plans.
+@dataclass(frozen=True)
+class BoundParts:
+    """Each kind alone: its part of the upper bound (tokens/s), notes on kinds that cannot hold the
+    model alone, the kind-alone plans scored (the best two per kind), and the kinds whose part is a
+    relaxed-memory plan."""
+
+    parts: dict[str, float]
+    notes: tuple[str, ...]
+    alone: list[tuple[Plan, Prediction]]
+    relaxed: frozenset[str]
+
+
+def bound_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+                profiles: ProfileSet | None, books: Books | None = None,
+                host: HostModel | None = None) -> BoundParts:
+    """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
+    candidates, scored, and the kinds whose part is a relaxed-memory plan."""
+    parts: dict[str, float] = {}
+    relaxed_kinds: set[str] = set()
+    notes, feasible = [], []
+    for kind in cluster.kind_names:
+        plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
+                            books=books)
+        # The part is the best, and the combined search takes the best two (`feasible`).
+        scored = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=2)
+        if scored:
+            feasible.extend(scored[:2])
+            parts[kind] = scored[0][1].tokens_per_s
+            continue
+        relaxed = score_plans(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
+                                     relax=True, books=books), profiles, require_fit=False, host=host,
+                         headroom=config.mem_headroom, keep=1)
+        n = cluster.count_by_kind()[kind]
+        parts[kind] = relaxed[0][1].tokens_per_s if relaxed else 0.0
+        if relaxed:
+            relaxed_kinds.add(kind)
+            notes.append(f"kind {kind} alone ({n} devices) cannot hold {model.name} at seq_len {config.seq_len}; "
+                         "the upper bound uses its best plan with the memory limit relaxed")
+        else:
+            notes.append(f"kind {kind} alone ({n} devices) has no plan for {model.name} even with memory relaxed "
+                         "(no usable TP degree or too few devices); it adds nothing to the upper bound")
+    return BoundParts(parts, tuple(notes), feasible, frozenset(relaxed_kinds))
+
+
+def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
+                kind: str, relax: bool, books: Books | None) -> list[Plan]:
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, relax_memory=relax, kinds=(kind,),
+                 books=books)
+    return finalist_plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous",
+                          per_size=config.per_size_finalists)

@@ -26,8 +26,6 @@ from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
 TOP_FOR_MIXED = 4
 SMALL_POOL = 32  # devices up to which mixed pipelines may also take one released pure pipeline
 MBS_KEEP = 0.9
-# prepare_size's answer: the size, its base choices, its aligned variants' groups and its leftover fills.
-Prepared = tuple[int, list[tuple], list[list[Group]], dict[tuple, tuple[list, int]]]
 
 
 def _top_distinct(ranked: list[Ranked], n: int, *, by_size: bool = False) -> list[Ranked]:
@@ -83,12 +81,7 @@ def _fill_now(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tupl
 
 
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
-    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans.
-
-    Where another process scans the larger micro-batch sizes (`Searcher.scans_elsewhere`, the
-    planner's two processes), the smallest size is searched before their scans are taken: it is the
-    first size searched whenever it is promising (`_promising_mbs`), which is known only from every
-    size's scan, so its search is kept if it is and made again, with the others, if not."""
+    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
 
@@ -101,22 +94,8 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
             solo_k = _alone_all_sizes(s, results, k)
             if solo_k is not None:
                 solo[k] = solo_k
-    sizes, done = [], []
-    if not kinds_alone:
-        if s.scans_elsewhere is not None:
-            done = [s.config.usable_micro_batch_sizes[0]]
-            _search_size(s, results, done[0])
-            scans, prepared = s.scans_elsewhere()
-            s.adopt_scans(scans)
-            if prepared is not None:  # the next size's bar-free part, made beside the scans
-                mbs, base, aligned, fills = prepared
-                s.prepared[mbs] = (base, aligned)
-                s.fills.update(fills)
-            s.scans_elsewhere = None
-        sizes = _promising_mbs(s)
-        if sizes[:len(done)] != done:  # the smallest size is not promising: its search goes
-            results, done = fresh(), []
-    for mbs in sizes[len(done):]:
+    sizes = [] if kinds_alone else _promising_mbs(s)
+    for mbs in sizes:
         _search_size(s, results, mbs)
     _per_replica_sizes(s, results, sizes)
     results.items.sort(key=lambda e: e.step_time_s)
@@ -134,13 +113,9 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
 def _search_size(s: Searcher, results: Results, mbs: int) -> None:
     """One micro-batch size's candidates into `results`: every choice of a top template (or none) per
     kind, replicated, leftovers filled; aligned kind-pure pipelines; and mixed pipelines around the
-    best choices (`search`). The first two need no finalist bar, so another process may have made
-    them (`prepare_size`, `Searcher.prepared`)."""
-    prepared = s.prepared.pop(mbs, None)
-    if prepared is None:
-        ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in s.counts}
-        prepared = _base_choices(s, ranked, mbs), _aligned_groups(s, ranked, mbs)
-    base, aligned = prepared
+    best choices (`search`)."""
+    ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in s.counts}
+    base, aligned = _base_choices(s, ranked, mbs), _aligned_groups(s, ranked, mbs)
     for _, est, _ in base:
         results.add(est)
     total = s.total_mb(mbs)
@@ -160,15 +135,6 @@ def _search_size(s: Searcher, results: Results, mbs: int) -> None:
     for _, _, choice in chosen:
         todo += _mixed_around(s, choice)
     price_mixed(s, results, todo, mbs)
-
-
-def prepare_size(s: Searcher, mbs: int) -> Prepared:
-    """What `_search_size` makes of a size before it needs the finalists' bar: the base choices, the
-    aligned variants' groups and the leftover fills they asked (`Searcher.adopt_prepared` takes them
-    in another process: the planner's child makes them for the second size beside its scans)."""
-    ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in s.counts}
-    base, aligned = _base_choices(s, ranked, mbs), _aligned_groups(s, ranked, mbs)
-    return mbs, base, aligned, {key: hit for key, hit in s.fills.items() if key[1] == mbs}
 
 
 def _base_choices(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> list[tuple]:

@@ -14,43 +14,38 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
-from hethub.plan import Plan
+from hethub.plan import Plan, Recompute
 from hethub.predict.host import HostModel
-from hethub.predict.memory import usable_bytes
+from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_bytes
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.progress import progress
-from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE
+from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES, get_schedule
+from hethub.search.assemble import choose_recompute
 from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
-from hethub.search.diagnose import infeasible_message
-from hethub.search.finalists import finalist_plans, score_plans
-from hethub.search.hetero import prepare_size, search
-from hethub.search.interleave import chunked_candidates, chunks_note, interleave_all
-from hethub.search.kind_alone import BoundParts, bound_parts
-from hethub.search.parallel import FORK_AVAILABLE, Forked, usable_cpus
-from hethub.search.polish import polish
-from hethub.search.recompute import choose_recompute
-from hethub.search.templates import Books, Searcher
+from hethub.search.finalists import BoundParts, bound_parts, finalist_plans, score_plans
+from hethub.search.hetero import plan_key, search
+from hethub.search.polish import chunked_candidates, chunks_note, interleave_all, polish
+from hethub.search.templates import Books, Searcher, tp_options
+from hethub.search.variants import SIZED_CHUNKS, Enumeration, Variant, enumerate_shapes, priced_plans, variants_of
 from hethub.spec.cluster import Cluster
+from hethub.spec.kind import GIB
 from hethub.spec.model import ModelSpec
 
 ONE_F_ONE_B, INTERLEAVED = "1f1b", "interleaved"
 INTERLEAVE_STARTS = 3  # the best 1F1B plans of distinct shapes tried with virtual stages
 INTERLEAVE_POOL = 6  # 1F1B plans (predicted anyway as finalists) the starts are chosen among
-SIZED_CHUNKS = (2,)  # v the search also sizes stages for (each a search of its own, so one)
-POLISH_MIN_S = 0.25  # the best polish start's least budget; the runners-up get only POLISH_SHARE of the search
-# The polish's budget as a share of the search time (docs/planner.md: a quarter until its moves were
-# screened by a step floor, which halved the predictions it needs on 512 devices).
-POLISH_SHARE = 0.1
-SHARD_HOLDERS_OPTIMISM = 8  # see _best_sharding
-POLISH_STARTS = 3  # candidates polished, best first, while the budget lasts
+# Predictions the polish may make from each of its starts, best first: the runners-up too, since
+# polish moves layers and never swaps a template for another, so a runner-up a little slower as
+# scored may polish to the better plan. Counted in predictions, the same plan comes out however
+# busy the machine is.
+POLISH_BUDGETS = (16, 6, 6)
+SHARD_HOLDERS_OPTIMISM = 8  # sharded stages' assumed holders: this times the unsharded best's replicas
+FIRST_SHAPES = 3  # each enumeration's best shapes, laid out and predicted under every variant
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
-# Devices from which a forked child runs the bound's searches (and the template scans of every
-# micro-batch size but the smallest) beside the mixed search: smaller clusters plan in about a second,
-# and there the parent gains about half what the child costs (docs/planner.md, "Two processes").
-FORK_MIN_DEVICES = 256
 
 
 @dataclass(frozen=True)
@@ -106,16 +101,11 @@ def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 
 def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                    profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
-    """ZeRO-1 as an outer option: plan unsharded, then sharded, and keep the faster predicted
-    (``auto``) or the sharded one (``zero1``). The search checks a sharded stage's memory before its
-    replicas are chosen, so it assumes each parameter group has ``SHARD_HOLDERS_OPTIMISM`` times as
-    many holders as the unsharded plan has pipelines: optimistic, so that shallower pipelines, fewer
-    recomputed stages or bigger micro-batches are tried; the predictor re-scores every finalist with
-    its real holders and slices and drops those that do not fit (measured: with exactly the unsharded
-    plan's replica count the search missed the better sharded plans on both README clusters). If none
-    fits, it plans again assuming the unsharded plan's count. Sharding pays where the freed memory
-    buys such a change; otherwise its reduce-scatter + all-gather costs about the all-reduce (padded
-    slices inside an island; a two-level exchange across vendors' bridges) and the unsharded plan stays."""
+    """ZeRO-1 as an outer option for the single-kind strategy (the hethub strategy prices both
+    shardings from one enumeration, `_plan_variants`): plan unsharded, then sharded assuming
+    ``SHARD_HOLDERS_OPTIMISM`` times the unsharded plan's pipelines as each group's holders (the
+    predictor checks every finalist with its real ones; if none fits, again with the unsharded
+    count), and keep the faster predicted (``auto``) or the sharded one (``zero1``)."""
     t0 = time.perf_counter()
     base: PlanResult | None = None
     with contextlib.suppress(InfeasibleError):  # perhaps only sharded state fits
@@ -134,8 +124,6 @@ def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     if zero is None:
         assert base is not None
         return replace(base, notes=("optimizer sharding: none (no sharded plan fits)", *base.notes))
-    if base is not None:
-        zero = _with_unsharded_layouts(zero, base, config=config, profiles=profiles, host=host)
     faster = base is None or zero.prediction.step_time_s < base.prediction.step_time_s
     if config.optimizer_sharding == "zero1" or faster:
         best, other = zero, base
@@ -150,55 +138,28 @@ def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     return replace(best, search_time_s=time.perf_counter() - t0, notes=(note, *best.notes))
 
 
-def _with_unsharded_layouts(zero: PlanResult, base: PlanResult, *, config: PlannerConfig,
-                            profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
-    """The sharded search's plans plus the unsharded search's, sharded as they are with each stage's
-    recomputation chosen again (the freed memory may let a stage recompute less). The sharded search
-    checks memory with assumed holders, so its finalists can miss the unsharded layouts (hethub-768,
-    ZB-H1: 96.48 s searched vs 95.17 s for the best unsharded layout sharded)."""
-    extra = []
-    for plan, _ in base.alternatives:
-        sharded = choose_recompute(replace(plan, optimizer_sharding="zero1", optimizer_shares=config.optimizer_shares),
-                                   allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom)
-        pred = predict(sharded, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
-        if pred.fits_memory:
-            extra.append((sharded, pred))
-    if not extra or min(p.step_time_s for _, p in extra) >= zero.prediction.step_time_s:
-        return zero
-    bound = zero.upper_bound_tokens_per_s
-    top = sorted([*zero.alternatives, *extra], key=lambda x: x[1].step_time_s)[:config.top_k]
-    top = [(plan.with_meta(predicted_tokens_per_s=pred.tokens_per_s, predicted_step_time_s=pred.step_time_s,
-                           efficiency=pred.tokens_per_s / bound if bound > 0 else 0.0), pred) for plan, pred in top]
-    return replace(zero, plan=top[0][0], prediction=top[0][1], alternatives=tuple(top),
-                   efficiency=top[0][1].tokens_per_s / bound if bound > 0 else 0.0,
-                   notes=("optimizer sharding: the best unsharded layout, sharded, beat the sharded search's",
-                          *zero.notes))
-
-
 def _plan_interleaved(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
                       host: HostModel | None, base: PlanResult | None = None) -> PlanResult:
     """The interleaved schedule's plan: the 1F1B plans (``base``, if already made) interleaved, and,
-    for the hethub strategy, searches with stages sized for v chunks (search/interleave.py)."""
+    for the hethub strategy, searches with stages sized for v chunks (search/polish.py)."""
     if base is None:
         base = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
                          config=replace(config, schedule=ONE_F_ONE_B, top_k=max(config.top_k, INTERLEAVE_POOL)))
     sized = []
     if config.strategy == "hethub":
         # Stages sized for v chunks' activations (the split's memory and closed form take v).
-        for v in SIZED_CHUNKS:
-            try:
-                sized.append((v, make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
-                                           config=replace(config, schedule=INTERLEAVED, virtual_stages=v,
-                                                          polish=False, top_k=max(config.top_k, INTERLEAVE_STARTS)))))
-            except InfeasibleError:
-                pass
+        with contextlib.suppress(InfeasibleError):
+            v = SIZED_CHUNKS
+            sized.append((v, make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
+                                       config=replace(config, schedule=INTERLEAVED, virtual_stages=v, polish=False,
+                                                      top_k=max(config.top_k, INTERLEAVE_STARTS)))))
     return _interleaved(base, config=replace(config, schedule=INTERLEAVED), profiles=profiles, host=host, sized=sized)
 
 
 def _interleaved(base: PlanResult, *, config: PlannerConfig, profiles: ProfileSet | None,
                  host: HostModel | None, sized: Sequence[tuple[int, PlanResult]] = ()) -> PlanResult:
     """``base`` (planned under 1F1B) with the interleaved schedule's v chosen per pipeline where the
-    predictor finds it faster within memory (search/interleave.py); and the plans of ``sized``,
+    predictor finds it faster within memory (search/polish.py); and the plans of ``sized``,
     searched with stages sized for v chunks, laid out in v chunks where each fits."""
     t0 = time.perf_counter()
     # The best of each shape (kinds and TP degrees per stage): a runner-up of fewer, larger stages
@@ -293,6 +254,10 @@ def _reused_or_made(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig
 
 def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
+    if config.strategy == "hethub" and config.schedule != INTERLEAVED and (
+            config.schedule == AUTO_SCHEDULE or config.optimizer_sharding == "auto"
+            or (config.optimizer_sharding == "zero1" and config.shard_holders < 2)):
+        return _plan_variants(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     if config.schedule == AUTO_SCHEDULE:
         return _best_schedule(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     if config.schedule == INTERLEAVED and config.virtual_stages == 1:
@@ -315,34 +280,13 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 
     def mixed_part(s: Searcher) -> list[tuple[Plan, Prediction]]:
         # The polish's starts and the top_k alternatives are read from the first ones only.
-        keep = max(config.top_k, POLISH_STARTS if config.polish else 0)
+        keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
         return score_plans(_hethub_candidates(s, config=config), profiles, host=host, headroom=config.mem_headroom,
                       keep=keep)
 
     mixed = None
-    if config.strategy == "hethub" and _forks(cluster, config):
-        # The child scans the mixed search's templates (kind, micro-batch size) of every size but the
-        # smallest and prepares the second size, sends them, then runs the bound; the parent scans the
-        # smallest and searches it meanwhile, then takes the child's answer (hetero.search) and searches on.
-        s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
-        sizes = config.usable_micro_batch_sizes
-        theirs = [(k, b) for b in sizes[1:] for k in s.counts]
-
-        def scans() -> tuple:  # the second size's bar-free part first: its splits change the scans it sends
-            prepared = prepare_size(s, sizes[1]) if len(sizes) > 1 else None
-            return s.pure_scans(theirs), prepared
-
-        with Forked(scans=scans, bound=bound_part) as child:
-            try:
-                s.pure_scans([(k, sizes[0]) for k in s.counts])
-                s.scans_elsewhere = lambda: child.result("scans")
-                mixed = mixed_part(s)
-            except Exception:
-                child.result("bound")  # the bound's error first, as one process raises it
-                raise
-            parts, notes, alone, relaxed = child.result("bound")
-    else:
-        parts, notes, alone, relaxed = bound_part()
+    b = bound_part()
+    parts, notes, alone, relaxed = b.parts, b.notes, b.alone, b.relaxed
     bound = sum(parts.values())
     bar.update()
     # The kind-alone plans were scored for the bound already; predict() is deterministic, so reuse it.
@@ -367,21 +311,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         # POLISH_SHARE of the search time. The best start gets at least POLISH_MIN_S, so a fast search
         # does not starve it (on large plans the budget, not a local optimum, often ends it, and each
         # step is a prediction of the whole plan).
-        share_s = POLISH_SHARE * (time.perf_counter() - t0)
-        start = time.perf_counter()
-        polished = []
-        # The runners-up while the share lasts, where the best reached its local optimum early (small
-        # plans): polish moves layers and never swaps a template for another, so a runner-up a little
-        # slower as scored may polish to the better plan.
-        for cand in scored[:POLISH_STARTS]:
-            end = start + (share_s if polished else max(POLISH_MIN_S, share_s))
-            left = end - time.perf_counter()
-            if polished and left <= 0:
-                break
-            polished.append(polish(*cand, profiles=profiles, budget_s=max(left, 0.0),
-                                   allow_recompute=config.allow_recompute, host=host,
-                                   mem_headroom=config.mem_headroom))
-        scored = sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
+        scored = _polished(scored, config=config, profiles=profiles, host=host)
     bar.update()
     bar.close()
     elapsed = time.perf_counter() - t0
@@ -399,30 +329,211 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                       notes=notes, upper_bound_by_kind=parts, relaxed_kinds=relaxed)
 
 
+def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
+              host: HostModel | None) -> list[tuple[Plan, Prediction]]:
+    """``scored`` (fastest first) with its first plans polished (POLISH_BUDGETS), fastest first."""
+    polished = [polish(*cand, profiles=profiles, budget=budget, allow_recompute=config.allow_recompute, host=host,
+                       mem_headroom=config.mem_headroom) for cand, budget in zip(scored, POLISH_BUDGETS, strict=False)]
+    return sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
+
+
+def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
+                   host: HostModel | None) -> PlanResult:
+    """The best plan over every variant (schedule, optimizer sharding) the config leaves open, every
+    variant pricing one pool of shapes enumerated per sharding and per schedule with its own closed
+    form (search/variants.py)."""
+    t0 = time.perf_counter()
+    _check_job(model, config)
+    _check_state_fits(cluster, model, config)
+    variants, shardings = variants_of(config)
+    names = [v.schedule for v in variants]
+    base = ONE_F_ONE_B if ONE_F_ONE_B in names else names[0]
+    links = Books()
+    # The schedules whose closed form and in-flight rule differ enumerate their own shapes; the
+    # interleaved schedule's are the 1F1B ones, priced for chunks.
+    schedules = list(dict.fromkeys(n for n in (base, *names) if n != INTERLEAVED))
+    bar = progress(len(schedules) * len(shardings) + len(variants) + 1, desc=f"plan {cluster.name}", unit="steps",
+                   stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
+    enums, holders = [], 2
+    for z in shardings:  # "none" first: its best sets the sharded enumerations' assumed holders
+        for sch in schedules:
+            e = _enumeration(cluster=cluster, model=model, config=config, profiles=profiles, host=host, sharding=z,
+                             base=sch, holders=SHARD_HOLDERS_OPTIMISM * holders, links=links, bound=sch == base)
+            enums.append(e)
+            bar.update()
+        if z == "none" and enums[0].shapes:
+            holders = max(2, sum(g.count for g in enums[0].shapes[0].groups))
+    shapes, seen, firsts = [], set(), set()
+    for e in enums:
+        for rank, est in enumerate(e.shapes):
+            if plan_key(est) not in seen:
+                seen.add(plan_key(est))
+                if rank < FIRST_SHAPES:
+                    firsts.add(len(shapes))
+                shapes.append(est)
+    keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
+    by_variant: dict[Variant, list[tuple[Plan, Prediction]]] = {}
+    for v in variants:
+        got = priced_plans(cluster=cluster, model=model, config=config, profiles=profiles, host=host, variant=v,
+                           shapes=shapes, links_books=links, keep=keep, firsts=frozenset(firsts),
+                           holders=SHARD_HOLDERS_OPTIMISM * holders)
+        if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
+            got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
+                                     mem_headroom=config.mem_headroom)
+        by_variant[v] = got
+        bar.update()
+    # Each kind alone is part of the space (hethub >= homogeneous) and the bound's parts.
+    parts_by, relaxed_by, notes = [], [], []
+    for e in enums:
+        if e.bound is None:
+            continue
+        parts, bound_notes, alone, relaxed = e.bound.parts, e.bound.notes, e.bound.alone, e.bound.relaxed
+        parts_by.append(parts)
+        relaxed_by.append(relaxed)
+        notes += [n for n in bound_notes if n not in notes]
+        by_variant.setdefault(Variant(base, e.sharding), []).extend(alone)
+        # The bound's parts under the other schedules: each kind's best plan alone, rescheduled.
+        for v in variants:
+            if v.schedule not in (base, INTERLEAVED) and v.sharding == e.sharding:
+                again = _rescheduled([x for x in alone if x[0].pipelines], v.schedule, config=config,
+                                     profiles=profiles, host=host)
+                parts_by.append({p.pipelines[0].stages[0].kind: r.tokens_per_s for p, r in again})
+                relaxed_by.append(frozenset())
+                by_variant[v] = [*by_variant.get(v, []), *again]
+    scored = sorted((x for got in by_variant.values() for x in got), key=lambda x: x[1].step_time_s)
+    if not scored:
+        bar.close()
+        raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
+    if config.polish:
+        scored = _polished(scored, config=config, profiles=profiles, host=host)
+    if INTERLEAVED in names:
+        scored = sorted([*scored, *_interleavings(scored, config=config, profiles=profiles, host=host)],
+                        key=lambda x: x[1].step_time_s)
+    bar.update()
+    bar.close()
+    parts, relaxed = _merged_parts(parts_by, relaxed_by)
+    bound = sum(parts.values())
+    elapsed = time.perf_counter() - t0
+    top = []
+    for plan, pred in scored[:config.top_k]:
+        eff = pred.tokens_per_s / bound if bound > 0 else 0.0
+        plan = replace(plan, strategy="hethub").with_meta(
+            strategy="hethub", predicted_tokens_per_s=pred.tokens_per_s, predicted_step_time_s=pred.step_time_s,
+            efficiency=eff, search_time_s=elapsed, upper_bound_tokens_per_s=bound)
+        top.append((plan, pred))
+    best_plan, best_pred = top[0]
+    return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
+                      efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
+                      notes=(*_variant_notes(scored, names, shardings), *notes), upper_bound_by_kind=parts,
+                      relaxed_kinds=relaxed)
+
+
+def _rescheduled(scored: list[tuple[Plan, Prediction]], schedule: str, *, config: PlannerConfig,
+                 profiles: ProfileSet | None, host: HostModel | None) -> list[tuple[Plan, Prediction]]:
+    """Each kind's best single-kind plan of ``scored`` under ``schedule``, each stage's recomputation
+    chosen again, predicted; those that fit, best first."""
+    best: dict[str, tuple[Plan, Prediction]] = {}
+    for plan, pred in scored:
+        kinds = {st.kind for p in plan.pipelines for st in p.stages}
+        if len(kinds) == 1 and (kind := kinds.pop()) not in best:
+            best[kind] = (plan, pred)
+    out = []
+    for plan, _ in best.values():
+        trial = choose_recompute(replace(plan, schedule=schedule), allow_recompute=config.allow_recompute,
+                                 mem_headroom=config.mem_headroom)
+        pred = predict(trial, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
+        if pred.fits_memory:
+            out.append((trial, pred))
+    return sorted(out, key=lambda x: x[1].step_time_s)
+
+
+def _enumeration(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
+                 host: HostModel | None, sharding: str, base: str, holders: int, links: Books,
+                 bound: bool) -> Enumeration:
+    """`variants.enumerate_shapes`, kept within `reused_searches` (``--compare`` asks the same ones per row)."""
+    def made() -> Enumeration:
+        return enumerate_shapes(cluster=cluster, model=model, config=config, profiles=profiles, host=host,
+                                sharding=sharding, base=base, holders=holders, books=Books(links=links.links),
+                                bound=bound)
+
+    if _REUSED is None:
+        return made()
+    key = ("enumeration", id(cluster), id(model), id(profiles), id(host), sharding, base, holders, bound,
+           replace(config, schedule=base, optimizer_sharding=sharding, top_k=1))
+    if key not in _REUSED:
+        _REUSED[key] = (made(), None, (cluster, model, profiles, host))
+    return _REUSED[key][0]
+
+
+def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
+                   host: HostModel | None) -> list[tuple[Plan, Prediction]]:
+    """The best 1F1B plans of distinct shapes with the interleaved schedule's v chosen per group of
+    identical pipelines where it pays (search/polish.py)."""
+    starts, shapes = [], set()
+    for plan, pred in scored:
+        if plan.schedule != ONE_F_ONE_B:
+            continue
+        shape = tuple(sorted(tuple((st.kind, len(st.devices)) for st in p.stages) for p in plan.pipelines))
+        if shape not in shapes:
+            shapes.add(shape)
+            starts.append((plan, pred))
+        if len(starts) == INTERLEAVE_STARTS:
+            break
+    tried = interleave_all(starts, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
+    return [(p, r) for p, r in tried if any(q.virtual_stages > 1 for q in p.pipelines)]
+
+
+def _merged_parts(parts_by: list[dict[str, float]], relaxed_by: list[frozenset[str]],
+                  ) -> tuple[dict[str, float], frozenset[str]]:
+    """Each kind's best part over several bounds, a relaxed-memory part counting only where no bound
+    found one that fits (`merged_bound`)."""
+    fitting: dict[str, float] = {}
+    relaxed: dict[str, float] = {}
+    for parts, rel in zip(parts_by, relaxed_by, strict=True):
+        for kind, tps in parts.items():
+            into = relaxed if kind in rel else fitting
+            into[kind] = max(into.get(kind, 0.0), tps)
+    parts = {k: fitting.get(k, relaxed.get(k, 0.0)) for k in dict.fromkeys([*fitting, *relaxed])}
+    return parts, frozenset(relaxed) - frozenset(fitting)
+
+
+def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], shardings: list[str]) -> list[str]:
+    """What the chosen plan's schedule and sharding beat: the best plan of each other one."""
+    best = scored[0]
+    notes = []
+    if len(set(schedules)) > 1:
+        own = {}
+        for plan, pred in scored:
+            own.setdefault(plan.schedule, pred.step_time_s)
+        others = ", ".join(f"{n} {t:.3f} s" for n, t in own.items() if n != best[0].schedule)
+        notes.append(f"schedule {best[0].schedule} chosen: predicted step {best[1].step_time_s:.3f} s"
+                     + (f" vs {others}" if others else ""))
+    if len(shardings) > 1:
+        other = next(((p, r) for p, r in scored if p.optimizer_sharding != best[0].optimizer_sharding), None)
+        note = f"optimizer sharding: {best[0].optimizer_sharding}"
+        if other is not None:
+            gain = other[1].step_time_s / best[1].step_time_s
+            note += (f" (predicted step {best[1].step_time_s:.3f} s vs {other[1].step_time_s:.3f} s "
+                     f"{other[0].optimizer_sharding}: {gain:.3f}x)")
+        notes.append(note)
+    return notes
+
+
 def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 profiles: ProfileSet | None = None, host: HostModel | None = None) -> tuple[float, tuple[str, ...]]:
     """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
     _check_job(model, config)
-    parts, notes, _, _ = bound_parts(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    return sum(parts.values()), notes
+    b = bound_parts(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    return sum(b.parts.values()), b.notes
 
 
 def merged_bound(results: Iterable[PlanResult]) -> tuple[dict[str, float], frozenset[str]]:
     """Each kind's part of the bound over several searches of the same job (schedules, sharding): the
-    best any of them found for that kind alone. A result's own bound covers only its own variant, so
-    a plan of another variant could beat it (hethub-768: the 1F1B-sharded plan read 1.009 against the
-    1F1B-sharded bound, 0.877 against the ZB-H1-sharded one). Also the kinds whose merged part is
-    still a relaxed-memory plan."""
-    fitting: dict[str, float] = {}
-    relaxed: dict[str, float] = {}
-    for r in results:
-        for kind, tps in (r.upper_bound_by_kind or {}).items():
-            into = relaxed if kind in r.relaxed_kinds else fitting
-            into[kind] = max(into.get(kind, 0.0), tps)
-    # A relaxed-memory plan is no plan: it counts only where no search found one that fits (hethub-768:
-    # the sharded search's mi250x part was relaxed, 1.5x the unsharded search's fitting one).
-    parts = {k: fitting.get(k, relaxed.get(k, 0.0)) for k in dict.fromkeys([*fitting, *relaxed])}
-    return parts, frozenset(relaxed) - frozenset(fitting)
+    best any of them found for that kind alone (a result's own bound covers only its own variant, so
+    a plan of another variant could read above it). Also the kinds whose merged part is still a
+    relaxed-memory plan."""
+    done = list(results)
+    return _merged_parts([r.upper_bound_by_kind or {} for r in done], [r.relaxed_kinds for r in done])
 
 
 def against_bound(result: PlanResult, parts: dict[str, float], relaxed: frozenset[str] = frozenset()) -> PlanResult:
@@ -462,13 +573,46 @@ def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig)
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
 
 
-def _forks(cluster: Cluster, config: PlannerConfig) -> bool:
-    """Whether make_plan runs the bound in a second process (search/parallel.py): where fork exists,
-    the config allows it, the cluster is large enough to gain from it (FORK_MIN_DEVICES) and this
-    process may run on two CPUs."""
-    return (FORK_AVAILABLE and config.search_processes >= 2 and cluster.num_devices >= FORK_MIN_DEVICES
-            and usable_cpus() >= 2)
-
-
 def _hethub_candidates(s: Searcher, *, config: PlannerConfig) -> list[Plan]:
     return finalist_plans(s, search(s), config=config, strategy="hethub", per_size=config.per_size_finalists)
+
+
+# ---- Why nothing fits, in words a person can act on.
+def infeasible_message(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig) -> str:
+    state = model.num_params * sum(state_bytes_per_param(config.precision).values())
+    counts = cluster.count_by_kind()
+    usable = sum(n * usable_bytes(cluster.kinds[k], headroom=config.mem_headroom) for k, n in counts.items())
+    head = (f"no {config.strategy} plan for {model.name} ({model.num_params / 1e9:.1f}B parameters, "
+            f"{model.num_layers} layers) at seq_len {config.seq_len} fits cluster {cluster.name!r} "
+            f"({cluster.num_devices} devices)")
+    if state > usable:
+        return (f"{head}: weights, gradients and Adam state alone need {state / GIB:.0f} GiB but the cluster's "
+                f"usable memory is {usable / GIB:.0f} GiB. Fix: use a larger cluster or a smaller model "
+                "(fewer layers or a narrower hidden size).")
+    # The state fits in aggregate, so activations or per-device granularity are the problem: show
+    # the smallest per-device footprint of one layer on each kind (largest TP, micro-batch 1).
+    parts = []
+    job = StageJob.planned(model=model, cluster=cluster, seq_len=config.seq_len, precision=config.precision,
+                           profiles=None)
+    for k in counts:
+        tps = tp_options(cluster, model, k, config.tp_degrees)
+        if not tps:
+            parts.append(f"{k} has no TP degree in {config.tp_degrees} that divides its node size and the "
+                         "model's heads")
+            continue
+        kind = cluster.kinds[k]
+        one = stage_memory_of(job, kind, layers=1, embedding=False, head=False, tp=tps[-1], mbs=1, in_flight=1,
+                              recompute=Recompute.of(config.allow_recompute), synced=False, neighbours=0)
+        cap = usable_bytes(kind, headroom=config.mem_headroom)
+        parts.append(f"one layer at TP {tps[-1]} needs {one.total_bytes / GIB:.1f} GiB per {k} device "
+                     f"({describe_peak(one, limit=2)}) of {cap / GIB:.1f} GiB usable "
+                     f"({config.mem_headroom:.0%} headroom)")
+    fixes = ["a smaller --seq-len", "a larger cluster", "a model with fewer layers"]
+    if get_schedule(config.schedule).max_in_flight(stage=0, num_stages=1) is None:
+        bounded = [n for n in SCHEDULES if get_schedule(n).max_in_flight(stage=0, num_stages=1) is not None]
+        fixes.insert(0, f"schedule {' or '.join(bounded)} ({config.schedule} keeps every micro-batch's activations)")
+    if not config.allow_recompute:
+        fixes.insert(0, "allowing activation recomputation")
+    if config.strategy in ("uniform", "flops-proportional"):
+        fixes.insert(0, "strategy hethub (it may leave devices out and splits layers unevenly)")
+    return f"{head}: {'; '.join(parts)}. Fix: try {', or '.join(fixes)}."

@@ -3,15 +3,16 @@
 The closed form ranks whole plans well but cannot see every detail of the event simulation (with
 few micro-batches, which stage holds the last layer matters). Starting from the predictor's best,
 we move one layer across each stage boundary, or one micro-batch between pipelines, applying each
-move to all identical pipelines at once, and keep any move the predictor likes, within a budget.
+move to all identical pipelines at once, and keep any move the predictor likes, within a budget of
+predictions. Also the interleaved schedule's chunks per pipeline, chosen the same way.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import replace
 
-from hethub.plan import Pipeline, Plan, Recompute
+from hethub.plan import Pipeline, Plan, Recompute, interleave, split_evenly
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.plan_costs import PlanCosts
@@ -20,10 +21,10 @@ from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_cost import StageJob, StageModel
 from hethub.schedules import get_schedule
-from hethub.search.costs import recompute_options
+from hethub.search.split import recompute_options
 
 
-def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_s: float,
+def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget: int,
            allow_recompute: bool, host: HostModel | None = None,
            mem_headroom: float = DEFAULT_MEM_HEADROOM) -> tuple[Plan, Prediction]:
     """First-improvement local search. After a move is taken, the next round starts at that same
@@ -32,18 +33,18 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
     which matters because the budget, not the local optimum, usually ends the search on large plans.
     A move whose step floor (predictor.floor_reaches: the stage costs' floor, no simulation, ~1/20 of
     a prediction on 512 devices, then that plus the exact sync tail) is already not below the
-    current step cannot be taken, so it is not predicted."""
-    deadline = time.perf_counter() + budget_s
+    current step cannot be taken, so it is not predicted. ``budget``: the predictions it may make,
+    so the same plan comes out however busy the machine is."""
     costs = PlanCosts(plan, profiles) if host is None else None  # stage costs: every move keeps the job
     # Each stage shape's recomputation choice (_resplit), for every move: a move changes two stages'
     # shapes and keeps the job, so the rest are asked again and again.
     modes: dict[tuple, Recompute | None] = {}
     start, improved = 0, True
-    while improved and time.perf_counter() < deadline:
+    while improved and budget > 0:
         improved = False
         moves = _moves(plan)
         for j in range(len(moves)):
-            if time.perf_counter() >= deadline:
+            if budget <= 0:
                 break
             i = (start + j) % len(moves)
             cand = _apply(plan, moves[i], allow_recompute=allow_recompute, headroom=mem_headroom, memo=modes)
@@ -52,6 +53,7 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget_
             if costs is not None and floor_reaches(cand, pred.step_time_s * (1 - 1e-9), costs=costs):
                 continue
             p = predict(cand, profiles=profiles, host=host, mem_headroom=mem_headroom)
+            budget -= 1
             if p.fits_memory and p.step_time_s < pred.step_time_s * (1 - 1e-9):
                 plan, pred, improved, start = cand, p, True, i
                 break
@@ -136,3 +138,82 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
         stages.append(s if s.layers == layers and s.recompute == mode else replace(s, layers=layers, recompute=mode))
         start += k
     return replace(p, stages=tuple(stages))
+
+
+# ---- Choosing virtual stages: the interleaved schedule's v per pipeline, where it pays, under memory.
+CHUNK_CHOICES = (2, 3, 4, 6, 8)
+
+
+def _shape(p: Pipeline) -> tuple:
+    return (p.micro_batch_size, p.num_micro_batches, tuple((s.kind, s.tp, s.num_layers, s.recompute) for s in p.stages))
+
+
+def chunk_choices(p: Pipeline) -> tuple[int, ...]:
+    """The v a pipeline may take: up to its largest stage's layer count (a stage with fewer layers
+    than v has empty chunks, which pass their input on), at least as many micro-batches as stages,
+    two or more stages."""
+    n = len(p.stages)
+    if n < 2 or p.num_micro_batches < n:
+        return ()
+    most = max(s.num_layers for s in p.stages)
+    return tuple(v for v in CHUNK_CHOICES if v <= most)
+
+
+def with_chunks(p: Pipeline, v: int) -> Pipeline:
+    """``p`` with each stage's layers in v chunks as equal as can be, the smaller ones first (the
+    warm-up holds mostly early chunks' activations; v = 1: plain layers)."""
+    return interleave(p, [split_evenly(s.num_layers, v)[::-1] for s in p.stages])
+
+
+def fits(pred: Prediction) -> bool:
+    return all(sp.fits for sp in pred.stages)
+
+
+def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, host: HostModel | None,
+                    mem_headroom: float) -> tuple[Plan, Prediction]:
+    """``plan`` (made for 1F1B) under the interleaved schedule with the best v per group of identical
+    pipelines (greedy, one group after another), and its prediction."""
+    best = replace(plan, schedule="interleaved")
+    best_pred = pred
+    groups: dict[tuple, list[int]] = {}
+    for pi, p in enumerate(plan.pipelines):
+        groups.setdefault(_shape(p), []).append(pi)
+    for members in groups.values():
+        for v in chunk_choices(plan.pipelines[members[0]]):
+            pipes = list(best.pipelines)
+            for pi in members:
+                pipes[pi] = with_chunks(plan.pipelines[pi], v)
+            trial = replace(best, pipelines=tuple(pipes)).validate()
+            tp = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
+            if fits(tp) and tp.step_time_s < best_pred.step_time_s:
+                best, best_pred = trial, tp
+    return best, best_pred
+
+
+def chunks_note(plan: Plan) -> str:
+    """'v 2, 2, 1' per pipeline, for notes and tables."""
+    return "v " + ", ".join(str(p.virtual_stages) for p in plan.pipelines)
+
+
+def interleave_all(scored: Sequence[tuple[Plan, Prediction]], *, profiles: ProfileSet | None,
+                   host: HostModel | None, mem_headroom: float) -> list[tuple[Plan, Prediction]]:
+    """Each candidate interleaved where it pays, best first."""
+    out = [interleave_plan(plan, pred, profiles=profiles, host=host, mem_headroom=mem_headroom)
+           for plan, pred in scored]
+    return sorted(out, key=lambda x: x[1].step_time_s)
+
+
+def chunked_candidates(scored: Sequence[tuple[Plan, Prediction]], v: int, *, profiles: ProfileSet | None,
+                       host: HostModel | None, mem_headroom: float) -> list[tuple[Plan, Prediction]]:
+    """Plans searched with stages sized for v chunks (``PlannerConfig.virtual_stages``), each pipeline
+    laid out in v chunks where it can take them, kept where every device fits."""
+    out = []
+    for plan, _ in scored:
+        pipes = tuple(with_chunks(p, v) if v in chunk_choices(p) else p for p in plan.pipelines)
+        if all(p.virtual_stages == 1 for p in pipes):
+            continue  # a 1F1B plan: the 1F1B search's to offer, not interleaving's
+        trial = replace(plan, schedule="interleaved", pipelines=pipes).validate()
+        pred = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
+        if fits(pred):
+            out.append((trial, pred))
+    return out

@@ -1,12 +1,13 @@
 """One pipeline: which stage shapes in which order, and how many layers each stage gets.
 
 Decoder layers are identical, so a split is just a layer count per stage. We minimise the bottleneck
-stage (forward + backward of one micro-batch), which is what the 1F1B/GPipe steady state runs at,
-subject to each stage's memory at its position (the schedule's in-flight rule, ``hethub.schedules``;
-1F1B stage s of p holds p - s micro-batches). For a
-bottleneck value B every stage can take at most n_s(B) layers (closed form, time and memory are affine);
-B is feasible iff sum n_s(B) >= L. Bisection on B, then trimming the excess from the slowest stages,
-gives the optimum in O(p log(1/eps)) instead of the O(p L^2) of a generic partition DP.
+stage (forward + backward of one micro-batch), which is what the steady state runs at, subject to each
+stage's memory at its position (the schedule's in-flight rule, ``hethub.schedules``; 1F1B stage s of
+p holds p - s micro-batches): each stage's cost, in the cheapest recomputation mode that holds its
+layers, is nondecreasing in its layer count, so giving the next layer to the stage whose cost grows
+least minimises the bottleneck exactly, in O(L log p) instead of a partition DP's O(p L^2).
+
+Also the search's caches over the predictor's stage cost model per job (``CostBook``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from hethub.plan import Recompute
+from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
+from hethub.predict.profiles import ProfileSet
+from hethub.predict.stage_cost import Affine, StageJob, StageModel
+from hethub.predict.stage_links import Slot
 from hethub.schedules import get_schedule
-from hethub.search.costs import CostBook, StageCost, recompute_options
+from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 
@@ -27,14 +32,6 @@ class PipeHops(Protocol):
     """One micro-batch's activations from each stage to the next (search.links.LinkBook.pipe_hops)."""
 
     def __call__(self, slots: tuple[Slot, ...], *, numel: int, nbytes: float) -> tuple[float, ...]: ...
-
-
-class Slot(NamedTuple):
-    """One stage's device kind and TP degree. A tuple: the floors and caches key on slots ~10^5 times
-    per search, and a tuple hashes and compares in C."""
-
-    kind: str
-    tp: int
 
 
 @dataclass(frozen=True)
@@ -191,7 +188,7 @@ def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_
              allow_recompute: bool) -> list[_Option]:
     """Each recomputation mode (none, selective, full) where it fits; cached (templates share stage
     positions). Selective is an option of the split itself, not only of the laid-out plan
-    (search/recompute.py): a stage that fits only with selective would otherwise be priced with full
+    (search/assemble.py): a stage that fits only with selective would otherwise be priced with full
     recomputation and its template could rank out of the finalists (test_space's first case)."""
     key = (slot.kind, slot.tp, mbs, emb, head, in_flight, low, allow_recompute)
     here = book.options.get(key)
@@ -256,3 +253,113 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
     return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
                     fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
                     schedule=schedule, chunks=chunks)
+
+
+# ---- The search's stage costs: caches over the predictor's stage cost model (predict/stage_cost.py).
+__all__ = ["RECOMPUTE_ORDER", "Affine", "CostBook", "Job", "RecomputeFloor", "StageCost", "recompute_options"]
+
+# The recomputation modes, by falling memory and rising backward time: a stage takes the first that fits.
+RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+StageCost = StageModel
+
+
+def recompute_options(allow_recompute: bool) -> tuple[Recompute, ...]:
+    """The modes a stage may take once the layout is fixed (polish, baselines): all, or only ``none``."""
+    return RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every stage cost of one search depends on besides the stage itself."""
+
+    model: ModelSpec
+    seq_len: int
+    precision: str
+    schedule: str
+    profiles: ProfileSet | None = None
+    chunks: int = 1  # model chunks per stage the schedule runs (interleaved: v)
+    relax_memory: bool = False  # the upper bound prices kinds that cannot hold the model
+    mem_headroom: float = DEFAULT_MEM_HEADROOM  # share of each device's memory plans leave free
+    # ZeRO-1: each stage keeps AdamW state for 1/holders of its parameters (an assumption the
+    # predictor checks on the finalists with the plan's real holders); 1: unsharded.
+    optimizer_shard_holders: int = 1
+
+
+class RecomputeFloor:
+    """What the search's floors (bounds.py, mixed.py) take for "a stage that recomputes": the most
+    layers either recomputing mode holds (full's, in practice) at the least time either takes
+    (selective's). The split prices both modes (split._options), so a floor built from none and this
+    stays below every split whichever mode each stage takes."""
+
+    def __init__(self, selective: StageCost, full: StageCost) -> None:
+        self.modes = (selective, full)
+        for name in ("fwd_per_layer_s", "bwd_per_layer_s", "emb_fwd_s", "emb_bwd_s", "head_fwd_s", "head_bwd_s"):
+            setattr(self, name, min(getattr(m, name) for m in self.modes))
+
+    def work(self, *, emb: bool, head: bool) -> Affine:
+        works = [m.work(emb=emb, head=head) for m in self.modes]
+        return Affine(min(w.per_layer for w in works), min(w.base for w in works))
+
+    def max_layers(self, *, emb: bool, head: bool, in_flight: int, limit: int) -> int:
+        return max(m.max_layers(emb=emb, head=head, in_flight=in_flight, limit=limit) for m in self.modes)
+
+
+V = TypeVar("V")
+
+
+class Cache(Generic[V]):
+    """One named, typed cache of a CostBook, declared once by the module that fills it
+    (``CAPACITY: Cache[Capacity] = Cache("capacity")``, read as ``book.cache(CAPACITY)``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Cache({self.name!r})"
+
+
+class CostBook:
+    """StageCosts by shape, and layer splits by template: built once per job, shared by searches."""
+
+    def __init__(self, job: Job, cluster: Cluster) -> None:
+        self.job, self.kinds = job, cluster.kinds
+        self.stage_job = StageJob.planned(model=job.model, cluster=cluster, seq_len=job.seq_len,
+                                          precision=job.precision, profiles=job.profiles)
+        self._cache: dict[tuple[str, int, int, Recompute], StageModel] = {}
+        self.splits: dict[tuple, list[PipeCost]] = {}  # by (slots, micro-batch size[, recompute])
+        self.fixed: dict[tuple, PipeCost | None] = {}  # given layer counts, by (slots, micro-batch size, counts)
+        self.options: dict[tuple, list[_Option]] = {}  # split._options
+        self.recompute_floors: dict[tuple[str, int, int], RecomputeFloor] = {}
+        self.solo: dict[tuple[int, int], tuple[PipeCost, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
+        self._caches: dict[Cache[Any], dict[Any, Any]] = {}  # the floors' (bounds.py, mixed.py)
+
+    def cache(self, which: Cache[V]) -> dict[Any, V]:
+        """The cache ``which`` of this book (empty at first)."""
+        hit = self._caches.get(which)
+        if hit is None:
+            hit = self._caches[which] = {}
+        return hit
+
+    def recompute_floor(self, kind: str, *, tp: int, mbs: int) -> RecomputeFloor:
+        """The floors' stand-in for every recomputing mode of one stage shape (see RecomputeFloor)."""
+        key = (kind, tp, mbs)
+        hit = self.recompute_floors.get(key)
+        if hit is None:
+            hit = self.recompute_floors[key] = RecomputeFloor(
+                self.stage(kind, tp=tp, mbs=mbs, recompute=Recompute.SELECTIVE),
+                self.stage(kind, tp=tp, mbs=mbs, recompute=Recompute.FULL))
+        return hit
+
+    def stage(self, kind: str, *, tp: int, mbs: int, recompute: Recompute | bool) -> StageCost:
+        """The cost model of one stage shape (a bool ``recompute`` means full or none)."""
+        recompute = Recompute.of(recompute)
+        key = (kind, tp, mbs, recompute)
+        sm = self._cache.get(key)
+        if sm is None:
+            k, j = self.kinds[kind], self.job
+            cap = float("inf") if j.relax_memory else usable_bytes(k, headroom=j.mem_headroom)
+            sm = self._cache[key] = StageModel(self.stage_job, k, tp=tp, mbs=mbs, recompute=recompute,
+                                               capacity_bytes=cap, shard_holders=j.optimizer_shard_holders)
+        return sm

@@ -12,17 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from hethub.predict.profiles import ProfileSet
-from hethub.search.assemble import build_plan
+from hethub.predict.stage_links import LinkBook
+from hethub.search.assemble import build_plan, fits_some_mode
 from hethub.search.bounds import capacity, rate_bound
 from hethub.search.combine import Estimate, Group, estimate, step_time_s
 from hethub.search.config import PlannerConfig
-from hethub.search.costs import CostBook, Job
-from hethub.search.links import LinkBook
-from hethub.search.recompute import fits_some_mode
-from hethub.search.split import PipeCost, Slot, fixed_split, split_layers
+from hethub.search.split import CostBook, Job, PipeCost, Slot, fixed_split, split_layers
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
@@ -88,12 +85,6 @@ class Searcher:
         # mixed_sync.SyncFloors' ring floors, which depend on their keys only: shared by every set of
         # pure groups the mixed search places pipelines beside.
         self.sync_rings: dict[tuple, float] = {}
-        # Where another process scans some (kind, micro-batch size) keys: a call that returns their
-        # `pure_scans` and a size's hetero.prepare_size or None (the planner's two processes;
-        # hetero.search takes them once it needs them).
-        self.scans_elsewhere: Callable[[], tuple[dict[tuple[str, int], Scan], Any]] | None = None
-        # A size's base choices and aligned groups made by hetero.prepare_size, by micro-batch size.
-        self.prepared: dict[int, tuple[list, list]] = {}
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
         """The min-max split, plus the best split without recomputation when that one recomputes.
@@ -107,7 +98,7 @@ class Searcher:
             if self.config.allow_recompute and first and any(any(pc.recompute) for pc in first):
                 first = first + self.split_part(slots, mbs, recompute=False)
             self.book.splits[key] = first
-        return self.book.splits[key]  # type: ignore[return-value]
+        return self.book.splits[key]
 
     def split_part(self, slots: tuple[Slot, ...], mbs: int, *, recompute: bool) -> list[PipeCost]:
         """One half of `splits`: the splits with recomputation allowed, or those without any (cached);
@@ -122,7 +113,7 @@ class Searcher:
             hit = self.book.splits[key] = split_layers(self.book, slots, mbs=mbs, allow_recompute=recompute,
                                                        hops=self.links.pipe_hops, in_flight_hint=hint,
                                                        slacks=slacks)
-        return hit  # type: ignore[return-value]
+        return hit
 
     def in_flight_hint(self, devices: int, mbs: int) -> int:
         """Micro-batches a pipeline of `devices` devices is sized for where the schedule holds all of
@@ -132,11 +123,11 @@ class Searcher:
 
     def fixed(self, slots: tuple[Slot, ...], counts: tuple[int, ...], mbs: int) -> PipeCost | None:
         key = (slots, mbs, counts)
-        if key not in self.book.splits:
-            self.book.splits[key] = fixed_split(self.book, slots, counts, mbs=mbs,
-                                                allow_recompute=self.config.allow_recompute, hops=self.links.pipe_hops,
-                                                in_flight_hint=max(1, self.config.global_batch // mbs))
-        return self.book.splits[key]  # type: ignore[return-value]
+        if key not in self.book.fixed:
+            self.book.fixed[key] = fixed_split(self.book, slots, counts, mbs=mbs,
+                                               allow_recompute=self.config.allow_recompute, hops=self.links.pipe_hops,
+                                               in_flight_hint=max(1, self.config.global_batch // mbs))
+        return self.book.fixed[key]
 
     def estimate(self, groups: list[Group], mbs: int) -> Estimate | None:
         return estimate(groups, total_mb=self.config.global_batch // mbs, links=self.links, model=self.model,
@@ -274,24 +265,6 @@ class Searcher:
             cands += [(self._bound(kind, tp, mbs, p, share), tp, p) for p in window]
         cands.sort(key=lambda x: -x[0])
         return [(tp, p) for b, tp, p in cands[:TOP_PER_KIND] if b > 0]
-
-    def pure_scans(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], Scan]:
-        """`pure` at this search's own share for each (kind, micro-batch size) of ``keys``, with the
-        stage counts it skipped: scans another process may make for this search (`adopt_scans`)."""
-        out = {}
-        for kind, mbs in keys:
-            key = (kind, mbs, self.share[kind])
-            out[(kind, mbs)] = (self.pure(kind, mbs, share=self.share[kind]), self._skipped[key])
-        return out
-
-    def adopt_scans(self, scans: dict[tuple[str, int], Scan]) -> None:
-        """Take the `pure_scans` of a Searcher of the same job made elsewhere (a forked process,
-        planner.py) as this one's: the same lists `pure` would make, each scan being a function of
-        its key and of caches of pure functions only. Scans made here already are kept."""
-        for (kind, mbs), (ranked, skipped) in scans.items():
-            key = (kind, mbs, self.share[kind])
-            if key not in self._pure:
-                self._pure[key], self._skipped[key] = ranked, skipped
 
     def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
         """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""

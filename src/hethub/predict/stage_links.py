@@ -1,4 +1,6 @@
-"""Representative links between stages and replicas, before devices are chosen.
+"""Representative links between stages and replicas, before devices are chosen: the stage cost
+model's hop and ring times (``Cluster.link``, ``comm.stage_hop_time_s``, ``comm.rings_link``) on
+the devices a planner's layout would give, kept per cluster.
 
 The search prices a template without knowing which node each stage lands on. The device allocator
 (assemble.py) places a pipeline's stages of one kind on consecutive devices, so consecutive stages
@@ -10,12 +12,20 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import NamedTuple
 
 from hethub.layout import split_hop
 from hethub.predict.comm import rings_link, stage_hop_time_s
 from hethub.predict.stage_cost import tp_link
-from hethub.search.split import Slot
 from hethub.spec.cluster import Cluster, Link
+
+
+class Slot(NamedTuple):
+    """One stage's device kind and TP degree. A tuple: the floors and caches key on slots ~10^5 times
+    per search, and a tuple hashes and compares in C."""
+
+    kind: str
+    tp: int
 
 
 class LinkBook:
