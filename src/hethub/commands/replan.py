@@ -55,14 +55,14 @@ def restrict_cluster(cluster: Cluster, device_ids: list[int] | tuple[int, ...]) 
 def replan(plan: Plan, *, world_size: int, top_k: int = 16, host: HostModel | None = None) -> Plan:
     """A plan for the same model, global batch, sequence length, schedule, precision, optimizer
     sharding and memory headroom on the devices of ranks 0..world_size-1 of ``plan`` (its first
-    ``world_size`` devices), using every one of them (a rank without work cannot run). Searched in
-    this process only. Raises RuntimeSetupError when no such plan exists. `host`: as for make_plan
-    (the local emulation host, if any)."""
+    ``world_size`` devices), using every one of them (a rank without work cannot run). The planner
+    searches in this process (it never forks). Raises RuntimeSetupError when no such plan exists.
+    `host`: as for make_plan (the local emulation host, if any)."""
     cluster = restrict_cluster(plan.cluster, plan.devices[:world_size])
     headroom = plan.shard_weights.mem_headroom if plan.shard_weights is not None else DEFAULT_MEM_HEADROOM
     cfg = PlannerConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, schedule=plan.schedule,
                         precision=plan.precision, top_k=top_k, optimizer_sharding=plan.optimizer_sharding,
-                        optimizer_shares=plan.optimizer_shares, mem_headroom=headroom, search_processes=1)
+                        optimizer_shares=plan.optimizer_shares, mem_headroom=headroom)
     try:
         result = make_plan(cluster=cluster, model=plan.model, config=cfg, host=host)
     except HethubError as err:

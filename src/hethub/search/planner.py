@@ -17,13 +17,11 @@ from hethub.errors import InfeasibleError
 from hethub.plan import Plan, Recompute
 from hethub.predict.host import HostModel
 from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_bytes
-from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.progress import progress
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES, get_schedule
-from hethub.search.assemble import choose_recompute
 from hethub.search.baselines import baseline_plans
 from hethub.search.config import PlannerConfig
 from hethub.search.finalists import BoundParts, bound_parts, finalist_plans, score_plans
@@ -355,11 +353,13 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     bar = progress(len(schedules) * len(shardings) + len(variants) + 1, desc=f"plan {cluster.name}", unit="steps",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
     enums, holders = [], 2
+    bar_s: list[float] = []  # the best closed-form steps so far: each enumeration prices only what beats them
     for z in shardings:  # "none" first: its best sets the sharded enumerations' assumed holders
         for sch in schedules:
             e = _enumeration(cluster=cluster, model=model, config=config, profiles=profiles, host=host, sharding=z,
-                             base=sch, holders=SHARD_HOLDERS_OPTIMISM * holders, links=links, bound=sch == base)
+                             base=sch, holders=SHARD_HOLDERS_OPTIMISM * holders, links=links, bar=bar_s)
             enums.append(e)
+            bar_s = sorted([*bar_s, *(est.step_time_s for est in e.shapes)])[:config.finalists + config.top_k]
             bar.update()
         if z == "none" and enums[0].shapes:
             holders = max(2, sum(g.count for g in enums[0].shapes[0].groups))
@@ -385,21 +385,11 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     # Each kind alone is part of the space (hethub >= homogeneous) and the bound's parts.
     parts_by, relaxed_by, notes = [], [], []
     for e in enums:
-        if e.bound is None:
-            continue
         parts, bound_notes, alone, relaxed = e.bound.parts, e.bound.notes, e.bound.alone, e.bound.relaxed
         parts_by.append(parts)
         relaxed_by.append(relaxed)
         notes += [n for n in bound_notes if n not in notes]
-        by_variant.setdefault(Variant(base, e.sharding), []).extend(alone)
-        # The bound's parts under the other schedules: each kind's best plan alone, rescheduled.
-        for v in variants:
-            if v.schedule not in (base, INTERLEAVED) and v.sharding == e.sharding:
-                again = _rescheduled([x for x in alone if x[0].pipelines], v.schedule, config=config,
-                                     profiles=profiles, host=host)
-                parts_by.append({p.pipelines[0].stages[0].kind: r.tokens_per_s for p, r in again})
-                relaxed_by.append(frozenset())
-                by_variant[v] = [*by_variant.get(v, []), *again]
+        by_variant.setdefault(Variant(e.schedule, e.sharding), []).extend(alone)
     scored = sorted((x for got in by_variant.values() for x in got), key=lambda x: x[1].step_time_s)
     if not scored:
         bar.close()
@@ -428,37 +418,18 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                       relaxed_kinds=relaxed)
 
 
-def _rescheduled(scored: list[tuple[Plan, Prediction]], schedule: str, *, config: PlannerConfig,
-                 profiles: ProfileSet | None, host: HostModel | None) -> list[tuple[Plan, Prediction]]:
-    """Each kind's best single-kind plan of ``scored`` under ``schedule``, each stage's recomputation
-    chosen again, predicted; those that fit, best first."""
-    best: dict[str, tuple[Plan, Prediction]] = {}
-    for plan, pred in scored:
-        kinds = {st.kind for p in plan.pipelines for st in p.stages}
-        if len(kinds) == 1 and (kind := kinds.pop()) not in best:
-            best[kind] = (plan, pred)
-    out = []
-    for plan, _ in best.values():
-        trial = choose_recompute(replace(plan, schedule=schedule), allow_recompute=config.allow_recompute,
-                                 mem_headroom=config.mem_headroom)
-        pred = predict(trial, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
-        if pred.fits_memory:
-            out.append((trial, pred))
-    return sorted(out, key=lambda x: x[1].step_time_s)
-
-
 def _enumeration(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
                  host: HostModel | None, sharding: str, base: str, holders: int, links: Books,
-                 bound: bool) -> Enumeration:
+                 bar: list[float]) -> Enumeration:
     """`variants.enumerate_shapes`, kept within `reused_searches` (``--compare`` asks the same ones per row)."""
     def made() -> Enumeration:
         return enumerate_shapes(cluster=cluster, model=model, config=config, profiles=profiles, host=host,
                                 sharding=sharding, base=base, holders=holders, books=Books(links=links.links),
-                                bound=bound)
+                                bar=bar)
 
     if _REUSED is None:
         return made()
-    key = ("enumeration", id(cluster), id(model), id(profiles), id(host), sharding, base, holders, bound,
+    key = ("enumeration", id(cluster), id(model), id(profiles), id(host), sharding, base, holders, tuple(bar),
            replace(config, schedule=base, optimizer_sharding=sharding, top_k=1))
     if key not in _REUSED:
         _REUSED[key] = (made(), None, (cluster, model, profiles, host))

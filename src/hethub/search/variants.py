@@ -13,6 +13,7 @@ starts from the 1F1B plans and from the shapes priced with stages sized for two 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hethub.plan import Plan
@@ -61,32 +62,32 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
 
 @dataclass
 class Enumeration:
-    """The shapes of one enumeration (one schedule, one sharding), best closed form first, and its
-    kinds-alone bound where it made one."""
+    """The shapes of one enumeration (one schedule, one sharding), best closed form first, and each
+    kind alone under it (the bound's parts)."""
 
+    schedule: str
     sharding: str
     shapes: list[Estimate]
-    bound: BoundParts | None
+    bound: BoundParts
 
 
 def enumerate_shapes(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
                      host: HostModel | None, sharding: str, base: str, holders: int, books: Books,
-                     bound: bool = True) -> Enumeration:
-    """One enumeration: the search's candidates under ``base`` and ``sharding``, and (``bound``) the
-    bound's parts."""
+                     bar: Sequence[float] = ()) -> Enumeration:
+    """One enumeration: the search's candidates under ``base`` and ``sharding`` that could beat the
+    closed-form steps ``bar`` (the enumerations before it), and each kind alone (the bound's parts)."""
     cfg = Variant(base, sharding).config(config, holders=holders)
     s = Searcher(cluster=cluster, model=model, config=cfg, profiles=profiles, books=books)
     shapes, seen = [], set()
-    for est in search(s):
+    for est in search(s, bar=bar):
         key = plan_key(est)
         if key not in seen:
             seen.add(key)
             shapes.append(est)
         if len(shapes) >= SHAPES_PER_ENUMERATION:
             break
-    parts = bound_parts(cluster=cluster, model=model, config=cfg, profiles=profiles, books=books, host=host) \
-        if bound else None
-    return Enumeration(sharding, shapes, parts)
+    parts = bound_parts(cluster=cluster, model=model, config=cfg, profiles=profiles, books=books, host=host)
+    return Enumeration(base, sharding, shapes, parts)
 
 
 def reprice(s: Searcher, est: Estimate) -> Estimate | None:
