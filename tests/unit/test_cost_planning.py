@@ -78,14 +78,14 @@ def test_cost_objective_under_a_budget_picks_a_cheaper_subset_than_the_throughpu
 
 
 def test_cli_cost_plan_prints_both_plans(tmp_path, capsys, monkeypatch):
-    from hethub.search import cost
+    from hethub.search import prices
 
     # The text and the --json run ask for the same search: run it once and hand the second run the
     # first one's result, after checking it asks the same. ZB-H1 is named: it is what `auto` chooses
     # for both plans here (the same plans; only the bound, merged over schedules, differs), and it
     # spares the other schedules' searches (18.0 -> 5.2 CPU s).
     searched: list[tuple[dict, object]] = []
-    search = cost.plan_for_cost
+    search = prices.plan_for_cost
 
     def plan_once(**kwargs):
         if not searched:
@@ -93,7 +93,7 @@ def test_cli_cost_plan_prints_both_plans(tmp_path, capsys, monkeypatch):
         assert kwargs == searched[0][0]
         return searched[0][1]
 
-    monkeypatch.setattr(cost, "plan_for_cost", plan_once)
+    monkeypatch.setattr(prices, "plan_for_cost", plan_once)
     path = tmp_path / "t3.toml"
     path.write_text("name = 't3'\n" + "".join(
         f"[[group]]\nkind = '{k}'\nnodes = 1\ndevices_per_node = 4\n" for k in ("h100-sxm", "a100-80gb", "mi300x"))

@@ -174,24 +174,23 @@ def test_planner_shards_where_the_freed_memory_pays() -> None:
     assert Plan.from_dict(json.loads(r.plan.to_json())).optimizer_sharding == "zero1"
 
 
-def test_sharded_choice_includes_the_unsharded_layouts(plan: Plan) -> None:
-    # The sharded search's result is replaced by the best unsharded layout, sharded as it is (stages'
-    # recomputation chosen again), whenever that one is predicted faster.
-    from hethub.search.planner import PlanResult, _with_unsharded_layouts
+def test_the_sharded_variant_prices_the_unsharded_enumerations_shapes() -> None:
+    # The default path pools the shapes of every enumeration; the sharded variant splits and prices the
+    # unsharded enumeration's shapes too (each stage's recomputation chosen again: the freed memory may
+    # let it recompute less), so a layout the optimistic sharded enumeration missed is still a sharded
+    # candidate, predicted with its real holders.
+    from hethub.search.templates import Books
+    from hethub.search.variants import Variant, enumerate_shapes, priced_plans
 
-    unsharded = replace(plan, optimizer_sharding="none")
-    base_pred = predict(unsharded)
-    base = PlanResult(plan=unsharded, prediction=base_pred, search_time_s=0.0, upper_bound_tokens_per_s=1.0,
-                      efficiency=0.0, alternatives=((unsharded, base_pred),), notes=())
-    slow = replace(base_pred, step_time_s=1e9)
-    zero = replace(base, plan=replace(plan, optimizer_sharding="zero1"), prediction=slow,
-                   alternatives=((plan, slow),))
-    cfg = PlannerConfig(global_batch=64, seq_len=2048, optimizer_sharding="zero1")
-    got = _with_unsharded_layouts(zero, base, config=cfg, profiles=None, host=None)
-    assert got.plan.optimizer_sharding == "zero1" and got.prediction.step_time_s < 1e9
-    assert got.prediction.step_time_s == predict(got.plan).step_time_s
-    assert [p.num_micro_batches for p in got.plan.pipelines] == [p.num_micro_batches for p in plan.pipelines]
-    # Not replaced when the sharded search's plan is faster.
-    fast = replace(base_pred, step_time_s=1e-9)
-    assert _with_unsharded_layouts(replace(zero, prediction=fast), base, config=cfg, profiles=None,
-                                   host=None).prediction is fast
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-3-8b")
+    cfg = PlannerConfig(global_batch=64, seq_len=2048, polish=False)
+    books = Books()
+    unsharded = enumerate_shapes(cluster=cluster, model=model, config=cfg, profiles=None, host=None, sharding="none",
+                                 base="1f1b", holders=1, books=Books(links=books.links))
+    got = priced_plans(cluster=cluster, model=model, config=cfg, profiles=None, host=None,
+                       variant=Variant("1f1b", "zero1"), shapes=unsharded.shapes, links_books=books, keep=3,
+                       holders=16)
+    assert got and all(p.optimizer_sharding == "zero1" for p, _ in got)
+    assert all(r.fits_memory and r.step_time_s == predict(p).step_time_s for p, r in got)
+    stages = {tuple((s.kind, s.tp) for s in pl.stages) for pl in got[0][0].pipelines}
+    assert stages <= {tuple((sl.kind, sl.tp) for sl in g.pipe.slots) for e in unsharded.shapes for g in e.groups}
