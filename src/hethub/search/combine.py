@@ -183,8 +183,10 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     """End of the step: each pipeline's backward, the world all-reduce of the loss, the per-layer
     gradient all-reduces, the world all-reduce of the gradient norm, then the updates.
 
-    Mirrors predict/sync.py on one representative per group (identical pipelines finish together):
-    the two world all-reduces are barriers of every stage (8 bytes over one device per stage);
+    The closed form's sync, on one representative per group (identical pipelines finish together),
+    from the predictor's collective costs (predict/comm.py) and links (predict/stage_links.py); the
+    predictor's own (predict/sync.py) simulates the runtime's buckets and decides between finalists.
+    The two world all-reduces are barriers of every stage (8 bytes over one device per stage);
     one ring all-reduce per parameter group (embedding, each layer, head) among all replicas, sized
     by the smallest TP degree among its holders, over the slowest link their kinds imply; a stage
     runs its groups in layer order, each once all holders are free. Replicas whose layer boundaries
