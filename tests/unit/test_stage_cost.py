@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hethub.plan import Pipeline, Plan, Recompute, Stage
-from hethub.predict.memory import usable_bytes
+from hethub.predict.memory import act_bytes_for, usable_bytes
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import KindProfile, LayerTimes, ProfileEntry, ProfileSet
+from hethub.predict.seq_parallel import cp_ring_s
 from hethub.predict.stage_cost import StageJob, StageModel
 from hethub.schedules import get_schedule
 from hethub.search.split import CostBook, Job
@@ -25,7 +26,7 @@ MODELS = ("llama-2-7b", "llama-3-8b")
 
 
 def _cluster():
-    return parse_cluster({"name": "t", "group": [{"kind": k, "nodes": 3, "devices_per_node": 8} for k in KINDS]},
+    return parse_cluster({"name": "t", "group": [{"kind": k, "nodes": 6, "devices_per_node": 8} for k in KINDS]},
                          where="test")
 
 
@@ -33,17 +34,19 @@ CLUSTER = _cluster()
 
 
 def _plan(*, kind: str, model: str, tp: int, mbs: int, seq_len: int, layers: tuple[int, int, int],
-          recompute: Recompute, precision: str, attention: str | None, schedule: str = "1f1b") -> Plan:
+          recompute: Recompute, precision: str, attention: str | None, schedule: str = "1f1b", sp: bool = False,
+          cp: int = 1) -> Plan:
     """Two identical 3-stage pipelines of one kind (so every stage syncs; the middle one has two
     neighbours, as the planner assumes of every stage before the plan exists)."""
     m = get_model(model)
     devs = [d.id for d in CLUSTER.devices if d.kind == kind]
-    pipes, start = [], 0
+    pipes, start, w = [], 0, tp * cp
     for r in range(2):
         stages, start = [], 0
         for si, n in enumerate(layers):
-            stages.append(Stage(kind=kind, devices=tuple(devs[(r * 3 + si) * tp:(r * 3 + si + 1) * tp]),
-                                layers=(start, start + n), embedding=si == 0, head=si == 2, recompute=recompute))
+            stages.append(Stage(kind=kind, devices=tuple(devs[(r * 3 + si) * w:(r * 3 + si + 1) * w]),
+                                layers=(start, start + n), embedding=si == 0, head=si == 2, recompute=recompute,
+                                cp=cp, sequence_parallel=sp))
             start += n
         pipes.append(Pipeline(micro_batch_size=mbs, num_micro_batches=4, stages=tuple(stages)))
     m = replace(m, num_layers=start)
@@ -84,6 +87,51 @@ def test_the_planners_stage_time_and_memory_are_the_predictors(shape):
             assert mem.total_bytes == sp.memory.total_bytes
             assert sm.memory_bytes(s.num_layers, emb=False, head=False, in_flight=held) \
                 == _close(sp.memory.total_bytes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes, st.sampled_from((1, 2, 4)), st.booleans())
+def test_sequence_and_context_parallel_stages_are_one_model(shape, cp, sp):
+    # SP (TP > 1) and CP stages: the stage model's time plus the CP ring's passes (device-dependent,
+    # seq_parallel.cp_ring_s, as hops are) and its memory are the predictor's exactly.
+    cp = min(cp, 8 // shape["tp"]) if shape["tp"] > 1 or cp > 1 else 2  # a node's 8 devices per stage
+    sp = sp and shape["tp"] > 1
+    plan = _plan(attention=None, sp=sp, cp=cp, **shape).validate()
+    pred = predict(plan)
+    job = StageJob.of_plan(plan, None)
+    sched = get_schedule(plan.schedule)
+    for sp_ in pred.stages:
+        s = plan.pipelines[sp_.pipeline].stages[sp_.stage]
+        sm = StageModel(job, CLUSTER.kinds[s.kind], tp=s.tp, mbs=shape["mbs"], recompute=s.recompute,
+                        capacity_bytes=usable_bytes(CLUSTER.kinds[s.kind]), sp=sp, cp=cp)
+        step = sm.step(s.num_layers, emb=s.embedding, head=s.head)
+        ring_f, ring_b = cp_ring_s(CLUSTER, s, model=plan.model, mbs=shape["mbs"], seq_len=plan.seq_len,
+                                   act_bytes=act_bytes_for(plan.precision), layers=s.num_layers)
+        assert (step.fwd_s + ring_f, step.bwd_s + ring_b) == (sp_.fwd_s, sp_.bwd_s)
+        if sp_.stage == 1:
+            held = sched.in_flight(stage=1, num_stages=3, num_micro_batches=4)
+            mem = sm.memory(s.num_layers, emb=False, head=False, in_flight=held)
+            assert mem.total_bytes == sp_.memory.total_bytes
+
+
+def test_sequence_parallelism_and_cp_change_the_stage_model():
+    # The rules are in the one model: CP divides the compute, SP adds the norms' gradient sums, and
+    # both cut the kept activations.
+    kind = CLUSTER.kinds["a100-80gb"]
+    plan = _plan(attention=None, kind="a100-80gb", model="llama-2-7b", tp=2, mbs=1, seq_len=2048, layers=(2, 2, 2),
+                 recompute=Recompute.NONE, precision="bf16-mixed")
+    job = StageJob.of_plan(plan, None)
+
+    def model(sp: bool, cp: int) -> StageModel:
+        return StageModel(job, kind, tp=2, mbs=1, recompute=Recompute.NONE, capacity_bytes=usable_bytes(kind),
+                          sp=sp, cp=cp)
+
+    base, seq, ctx = model(False, 1), model(True, 1), model(False, 2)
+    assert ctx.step(4, emb=False, head=False).fwd_s < base.step(4, emb=False, head=False).fwd_s
+    assert seq.step(4, emb=False, head=False).bwd_s > base.step(4, emb=False, head=False).bwd_s
+    for other in (seq, ctx):
+        assert other.memory(4, emb=False, head=False, in_flight=2).activations_bytes \
+            < base.memory(4, emb=False, head=False, in_flight=2).activations_bytes
 
 
 def _state(plan: Plan, kind: str) -> dict[str, int]:
@@ -133,7 +181,8 @@ def test_max_layers_is_the_largest_count_the_predictors_memory_fits(shape):
     limit = 12
     for emb, head, held in ((True, False, 3), (False, False, 2), (False, True, 1)):
         fits = [n for n in range(limit + 1) if costs.memory_of(
-            (shape["kind"], n, emb, head, shape["tp"], shape["mbs"], shape["recompute"], held, True, False, 2, None)
+            (shape["kind"], n, emb, head, shape["tp"], shape["mbs"], shape["recompute"], held, True, False, 2, None,
+             False, 1)
         ).total_bytes <= usable_bytes(kind)]
         assert sm.max_layers(emb=emb, head=head, in_flight=held, limit=limit) == (max(fits) if fits else -1)
 

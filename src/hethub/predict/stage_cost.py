@@ -197,13 +197,15 @@ class StageModel:
     Before a plan exists a stage is taken to sync with other replicas and to talk to two pipeline
     neighbours (the most buffers a stage holds), and, under ZeRO-1, to keep optimizer state for
     ``1 / shard_holders`` of its parameters; the predictor re-scores the planner's finalists with
-    each plan's own. ``capacity_bytes``: the memory a stage may use (inf: unlimited).
+    each plan's own. ``capacity_bytes``: the memory a stage may use (inf: unlimited). ``sp``, ``cp``:
+    sequence and context parallelism (time and memory; the CP ring's passes depend on the devices
+    and are :func:`hethub.predict.seq_parallel.cp_ring_s`'s, as hops are the links').
     """
 
     def __init__(self, job: StageJob, kind: DeviceKind, *, tp: int, mbs: int, recompute: Recompute,
-                 capacity_bytes: float, shard_holders: int = 1) -> None:
+                 capacity_bytes: float, shard_holders: int = 1, sp: bool = False, cp: int = 1) -> None:
         self.job, self.kind, self.tp, self.mbs, self.recompute = job, kind, tp, mbs, Recompute.of(recompute)
-        self.capacity_bytes, self.shard_holders = capacity_bytes, shard_holders
+        self.capacity_bytes, self.shard_holders, self.sp, self.cp = capacity_bytes, shard_holders, sp, cp
         self._steps: dict[tuple[int, bool, bool], StageStepCost] = {}
         z, one = self.step(0, emb=False, head=False), self.step(1, emb=False, head=False)
         e, h = self.step(0, emb=True, head=False), self.step(0, emb=False, head=True)
@@ -229,7 +231,8 @@ class StageModel:
         hit = self._steps.get(key)
         if hit is None:
             hit = self._steps[key] = stage_step(self.job, self.kind, layers=layers, embedding=emb, head=head,
-                                                tp=self.tp, mbs=self.mbs, recompute=self.recompute)
+                                                tp=self.tp, mbs=self.mbs, recompute=self.recompute, sp=self.sp,
+                                                cp=self.cp)
         return hit
 
     def work(self, *, emb: bool, head: bool) -> Affine:
@@ -246,7 +249,8 @@ class StageModel:
     def memory(self, layers: int, *, emb: bool, head: bool, in_flight: float) -> StageMemory:
         """The stage's peak memory under the planning assumptions (see the class)."""
         mem = stage_memory_of(self.job, self.kind, layers=layers, embedding=emb, head=head, tp=self.tp,
-                              mbs=self.mbs, recompute=self.recompute, in_flight=in_flight, synced=True, neighbours=2)
+                              mbs=self.mbs, recompute=self.recompute, in_flight=in_flight, synced=True, neighbours=2,
+                              sp=self.sp, cp=self.cp)
         if self.shard_holders > 1:
             mem = sharded_memory(mem, moment_elems=self.params(layers, emb=emb, head=head) / self.shard_holders,
                                  master_elems=0.0, precision=self.job.precisions[self.kind.name], kind=self.kind)
