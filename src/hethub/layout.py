@@ -358,6 +358,13 @@ def unit_holders(plan: Plan, stages: tuple[StagePlace, ...] | None = None) -> di
     return {u: tuple(h) for u, h in holders.items()}
 
 
+def single_holder_units(plan: Plan) -> list[str]:
+    """Parameter units held by one stage only (a plan of one replica): a sharded optimizer has nothing
+    to split them across, so the runtime refuses such a plan sharded and the planner writes it
+    unsharded."""
+    return [u for u, holders in unit_holders(plan).items() if len(holders) == 1]
+
+
 def build_topology(plan: Plan) -> Topology:
     offsets = block_starts([p.num_samples for p in plan.pipelines])
     stages = stage_places(plan)

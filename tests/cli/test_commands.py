@@ -94,6 +94,27 @@ def test_sharded_plan_file_carries_its_split_at_the_planned_headroom(tmp_path, c
     assert predict(plan, mem_headroom=0.3).step_time_s == json.loads(out)["step_time_s"]
 
 
+def test_plan_zero1_on_one_replica_writes_a_plan_training_accepts(tmp_path, capsys):
+    """`hethub plan --optimizer-sharding zero1` whose best plan has one replica (every parameter with a
+    single holder) writes it unsharded and says so, as Megatron's distributed optimizer runs at
+    data-parallel size 1, instead of a zero1 plan `hethub train` refuses (exit 3)."""
+    from hethub.runtime.launch_checks import check_sharding
+
+    plan_path = tmp_path / "plan.json"
+    code, out, _ = run(["plan", "--cluster", EXAMPLES / "local-cpu.toml", "--model", "tiny", "--global-batch", "4",
+                        "--seq-len", "64", "--optimizer-sharding", "zero1", "--out", plan_path],
+                       capsys)
+    assert code == 0
+    plan = Plan.load(plan_path)
+    assert len(plan.pipelines) == 1 and plan.optimizer_sharding == "none"
+    assert "although zero1 was asked: the plan has one replica" in out
+    check_sharding(plan, plan_path=str(plan_path))  # what `hethub train` checks first: no PlanError
+    with pytest.raises(Exception, match="single data-parallel holder"):
+        from dataclasses import replace
+
+        check_sharding(replace(plan, optimizer_sharding="zero1"), plan_path=str(plan_path))
+
+
 def test_report_command_writes_four_files(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
     two_stage_plan().save(plan_path)

@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 
 from hethub.errors import PlanError, SpecError
-from hethub.layout import unit_holders
+from hethub.layout import single_holder_units
 from hethub.outfiles import prepare_output
 from hethub.plan import Plan
 
@@ -33,7 +33,7 @@ def check_sharding(plan: Plan, *, plan_path: str) -> None:
     builds its reduce-scatter groups from them, and one holder has nothing to share."""
     if not plan.sharded_optimizer:
         return
-    alone = [u for u, holders in unit_holders(plan).items() if len(holders) == 1]
+    alone = single_holder_units(plan)
     if not alone:
         return
     raise PlanError(f"{plan_path}: field 'training.optimizer_sharding' is {plan.optimizer_sharding!r}, but "

@@ -8,6 +8,7 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from hethub.layout import single_holder_units
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
@@ -40,7 +41,9 @@ def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: 
         plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
                           seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
                           strategy=strategy)
-        if config.optimizer_sharding == "zero1":  # before the recomputation choice, which it frees memory for
+        # Before the recomputation choice, which it frees memory for; a plan of one replica has nothing
+        # to shard across and stays unsharded (the runtime refuses it sharded, planner.make_plan notes it).
+        if config.optimizer_sharding == "zero1" and not single_holder_units(plan):
             plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=config.optimizer_shares)
         out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom))
         if len(seen) >= keep and not per_size:

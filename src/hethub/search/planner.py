@@ -44,6 +44,9 @@ POLISH_BUDGETS = (16, 6, 6)
 SHARD_HOLDERS_OPTIMISM = 8  # sharded stages' assumed holders: this times the unsharded best's replicas
 FIRST_SHAPES = 3  # each enumeration's best shapes, laid out and predicted under every variant
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
+ONE_REPLICA = ("optimizer sharding: none, although zero1 was asked: the plan has one replica, so each parameter "
+               "has a single holder and ZeRO-1 has nothing to shard across (as Megatron's distributed optimizer "
+               "at data-parallel size 1); more devices or a smaller model give replicas to shard over")
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,10 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     ``auto``, the best over the schedules of ``AUTO_CANDIDATES``, each planned on its own (its
     in-flight memory shapes the stages), chosen by predicted step time."""
     with _collector_paused():
-        return _reused_or_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+        result = _reused_or_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    if config.optimizer_sharding == "zero1" and not result.plan.sharded_optimizer and ONE_REPLICA not in result.notes:
+        result = replace(result, notes=(ONE_REPLICA, *result.notes))
+    return result
 
 
 @contextlib.contextmanager

@@ -2,9 +2,8 @@
 
 A template fixes a pipeline's stage shapes; split.py chooses its layer split. Pure templates are
 ranked by estimated samples/s per device; only the best few per kind survive into the combination
-search (pruning). The stage count p is scanned upwards from the smallest that fits memory and the
-scan stops once p is well past both the best p so far and the point where no stage needs
-recomputation: more stages then only add fill/drain time and point-to-point hops.
+search. Every stage count is rated, except, on large clusters, those whose closed-form rate bound is
+below the kind's third best template (they cannot enter the top).
 """
 
 from __future__ import annotations
@@ -16,14 +15,13 @@ from dataclasses import dataclass, field, replace
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_links import LinkBook
 from hethub.search.assemble import build_plan, fits_some_mode
-from hethub.search.bounds import capacity, rate_bound
+from hethub.search.bounds import rate_bound
 from hethub.search.combine import Estimate, Group, estimate, step_time_s
 from hethub.search.config import PlannerConfig
 from hethub.search.split import CostBook, Job, PipeCost, Slot, fixed_split, split_layers
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
-PATIENCE = 6  # stage counts scanned past the best one
 TOP_PER_KIND = 3  # pure templates per kind that enter the combination search (hetero.py)
 SMALL_CLUSTER = 64  # devices up to which layer splits that trade bottleneck for fill/drain are tried
 
@@ -217,52 +215,32 @@ class Searcher:
         for tp, p in self._seeds(kind, mbs, share) if prune else ():
             keep(tp, p, ranked(tp, p))
         # Largest TP first: on the models that need pruning it is usually best, which raises the bar early.
+        # Every stage count is considered (the rate is not unimodal in it: a deeper pipeline may win
+        # again past a dip); pruning skips those whose rate bound is below the bar, so the top
+        # templates are the full scan's exactly.
         for tp in sorted(self.tps[kind], reverse=prune):
             # up to L + 2 stages: the first and the last may hold only the embedding / the head
-            p_max = min(n // tp, self.model.num_layers + 2)
-            # Scan upwards from the first stage count that fits; stop PATIENCE past the best. The
-            # rate can jump again where recomputation stops being needed, so scan that window too.
-            p_free = self._first_without_recompute(kind, tp, mbs, p_max)
-            best_p, best_rate, p = 0, 0.0, 1
-            while p <= p_max:
-                bar = top[-1][0] if len(top) == TOP_PER_KIND else 0.0
-                bound = 1.0 if (tp, p) in split or not (prune and bar) else self._bound(kind, tp, mbs, p, share)
-                if bound * (1 + 1e-9) < bar:
-                    if bound > 0:
-                        skipped.append((tp, p, bound))
-                    if bound > best_rate:
-                        best_p = p
-                else:
-                    got = ranked(tp, p)
-                    for r in got:
-                        if r.rate > best_rate:
-                            best_p, best_rate = p, r.rate
-                    keep(tp, p, got)
-                if best_p and p > best_p + PATIENCE:
-                    if p_free is None or p >= p_free + PATIENCE:
-                        break
-                    p = max(p, p_free - 1)
-                p += 1
+            for p in range(1, min(n // tp, self.model.num_layers + 2) + 1):
+                bar = top[-1][0] if prune and len(top) == TOP_PER_KIND else 0.0
+                if bar and (tp, p) not in split:
+                    bound = self._bound(kind, tp, mbs, p, share)
+                    if bound * (1 + 1e-9) < bar:
+                        if bound > 0:
+                            skipped.append((tp, p, bound))
+                        continue
+                keep(tp, p, ranked(tp, p))
         out.sort(key=lambda x: -x.rate)
         self._pure[key] = out
         self._skipped[key] = skipped
         return out
 
     def _seeds(self, kind: str, mbs: int, share: float) -> list[tuple[int, int]]:
-        """(tp, stages) of the TOP_PER_KIND distinct stage shapes of highest rate bound among those
-        every scan of `pure` reaches whatever it splits: per TP degree, PATIENCE past the first stage
-        count that can fit and past the first that needs no recomputation. The bound is within a few
-        % of the rate (bounds.rate_bound), so these are near the top, and splitting them first puts
-        the scan's bar near its final height before the stage counts below it are reached."""
-        n, cands = self.counts[kind], []
-        for tp in self.tps[kind]:
-            p_max = min(n // tp, self.model.num_layers + 2)
-            p_free = self._first_without_recompute(kind, tp, mbs, p_max)
-            first = next((p for p in range(1, p_max + 1) if self._bound(kind, tp, mbs, p, share) > 0), None)
-            window = set(range(first, min(p_max, first + PATIENCE) + 1)) if first else set()
-            if p_free is not None:
-                window |= set(range(p_free, min(p_max, p_free + PATIENCE) + 1))
-            cands += [(self._bound(kind, tp, mbs, p, share), tp, p) for p in window]
+        """(tp, stages) of the TOP_PER_KIND stage shapes of highest rate bound. The bound is within a
+        few % of the rate (bounds.rate_bound), so these are near the top, and splitting them first
+        puts the scan's bar near its final height before the other stage counts are reached."""
+        n = self.counts[kind]
+        cands = [(self._bound(kind, tp, mbs, p, share), tp, p) for tp in self.tps[kind]
+                 for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
         cands.sort(key=lambda x: -x[0])
         return [(tp, p) for b, tp, p in cands[:TOP_PER_KIND] if b > 0]
 
@@ -292,26 +270,6 @@ class Searcher:
                 ranked.append(Ranked(pipe, self.rate(pipe, kind_devices=self.counts[kind], share=share)))
         ranked.sort(key=lambda x: -x.rate)
         return True
-
-    def _first_without_recompute(self, kind: str, tp: int, mbs: int, p_max: int) -> int | None:
-        """Smallest stage count whose stages can hold all layers without recomputation (the schedule's
-        in-flight bound, ``bounds.capacity``)."""
-        n_layers = self.model.num_layers
-        caps = capacity(self.book, kind, tp=tp, mbs=mbs)  # shared with the rate bounds
-
-        def fits(p: int) -> bool:
-            return caps.total(p, variant=0) >= n_layers
-
-        if p_max < 1 or not fits(p_max):
-            return None
-        lo, hi = 1, p_max
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
 
     def mixed(self, segments: tuple[tuple[str, int, int], ...], mbs: int) -> list[PipeCost]:
         """Pipelines of consecutive kind segments (kind, tp, stages), in the given order."""
