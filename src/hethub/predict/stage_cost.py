@@ -41,7 +41,7 @@ from hethub.predict.memory import (
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import cp_compute_share, sp_tp_comm_s
-from hethub.spec.cluster import Cluster, Link
+from hethub.spec.cluster import Cluster, Link, node_link
 from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
@@ -119,7 +119,7 @@ class StageStepCost:
 
 def tp_link(kind: DeviceKind) -> Link:
     """The link a TP group's collectives run over: the kind's intra-node one (TP stays in a node)."""
-    return Link(kind.intra_node_bw_bytes_per_s, kind.intra_node_latency_s)
+    return node_link(kind)
 
 
 def stage_step(job: StageJob, kind: DeviceKind, *, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
@@ -221,7 +221,7 @@ class StageModel:
         self.affine = entry is None or not entry.layer_by_depth
         p0 = self.params(0, emb=False, head=False)
         self.params_per_layer = self.params(1, emb=False, head=False) - p0
-        self._max: dict[tuple[bool, bool, float, int], int] = {}
+        self._max: dict[tuple[bool, bool, float], tuple[int, int]] = {}  # -> (limit solved for, answer)
         self._lines: dict[tuple[bool, bool], _MemoryLines | None] = {}
 
     # ---- time ---------------------------------------------------------------------------------------
@@ -268,14 +268,17 @@ class StageModel:
         return lines.total(layers, in_flight)
 
     def max_layers(self, *, emb: bool, head: bool, in_flight: float, limit: int) -> int:
-        """Most layers (<= limit) the stage holds within ``capacity_bytes``; -1 if not even zero fit."""
+        """Most layers (<= limit) the stage holds within ``capacity_bytes``; -1 if not even zero fit.
+        Solved once per shape up to the model's layers (memory grows with the count, so a smaller
+        limit's answer is the smaller of the two)."""
         if self.capacity_bytes == float("inf"):
             return limit
-        key = (emb, head, in_flight, limit)
-        n = self._max.get(key)
-        if n is None:
-            n = self._max[key] = self._solve_max_layers(emb, head, in_flight, limit)
-        return n
+        key = (emb, head, in_flight)
+        hit = self._max.get(key)
+        if hit is None or hit[0] < limit:
+            top = max(limit, self.job.model.num_layers)
+            hit = self._max[key] = (top, self._solve_max_layers(emb, head, in_flight, top))
+        return min(hit[1], limit)
 
     def _solve_max_layers(self, emb: bool, head: bool, in_flight: float, limit: int) -> int:
         cap = self.capacity_bytes

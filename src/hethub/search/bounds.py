@@ -108,10 +108,8 @@ class Capacity:
         the recomputation mode (none, selective, full: `stage_modes`) that holds the most layers
         within B at the stage's in-flight count (this capacity's schedule), the first and the last
         stage with the embedding's and the head's memory and time (`smallest_holding`, exact per
-        stage). The rate bound's other bottleneck floors let a stage's no-recompute capacity stand
-        in for another's and price recomputation at the cheapest mode, so where every stage must
-        recompute (llama-2-70b at micro-batch 4) they sat ~25 % below the best split's. None: the
-        stages cannot hold L layers in any mode."""
+        stage): tight where every stage must recompute, which the other floors price at the
+        cheapest mode. None: the stages cannot hold L layers in any mode."""
         self.total(p, variant=0)  # fills the in-flight bounds of p stages
         bounds = self._in_flights[p]
         if p == 1:

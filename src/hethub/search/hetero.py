@@ -44,12 +44,9 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
     """Greedily give leftover devices of one kind to the best-rated template that still fits.
 
     Templates the scan skipped (templates.Searcher.pure) are split first while their rate bound
-    beats the best fitting one, highest bound first, one stage count at a time (its templates often
-    raise the bar over the rest: a third fewer splits at 512 devices), so the choice is the one among
-    all scanned templates. Kept per searcher: the combination search asks the same leftovers for
-    every choice of the other kinds (at 512 devices 288 times for 16 distinct), and a second answer
-    would be the first (the first split every template whose bound could beat its choices; others
-    only add templates below them).
+    beats the best fitting one, highest bound first, one stage count at a time (its templates may
+    raise the bar over the rest), so the choice is the one among all scanned templates. Kept per
+    searcher: the combination search asks the same leftovers for every choice of the other kinds.
     """
     key = (kind, mbs, share, left)
     hit = s.fills.get(key)
@@ -185,9 +182,8 @@ def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
 def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | None:
     """The kind's best single-group plan over every usable micro-batch size. Sizes are tried best
     template rate first; a size is skipped only where every device at its best template rate (or
-    rate bound) is below a plan found at an earlier size: `_alone`'s own stopping rule, so no size
-    is left out on a heuristic (before, sizes under 90 % of the best rate were, on more than 32
-    devices). The bound (planner.merged_bound) reads these plans."""
+    rate bound) is below a plan found at an earlier size (`_alone`'s own stopping rule, no
+    heuristic). The bound (planner.merged_bound) reads these plans."""
     sizes = list(s.config.usable_micro_batch_sizes)
 
     def top(b: int) -> float:

@@ -195,11 +195,9 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
     """Mixed candidates beside each (pure groups, pool of devices) in `todo`, best floor first.
 
     Heap entries, each floor under the next: a family under its devices' rate, then under its boxes'
-    bottlenecks; a box of shapes (one shape: under its loose floor, then its tight one; a wider box only
-    under the loose one, where the tight one gained little at 128 devices and doubled the box floors);
-    one shape's orders under their member floors (with memory: a floor without memory first spared only
-    a quarter of them at 512 devices, less than it cost once `segments._MiddleRuns` made them cheap); then
-    the member's layer splits are priced. Once the lowest floor cannot enter the finalists, nothing left
+    bottlenecks; a box of shapes (one shape: under its loose floor, then its tight one; a wider box
+    only under the loose one); one shape's orders under their member floors (with memory); then the
+    member's layer splits are priced. Once the lowest floor cannot enter the finalists, nothing left
     can.
     """
     total = s.total_mb(mbs)
@@ -329,9 +327,9 @@ class Family:
         return s
 
     def over(self, pool: dict[str, int]) -> Family:
-        """This family over a pool of devices: a shallow copy (without copy.copy's slower protocol: a
-        search makes ~10^3), so the families of every pool of a search share one set of stage constants
-        and capacity caches (they depend on the kinds, TP degrees and micro-batch size only)."""
+        """This family over a pool of devices: a shallow copy, so the families of every pool of a search
+        share one set of stage constants and capacity caches (they depend on the kinds, TP degrees and
+        micro-batch size only)."""
         fam = Family.__new__(Family)
         fam.__dict__.update(self.__dict__)
         fam.slots = tuple(pool[k] // t for k, t in zip(self.subset, self.tps, strict=True))
@@ -477,8 +475,8 @@ def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, 
                     fam = proto.over(pool).with_boxes(1, min(slots), sum(tps), hi)
                     out.append((fam, [(1, min(slots), (1,) * size, hi)]))
                     continue
-                # Larger pools: the whole pool, replica counts spread geometrically (not complete; the
-                # complete boxes took minutes at 512 devices, their floors too loose there).
+                # Larger pools: the whole pool, replica counts spread geometrically (not complete: the
+                # complete boxes' floors are too loose there to prune).
                 c_lo = max(1, -(-sum(slots) // most))
                 boxes, devices = [], math.inf
                 for c in _spread(c_lo, min(slots), 8) if c_lo <= min(slots) else ():

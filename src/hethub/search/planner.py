@@ -224,11 +224,9 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 @contextlib.contextmanager
 def _collector_paused():
     """Python's cyclic garbage collector paused for a search (process-wide, restored after; nested
-    calls keep it paused). A search builds ~10^5 cached values that live until it returns and
-    allocates millions of short-lived ones that reference counting frees: the collector's passes
-    over the live caches found nothing to free and took ~15 % of a 512-device search (three full
-    passes, ~0.15 s). A search leaves no reference cycles (families.Family holds its searcher weakly),
-    so reference counting frees its caches as it returns."""
+    calls keep it paused): a search's many cached values live until it returns, so the collector's
+    passes over them free nothing. A search leaves no reference cycles (mixed.Family holds its
+    searcher weakly), so reference counting frees its caches as it returns."""
     paused = gc.isenabled()
     gc.disable()
     try:

@@ -31,9 +31,9 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget:
     move (moving another layer the same way often helps again) and goes round the others from
     there, instead of re-trying from the first ones, which just failed: fewer predictions per step,
     which matters because the budget, not the local optimum, usually ends the search on large plans.
-    A move whose step floor (predictor.floor_reaches: the stage costs' floor, no simulation, ~1/20 of
-    a prediction on 512 devices, then that plus the exact sync tail) is already not below the
-    current step cannot be taken, so it is not predicted. ``budget``: the predictions it may make,
+    A move whose step floor (predictor.floor_reaches: the stage costs' floor without simulation,
+    then that plus the exact sync tail) is already not below the current step cannot be taken, so
+    it is not predicted. ``budget``: the predictions it may make,
     so the same plan comes out however busy the machine is."""
     costs = PlanCosts(plan, profiles) if host is None else None  # stage costs: every move keeps the job
     # Each stage shape's recomputation choice (_resplit), for every move: a move changes two stages'

@@ -33,6 +33,11 @@ class Link:
         return self.latency_s + nbytes / self.bw_bytes_per_s
 
 
+def node_link(kind: DeviceKind) -> Link:
+    """The link between two devices of one node of ``kind`` (what a TP group's collectives use)."""
+    return Link(kind.intra_node_bw_bytes_per_s, kind.intra_node_latency_s)
+
+
 @dataclass(frozen=True)
 class NodeGroup:
     kind: str
@@ -140,8 +145,7 @@ class Cluster:
         """The link data takes from device a to device b."""
         da, db = self.devices[a], self.devices[b]
         if da.node == db.node:
-            k = self.kinds[da.kind]
-            return Link(k.intra_node_bw_bytes_per_s, k.intra_node_latency_s)
+            return node_link(self.kinds[da.kind])
         bw = min(self._nic_bw(da.group), self._nic_bw(db.group))
         lat = self.inter_node.latency_s
         if da.kind != db.kind:
