@@ -246,11 +246,14 @@ class StageModel:
         """Parameters on one device of the stage."""
         return stage_params_of(self.job.model, layers=layers, embedding=emb, head=head, tp=self.tp)
 
-    def memory(self, layers: int, *, emb: bool, head: bool, in_flight: float) -> StageMemory:
-        """The stage's peak memory under the planning assumptions (see the class)."""
+    def memory(self, layers: int, *, emb: bool, head: bool, in_flight: float,
+               p2p_bytes: float | None = None) -> StageMemory:
+        """The stage's peak memory under the planning assumptions (see the class); ``p2p_bytes``: its
+        point-to-point buffers where a plan gives them (``PlanCosts.p2p_bytes``), else the memory
+        model's estimate (the search's: the stage's position and schedule order are not known yet)."""
         mem = stage_memory_of(self.job, self.kind, layers=layers, embedding=emb, head=head, tp=self.tp,
                               mbs=self.mbs, recompute=self.recompute, in_flight=in_flight, synced=True, neighbours=2,
-                              sp=self.sp, cp=self.cp)
+                              sp=self.sp, cp=self.cp, p2p_bytes=p2p_bytes)
         if self.shard_holders > 1:
             mem = sharded_memory(mem, moment_elems=self.params(layers, emb=emb, head=head) / self.shard_holders,
                                  master_elems=0.0, precision=self.job.precisions[self.kind.name], kind=self.kind)
