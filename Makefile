@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-slow test-all lint clean
 
 $(BIN)/hethub: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,17 @@ lint: $(BIN)/hethub
 
 # Two workers: the suite is mostly single-threaded, and the CI machine has two cores. loadgroup: tests
 # marked with one xdist_group share a worker (and so a search cached in tests/conftest.py).
+# `test` is the fast tier (~4 min); the slow tier (tests/slow_tests.txt and @pytest.mark.slow) is
+# `test-slow`; `test-all` (what .ci/run runs) is both.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(PYTEST) -m "not slow"
+
+test-slow: $(BIN)/hethub
+	$(PYTEST) -m slow
+
+test-all: test test-slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs

@@ -21,6 +21,24 @@ settings.register_profile("hethub", deadline=None)
 settings.load_profile("hethub")
 
 
+SLOW_TESTS = REPO / "tests" / "slow_tests.txt"
+
+
+def slow_test_ids() -> set[str]:
+    """The node ids (without parameters) that tests/slow_tests.txt puts in the slow tier."""
+    lines = SLOW_TESTS.read_text(encoding="utf-8").splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in tests/slow_tests.txt `slow`: the list is the tier's one home, so
+    moving a test between tiers edits one line, not the test's file."""
+    slow = slow_test_ids()
+    for item in items:
+        if item.nodeid.split("[", 1)[0] in slow:
+            item.add_marker(pytest.mark.slow)
+
+
 def small_cluster(*, fast: int = 4, slow: int = 4, per_node: int = 2) -> Cluster:
     """Two kinds: 'fast' (100 TFLOP/s) and 'slow' (40 TFLOP/s), `per_node` devices per node."""
     def kind(name: str, flops: float, mem_gb: float) -> DeviceKind:
