@@ -49,16 +49,16 @@ class Hop:
     of the same CP rank (receiver q's sender is TP rank q mod (sender's TP)).
 
     ``piece``: ``whole`` (the receiver gets the whole tensor), ``flat`` (1/t of the flattened tensor,
-    slice q from sender q; Megatron's scatter-gather between equal TP degrees) or ``seq`` (the
-    receiver's own sequence slice: positions [q s/t, (q+1) s/t) of the CP-local sequence, t the
-    receiver's TP degree). ``source_gathers``: the sender, holding only its own sequence slice (a
+    t the receiver's TP degree: receiver q gets slice q; Megatron's scatter-gather, here between any
+    two degrees) or ``seq`` (the receiver's own sequence slice: positions [q s/t, (q+1) s/t) of the
+    CP-local sequence). ``source_gathers``: the sender, holding only its own sequence slice (a
     sequence-parallel stage), first all-gathers the slices over its TP group. ``dest_gathers``: the
     receiver all-gathers the pieces over its TP group on arrival (``flat`` or ``seq``)."""
 
     piece: str = "whole"
     source_gathers: bool = False
     dest_gathers: bool = False
-    parts: int = 1  # ``seq``: the receiving stage's TP degree (how many slices the sequence is cut into)
+    parts: int = 1  # ``flat``, ``seq``: the receiving stage's TP degree (how many pieces the tensor is cut into)
 
 
 WHOLE = Hop()
@@ -68,16 +68,23 @@ def hop(*, src_tp: int, src_sp: bool, dst_tp: int, dst_sp: bool, numel: int, fla
     """How a tensor moves from a stage of TP degree ``src_tp`` to one of ``dst_tp``, each holding it
     sequence-split over its TP ranks or not (``*_sp``): forward, the sender's output to the receiver's
     input; backward, the receiver's input gradient back to the sender (the same rule, roles swapped).
-    Sequence slices travel as they are held (Korthikanti et al. 2022): a sequence-parallel receiver
-    gets only its slice, a sequence-parallel sender of the same TP degree sends its own; a
-    sequence-parallel sender facing another degree gathers first. Between two stages that replicate
-    it, ``split_hop`` (``flat``: allowed only where ``flat``; the wrap of virtual stages sends whole
-    tensors). The predictor prices each case from the same result (``predict/seq_parallel.py``)."""
+
+    The link between the stages carries one copy of the tensor whatever the two degrees: each
+    receiver gets only its piece and the receiving TP group all-gathers on its own (usually fast,
+    native) link. Sequence slices travel as they are held (Korthikanti et al. 2022): a
+    sequence-parallel receiver gets only its slice, a sequence-parallel sender of the same TP degree
+    sends its own; a sequence-parallel sender facing another degree gathers first. Otherwise the
+    receiver's flat slice (``split_hop``; allowed only where ``flat``: the wrap of virtual stages
+    sends whole tensors), or the whole tensor to a receiver alone in its stage or where it does not
+    split evenly. The predictor prices each case from the same result (``predict/comm.py``:
+    ``hop_messages``)."""
     if dst_sp:
         return Hop("seq", source_gathers=src_sp and src_tp != dst_tp, parts=dst_tp)
-    if src_sp:
-        return Hop("seq", dest_gathers=True, parts=dst_tp) if src_tp == dst_tp else Hop("whole", source_gathers=True)
-    return Hop("flat", dest_gathers=True) if flat and split_hop(a=src_tp, b=dst_tp, numel=numel) else WHOLE
+    if src_sp and src_tp == dst_tp:
+        return Hop("seq", dest_gathers=True, parts=dst_tp)
+    if flat and split_hop(a=src_tp, b=dst_tp, numel=numel):
+        return Hop("flat", source_gathers=src_sp, dest_gathers=True, parts=dst_tp)
+    return Hop("whole", source_gathers=src_sp)
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,8 @@ class RankPlace:
     fwd_send_to: tuple[int, ...]  # ranks this rank sends its output activation to
     bwd_recv_from: int | None  # rank sending this rank the gradient of its output
     bwd_send_to: tuple[int, ...]  # ranks this rank sends its input gradient to
-    # TP-split hops (split_hop): the activation from the previous stage / to the next stage (and the
-    # gradient back) travels as this rank's 1/tp slice, all-gathered over the TP group on arrival.
+    # TP-split hops (split_hop): the activation from the previous stage / to the next stage travels as
+    # the receiver's flat slice, all-gathered over the receiving TP group on arrival.
     split_in: bool = False
     split_out: bool = False
     # Virtual stages: the last stage's chunk c sends its output to the first stage's chunk c + 1
@@ -174,12 +181,13 @@ def bwd_targets(*, a: int, b: int, q: int) -> tuple[int, ...]:
 
 
 def split_hop(*, a: int, b: int, numel: int) -> bool:
-    """Whether the hop between adjacent stages of TP degrees a and b sends each TP rank's slice only
-    (Megatron's scatter-gather: sender j sends slice j of the replicated activation to receiver j,
-    which all-gathers the whole tensor over its TP group, usually the fast intra-node link; the
-    gradient back likewise). Equal degrees only, and a tensor that splits evenly; otherwise receiver q
-    gets the whole tensor from sender q mod a."""
-    return a == b > 1 and numel % a == 0
+    """Whether the hop from a stage of TP degree a to one of degree b sends each receiving TP rank
+    only its slice of the replicated activation (Megatron's scatter-gather, any two degrees): receiver
+    q gets slice q of b from sender q mod a and all-gathers the whole tensor over its TP group
+    (usually the fast intra-node link), so the link between the stages carries one copy, not one per
+    receiver (4 -> 8: one copy where whole tensors sent eight). A receiving stage of one rank, or a
+    tensor that does not split into b equal slices, gets whole tensors from sender q mod a."""
+    return b > 1 and numel % b == 0
 
 
 # ---- parameter units ------------------------------------------------------------------------------

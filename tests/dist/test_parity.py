@@ -165,6 +165,20 @@ def test_tp_split_inter_stage_send(schedule: str) -> None:
     check(plan)
 
 
+def test_unequal_tp_hops_across_kinds_send_one_copy() -> None:
+    """TP 2 -> TP 4 -> TP 1 across kinds (with the bridge forced, through it): each receiver gets its
+    flat slice from sender q mod a and all-gathers over its own TP group (layout.split_hop), the
+    gradients back likewise (4 -> 2 halves, 1 -> 4 quarters); a single receiver gets the whole."""
+    spec = replace(SPEC, name="t6-kv4", num_kv_heads=4)
+    plan = make_plan([(2, 3, [(F, 2, 2), (S, 4, 2), (F, 1, 2)])], spec=spec)
+    topo = build_topology(plan)
+    first, second, third = (topo.stages[i].ranks for i in range(3))
+    assert all(topo.place(r).hop_out.parts == 4 and topo.place(r).hop_grad_in.parts == 2 for r in first)
+    assert all(topo.place(r).hop_out.piece == "whole" and topo.place(r).hop_grad_in.parts == 4 for r in second)
+    assert all(topo.place(r).split_in for r in second) and not any(topo.place(r).split_in for r in third)
+    check(plan)
+
+
 @SCHEDULES
 def test_replicas_with_different_micro_batch_sizes(schedule: str) -> None:
     """Per-replica micro-batch sizes (the planner may give a memory-poor kind mbs 1 beside a rich kind

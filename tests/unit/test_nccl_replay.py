@@ -3,13 +3,13 @@ rank of a plan in this process, over a communicator that never blocks, and recor
 (``hethub.comm.recording``); the tests' model of NCCL (``_nccl_model``) replays all ranks' posts with
 every send larger than NCCL's buffering (eager limit 0), which gloo would have buffered.
 
-The matrix: every schedule (1F1B, GPipe, ZB-H1, interleaved with 2 and 3 chunks) x twelve plan
+The matrix: every schedule (1F1B, GPipe, ZB-H1, interleaved with 2 and 3 chunks) x thirteen plan
 shapes (TP hops of unequal and of equal degree, uneven replicas, cross-kind hops inside one NCCL
-island and through the host bridge between vendors, one micro-batch, fewer micro-batches than
-stages, two stages, sequence-parallel stages, a context-parallel pipeline whose ring runs its own
-point-to-point). The same recordings show that the executor's sends never hold a rank up before
-its last op (the predictor's ``async`` p2p mode) and that its live point-to-point buffers are the
-memory model's term, on the executor's own trace.
+island and through the host bridge between vendors, between unequal TP degrees too, one
+micro-batch, fewer micro-batches than stages, two stages, sequence-parallel stages, a
+context-parallel pipeline whose ring runs its own point-to-point). The same recordings show that
+the executor's sends never hold a rank up before its last op (the predictor's ``async`` p2p mode)
+and that its live point-to-point buffers are the memory model's term, on the executor's own trace.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ SHAPES: list[tuple[str, list[tuple[int, int, list[tuple]]]]] = [
     ("fewer-micro-batches-than-stages", [(1, 2, [("a100", 1)] * 4)]),
     ("tp-2-2-2", [(1, 4, [("a100", 2)] * 3)]),
     ("bridged-both-ways", [(1, 5, [("mi250", 1), ("a100", 1), ("mi250", 1), ("v100", 1)])]),
+    # Unequal TP degrees across the bridge: 2 -> 4 and 4 -> 1 (and back), one copy on each hop's link.
+    ("bridged-unequal-tp", [(2, 3, [("mi250", 2), ("a100", 4), ("mi250", 1)])]),
     # SP TP 2 -> TP 1 (the sender gathers), TP 1 -> SP TP 2 (one sequence slice per receiver), SP -> SP.
     ("sequence-parallel", [(1, 4, [("a100", 2, 1, True), ("a100", 1), ("v100", 2, 1, True), ("v100", 2, 1, True)])]),
     # CP 2 on every stage (the ring's own sends and receives), SP inside, a bridged hop.
@@ -85,7 +87,7 @@ def _one_thread():
 def make_plan(schedule: str, chunks: int, shape: str) -> Plan:
     pipes = dict(SHAPES)[shape]
     num_layers = max(len(stages) for _, _, stages in pipes) * chunks
-    spec = ModelSpec(name="m", num_layers=num_layers, hidden_size=16, num_heads=4, num_kv_heads=2,
+    spec = ModelSpec(name="m", num_layers=num_layers, hidden_size=16, num_heads=4, num_kv_heads=4,
                      ffn_hidden_size=32, vocab_size=32, max_seq_len=SEQ)
     free = {k: [d.id for d in CLUSTER.devices_of_kind(k)] for k in CLUSTER.kind_names}
     out = []

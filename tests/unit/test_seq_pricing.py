@@ -62,7 +62,10 @@ def test_sp_stages_send_sequence_slices_between_them():
     plain, sp = (predict(_plan({"tp": 4, "sp": on}, {"tp": 4, "sp": on})).stages[0].p2p_s for on in (False, True))
     assert 0 < sp < plain
     assert hop(src_tp=4, src_sp=True, dst_tp=4, dst_sp=True, numel=8) == Hop("seq", parts=4)
-    assert hop(src_tp=4, src_sp=True, dst_tp=2, dst_sp=False, numel=8) == Hop("whole", source_gathers=True)
+    # another degree: the sender gathers, each receiver gets its flat half and gathers (one copy on the link)
+    assert hop(src_tp=4, src_sp=True, dst_tp=2, dst_sp=False, numel=8) == Hop("flat", source_gathers=True,
+                                                                             dest_gathers=True, parts=2)
+    assert hop(src_tp=4, src_sp=True, dst_tp=1, dst_sp=False, numel=8) == Hop("whole", source_gathers=True)
     assert hop(src_tp=2, src_sp=False, dst_tp=4, dst_sp=True, numel=8) == Hop("seq", parts=4)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from hethub.layout import WHOLE, Hop, split_hop
 from hethub.spec.cluster import Cluster, Link
 
 
@@ -88,29 +89,59 @@ def tp_comm_time_s(*, act_bytes_per_layer: float, layers: int, tp: int, link: Li
     return 2 * layers * one, 2 * layers * one
 
 
+def hop_messages(senders: Sequence[int], receivers: Sequence[int], the_hop: Hop, *, nbytes: float,
+                 ) -> list[tuple[int, int, float]]:
+    """(sender, receiver, bytes) of each message of one micro-batch's hop from a stage's TP ranks
+    ``senders`` to the next's ``receivers`` (device ids in TP order; one CP rank's, ``nbytes`` its
+    whole message), as the runtime sends them (``layout.hop``; runtime/stage_messages.py): receiver q
+    gets its piece from sender q mod len(senders) (``layout.fwd_source``)."""
+    a, b = len(senders), len(receivers)
+    piece = nbytes if the_hop.piece == "whole" else nbytes / the_hop.parts
+    return [(senders[q % a], receivers[q], piece) for q in range(b)]
+
+
+def hop_messages_time_s(cluster: Cluster, messages: Sequence[tuple[int, int, float]]) -> float:
+    """The slowest of messages sent at once, each over its link with the NICs they cross shared."""
+    pairs = [(s, r) for s, r, _ in messages]
+    return max(link.latency_s + n * share / link.bw_bytes_per_s
+               for (link, share), (_, _, n) in zip(shared_links(cluster, pairs), messages, strict=True))
+
+
 def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], receivers: tuple[int, ...] | list[int],
                      nbytes: float, split: bool = False) -> float:
     """One micro-batch's activations from a stage of TP ranks ``senders`` to the next stage's ``receivers``
-    (device ids in TP order), as hethub's executor sends them: receiver q gets the whole tensor from sender
-    q mod len(senders) (hethub.layout.fwd_source); gradients go back the same pairs.
+    (device ids in TP order), as hethub's executor sends them (``hop_messages``): receiver q gets the
+    whole tensor from sender q mod len(senders), or with ``split`` (``layout.split_hop``) only its
+    1/len(receivers) slice, and the receivers then all-gather it over their TP group (a ring
+    all-gather, half a ring all-reduce): one copy crosses the link whatever the two TP degrees.
 
     The ranks behind one NIC share it (:func:`shared_links`): the messages leaving (or entering) through
     one NIC at once each get that share of its bandwidth, so a TP-8 stage on a node with one NIC whose 8
     ranks each send the whole tensor to another node moves 8 copies through that NIC.
-
-    ``split`` (hethub.layout.split_hop: equal TP degrees): each pair carries 1/TP of the tensor and
-    the receivers then all-gather it over their TP group (a ring all-gather, half a ring all-reduce).
     """
     a, b = len(senders), len(receivers)
     if a < 1 or b < 1 or nbytes <= 0:
         return 0.0
-    pairs = [(senders[q % a], receivers[q]) for q in range(b)]
-    gather_s = 0.0
-    if split:
-        gather_s = group_allreduce_time_s(cluster, nbytes=nbytes, devices=list(receivers)) / 2
-        nbytes /= a
-    worst = max(link.latency_s + nbytes * share / link.bw_bytes_per_s for link, share in shared_links(cluster, pairs))
-    return worst + gather_s
+    the_hop = Hop("flat", dest_gathers=True, parts=b) if split else WHOLE
+    gather_s = group_allreduce_time_s(cluster, nbytes=nbytes, devices=list(receivers)) / 2 if split else 0.0
+    return hop_messages_time_s(cluster, hop_messages(senders, receivers, the_hop, nbytes=nbytes)) + gather_s
+
+
+def boundary_time_s(cluster: Cluster, *, senders: Sequence[int], receivers: Sequence[int], numel: int,
+                    nbytes: float, flat: bool = True) -> float:
+    """One micro-batch's boundary between adjacent stages, the slower of its two directions: the
+    activation from ``senders`` to ``receivers`` and its gradient back, each as ``layout.hop`` sends
+    it (``flat``: whether the boundary may send flat pieces; the wrap of virtual stages may not).
+    Between unequal TP degrees the two directions use different pairs, pieces and gathers (2 -> 4
+    forward sends quarters and gathers on the four, backward halves gathered on the two), so both
+    are priced; the schedule simulation charges one time per boundary. The predictor
+    (``PlanCosts.boundary_s``) and the planner (``LinkBook.hop_s``) both price hops here."""
+    a, b = len(senders), len(receivers)
+    fwd = stage_hop_time_s(cluster, senders=senders, receivers=receivers, nbytes=nbytes,
+                           split=flat and split_hop(a=a, b=b, numel=numel))
+    bwd = stage_hop_time_s(cluster, senders=receivers, receivers=senders, nbytes=nbytes,
+                           split=flat and split_hop(a=b, b=a, numel=numel))
+    return max(fwd, bwd)
 
 
 def shared_links(cluster: Cluster, pairs: list[tuple[int, int]]) -> list[tuple[Link, int]]:

@@ -12,10 +12,9 @@ import bisect
 import functools
 import itertools
 
-from hethub.layout import split_hop
 from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
-from hethub.predict.comm import stage_hop_time_s
+from hethub.predict.comm import boundary_time_s
 from hethub.predict.memory import StageMemory, act_bytes_for, message_bytes, p2p_buffer_bytes
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_ring_s, splits_sequence
@@ -30,7 +29,7 @@ __all__ = ["PlanCosts", "StageStepCost", "sync_shape"]
 _FINISH = Kept(4096)
 # sync_shape by layout (the model's id, pinned; each stage's TP degree and layer ranges).
 _SYNC_SHAPES = Kept(64)
-# Stage-to-stage hop times by the cluster (id, pinned), the hop's devices, bytes and split: the local
+# Stage-to-stage boundary times by the cluster (id, pinned), the hop's devices, size and flat: the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
 _HOPS = Kept(100_000)
 
@@ -87,22 +86,18 @@ class PlanCosts:
         return StageStepCost(cost.times, cost.fwd_s + f, cost.bwd_s + b)
 
     def boundary_s(self, src: Stage, dst: Stage, *, mbs: int, flat: bool = True) -> float:
-        """One micro-batch's transfer from stage ``src`` to ``dst`` and its gradient back: the plain
-        TP rule (``comm.stage_hop_time_s``) or, where either splits sequences, seq_parallel's."""
+        """One micro-batch's transfer from stage ``src`` to ``dst`` and its gradient back, the slower
+        of the two: the plain TP rule (``comm.boundary_time_s``) or, where either splits sequences,
+        seq_parallel's."""
         plan = self.plan
         if splits_sequence((src, dst)):
             return boundary_hop_s(plan.cluster, src, dst, mbs=mbs, seq_len=plan.seq_len,
                                   hidden_size=plan.model.hidden_size, act_bytes=self.act_bytes, flat=flat)
         numel = self.job.hop_numel(mbs)
-        return self.hop_s(senders=src.devices, receivers=dst.devices, nbytes=numel * self.act_bytes,
-                          split=flat and split_hop(a=src.tp, b=dst.tp, numel=numel))
-
-    def hop_s(self, *, senders: tuple[int, ...], receivers: tuple[int, ...], nbytes: float, split: bool) -> float:
-        """``comm.stage_hop_time_s`` on the plan's cluster."""
         cluster = self.plan.cluster
-        return _HOPS.get((id(cluster), senders, receivers, nbytes, split),
-                         lambda: stage_hop_time_s(cluster, senders=senders, receivers=receivers, nbytes=nbytes,
-                                                  split=split), pin=(cluster,))
+        return _HOPS.get((id(cluster), src.devices, dst.devices, numel, self.act_bytes, flat),
+                         lambda: boundary_time_s(cluster, senders=src.devices, receivers=dst.devices, numel=numel,
+                                                 nbytes=numel * self.act_bytes, flat=flat), pin=(cluster,))
 
     def memory_of(self, shape: tuple, recompute: Recompute | None = None) -> StageMemory:
         """The stage cost model's memory of a `stage_shape` (recomputing ``recompute`` where given,

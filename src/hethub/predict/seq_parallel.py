@@ -31,7 +31,13 @@ from collections.abc import Sequence
 
 from hethub.layout import Hop, hop
 from hethub.plan_parts import Stage
-from hethub.predict.comm import ring_pass_time_s, rings_link, shared_links, small_allreduce_time_s
+from hethub.predict.comm import (
+    hop_messages,
+    hop_messages_time_s,
+    ring_pass_time_s,
+    rings_link,
+    small_allreduce_time_s,
+)
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
@@ -80,13 +86,17 @@ def stage_hop(src: Stage, dst: Stage, *, numel: int, flat: bool = True) -> Hop:
                numel=numel, flat=flat)
 
 
+def boundary_messages(src: Stage, dst: Stage, the_hop: Hop, *, nbytes: float) -> list[tuple[int, int, float]]:
+    """(sending device, receiving device, bytes) of every message of one micro-batch's hop from ``src``
+    to ``dst`` (every CP rank's pairs; ``nbytes``: one CP rank's whole message), as the runtime posts
+    them (``comm.hop_messages``; tests/unit/test_hop_bytes.py counts the runtime's)."""
+    return [m for c in range(dst.cp) for m in hop_messages(src.tp_group(c), dst.tp_group(c), the_hop, nbytes=nbytes)]
+
+
 def hop_time_s(cluster: Cluster, src: Stage, dst: Stage, the_hop: Hop, *, nbytes: float) -> float:
     """One direction of a boundary: ``nbytes`` is one CP rank's message; every CP rank's pairs send at
     once (sharing NICs), then the receiver's TP all-gather, after the sender's where it gathers."""
-    a, b = src.tp, dst.tp
-    piece = {"whole": nbytes, "flat": nbytes / a, "seq": nbytes / the_hop.parts}[the_hop.piece]
-    pairs = [(src.tp_group(c)[q % a], dst.tp_group(c)[q]) for c in range(dst.cp) for q in range(b)]
-    worst = max(link.latency_s + piece * share / link.bw_bytes_per_s for link, share in shared_links(cluster, pairs))
+    worst = hop_messages_time_s(cluster, boundary_messages(src, dst, the_hop, nbytes=nbytes))
     gathers = 0.0
     if the_hop.source_gathers:
         gathers += _tp_gather_s(cluster, src, nbytes=nbytes)

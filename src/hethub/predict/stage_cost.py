@@ -13,7 +13,8 @@ caches over :class:`StageModel` and never restates a rule):
   faster than linearly, so it is not rescaled): the roofline is, and ``compute_source`` says so;
 * **memory**: :func:`hethub.predict.memory.stage_memory` with the runtime's vocabulary-parallel rule
   (:func:`~hethub.predict.memory.runtime_vocab_parallel`) and the plan's attention, by in-flight count;
-* **hops and rings**: :func:`hethub.predict.comm.stage_hop_time_s` and
+* **hops and rings**: :func:`hethub.predict.comm.boundary_time_s` (both directions of a
+  boundary as ``layout.hop`` sends them) and
   :func:`~hethub.predict.comm.rings_link`, which read ``Cluster.link`` and share a NIC among the
   messages through it (:func:`~hethub.predict.comm.shared_links`).
 

@@ -1,5 +1,5 @@
 """Representative links between stages and replicas, before devices are chosen: the stage cost
-model's hop and ring times (``Cluster.link``, ``comm.stage_hop_time_s``, ``comm.rings_link``) on
+model's hop and ring times (``Cluster.link``, ``comm.boundary_time_s``, ``comm.rings_link``) on
 the devices a planner's layout would give, kept per cluster.
 
 The search prices a template without knowing which node each stage lands on. The device allocator
@@ -14,8 +14,7 @@ import functools
 import itertools
 from typing import NamedTuple
 
-from hethub.layout import split_hop
-from hethub.predict.comm import rings_link, stage_hop_time_s
+from hethub.predict.comm import boundary_time_s, rings_link
 from hethub.predict.stage_cost import tp_link
 from hethub.spec.cluster import Cluster, Link
 
@@ -30,7 +29,7 @@ class Slot(NamedTuple):
 
 class LinkBook:
     """The planner's caches over the predictor's link rules (``Cluster.link``, and the NIC-sharing
-    rule of ``predict.comm.shared_links`` through ``stage_hop_time_s`` and ``rings_link``), read on
+    rule of ``predict.comm.shared_links`` through ``boundary_time_s`` and ``rings_link``), read on
     representative devices: each kind's first nodes, from their first device."""
 
     def __init__(self, cluster: Cluster) -> None:
@@ -89,8 +88,8 @@ class LinkBook:
 
     def hop_s(self, a: Slot, b: Slot, *, numel: int, nbytes: float, across: bool | None = None) -> float:
         """One micro-batch's activations (``numel`` elements, ``nbytes``) from a stage of `a` to the next
-        of `b`, by the predictor's rule (predict.comm.stage_hop_time_s: the executor's rank pairs, a
-        node's NIC shared by its cross-node messages, TP-split hops between equal degrees) on
+        of `b` and the gradient back, by the predictor's rule (predict.comm.boundary_time_s: the
+        executor's rank pairs, a node's NIC shared by its cross-node messages, flat pieces) on
         representative devices: consecutive stages of one kind share a node where both fit in it
         (as `p2p` assumes) unless `across`, else they sit on two nodes (the cheapest, as the floors in
         bounds.py need)."""
@@ -102,8 +101,8 @@ class LinkBook:
                 link = self.p2p(a, b)
                 t = link.latency_s + nbytes / link.bw_bytes_per_s
             else:
-                t = stage_hop_time_s(self.cluster, senders=place[0], receivers=place[1], nbytes=nbytes,
-                                     split=split_hop(a=a.tp, b=b.tp, numel=numel))
+                t = boundary_time_s(self.cluster, senders=place[0], receivers=place[1], numel=numel,
+                                    nbytes=nbytes)
             self._hops[key] = t
         return t
 

@@ -2,10 +2,11 @@
 
 A message is one CP rank's part of a micro-batch's activation or gradient, [b, s/cp, h]. A stage
 holds it whole on every TP rank, or, under sequence parallelism, TP rank q holds its sequence slice
-q ([b, s/(cp t), h]). The hop says what travels (the whole tensor, a flat 1/t, or the receiver's
-sequence slice) and who all-gathers over a TP group: the sender before sending (a sequence-parallel
-stage facing another TP degree), or the receiver on arrival. The TP gathers run on the stage's own
-TP group, usually the fast intra-node link; the slow inter-stage link carries one copy.
+q ([b, s/(cp t), h]). The hop says what travels (the whole tensor, the receiver's flat 1/t, or its
+sequence slice; t the receiving stage's TP degree) and who all-gathers over a TP group: the sender
+before sending (a sequence-parallel stage facing another TP degree), or the receiver on arrival.
+The TP gathers run on the stage's own TP group, usually the fast intra-node (native) link; the
+inter-stage link, across kinds the bridge, carries one copy whatever the two TP degrees.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class StageMessages:
         if hop.piece == "whole":
             return [t] * dests
         # Pieces are copies: a view would keep the whole tensor's storage until the send is released.
-        if hop.piece == "flat":
-            return [t.reshape(-1).chunk(self.tp)[self.tp_rank].clone()] * dests
+        if hop.piece == "flat":  # receivers q = j, j + a, ... get slices q of t (the receiving degree)
+            flat = t.reshape(-1).chunk(hop.parts)
+            return [flat[self.tp_rank + i * self.tp].clone() for i in range(dests)]
         if not whole:  # a sequence-parallel sender facing its own TP degree: its slice is the receiver's
             return [t.contiguous()] * dests
         parts = hop.parts
@@ -46,7 +48,7 @@ class StageMessages:
     def recv_shape(self, hop: Hop) -> tuple[int, ...]:
         """The buffer a receive of ``hop`` posts."""
         if hop.piece == "flat":
-            return (self.shape[0] * self.shape[1] * self.shape[2] // self.tp,)
+            return (self.shape[0] * self.shape[1] * self.shape[2] // hop.parts,)
         if hop.piece == "seq":
             return (self.shape[0], self.shape[1] // self.tp, self.shape[2])
         return self.shape

@@ -77,13 +77,11 @@ def _piece_bytes(src: Stage, dst: Stage, *, numel: int, elem: int, flat: bool, s
     whole = numel * elem
     if h.piece == "whole":
         return whole
-    if h.piece == "flat":
-        return whole / src.tp
     if not sending:
         return whole / h.parts
-    # Sequence slices: a sequence-parallel sender facing its own degree sends the slice it holds; any
-    # other sender cuts one slice per receiver it serves (receivers q = 0, a, 2a, ... for TP rank 0).
-    own = src.sequence_parallel and not h.source_gathers
+    # Pieces: a sequence-parallel sender facing its own degree sends the slice it holds; any other
+    # sender cuts one piece per receiver it serves (receivers q = 0, a, 2a, ... for TP rank 0).
+    own = h.piece == "seq" and src.sequence_parallel and not h.source_gathers
     return whole / h.parts * (1 if own else -(-dst.tp // src.tp))
 
 
