@@ -45,6 +45,7 @@ from hethub.comm.hierarchical import (
 )
 from hethub.comm.recording import Channel
 from hethub.comm.reduce_scatter import reduce_scatter_into
+from hethub.comm.transport_choice import make_transport, transport_name
 from hethub.errors import RuntimeSetupError
 from hethub.islands import HOST_BACKENDS as _HOST_BACKENDS
 from hethub.islands import island_of_kind
@@ -82,7 +83,9 @@ class BridgedCommunicator(Communicator):
     def __init__(self, *, kind_of_rank: Sequence[str], backend_of_kind: Mapping[str, str],
                  timeout: timedelta | None = None, force_bridge: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, vendor_of_kind: Mapping[str, str] | None = None,
-                 stage_host: bool | None = None) -> None:
+                 stage_host: bool | None = None, transport: str = "gloo") -> None:
+        """``transport``: what moves bytes between islands (``comm/transport.py``; the environment's
+        HETHUB_BRIDGE_TRANSPORT wins, so a test suite re-runs on another transport unedited)."""
         super().__init__(timeout=timeout)
         if len(kind_of_rank) != self.world_size:
             raise RuntimeSetupError(f"the bridge was given kinds for {len(kind_of_rank)} ranks but the job has "
@@ -107,8 +110,11 @@ class BridgedCommunicator(Communicator):
                                                                            strict=True)}
         self._maker = GroupMaker(world_size=self.world_size, world_backend=str(dist.get_backend()),
                                  timeout=timeout)
-        # Cross-island traffic always rides gloo: the default group when the world is gloo, else its own.
+        # The control plane (barriers, object gathers) rides gloo over the world: the default group
+        # when the world is gloo, else its own. Cross-island data rides the transport (comm/transport.py).
         self._bridge_pg = self._maker.get(range(self.world_size), "gloo")
+        self.transport = make_transport(transport_name(transport), self._maker.get)
+        self._bridge_world = self.transport.group(range(self.world_size))
         self._routes: dict[tuple[GroupKey, str], Route] = {}
         self._pool = HostPool()
         # The world is a group too (all_reduce with group=None); building it also creates each
@@ -132,7 +138,7 @@ class BridgedCommunicator(Communicator):
             if k not in entry["kinds"]:
                 entry["kinds"].append(k)
         return {"bridged": self.bridged, "force_bridge": self.force_bridge, "chunk_bytes": self.chunk_bytes,
-                "stage_host": self.stage_host, "islands": islands}
+                "stage_host": self.stage_host, "transport": self.transport.caps.name, "islands": islands}
 
     # ---- groups ----------------------------------------------------------------------------------
     def create_groups(self, groups: Iterable[Sequence[int]], *, channel: str = "") -> None:
@@ -141,7 +147,8 @@ class BridgedCommunicator(Communicator):
             if (key, channel) not in self._routes:
                 self._routes[(key, channel)] = build_route(key, rank=self.rank, island_of_rank=self.island_of_rank,
                                                            backend_of_island=self.backend_of_island,
-                                                           groups=self._maker, channel=channel)
+                                                           groups=self._maker, transport=self.transport,
+                                                           channel=channel)
 
     def _route(self, group: Sequence[int] | None, channel: str = "") -> Route:
         key = tuple(range(self.world_size)) if group is None else tuple(sorted(group))
@@ -171,7 +178,8 @@ class BridgedCommunicator(Communicator):
         return self._maker.get((src, dst), self.backend_of_island[self.island_of_rank[src]], channel=lane_name(*lane))
 
     def _staged(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type != "cpu" or self.stage_host or not tensor.is_contiguous()
+        return (tensor.device.type not in self.transport.caps.device_types or self.stage_host
+                or not tensor.is_contiguous())
 
     # ---- point to point --------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> Any:
@@ -179,11 +187,12 @@ class BridgedCommunicator(Communicator):
         if self._same_island(dst):
             return dist.isend(data, dst=dst, tag=tag, group=self._p2p_pg(data, self.rank, dst, lane))
         if not self._staged(data):
-            # Already in host memory; like any isend, the caller keeps it unchanged until wait().
-            return dist.isend(data, dst=dst, tag=tag, group=self._bridge_pg)
+            # Memory the transport reads; like any isend, the caller keeps it unchanged until wait().
+            return self.transport.isend(data, dst=dst, tag=tag, group=self._bridge_world)
         host = self._pool.take(data)
         host.copy_(data.view(-1))  # blocking for CUDA sources: on the host when this returns
-        return StagedWork(dist.isend(host, dst=dst, tag=tag, group=self._bridge_pg), host, data, self._pool)
+        return StagedWork(self.transport.isend(host, dst=dst, tag=tag, group=self._bridge_world), host, data,
+                          self._pool)
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
         self.irecv(tensor, src=src, tag=tag).wait()
@@ -211,10 +220,10 @@ class BridgedCommunicator(Communicator):
         if self._same_island(src):
             return dist.irecv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor, src, self.rank, lane))
         if not self._staged(tensor):
-            return dist.irecv(tensor, src=src, tag=tag, group=self._bridge_pg)
+            return self.transport.irecv(tensor, src=src, tag=tag, group=self._bridge_world)
         host = self._pool.take(tensor)
-        return StagedWork(dist.irecv(host, src=src, tag=tag, group=self._bridge_pg), host, tensor, self._pool,
-                          recv_into=tensor)
+        return StagedWork(self.transport.irecv(host, src=src, tag=tag, group=self._bridge_world), host, tensor,
+                          self._pool, recv_into=tensor)
 
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,

@@ -46,12 +46,13 @@ def kinds_of_ranks(plan: Plan) -> list[str]:
 
 def make_communicator(*, plan: Plan, rank: int, timeout: timedelta | None = None, bridge: str = "auto",
                       device_types: Mapping[str, str] | None = None,
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Communicator:
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, transport: str = "gloo") -> Communicator:
     """The Communicator for this rank of ``plan``; call after ``init_process_group`` on every rank.
 
     ``device_types`` maps each kind to the torch device type its ranks compute on ("cuda", "npu",
     "cpu"); it decides each kind's backend. Default: the device the world's backend serves (cpu for
     a gloo world, cuda for an nccl world), which is how the runtime places ranks today.
+    ``transport``: what moves bytes between islands (``comm/transport.py``; HETHUB_BRIDGE_TRANSPORT wins).
     """
     mode = bridge_mode(bridge)
     if not dist.is_initialized():
@@ -78,4 +79,5 @@ def make_communicator(*, plan: Plan, rank: int, timeout: timedelta | None = None
                                     f"({backend_of_kind}). Fix: use bridge 'auto'.")
         return Communicator(timeout=timeout)
     return BridgedCommunicator(kind_of_rank=kind_of_rank, backend_of_kind=backend_of_kind, timeout=timeout,
-                               force_bridge=mode == "force", chunk_bytes=chunk_bytes, vendor_of_kind=vendor_of_kind)
+                               force_bridge=mode == "force", chunk_bytes=chunk_bytes, vendor_of_kind=vendor_of_kind,
+                               transport=transport)

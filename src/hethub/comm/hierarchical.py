@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
 from hethub.comm.reduce_scatter import reduce_scatter_into
+from hethub.comm.transport import Transport
 from hethub.islands import Exchange, exchange
 
 GroupKey = tuple[int, ...]
@@ -98,9 +99,10 @@ class Route:
     members: GroupKey
     islands: tuple[GroupKey, ...]  # each island's ranks in this group, ordered by first rank
     local: IslandPart | None  # this rank's island; None when this rank is not a member
-    leaders_pg: Any  # gloo over the islands' leaders (bridged groups only)
-    host_pg: Any  # gloo over all members: gathers and the sharded exchange's p2p (bridged groups only)
+    leaders_pg: Any  # the transport's group of the islands' leaders (bridged groups only)
+    host_pg: Any  # the transport's group of all members: the sharded exchange's p2p (bridged groups only)
     exchange: Exchange  # the hierarchical reduce-scatter / all-gather schedule (hethub.islands)
+    transport: Transport | None = None  # what moves bytes between islands (comm/transport.py)
 
     @property
     def bridged(self) -> bool:
@@ -108,7 +110,8 @@ class Route:
 
 
 def build_route(members: Sequence[int], *, rank: int, island_of_rank: Sequence[str],
-                backend_of_island: Mapping[str, str], groups: GroupMaker, channel: str = "") -> Route:
+                backend_of_island: Mapping[str, str], groups: GroupMaker, transport: Transport,
+                channel: str = "") -> Route:
     key = tuple(sorted(members))
     by_island: dict[str, list[int]] = {}
     for r in key:
@@ -123,12 +126,12 @@ def build_route(members: Sequence[int], *, rank: int, island_of_rank: Sequence[s
         parts[name] = IslandPart(ranks=tuple(ranks), backend=backend, native_pg=native, host_pg=host)
     leaders_pg = host_pg = None
     if len(by_island) > 1:
-        leaders_pg = groups.get([p.leader for p in parts.values()], "gloo", channel)
-        host_pg = groups.get(key, "gloo", channel)
+        leaders_pg = transport.group([p.leader for p in parts.values()], channel=channel)
+        host_pg = transport.group(key, channel=channel)
     local = parts[island_of_rank[rank]] if rank in key else None
     return Route(members=key, islands=tuple(p.ranks for p in parts.values()), local=local,
                  leaders_pg=leaders_pg, host_pg=host_pg,
-                 exchange=exchange(key, {r: island_of_rank[r] for r in key}))
+                 exchange=exchange(key, {r: island_of_rank[r] for r in key}), transport=transport)
 
 
 # ---- host staging -----------------------------------------------------------------------------------
@@ -165,8 +168,9 @@ def _wait_copies(tensor: torch.Tensor) -> None:
 
 # ---- the algorithms ---------------------------------------------------------------------------------
 def bridged_all_reduce(tensor: torch.Tensor, *, group: Any, op: Any, chunk_bytes: int, pool: HostPool,
-                       stage: bool) -> None:
-    """In-place all-reduce of a contiguous tensor among ``group`` (gloo) in chunks of ``chunk_bytes``.
+                       stage: bool, transport: Transport) -> None:
+    """In-place all-reduce of a contiguous tensor among ``group`` (a group of ``transport``) in chunks
+    of ``chunk_bytes``.
 
     With ``stage`` (always for device tensors) each chunk is copied to a host buffer first, so the
     device-to-host copy of the next chunk overlaps the transfer of this one; host tensors can be
@@ -181,7 +185,7 @@ def bridged_all_reduce(tensor: torch.Tensor, *, group: Any, op: Any, chunk_bytes
         if stage:
             host[start:end].copy_(flat[start:end], non_blocking=flat.is_cuda)
             _wait_copies(flat)  # gloo reads host memory directly: this chunk must have landed
-        works.append((dist.all_reduce(host[start:end], op=op, group=group, async_op=True), start, end))
+        works.append((transport.all_reduce(host[start:end], op=op, group=group), start, end))
     for work, start, end in works:
         work.wait()
         if stage:
@@ -225,8 +229,10 @@ class StartedAllReduce:
         if self.first is not None:
             self.first.wait()
         if self.rank == local.leader:
+            transport = _transport(self.route)
+            stage = self.stage_host or work.device.type not in transport.caps.device_types
             bridged_all_reduce(work, group=self.route.leaders_pg, op=self.op, chunk_bytes=self.chunk_bytes,
-                               pool=self.pool, stage=self.stage_host or work.device.type != "cpu")
+                               pool=self.pool, stage=stage, transport=transport)
         if len(local.ranks) > 1:
             dist.broadcast(work, src=local.leader, group=local.pg_for(work))
         if work is not self.tensor:
@@ -273,11 +279,11 @@ class StartedReduce:
         if self.rank == self.dst:
             for i in (i for i in range(len(ex.islands)) if i != mine):
                 part = flat.new_empty(flat.numel())
-                work, host = _staged_p2p(part, peer=ex.proxy(self.dst, i), send=False, group=self.route.host_pg,
+                work, host = _staged_p2p(part, peer=ex.proxy(self.dst, i), send=False, route=self.route,
                                          pool=self.pool, stage_host=self.stage_host, tag=REDUCTION_TAG)
                 self.posted.append((part, work, host))
         elif self.rank == self.root:
-            work, host = _staged_p2p(flat, peer=self.dst, send=True, group=self.route.host_pg, pool=self.pool,
+            work, host = _staged_p2p(flat, peer=self.dst, send=True, route=self.route, pool=self.pool,
                                      stage_host=self.stage_host, tag=REDUCTION_TAG)
             self.posted.append((None, work, host))
 
@@ -321,11 +327,11 @@ class StartedBroadcast:
         self.recv: tuple[Any, torch.Tensor | None] | None = None
         self.native: Any = None
         if rank == src:
-            self.sends = [_staged_p2p(flat, peer=ex.proxy(src, i), send=True, group=route.host_pg, pool=pool,
+            self.sends = [_staged_p2p(flat, peer=ex.proxy(src, i), send=True, route=route, pool=pool,
                                       stage_host=stage_host, tag=BROADCAST_TAG)
                           for i in range(len(ex.islands)) if i != home]
         elif rank == self.root:
-            self.recv = _staged_p2p(flat, peer=src, send=False, group=route.host_pg, pool=pool,
+            self.recv = _staged_p2p(flat, peer=src, send=False, route=route, pool=pool,
                                     stage_host=stage_host, tag=BROADCAST_TAG)
         if mine == home and len(local.ranks) > 1:
             self.native = dist.broadcast(tensor, src=src, group=local.pg_for(tensor), async_op=True)
@@ -353,17 +359,31 @@ BROADCAST_TAG = 1 << 23
 
 
 # ---- the sharded (reduce-scatter / all-gather) exchange ---------------------------------------------
-def _staged_p2p(flat: torch.Tensor, *, peer: int, send: bool, group: Any, pool: HostPool,
+def _transport(route: Route) -> Transport:
+    if route.transport is None:
+        raise RuntimeError(f"group {route.members} spans islands but its route has no transport")
+    return route.transport
+
+
+def _staged_p2p(flat: torch.Tensor, *, peer: int, send: bool, route: Route, pool: HostPool,
                 stage_host: bool, tag: int = 0) -> tuple[Any, torch.Tensor | None]:
-    """isend/irecv of a contiguous 1-D tensor over gloo, through a pooled host copy unless it is a host
-    tensor and ``stage_host`` is off. Returns (work, host copy or None); a received host copy must be
-    copied into ``flat`` after the wait."""
-    if flat.device.type == "cpu" and not stage_host:
-        return (dist.isend if send else dist.irecv)(flat, peer, group=group, tag=tag), None
+    """isend/irecv of a contiguous 1-D tensor over the route's transport (its group of all members),
+    through a pooled host copy unless the transport reads the tensor's memory and ``stage_host`` is
+    off. Returns (work, host copy or None); a received host copy must be copied into ``flat`` after
+    the wait."""
+    transport = _transport(route)
+
+    def move(buf: torch.Tensor) -> Any:
+        if send:
+            return transport.isend(buf, dst=peer, tag=tag, group=route.host_pg)
+        return transport.irecv(buf, src=peer, tag=tag, group=route.host_pg)
+
+    if flat.device.type in transport.caps.device_types and not stage_host:
+        return move(flat), None
     host = pool.take(flat)
     if send:
         host.copy_(flat)  # blocking for device tensors: on the host when this returns
-    return (dist.isend if send else dist.irecv)(host, peer, group=group, tag=tag), host
+    return move(host), host
 
 
 def hierarchical_reduce_scatter(tensor: torch.Tensor, *, route: Route, rank: int, pool: HostPool,
@@ -384,7 +404,7 @@ def hierarchical_reduce_scatter(tensor: torch.Tensor, *, route: Route, rank: int
     # Receives are posted first, so that proxies which need no island step (one-rank islands) can
     # send while this island reduces (the overlap ``Exchange.pass_time_s`` prices).
     partials = [chunks.new_empty(real[rank]) for _ in range(len(ex.islands) - 1)]
-    recvs = [_staged_p2p(part, peer=ex.proxy(rank, i), send=False, group=route.host_pg, pool=pool,
+    recvs = [_staged_p2p(part, peer=ex.proxy(rank, i), send=False, route=route, pool=pool,
                          stage_host=stage_host)
              for part, i in zip(partials, (i for i in range(len(ex.islands)) if i != me), strict=True)]
     island = local.ranks
@@ -401,7 +421,7 @@ def hierarchical_reduce_scatter(tensor: torch.Tensor, *, route: Route, rank: int
     else:  # alone in its island: the block is the buffer's own rows, no copy
         rows = [chunks[index[owner]] for owner in ex.blocks[rank]]
     sends = [(rows[t][:real[owner]], *_staged_p2p(rows[t][:real[owner]], peer=owner, send=True,
-                                                  group=route.host_pg, pool=pool, stage_host=stage_host))
+                                                  route=route, pool=pool, stage_host=stage_host))
              for t, owner in enumerate(ex.blocks[rank]) if t > 0]
     out = rows[0].clone()
     for part, (work, host) in zip(partials, recvs, strict=True):
@@ -431,12 +451,12 @@ def hierarchical_all_gather(tensor: torch.Tensor, *, route: Route, rank: int, po
     slots = ex.slots[rank]
     me = ex.island_index(rank)
     mine = flat[:real[rank]]
-    sends = [_staged_p2p(mine, peer=ex.proxy(rank, i), send=True, group=route.host_pg, pool=pool,
+    sends = [_staged_p2p(mine, peer=ex.proxy(rank, i), send=True, route=route, pool=pool,
                          stage_host=stage_host) for i in range(len(ex.islands)) if i != me]
     block = flat.new_zeros(slots, flat.numel())
     block[0] = flat
     recvs = [(block[t][:real[owner]], *_staged_p2p(block[t][:real[owner]], peer=owner, send=False,
-                                                   group=route.host_pg, pool=pool, stage_host=stage_host))
+                                                   route=route, pool=pool, stage_host=stage_host))
              for t, owner in enumerate(ex.blocks[rank]) if t > 0]
     for row, work, host in recvs:
         work.wait()
