@@ -99,6 +99,29 @@ def _irecv_worker(rank: int) -> list[bool]:
     return ok
 
 
+def _chunked_worker(rank: int) -> int:
+    # Rank 0 stages its host tensors (as a device rank does), rank 1 sends and receives in place: the
+    # two ends cut each message into the same chunks whichever path they take.
+    comm = _bridge(["a", "b"], p2p_chunk_bytes=1000, stage_host=rank == 0)
+    checked = 0
+    for i, (dtype, numel) in enumerate((d, n) for d in DTYPES for n in (1, 999, 12_345)):
+        want = _payload(dtype, (numel,), seed=i)
+        for src in (0, 1):
+            if rank == src:
+                comm.isend(want, dst=1 - src, tag=i).wait()
+            else:
+                got = torch.empty(numel, dtype=dtype)
+                comm.recv(got, src=src, tag=i)
+                assert torch.equal(got, want), (src, dtype, numel)
+                checked += 1
+    comm.barrier()
+    return checked
+
+
+def test_p2p_in_chunks_staged_on_one_end_only() -> None:
+    assert run_ranks(2, _chunked_worker) == [3 * len(DTYPES)] * 2
+
+
 def test_irecv_posted_ahead_through_the_bridge() -> None:
     assert run_ranks(2, _irecv_worker)[1] == [True] * 4
 
@@ -305,6 +328,12 @@ def test_bench_comm_writes_a_profile_the_predictor_reads(tmp_path, capsys: pytes
                 pipelines=(Pipeline(2, 4, stages),)).validate()
     measured = plan_with_links(plan, profile)
     assert measured.cluster.cross_kind.bw_bytes_per_s == profile.links["cross_kind"].bw_bytes_per_s
+    # predict --json's sources say what the cross-kind figures rest on: the file's (no citation in
+    # local-cpu.toml, so assumed) until the profile's measurement through the bridge replaces them
+    assert predict(plan).sources["cross_kind"]["source"].startswith("assumed")
+    cross = predict(measured).sources["cross_kind"]
+    assert cross["source"].startswith("measured")
+    assert cross["bw_bytes_per_s"] == measured.cluster.cross_kind.bw_bytes_per_s
     # The transfer is costed over the measured link (capped by the NIC, so it need not differ from the
     # catalog's figure when loopback outruns the NIC).
     act_bytes = 2 * 64 * PRESETS["tiny"].hidden_size * 2  # micro-batch 2 x 64 tokens x hidden, bf16

@@ -184,9 +184,9 @@ def test_links_intra_inter_and_cross_kind():
     assert c.link(128, 136) == Link(c.inter_node.bw_bytes_per_s, c.inter_node.latency_s)
     # Cross kind: the slowest of both NICs and the cross-kind path, the larger latency.
     cross = c.link(0, 128)
-    assert cross == Link(10e9, 50e-6)
+    assert cross == Link(1.07e9, 175e-6)
     assert c.link(128, 0) == cross
-    assert cross.time_s(10e9) == pytest.approx(50e-6 + 1.0)
+    assert cross.time_s(1.07e9) == pytest.approx(175e-6 + 1.0)
 
 
 def test_cross_kind_link_min_with_nic(tmp_path):
@@ -397,3 +397,25 @@ def test_emulated_links_are_for_emulation_clusters_only() -> None:
     c = parse_cluster({**base, "host_cores": 2, "emulated_links": True}, where="x")
     assert c.host.links and Cluster.from_dict(c.to_dict()).host.links
     assert not Cluster.from_dict(parse_cluster({**base, "host_cores": 2}, where="x").to_dict()).host.links
+
+
+HOST_STAGED = ["nvidia-amd-32", "nvidia-ascend-32", "nvidia-iluvatar-32", "nvidia-metax-32", "nvidia-mthreads-32",
+               "hethub-768", "three-kinds-48", "cluster-4096"]
+
+
+@pytest.mark.parametrize("name", HOST_STAGED)
+def test_host_staged_cross_kind_figures_are_cited_and_travel_with_the_plan(name: str) -> None:
+    """The bridge's host-staged path is priced from a cited public figure for gloo over TCP, never the
+    NIC's RDMA rate; the citation travels in the plan's embedded cluster."""
+    c = load_cluster(EXAMPLES / f"{name}.toml")
+    assert c.cross_kind_source.startswith("cited:") and "gloo" in c.cross_kind_source
+    assert c.cross_kind.bw_bytes_per_s < c.inter_node.bw_bytes_per_s / 10
+    again = Cluster.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert again.cross_kind_source == c.cross_kind_source and again.cross_kind == c.cross_kind
+
+
+def test_cross_kind_source_must_be_text() -> None:
+    data = {"group": [{"kind": "a100-80gb", "nodes": 1, "devices_per_node": 2}],
+            "network": {"cross_kind_source": 3}}
+    with pytest.raises(SpecError, match="cross_kind_source"):
+        parse_cluster(data, where="c")

@@ -166,10 +166,13 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
     kinds = dict(cluster.kinds)
     groups = list(cluster.groups)
     inter_latencies = []
-    cross = cluster.cross_kind
+    cross, cross_source = cluster.cross_kind, cluster.cross_kind_source
     for name, fit in profile.links.items():
         if name == CROSS_KIND:
             cross = fit.link
+            cross_source = (f"measured: links profile of {profile.cluster!r} "
+                            f"({profile.meta.get('transport', 'unknown transport')}, host "
+                            f"{profile.meta.get('host', 'unknown')}), through the bridge")
             continue
         klass, kind = name.split(":", 1)
         if kind not in kinds:
@@ -188,7 +191,8 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
     host = cluster.host
     if profile.host_allreduce and host is not None:
         host = replace(host, allreduce=tuple((p, f.link) for p, f in sorted(profile.host_allreduce.items())))
-    return replace(cluster, kinds=kinds, groups=tuple(groups), inter_node=inter, cross_kind=cross, host=host)
+    return replace(cluster, kinds=kinds, groups=tuple(groups), inter_node=inter, cross_kind=cross, host=host,
+                   cross_kind_source=cross_source)
 
 
 def plan_with_links(plan: Plan, profile: LinksProfile) -> Plan:

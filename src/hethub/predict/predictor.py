@@ -379,6 +379,11 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
             "roofline's score and value FLOPs) where a stage is analytic"
             + (f"; estimated on profiled kinds {', '.join(profiled)} as the core's share of the layer's forward "
                "FLOPs times the measured forward (a profile times whole layers)" if profiled else ""))
+    if len({d.kind for d in (cluster.devices[i] for i in plan.devices)}) > 1:
+        out["cross_kind"] = {
+            "bw_bytes_per_s": cluster.cross_kind.bw_bytes_per_s, "latency_s": cluster.cross_kind.latency_s,
+            "source": cluster.cross_kind_source or "assumed: the cluster file cites no source "
+                      "(network.cross_kind_source); measure it with 'hethub bench comm' and pass --links"}
     return {"compute": {s.kind: s.compute_source for s in stages}, "calibration": {
                 s.kind: calibration_of(cluster.kinds[s.kind], precision=s.precision, compute_source=s.compute_source)
                 for s in stages},

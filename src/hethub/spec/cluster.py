@@ -18,6 +18,9 @@ from hethub.spec.kind import DeviceKind, catalog, check_range, resolve_kind
 
 _NETWORK_KEYS = {"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kind_bw_bytes_per_s",
                  "cross_kind_latency_s"}
+# Where the cross-kind figures come from (a citation, or the links profile that measured them):
+# ``hethub predict --json`` reports it in its sources.
+_CROSS_SOURCE = "cross_kind_source"
 # The planner's tested range is up to 4,096 devices (bench/planner_scale.py); 131,072 leaves room for
 # today's largest clusters while refusing a typo that would make it run for minutes.
 MAX_DEVICES = 131_072
@@ -96,6 +99,7 @@ class Cluster:
     inter_node: Link
     cross_kind: Link
     description: str = ""
+    cross_kind_source: str = ""  # ``[network] cross_kind_source``: what the cross-kind figures rest on
     # Local emulation only (see EmulationHost). None: each device computes on its own hardware, as on
     # any real cluster.
     host: EmulationHost | None = None
@@ -173,6 +177,7 @@ class Cluster:
                 "inter_node_latency_s": self.inter_node.latency_s,
                 "cross_kind_bw_bytes_per_s": self.cross_kind.bw_bytes_per_s,
                 "cross_kind_latency_s": self.cross_kind.latency_s,
+                **({_CROSS_SOURCE: self.cross_kind_source} if self.cross_kind_source else {}),
             },
         }
 
@@ -187,7 +192,7 @@ class Cluster:
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise field_error(where, "groups", "must be a list of objects", "re-create the plan with 'hethub plan'")
         net = data.get("network")
-        if not isinstance(net, dict) or set(net) != _NETWORK_KEYS:
+        if not isinstance(net, dict) or set(net) - {_CROSS_SOURCE} != _NETWORK_KEYS:
             raise field_error(where, "network", f"must give exactly {', '.join(sorted(_NETWORK_KEYS))} (is malformed)",
                               "re-create the plan with 'hethub plan'")
         toml_like = {
@@ -252,7 +257,7 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
                           "hethub plans for", "check the node counts of the [[group]] tables")
     net = data.get("network", {})
     nw = f"{where}: network"
-    check_keys(net, allowed=_NETWORK_KEYS, where=nw)
+    check_keys(net, allowed=_NETWORK_KEYS | {_CROSS_SOURCE}, where=nw)
     inter = Link(get_number(net, "inter_node_bw_bytes_per_s", where=nw, default=12.5e9),
                  get_number(net, "inter_node_latency_s", where=nw, default=10e-6, positive=False))
     cross = Link(get_number(net, "cross_kind_bw_bytes_per_s", where=nw, default=inter.bw_bytes_per_s),
@@ -265,7 +270,8 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         raise field_error(where, "name", "must be a string", 'write name = "my-cluster"')
     desc = data.get("description", "")
     return Cluster(name=name, description=desc if isinstance(desc, str) else "", kinds=kinds,
-                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host=_host(data, where))
+                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host=_host(data, where),
+                   cross_kind_source=get_str(net, _CROSS_SOURCE, where=nw, default=""))
 
 
 def _host_allreduce_rows(fits: tuple[tuple[int, Link], ...]) -> list[dict[str, float]]:
