@@ -1,14 +1,20 @@
 """Bridge vs direct gloo: bandwidth for the same message sizes, measured side by side in one run.
 
-    python bench/comm_bridge.py [--max-bytes 256MiB] [--allreduce]
+    python bench/comm_bridge.py [--max-bytes 256MiB] [--allreduce] [--repeats 5]
 
-Two forked gloo ranks ping-pong each message size three ways, interleaved so load on the host
+Two forked gloo ranks ping-pong each message size four ways, interleaved so load on the host
 affects all alike:
 
 - direct: plain gloo send/recv (what same-kind traffic does on CPU);
 - bridge: two emulated kinds with the bridge forced, staging through host buffers as it must for
-  device tensors (on CPU that is one extra memcpy at each end);
+  device tensors (comm/staging.py; on CPU one extra memcpy at each end; between two host ranks
+  messages go whole);
+- bridge-chunks: the same staging in chunks of 256 KiB and more, as a pair with a GPU end sends them
+  (chunk k+1 copied while chunk k is sent; on a host the copy and the send share the cores);
 - bridge-0copy: the bridge's routing without staging (what it does for real host tensors).
+
+Each round measures every size and mode once (fastest of several round trips); ``--repeats``
+rounds give each ratio's median and its spread (min..max), printed with the host's load average.
 
 ``--allreduce`` adds 4 ranks (kinds a, a, b, b): flat gloo all-reduce vs the hierarchical one
 (reduce in kind, leaders over the bridge in chunks, broadcast). Bandwidth is message bytes / one-way
@@ -21,6 +27,8 @@ the slices in bf16 (``hethub.islands``). Everything here is TCP loopback on one 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,24 +40,33 @@ from hethub.comm.bridge import BridgedCommunicator
 from hethub.comm.communicator import Communicator
 from hethub.comm.linkbench import message_sizes, ping_pong_s, repetitions
 from hethub.comm.local_ranks import run_local_ranks
+from hethub.comm.staging import MIN_CHUNK_BYTES
 from hethub.commands.bench import parse_bytes
 
 TIMEOUT = timedelta(seconds=120)
-MODES = ("direct", "bridge", "bridge-0copy")
+MODES = ("direct", "bridge", "bridge-chunks", "bridge-0copy")
+KINDS = {"kind_of_rank": ["a", "b"], "backend_of_kind": {"a": "gloo", "b": "gloo"}}
 
 
-def _p2p_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
+def _p2p_worker(rank: int, sizes: list[int], repeats: int) -> list[dict[int, dict[str, float]]]:
     comms = {
         "direct": Communicator(timeout=TIMEOUT),
-        "bridge": BridgedCommunicator(kind_of_rank=["a", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
-                                      timeout=TIMEOUT, force_bridge=True),
-        "bridge-0copy": BridgedCommunicator(kind_of_rank=["a", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
-                                            timeout=TIMEOUT, force_bridge=True, stage_host=False),
+        "bridge": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True),
+        "bridge-chunks": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True,
+                                             p2p_chunk_bytes=MIN_CHUNK_BYTES),
+        "bridge-0copy": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True, stage_host=False),
     }
-    out: dict[int, dict[str, float]] = {}
-    for n in sizes:
-        out[n] = {m: ping_pong_s(comms[m], rank=rank, nbytes=n, reps=repetitions(n)) for m in MODES}
-    return out
+    rounds = []
+    for _ in range(repeats):
+        rounds.append({n: {m: ping_pong_s(comms[m], rank=rank, nbytes=n, reps=repetitions(n)) for m in MODES}
+                       for n in sizes})
+    return rounds
+
+
+def _ratio(rounds: list[dict[int, dict[str, float]]], n: int, num: str, den: str, *, time: bool) -> str:
+    """Median and spread over rounds of num's bandwidth over den's (``time``: values are times)."""
+    r = sorted((x[n][den] / x[n][num]) if time else (x[n][num] / x[n][den]) for x in rounds)
+    return f"{statistics.median(r):.2f} ({r[0]:.2f}..{r[-1]:.2f})"
 
 
 def _best_times(sizes: list[int], modes: dict[str, Callable[[torch.Tensor], object]]) -> dict[int, dict[str, float]]:
@@ -70,10 +87,10 @@ def _best_times(sizes: list[int], modes: dict[str, Callable[[torch.Tensor], obje
     return out
 
 
-def _allreduce_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
+def _allreduce_worker(rank: int, sizes: list[int], repeats: int) -> list[dict[int, dict[str, float]]]:
     hier = BridgedCommunicator(kind_of_rank=["a", "a", "b", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
                                timeout=TIMEOUT, force_bridge=True)
-    return _best_times(sizes, {"flat": dist.all_reduce, "hierarchical": hier.all_reduce})
+    return [_best_times(sizes, {"flat": dist.all_reduce, "hierarchical": hier.all_reduce}) for _ in range(repeats)]
 
 
 def _sharded_worker(rank: int, sizes: list[int]) -> dict[int, dict[str, float]]:
@@ -99,24 +116,31 @@ def main() -> None:
     ap.add_argument("--allreduce", action="store_true", help="also compare flat vs hierarchical all-reduce")
     ap.add_argument("--sharded", action="store_true",
                     help="also compare the bridge's all-reduce with its reduce-scatter + bf16 all-gather")
+    ap.add_argument("--min-bytes", type=parse_bytes, default=4096)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds; ratios are their median (min..max)")
     args = ap.parse_args()
-    sizes = message_sizes(max_bytes=args.max_bytes)
+    sizes = message_sizes(min_bytes=args.min_bytes, max_bytes=args.max_bytes)
     start = time.perf_counter()
-    p2p = run_local_ranks(2, _p2p_worker, sizes)[0]
-    print("p2p, 2 ranks, TCP loopback; bandwidth = bytes / one-way time (fastest round trip / 2)")
-    print(f"{'size':>9} {'direct GB/s':>12} {'bridge GB/s':>12} {'bridge/direct':>14} {'0copy GB/s':>11} "
-          f"{'0copy/direct':>13}")
+    print(f"host: {os.cpu_count()} cores, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} (start)")
+    p2p = run_local_ranks(2, _p2p_worker, sizes, args.repeats)[0]
+    print(f"p2p, 2 ranks, TCP loopback, {args.repeats} rounds; bandwidth = bytes / one-way time (fastest round "
+          "trip / 2), median over rounds; ratios: median (min..max) over rounds")
+    print(f"{'size':>9} {'direct GB/s':>12} {'bridge GB/s':>12} {'bridge/direct':>20} {'chunks/direct':>20} "
+          f"{'0copy/direct':>20}")
     for n in sizes:
-        bw = {m: n / p2p[n][m] / 1e9 for m in MODES}
-        print(f"{_fmt(n):>9} {bw['direct']:>12.3f} {bw['bridge']:>12.3f} {bw['bridge'] / bw['direct']:>14.2f} "
-              f"{bw['bridge-0copy']:>11.3f} {bw['bridge-0copy'] / bw['direct']:>13.2f}")
+        bw = {m: n / statistics.median(r[n][m] for r in p2p) / 1e9 for m in MODES}
+        print(f"{_fmt(n):>9} {bw['direct']:>12.3f} {bw['bridge']:>12.3f} "
+              f"{_ratio(p2p, n, 'bridge', 'direct', time=True):>20} "
+              f"{_ratio(p2p, n, 'bridge-chunks', 'direct', time=True):>20} "
+              f"{_ratio(p2p, n, 'bridge-0copy', 'direct', time=True):>20}")
     if args.allreduce:
-        ar = run_local_ranks(4, _allreduce_worker, sizes)[0]
-        print("\nall-reduce, 4 ranks (kinds a,a,b,b); bandwidth = bytes / time")
-        print(f"{'size':>9} {'flat GB/s':>10} {'hier GB/s':>10} {'hier/flat':>10}")
+        ar = run_local_ranks(4, _allreduce_worker, sizes, args.repeats)[0]
+        print(f"\nall-reduce, 4 ranks (kinds a,a,b,b), {args.repeats} rounds; bandwidth = bytes / time (median)")
+        print(f"{'size':>9} {'flat GB/s':>10} {'hier GB/s':>10} {'hier/flat':>20}")
         for n in sizes:
-            flat, hier = n / ar[n]["flat"] / 1e9, n / ar[n]["hierarchical"] / 1e9
-            print(f"{_fmt(n):>9} {flat:>10.3f} {hier:>10.3f} {hier / flat:>10.2f}")
+            flat = n / statistics.median(r[n]["flat"] for r in ar) / 1e9
+            hier = n / statistics.median(r[n]["hierarchical"] for r in ar) / 1e9
+            print(f"{_fmt(n):>9} {flat:>10.3f} {hier:>10.3f} {_ratio(ar, n, 'hierarchical', 'flat', time=True):>20}")
     if args.sharded:
         sh = run_local_ranks(4, _sharded_worker, sizes)[0]
         print("\nbridged sync, 4 ranks (kinds a,b,b,b), fp32 buffer; time per sync")
@@ -124,7 +148,7 @@ def main() -> None:
         for n in sizes:
             ar_s, zs = sh[n]["all-reduce"], sh[n]["rs+ag"]
             print(f"{_fmt(n):>9} {ar_s * 1e3:>14.2f} {zs * 1e3:>9.2f} {zs / ar_s:>17.2f}")
-    print(f"\n{time.perf_counter() - start:.1f} s")
+    print(f"\n{time.perf_counter() - start:.1f} s; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} (end)")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,20 @@ compares the trained parameters (read from the run's checkpoint) with one device
    its step time and first loss; every schedule must start from the same loss (same model and data).
    Every message runs on its own lane (a communicator per direction of a rank pair and kind: the
    ordering rule of runtime/p2p.py), sends in flight while the next ops compute.
+6. the cross-vendor path alone: a rank on cuda:0 (nccl kind) and a CPU-kind rank (gloo), bridged,
+   ping-pong messages of 1, 4, 16 and 64 MiB (``comm/staging.py``: pinned buffers, copies on a side
+   stream, chunks) and of the same sizes unchunked, side by side; every message must arrive
+   byte-exact, and each size prints its one-way bandwidth (fastest round trip / 2). This is the
+   staged path's first GPU measurement; ``hethub bench comm`` writes the same path's figures into a
+   links profile.
 
 fp32 checks must match one CPU device to 1e-4 (kernel rounding; TF32 is off by default for matmuls);
 16-bit checks must stay within the stated 16-bit tolerance of the fp32 reference. The placement log
 of every run must show the GPU kind on cuda. Without CUDA it prints "skipped: no CUDA" and exits 0;
-``--dry-run`` runs checks 2 and 5 with the GPU kind emulated on the CPU (gloo) and check 5 with
-the small model's 16 KiB messages, which is how the script itself is exercised without a GPU (the
-runtime keeps CPU ranks in fp32, so checks 3-4 would repeat check 2 there). Then, on a GPU, bench/gpu_step_check.py
+``--dry-run`` runs checks 2, 5 and 6 with the GPU kind emulated on the CPU (gloo), check 5 with
+the small model's 16 KiB messages and check 6 with 1 and 4 MiB, which is how the script itself is
+exercised without a GPU (the runtime keeps CPU ranks in fp32, so checks 3-4 would repeat check 2
+there). Then, on a GPU, bench/gpu_step_check.py
 profiles the GPU's layers, runs 3-4 plans through the runtime and prints predicted vs measured
 step time per plan and peak memory per rank, bench/gpu_memory_check.py compares memory per part,
 and bench/activation_bytes.py and bench/dp_overlap.py, where present, print saved activation
@@ -69,6 +76,62 @@ P2P_SPEC = ModelSpec(name="gpucheck-p2p", num_layers=4, hidden_size=2048, num_he
 P2P_SEQ, P2P_MICRO_BATCHES = 2048, 4
 SCHEDULE_CHECKS = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2))
 COMPANIONS = ("activation_bytes.py", "dp_overlap.py")  # other checks' scripts, run where present
+BRIDGE_SIZES_MIB = (1, 4, 16, 64)  # check 6; --dry-run: the first two
+
+
+def _bridge_worker(rank: int, sizes: list[int], cuda: bool) -> dict[str, Any]:
+    """Check 6 on one rank: rank 0 is the GPU kind (cuda:0, or the CPU when emulated), rank 1 the CPU
+    kind; each size goes 0 -> 1 -> 0 through the bridge, chunked and unchunked."""
+    import time
+
+    from hethub.comm.bridge import BridgedCommunicator
+    from hethub.comm.staging import MIN_CHUNK_BYTES, WHOLE
+
+    device = torch.device("cuda", 0) if cuda and rank == 0 else torch.device("cpu")
+    kinds = {"kind_of_rank": ["gpu", "host"], "backend_of_kind": {"gpu": "nccl" if cuda else "gloo", "host": "gloo"},
+             "vendor_of_kind": {"gpu": "nvidia", "host": "cpu"}, "force_bridge": not cuda}
+    comms = {"chunked": BridgedCommunicator(**kinds, p2p_chunk_bytes=MIN_CHUNK_BYTES),
+             "1 chunk": BridgedCommunicator(**kinds, p2p_chunk_bytes=WHOLE)}
+    out: dict[str, Any] = {"exact": True, "one_way_s": {}}
+    for n in sizes:
+        want = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        x, buf = want.to(device), torch.empty(n, dtype=torch.uint8, device=device)
+        for mode, comm in comms.items():
+            best = float("inf")
+            for i in range(4):  # the first round trip warms up pools and connections
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                if rank == 0:
+                    comm.isend(x, dst=1, tag=0).wait()
+                    comm.recv(buf, src=1, tag=0)
+                else:
+                    comm.recv(buf, src=0, tag=0)
+                    comm.isend(buf, dst=0, tag=0).wait()
+                if cuda:
+                    torch.cuda.synchronize()
+                if i:
+                    best = min(best, (time.perf_counter() - start) / 2)
+                out["exact"] &= bool(torch.equal(buf.cpu(), want))
+            out["one_way_s"][(mode, n)] = best
+    return out
+
+
+def check_bridge(*, cpu_only: bool) -> bool:
+    """Check 6: the staged cross-vendor path between a GPU rank and a CPU-kind rank."""
+    from hethub.comm.local_ranks import run_local_ranks
+
+    sizes = [m << 20 for m in (BRIDGE_SIZES_MIB[:2] if cpu_only else BRIDGE_SIZES_MIB)]
+    res = run_local_ranks(2, _bridge_worker, sizes, not cpu_only, start_method="fork" if cpu_only else "spawn",
+                          timeout_s=600)
+    ok = all(r["exact"] for r in res)
+    where = "emulated on the CPU" if cpu_only else "cuda:0 <-> CPU kind"
+    for n in sizes:
+        bw = {m: n / res[0]["one_way_s"][(m, n)] / 1e9 for m in ("chunked", "1 chunk")}
+        print(f"bridge {n >> 20:>3} MiB ({where})".ljust(40) + f" {'ok  ' if ok else 'FAIL'} one-way "
+              f"{bw['chunked']:.2f} GB/s chunked, {bw['1 chunk']:.2f} GB/s in one chunk "
+              f"({bw['chunked'] / bw['1 chunk']:.2f}x), byte-exact: {ok}")
+    return ok
 
 
 def _cluster(*, gpus: int, cpu_only: bool, precision: str, with_host: bool) -> Cluster:
@@ -225,6 +288,7 @@ def main() -> int:
         results = [check(name, plan, steps=args.steps, work=root / f"run{i}", cpu_only=args.dry_run)
                    for i, (name, plan) in enumerate(todo)]
         results += check_schedules(gpus=gpus, steps=args.steps, work=root, cpu_only=args.dry_run, schedules=only)
+        results.append(check_bridge(cpu_only=args.dry_run))
     here = Path(__file__).parent
     scripts = ["gpu_step_check.py", "gpu_memory_check.py", *(c for c in COMPANIONS if (here / c).exists())]
     for c in COMPANIONS:

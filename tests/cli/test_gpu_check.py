@@ -64,6 +64,9 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     assert any(x.startswith("cuda+cpu fp32") and " ok " in x for x in lines), proc.stdout
     assert [x.split(" (")[0] for x in lines if "(emulated on the CPU" in x] == ["interleaved x2"], proc.stdout
     assert " ok " in next(x for x in lines if x.startswith("interleaved x2")), proc.stdout
+    bridged = [x for x in lines if x.startswith("bridge ")]
+    assert [x.split(" (")[0] for x in bridged] == ["bridge   1 MiB", "bridge   4 MiB"], proc.stdout
+    assert all(" ok " in x and "byte-exact: True" in x for x in bridged), proc.stdout
 
 
 def _import_bench(name: str):

@@ -21,7 +21,6 @@ and dtype, as with torch.distributed; the receiver's copy lands on the receiver'
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -33,7 +32,6 @@ from hethub.comm.communicator import DONE, Communicator, GroupKey, Lane, group_n
 from hethub.comm.hierarchical import (
     DEFAULT_CHUNK_BYTES,
     GroupMaker,
-    HostPool,
     Route,
     StartedAllReduce,
     StartedBroadcast,
@@ -45,6 +43,16 @@ from hethub.comm.hierarchical import (
 )
 from hethub.comm.recording import Channel
 from hethub.comm.reduce_scatter import reduce_scatter_into
+from hethub.comm.staging import (
+    HostPool,
+    StagedWork,
+    TorchStreams,
+    direct_recv,
+    direct_send,
+    pair_chunk_bytes,
+    staged_recv,
+    staged_send,
+)
 from hethub.comm.transport_choice import make_transport, transport_name
 from hethub.errors import RuntimeSetupError
 from hethub.islands import HOST_BACKENDS as _HOST_BACKENDS
@@ -54,38 +62,17 @@ __all__ = ["BridgedCommunicator", "StagedWork", "island_of_kind"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-@dataclass
-class StagedWork:
-    """An isend or irecv through the bridge, holding a host copy from the pool until waited on. A
-    receive (``recv_into`` set) then copies the host copy into the caller's tensor; either way the
-    host copy goes back to the pool."""
-
-    work: Any
-    host: torch.Tensor | None
-    like: torch.Tensor
-    pool: HostPool
-    recv_into: torch.Tensor | None = None
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
-        if self.host is not None:
-            if self.recv_into is not None:
-                self.recv_into.copy_(self.host.view(self.recv_into.shape))  # blocking: done reading host
-            self.pool.give(self.host, like=self.like)
-            self.host = None
-        return done
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
 class BridgedCommunicator(Communicator):
     def __init__(self, *, kind_of_rank: Sequence[str], backend_of_kind: Mapping[str, str],
                  timeout: timedelta | None = None, force_bridge: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, vendor_of_kind: Mapping[str, str] | None = None,
-                 stage_host: bool | None = None, transport: str = "gloo") -> None:
+                 stage_host: bool | None = None, transport: str = "gloo",
+                 p2p_chunk_bytes: int | None = None) -> None:
         """``transport``: what moves bytes between islands (``comm/transport.py``; the environment's
-        HETHUB_BRIDGE_TRANSPORT wins, so a test suite re-runs on another transport unedited)."""
+        HETHUB_BRIDGE_TRANSPORT wins, so a test suite re-runs on another transport unedited).
+        ``p2p_chunk_bytes``: the smallest chunk a point-to-point message across islands is cut into,
+        for every pair; by default each pair's rule (``staging.pair_chunk_bytes``: chunks where
+        either end is a device with streams). Both ends of a pair must agree."""
         super().__init__(timeout=timeout)
         if len(kind_of_rank) != self.world_size:
             raise RuntimeSetupError(f"the bridge was given kinds for {len(kind_of_rank)} ranks but the job has "
@@ -100,6 +87,7 @@ class BridgedCommunicator(Communicator):
         self.kind_of_rank = tuple(kind_of_rank)
         self.force_bridge = force_bridge
         self.chunk_bytes = chunk_bytes
+        self.p2p_chunk_bytes = p2p_chunk_bytes
         # Host tensors need no staging to ride gloo. Emulation (force_bridge) stages them anyway, so
         # CPU tests run the copy path and its cost shows up in benchmarks as it would on a device.
         self.stage_host = force_bridge if stage_host is None else stage_host
@@ -116,7 +104,8 @@ class BridgedCommunicator(Communicator):
         self.transport = make_transport(transport_name(transport), self._maker.get)
         self._bridge_world = self.transport.group(range(self.world_size))
         self._routes: dict[tuple[GroupKey, str], Route] = {}
-        self._pool = HostPool()
+        self._streams = TorchStreams()
+        self._pool = HostPool(self._streams)
         # The world is a group too (all_reduce with group=None); building it also creates each
         # island's group over all its ranks, which same-island point-to-point uses.
         self.create_groups([range(self.world_size)])
@@ -177,6 +166,14 @@ class BridgedCommunicator(Communicator):
             return self._bridge_pg
         return self._maker.get((src, dst), self.backend_of_island[self.island_of_rank[src]], channel=lane_name(*lane))
 
+    def _chunk_bytes(self, peer: int) -> int:
+        """This pair's smallest chunk (``p2p_chunk_bytes``, else ``staging.pair_chunk_bytes`` of the
+        two ranks' device types, which both ends read from the same kinds and backends)."""
+        if self.p2p_chunk_bytes is not None:
+            return self.p2p_chunk_bytes
+        a, b = (DEVICE_OF_BACKEND.get(self.backend_of_island[self.island_of_rank[r]], "cpu") for r in (self.rank, peer))
+        return pair_chunk_bytes(a, b)
+
     def _staged(self, tensor: torch.Tensor) -> bool:
         return (tensor.device.type not in self.transport.caps.device_types or self.stage_host
                 or not tensor.is_contiguous())
@@ -186,13 +183,13 @@ class BridgedCommunicator(Communicator):
         data = tensor.contiguous()
         if self._same_island(dst):
             return dist.isend(data, dst=dst, tag=tag, group=self._p2p_pg(data, self.rank, dst, lane))
+        chunk = self._chunk_bytes(dst)
         if not self._staged(data):
             # Memory the transport reads; like any isend, the caller keeps it unchanged until wait().
-            return self.transport.isend(data, dst=dst, tag=tag, group=self._bridge_world)
-        host = self._pool.take(data)
-        host.copy_(data.view(-1))  # blocking for CUDA sources: on the host when this returns
-        return StagedWork(self.transport.isend(host, dst=dst, tag=tag, group=self._bridge_world), host, data,
-                          self._pool)
+            return direct_send(data, dst=dst, tag=tag, group=self._bridge_world, transport=self.transport,
+                               min_chunk_bytes=chunk)
+        return staged_send(data, dst=dst, tag=tag, group=self._bridge_world, transport=self.transport,
+                           pool=self._pool, streams=self._streams, min_chunk_bytes=chunk)
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int) -> torch.Tensor:
         self.irecv(tensor, src=src, tag=tag).wait()
@@ -219,11 +216,12 @@ class BridgedCommunicator(Communicator):
     def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> Any:
         if self._same_island(src):
             return dist.irecv(tensor, src=src, tag=tag, group=self._p2p_pg(tensor, src, self.rank, lane))
+        chunk = self._chunk_bytes(src)
         if not self._staged(tensor):
-            return self.transport.irecv(tensor, src=src, tag=tag, group=self._bridge_world)
-        host = self._pool.take(tensor)
-        return StagedWork(self.transport.irecv(host, src=src, tag=tag, group=self._bridge_world), host, tensor,
-                          self._pool, recv_into=tensor)
+            return direct_recv(tensor, src=src, tag=tag, group=self._bridge_world, transport=self.transport,
+                               min_chunk_bytes=chunk)
+        return staged_recv(tensor, src=src, tag=tag, group=self._bridge_world, transport=self.transport,
+                           pool=self._pool, streams=self._streams, min_chunk_bytes=chunk)
 
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, group: Sequence[int] | None = None,

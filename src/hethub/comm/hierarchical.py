@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
 from hethub.comm.reduce_scatter import reduce_scatter_into
+from hethub.comm.staging import HostPool
 from hethub.comm.transport import Transport
 from hethub.islands import Exchange, exchange
 
@@ -135,30 +136,6 @@ def build_route(members: Sequence[int], *, rank: int, island_of_rank: Sequence[s
 
 
 # ---- host staging -----------------------------------------------------------------------------------
-class HostPool:
-    """Reusable host staging buffers, taken for one transfer and given back when it is done.
-
-    Fresh host allocations are slow (pinned ones very slow; even pageable ones pay a page fault per
-    4 KiB on first touch, which on a small VM costs more than the copy itself), and the same sizes
-    recur every step (activations, gradient buckets). Memory held: one buffer per size per transfer
-    in flight at once.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, int, bool], list[torch.Tensor]] = {}
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A 1-D host buffer with ``like``'s dtype and number of elements (pinned when it is CUDA)."""
-        free = self._free.get((like.dtype, like.numel(), like.is_cuda))
-        if free:
-            return free.pop()
-        return torch.empty(like.numel(), dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
-
-    def give(self, buf: torch.Tensor, *, like: torch.Tensor) -> None:
-        """Return ``buf``, taken for ``like``, once nothing reads or writes it any more."""
-        self._free.setdefault((like.dtype, like.numel(), like.is_cuda), []).append(buf)
-
-
 def _wait_copies(tensor: torch.Tensor) -> None:
     if tensor.is_cuda:
         event = torch.cuda.Event()
