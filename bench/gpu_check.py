@@ -125,7 +125,7 @@ def check_bridge(*, cpu_only: bool) -> bool:
     res = run_local_ranks(2, _bridge_worker, sizes, not cpu_only, start_method="fork" if cpu_only else "spawn",
                           timeout_s=600)
     ok = all(r["exact"] for r in res)
-    where = "emulated on the CPU" if cpu_only else "cuda:0 <-> CPU kind"
+    where = "GPU kind emulated on CPU" if cpu_only else "cuda:0 <-> CPU kind"
     for n in sizes:
         bw = {m: n / res[0]["one_way_s"][(m, n)] / 1e9 for m in ("chunked", "1 chunk")}
         print(f"bridge {n >> 20:>3} MiB ({where})".ljust(40) + f" {'ok  ' if ok else 'FAIL'} one-way "

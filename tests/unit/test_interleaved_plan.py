@@ -85,15 +85,19 @@ def test_split_evenly_and_interleave_helpers():
 def test_planner_chooses_virtual_stages_where_they_pay_under_memory():
     # 16 Ascend 910B + 16 A100-80GB, llama-3-70b, batch 8 x 8192 (long enough sequences that activation
     # memory limits the stages: every stage recomputes in full): "auto" picks interleaved (v = 3) over
-    # 1F1B and ZB-H1 (with the calibrated catalog ZB-H1 wins on nvidia-amd-32 at 16 x 8192).
+    # 1F1B and ZB-H1 (with the calibrated catalog ZB-H1 wins on nvidia-amd-32 at 16 x 8192). The
+    # cross-vendor hop at 10 GB/s (a transport faster than gloo/TCP, comm/transport.py): at the file's
+    # cited gloo figure every extra chunk boundary crosses a 1 GB/s hop and interleaving does not pay.
+    from dataclasses import replace
     from pathlib import Path
 
     from hethub.search.config import PlannerConfig
     from hethub.search.planner import make_plan
-    from hethub.spec.cluster import load_cluster
+    from hethub.spec.cluster import Link, load_cluster
     from hethub.spec.model import get_model
 
-    cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/nvidia-ascend-32.toml")
+    cluster = replace(load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/nvidia-ascend-32.toml"),
+                      cross_kind=Link(10e9, 50e-6), cross_kind_source="test: a 10 GB/s cross-vendor transport")
     model = get_model("llama-3-70b")
     one = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=8, seq_len=8192, schedule="1f1b"))
     auto = make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=8, seq_len=8192, schedule="auto"))
