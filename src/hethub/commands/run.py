@@ -209,6 +209,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "examples/clusters/demo-cpu.toml, embedded copy)")
     # Defaults live in hethub.demo.DemoConfig (not imported here: the planner loads only when it runs).
     sp.add_argument("--steps", type=positive_int, default=None,
-                    help="training steps of each plan (default 12); the first 2 are left out of the measured median")
+                    help="training steps of each plan (default 10); the first 2 are left out of the measured median")
     sp.add_argument("--out", default=None, help="where plans, metrics and the report go (default runs/demo)")
     sp.set_defaults(func=cmd_demo)
