@@ -96,8 +96,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "tokens_per_s": pred.tokens_per_s,
             "step_time_s": pred.step_time_s,
             "upper_bound_tokens_per_s": result.upper_bound_tokens_per_s,
-            "upper_bound_tokens_per_s_by_kind": result.upper_bound_by_kind,
+            "upper_bound_tokens_per_s_by_kind": result.bound_by_kind,
             "efficiency": result.efficiency,
+            "kinds_alone_tokens_per_s": result.kinds_alone_tokens_per_s or None,
+            "kinds_alone_tokens_per_s_by_kind": result.upper_bound_by_kind,
+            "vs_kinds_alone": result.vs_kinds_alone,
+            "mfu": result.mfu,
             "search_time_s": result.search_time_s,
             "feasible": pred.fits_memory,
             "peak_mem_bytes_by_kind": pred.peak_mem_bytes_by_kind,
@@ -114,7 +118,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(format_summary(result.plan, pred, upper_bound_tokens_per_s=result.upper_bound_tokens_per_s,
-                         search_time_s=result.search_time_s))
+                         search_time_s=result.search_time_s,
+                         kinds_alone_tokens_per_s=result.kinds_alone_tokens_per_s))
     for note in result.notes:
         print(f"note: {note}")
     print()
@@ -178,6 +183,7 @@ def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: st
 def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
+    from hethub.predict.utilisation import cluster_mfu
     from hethub.search.planner import candidate_config, make_plan, merged_bound, reused_searches
     from hethub.search.prices import plan_price_per_hour, usd_per_million_tokens
 
@@ -217,15 +223,23 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
             except HethubError as err:
                 rows.append((label, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0], schedule))
                 shardings.append(None)
-    # One bound for every row: each kind's best alone over all the rows' searches (a row's own bound
-    # covers only its schedule and sharding, so another row's plan could read above 1 against it).
-    bound = sum(merged_bound(results)[0].values())
+    # One bound for every row: the job's proven bound, the same whatever each row searched; and one
+    # kind-alone reference, each kind's best alone over all the rows' searches.
+    bound = max((r.upper_bound_tokens_per_s for r in results), default=0.0)
+    alone = sum(merged_bound(results)[0].values())
     if bound > 0:
         rows = [(*r[:3], r[1] / bound, *r[4:]) if not r[7] else r for r in rows]
+
+    def mfu(tokens_per_s: float) -> float:
+        return cluster_mfu(cluster=cluster, model=model, seq_len=config.seq_len, precision=config.precision,
+                           tokens_per_s=tokens_per_s)
     base = next((r[1] for r in rows if r[0] == "uniform"), 0.0)
     gain = _sharding_gain(rows, shardings, notes)
     if as_json:
         print(json.dumps([{"strategy": s, "tokens_per_s": t, "step_time_s": st, "efficiency": e,
+                           "upper_bound_tokens_per_s": bound or None, "kinds_alone_tokens_per_s": alone or None,
+                           "vs_kinds_alone": t / alone if alone and not err else None,
+                           "mfu": mfu(t) if not err else None,
                            "speedup_over_uniform": (t / base if base else None), "num_pipelines": n,
                            "devices_used": d, "usd_per_million_tokens": usd, "error": err or None, "schedule": sch,
                            "optimizer_sharding": z}
@@ -234,16 +248,20 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from hethub.tables import prediction_basis
 
     print(f"predicted, {prediction_basis(cluster, *(r.prediction for r in results))}")
-    print(f"{'strategy':<28} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs uniform':>10} "
-          f"{'pipelines':>9} {'devices':>7} {'schedule':>11} {'optimizer':>9}")
+    print(f"efficiency: tokens/s over the proven upper bound {bound:,.0f} (every device at its best modelled rate, "
+          f"no memory limit, bubble or communication); vs alone: over the sum of kind-alone plans {alone:,.0f} "
+          "(above 1 where mixing relieves a kind's memory); MFU: of the cluster's summed dense peak")
+    print(f"{'strategy':<28} {'tokens/s':>14} {'$/M tokens':>10} {'step s':>9} {'efficiency':>10} {'vs alone':>8} "
+          f"{'MFU':>6} {'vs uniform':>10} {'pipelines':>9} {'devices':>7} {'schedule':>11} {'optimizer':>9}")
     for (s, t, st, e, n, d, usd, err, sch), z in zip(rows, shardings, strict=True):
         if err:
             print(f"{s:<28} {'infeasible':>14}  {err}")
             continue
         speed = f"{t / base:.2f}x" if base else "n/a"
         dollars = f"{usd:,.3f}" if usd is not None else "n/a"
-        print(f"{s:<28} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {speed:>10} {n:>9} {d:>7} {sch:>11} "
-              f"{z:>9}")
+        vs = f"{t / alone:.3f}" if alone else "n/a"
+        print(f"{s:<28} {t:>14,.0f} {dollars:>10} {st:>9.3f} {e:>10.3f} {vs:>8} {mfu(t):>6.1%} {speed:>10} {n:>9} "
+              f"{d:>7} {sch:>11} {z:>9}")
     if any(r[6] is None and not r[7] for r in rows):
         print("n/a: a kind used has no price_per_hour (catalog or cluster file)")
     if gain:
@@ -295,7 +313,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                "p2p": plan.p2p}
         print(json.dumps(out, indent=2))
         return 0
-    print(format_summary(plan, pred, upper_bound_tokens_per_s=upper))
+    print(format_summary(plan, pred, upper_bound_tokens_per_s=upper,
+                         kinds_alone_tokens_per_s=plan.meta.get("kinds_alone_tokens_per_s")))
     print()
     print(format_plan_table(plan, pred))
     return 0

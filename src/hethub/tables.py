@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hethub.plan import Plan
 from hethub.predict.result import Prediction
+from hethub.predict.utilisation import cluster_mfu
 from hethub.schedules import DEFAULT_P2P
 from hethub.spec.cluster import Cluster
 from hethub.spec.kind import DeviceKind
@@ -61,7 +62,10 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
 
 
 def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: float | None = None,
-                   search_time_s: float | None = None) -> str:
+                   search_time_s: float | None = None, kinds_alone_tokens_per_s: float | None = None) -> str:
+    """The plan's headline: devices, schedule, predicted step and tokens/s; with the job's proven upper
+    bound (search/proven_bound.py) the efficiency (<= 1) and MFU; with the sum of kind-alone plans, the
+    ratio to it (above 1 where mixing kinds relieves one's memory)."""
     used = plan.world_size
     kinds = ", ".join(f"{n} x{c}" for n, c in _kinds_used(plan).items())
     out = [
@@ -74,8 +78,14 @@ def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: fl
         f"(global batch {plan.global_batch} x {plan.seq_len} tokens); {prediction_basis(plan.cluster, pred)}",
     ]
     if upper_bound_tokens_per_s:
-        out.append(f"upper bound {upper_bound_tokens_per_s:,.0f} tokens/s -> efficiency "
-                   f"{pred.tokens_per_s / upper_bound_tokens_per_s:.3f}")
+        mfu = cluster_mfu(cluster=plan.cluster, model=plan.model, seq_len=plan.seq_len, precision=plan.precision,
+                          tokens_per_s=pred.tokens_per_s)
+        out.append(f"proven upper bound {upper_bound_tokens_per_s:,.0f} tokens/s (every device at its best modelled "
+                   f"rate, no memory limit, bubble or communication) -> efficiency "
+                   f"{pred.tokens_per_s / upper_bound_tokens_per_s:.3f}; MFU {mfu:.1%} of the cluster's summed peak")
+    if kinds_alone_tokens_per_s:
+        out.append(f"sum of kind-alone plans {kinds_alone_tokens_per_s:,.0f} tokens/s -> vs_kinds_alone "
+                   f"{pred.tokens_per_s / kinds_alone_tokens_per_s:.3f}")
     if search_time_s is not None:
         out.append(f"search time {search_time_s:.2f} s")
     srcs = ", ".join(f"{k}: {v}" for k, v in sorted(pred.compute_sources.items()))

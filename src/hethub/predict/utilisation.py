@@ -11,7 +11,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from hethub.plan import Plan
+from hethub.spec.cluster import Cluster
 from hethub.spec.kind import DeviceKind
+from hethub.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,13 @@ def peak_flops_for(kind: DeviceKind, precision: str) -> float:
     if precision == "fp32" and kind.fp32_flops:
         return kind.fp32_flops
     return kind.peak_flops
+
+
+def cluster_mfu(*, cluster: Cluster, model: ModelSpec, seq_len: int, precision: str, tokens_per_s: float) -> float:
+    """MFU of a whole cluster: model FLOP/s at ``tokens_per_s`` over every device's dense peak summed
+    (devices a plan leaves out count too: it is the cluster's utilisation)."""
+    peak = sum(n * peak_flops_for(cluster.kinds[k], precision) for k, n in cluster.count_by_kind().items())
+    return tokens_per_s * model.train_flops_per_token(seq_len=seq_len) / peak if peak > 0 else 0.0
 
 
 def stage_model_flops(plan: Plan, pipeline: int, stage: int) -> float:

@@ -1,5 +1,9 @@
 """The planner's entry points: make_plan and upper_bound.
 
+Every result is reported against the job's proven upper bound (search/proven_bound.py), so its
+``efficiency`` is at most 1 whichever variants ran; the sum of kind-alone plans (HETHUB's
+reference) is reported beside it as ``vs_kinds_alone``.
+
 The search ranks candidates in closed form (fast, approximate); the final choice among the best
 is made by the full predictor, so `hethub plan` and `hethub predict` agree exactly on the result.
 """
@@ -20,6 +24,7 @@ from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_b
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_cost import StageJob, stage_memory_of
+from hethub.predict.utilisation import cluster_mfu
 from hethub.progress import progress
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
@@ -27,6 +32,7 @@ from hethub.search.config import PlannerConfig
 from hethub.search.finalists import BoundParts, bound_parts, finalist_plans, score_plans
 from hethub.search.hetero import plan_key, search
 from hethub.search.polish import chunked_candidates, chunks_note, interleave_all, polish
+from hethub.search.proven_bound import ProvenBound, proven_bound
 from hethub.search.templates import Books, Searcher, tp_options
 from hethub.search.variants import SIZED_CHUNKS, Enumeration, Variant, enumerate_shapes, priced_plans, variants_of
 from hethub.spec.cluster import Cluster
@@ -54,14 +60,23 @@ class PlanResult:
     plan: Plan
     prediction: Prediction
     search_time_s: float
+    # The proven bound (search/proven_bound.py) once make_plan returns; within a search, the
+    # kind-alone sum that ranks its variants.
     upper_bound_tokens_per_s: float
-    efficiency: float  # prediction.tokens_per_s / upper bound
+    efficiency: float  # prediction.tokens_per_s / upper bound: <= 1 once make_plan returns
     alternatives: tuple[tuple[Plan, Prediction], ...]  # top-k, best first, including the best
     notes: tuple[str, ...]
-    # Each kind's part of the upper bound: the best tokens/s it reaches alone (docs/planner.md).
+    # Each kind's best tokens/s alone on the same job (the kind-alone reference's parts, docs/planner.md).
     upper_bound_by_kind: dict[str, float] | None = None
     # Kinds whose part is a plan with the memory limit relaxed (none of its own plans fit).
     relaxed_kinds: frozenset[str] = frozenset()
+    # Set by make_plan: the proven bound's parts by kind, the sum of kind-alone plans, the plan's
+    # tokens/s over it (above 1 where mixing relieves a kind's memory: docs/planner.md), and MFU
+    # against every device's dense peak summed.
+    bound_by_kind: dict[str, float] | None = None
+    kinds_alone_tokens_per_s: float = 0.0
+    vs_kinds_alone: float | None = None
+    mfu: float = 0.0
 
 
 def candidate_config(config: PlannerConfig, name: str) -> PlannerConfig:
@@ -216,6 +231,7 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     in-flight memory shapes the stages), chosen by predicted step time."""
     with _collector_paused():
         result = _reused_or_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    result = reported(result, proven_bound(cluster=cluster, model=model, config=config, profiles=profiles))
     if config.optimizer_sharding == "zero1" and not result.plan.sharded_optimizer and ONE_REPLICA not in result.notes:
         result = replace(result, notes=(ONE_REPLICA, *result.notes))
     return result
@@ -526,6 +542,29 @@ def against_bound(result: PlanResult, parts: dict[str, float], relaxed: frozense
     plan = result.plan.with_meta(efficiency=eff(result.prediction.tokens_per_s), upper_bound_tokens_per_s=bound)
     return replace(result, plan=plan, alternatives=alts, upper_bound_tokens_per_s=bound, upper_bound_by_kind=parts,
                    efficiency=eff(result.prediction.tokens_per_s), relaxed_kinds=relaxed)
+
+
+def reported(result: PlanResult, bound: ProvenBound) -> PlanResult:
+    """``result`` (and its alternatives, in their plans' meta) read against the proven ``bound``,
+    with the ratio to the sum of its kind-alone plans and MFU beside it."""
+    alone = sum((result.upper_bound_by_kind or {}).values())
+    plan = result.plan
+
+    def mfu(tokens_per_s: float) -> float:
+        return cluster_mfu(cluster=plan.cluster, model=plan.model, seq_len=plan.seq_len, precision=plan.precision,
+                           tokens_per_s=tokens_per_s)
+
+    def figures(tokens_per_s: float) -> dict[str, float | None]:
+        return {"upper_bound_tokens_per_s": bound.tokens_per_s, "efficiency": bound.efficiency(tokens_per_s),
+                "kinds_alone_tokens_per_s": alone or None, "vs_kinds_alone": tokens_per_s / alone if alone else None,
+                "mfu": mfu(tokens_per_s)}
+
+    alts = tuple((plan.with_meta(**figures(pred.tokens_per_s)), pred) for plan, pred in result.alternatives)
+    tps = result.prediction.tokens_per_s
+    return replace(result, plan=result.plan.with_meta(**figures(tps)), alternatives=alts,
+                   upper_bound_tokens_per_s=bound.tokens_per_s, efficiency=bound.efficiency(tps),
+                   bound_by_kind=bound.by_kind, kinds_alone_tokens_per_s=alone,
+                   vs_kinds_alone=tps / alone if alone else None, mfu=mfu(tps))
 
 
 def _check_job(model: ModelSpec, config: PlannerConfig) -> None:

@@ -1,0 +1,76 @@
+"""The proven upper bound on a job's tokens/s, and the figures reported against it.
+
+Every device works at its kind's best modelled rate on its share of the layers: the fastest
+per-layer forward + backward time of the one stage cost model (``predict/stage_cost.py``) over the
+TP degrees and micro-batch sizes the planner may use. Why no plan the planner writes can beat it,
+under the predictor as judge: a stage of ``l`` layers at TP ``t`` running ``n`` micro-batches of
+``b`` sequences keeps each of its devices busy for at least ``n * l * tau(t, b)`` seconds per step,
+``tau`` the least per-layer time over any depth, so the step is at least that long and each device
+advances at most ``b * seq_len / (t * tau)`` layer-tokens per second; the plan must advance
+``num_layers * global_batch * seq_len`` of them. Summing over devices gives the bound. Relaxed
+(each only raises it): memory (any TP degree and micro-batch size on every device, no
+recomputation), the pipeline bubble, all communication (TP collectives, hops, gradient sync), the
+optimizer step, the embedding and the head, and device counts (devices split freely, not by TP
+groups or nodes). The planner's plans use no context parallelism, which the bound therefore omits.
+
+It depends on the job only (cluster, model, sequence length, precision, TP degrees and micro-batch
+sizes), never on the schedule, sharding or strategy searched, so one command has one bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hethub.plan import Recompute
+from hethub.predict.profiles import ProfileSet
+from hethub.predict.stage_cost import StageJob, stage_step
+from hethub.search.config import PlannerConfig
+from hethub.search.templates import tp_options
+from hethub.spec.cluster import Cluster
+from hethub.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class ProvenBound:
+    """The bound (tokens/s) and each kind's part of it."""
+
+    tokens_per_s: float
+    by_kind: dict[str, float]
+
+    def efficiency(self, tokens_per_s: float) -> float:
+        """``tokens_per_s`` over the bound: at most 1 for any plan the planner writes (module docstring)."""
+        return tokens_per_s / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+
+
+def least_layer_time_s(job: StageJob, cluster: Cluster, kind: str, *, tp: int, mbs: int) -> float:
+    """The least forward + backward time per layer of one micro-batch on a TP-``tp`` stage of ``kind``
+    at any depth (no recomputation, no TP collectives, no embedding or head): a stage of ``l`` layers
+    takes at least ``l`` times this, TP collectives being added on top (``stage_step``)."""
+    k = cluster.kinds[kind]
+    prof = job.profile(kind)
+    entry = prof.lookup(mbs=mbs, tp=tp) if prof is not None else None
+    # A measured profile may price a layer differently by the stack's depth: every depth is read.
+    depths = range(1, job.model.num_layers + 1) if entry is not None and entry.layer_by_depth else (1,)
+    best = float("inf")
+    for layers in depths:
+        t = stage_step(job, k, layers=layers, embedding=False, head=False, tp=tp, mbs=mbs,
+                       recompute=Recompute.NONE).times
+        best = min(best, (t.fwd_s + t.bwd_s) / layers)
+    return best
+
+
+def proven_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+                 profiles: ProfileSet | None = None) -> ProvenBound:
+    """The job's proven upper bound on tokens/s (module docstring: the argument and its relaxations)."""
+    job = StageJob.planned(model=model, cluster=cluster, seq_len=config.seq_len, precision=config.precision,
+                           profiles=profiles)
+    by_kind: dict[str, float] = {}
+    for kind, count in cluster.count_by_kind().items():
+        rate = 0.0  # layer-tokens per second of one device
+        for tp in tp_options(cluster, model, kind, config.tp_degrees):
+            for mbs in sorted(set(config.micro_batch_sizes)):
+                tau = least_layer_time_s(job, cluster, kind, tp=tp, mbs=mbs)
+                if tau > 0:
+                    rate = max(rate, mbs * config.seq_len / (tp * tau))
+        by_kind[kind] = count * rate / model.num_layers
+    return ProvenBound(tokens_per_s=sum(by_kind.values()), by_kind=by_kind)
