@@ -68,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="32,128,512,4096,768")
     args = ap.parse_args()
-    print(f"{'devices':>8} {'model':>12} {'search_s':>9} {'cpu_s':>7} {'load':>5} {'efficiency':>10} "
+    print(f"{'devices':>8} {'model':>12} {'search_s':>9} {'cpu_s':>7} {'load':>5} {'efficiency':>10} {'vs alone':>8} "
           f"{'tokens/s':>12} {'main':>12} {'ratio':>7} {'pipelines':>9} {'used':>5}  schedule, sharding")
     for n in (int(x) for x in args.sizes.split(",")):
         cluster, model, gb, seq = case(n)
@@ -78,7 +78,8 @@ def main() -> None:
         r = make_plan(cluster=cluster, model=get_model(model), config=plan_config(cli))
         wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
         tps, ref = r.prediction.tokens_per_s, REFERENCE.get(n)
-        print(f"{n:>8} {model:>12} {wall:>9.2f} {cpu:>7.2f} {os.getloadavg()[0]:>5.1f} {r.efficiency:>10.3f} "
+        print(f"{n:>8} {model:>12} {wall:>9.2f} {cpu:>7.2f} {os.getloadavg()[0]:>5.1f} "
+              f"{r.efficiency:>10.3f} {r.vs_kinds_alone or 0:>8.3f} "
               f"{tps:>12,.0f} {ref or 0:>12,} {tps / ref if ref else float('nan'):>7.4f} {len(r.plan.pipelines):>9} "
               f"{r.plan.world_size:>5}  {r.plan.schedule}, {r.plan.optimizer_sharding}")
 

@@ -75,8 +75,9 @@ _CACHE: dict[str, object] = {}
 
 def hethub_768(_: argparse.Namespace) -> str:
     got = json.loads(sh([*HETHUB, *PLAN_768]))
-    return (f"{got['tokens_per_s']:,.0f} tokens/s predicted, efficiency {got['efficiency']:.3f} of the per-kind upper "
-            "bound (the bound and why efficiency can or cannot pass 1: docs/planner.md)")
+    return (f"{got['tokens_per_s']:,.0f} tokens/s predicted, efficiency {got['efficiency']:.3f} of the proven upper "
+            f"bound, {got['vs_kinds_alone']:.3f}x the sum of kind-alone plans, MFU {got['mfu']:.1%} (the bound, and "
+            "why the kind-alone ratio can pass 1: docs/planner.md)")
 
 
 def _compare_rows() -> dict[str, dict]:
@@ -116,8 +117,8 @@ def vendor_pairs(_: argparse.Namespace) -> str:
     if len(gains) != 5:
         raise SystemExit(f"bench/vendor_pairs.py: expected 5 nvidia-* rows, parsed {len(gains)}:\n{out}")
     return (f"hethub {' / '.join(gains)} the best single kind (AMD / Ascend / Iluvatar / MetaX / Moore Threads), "
-            f"efficiency {min(effs):.2f}-{max(effs):.2f} (predicted from catalog numbers, many assumed for the "
-            "newer vendors)")
+            f"{min(effs):.2f}-{max(effs):.2f}x the sum of kind-alone plans (predicted from catalog numbers, many "
+            "assumed for the newer vendors)")
 
 
 def planner_speed(args: argparse.Namespace) -> str:

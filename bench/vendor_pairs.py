@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     model = get_model(args.model)
     print(f"model {args.model}, seq {args.seq_len}; predicted from the catalog (assumed numbers marked there)\n")
-    print(f"{'cluster':<20} {'devices':>7} {'batch':>6} {'tokens/s':>12} {'efficiency':>10} {'best 1-kind':>12} "
+    print(f"{'cluster':<20} {'devices':>7} {'batch':>6} {'tokens/s':>12} {'vs alone':>10} {'best 1-kind':>12} "
           f"{'gain':>6} {'pipes':>5} {'search s':>8}  work split (devices used)")
     for name in PAIRS:
         cluster = load_cluster(EXAMPLES / f"{name}.toml")
@@ -76,7 +76,7 @@ def main() -> None:
         used = devices_by_kind(r.plan)
         split = ", ".join(f"{k} {v:.0%} ({used.get(k, 0)})" for k, v in work_split(r.plan).items())
         gain = f"{tps / best_alone:.2f}x" if best_alone else "-"
-        print(f"{name:<20} {cluster.num_devices:>7} {batch:>6} {tps:>12,.0f} {r.efficiency:>10.3f} "
+        print(f"{name:<20} {cluster.num_devices:>7} {batch:>6} {tps:>12,.0f} {r.vs_kinds_alone or 0:>10.3f} "
               f"{best_alone:>12,.0f} {gain:>6} {len(r.plan.pipelines):>5} {search_s:>8.2f}  {split}")
 
 

@@ -27,8 +27,10 @@ def test_plan_then_predict_agree(tmp_path, capsys):
     assert code == 0
     planned = json.loads(out)
     for key in ("tokens_per_s", "step_time_s", "upper_bound_tokens_per_s", "efficiency", "search_time_s",
-                "feasible", "peak_mem_bytes_by_kind"):
+                "feasible", "peak_mem_bytes_by_kind", "kinds_alone_tokens_per_s", "vs_kinds_alone", "mfu"):
         assert key in planned
+    assert 0 < planned["efficiency"] <= 1 and 0 < planned["mfu"] <= 1
+    assert planned["vs_kinds_alone"] == pytest.approx(planned["tokens_per_s"] / planned["kinds_alone_tokens_per_s"])
     assert planned["feasible"] is True
     code, out, _ = run(["predict", "--plan", plan_path, "--json"], capsys)
     assert code == 0

@@ -49,14 +49,20 @@ def summary_markdown(*, plan: Plan, prediction: Prediction, measured: MeasuredRu
 
 
 def _efficiency(plan: Plan, pred_tps: float, meas_tps: float | None) -> list[str]:
-    out = ["## Efficiency against the theoretical upper bound", ""]
+    out = ["## Efficiency against the proven upper bound", ""]
     ub = plan.meta.get("upper_bound_tokens_per_s")
     if not isinstance(ub, int | float) or isinstance(ub, bool) or ub <= 0:
         return [*out, "The upper bound is not known (the plan's meta has no `upper_bound_tokens_per_s`)."]
-    out.append(f"Upper bound: {ub:,.0f} tokens/s (plan meta `upper_bound_tokens_per_s`).")
+    out.append(f"Upper bound: {ub:,.0f} tokens/s (plan meta `upper_bound_tokens_per_s`: every device at its kind's "
+               "best modelled rate with memory, bubble and communication relaxed, docs/planner.md; a bound on "
+               "predicted throughput, which a measurement may exceed where the model is pessimistic).")
     out.append("")
     out.append(f"- predicted: {pred_tps / ub:.1%} of the upper bound")
     out.append(f"- measured: {meas_tps / ub:.1%} of the upper bound" if meas_tps else "- measured: no measurement")
+    alone = plan.meta.get("kinds_alone_tokens_per_s")
+    if isinstance(alone, int | float) and not isinstance(alone, bool) and alone > 0:
+        out.append(f"- predicted: {pred_tps / alone:.3f}x the sum of kind-alone plans ({alone:,.0f} tokens/s, "
+                   "`vs_kinds_alone`)")
     return out
 
 
