@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 
 from hethub.plan import Plan
-from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
+from hethub.predict.comm import allreduce_floor_s, small_allreduce_time_s
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.search.bounds import PipeFloor, pipe_floor
@@ -294,9 +294,10 @@ class _PostFloor:
 
             def ring(params: tuple[float, float], kinds=kinds, own=sl.kind, tp=tp) -> float:
                 # The holders' smallest TP is at most tp: within a node the ring is fastest at tp,
-                # across nodes at 1 (its rings share the NIC; mixed_sync.SyncFloors._ring).
-                return min(allreduce_time_s(nbytes=(params[0] / t + params[1]) * self.gb, participants=replicas,
-                                            link=self._link(kinds, own, devices, rings=t)) for t in {1, tp})
+                # across nodes at 1 (its rings share the NIC; search/mixed.py SyncFloors._ring).
+                # At the best share of the line rate: a floor under the fused all-reduce of any number of layers.
+                return min(allreduce_floor_s(nbytes=(params[0] / t + params[1]) * self.gb, participants=replicas,
+                                             link=self._link(kinds, own, devices, rings=t)) for t in {1, tp})
 
             t = n * ring(self.layer)
             if i == 0 or (self.tied and i == last):

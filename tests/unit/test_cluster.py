@@ -174,17 +174,17 @@ def test_links_intra_inter_and_cross_kind():
     assert c.devices[8].node == 1
     assert c.devices[128].kind == "gpu-b" and c.devices[128].node == 16
 
-    assert c.link(0, 7) == Link(mi.intra_node_bw_bytes_per_s, mi.intra_node_latency_s)
-    assert c.link(128, 135) == Link(gb.intra_node_bw_bytes_per_s, gb.intra_node_latency_s)
+    assert c.link(0, 7) == Link(mi.intra_node_bw_bytes_per_s, mi.intra_node_latency_s, "infinity-fabric")
+    assert c.link(128, 135) == Link(gb.intra_node_bw_bytes_per_s, gb.intra_node_latency_s, gb.intra_node_fabric)
     # Same kind, different node: the group's NIC override (mi250x) or the network default (gpu-b).
-    assert c.link(0, 8) == Link(25e9, c.inter_node.latency_s)
+    assert c.link(0, 8) == Link(25e9, c.inter_node.latency_s, "infiniband")
     # mi250x: 2 GCDs per NIC; gpu-b: a NIC per device.
     assert c.devices[0].nic == c.devices[1].nic != c.devices[2].nic
     assert c.devices[128].nic != c.devices[129].nic
-    assert c.link(128, 136) == Link(c.inter_node.bw_bytes_per_s, c.inter_node.latency_s)
+    assert c.link(128, 136) == Link(c.inter_node.bw_bytes_per_s, c.inter_node.latency_s, "infiniband")
     # Cross kind: the slowest of both NICs and the cross-kind path, the larger latency.
     cross = c.link(0, 128)
-    assert cross == Link(1.07e9, 175e-6)
+    assert cross == Link(1.07e9, 175e-6)  # a cited achieved rate (cross_kind_source): no fabric curve on top
     assert c.link(128, 0) == cross
     assert cross.time_s(1.07e9) == pytest.approx(175e-6 + 1.0)
 
@@ -204,7 +204,7 @@ cross_kind_latency_s = 2e-6
     )
     c = load_cluster(p)
     # Cross-kind is never faster than the NIC, nor lower-latency than a plain inter-node hop.
-    assert c.link(0, 2) == Link(5e9, 1e-5)
+    assert c.link(0, 2) == Link(5e9, 1e-5, "infiniband")
 
 
 def test_network_defaults(tmp_path):

@@ -1,7 +1,11 @@
-"""Link and collective costs (alpha-beta model).
+"""Link and collective costs: an algorithm term and the link's achievable bandwidth.
 
-A transfer of n bytes over a link costs latency + n / bandwidth. Collectives use the ring algorithm's
-volume: all-reduce moves 2(p-1)/p of the data through the slowest link of the ring in 2(p-1) steps.
+A transfer moves some bytes through each link in some latency-bound steps, at the share of the
+link's line rate its fabric achieves for that size (predict/fabrics.py: cited nccl-tests curves;
+links without a fabric, such as measured ones, at their own numbers). The algorithm says how many
+bytes and steps: a send n bytes in one step; a ring all-reduce 2(p-1)/p of the data through the
+ring's slowest link in 2(p-1) steps, a reduce-scatter or all-gather half of that; NVLink SHARP
+(H100/H200 nodes, 5 ranks and more) the payload once each way, when faster (fabrics.nvls_allreduce_time_s).
 A few bytes among many ranks (the step's loss and gradient-norm all-reduces) take the faster of the
 ring and a tree, whose 2 log2(p) latency hops NCCL's double binary trees use for small messages.
 """
@@ -12,18 +16,35 @@ import math
 from collections.abc import Sequence
 
 from hethub.layout import WHOLE, Hop, split_hop
+from hethub.predict.fabrics import nvls_allreduce_time_s, transfer_time_s
 from hethub.spec.cluster import Cluster, Link
 
 
-def p2p_time_s(link: Link, nbytes: float) -> float:
-    return link.time_s(nbytes)
-
-
-def allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> float:
+def allreduce_floor_s(*, nbytes: float, participants: int, link: Link) -> float:
+    """A floor under ``allreduce_time_s`` of these bytes, alone or fused with more (a fused transfer
+    achieves more of the line rate): the ring at the line rate, or NVLink SHARP at its plateau where
+    NCCL would take it. For bounds that price per layer what runs fused."""
     if participants <= 1 or nbytes <= 0:
         return 0.0
     p = participants
-    return 2 * (p - 1) * link.latency_s + 2 * (p - 1) / p * nbytes / link.bw_bytes_per_s
+    ring = 2 * (p - 1) * link.latency_s + 2 * (p - 1) / p * nbytes / link.bw_bytes_per_s
+    nvls = nvls_allreduce_time_s(link, nbytes=nbytes, participants=p, plateau=True)
+    return ring if nvls is None else min(ring, nvls)
+
+
+def p2p_time_s(link: Link, nbytes: float) -> float:
+    """One message of ``nbytes`` over ``link`` at its fabric's achievable rate."""
+    return transfer_time_s(link, link_bytes=nbytes, steps=1)
+
+
+def allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> float:
+    """A ring all-reduce (or NVLink SHARP's where NCCL would pick it and it is faster)."""
+    if participants <= 1 or nbytes <= 0:
+        return 0.0
+    p = participants
+    ring = transfer_time_s(link, link_bytes=2 * (p - 1) / p * nbytes, steps=2 * (p - 1))
+    nvls = nvls_allreduce_time_s(link, nbytes=nbytes, participants=p)
+    return ring if nvls is None else min(ring, nvls)
 
 
 def ring_pass_time_s(*, chunk_bytes: float, participants: int, link: Link) -> float:
@@ -32,7 +53,7 @@ def ring_pass_time_s(*, chunk_bytes: float, participants: int, link: Link) -> fl
     all-reduce is a reduce-scatter then an all-gather of n/p chunks."""
     if participants <= 1 or chunk_bytes <= 0:
         return 0.0
-    return (participants - 1) * (link.latency_s + chunk_bytes / link.bw_bytes_per_s)
+    return transfer_time_s(link, link_bytes=(participants - 1) * chunk_bytes, steps=participants - 1)
 
 
 def small_allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> float:
@@ -44,7 +65,7 @@ def small_allreduce_time_s(*, nbytes: float, participants: int, link: Link) -> f
     if participants <= 1:
         return 0.0
     ring = allreduce_time_s(nbytes=nbytes, participants=participants, link=link)
-    tree = 2 * math.ceil(math.log2(participants)) * link.latency_s + 2 * nbytes / link.bw_bytes_per_s
+    tree = transfer_time_s(link, link_bytes=2 * nbytes, steps=2 * math.ceil(math.log2(participants)))
     return min(ring, tree)
 
 
@@ -62,7 +83,8 @@ def slowest_link(cluster: Cluster, devices: list[int] | tuple[int, ...]) -> Link
     if len(devices) < 2:
         return Link(float("inf"), 0.0)
     links = [cluster.link(a, b) for a, b in zip(devices, [*devices[1:], devices[0]], strict=True)]
-    return Link(min(lk.bw_bytes_per_s for lk in links), max(lk.latency_s for lk in links))
+    return Link(min(lk.bw_bytes_per_s for lk in links), max(lk.latency_s for lk in links),
+                min(links, key=lambda lk: lk.bw_bytes_per_s).fabric)
 
 
 def rings_link(cluster: Cluster, rings: Sequence[Sequence[int]]) -> Link:
@@ -78,15 +100,21 @@ def rings_link(cluster: Cluster, rings: Sequence[Sequence[int]]) -> Link:
     if not hops:
         return Link(float("inf"), 0.0)
     shared = shared_links(cluster, hops)
-    return Link(min(lk.bw_bytes_per_s / share for lk, share in shared), max(lk.latency_s for lk, _ in shared))
+    return Link(min(lk.bw_bytes_per_s / share for lk, share in shared), max(lk.latency_s for lk, _ in shared),
+                min(shared, key=lambda ls: ls[0].bw_bytes_per_s / ls[1])[0].fabric)
 
 
-def tp_comm_time_s(*, act_bytes_per_layer: float, layers: int, tp: int, link: Link) -> tuple[float, float]:
-    """Megatron TP: two all-reduces of the layer's activations forward and two backward, per layer."""
+def tp_comm_time_s(*, act_bytes_per_layer: float, layers: int, tp: int, link: Link,
+                   wgrad_s: tuple[float, ...] = ()) -> tuple[float, float]:
+    """Megatron TP: two all-reduces of the layer's activations forward and two backward, per layer;
+    the exposed part of each (forward, backward). ``wgrad_s``: the weight-gradient GEMMs each backward
+    all-reduce runs beside, where the runtime overlaps them (hethub.runtimes: tp_wgrad_overlap;
+    compute.column_wgrad_s): only the part of an all-reduce longer than its GEMM is exposed."""
     if tp <= 1:
         return 0.0, 0.0
     one = allreduce_time_s(nbytes=act_bytes_per_layer, participants=tp, link=link)
-    return 2 * layers * one, 2 * layers * one
+    hidden = list(wgrad_s[:2]) + [0.0] * (2 - len(wgrad_s[:2]))
+    return 2 * layers * one, layers * sum(max(0.0, one - w) for w in hidden)
 
 
 def hop_messages(senders: Sequence[int], receivers: Sequence[int], the_hop: Hop, *, nbytes: float,
@@ -103,7 +131,7 @@ def hop_messages(senders: Sequence[int], receivers: Sequence[int], the_hop: Hop,
 def hop_messages_time_s(cluster: Cluster, messages: Sequence[tuple[int, int, float]]) -> float:
     """The slowest of messages sent at once, each over its link with the NICs they cross shared."""
     pairs = [(s, r) for s, r, _ in messages]
-    return max(link.latency_s + n * share / link.bw_bytes_per_s
+    return max(shared_message_time_s(link, share=share, nbytes=n)
                for (link, share), (_, _, n) in zip(shared_links(cluster, pairs), messages, strict=True))
 
 
@@ -123,7 +151,8 @@ def stage_hop_time_s(cluster: Cluster, *, senders: tuple[int, ...] | list[int], 
     if a < 1 or b < 1 or nbytes <= 0:
         return 0.0
     the_hop = Hop("flat", dest_gathers=True, parts=b) if split else WHOLE
-    gather_s = group_allreduce_time_s(cluster, nbytes=nbytes, devices=list(receivers)) / 2 if split else 0.0
+    gather_s = (ring_pass_time_s(chunk_bytes=nbytes / b, participants=b, link=slowest_link(cluster, list(receivers)))
+                if split else 0.0)
     return hop_messages_time_s(cluster, hop_messages(senders, receivers, the_hop, nbytes=nbytes)) + gather_s
 
 
@@ -142,6 +171,12 @@ def boundary_time_s(cluster: Cluster, *, senders: Sequence[int], receivers: Sequ
     bwd = stage_hop_time_s(cluster, senders=receivers, receivers=senders, nbytes=nbytes,
                            split=flat and split_hop(a=b, b=a, numel=numel))
     return max(fwd, bwd)
+
+
+def shared_message_time_s(link: Link, *, share: int, nbytes: float) -> float:
+    """One of ``share`` messages of ``nbytes`` sent at once through ``link``'s NIC: 1/share of its rate,
+    at the efficiency of the message's own size."""
+    return p2p_time_s(Link(link.bw_bytes_per_s / share, link.latency_s, link.fabric), nbytes)
 
 
 def shared_links(cluster: Cluster, pairs: list[tuple[int, int]]) -> list[tuple[Link, int]]:

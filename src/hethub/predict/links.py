@@ -161,7 +161,9 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
     kind's node groups, and the network's inter-node latency (one number for the cluster: the largest
     measured); cross_kind -> the cluster's cross-kind link. Classes the profile lacks keep the file's
     numbers. A class naming a kind the cluster lacks is an error (the profile is for another cluster).
-    The host all-reduce applies to local emulation clusters (``host_cores`` set) only.
+    The host all-reduce applies to local emulation clusters (``host_cores`` set) only. Measured classes
+    are priced at their fitted numbers, not through a fabric's curve (predict/fabrics.py): the fit is
+    already what the link achieves.
     """
     kinds = dict(cluster.kinds)
     groups = list(cluster.groups)
@@ -169,7 +171,7 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
     cross, cross_source = cluster.cross_kind, cluster.cross_kind_source
     for name, fit in profile.links.items():
         if name == CROSS_KIND:
-            cross = fit.link
+            cross = replace(fit.link, fabric="measured")  # measured: already the achievable rate
             cross_source = (f"measured: links profile of {profile.cluster!r} "
                             f"({profile.meta.get('transport', 'unknown transport')}, host "
                             f"{profile.meta.get('host', 'unknown')}), through the bridge")
@@ -180,14 +182,14 @@ def apply_links_profile(cluster: Cluster, profile: LinksProfile) -> Cluster:
                             f"{cluster.name!r} lacks. Fix: measure this cluster with 'hethub bench comm'.")
         if klass == "intra_node":
             kinds[kind] = replace(kinds[kind], intra_node_bw_bytes_per_s=fit.bw_bytes_per_s,
-                                  intra_node_latency_s=fit.latency_s)
+                                  intra_node_latency_s=fit.latency_s, intra_node_fabric="")
         else:
             groups = [replace(g, inter_node_bw_bytes_per_s=fit.bw_bytes_per_s) if g.kind == kind else g
                       for g in groups]
             inter_latencies.append(fit.latency_s)
     inter = cluster.inter_node
     if inter_latencies:
-        inter = Link(inter.bw_bytes_per_s, max(inter_latencies))
+        inter = Link(inter.bw_bytes_per_s, max(inter_latencies), "measured")
     host = cluster.host
     if profile.host_allreduce and host is not None:
         host = replace(host, allreduce=tuple((p, f.link) for p, f in sorted(profile.host_allreduce.items())))

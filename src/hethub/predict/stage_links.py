@@ -14,7 +14,7 @@ import functools
 import itertools
 from typing import NamedTuple
 
-from hethub.predict.comm import boundary_time_s, rings_link
+from hethub.predict.comm import boundary_time_s, p2p_time_s, rings_link
 from hethub.predict.stage_cost import tp_link
 from hethub.spec.cluster import Cluster, Link
 
@@ -99,7 +99,7 @@ class LinkBook:
             place = self._place(a, b, across=bool(across))
             if place is None:
                 link = self.p2p(a, b)
-                t = link.latency_s + nbytes / link.bw_bytes_per_s
+                t = p2p_time_s(link, nbytes)
             else:
                 t = boundary_time_s(self.cluster, senders=place[0], receivers=place[1], numel=numel,
                                     nbytes=nbytes)

@@ -22,7 +22,7 @@ import weakref
 from typing import Protocol
 
 from hethub.layout import block_starts
-from hethub.predict.comm import allreduce_time_s
+from hethub.predict.comm import allreduce_floor_s
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, Runs, pipe_floor, smallest_holding, stage_modes
@@ -555,7 +555,8 @@ class SyncFloors:
         at most tp, and more kinds only make the ring's slowest link slower. Within a node the ring
         is fastest at the largest degree (the smallest shards); across nodes at degree 1, because the
         shard's rings share the NIC (tp rings of (matrix / tp + norm) bytes: the norm counts tp
-        times), so the floor is the smaller of the two."""
+        times), so the floor is the smaller of the two. At the best share of the line rate
+        (``allreduce_floor_s``): layers are synced fused, which achieves more than one by one."""
         devices = min(devices, self._dev_cap)
         key = ("layer", kinds, tp, replicas, devices)
         hit = self._rings.get(key)
@@ -564,8 +565,8 @@ class SyncFloors:
             gb = ModelSpec.state_bytes_per_param(s.config.precision)["grads"]
             norm = m.layer_params - m.layer_matmul_params
             hit = self._rings[key] = min(
-                allreduce_time_s(nbytes=(m.layer_matmul_params / t + norm) * gb, participants=replicas,
-                                 link=s.links.replicas(kinds, devices=devices, rings=t)) for t in {1, tp})
+                allreduce_floor_s(nbytes=(m.layer_matmul_params / t + norm) * gb, participants=replicas,
+                                  link=s.links.replicas(kinds, devices=devices, rings=t)) for t in {1, tp})
         return hit
 
     def _chains(self, replicas: int, devices: int) -> float:

@@ -16,8 +16,13 @@ from hethub.errors import SpecError, field_error
 from hethub.spec._toml import check_keys, get_int, get_number, get_str, read_toml
 from hethub.spec.kind import DeviceKind, catalog, check_range, resolve_kind
 
-_NETWORK_KEYS = {"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kind_bw_bytes_per_s",
-                 "cross_kind_latency_s"}
+_NETWORK_NUMBERS = {"inter_node_bw_bytes_per_s", "inter_node_latency_s", "cross_kind_bw_bytes_per_s",
+                    "cross_kind_latency_s"}
+_NETWORK_KEYS = _NETWORK_NUMBERS | {"inter_node_fabric", "cross_kind_fabric"}
+# What carries inter-node traffic (hethub.predict.fabrics prices each by its achievable-bandwidth
+# curve); "measured": a links profile's numbers, already what the cluster achieves.
+NETWORK_FABRICS = ("infiniband", "roce", "efa", "ethernet", "measured")
+DEFAULT_NETWORK_FABRIC = "infiniband"
 # Where the cross-kind figures come from (a citation, or the links profile that measured them):
 # ``hethub predict --json`` reports it in its sources.
 _CROSS_SOURCE = "cross_kind_source"
@@ -31,6 +36,9 @@ MAX_DEVICES_PER_NODE = 1024
 class Link:
     bw_bytes_per_s: float
     latency_s: float
+    # The interconnect (hethub.predict.fabrics): its achievable share of bw_bytes_per_s by message
+    # size; "" prices the link at bw_bytes_per_s (measured links, local emulation).
+    fabric: str = ""
 
     def time_s(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bw_bytes_per_s
@@ -38,7 +46,7 @@ class Link:
 
 def node_link(kind: DeviceKind) -> Link:
     """The link between two devices of one node of ``kind`` (what a TP group's collectives use)."""
-    return Link(kind.intra_node_bw_bytes_per_s, kind.intra_node_latency_s)
+    return Link(kind.intra_node_bw_bytes_per_s, kind.intra_node_latency_s, kind.intra_node_fabric)
 
 
 @dataclass(frozen=True)
@@ -151,11 +159,12 @@ class Cluster:
         if da.node == db.node:
             return node_link(self.kinds[da.kind])
         bw = min(self._nic_bw(da.group), self._nic_bw(db.group))
-        lat = self.inter_node.latency_s
+        lat, fabric = self.inter_node.latency_s, self.inter_node.fabric
         if da.kind != db.kind:
-            bw = min(bw, self.cross_kind.bw_bytes_per_s)
+            if self.cross_kind.bw_bytes_per_s < bw:
+                bw, fabric = self.cross_kind.bw_bytes_per_s, self.cross_kind.fabric
             lat = max(lat, self.cross_kind.latency_s)
-        return Link(bw, lat)
+        return Link(bw, lat, "" if self.host is not None else fabric)
 
     def _nic_bw(self, group: int) -> float:
         return self.groups[group].inter_node_bw_bytes_per_s or self.inter_node.bw_bytes_per_s
@@ -178,6 +187,10 @@ class Cluster:
                 "cross_kind_bw_bytes_per_s": self.cross_kind.bw_bytes_per_s,
                 "cross_kind_latency_s": self.cross_kind.latency_s,
                 **({_CROSS_SOURCE: self.cross_kind_source} if self.cross_kind_source else {}),
+                **({"inter_node_fabric": self.inter_node.fabric}
+                   if self.inter_node.fabric != DEFAULT_NETWORK_FABRIC else {}),
+                **({"cross_kind_fabric": self.cross_kind.fabric}
+                   if self.cross_kind.fabric != self.inter_node.fabric else {}),
             },
         }
 
@@ -192,8 +205,10 @@ class Cluster:
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise field_error(where, "groups", "must be a list of objects", "re-create the plan with 'hethub plan'")
         net = data.get("network")
-        if not isinstance(net, dict) or set(net) - {_CROSS_SOURCE} != _NETWORK_KEYS:
-            raise field_error(where, "network", f"must give exactly {', '.join(sorted(_NETWORK_KEYS))} (is malformed)",
+        keys = set(net) - {_CROSS_SOURCE} if isinstance(net, dict) else set()
+        if not isinstance(net, dict) or not _NETWORK_NUMBERS <= keys or not keys <= _NETWORK_KEYS:
+            raise field_error(where, "network", f"must give {', '.join(sorted(_NETWORK_NUMBERS))} and at most "
+                              f"{', '.join(sorted(_NETWORK_KEYS - _NETWORK_NUMBERS))} (is malformed)",
                               "re-create the plan with 'hethub plan'")
         toml_like = {
             "name": data.get("name", "cluster"),
@@ -210,10 +225,12 @@ class Cluster:
 
 
 def _with_catalog_base(name: str, table: dict[str, Any]) -> dict[str, Any]:
-    """A kind embedded in a plan written before the memory fields existed takes them from the catalog
-    kind of the same name (every field it does give still wins)."""
+    """A kind embedded in a plan written before the memory fields (or the intra-node fabric) existed
+    takes them from the catalog kind of the same name (every field it does give still wins)."""
     if "base" not in table and name in catalog() and not {"attention", "precisions"} <= set(table):
         return {"base": name, **table}
+    if "intra_node_fabric" not in table and name in catalog():  # written before fabrics existed
+        return {**table, "intra_node_fabric": catalog()[name].intra_node_fabric}
     return table
 
 
@@ -258,10 +275,13 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
     net = data.get("network", {})
     nw = f"{where}: network"
     check_keys(net, allowed=_NETWORK_KEYS | {_CROSS_SOURCE}, where=nw)
+    fabric = _network_fabric(net, "inter_node_fabric", where=nw, default=DEFAULT_NETWORK_FABRIC)
     inter = Link(get_number(net, "inter_node_bw_bytes_per_s", where=nw, default=12.5e9),
-                 get_number(net, "inter_node_latency_s", where=nw, default=10e-6, positive=False))
+                 get_number(net, "inter_node_latency_s", where=nw, default=10e-6, positive=False), fabric)
     cross = Link(get_number(net, "cross_kind_bw_bytes_per_s", where=nw, default=inter.bw_bytes_per_s),
-                 get_number(net, "cross_kind_latency_s", where=nw, default=inter.latency_s, positive=False))
+                 get_number(net, "cross_kind_latency_s", where=nw, default=inter.latency_s, positive=False),
+                 # cited or measured figures (cross_kind_source) are already an achieved rate
+                 _network_fabric(net, "cross_kind_fabric", where=nw, default="" if net.get(_CROSS_SOURCE) else fabric))
     for key, v in (("inter_node_bw_bytes_per_s", inter.bw_bytes_per_s), ("inter_node_latency_s", inter.latency_s),
                    ("cross_kind_bw_bytes_per_s", cross.bw_bytes_per_s), ("cross_kind_latency_s", cross.latency_s)):
         check_range(nw, key, v)
@@ -272,6 +292,13 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
     return Cluster(name=name, description=desc if isinstance(desc, str) else "", kinds=kinds,
                    groups=tuple(groups), inter_node=inter, cross_kind=cross, host=_host(data, where),
                    cross_kind_source=get_str(net, _CROSS_SOURCE, where=nw, default=""))
+
+
+def _network_fabric(net: dict[str, Any], key: str, *, where: str, default: str) -> str:
+    """A network fabric name; "" (a link built in code without one) is priced at its own numbers."""
+    if net.get(key) == "":
+        return ""
+    return get_str(net, key, where=where, default=default, choices=NETWORK_FABRICS)
 
 
 def _host_allreduce_rows(fits: tuple[tuple[int, Link], ...]) -> list[dict[str, float]]:

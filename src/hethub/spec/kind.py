@@ -32,9 +32,13 @@ _KIND_KEYS = {
         # the operator-level compute model (predict/opmodel.py); all optional
         "sm_count", "fp32_flops", "tf32_flops", "attention", "gemm_eff", "gemm_eff_tf32", "gemm_eff_fp32",
         "gemm_k_half", "mem_eff", "kernel_launch_s", "calibration", "flash_eff", *OPMODEL_SOURCES),
-    "precisions", "context_bytes", "comm_buffer_bytes", "fragmentation",
+    "precisions", "context_bytes", "comm_buffer_bytes", "fragmentation", "intra_node_fabric",
 }
 ATTENTION_IMPLS = ("flash", "math")
+# What joins a kind's devices inside a node (hethub.predict.fabrics prices each by its achievable-
+# bandwidth curve); "": intra_node_bw_bytes_per_s is already an achieved rate (a measured or
+# assumed collective rate, host loopback).
+INTRA_NODE_FABRICS = ("nvlink", "nvswitch-nvls", "infinity-fabric", "hccs", "mtlink", "metaxlink", "pcie", "")
 
 # Physical ranges of the numbers a cluster file gives: far wider than any device sold (so new hardware
 # fits), narrow enough to catch a wrong unit (GB/s written as bytes/s, TFLOP/s as FLOP/s) and numbers
@@ -122,6 +126,7 @@ class DeviceKind:
     context_bytes: float = 0.0
     comm_buffer_bytes: float = 0.0
     fragmentation: float = 0.0
+    intra_node_fabric: str = ""  # one of INTRA_NODE_FABRICS
 
     def __post_init__(self) -> None:
         if not self.device_type:
@@ -210,6 +215,7 @@ def parse_kind(name: str, table: dict[str, Any], *, where: str, base: DeviceKind
         comm_buffer_bytes=get_number(table, "comm_buffer_bytes", where=where,
                                      default=b.get("comm_buffer_bytes", 0.0), positive=False),
         fragmentation=fragmentation,
+        intra_node_fabric=_fabric(table, where=where, default=b.get("intra_node_fabric", "")),
     )
     moves = DEVICE_TYPE_OF_BACKEND[kind.backend]
     if moves != "cpu" and moves != kind.device_type:
@@ -248,6 +254,15 @@ def _opmodel_fields(table: dict[str, Any], *, where: str, base: dict[str, Any]) 
         if base and key.removesuffix("_source") in table and key not in table:
             out[key] = "cluster file"
     return out
+def _fabric(table: dict[str, Any], *, where: str, default: str) -> str:
+    value = table.get("intra_node_fabric", default)
+    if value not in INTRA_NODE_FABRICS:
+        raise field_error(where, "intra_node_fabric", f"is {value!r}",
+                          f"use one of {', '.join(repr(f) for f in INTRA_NODE_FABRICS)} (\"\": the bandwidth given "
+                          "is already an achieved collective rate)")
+    return value
+
+
 def _precisions(table: dict[str, Any], *, where: str, default: tuple[str, ...]) -> tuple[str, ...]:
     from hethub.spec.model import PRECISIONS
 
