@@ -18,6 +18,7 @@ from hethub import __version__
 from hethub.argtypes import HelpFormatter, headroom_fraction, positive_float, positive_int
 from hethub.errors import HethubError, missing_extra
 from hethub.plan import OPTIMIZER_SHARES, PLANNED_SHARDINGS, Plan
+from hethub.runtimes import RUNTIMES
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, P2P_MODES, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
@@ -292,10 +293,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from hethub.tables import format_plan_table, format_summary
 
     plan = Plan.load(args.plan)
+    if args.runtime is not None:
+        plan = plan.with_runtime(args.runtime)
     if args.p2p is not None:
         from dataclasses import replace
 
         plan = replace(plan, p2p=args.p2p)
+    plan.validate()
     if args.links:
         from hethub.predict.links import plan_with_links, read_links_profile
 
@@ -310,7 +314,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.json:
         out = {**pred.to_dict(), "upper_bound_tokens_per_s": upper,
                "efficiency": pred.tokens_per_s / upper if upper else None, "feasible": pred.fits_memory,
-               "p2p": plan.p2p}
+               "p2p": plan.p2p, "runtime": plan.runtime}
         print(json.dumps(out, indent=2))
         return 0
     print(format_summary(plan, pred, upper_bound_tokens_per_s=upper,
@@ -413,6 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "runtime), blocking (a stage waits for its send, as in Megatron-LM) or lockstep (DeepSpeed's "
                          "pipeline engine, which Sailor uses: its instruction order, each send and receive a "
                          "rendezvous; 1F1B only); see docs/predictor.md")
+    sp.add_argument("--runtime", choices=tuple(RUNTIMES), default=None,
+                    help="predict the plan as this runtime runs it, overriding training.runtime: what it overlaps "
+                         "(gradient buckets, TP all-reduces under weight-gradient GEMMs), how it sends and which "
+                         "attention kernels it has (hethub.runtimes; docs/predictor.md)")
     sp.add_argument("--json", action="store_true", help="print one JSON object (warnings go to stderr)")
     _add_headroom(sp)
     sp.set_defaults(func=cmd_predict)

@@ -19,10 +19,10 @@ from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
 from hethub.plan_parts import RECOMPUTE_MODES, Pipeline, Recompute, ShardWeights, Stage, interleave, split_evenly
+from hethub.runtimes import ATTENTION_KINDS, DEFAULT_RUNTIME, RUNTIMES, runtime_profile
 from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, SCHEDULES, get_schedule
 from hethub.schedules.lockstep import LOCKSTEP_FIX, lockstep_unsupported
 from hethub.spec.cluster import Cluster
-from hethub.spec.kind import ATTENTION_IMPLS
 from hethub.spec.model import PRECISIONS, ModelSpec
 
 __all__ = ["OPTIMIZER_SHARDINGS", "OPTIMIZER_SHARES", "PLAN_VERSION", "PLAN_VERSION_P2P", "RECOMPUTE_MODES",
@@ -48,13 +48,16 @@ PLAN_FORMAT = "hethub-plan"
 # older reader would take every device for TP. Written only for plans that use either.
 # 9: training.optimizer_sharding "zero2" or "zero3" (a version-8 reader would refuse the word anyway; the
 # bump says which hethub runs them). Written only for such plans.
+# 10: training.runtime other than "hethub" (hethub.runtimes: what the runtime overlaps and fuses; an
+# older reader would predict the plan as hethub's runtime runs it). Written only for such plans.
 PLAN_VERSION = 4
 PLAN_VERSION_CHUNKS = 5
 PLAN_VERSION_P2P = 6
 PLAN_VERSION_SHARDS = 7
 PLAN_VERSION_SEQ = 8
 PLAN_VERSION_ZERO23 = 9
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+PLAN_VERSION_RUNTIME = 10
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 KIND_SETTINGS = ("precision", "attention")
 # Sharding across a parameter group's data-parallel holders (runtime/zero.py), one split for all three:
 # "zero1" shards the AdamW moments and fp32 masters (ZeRO stage 1, Megatron's distributed optimizer);
@@ -89,11 +92,19 @@ class Plan:
     # How the runtime that trains the plan sends between stages (hethub.schedules.P2P_MODES), which
     # the predictor models: "async" is hethub's runtime; "blocking" a runtime whose sends block
     # (Megatron-LM); "lockstep" DeepSpeed's pipeline engine, which Sailor uses (1F1B only). hethub's
-    # runtime sends asynchronously whatever this says.
+    # runtime sends asynchronously whatever this says. Plans read from a file take their runtime's
+    # (below) unless the file says otherwise; use with_runtime to change both.
     p2p: str = DEFAULT_P2P
+    # The runtime the plan is predicted for (hethub.runtimes: what it overlaps and fuses). hethub's
+    # runtime trains every plan; the others' plans are for prediction and planning.
+    runtime: str = DEFAULT_RUNTIME
     # The ZeRO-1 split's weights per rank and the headroom they were computed at (None: not computed;
     # the training entry point computes them). Written and read only for sharded plans.
     shard_weights: ShardWeights | None = None
+
+    def with_runtime(self, name: str) -> Plan:
+        """The plan for runtime ``name``, sending as that runtime does."""
+        return replace(self, runtime=name, p2p=runtime_profile(name).p2p)
 
     @property
     def splits_sequences(self) -> bool:
@@ -166,6 +177,9 @@ class Plan:
                   f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.sharded_optimizer and self.shard_weights is not None:
             _check_shard_weights(self.shard_weights, world_size=self.world_size)
+        if self.runtime not in RUNTIMES:
+            _fail("training.runtime", f"is {self.runtime!r}", f"use one of {', '.join(RUNTIMES)} (hethub: hethub's "
+                  "own runtime, which trains the plan; megatron, deepspeed: predict the plan as those run it)")
         if self.p2p not in P2P_MODES:
             _fail("training.p2p", f"is {self.p2p!r}", f"use one of {', '.join(P2P_MODES)} (async: hethub's runtime; "
                   "blocking: a runtime whose sends block, such as Megatron-LM; lockstep: DeepSpeed's pipeline engine)")
@@ -187,8 +201,14 @@ class Plan:
             if prec is not None and prec not in c.kinds[kind].precisions:
                 _fail(f"{kw}.precision", f"is {prec!r}, which hethub's runtime does not run on {kind} "
                       f"(it runs {', '.join(c.kinds[kind].precisions)})", "use one of those or leave it out")
-            if att is not None and att not in ATTENTION_IMPLS:
-                _fail(f"{kw}.attention", f"is {att!r}", f"use one of {', '.join(ATTENTION_IMPLS)}")
+            if att is not None and att not in ATTENTION_KINDS:
+                _fail(f"{kw}.attention", f"is {att!r}", f"use one of {', '.join(ATTENTION_KINDS)}")
+            runs = runtime_profile(self.runtime).attentions
+            if att is not None and att not in runs:
+                _fail(f"{kw}.attention", f"is {att!r}, which the {self.runtime} runtime does not run (it runs "
+                      f"{', '.join(runs)})", f"use one of those, or set training.runtime to one that runs {att!r} "
+                      f"({', '.join(n for n, r in RUNTIMES.items() if att in r.attentions)}) to predict the plan "
+                      "as that runtime runs it")
         if self.seq_len < 1 or self.seq_len > m.max_seq_len:
             _fail("seq_len", f"is {self.seq_len}, outside 1..{m.max_seq_len} (the model's max_seq_len)",
                   "use a sequence length the model supports")
@@ -225,7 +245,8 @@ class Plan:
         weights = self.shard_weights if self.sharded_optimizer else None
         return {
             "format": PLAN_FORMAT,
-            "version": (PLAN_VERSION_ZERO23 if self.zero_stage >= 2 else PLAN_VERSION_SEQ if self.splits_sequences else
+            "version": (PLAN_VERSION_RUNTIME if self.runtime != DEFAULT_RUNTIME else
+                        PLAN_VERSION_ZERO23 if self.zero_stage >= 2 else PLAN_VERSION_SEQ if self.splits_sequences else
                         PLAN_VERSION_SHARDS if weights else PLAN_VERSION_P2P if self.p2p != DEFAULT_P2P else
                         PLAN_VERSION_CHUNKS if any(p.virtual_stages > 1 for p in self.pipelines) else PLAN_VERSION),
             "strategy": self.strategy,
@@ -233,7 +254,8 @@ class Plan:
                          "schedule": self.schedule, "precision": self.precision,
                          "optimizer_sharding": self.optimizer_sharding, "optimizer_shares": self.optimizer_shares,
                          **({"optimizer_shard_weights": weights.to_dict()} if weights else {}),
-                         **({"p2p": self.p2p} if self.p2p != DEFAULT_P2P else {}),
+                         **({"runtime": self.runtime} if self.runtime != DEFAULT_RUNTIME else {}),
+                         **({"p2p": self.p2p} if self.p2p != runtime_profile(self.runtime).p2p else {}),
                          **({"kinds": {k: dict(v) for k, v in self.kind_settings.items()}}
                             if self.kind_settings else {})},
             "world_size": self.world_size,
@@ -281,6 +303,9 @@ class Plan:
         except SpecError as err:
             raise PlanError(str(err)) from None
         t = _get(data, "training", "", dict)
+        runtime = _get(t, "runtime", "training", str, default=DEFAULT_RUNTIME)
+        if runtime not in RUNTIMES:
+            _fail("training.runtime", f"is {runtime!r}", f"use one of {', '.join(RUNTIMES)}")
         pipelines = tuple(_pipeline_from_dict(p, f"pipelines[{i}]")
                           for i, p in enumerate(_get(data, "pipelines", "", list)))
         meta = data.get("meta") or {}
@@ -294,7 +319,8 @@ class Plan:
                     kind_settings=_kind_settings(t),
                     optimizer_sharding=_get(t, "optimizer_sharding", "training", str, default="none"),
                     optimizer_shares=_get(t, "optimizer_shares", "training", str, default="proportional"),
-                    p2p=_get(t, "p2p", "training", str, default=DEFAULT_P2P),
+                    runtime=runtime,
+                    p2p=_get(t, "p2p", "training", str, default=RUNTIMES[runtime].p2p),
                     shard_weights=_shard_weights(t))
         plan.validate()
         _check_ranks(data, plan)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from hethub.plan import Recompute
 from hethub.predict import opmodel
 from hethub.predict.calibrate import DEFAULT_GEMM_EFF, DEFAULT_K_HALF, DEFAULT_LAUNCH_S, DEFAULT_MEM_EFF
-from hethub.predict.gemm import KernelParams
+from hethub.predict.gemm import KernelParams, gemm_time_s
 from hethub.predict.memory import act_bytes_for, stage_params
 from hethub.predict.profiles import KindProfile
 from hethub.spec.kind import DeviceKind
@@ -78,7 +78,8 @@ def stage_times(
     if op is not None:
         params_k, source = op
         elem = act_bytes_for(precision)
-        attention = (attention or kind.attention) if precision != "fp32" else "math"  # flash needs 16-bit inputs
+        # flash and fused-softmax kernels need 16-bit inputs (Megatron's falls back to torch's softmax)
+        attention = (attention or kind.attention) if precision != "fp32" else "math"
         shape = opmodel.Shape.of(model, mbs=mbs, seq_len=seq_len, tp=tp, elem_bytes=elem, attention=attention)
         lf, lb = _phase_times("layer", shape, params_k)
         rerun = {Recompute.NONE: 0.0, Recompute.FULL: lf, Recompute.SELECTIVE: _core_time_s(shape, params_k)}
@@ -99,6 +100,22 @@ def stage_times(
                    Recompute.SELECTIVE: model.attention_core_fwd_flops(tokens=tokens, seq_len=seq_len)}[recompute]
     bwd = 2 * fwd + layers * rerun_flops / tp / kind.effective_flops
     return StageTimes(fwd, bwd, upd, "analytic, constant efficiency")
+
+
+def column_wgrad_s(model: ModelSpec, kind: DeviceKind, *, tp: int, mbs: int, seq_len: int,
+                   precision: str) -> tuple[float, float]:
+    """Time of a layer's two column-parallel weight-gradient GEMMs (MLP up, QKV) on one TP rank: the
+    operator model's where the kind has one, else the roofline's (their FLOPs at the kind's effective
+    rate). What a runtime that overlaps TP all-reduces with them can hide the all-reduces under."""
+    shape = opmodel.Shape.of(model, mbs=mbs, seq_len=seq_len, tp=tp, elem_bytes=act_bytes_for(precision),
+                             attention="math")
+    gemms = opmodel.column_wgrad_gemms(shape)
+    op = kernel_params(kind, precision)
+    if op is not None:
+        up, qkv = (gemm_time_s(op[0], m=g[1], n=g[2], k=g[3], batch=g[4], elem_bytes=shape.elem_bytes) for g in gemms)
+    else:
+        up, qkv = (2.0 * g[1] * g[2] * g[3] / kind.effective_flops for g in gemms)
+    return up, qkv
 
 
 def core_flop_share(model: ModelSpec, *, seq_len: int) -> float:

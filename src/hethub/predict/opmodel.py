@@ -3,8 +3,9 @@
 Every matrix multiply is listed with its (M, N, K) after tensor-parallel sharding (Megatron's
 column-parallel QKV and MLP-up, row-parallel attention-out and MLP-down, vocabulary-parallel head),
 the attention core per the kind's implementation (``math``: two batched GEMMs with the s x s scores
-written, masked, soft-maxed (and dropped out) in memory; ``flash``: one fused kernel, causal half of
-the work, no scores in memory), and every memory-bound kernel (norms, activation, residual adds,
+written, masked, soft-maxed (and dropped out) in memory; ``fused``: the same GEMMs with scale, mask
+and softmax as one pass over the scores; ``flash``: one fused kernel, causal half of the work, no
+scores in memory), and every memory-bound kernel (norms, activation, residual adds,
 rotary, softmax, dropout) by the bytes it moves.
 
 Which memory-bound kernels a layer launches depends on the runtime's code, not on the model: the
@@ -73,7 +74,7 @@ class Shape:
     seq_len: int
     tp: int
     elem_bytes: int
-    attention: str  # "math" or "flash"
+    attention: str  # "math", "fused" or "flash"
     dropout: bool  # hidden dropout (after attention-out and MLP-down)
     attn_dropout: bool  # dropout on the attention probabilities (math attention only)
     recipe: Recipe = Recipe()
@@ -180,6 +181,15 @@ def attention_core_ops(s: Shape) -> tuple[Op, ...]:
     if r.qkv_layout == "copy":
         ops.append(_mem(2 * e * t * (q + 2 * kv), 2 * e * t * (q + 2 * kv)))  # heads to batch-major layout
     ops.append(("gemm", s.seq_len, s.seq_len, d, batch))  # scores = Q K^T
+    if s.attention == "fused":
+        # Megatron's FusedScaleMaskSoftmax: scale, causal mask and softmax in one kernel that reads the
+        # scores and writes the probabilities; its backward reads their gradient and the output and
+        # writes one gradient (megatron/core/fusions/fused_softmax.py).
+        ops.append(_mem(2 * e * scores, 3 * e * scores))
+        if s.attn_dropout:
+            ops.append(_mem((2 * e + 1) * scores, (2 * e + 1) * scores))
+        ops += [("gemm", s.seq_len, d, s.seq_len, batch), _mem(2 * e * t * q)]
+        return tuple(ops)
     if r.score_scale:
         ops.append(_mem(2 * e * scores, 2 * e * scores))
     mask = (2 * e + r.mask_bytes) * scores
@@ -194,6 +204,16 @@ def attention_core_ops(s: Shape) -> tuple[Op, ...]:
     ops += [("gemm", s.seq_len, d, s.seq_len, batch),  # context = P V
             _mem(2 * e * t * q)]  # back to token-major (.contiguous(): the gradient passes through)
     return tuple(ops)
+
+
+def column_wgrad_gemms(s: Shape) -> tuple[Op, Op]:
+    """The weight-gradient GEMMs of a layer's two column-parallel projections (QKV, MLP up/gate), in
+    backward order (MLP first): what a runtime that overlaps the input gradient's all-reduce with them
+    (hethub.runtimes: tp_wgrad_overlap) hides it under."""
+    t, h, tp = s.tokens, s.hidden, s.tp
+    q, kv, f = h // tp, s.kv_heads * (h // s.heads) // tp, s.ffn // tp
+    up = (2 if s.gated else 1) * f
+    return ("gemm", h, up, t, 1), ("gemm", h, q + 2 * kv, t, 1)
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+from dataclasses import replace
 
 from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
@@ -83,7 +84,7 @@ class PlanCosts:
         plan = self.plan
         f, b = cp_ring_s(plan.cluster, stage, model=plan.model, mbs=mbs, seq_len=plan.seq_len,
                          act_bytes=self.act_bytes, layers=layers)
-        return StageStepCost(cost.times, cost.fwd_s + f, cost.bwd_s + b)
+        return replace(cost, fwd_s=cost.fwd_s + f, bwd_s=cost.bwd_s + b)
 
     def boundary_s(self, src: Stage, dst: Stage, *, mbs: int, flat: bool = True) -> float:
         """One micro-batch's transfer from stage ``src`` to ``dst`` and its gradient back, the slower

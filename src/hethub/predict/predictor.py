@@ -29,6 +29,7 @@ from collections.abc import Collection
 from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan, Recompute, ShardWeights
+from hethub.predict import fabrics
 from hethub.predict.compute import calibration_of
 from hethub.predict.host import HostModel, ReplayEvent, StageStep
 from hethub.predict.memory import (
@@ -44,8 +45,16 @@ from hethub.predict.plan_costs import PlanCosts, StageStepCost
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems, zero23_rank_bytes
-from hethub.predict.sync import SyncResult, exposed_sync_groups, simulate_sync, sync_groups, world_collectives
+from hethub.predict.sync import (
+    SyncResult,
+    exposed_sync_groups,
+    simulate_sync,
+    sync_groups,
+    unoverlapped_sync_s,
+    world_collectives,
+)
 from hethub.predict.utilisation import mfu_by_kind
+from hethub.runtimes import runtime_profile
 from hethub.schedules import DEFAULT_P2P, Schedule, get_schedule
 from hethub.schedules.simulate import StageSchedule
 
@@ -171,6 +180,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
                 updates[pi][si] *= mems[(pi, si)].optimizer_bytes / mem.optimizer_bytes
         partial = [(pi, si, cost, mems[(pi, si)], send, f) for pi, si, cost, _, send, f in partial]
     groups = sync_groups(plan, shard_weights=weights)
+    full_sync = unoverlapped_sync_s(plan, groups)
     world = list(world_collectives(plan))
     if host is not None:
         groups, world = host.price_collectives(groups), host.price_collectives(world)
@@ -179,9 +189,12 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         groups = exposed_sync_groups(plan, groups, backward_s=backward)
     sync = simulate_sync(plan, finish_s=finish, update_s=updates, record=timeline and host is None, groups=groups,
                          world=world)
+    sends = {(pi, si): send for pi, si, _, _, send, _ in partial}
     stages = tuple(_stage_prediction(plan, pi, si, cost=cost, mem=mem, send=send, sync=sync,
                                      last_backward_s=finish[pi][si], in_flight=f, headroom=mem_headroom,
-                                     blocked_s=costs.schedules[sigs[pi]][si].exposed_p2p_s if held else 0.0)
+                                     blocked_s=costs.schedules[sigs[pi]][si].exposed_p2p_s if held else 0.0,
+                                     back_send_s=sends.get((pi, si - 1), 0.0) if si > 0 else 0.0,
+                                     full_sync_s=full_sync.get((pi, si), 0.0))
                    for pi, si, cost, mem, send, f in partial)
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
@@ -366,7 +379,9 @@ def _chunk_shares(chunked: dict[int, tuple[list[float], list[float], list[float]
 def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, object]:
     """What the prediction rests on, part by part: measured inputs or analytic models."""
     cluster = plan.cluster
-    comm = "analytic: alpha-beta links from the cluster file, ring collectives"
+    comm = ("analytic: links from the cluster file at their fabric's achievable bandwidth by message size "
+            "(sources.fabrics), ring collectives (NVLink SHARP where NCCL would pick it), the runtime's overlap "
+            "(sources.runtime)")
     if cluster.host is not None and cluster.host.allreduce:
         comm += (f"; all-reduce among {sorted(p for p, _ in cluster.host.allreduce)} ranks measured on this host "
                  "(used through the emulation hook)")
@@ -387,12 +402,26 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
     return {"compute": {s.kind: s.compute_source for s in stages}, "calibration": {
                 s.kind: calibration_of(cluster.kinds[s.kind], precision=s.precision, compute_source=s.compute_source)
                 for s in stages},
-            "communication": comm, **out,
+            "communication": comm, "fabrics": _fabric_sources(plan, stages),
+            "runtime": runtime_profile(plan.runtime).describe(), **out,
             "memory": "analytic: named parts (predict/memory): state per precision, kept activations per layer, "
                       "working set, sync and optimizer buffers; framework context, collective buffers and "
                       "fragmentation from the catalog",
             "mfu": "model FLOPs (forward + backward, no recomputation) over each kind's dense peak for the "
                    f"plan's precision ({plan.precision})"}
+
+
+def _fabric_sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, object]:
+    """Each link class the plan's stages use, its fabric and where that fabric's curve comes from."""
+    c = plan.cluster
+    classes = {f"intra_node:{s.kind}": c.kinds[s.kind].intra_node_fabric for s in stages}
+    if len({c.devices[d].node for s in stages for d in s.devices}) > 1:
+        classes["inter_node"] = c.inter_node.fabric
+        if len({s.kind for s in stages}) > 1:
+            classes["cross_kind"] = c.cross_kind.fabric
+    return {name: ({"fabric": f, **fabrics.describe(f)} if f and f != "measured" else
+                   {"fabric": f or "none", "source": "the link's own numbers (measured, or given as an achieved rate)"})
+            for name, f in sorted(classes.items())}
 
 
 def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) -> tuple[str, ...]:
@@ -416,15 +445,22 @@ def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) ->
 
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem: StageMemory, send: float,
                       sync: SyncResult, last_backward_s: float, in_flight: int, headroom: float,
-                      blocked_s: float = 0.0) -> StagePrediction:
+                      blocked_s: float = 0.0, back_send_s: float = 0.0, full_sync_s: float = 0.0,
+                      ) -> StagePrediction:
     """``blocked_s``: time the stage is held by its blocking or lock-step transfers
-    (StageSchedule.exposed_p2p_s)."""
+    (StageSchedule.exposed_p2p_s); ``back_send_s``: its gradient send to the previous stage (that
+    boundary's hop); ``full_sync_s``: its gradient sync before the runtime's overlap."""
     s = plan.pipelines[pi].stages[si]
     kind = plan.cluster.kinds[s.kind]
-    m = plan.pipelines[pi].num_micro_batches
+    p = plan.pipelines[pi]
+    m = p.num_micro_batches
     compute = m * (cost.times.fwd_s + cost.times.bwd_s)
     tp_comm = m * (cost.fwd_s - cost.times.fwd_s + cost.bwd_s - cost.times.bwd_s)
     sync_tail = max(0.0, sync.stage_end_s[(pi, si)] - cost.times.update_s - last_backward_s)
+    sends = m * p.virtual_stages * ((send if si < len(p.stages) - 1 or p.virtual_stages > 1 else 0.0) + back_send_s)
+    comm = {"tp": {"exposed_s": tp_comm, "overlapped_s": m * cost.tp_overlapped_s},
+            "p2p": {"exposed_s": blocked_s, "overlapped_s": max(0.0, sends - blocked_s)},
+            "dp": {"exposed_s": sync.sync_s[(pi, si)], "overlapped_s": max(0.0, full_sync_s - sync.sync_s[(pi, si)])}}
     return StagePrediction(
         pipeline=pi, stage=si, kind=s.kind, devices=s.devices, layers=s.layers, tp=s.tp,
         fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, update_s=cost.times.update_s, p2p_s=send,
@@ -432,7 +468,7 @@ def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem:
         optimizer_bytes=mem.optimizer_bytes, activations_bytes=mem.activations_bytes,
         capacity_bytes=usable_bytes(kind, headroom=headroom), compute_source=cost.times.source,
         memory=mem, device_mem_bytes=float(kind.mem_bytes), precision=plan.precision_of(s.kind),
-        attention=plan.attention_of(s.kind), in_flight=in_flight,
+        attention=plan.attention_of(s.kind), in_flight=in_flight, comm_s=comm,
         compute_s=compute, exposed_comm_s=tp_comm + sync_tail + blocked_s,
         bubble_s=max(0.0, sync.step_time_s - compute - tp_comm - sync_tail - cost.times.update_s - blocked_s),
     )

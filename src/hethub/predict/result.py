@@ -59,6 +59,11 @@ class StagePrediction:
     precision: str = ""
     attention: str = ""
     in_flight: int = 0
+    # Communication of one device per step by kind ("tp", "p2p", "dp"): {"exposed_s", "overlapped_s"}.
+    # Exposed: time the device waits for it (in exposed_comm_s); overlapped: time it runs beside compute
+    # (TP all-reduces under weight-gradient GEMMs, sends during the next ops, gradient buckets during
+    # the last backward), as the plan's runtime does (hethub.runtimes).
+    comm_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def peak_mem_bytes(self) -> float:
@@ -136,6 +141,7 @@ class Prediction:
                  "update_s": s.update_s, "p2p_s": s.p2p_s, "sync_s": s.sync_s,
                  "step_breakdown_s": {"compute": s.compute_s, "exposed_comm": s.exposed_comm_s,
                                       "update": s.update_s, "bubble": s.bubble_s},
+                 "comm_s": s.comm_s,
                  "peak_mem_bytes": s.peak_mem_bytes, "capacity_bytes": s.capacity_bytes,
                  "compute_source": s.compute_source, "memory": s.memory_dict()}
                 for s in self.stages

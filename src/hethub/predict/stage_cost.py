@@ -8,7 +8,10 @@ caches over :class:`StageModel` and never restates a rule):
 * **time**: compute (:func:`hethub.predict.compute.stage_times`: a measured profile, else the op
   model or the roofline) at the kind's precision and attention implementation *of the plan*
   (``training.kinds.<kind>``), plus Megatron TP's two all-reduces per layer each way over the kind's
-  intra-node link, unless the profile measured them on a real TP group (``tp_comm_included``);
+  intra-node link at its fabric's achievable bandwidth, unless the profile measured them on a real TP
+  group (``tp_comm_included``); under a runtime that overlaps the backward's all-reduces with the
+  weight-gradient GEMMs (``hethub.runtimes``: ``tp_wgrad_overlap``) only their part longer than the
+  GEMM is exposed, the rest is kept as ``tp_overlapped_s``;
 * **profile rule**: a profile measured at another sequence length is not used (attention cost grows
   faster than linearly, so it is not rescaled): the roofline is, and ``compute_source`` says so;
 * **memory**: :func:`hethub.predict.memory.stage_memory` with the runtime's vocabulary-parallel rule
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from hethub.memo import Kept
 from hethub.plan import Plan, Recompute
 from hethub.predict.comm import tp_comm_time_s
-from hethub.predict.compute import StageTimes, stage_times
+from hethub.predict.compute import StageTimes, column_wgrad_s, stage_times
 from hethub.predict.memory import (
     StageMemory,
     act_bytes_for,
@@ -42,6 +45,7 @@ from hethub.predict.memory import (
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import cp_compute_share, sp_tp_comm_s
+from hethub.runtimes import DEFAULT_RUNTIME, runtime_profile
 from hethub.spec.cluster import Cluster, Link, node_link
 from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
@@ -55,7 +59,8 @@ _MEMORY = Kept(100_000)
 class StageJob:
     """What every stage's cost depends on besides the stage: the model, the sequence length, the
     plan-wide precision (it sizes the activations sent between stages), each kind's precision and
-    attention implementation, and the measured profiles."""
+    attention implementation, the runtime that trains it (what it overlaps: ``hethub.runtimes``)
+    and the measured profiles."""
 
     model: ModelSpec
     seq_len: int
@@ -63,6 +68,7 @@ class StageJob:
     precisions: Mapping[str, str]  # by kind name
     attentions: Mapping[str, str]  # by kind name
     profiles: ProfileSet | None = None
+    runtime: str = DEFAULT_RUNTIME
     _usable: dict[str, KindProfile | None] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -72,18 +78,18 @@ class StageJob:
         kinds = plan.cluster.kinds
         return cls(model=plan.model, seq_len=plan.seq_len, precision=plan.precision, profiles=profiles,
                    precisions={k: plan.precision_of(k) for k in kinds},
-                   attentions={k: plan.attention_of(k) for k in kinds})
+                   attentions={k: plan.attention_of(k) for k in kinds}, runtime=plan.runtime)
 
     @classmethod
     def planned(cls, *, model: ModelSpec, cluster: Cluster, seq_len: int, precision: str,
-                profiles: ProfileSet | None) -> StageJob:
+                profiles: ProfileSet | None, runtime: str = DEFAULT_RUNTIME) -> StageJob:
         """The job of the plans the planner writes: no per-kind settings, so each kind trains in
         ``precision`` where it runs it and with its catalog attention (what ``Plan.precision_of`` /
-        ``attention_of`` give such a plan)."""
+        ``attention_of`` give such a plan), under ``runtime``."""
         kinds = cluster.kinds
         return cls(model=model, seq_len=seq_len, precision=precision, profiles=profiles,
                    precisions={k: v.precision_for(precision) for k, v in kinds.items()},
-                   attentions={k: v.attention for k, v in kinds.items()})
+                   attentions={k: v.attention for k, v in kinds.items()}, runtime=runtime)
 
     def profile(self, kind: str) -> KindProfile | None:
         """The kind's profile where it applies (:func:`usable_profile`)."""
@@ -114,8 +120,9 @@ class StageStepCost:
     """One stage's compute times with its TP collectives added (what the schedule simulation runs)."""
 
     times: StageTimes
-    fwd_s: float  # compute + TP collectives
+    fwd_s: float  # compute + TP collectives (their exposed part)
     bwd_s: float
+    tp_overlapped_s: float = 0.0  # TP collective time hidden under compute (forward + backward)
 
 
 def tp_link(kind: DeviceKind) -> Link:
@@ -141,9 +148,13 @@ def stage_step(job: StageJob, kind: DeviceKind, *, layers: int, embedding: bool,
     if sp and tp > 1:
         tp_f, tp_b = sp_tp_comm_s(act_bytes_per_layer=act, layers=layers, tp=tp, hidden_size=job.model.hidden_size,
                                   link=tp_link(kind))
-    else:
-        tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=tp_link(kind))
-    return StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
+        return StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b)
+    wgrad = (column_wgrad_s(job.model, kind, tp=tp, mbs=mbs, seq_len=job.seq_len // cp,
+                            precision=job.precisions[kind.name])
+             if tp > 1 and runtime_profile(job.runtime).tp_wgrad_overlap else ())
+    tp_f, tp_b = tp_comm_time_s(act_bytes_per_layer=act, layers=layers, tp=tp, link=tp_link(kind), wgrad_s=wgrad)
+    # forward and backward move the same bytes: what the backward does not expose runs beside its GEMMs
+    return StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b, tp_f - tp_b)
 
 
 def stage_params_of(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int) -> float:

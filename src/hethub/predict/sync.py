@@ -83,12 +83,14 @@ from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.comm import (
     allreduce_time_s,
+    p2p_time_s,
     ring_pass_time_s,
     rings_link,
     slowest_link,
     small_allreduce_time_s,
 )
 from hethub.predict.sharding import unit_elems
+from hethub.runtimes import runtime_profile
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
@@ -267,8 +269,10 @@ def _hierarchical_pass_s(plan: Plan, holders: Sequence[StageId], ex: Exchange, *
     island_s = [ring_pass_time_s(chunk_bytes=ex.slots[isl[0]] * pad_bytes, participants=len(isl),
                                  link=slowest_link(plan.cluster, [first[m] for m in isl])) for isl in ex.islands]
     pairs = [plan.cluster.link(first[m], first[o]) for m in ex.members for o in ex.blocks[m][1:]]
-    bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
-    return ex.pass_time_s(island_s=island_s, message_s={m: bridge.time_s(slices[m] * elem_bytes) for m in ex.members})
+    bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs),
+                  min(pairs, key=lambda lk: lk.bw_bytes_per_s).fabric)
+    return ex.pass_time_s(island_s=island_s,
+                          message_s={m: p2p_time_s(bridge, slices[m] * elem_bytes) for m in ex.members})
 
 
 def _buckets(groups: list[SyncGroup], *, first_names: dict[str, str]) -> list[SyncGroup]:
@@ -298,11 +302,13 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
                         bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> list[SyncGroup]:
     """``groups`` (:func:`sync_groups`, unsharded) with each one's time cut to the part of its bucketed
     reduction left after its holders' last backward (module doc: Overlap). ``backward_s``: each
-    stage's backward of one micro-batch (its last one overlaps the buckets)."""
+    stage's backward of one micro-batch (its last one overlaps the buckets). A runtime that reduces
+    after the schedule (hethub.runtimes: dp_overlap False, DeepSpeed's pipeline engine) overlaps
+    nothing: ``groups`` as they are."""
     model = plan.model
     if plan.zero_stage >= 2:
         return _exposed_rounds(plan, groups, backward_s=backward_s)
-    if plan.sharded_optimizer:
+    if plan.sharded_optimizer or not runtime_profile(plan.runtime).dp_overlap:
         return list(groups)
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
     places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
@@ -330,8 +336,7 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
         us = units_of.get(g.holders)
         if g.time_s <= 0 or g.participants <= 1 or not us:
             continue
-        n = max(1, math.ceil(g.nbytes / grad_bytes / bucket_elems))
-        d = allreduce_time_s(nbytes=g.nbytes / n, participants=g.participants, link=g.link)
+        n, d = _buckets_of(g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
         first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
         for k in range(n):
             ready = {}
@@ -370,6 +375,29 @@ def _exposed_rounds(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapp
             first = g.gather_s / max(1, g.gather_units)  # one unit's gather per op, 2m ops
             extra += first + max(0.0, g.gather_s - first - m * 1.5 * bwd)
         out.append(replace(g, time_s=g.time_s + extra))
+    return out
+
+
+def _buckets_of(g: SyncGroup, *, grad_bytes: float, bucket_elems: int) -> tuple[int, float]:
+    """How many buckets the runtime reduces group ``g`` in, and each one's all-reduce time."""
+    n = max(1, math.ceil(g.nbytes / grad_bytes / bucket_elems))
+    return n, allreduce_time_s(nbytes=g.nbytes / n, participants=g.participants, link=g.link)
+
+
+def unoverlapped_sync_s(plan: Plan, groups: Sequence[SyncGroup], *,
+                        bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> dict[StageId, float]:
+    """Each holder stage's gradient-sync time as its runtime reduces it, before any overlap: in
+    buckets where :func:`exposed_sync_groups` overlaps them (each bucket its own all-reduce, at its own
+    size's achievable bandwidth), else the groups as they are."""
+    bucketed = not plan.sharded_optimizer and runtime_profile(plan.runtime).dp_overlap
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    out: dict[StageId, float] = {}
+    for g in groups:
+        if g.participants <= 1 or g.time_s <= 0:
+            continue
+        n, d = _buckets_of(g, grad_bytes=grad_bytes, bucket_elems=bucket_elems) if bucketed else (1, g.time_s)
+        for x in g.holders:
+            out[x] = out.get(x, 0.0) + n * d
     return out
 
 

@@ -134,7 +134,10 @@ class Attention(nn.Module):
         # Row-parallel bias is added once, after the reduction, so it stays replicated.
         self.wo_bias = nn.Parameter(torch.zeros(h)) if bias else None
         if attention not in SDPA_BACKENDS:
-            raise ValueError(f"attention implementation {attention!r} is not one of {', '.join(SDPA_BACKENDS)}")
+            raise ValueError(f"attention implementation {attention!r} is not one of {', '.join(SDPA_BACKENDS)}: "
+                             "hethub's runtime has no fused scale-mask-softmax kernel (a plan with it is for "
+                             "prediction under training.runtime megatron or deepspeed). Fix: set "
+                             "training.kinds.<kind>.attention to flash or math")
         self.backends = SDPA_BACKENDS[attention]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

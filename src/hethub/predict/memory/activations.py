@@ -94,6 +94,12 @@ def attention_bytes_per_token(model: ModelSpec, *, tp: int, seq_len: int, attent
         return (2 * h + 2 * model.kv_dim) / tp * cb + heads * STAT_BYTES
     if attention == "math":
         return 3 * h / tp * MATH_BYTES + h / tp * cb + scores_bytes_per_token(model, tp=tp, seq_len=seq_len)
+    if attention == "fused":
+        # Megatron's FusedScaleMaskSoftmax keeps its 16-bit output for backward; the score and value
+        # GEMMs keep Q, K, V (K and V at their own width) and the output projection its input. An
+        # estimate of a runtime hethub does not run (no dropout, as hethub's recipes).
+        w = kv_width(model, precision=precision)
+        return (2 * h + 2 * w) / tp * cb + heads * seq_len * cb
     return (2 * h + 2 * kv_width(model, precision=precision)) / tp * cb + heads * STAT_BYTES
 
 
