@@ -110,6 +110,10 @@ def test_pruned_scan_keeps_the_top_templates_and_their_rates(monkeypatch, model_
                 for k in KINDS for b in sizes for share in (s.share[k], 1.0)}
 
     pruned = tops()
+    # Unpruned, with the large cluster's layer splits (SMALL_CLUSTER also turns on the slack splits
+    # that trade bottleneck for fill and drain, which may find another split of a stage count).
+    split_layers = templates.split_layers
+    monkeypatch.setattr(templates, "split_layers", lambda *a, **kw: split_layers(*a, **{**kw, "slacks": (1.0,)}))
     monkeypatch.setattr(templates, "SMALL_CLUSTER", 10**9)
     assert tops() == pruned
 

@@ -164,7 +164,7 @@ class Cluster:
             if self.cross_kind.bw_bytes_per_s < bw:
                 bw, fabric = self.cross_kind.bw_bytes_per_s, self.cross_kind.fabric
             lat = max(lat, self.cross_kind.latency_s)
-        return Link(bw, lat, "" if self.host is not None else fabric)
+        return Link(bw, lat, fabric)
 
     def _nic_bw(self, group: int) -> float:
         return self.groups[group].inter_node_bw_bytes_per_s or self.inter_node.bw_bytes_per_s
@@ -275,7 +275,9 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
     net = data.get("network", {})
     nw = f"{where}: network"
     check_keys(net, allowed=_NETWORK_KEYS | {_CROSS_SOURCE}, where=nw)
-    fabric = _network_fabric(net, "inter_node_fabric", where=nw, default=DEFAULT_NETWORK_FABRIC)
+    host = _host(data, where)
+    # A local emulation's links are its host's own numbers (measured or given), not a fabric's.
+    fabric = _network_fabric(net, "inter_node_fabric", where=nw, default=DEFAULT_NETWORK_FABRIC if host is None else "")
     inter = Link(get_number(net, "inter_node_bw_bytes_per_s", where=nw, default=12.5e9),
                  get_number(net, "inter_node_latency_s", where=nw, default=10e-6, positive=False), fabric)
     cross = Link(get_number(net, "cross_kind_bw_bytes_per_s", where=nw, default=inter.bw_bytes_per_s),
@@ -290,7 +292,7 @@ def parse_cluster(data: dict[str, Any], *, where: str) -> Cluster:
         raise field_error(where, "name", "must be a string", 'write name = "my-cluster"')
     desc = data.get("description", "")
     return Cluster(name=name, description=desc if isinstance(desc, str) else "", kinds=kinds,
-                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host=_host(data, where),
+                   groups=tuple(groups), inter_node=inter, cross_kind=cross, host=host,
                    cross_kind_source=get_str(net, _CROSS_SOURCE, where=nw, default=""))
 
 
