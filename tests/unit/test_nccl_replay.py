@@ -27,14 +27,16 @@ from hethub.comm.recording import Channel, Event, Note, Post, RecordingCommunica
 from hethub.islands import island_of_kind
 from hethub.layout import build_topology
 from hethub.plan import Pipeline, Plan, Stage, interleave, split_evenly
+from hethub.predict.compute import p2p_post_s
 from hethub.predict.predictor import predict
 from hethub.runtime.context_parallel import CPContext
 from hethub.runtime.model import StageModel
 from hethub.runtime.pipeline import PipelineExecutor, StepTrace
 from hethub.runtime.tensor_parallel import TPContext
-from hethub.schedules import DEFAULT_P2P
+from hethub.schedules import DEFAULT_P2P, get_schedule
+from hethub.schedules.messages import op_posts
 from hethub.spec.cluster import Cluster, Link, NodeGroup
-from hethub.spec.kind import DeviceKind
+from hethub.spec.kind import DeviceKind, catalog
 from hethub.spec.model import ModelSpec
 
 SEQ = 4
@@ -314,3 +316,34 @@ def test_live_p2p_buffers_are_bounded_and_predicted(schedule, chunks, shape):
         fan = max([1] + [len(peers[1]) for c in range(pl.stage.num_chunks)
                          for peers in (pl.fwd_peers(c), pl.bwd_peers(c))])
         assert t.max_p2p_buffers <= (t.max_in_flight + 3) * fan, (r, t.max_p2p_buffers, t.max_in_flight)
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("shape", ["4-stages", "two-stages", "tp-2-2-2", "bridged-both-ways"])
+def test_the_predictor_prices_each_op_and_post_the_executor_runs(schedule, chunks, shape):
+    """Interleaving's per-chunk cost is its extra ops' work besides their layers: each op posts its
+    receive and its send (runtime/p2p.py). On every rank the executor's traced ops are the schedule's
+    and its pipeline posts (sends and receives; the CP ring's are its own) are
+    ``schedules.messages.op_posts`` summed over them, and the predictor charges each stage exactly
+    that many posts (``comm_s["p2p"]["posts_s"]``: ``PlanCosts.posts_s``) at the kind's post time;
+    v chunks post about v times as often."""
+    plan = make_plan(schedule, chunks, shape)
+    # the same cluster with a calibrated kind's numbers, so that a post costs something
+    a100 = catalog()["a100-40gb"]
+    kinds = {k: replace(a100, name=k, vendor=v.vendor, backend=v.backend) for k, v in CLUSTER.kinds.items()}
+    priced = {(s.pipeline, s.stage): s.comm_s["p2p"]["posts_s"]
+              for s in predict(replace(plan, cluster=replace(CLUSTER, kinds=kinds))).stages}
+    topo = build_topology(plan)
+    for r, rec in record_all(schedule, chunks, shape).items():
+        pl = topo.place(r)
+        st = pl.stage
+        ops = get_schedule(schedule, chunks=st.num_chunks).ops(stage=st.stage, num_stages=st.num_stages,
+                                                               num_micro_batches=pl.num_micro_batches)
+        assert [e.label for e in rec.events if isinstance(e, Note)] == [f"{o.kind}{o.micro_batch}.{o.chunk}"
+                                                                         for o in ops]
+        posts = sum(1 for e in rec.events if isinstance(e, Post) for o in e.ops if o.tag < CP_RING_TAG)
+        assert posts == sum(op_posts(o, stage=st.stage, num_stages=st.num_stages, chunks=st.num_chunks) for o in ops)
+        post_s = p2p_post_s(kinds[plan.cluster.devices[r].kind], plan.precision)
+        assert post_s > 0 and priced[(st.pipeline, st.stage)] == pytest.approx(posts * post_s)
+        if chunks > 1 and st.num_stages > 1:  # every op but the pipeline's two ends posts both ways
+            assert posts >= 2 * len([o for o in ops if o.kind != "W"]) - 2 * pl.num_micro_batches

@@ -162,7 +162,8 @@ def test_predict_json_reports_exposed_and_overlapped_comm_and_every_source(tmp_p
     assert out["runtime"] == "megatron"
     for stage in out["stages"]:
         assert set(stage["comm_s"]) == {"tp", "p2p", "dp"}
-        assert all(set(v) == {"exposed_s", "overlapped_s"} for v in stage["comm_s"].values())
+        assert all({"exposed_s", "overlapped_s"} <= set(v) for v in stage["comm_s"].values())
+        assert stage["comm_s"]["p2p"]["posts_s"] > 0  # every stage of a pipeline posts sends and receives
         assert stage["comm_s"]["tp"]["overlapped_s"] > 0 and stage["comm_s"]["dp"]["overlapped_s"] > 0
     runtime = out["sources"]["runtime"]
     assert runtime["name"] == "megatron" and runtime["tp_wgrad_overlap"]["value"] is True

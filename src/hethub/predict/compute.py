@@ -118,6 +118,14 @@ def column_wgrad_s(model: ModelSpec, kind: DeviceKind, *, tp: int, mbs: int, seq
     return up, qkv
 
 
+def p2p_post_s(kind: DeviceKind, precision: str) -> float:
+    """Host time to post one point-to-point operation (an isend or irecv: one collective-library
+    kernel) on ``kind``: the op model's kernel launch (``launch_s``), an estimate; 0 where the kind is
+    priced by the roofline, which has no launch term."""
+    op = kernel_params(kind, precision)
+    return 0.0 if op is None else op[0].launch_s
+
+
 def core_flop_share(model: ModelSpec, *, seq_len: int) -> float:
     """The attention core's share of a layer's forward FLOPs: how much of a profiled layer's forward
     selective recomputation is taken to re-run. An estimate: it counts the full s x s products

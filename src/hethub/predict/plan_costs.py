@@ -16,11 +16,13 @@ from dataclasses import replace
 from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import boundary_time_s
+from hethub.predict.compute import p2p_post_s
 from hethub.predict.memory import StageMemory, act_bytes_for, message_bytes, p2p_buffer_bytes
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_ring_s, splits_sequence
 from hethub.predict.stage_cost import StageJob, StageStepCost, stage_memory_of, stage_params_of, stage_step
-from hethub.schedules import Schedule
+from hethub.schedules import Op, Schedule
+from hethub.schedules.messages import op_posts
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 
 __all__ = ["PlanCosts", "StageStepCost", "sync_shape"]
@@ -179,6 +181,20 @@ class PlanCosts:
         wrap = self.boundary_s(p.stages[-1], p.stages[0], mbs=mbs, flat=False)
         hops = [p2p[k % n] if k % n < n - 1 else wrap for k in range(n * v - 1)]
         return fwd, bwd, hops
+
+    def posts_s(self, p: Pipeline) -> list[float]:
+        """Per virtual stage (k = c x n + s) the host time its F op, and as much its B op, spends
+        posting its point-to-point receive and send (``schedules.messages.op_posts``, each
+        ``compute.p2p_post_s``) as the runtime does per op (runtime/p2p.py): the work a chunk adds
+        besides its layers and its link time, so v chunks pay it v times per micro-batch. A fan-out
+        to several receivers of another TP degree counts as one post."""
+        n, v = len(p.stages), p.virtual_stages
+        out = []
+        for k in range(n * v):
+            s = p.stages[k % n]
+            posts = op_posts(Op("F", 0, k // n), stage=k % n, num_stages=n, chunks=v)
+            out.append(posts * p2p_post_s(self.plan.cluster.kinds[s.kind], self.plan.precision_of(s.kind)))
+        return out
 
     def chunk_in_flight(self, p: Pipeline, si: int, *, schedule: Schedule) -> float:
         """The activations an interleaved stage holds at its peak, in units of one micro-batch of the

@@ -148,6 +148,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     sigs: list[tuple] = []
     # Per virtual stage where v > 1: forward, backward, hop times, and the pipeline's stages.
     chunked: dict[int, tuple[list[float], list[float], list[float], int]] = {}
+    posts: dict[int, list[float]] = {}  # per pipeline and virtual stage: one op's p2p posts (PlanCosts.posts_s)
     # Blocking and lock-step sends: the records give each stage's time held by its transfers (exposed
     # communication, StageSchedule.exposed_p2p_s).
     held = plan.p2p != DEFAULT_P2P and host is None
@@ -166,6 +167,10 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
             partial.append((pi, si, cost, mem, send, in_flight))
         if v > 1:
             fwd, bwd, p2p = costs.chunk_times(p, p2p=p2p)
+        posts[pi] = costs.posts_s(p)  # each op's point-to-point posts, per virtual stage
+        fwd = [t + x for t, x in zip(fwd, posts[pi], strict=True)]
+        bwd = [t + x for t, x in zip(bwd, posts[pi], strict=True)]
+        if v > 1:
             chunked[pi] = (fwd, bwd, p2p, n)
         sig = (m, v, tuple(fwd), tuple(bwd), tuple(p2p))
         sigs.append(sig)
@@ -194,7 +199,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
                                      last_backward_s=finish[pi][si], in_flight=f, headroom=mem_headroom,
                                      blocked_s=costs.schedules[sigs[pi]][si].exposed_p2p_s if held else 0.0,
                                      back_send_s=sends.get((pi, si - 1), 0.0) if si > 0 else 0.0,
-                                     full_sync_s=full_sync.get((pi, si), 0.0))
+                                     full_sync_s=full_sync.get((pi, si), 0.0),
+                                     posts_s=sum(posts[pi][si::len(plan.pipelines[pi].stages)]))
                    for pi, si, cost, mem, send, f in partial)
     step = sync.step_time_s
     pipeline_times = tuple(max(row) for row in finish)
@@ -381,7 +387,7 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
     cluster = plan.cluster
     comm = ("analytic: links from the cluster file at their fabric's achievable bandwidth by message size "
             "(sources.fabrics), ring collectives (NVLink SHARP where NCCL would pick it), the runtime's overlap "
-            "(sources.runtime)")
+            "(sources.runtime); each op's point-to-point posts at the kind's kernel launch time (an estimate)")
     if cluster.host is not None and cluster.host.allreduce:
         comm += (f"; all-reduce among {sorted(p for p, _ in cluster.host.allreduce)} ranks measured on this host "
                  "(used through the emulation hook)")
@@ -446,10 +452,11 @@ def _memory_warnings(stages: tuple[StagePrediction, ...], *, headroom: float) ->
 def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem: StageMemory, send: float,
                       sync: SyncResult, last_backward_s: float, in_flight: int, headroom: float,
                       blocked_s: float = 0.0, back_send_s: float = 0.0, full_sync_s: float = 0.0,
-                      ) -> StagePrediction:
+                      posts_s: float = 0.0) -> StagePrediction:
     """``blocked_s``: time the stage is held by its blocking or lock-step transfers
     (StageSchedule.exposed_p2p_s); ``back_send_s``: its gradient send to the previous stage (that
-    boundary's hop); ``full_sync_s``: its gradient sync before the runtime's overlap."""
+    boundary's hop); ``full_sync_s``: its gradient sync before the runtime's overlap; ``posts_s``: one
+    F op's point-to-point posts summed over its chunks (``PlanCosts.posts_s``; a B op's are as many)."""
     s = plan.pipelines[pi].stages[si]
     kind = plan.cluster.kinds[s.kind]
     p = plan.pipelines[pi]
@@ -457,9 +464,10 @@ def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem:
     compute = m * (cost.times.fwd_s + cost.times.bwd_s)
     tp_comm = m * (cost.fwd_s - cost.times.fwd_s + cost.bwd_s - cost.times.bwd_s)
     sync_tail = max(0.0, sync.stage_end_s[(pi, si)] - cost.times.update_s - last_backward_s)
+    posted = 2 * m * posts_s
     sends = m * p.virtual_stages * ((send if si < len(p.stages) - 1 or p.virtual_stages > 1 else 0.0) + back_send_s)
     comm = {"tp": {"exposed_s": tp_comm, "overlapped_s": m * cost.tp_overlapped_s},
-            "p2p": {"exposed_s": blocked_s, "overlapped_s": max(0.0, sends - blocked_s)},
+            "p2p": {"exposed_s": blocked_s, "overlapped_s": max(0.0, sends - blocked_s), "posts_s": posted},
             "dp": {"exposed_s": sync.sync_s[(pi, si)], "overlapped_s": max(0.0, full_sync_s - sync.sync_s[(pi, si)])}}
     return StagePrediction(
         pipeline=pi, stage=si, kind=s.kind, devices=s.devices, layers=s.layers, tp=s.tp,
@@ -469,8 +477,8 @@ def _stage_prediction(plan: Plan, pi: int, si: int, *, cost: StageStepCost, mem:
         capacity_bytes=usable_bytes(kind, headroom=headroom), compute_source=cost.times.source,
         memory=mem, device_mem_bytes=float(kind.mem_bytes), precision=plan.precision_of(s.kind),
         attention=plan.attention_of(s.kind), in_flight=in_flight, comm_s=comm,
-        compute_s=compute, exposed_comm_s=tp_comm + sync_tail + blocked_s,
-        bubble_s=max(0.0, sync.step_time_s - compute - tp_comm - sync_tail - cost.times.update_s - blocked_s),
+        compute_s=compute, exposed_comm_s=tp_comm + sync_tail + blocked_s + posted,
+        bubble_s=max(0.0, sync.step_time_s - compute - tp_comm - sync_tail - cost.times.update_s - blocked_s - posted),
     )
 
 

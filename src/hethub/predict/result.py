@@ -62,7 +62,8 @@ class StagePrediction:
     # Communication of one device per step by kind ("tp", "p2p", "dp"): {"exposed_s", "overlapped_s"}.
     # Exposed: time the device waits for it (in exposed_comm_s); overlapped: time it runs beside compute
     # (TP all-reduces under weight-gradient GEMMs, sends during the next ops, gradient buckets during
-    # the last backward), as the plan's runtime does (hethub.runtimes).
+    # the last backward), as the plan's runtime does (hethub.runtimes); "p2p" also "posts_s": the host
+    # time its ops spend posting their sends and receives (PlanCosts.posts_s), in exposed_comm_s.
     comm_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property

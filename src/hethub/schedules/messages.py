@@ -35,6 +35,17 @@ def consumer(op: Op, *, stage: int, num_stages: int, chunks: int) -> tuple[int, 
     return v % num_stages, Op(op.kind, op.micro_batch, v // num_stages)
 
 
+def op_posts(op: Op, *, stage: int, num_stages: int, chunks: int) -> int:
+    """Point-to-point operations ``op`` of ``stage`` posts, one per direction it talks in: its receive
+    (an F of every virtual stage but the first, a B of every one but the last) and its send
+    (``consumer``); W none. An F and a B of one virtual stage post as many."""
+    if op.kind == "W":
+        return 0
+    v = op.chunk * num_stages + stage
+    receives = v > 0 if op.kind == "F" else v < num_stages * chunks - 1
+    return int(receives) + (consumer(op, stage=stage, num_stages=num_stages, chunks=chunks) is not None)
+
+
 def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1) -> dict[Op, Op | None]:
     """For every op of ``orders[stage]`` that sends, the op of the same stage after whose receive the
     send has certainly arrived (module doc), or None. ``orders``: every stage's op order, as run."""
