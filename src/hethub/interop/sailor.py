@@ -147,7 +147,7 @@ def import_sailor_plan(data: Any, *, cluster: Cluster, model: ModelSpec, seq_len
 
     The plan's ``p2p`` is "lockstep": Sailor trains with a fork of DeepSpeed's pipeline engine, whose
     TrainSchedule runs each stage's sends and receives in a fixed order, each a blocking rendezvous
-    (``p2p_note`` says so; docs/predictor.md, "Blocking sends").
+    (``p2p_note`` says so; docs/predictor.md, "Runtime profiles").
     """
     if not isinstance(data, dict):
         raise PlanError(f"{where}: expected a JSON object with pipeline_list, mbs and gbs. Fix: pass a Sailor plan.")
