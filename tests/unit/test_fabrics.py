@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from hethub.predict.cited_comm import POINTS, CommPoint, measured_time_s
-from hethub.predict.comm import allreduce_time_s, p2p_time_s
+from hethub.predict.comm import allreduce_floor_s, allreduce_time_s, p2p_time_s
 from hethub.predict.fabrics import FABRICS, NVLS, Fabric, fabric_of
 from hethub.spec.cluster import NETWORK_FABRICS, Link
 from hethub.spec.kind import INTRA_NODE_FABRICS, catalog
@@ -104,3 +104,29 @@ def test_catalog_kinds_name_their_fabric() -> None:
     assert kinds["mi300x"].intra_node_fabric == "infinity-fabric"
     assert kinds["rtx-3090"].intra_node_fabric == ""  # its number is NCCL's measured SHM rate
     assert kinds["cpu"].intra_node_fabric == ""
+
+
+@pytest.mark.parametrize("fabric", ["nvlink", "nvswitch-nvls", "infiniband", "efa", "ethernet", ""])
+def test_the_floor_is_below_every_fused_all_reduce(fabric: str) -> None:
+    """``allreduce_floor_s`` (the planner's per-layer sync floors) stays under the all-reduce of the
+    same bytes alone or fused with more, per byte past the latency, NVLink SHARP included."""
+    link = Link(450e9, 5e-6, fabric)
+    for p, n in itertools.product((2, 5, 8), (1e3, 1e6, 3e7, 1e9)):
+        floor = allreduce_floor_s(nbytes=n, participants=p, link=link)
+        assert 0 < floor <= allreduce_time_s(nbytes=n, participants=p, link=link)
+        lat = 2 * (p - 1) * link.latency_s
+        for k in (4, 64):
+            fused = allreduce_time_s(nbytes=k * n, participants=p, link=link)
+            assert floor - lat <= fused / k, (p, n, k)
+
+
+def test_a_local_emulation_prices_its_links_at_their_own_numbers() -> None:
+    from dataclasses import replace as copy
+    from pathlib import Path
+
+    from hethub.spec.cluster import load_cluster
+
+    c = load_cluster(Path(__file__).resolve().parents[2] / "examples" / "clusters" / "local-cpu.toml")
+    assert c.host is not None and c.inter_node.fabric == c.cross_kind.fabric == ""
+    a, b = c.devices[0].id, c.devices[-1].id
+    assert c.link(a, b).fabric == "" and copy(c, host=None).link(a, b) == c.link(a, b)
