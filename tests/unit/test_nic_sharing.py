@@ -86,3 +86,19 @@ def test_planner_ring_link_is_the_predictors(per_nic):
         predicted = sync_groups(_two_replicas(c, tp=tp))[0].link
         planned = LinkBook(c).replicas(frozenset(["a100-80gb"]), devices=2 * tp + 8, rings=tp)
         assert planned.bw_bytes_per_s == pytest.approx(predicted.bw_bytes_per_s), tp
+
+
+@pytest.mark.parametrize(("per_nic", "nics"), [(None, 1), (4, 2), (1, 8)])
+def test_a_ring_through_several_ranks_of_a_node_crosses_on_all_their_nics(per_nic, nics):
+    # Sixteen single-device replicas on two nodes: one ring through all, two node crossings. NCCL runs
+    # it as several channels, each through another NIC of the ranks it passes, so the crossing gets
+    # every NIC of the node (at least one NIC's rate: a point-to-point hop keeps its own NIC).
+    c = _cluster(per_nic)
+    ring = rings_link(c, [list(range(16))])
+    assert ring.bw_bytes_per_s == pytest.approx(min(nics * NETWORK["inter_node_bw_bytes_per_s"],
+                                                    c.kinds["a100-80gb"].intra_node_bw_bytes_per_s))
+    # Ranks of the ring that sit on one NIC give it no more: two ranks per node behind one NIC.
+    two = rings_link(c, [[0, 1, 8, 9]])
+    assert two.bw_bytes_per_s == pytest.approx(NETWORK["inter_node_bw_bytes_per_s"] * (2 if per_nic == 1 else 1))
+    assert stage_hop_time_s(c, senders=[0], receivers=[8], nbytes=1e6) == pytest.approx(
+        p2p_time_s(c.link(0, 8), 1e6))

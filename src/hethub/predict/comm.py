@@ -94,12 +94,15 @@ def rings_link(cluster: Cluster, rings: Sequence[Sequence[int]]) -> Link:
     The ranks behind one NIC share it (:func:`shared_links`): a hop that crosses nodes gets its NIC's
     bandwidth divided by the number of the rings' hops leaving (or entering) through that NIC, so 8
     TP ranks of a node with one NIC, each all-reducing their 1/8 of a stage's gradients across nodes,
-    move the whole gradient through that NIC, not an eighth of it.
+    move the whole gradient through that NIC, not an eighth of it. A collective spreads its rings'
+    node crossings over every NIC its ranks in that node reach (NCCL's channels: each ring runs as
+    several, each through another NIC), so a ring through 8 ranks of a node with a NIC per device
+    crosses at 8 NICs' rate; a point-to-point send takes its own NIC (``shared_links``).
     """
     hops = [(a, b) for ring in rings if len(ring) > 1 for a, b in zip(ring, [*ring[1:], ring[0]], strict=True)]
     if not hops:
         return Link(float("inf"), 0.0)
-    shared = shared_links(cluster, hops)
+    shared = _channel_shares(cluster, hops)
     return Link(min(lk.bw_bytes_per_s / share for lk, share in shared), max(lk.latency_s for lk, _ in shared),
                 min(shared, key=lambda ls: ls[0].bw_bytes_per_s / ls[1])[0].fabric)
 
@@ -177,6 +180,25 @@ def shared_message_time_s(link: Link, *, share: int, nbytes: float) -> float:
     """One of ``share`` messages of ``nbytes`` sent at once through ``link``'s NIC: 1/share of its rate,
     at the efficiency of the message's own size."""
     return p2p_time_s(Link(link.bw_bytes_per_s / share, link.latency_s, link.fabric), nbytes)
+
+
+def _channel_shares(cluster: Cluster, hops: list[tuple[int, int]]) -> list[tuple[Link, float]]:
+    """Each ring hop's link and the share of a NIC it gets when the collective's crossings of a node
+    spread evenly over the NICs its ranks there reach: the node's crossings out (or in) over those
+    NICs, fractional where there are fewer crossings than NICs. An emulation host shares nothing."""
+    dev = {d: cluster.devices[d] for hop in hops for d in hop}
+    nics: dict[int, set[int]] = {}
+    out: dict[int, int] = {}
+    inn: dict[int, int] = {}
+    for d in dev.values():
+        nics.setdefault(d.node, set()).add(d.nic)
+    for s, r in hops:
+        if dev[s].node != dev[r].node:
+            out[dev[s].node] = out.get(dev[s].node, 0) + 1
+            inn[dev[r].node] = inn.get(dev[r].node, 0) + 1
+    crossing = cluster.host is None
+    return [(cluster.link(s, r), max(out[a.node] / len(nics[a.node]), inn[b.node] / len(nics[b.node]))
+             if crossing and a.node != b.node else 1) for s, r in hops for a, b in ((dev[s], dev[r]),)]
 
 
 def shared_links(cluster: Cluster, pairs: list[tuple[int, int]]) -> list[tuple[Link, int]]:
