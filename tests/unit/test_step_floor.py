@@ -31,7 +31,9 @@ CLUSTER = parse_cluster({"name": "floor-24", "network": NETWORK, "group": [
 
 def _plans(schedule: str) -> list:
     """Every plan the planner predicts around its best few: the alternatives and all their polish moves."""
-    cfg = PlannerConfig(global_batch=64, seq_len=1024, schedule=schedule, top_k=4, polish=False)
+    # Six alternatives: with links at their achievable rates the best plans are shallow pipelines
+    # (TP 1-2), which have few polish moves each.
+    cfg = PlannerConfig(global_batch=64, seq_len=1024, schedule=schedule, top_k=6, polish=False)
     out = []
     for plan, _ in make_plan(cluster=CLUSTER, model=MODEL, config=cfg).alternatives:
         out.append(plan)
