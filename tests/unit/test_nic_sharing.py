@@ -75,8 +75,8 @@ def test_pipeline_hop_shares_the_senders_nic():
     for per_nic, share in ((None, 4), (2, 2), (1, 1)):
         c = _cluster(per_nic)
         t = stage_hop_time_s(c, senders=[0, 1, 2, 3], receivers=[8, 9, 10, 11], nbytes=nbytes)
-        # 1/share of the NIC each, at the achievable rate of the message's size (predict/fabrics.py)
-        assert t == pytest.approx(p2p_time_s(Link(bw / share, NETWORK["inter_node_latency_s"], "infiniband"), nbytes))
+        # share messages through one NIC end as one message of their summed bytes (predict/fabrics.py rate)
+        assert t == pytest.approx(p2p_time_s(Link(bw, NETWORK["inter_node_latency_s"], "infiniband"), share * nbytes))
 
 
 @pytest.mark.parametrize("per_nic", [None, 2, 1])

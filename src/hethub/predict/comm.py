@@ -177,9 +177,10 @@ def boundary_time_s(cluster: Cluster, *, senders: Sequence[int], receivers: Sequ
 
 
 def shared_message_time_s(link: Link, *, share: int, nbytes: float) -> float:
-    """One of ``share`` messages of ``nbytes`` sent at once through ``link``'s NIC: 1/share of its rate,
-    at the efficiency of the message's own size."""
-    return p2p_time_s(Link(link.bw_bytes_per_s / share, link.latency_s, link.fabric), nbytes)
+    """One of ``share`` messages of ``nbytes`` sent at once through ``link``'s NIC: the NIC streams
+    them together, so all end as one message of their summed bytes would (at that size's achievable
+    rate: splitting a message into concurrent pieces costs no efficiency)."""
+    return p2p_time_s(link, share * nbytes)
 
 
 def _channel_shares(cluster: Cluster, hops: list[tuple[int, int]]) -> list[tuple[Link, float]]:
