@@ -179,17 +179,17 @@ def test_the_sharded_variant_prices_the_unsharded_enumerations_shapes() -> None:
     # unsharded enumeration's shapes too (each stage's recomputation chosen again: the freed memory may
     # let it recompute less), so a layout the optimistic sharded enumeration missed is still a sharded
     # candidate, predicted with its real holders.
-    from hethub.search.templates import Books
+    from hethub.predict.stage_links import LinkBook
     from hethub.search.variants import Variant, enumerate_shapes, priced_plans
 
     cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-3-8b")
     cfg = PlannerConfig(global_batch=512, seq_len=2048, polish=False)
-    books = Books()
-    unsharded = enumerate_shapes(cluster=cluster, model=model, config=cfg, profiles=None, host=None, sharding="none",
-                                 base="1f1b", holders=1, books=Books(links=books.links))
-    got = priced_plans(cluster=cluster, model=model, config=cfg, profiles=None, host=None,
-                       variant=Variant("1f1b", "zero1"), shapes=unsharded.shapes, links_books=books, keep=3,
-                       holders=16)
+    links = LinkBook(cluster)
+    unsharded = enumerate_shapes(Variant("1f1b", "none").searcher(cfg, cluster=cluster, model=model, profiles=None,
+                                                                  links=links), host=None)
+    sharded = Variant("1f1b", "zero1").searcher(cfg, cluster=cluster, model=model, profiles=None, links=links,
+                                                holders=16)
+    got = priced_plans(sharded, config=cfg, host=None, shapes=unsharded.shapes, keep=3)
     # (512 sequences: the calibrated catalog gives 64 only single-replica shapes, with nothing to shard.)
     # A plan of one replica has nothing to shard across and stays unsharded (layout.single_holder_units).
     assert got and any(p.optimizer_sharding == "zero1" for p, _ in got)

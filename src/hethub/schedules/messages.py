@@ -50,7 +50,15 @@ def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1
     """For every op of ``orders[stage]`` that sends, the op of the same stage after whose receive the
     send has certainly arrived (module doc), or None. ``orders``: every stage's op order, as run."""
     p = len(orders)
-    index = [{op: i for i, op in enumerate(order)} for order in orders]
+    # Positions of ops in the stages asked (this one and its neighbours), not in every stage's order.
+    positions: dict[int, dict[Op, int]] = {}
+
+    def index(b: int) -> dict[Op, int]:
+        got = positions.get(b)
+        if got is None:
+            got = positions[b] = {op: i for i, op in enumerate(orders[b])}
+        return got
+
     # next_to[b][i]: what the first op of stage b at or after index i sends to ``stage``, as the op of
     # ``stage`` that takes it (None: nothing more).
     next_to: dict[int, list[Op | None]] = {}
@@ -60,7 +68,7 @@ def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1
         if dest is None:
             continue
         b, taken_by = dest
-        x = index[b].get(taken_by)
+        x = index(b).get(taken_by)
         if b not in next_to:
             nxt: list[Op | None] = [None] * (len(orders[b]) + 1)
             for i in range(len(orders[b]) - 1, -1, -1):
@@ -68,7 +76,7 @@ def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1
                 nxt[i] = back[1] if back is not None and back[0] == stage else nxt[i + 1]
             next_to[b] = nxt
         proof = None if x is None else next_to[b][x + 1]
-        out[op] = proof if proof is not None and index[stage].get(proof, -1) > index[stage][op] else None
+        out[op] = proof if proof is not None and index(stage).get(proof, -1) > index(stage)[op] else None
     return out
 
 

@@ -24,6 +24,7 @@ from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_b
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_cost import StageJob, stage_memory_of
+from hethub.predict.stage_links import LinkBook
 from hethub.predict.utilisation import cluster_mfu
 from hethub.progress import progress
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES, get_schedule
@@ -366,7 +367,15 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     variants, shardings = variants_of(config)
     names = [v.schedule for v in variants]
     base = ONE_F_ONE_B if ONE_F_ONE_B in names else names[0]
-    links = Books()
+    links = LinkBook(cluster)  # one per job: hops and rings depend on the cluster alone
+    searchers: dict[Variant, Searcher] = {}  # per variant: the enumeration's splits and checks, reused by its pricing
+
+    def searcher(v: Variant) -> Searcher:
+        if v not in searchers:
+            searchers[v] = v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
+                                      holders=SHARD_HOLDERS_OPTIMISM * holders)
+        return searchers[v]
+
     # The schedules whose closed form and in-flight rule differ enumerate their own shapes; the
     # interleaved schedule's are the 1F1B ones, priced for chunks.
     schedules = list(dict.fromkeys(n for n in (base, *names) if n != INTERLEAVED))
@@ -376,8 +385,7 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     bar_s: list[float] = []  # the best closed-form steps so far: each enumeration prices only what beats them
     for z in shardings:  # "none" first: its best sets the sharded enumerations' assumed holders
         for sch in schedules:
-            e = _enumeration(cluster=cluster, model=model, config=config, profiles=profiles, host=host, sharding=z,
-                             base=sch, holders=SHARD_HOLDERS_OPTIMISM * holders, links=links, bar=bar_s)
+            e = _enumeration(searcher(Variant(sch, z)), host=host, bar=bar_s)
             enums.append(e)
             bar_s = sorted([*bar_s, *(est.step_time_s for est in e.shapes)])[:config.finalists + config.top_k]
             bar.update()
@@ -394,9 +402,7 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
     by_variant: dict[Variant, list[tuple[Plan, Prediction]]] = {}
     for v in variants:
-        got = priced_plans(cluster=cluster, model=model, config=config, profiles=profiles, host=host, variant=v,
-                           shapes=shapes, links_books=links, keep=keep, firsts=frozenset(firsts),
-                           holders=SHARD_HOLDERS_OPTIMISM * holders)
+        got = priced_plans(searcher(v), config=config, host=host, shapes=shapes, keep=keep, firsts=frozenset(firsts))
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
             got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
                                      mem_headroom=config.mem_headroom)
@@ -438,21 +444,14 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                       relaxed_kinds=relaxed)
 
 
-def _enumeration(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                 host: HostModel | None, sharding: str, base: str, holders: int, links: Books,
-                 bar: list[float]) -> Enumeration:
+def _enumeration(s: Searcher, *, host: HostModel | None, bar: list[float]) -> Enumeration:
     """`variants.enumerate_shapes`, kept within `reused_searches` (``--compare`` asks the same ones per row)."""
-    def made() -> Enumeration:
-        return enumerate_shapes(cluster=cluster, model=model, config=config, profiles=profiles, host=host,
-                                sharding=sharding, base=base, holders=holders, books=Books(links=links.links),
-                                bar=bar)
-
     if _REUSED is None:
-        return made()
-    key = ("enumeration", id(cluster), id(model), id(profiles), id(host), sharding, base, holders, tuple(bar),
-           replace(config, schedule=base, optimizer_sharding=sharding, top_k=1))
+        return enumerate_shapes(s, host=host, bar=bar)
+    cfg, job = s.config, s.job
+    key = ("enumeration", id(s.cluster), id(s.model), id(job.profiles), id(host), tuple(bar), replace(cfg, top_k=1))
     if key not in _REUSED:
-        _REUSED[key] = (made(), None, (cluster, model, profiles, host))
+        _REUSED[key] = (enumerate_shapes(s, host=host, bar=bar), None, (s.cluster, s.model, job.profiles, host))
     return _REUSED[key][0]
 
 

@@ -64,6 +64,7 @@ class Searcher:
                        mem_headroom=config.mem_headroom, chunks=config.virtual_stages,
                        optimizer_shard_holders=config.shard_holders if config.optimizer_sharding == "zero1" else 1)
         books = Books() if books is None else books
+        self.books = books
         if relax_memory not in books.costs:
             books.costs[relax_memory] = CostBook(self.job, cluster)
         self.book = books.costs[relax_memory]

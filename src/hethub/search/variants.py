@@ -20,6 +20,7 @@ from hethub.plan import Plan
 from hethub.predict.host import HostModel
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.predict.stage_links import LinkBook
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE
 from hethub.search.combine import Estimate, Group, estimate_samples
 from hethub.search.config import PlannerConfig
@@ -48,6 +49,12 @@ class Variant:
         return replace(config, schedule=self.schedule, optimizer_sharding=self.sharding, virtual_stages=self.chunks,
                        shard_holders=holders if self.sharding == "zero1" else 1)
 
+    def searcher(self, config: PlannerConfig, *, cluster: Cluster, model: ModelSpec, profiles: ProfileSet | None,
+                 links: LinkBook, holders: int = 1) -> Searcher:
+        """The variant's searcher (its stage models, splits and checks), on the job's one ``links``."""
+        return Searcher(cluster=cluster, model=model, config=self.config(config, holders=holders), profiles=profiles,
+                        books=Books(links=links))
+
 
 def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     """The variants the config leaves open (the interleaved schedule's sized one included) and the
@@ -71,13 +78,10 @@ class Enumeration:
     bound: BoundParts
 
 
-def enumerate_shapes(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                     host: HostModel | None, sharding: str, base: str, holders: int, books: Books,
-                     bar: Sequence[float] = ()) -> Enumeration:
-    """One enumeration: the search's candidates under ``base`` and ``sharding`` that could beat the
-    closed-form steps ``bar`` (the enumerations before it), and each kind alone (the bound's parts)."""
-    cfg = Variant(base, sharding).config(config, holders=holders)
-    s = Searcher(cluster=cluster, model=model, config=cfg, profiles=profiles, books=books)
+def enumerate_shapes(s: Searcher, *, host: HostModel | None, bar: Sequence[float] = ()) -> Enumeration:
+    """One enumeration: the search's candidates under ``s``'s schedule and sharding that could beat
+    the closed-form steps ``bar`` (the enumerations before it), and each kind alone (the bound's
+    parts). ``s`` is the variant's searcher, which `priced_plans` reuses (its splits and checks)."""
     shapes, seen = [], set()
     for est in search(s, bar=bar):
         key = plan_key(est)
@@ -86,8 +90,9 @@ def enumerate_shapes(*, cluster: Cluster, model: ModelSpec, config: PlannerConfi
             shapes.append(est)
         if len(shapes) >= SHAPES_PER_ENUMERATION:
             break
-    parts = bound_parts(cluster=cluster, model=model, config=cfg, profiles=profiles, books=books, host=host)
-    return Enumeration(base, sharding, shapes, parts)
+    parts = bound_parts(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles, books=s.books,
+                        host=host)
+    return Enumeration(s.config.schedule, s.config.optimizer_sharding, shapes, parts)
 
 
 def reprice(s: Searcher, est: Estimate) -> Estimate | None:
@@ -108,14 +113,12 @@ def reprice(s: Searcher, est: Estimate) -> Estimate | None:
     return out if out is not None and s.fits(out) else None
 
 
-def priced_plans(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                 host: HostModel | None, variant: Variant, shapes: list[Estimate], links_books: Books, keep: int,
-                 holders: int, firsts: frozenset[int] = frozenset()) -> list[tuple[Plan, Prediction]]:
-    """The shapes priced under ``variant`` (sharded stages assuming ``holders``, as the sharded
-    enumeration did), the best distinct laid out and predicted, with those of the shapes at ``firsts``
-    (indices); fastest first."""
-    s = Searcher(cluster=cluster, model=model, config=variant.config(config, holders=holders), profiles=profiles,
-                 books=Books(links=links_books.links))
+def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, shapes: list[Estimate], keep: int,
+                 firsts: frozenset[int] = frozenset()) -> list[tuple[Plan, Prediction]]:
+    """The shapes priced under the variant of ``s`` (its searcher: sharded stages assume its holders,
+    as the sharded enumeration did), the best distinct laid out and predicted, with those of the
+    shapes at ``firsts`` (indices); fastest first. ``config``: the user's (finalists, top_k)."""
+    profiles = s.job.profiles
     ests: list[Estimate] = []
     first: list[Estimate] = []  # the enumeration's own best few, whatever this variant's closed form says
     for i, est in enumerate(shapes):

@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass
 
 from hethub.layout import hop
+from hethub.memo import Kept
 from hethub.plan import Plan, Stage
 from hethub.predict.memory.model import act_bytes_for
 from hethub.schedules import Op, get_schedule
@@ -38,18 +39,35 @@ class MessageBytes:
     wrap_b_received: float = 0.0
 
 
+# Peaks by (schedule, message bytes, stage, stages, micro-batches, chunks): the planner lays out
+# hundreds of plans of one job whose stages repeat these, and each walk is O(ops) in Python.
+_PEAKS = Kept(100_000)
+
+
+@functools.lru_cache(maxsize=256)
+def _orders(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int) -> tuple[tuple[Op, ...], ...]:
+    sched = get_schedule(schedule, chunks=chunks)
+    return tuple(tuple(sched.ops(stage=s, num_stages=num_stages, num_micro_batches=num_micro_batches))
+                 for s in range(num_stages))
+
+
 @functools.lru_cache(maxsize=1024)
 def _releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int, stage: int,
               ) -> tuple[tuple[Op, ...], dict[Op, Op | None]]:
-    sched = get_schedule(schedule, chunks=chunks)
-    orders = [sched.ops(stage=s, num_stages=num_stages, num_micro_batches=num_micro_batches)
-              for s in range(num_stages)]
-    return tuple(orders[stage]), send_releases(orders, stage, chunks=chunks)
+    orders = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
+    return orders[stage], send_releases(orders, stage, chunks=chunks)
 
 
 def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
                      chunks: int = 1) -> float:
     """Peak bytes of the point-to-point buffers one device of the stage holds at once (module doc)."""
+    return _PEAKS.get((schedule, msgs, stage, num_stages, num_micro_batches, chunks),
+                      lambda: _peak(schedule, msgs, stage=stage, num_stages=num_stages,
+                                    num_micro_batches=num_micro_batches, chunks=chunks))
+
+
+def _peak(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
+          chunks: int) -> float:
     order, releases = _releases(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
                                 chunks=chunks, stage=stage)
     first, last = stage == 0, stage == num_stages - 1
