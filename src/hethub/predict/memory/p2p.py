@@ -42,6 +42,17 @@ class MessageBytes:
 # Peaks by (schedule, message bytes, stage, stages, micro-batches, chunks): the planner lays out
 # hundreds of plans of one job whose stages repeat these, and each walk is O(ops) in Python.
 _PEAKS = Kept(100_000)
+# Schedules whose orders, past the pipeline's depth, only repeat one steady window per added
+# micro-batch (one forward, one backward on every stage, released alike), so a stage's peak is the
+# same for every micro-batch count from the stage count on: the walk runs at most STEADY_FROM(p)
+# micro-batches (tests/unit/test_p2p_buffers.py checks it against the full walk). The interleaved
+# schedule's warm-up depends on the count modulo the stages and GPipe holds every forward's sends.
+STEADY_SCHEDULES = frozenset({"1f1b", "zb-h1"})
+
+
+def steady_from(num_stages: int) -> int:
+    """Micro-batches from which a STEADY_SCHEDULES stage's buffer peak no longer changes (with margin)."""
+    return num_stages + 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -61,6 +72,8 @@ def _releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks:
 def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
                      chunks: int = 1) -> float:
     """Peak bytes of the point-to-point buffers one device of the stage holds at once (module doc)."""
+    if schedule in STEADY_SCHEDULES:
+        num_micro_batches = min(num_micro_batches, steady_from(num_stages))
     return _PEAKS.get((schedule, msgs, stage, num_stages, num_micro_batches, chunks),
                       lambda: _peak(schedule, msgs, stage=stage, num_stages=num_stages,
                                     num_micro_batches=num_micro_batches, chunks=chunks))
