@@ -42,17 +42,23 @@ class MessageBytes:
 # Peaks by (schedule, message bytes, stage, stages, micro-batches, chunks): the planner lays out
 # hundreds of plans of one job whose stages repeat these, and each walk is O(ops) in Python.
 _PEAKS = Kept(100_000)
-# Schedules whose orders, past the pipeline's depth, only repeat one steady window per added
-# micro-batch (one forward, one backward on every stage, released alike), so a stage's peak is the
-# same for every micro-batch count from the stage count on: the walk runs at most STEADY_FROM(p)
-# micro-batches (tests/unit/test_p2p_buffers.py checks it against the full walk). The interleaved
-# schedule's warm-up depends on the count modulo the stages and GPipe holds every forward's sends.
+# Past the pipeline's depth, 1F1B and ZB-H1 (and the interleaved schedule at one chunk, whose
+# order is 1F1B's) only repeat one steady window per added micro-batch, so a stage's peak is the same
+# for every count from p on; the interleaved schedule's warm-up follows the count modulo p, so its
+# peak repeats with period p from 2p on. The walk runs the smallest count of the same peak
+# (`walked_micro_batches`, with margin); tests/unit/test_p2p_buffers.py checks it against the full walk.
 STEADY_SCHEDULES = frozenset({"1f1b", "zb-h1"})
 
 
-def steady_from(num_stages: int) -> int:
-    """Micro-batches from which a STEADY_SCHEDULES stage's buffer peak no longer changes (with margin)."""
-    return num_stages + 2
+def walked_micro_batches(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int) -> int:
+    """The micro-batch count whose walk gives the same buffer peak as ``num_micro_batches`` (above)."""
+    p, m = num_stages, num_micro_batches
+    if schedule in STEADY_SCHEDULES or (schedule == "interleaved" and chunks == 1):
+        return min(m, p + 2)
+    if schedule == "interleaved":
+        start = 2 * p + 4
+        return m if m < start else start + (m - start) % p
+    return m  # GPipe holds every forward's sends: its peak grows with the count
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,8 +78,8 @@ def _releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks:
 def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
                      chunks: int = 1) -> float:
     """Peak bytes of the point-to-point buffers one device of the stage holds at once (module doc)."""
-    if schedule in STEADY_SCHEDULES:
-        num_micro_batches = min(num_micro_batches, steady_from(num_stages))
+    num_micro_batches = walked_micro_batches(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
+                                             chunks=chunks)
     return _PEAKS.get((schedule, msgs, stage, num_stages, num_micro_batches, chunks),
                       lambda: _peak(schedule, msgs, stage=stage, num_stages=num_stages,
                                     num_micro_batches=num_micro_batches, chunks=chunks))
