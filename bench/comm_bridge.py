@@ -6,18 +6,20 @@ Two forked gloo ranks ping-pong each message size four ways, interleaved so load
 affects all alike:
 
 - direct: plain gloo send/recv (what same-kind traffic does on CPU);
-- bridge: two emulated kinds with the bridge forced, staging through host buffers as it must for
-  device tensors (comm/staging.py; on CPU one extra memcpy at each end; between two host ranks
-  messages go whole);
-- bridge-chunks: the same staging in chunks of 256 KiB and more, as a pair with a GPU end sends them
-  (chunk k+1 copied while chunk k is sent; on a host the copy and the send share the cores);
-- bridge-0copy: the bridge's routing without staging (what it does for real host tensors).
+- bridge: two emulated kinds with the bridge forced, host tensors as the bridge sends them between
+  two host (CPU-kind) ranks: no copy, one transport isend/irecv per message (the acceptance ratio);
+- staged: the same with staging forced, as for device tensors (comm/staging.py): on CPU one extra
+  memcpy at each end, messages whole. A real GPU end copies device-to-host over PCIe on a side
+  stream instead (bench/gpu_check.py measures it), so this is a stand-in for that path's cost;
+- staged-chunks: staging in chunks of 256 KiB and more, as a pair with a GPU end sends them (chunk
+  k+1 copied while chunk k is sent; on a host the copy and the send share the cores).
 
 Each round measures every size and mode once (fastest of several round trips); ``--repeats``
 rounds give each ratio's median and its spread (min..max), printed with the host's load average.
 
 ``--allreduce`` adds 4 ranks (kinds a, a, b, b): flat gloo all-reduce vs the hierarchical one
-(reduce in kind, leaders over the bridge in chunks, broadcast). Bandwidth is message bytes / one-way
+(reduce-scatter in kind, each shard among its peers of the other kind over the bridge,
+all-gather in kind: ``comm/hierarchical.py``). Bandwidth is message bytes / one-way
 time (p2p) or bytes / all-reduce time. ``--sharded`` adds 4 ranks (kinds a, b, b, b: one rank alone
 in its island, as hethub-768's one MI250X pipeline beside seven others): the bridge's all-reduce of
 an fp32 buffer vs ZeRO-1's sync of it, the bridge's two-level reduce-scatter plus the all-gather of
@@ -44,17 +46,17 @@ from hethub.comm.staging import MIN_CHUNK_BYTES
 from hethub.commands.bench import parse_bytes
 
 TIMEOUT = timedelta(seconds=120)
-MODES = ("direct", "bridge", "bridge-chunks", "bridge-0copy")
+MODES = ("direct", "bridge", "staged", "staged-chunks")
 KINDS = {"kind_of_rank": ["a", "b"], "backend_of_kind": {"a": "gloo", "b": "gloo"}}
 
 
 def _p2p_worker(rank: int, sizes: list[int], repeats: int) -> list[dict[int, dict[str, float]]]:
     comms = {
         "direct": Communicator(timeout=TIMEOUT),
-        "bridge": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True),
-        "bridge-chunks": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True,
+        "bridge": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True, stage_host=False),
+        "staged": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True, stage_host=True),
+        "staged-chunks": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True, stage_host=True,
                                              p2p_chunk_bytes=MIN_CHUNK_BYTES),
-        "bridge-0copy": BridgedCommunicator(**KINDS, timeout=TIMEOUT, force_bridge=True, stage_host=False),
     }
     rounds = []
     for _ in range(repeats):
@@ -88,8 +90,10 @@ def _best_times(sizes: list[int], modes: dict[str, Callable[[torch.Tensor], obje
 
 
 def _allreduce_worker(rank: int, sizes: list[int], repeats: int) -> list[dict[int, dict[str, float]]]:
+    # Host tensors as the bridge reduces them between host ranks (no staging); the flat reference is
+    # gloo's own all-reduce over the same four ranks.
     hier = BridgedCommunicator(kind_of_rank=["a", "a", "b", "b"], backend_of_kind={"a": "gloo", "b": "gloo"},
-                               timeout=TIMEOUT, force_bridge=True)
+                               timeout=TIMEOUT, force_bridge=True, stage_host=False)
     return [_best_times(sizes, {"flat": dist.all_reduce, "hierarchical": hier.all_reduce}) for _ in range(repeats)]
 
 
@@ -117,7 +121,7 @@ def main() -> None:
     ap.add_argument("--sharded", action="store_true",
                     help="also compare the bridge's all-reduce with its reduce-scatter + bf16 all-gather")
     ap.add_argument("--min-bytes", type=parse_bytes, default=4096)
-    ap.add_argument("--repeats", type=int, default=5, help="rounds; ratios are their median (min..max)")
+    ap.add_argument("--repeats", type=int, default=9, help="rounds; ratios are their median (min..max)")
     args = ap.parse_args()
     sizes = message_sizes(min_bytes=args.min_bytes, max_bytes=args.max_bytes)
     start = time.perf_counter()
@@ -125,14 +129,14 @@ def main() -> None:
     p2p = run_local_ranks(2, _p2p_worker, sizes, args.repeats)[0]
     print(f"p2p, 2 ranks, TCP loopback, {args.repeats} rounds; bandwidth = bytes / one-way time (fastest round "
           "trip / 2), median over rounds; ratios: median (min..max) over rounds")
-    print(f"{'size':>9} {'direct GB/s':>12} {'bridge GB/s':>12} {'bridge/direct':>20} {'chunks/direct':>20} "
-          f"{'0copy/direct':>20}")
+    print(f"{'size':>9} {'direct GB/s':>12} {'bridge GB/s':>12} {'bridge/direct':>20} {'staged/direct':>20} "
+          f"{'chunks/direct':>20}")
     for n in sizes:
         bw = {m: n / statistics.median(r[n][m] for r in p2p) / 1e9 for m in MODES}
         print(f"{_fmt(n):>9} {bw['direct']:>12.3f} {bw['bridge']:>12.3f} "
               f"{_ratio(p2p, n, 'bridge', 'direct', time=True):>20} "
-              f"{_ratio(p2p, n, 'bridge-chunks', 'direct', time=True):>20} "
-              f"{_ratio(p2p, n, 'bridge-0copy', 'direct', time=True):>20}")
+              f"{_ratio(p2p, n, 'staged', 'direct', time=True):>20} "
+              f"{_ratio(p2p, n, 'staged-chunks', 'direct', time=True):>20}")
     if args.allreduce:
         ar = run_local_ranks(4, _allreduce_worker, sizes, args.repeats)[0]
         print(f"\nall-reduce, 4 ranks (kinds a,a,b,b), {args.repeats} rounds; bandwidth = bytes / time (median)")

@@ -23,13 +23,26 @@ home of the schedule: ``comm/hierarchical.py`` runs it, ``predict/sync.py`` pric
 Bytes: a ring reduce-scatter plus a ring all-gather move what a ring all-reduce moves (each a ring
 pass of one chunk per step); over the bridge, an owner receives (islands - 1) chunks and a proxy
 sends at most its block's foreign chunks, instead of the whole buffer through every island leader
-as the bridge's all-reduce does.
+as a leader-based all-reduce would.
+
+An all-reduce across islands is the two-level algorithm of NCCL's and Horovod's hierarchical
+all-reduce, generalised to islands of unequal size (:func:`shard_segments`): (1) a native
+reduce-scatter inside each island cuts the (padded) buffer into as many equal shards as the island
+has members; (2) each *segment* of the buffer (a piece inside one shard of every island) is
+all-reduced over the bridge among its owners, one member per island, the segments' exchanges
+running in parallel on different members; (3) a native all-gather inside each island. Each member
+moves what a flat ring moves (2(n-1)/n of the buffer) while only 1/k of it per member of a k-rank
+island crosses the bridge. With equal islands the segments are the shards and the owners of shard j
+are the j-th members of every island.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from itertools import pairwise
+from math import lcm
 
 HOST_BACKENDS = ("gloo", "mpi")  # host memory: any two CPUs interoperate whatever their vendor
 
@@ -117,3 +130,43 @@ def exchange(members: Sequence[int], island_of: Mapping[int, str]) -> Exchange:
             blocks[m] = tuple(dealt[m])
             slots[m] = width
     return Exchange(members=order, islands=islands, blocks=blocks, slots=slots)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece ``[start, end)`` of an all-reduce's buffer, as fractions of its padded length, and its
+    owner in each island (the index, in island order, of the member whose shard holds it)."""
+
+    start: Fraction
+    end: Fraction
+    owners: tuple[int, ...]
+
+    def bounds(self, padded: int) -> tuple[int, int]:
+        """Element range in a buffer of ``padded`` elements (:func:`padded_numel`: exact)."""
+        return int(self.start * padded), int(self.end * padded)
+
+
+def shard_segments(island_sizes: Sequence[int]) -> tuple[Segment, ...]:
+    """The two-level all-reduce's segments (module doc): island i cuts the buffer into
+    ``island_sizes[i]`` equal shards; every boundary of any island cuts a segment. Independent of
+    the buffer's length, so the bridge's groups of owners exist before any tensor does."""
+    cuts = sorted({Fraction(j, k) for k in island_sizes for j in range(k + 1)})
+    return tuple(Segment(a, b, tuple(int(a * k) for k in island_sizes)) for a, b in pairwise(cuts))
+
+
+def padded_numel(numel: int, island_sizes: Sequence[int]) -> int:
+    """``numel`` rounded up so that every island's shards and every segment are whole elements."""
+    step = lcm(*island_sizes)
+    return -(-numel // step) * step
+
+
+def segment_bytes(numel: int, island_sizes: Sequence[int], *, elem_bytes: float) -> list[list[list[float]]]:
+    """Per island, per member: the bytes of each segment that member all-reduces over the bridge, in
+    segment order (what the predictor prices and the runtime sends, one after another)."""
+    padded = padded_numel(numel, island_sizes)
+    out: list[list[list[float]]] = [[[] for _ in range(k)] for k in island_sizes]
+    for seg in shard_segments(island_sizes):
+        s, e = seg.bounds(padded)
+        for i, j in enumerate(seg.owners):
+            out[i][j].append((e - s) * elem_bytes)
+    return out

@@ -157,13 +157,18 @@ def _allreduce_worker(rank: int, kinds: list[str], groups: list[tuple[int, ...]]
     return checked
 
 
-@pytest.mark.parametrize(("kinds", "groups"), [
-    (["a", "b"], []),
-    (["a", "a", "b", "b"], [(0, 2), (0, 1, 3), (2, 3)]),
-    (["a", "b", "b", "c"], [(1, 2, 3), (0, 3)]),
+@pytest.mark.parametrize(("kinds", "groups", "numel"), [
+    (["a", "b"], [], 1000),
+    (["a", "a", "b", "b"], [(0, 2), (0, 1, 3), (2, 3)], 1000),
+    (["a", "b", "b", "c"], [(1, 2, 3), (0, 3)], 1000),
+    # Islands of 2 and 3: shards of a half and a third cut four segments; 1001 elements pad to 1002,
+    # 1000 (strided: the non-contiguous path) to 1002 too.
+    (["a", "b", "a", "b", "b"], [(0, 1, 2), (1, 2, 3, 4)], 1001),
+    (["a", "b", "a", "b", "b"], [(1, 2, 3, 4)], 1000),
 ])
-def test_all_reduce_across_kinds_equals_plain_gloo(kinds: list[str], groups: list[tuple[int, ...]]) -> None:
-    checked = run_ranks(len(kinds), _allreduce_worker, kinds, groups, 4 * 1024 * 1024, 1000)
+def test_all_reduce_across_kinds_equals_plain_gloo(kinds: list[str], groups: list[tuple[int, ...]],
+                                                   numel: int) -> None:
+    checked = run_ranks(len(kinds), _allreduce_worker, kinds, groups, 4 * 1024 * 1024, numel)
     assert all(c > 0 for c in checked)
 
 

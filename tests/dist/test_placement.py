@@ -42,7 +42,7 @@ def _group_use_worker(rank: int, plan, data) -> dict[str, Any]:
     trainer = Trainer(plan, rank=rank, comm=comm, cfg=TrainerConfig(optim=OPTIM))
     native = {id(p.native_pg) for r in comm._routes.values() for p in [r.local] if p is not None and p.native_pg}
     native |= {id(comm._island_pg)} if comm._island_pg is not None else set()
-    bridge = {id(r.leaders_pg) for r in comm._routes.values() if r.leaders_pg is not None}
+    bridge = {id(pg) for r in comm._routes.values() for pg in (r.segment_pgs or {}).values()}
     bridge |= {id(r.host_pg) for r in comm._routes.values() if r.host_pg is not None} | {id(comm._bridge_pg)}
     log: list[tuple[str, tuple[int, ...], str]] = []
     real = {n: getattr(dist, n) for n in ("all_reduce", "reduce", "broadcast", "isend", "irecv")}

@@ -1,14 +1,20 @@
-"""Group layout and the hierarchical all-reduce for groups whose ranks span several native "islands".
+"""Group layout and the hierarchical collectives for groups whose ranks span several native "islands".
 
 An *island* is a set of ranks whose native backend can talk among itself (all NVIDIA ranks over
 NCCL, all Ascend ranks over HCCL, every host-memory rank over gloo). A group of the runtime (a
-data-parallel group, the world) may span islands; then an all-reduce runs in three steps:
+data-parallel group, the world) may span islands; then an all-reduce runs the two-level algorithm
+of NCCL's and Horovod's hierarchical all-reduce (:func:`hethub.islands.shard_segments`, generalised
+to islands of unequal size):
 
-1. reduce inside each island onto its leader (lowest rank) with the native backend;
-2. all-reduce among the leaders through the bridge: each chunk is copied to host memory (pinned for
-   CUDA) and all-reduced over gloo asynchronously, so the copy of chunk i+1 overlaps the network
-   transfer of chunk i, and results are copied back as their chunks complete;
-3. broadcast inside each island from its leader.
+1. a native reduce-scatter inside each island: each member ends with its island's partial sum of
+   its shard;
+2. each segment (a piece inside one shard of every island) is all-reduced over the bridge's
+   transport among its owners, one member per island, all members exchanging their own segments
+   at once (staged through host buffers in chunks for memory the transport cannot read);
+3. a native all-gather inside each island.
+
+Every member moves what a flat ring moves; over the bridge, a member of a k-rank island carries 1/k
+of the buffer, where a leader-based scheme sends the whole buffer through one rank per island.
 
 Reduce-scatters and all-gathers over such groups run the two-level schedule of
 :mod:`hethub.islands` (native inside each island, only each owner's chunk over the bridge).
@@ -24,7 +30,7 @@ including groups it is not a member of.
 Exactness: a sum is the same in any order only when no rounding happens (integer-valued floats,
 integers, max). For general floating-point data the hierarchical order differs from gloo's flat ring,
 so results can differ from a plain all-reduce in the last bits; every rank still ends with identical
-values (leaders share gloo's result, islands receive their leader's).
+values (a segment's owners share the transport's result, their islands gather it).
 """
 
 from __future__ import annotations
@@ -38,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.backends import DEVICE_OF_BACKEND
-from hethub.comm.reduce_scatter import reduce_scatter_into
+from hethub.comm.reduce_scatter import all_gather_into, reduce_scatter_into
 from hethub.comm.staging import HostPool
 from hethub.comm.transport import Transport
-from hethub.islands import Exchange, exchange
+from hethub.islands import HOST_BACKENDS, Exchange, Segment, exchange, padded_numel, shard_segments
 
 GroupKey = tuple[int, ...]
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # big enough to amortise gloo's per-op latency, small enough to overlap
@@ -100,10 +106,11 @@ class Route:
     members: GroupKey
     islands: tuple[GroupKey, ...]  # each island's ranks in this group, ordered by first rank
     local: IslandPart | None  # this rank's island; None when this rank is not a member
-    leaders_pg: Any  # the transport's group of the islands' leaders (bridged groups only)
     host_pg: Any  # the transport's group of all members: the sharded exchange's p2p (bridged groups only)
     exchange: Exchange  # the hierarchical reduce-scatter / all-gather schedule (hethub.islands)
     transport: Transport | None = None  # what moves bytes between islands (comm/transport.py)
+    segments: tuple[Segment, ...] = ()  # the all-reduce's bridge step (hethub.islands.shard_segments)
+    segment_pgs: Mapping[GroupKey, Any] | None = None  # the transport's group of each segment's owners
 
     @property
     def bridged(self) -> bool:
@@ -125,14 +132,26 @@ def build_route(members: Sequence[int], *, rank: int, island_of_rank: Sequence[s
             native = groups.get(ranks, backend, channel)
             host = native if backend == "gloo" else groups.get(ranks, "gloo", channel)
         parts[name] = IslandPart(ranks=tuple(ranks), backend=backend, native_pg=native, host_pg=host)
-    leaders_pg = host_pg = None
+    host_pg = None
+    islands = tuple(p.ranks for p in parts.values())
+    segments: tuple[Segment, ...] = ()
+    segment_pgs: dict[GroupKey, Any] = {}
     if len(by_island) > 1:
-        leaders_pg = transport.group([p.leader for p in parts.values()], channel=channel)
         host_pg = transport.group(key, channel=channel)
+        segments = shard_segments([len(isl) for isl in islands])
+        for seg in segments:  # every rank, in one order: group creation is collective over the world
+            owners = segment_owners(seg, islands)
+            if owners not in segment_pgs:
+                segment_pgs[owners] = transport.group(owners, channel=channel)
     local = parts[island_of_rank[rank]] if rank in key else None
-    return Route(members=key, islands=tuple(p.ranks for p in parts.values()), local=local,
-                 leaders_pg=leaders_pg, host_pg=host_pg,
-                 exchange=exchange(key, {r: island_of_rank[r] for r in key}), transport=transport)
+    return Route(members=key, islands=islands, local=local, host_pg=host_pg,
+                 exchange=exchange(key, {r: island_of_rank[r] for r in key}), transport=transport,
+                 segments=segments, segment_pgs=segment_pgs)
+
+
+def segment_owners(seg: Segment, islands: Sequence[GroupKey]) -> GroupKey:
+    """The ranks that all-reduce ``seg`` over the bridge: its owner in each island."""
+    return tuple(sorted(isl[j] for isl, j in zip(islands, seg.owners, strict=True)))
 
 
 # ---- host staging -----------------------------------------------------------------------------------
@@ -174,7 +193,8 @@ def bridged_all_reduce(tensor: torch.Tensor, *, group: Any, op: Any, chunk_bytes
 
 def hierarchical_all_reduce(tensor: torch.Tensor, *, route: Route, rank: int, op: Any, chunk_bytes: int,
                             pool: HostPool, stage_host: bool) -> None:
-    """In-place all-reduce over a bridged route: island reduce, leaders over the bridge, broadcast."""
+    """In-place all-reduce over a bridged route: island reduce-scatter, each segment among its owners
+    over the bridge, island all-gather (module doc)."""
     StartedAllReduce(tensor, route=route, rank=rank, op=op, chunk_bytes=chunk_bytes, pool=pool,
                      stage_host=stage_host).wait()
 
@@ -185,9 +205,9 @@ REDUCTION_TAG = 1 << 24
 
 
 class StartedAllReduce:
-    """A bridged all-reduce whose first step, the reduce inside this rank's island onto its leader
-    (native, asynchronous), is posted at construction; :meth:`wait` runs the rest (the leaders' bridge
-    all-reduce, the island's broadcast). Ranks must wait on their started reductions in one order,
+    """A bridged all-reduce whose first step, the native reduce-scatter inside this rank's island, is
+    posted (asynchronously) at construction; :meth:`wait` runs the rest (this rank's segments over
+    the bridge, the island's all-gather). Ranks must wait on their started reductions in one order,
     the same on every rank (the gradient sync waits in bucket order), so the later steps pair up."""
 
     def __init__(self, tensor: torch.Tensor, *, route: Route, rank: int, op: Any, chunk_bytes: int,
@@ -197,23 +217,96 @@ class StartedAllReduce:
             raise RuntimeError(f"rank {rank} is not a member of group {route.members}")
         self.tensor, self.local, self.route, self.rank, self.op = tensor, local, route, rank, op
         self.chunk_bytes, self.pool, self.stage_host = chunk_bytes, pool, stage_host
-        self.work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self.first = (dist.reduce(self.work, dst=local.leader, op=op, group=local.pg_for(self.work), async_op=True)
-                      if len(local.ranks) > 1 else None)
+        flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        self.padded = padded_numel(flat.numel(), [len(isl) for isl in route.islands])
+        if self.padded == flat.numel():
+            self.buf = flat  # reduced in place (a view of ``tensor`` when it is contiguous)
+        else:
+            self.buf = flat.new_zeros(self.padded)
+            self.buf[:flat.numel()].copy_(flat)
+        k = len(local.ranks)
+        self.index = local.ranks.index(rank)
+        shard_numel = self.padded // k
+        # Host islands (gloo) run the island steps as rings of point-to-point messages in wait():
+        # gloo's reduce-scatter and all-gather cost about a whole all-reduce each; its isend/irecv
+        # move only the shard. Accelerator islands post the native reduce-scatter now.
+        self.ring = k > 1 and local.backend in HOST_BACKENDS
+        self.shard = self.buf[self.index * shard_numel:(self.index + 1) * shard_numel]
+        self.first = None
+        if k > 1 and not self.ring:
+            self.native = self.buf.new_empty(shard_numel)
+            self.first = reduce_scatter_into(self.native, self.buf, group=local.pg_for(self.buf), op=op,
+                                             async_op=True)
 
     def wait(self) -> None:
-        local, work = self.local, self.work
-        if self.first is not None:
+        local, k = self.local, len(self.local.ranks)
+        if self.ring:
+            _ring_reduce_scatter(self.buf, ranks=local.ranks, index=self.index, op=self.op, group=local.host_pg)
+        elif self.first is not None:
             self.first.wait()
-        if self.rank == local.leader:
-            transport = _transport(self.route)
-            stage = self.stage_host or work.device.type not in transport.caps.device_types
-            bridged_all_reduce(work, group=self.route.leaders_pg, op=self.op, chunk_bytes=self.chunk_bytes,
-                               pool=self.pool, stage=stage, transport=transport)
-        if len(local.ranks) > 1:
-            dist.broadcast(work, src=local.leader, group=local.pg_for(work))
-        if work is not self.tensor:
-            self.tensor.copy_(work)
+            self.shard.copy_(self.native)
+        route, transport = self.route, _transport(self.route)
+        assert route.segment_pgs is not None
+        stage = self.stage_host or self.buf.device.type not in transport.caps.device_types
+        offset = self.index * self.shard.numel()
+        for seg in route.segments:
+            owners = segment_owners(seg, route.islands)
+            if self.rank not in owners:
+                continue
+            start, end = seg.bounds(self.padded)
+            bridged_all_reduce(self.shard[start - offset:end - offset], group=route.segment_pgs[owners], op=self.op,
+                               chunk_bytes=self.chunk_bytes, pool=self.pool, stage=stage, transport=transport)
+        if self.ring:
+            _ring_all_gather(self.buf, ranks=local.ranks, index=self.index, group=local.host_pg)
+        elif k > 1:
+            all_gather_into(self.buf, self.shard.clone(), group=local.pg_for(self.buf))
+        numel = self.tensor.numel()
+        if self.buf.data_ptr() != self.tensor.data_ptr() or not self.tensor.is_contiguous():
+            self.tensor.copy_(self.buf[:numel].view(self.tensor.shape))
+
+
+def _combine(acc: torch.Tensor, other: torch.Tensor, *, op: Any, out: torch.Tensor) -> None:
+    if op == dist.ReduceOp.MAX:
+        torch.maximum(acc, other, out=out)
+    else:
+        torch.add(acc, other, out=out)
+
+
+def _ring_reduce_scatter(buf: torch.Tensor, *, ranks: GroupKey, index: int, op: Any, group: Any) -> None:
+    """Reduce ``buf`` (``len(ranks)`` equal chunks) over ``ranks`` so that chunk ``index`` holds the
+    reduction on this member, as a ring of isend/irecv (each step one chunk to the next member); each
+    chunk is reduced once, by its owner's ring order, so owners' results are final."""
+    k = len(ranks)
+    chunks = buf.view(k, -1)
+    nxt, prev = ranks[(index + 1) % k], ranks[(index - 1) % k]
+    outgoing = chunks[(index - 1) % k]
+    incoming = torch.empty_like(outgoing)
+    acc = torch.empty_like(outgoing) if k > 2 else None
+    for step in range(k - 1):
+        works = [dist.isend(outgoing, dst=nxt, tag=REDUCTION_TAG, group=group),
+                 dist.irecv(incoming, src=prev, tag=REDUCTION_TAG, group=group)]
+        for w in works:
+            w.wait()
+        target = (index - 2 - step) % k
+        if step == k - 2:
+            _combine(incoming, chunks[target], op=op, out=chunks[target])
+        else:
+            assert acc is not None
+            _combine(incoming, chunks[target], op=op, out=acc)
+            outgoing, acc = acc, outgoing if step > 0 else torch.empty_like(acc)
+
+
+def _ring_all_gather(buf: torch.Tensor, *, ranks: GroupKey, index: int, group: Any) -> None:
+    """Every member's chunk ``index`` of ``buf`` copied into every member's ``buf``, as a ring of
+    isend/irecv straight into place."""
+    k = len(ranks)
+    chunks = buf.view(k, -1)
+    nxt, prev = ranks[(index + 1) % k], ranks[(index - 1) % k]
+    for step in range(k - 1):
+        works = [dist.isend(chunks[(index - step) % k], dst=nxt, tag=REDUCTION_TAG, group=group),
+                 dist.irecv(chunks[(index - step - 1) % k], src=prev, tag=REDUCTION_TAG, group=group)]
+        for w in works:
+            w.wait()
 
 
 class StartedReduce:
