@@ -43,8 +43,10 @@ def _moved_worker(rank: int) -> dict[str, Any]:
 def test_store_transport_carries_the_bridge(store: None) -> None:
     res = run_ranks(3, _moved_worker)
     assert {r["name"] for r in res} == {"store"}
-    # rank 0: its message to rank 2, and the island leaders' all-reduce input (after island a's reduce)
-    assert [r["moved"] for r in res] == [8000, 0, 4000]
+    # rank 0: its message to rank 2 and its half shard's all-reduce with rank 2; rank 1 the other
+    # half (island a of two ranks: each carries half the buffer over the bridge); rank 2, alone in
+    # its island, both halves.
+    assert [r["moved"] for r in res] == [6000, 2000, 4000]
 
 
 def test_p2p_through_the_store_transport(store: None) -> None:
