@@ -32,3 +32,27 @@ def test_a_member_carries_its_shard_over_the_bridge(numel: int, sizes: list[int]
     assert padded >= numel and all(padded % k == 0 for k in sizes)
     for k, members in zip(sizes, segment_bytes(numel, sizes, elem_bytes=4), strict=True):
         assert [sum(m) for m in members] == [padded // k * 4] * k
+
+
+def test_predictor_prices_the_runtime_algorithm() -> None:
+    """predict/sync.py's two-level price: two island ring passes of the padded shard plus each
+    member's segments all-reduced over the bridge, from the same segments the runtime sends."""
+    from hethub.predict.comm import allreduce_time_s, ring_pass_time_s
+    from hethub.predict.sync import two_level_allreduce_time_s
+    from hethub.spec.cluster import Link
+
+    fast, slow = Link(100e9, 5e-6), Link(1e9, 100e-6)
+    elems, sizes = 1 << 20, [4, 4]
+    got = two_level_allreduce_time_s(elems=elems, elem_bytes=4, island_links=[fast, fast], island_sizes=sizes,
+                                     bridge=slow)
+    shard = elems // 4 * 4
+    want = 2 * ring_pass_time_s(chunk_bytes=shard, participants=4, link=fast) + allreduce_time_s(
+        nbytes=shard, participants=2, link=slow)
+    assert got == pytest.approx(want)
+    # A flat ring of all 8 over the slow link moves 4x the bytes per member across the bridge.
+    assert got < allreduce_time_s(nbytes=elems * 4, participants=8, link=slow) / 2
+    # Islands of 1 and 3: the lone member all-reduces three segments, one after another.
+    lone = two_level_allreduce_time_s(elems=3000, elem_bytes=4, island_links=[fast, fast], island_sizes=[1, 3],
+                                      bridge=slow)
+    assert lone == pytest.approx(2 * ring_pass_time_s(chunk_bytes=4000, participants=3, link=fast)
+                                 + 3 * allreduce_time_s(nbytes=4000, participants=2, link=slow))

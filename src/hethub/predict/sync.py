@@ -68,7 +68,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from hethub.islands import Exchange, exchange, island_of_kind
+from hethub.islands import Exchange, exchange, island_of_kind, padded_numel, segment_bytes
 from hethub.layout import (
     DEFAULT_BUCKET_ELEMS,
     gathers_params,
@@ -171,7 +171,8 @@ def _sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None) -> list[
             link = links[hs] = _RINGS.get((id(cluster), rings), lambda: rings_link(cluster, rings), pin=(cluster,))
         nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
         members = sum(stage_of[x].cp for x in hs)
-        return SyncGroup(name, hs, nbytes, link, allreduce_time_s(nbytes=nbytes, participants=members, link=link),
+        return SyncGroup(name, hs, nbytes, link, group_allreduce_s(plan, hs, nbytes=nbytes, link=link,
+                                                                   participants=members, elem_bytes=grad_bytes),
                          members=members if members != len(hs) else 0)
 
     tps = set(tp_of.values())
@@ -259,6 +260,43 @@ def _sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], gr
                      gather_s=2 * m * ag if gathered else 0.0, gather_units=len(g.name.split(", ")))
 
 
+def group_allreduce_s(plan: Plan, holders: Sequence[StageId], *, nbytes: float, link: Link, participants: int,
+                      elem_bytes: float) -> float:
+    """A sync group's all-reduce: a ring over ``link`` inside one vendor island; across islands the
+    bridge's two-level all-reduce (:func:`two_level_allreduce_time_s`) over each island's slowest
+    ring link and the slowest cross-island pair of the holders' first devices. Holders with CP ranks
+    (``participants`` above the holder count) are priced as the ring."""
+    ring = allreduce_time_s(nbytes=nbytes, participants=participants, link=link)
+    if participants != len(holders):
+        return ring
+    ex = holder_exchange(plan, holders)
+    if len(ex.islands) == 1:
+        return ring
+    first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in holders]
+    island_links = [slowest_link(plan.cluster, [first[m] for m in isl]) for isl in ex.islands]
+    pairs = [plan.cluster.link(first[a], first[b]) for i, isl in enumerate(ex.islands) for a in isl
+             for other in ex.islands[i + 1:] for b in other]
+    bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+    return two_level_allreduce_time_s(elems=max(1, round(nbytes / elem_bytes)), elem_bytes=elem_bytes,
+                                      island_links=island_links, island_sizes=[len(isl) for isl in ex.islands],
+                                      bridge=bridge)
+
+
+def two_level_allreduce_time_s(*, elems: int, elem_bytes: float, island_links: Sequence[Link],
+                               island_sizes: Sequence[int], bridge: Link) -> float:
+    """The bridge's all-reduce across islands as ``comm/hierarchical.py`` runs it (``hethub.islands``:
+    shard_segments): each island's ring reduce-scatter of the padded buffer over its own link, every
+    member's segments all-reduced among one owner per island over the bridge (a member's one after
+    another, members in parallel), then each island's ring all-gather."""
+    padded = padded_numel(elems, island_sizes)
+    island_s = max(ring_pass_time_s(chunk_bytes=padded // k * elem_bytes, participants=k, link=lk)
+                   for k, lk in zip(island_sizes, island_links, strict=True))
+    per_member = segment_bytes(elems, island_sizes, elem_bytes=elem_bytes)
+    bridge_s = max(sum(allreduce_time_s(nbytes=b, participants=len(island_sizes), link=bridge) for b in segs)
+                   for isl in per_member for segs in isl)
+    return 2 * island_s + bridge_s
+
+
 def _hierarchical_pass_s(plan: Plan, holders: Sequence[StageId], ex: Exchange, *, slices: Sequence[int],
                          elem_bytes: float) -> float:
     """One pass of the bridged two-level exchange (``hethub.islands``): each island's ring pass of
@@ -336,7 +374,7 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
         us = units_of.get(g.holders)
         if g.time_s <= 0 or g.participants <= 1 or not us:
             continue
-        n, d = _buckets_of(g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
+        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
         first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
         for k in range(n):
             ready = {}
@@ -378,10 +416,12 @@ def _exposed_rounds(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapp
     return out
 
 
-def _buckets_of(g: SyncGroup, *, grad_bytes: float, bucket_elems: int) -> tuple[int, float]:
-    """How many buckets the runtime reduces group ``g`` in, and each one's all-reduce time."""
+def _buckets_of(plan: Plan, g: SyncGroup, *, grad_bytes: float, bucket_elems: int) -> tuple[int, float]:
+    """How many buckets the runtime reduces group ``g`` in, and each one's all-reduce time (across
+    vendor islands the bridge's two-level all-reduce, :func:`group_allreduce_s`)."""
     n = max(1, math.ceil(g.nbytes / grad_bytes / bucket_elems))
-    return n, allreduce_time_s(nbytes=g.nbytes / n, participants=g.participants, link=g.link)
+    return n, group_allreduce_s(plan, g.holders, nbytes=g.nbytes / n, link=g.link, participants=g.participants,
+                                elem_bytes=grad_bytes)
 
 
 def unoverlapped_sync_s(plan: Plan, groups: Sequence[SyncGroup], *,
@@ -395,7 +435,7 @@ def unoverlapped_sync_s(plan: Plan, groups: Sequence[SyncGroup], *,
     for g in groups:
         if g.participants <= 1 or g.time_s <= 0:
             continue
-        n, d = _buckets_of(g, grad_bytes=grad_bytes, bucket_elems=bucket_elems) if bucketed else (1, g.time_s)
+        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems) if bucketed else (1, g.time_s)
         for x in g.holders:
             out[x] = out.get(x, 0.0) + n * d
     return out
