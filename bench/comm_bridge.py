@@ -59,8 +59,10 @@ def _p2p_worker(rank: int, sizes: list[int], repeats: int) -> list[dict[int, dic
                                              p2p_chunk_bytes=MIN_CHUNK_BYTES),
     }
     rounds = []
-    for _ in range(repeats):
-        rounds.append({n: {m: ping_pong_s(comms[m], rank=rank, nbytes=n, reps=repetitions(n)) for m in MODES}
+    for r in range(repeats):
+        # Each round starts with another mode, so no mode always runs first (or last) after a size change.
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        rounds.append({n: {m: ping_pong_s(comms[m], rank=rank, nbytes=n, reps=repetitions(n)) for m in order}
                        for n in sizes})
     return rounds
 
@@ -78,8 +80,10 @@ def _best_times(sizes: list[int], modes: dict[str, Callable[[torch.Tensor], obje
     for n in sizes:
         x = torch.ones(n // 4, dtype=torch.float32)
         best = dict.fromkeys(modes, float("inf"))
+        names = list(modes)
         for i in range(repetitions(n) + 1):
-            for mode, run in modes.items():
+            for mode in names[i % len(names):] + names[:i % len(names)]:  # alternating which runs first
+                run = modes[mode]
                 dist.barrier()
                 start = time.perf_counter()
                 run(x)

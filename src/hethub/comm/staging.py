@@ -193,20 +193,24 @@ class Works:
 
 
 def direct_send(data: torch.Tensor, *, dst: int, tag: int, group: Any, transport: Transport,
-                min_chunk_bytes: int = MIN_CHUNK_BYTES) -> Works:
+                min_chunk_bytes: int = MIN_CHUNK_BYTES) -> Any:
     """Send contiguous ``data`` the transport reads in place, in the same chunks a staged message
     of its size has (the receiver may stage)."""
     flat = data.view(-1)
-    return Works([transport.isend(flat[s:e], dst=dst, tag=tag, group=group)
-                  for s, e in chunk_bounds(flat.numel(), flat.element_size(), min_chunk_bytes=min_chunk_bytes)])
+    bounds = chunk_bounds(flat.numel(), flat.element_size(), min_chunk_bytes=min_chunk_bytes)
+    if len(bounds) == 1:  # a whole message (host pairs): the transport's own work, nothing around it
+        return transport.isend(flat, dst=dst, tag=tag, group=group)
+    return Works([transport.isend(flat[s:e], dst=dst, tag=tag, group=group) for s, e in bounds])
 
 
 def direct_recv(tensor: torch.Tensor, *, src: int, tag: int, group: Any, transport: Transport,
-                min_chunk_bytes: int = MIN_CHUNK_BYTES) -> Works:
+                min_chunk_bytes: int = MIN_CHUNK_BYTES) -> Any:
     """Receive into contiguous ``tensor`` in place, chunk by chunk (:func:`direct_send`)."""
     flat = tensor.view(-1)
-    return Works([transport.irecv(flat[s:e], src=src, tag=tag, group=group)
-                  for s, e in chunk_bounds(flat.numel(), flat.element_size(), min_chunk_bytes=min_chunk_bytes)])
+    bounds = chunk_bounds(flat.numel(), flat.element_size(), min_chunk_bytes=min_chunk_bytes)
+    if len(bounds) == 1:
+        return transport.irecv(flat, src=src, tag=tag, group=group)
+    return Works([transport.irecv(flat[s:e], src=src, tag=tag, group=group) for s, e in bounds])
 
 
 @dataclass
