@@ -25,6 +25,14 @@ The rules, as torch's ProcessGroupNCCL drives NCCL:
   receive is posted, a receive once its send is posted.
 
 The replay succeeds when every rank has run all its events and every posted operation completed.
+
+What a rank knows (:func:`known_complete`): vector clocks over the replay. A completion carries the
+clocks of the posts it needed (its own and its match's, or every member's, and whatever completed
+ahead of them on their streams); a wait merges them into the rank's clock. A rank knows a send of
+its own complete once its clock covers the other ranks' part of the send's completion (its own
+part, its posts, it knows already): from the first *observation* (a wait on anything but sends
+alone) that brings that knowledge, or from the post itself when it already had it. That is the
+earliest a completion query can answer yes in every timing where transfers take no time.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ class _Op:
     rec: OpRecord | None  # None: a collective
     coll: Collective | None
     unit: _Unit | None  # None on an unordered channel
+    posted: tuple[int, ...] = ()  # the rank's vector clock at the post
+    clock: tuple[int, ...] = ()  # the clock of its completion (what it needed)
     done: bool = False
     match: _Op | None = None
     peers: list[_Op] = field(default_factory=list)  # a collective's instance on every member
@@ -72,6 +82,10 @@ class _Unit:
     ops: list[_Op]
 
 
+def _join(*clocks: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(map(max, *clocks)) if len(clocks) > 1 else clocks[0]
+
+
 class _Replay:
     def __init__(self, events: dict[int, list[Event]], *, eager_bytes: int) -> None:
         self.events, self.eager = events, eager_bytes
@@ -87,6 +101,12 @@ class _Replay:
         self.colls: dict[tuple[Any, ...], dict[int, deque[_Op]]] = {}
         # (rank, event index) of every wait on sends alone that found them not yet complete.
         self.blocked_sends: set[tuple[int, int]] = set()
+        # Vector clocks (module doc): a rank's own entry is the index of its event being run.
+        self.ranks = sorted(events)
+        self.slot = {r: i for i, r in enumerate(self.ranks)}
+        self.clock = {r: (-1,) * len(self.ranks) for r in self.ranks}
+        self.done_clock: dict[tuple[Any, ...], tuple[int, ...]] = {}  # per stream: its last completed unit's
+        self.observed: dict[int, list[tuple[int, ...]]] = {r: [] for r in self.ranks}  # the clock at each observation
 
     # ---- posting ---------------------------------------------------------------------------------
     def _enqueue(self, rank: int, stream: tuple[Any, ...], ops: list[_Op]) -> None:
@@ -111,11 +131,18 @@ class _Replay:
         else:
             mine.setdefault(k, deque()).append(op)
 
+    def _stamp(self, rank: int) -> tuple[int, ...]:
+        i = self.slot[rank]
+        c = self.clock[rank]
+        self.clock[rank] = (*c[:i], self.pc[rank], *c[i + 1:])
+        return self.clock[rank]
+
     def _post(self, rank: int, ev: Post) -> None:
         ops: list[_Op] = []
         by_stream: dict[tuple[Any, ...], list[_Op]] = {}
+        stamp = self._stamp(rank)
         for rec in ev.ops:
-            op = _Op(rank=rank, rec=rec, coll=None, unit=None)
+            op = _Op(rank=rank, rec=rec, coll=None, unit=None, posted=stamp)
             ops.append(op)
             if not rec.channel.ordered:
                 self.unordered.append(op)
@@ -133,7 +160,7 @@ class _Replay:
     def _collective(self, rank: int, ev: Collective) -> None:
         if rank not in ev.group:
             raise Mismatch(f"rank {rank} posted {ev.name} over {ev.group}, which it is not a member of")
-        op = _Op(rank=rank, rec=None, coll=ev, unit=None)
+        op = _Op(rank=rank, rec=None, coll=ev, unit=None, posted=self._stamp(rank))
         self._enqueue(rank, (ev.channel.name,), [op])
         self.ordered.append(op)
         self.handles[(rank, ev.handle)] = [op]
@@ -158,10 +185,15 @@ class _Replay:
                 self._collective(rank, ev)
             elif isinstance(ev, Wait):
                 ops = self.handles[(rank, ev.handle)]
-                if not all(op.done for op in ops):
-                    if all(op.rec is not None and op.rec.op == "send" for op in ops):
+                sends_only = all(op.rec is not None and op.rec.op == "send" for op in ops)
+                if not all(op.done for op in ops) and not (self._progress() and all(op.done for op in ops)):
+                    # (completions are instantaneous: what another rank's posts allow counts first)
+                    if sends_only:
                         self.blocked_sends.add((rank, self.pc[rank]))
                     break
+                self.clock[rank] = _join(self._stamp(rank), *(op.clock for op in ops))
+                if not sends_only:
+                    self.observed[rank].append(self.clock[rank])
             elif isinstance(ev, Note):
                 pass
             else:
@@ -190,21 +222,42 @@ class _Replay:
             return False
         return True if op.unit is None else self._running(op.match)
 
+    def _start(self, op: _Op) -> tuple[int, ...]:
+        """The clock at which ``op``'s unit started running: its post, after what completed ahead of it."""
+        if op.unit is None:
+            return op.posted
+        before = self.done_clock.get(op.unit.stream)
+        return op.posted if before is None else _join(op.posted, before)
+
+    def _completion(self, op: _Op) -> tuple[int, ...]:
+        if op.coll is not None:
+            return _join(*(self._start(o) for o in op.peers))
+        if op.match is None or (op.rec.op == "send" and op.rec.nbytes <= self.eager):  # type: ignore[union-attr]
+            return self._start(op)
+        return _join(self._start(op), self._start(op.match))
+
     def _progress(self) -> bool:
-        moved = False
-        for queue in self.streams.values():
-            while queue:
-                unit = queue[0]
-                ready = [op for op in unit.ops if not op.done and self._can_complete(op)]
-                for op in ready:
-                    op.done = True
-                    moved = True
-                if not all(op.done for op in unit.ops):
-                    break
-                queue.popleft()
-        for op in self.unordered:
-            if not op.done and self._can_complete(op):
-                op.done = moved = True
+        moved, again = False, True
+        while again:  # to a fixpoint: completions are instantaneous
+            again = False
+            for queue in self.streams.values():
+                while queue:
+                    unit = queue[0]
+                    ready = [op for op in unit.ops if not op.done and self._can_complete(op)]
+                    for op in ready:
+                        op.clock = self._completion(op)
+                    for op in ready:
+                        op.done = True
+                        again = True
+                    if not all(op.done for op in unit.ops):
+                        break
+                    self.done_clock[unit.stream] = _join(*(op.clock for op in unit.ops))
+                    queue.popleft()
+            for op in self.unordered:
+                if not op.done and self._can_complete(op):
+                    op.clock = self._completion(op)
+                    op.done = again = True
+            moved = moved or again
         return moved
 
     def run(self) -> None:
@@ -236,3 +289,24 @@ def replay(events: dict[int, list[Event]], *, eager_bytes: int = 0) -> set[tuple
     r = _Replay(events, eager_bytes=eager_bytes)
     r.run()
     return r.blocked_sends
+
+
+def known_complete(events: dict[int, list[Event]], *, eager_bytes: int = 0) -> dict[int, dict[int, int]]:
+    """Replay as :func:`replay` does; for each rank, each handle it posted sends under (alone) ->
+    how many observations (waits on anything but sends alone, in its events' order) the rank has
+    made when it knows them complete (module doc; 0: from their post on). Handles it never knows
+    before waiting on them are left out."""
+    r = _Replay(events, eager_bytes=eager_bytes)
+    r.run()
+    out: dict[int, dict[int, int]] = {}
+    for (rank, handle), ops in r.handles.items():
+        if not all(op.rec is not None and op.rec.op == "send" for op in ops):
+            continue
+        own = r.slot[rank]
+        need = _join(*(op.clock for op in ops))
+        need = (*need[:own], -1, *need[own + 1:])
+        clocks = [(-1,) * len(need), *r.observed[rank]]
+        seen = next((k for k, c in enumerate(clocks) if all(a >= b for a, b in zip(c, need, strict=True))), None)
+        if seen is not None:
+            out.setdefault(rank, {})[handle] = seen
+    return out

@@ -22,6 +22,9 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class FakeComm:
     """Point-to-point that never blocks: every receive gets ones (the values do not matter here)."""
@@ -32,6 +35,9 @@ class FakeComm:
     def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> _Done:
         tensor.fill_(1.0)
         return _Done()
+
+    def send_completes_alone(self, dst: int, **_: object) -> bool:
+        return True
 
 
 class RecordingStage(nn.Module):

@@ -3,6 +3,13 @@ rank of a plan in this process, over a communicator that never blocks, and recor
 (``hethub.comm.recording``); the tests' model of NCCL (``_nccl_model``) replays all ranks' posts with
 every send larger than NCCL's buffering (eager limit 0), which gloo would have buffered.
 
+When a send completes is the model's too: each rank is recorded twice. The first run's sends are
+never observed complete; the model replays its posts and says, for each send, after which of the
+rank's observations (waits on receives and collectives) it can know the send complete. The second
+run, whose posts are the same, answers the executor's completion queries from that, and keeps each
+send's tensor alive until then whatever the executor does (as ProcessGroupNCCL's work keeps it), so
+a buffer the executor could only drop early, or holds too long, shows in its trace.
+
 The matrix: every schedule (1F1B, GPipe, ZB-H1, interleaved with 2 and 3 chunks) x thirteen plan
 shapes (TP hops of unequal and of equal degree, uneven replicas, cross-kind hops inside one NCCL
 island and through the host bridge between vendors, between unequal TP degrees too, one
@@ -20,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from _nccl_model import Deadlock, replay
+from _nccl_model import Deadlock, known_complete, replay
 
 from hethub.comm.communicator import Communicator, group_name, lane_name
 from hethub.comm.recording import Channel, Event, Note, Post, RecordingCommunicator, Wait
@@ -34,7 +41,7 @@ from hethub.runtime.model import StageModel
 from hethub.runtime.pipeline import PipelineExecutor, StepTrace
 from hethub.runtime.tensor_parallel import TPContext
 from hethub.schedules import DEFAULT_P2P, get_schedule
-from hethub.schedules.messages import op_posts
+from hethub.schedules.messages import max_live_messages, op_posts
 from hethub.spec.cluster import Cluster, Link, NodeGroup
 from hethub.spec.kind import DeviceKind, catalog
 from hethub.spec.model import ModelSpec
@@ -111,12 +118,14 @@ def make_plan(schedule: str, chunks: int, shape: str) -> Plan:
                 pipelines=tuple(out), schedule=schedule, precision="fp32").validate()
 
 
-class _Done:
+class _Pending:
+    """A posted operation: waiting returns at once; a send is not observed complete before it."""
+
     def wait(self, *args: Any) -> bool:
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return False
 
 
 class NeverBlocks:
@@ -139,13 +148,14 @@ class NeverBlocks:
         return Channel(group_name(mates, world_size=self.world_size), ordered=True)
 
     group_channel = Communicator.group_channel
+    send_completes_alone = Communicator.send_completes_alone
 
-    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> _Done:
-        return _Done()
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> _Pending:
+        return _Pending()
 
-    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> _Done:
+    def irecv(self, tensor: torch.Tensor, *, src: int, tag: int, lane: str | None = None) -> _Pending:
         tensor.fill_(0.5)
-        return _Done()
+        return _Pending()
 
     def all_reduce(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
         return tensor
@@ -157,19 +167,74 @@ class NeverBlocks:
         return tensor.chunk(len(group))[sorted(group).index(self.rank)].clone()
 
 
+class Informed(RecordingCommunicator):
+    """The second run's communicator: a send on a native lane (NCCL) is observed complete once the
+    rank has made as many observations (waits on anything but sends) as the model says it needs to
+    know so (``known``: send handle -> observations; absent: only when waited on), and until then
+    its tensor stays referenced here, as a GPU backend keeps it until the transfer is over. A send
+    through gloo (the bridge's host path) reports completion only once waited on, as gloo's do,
+    and is let go then (the replay checks that such a wait would not have blocked)."""
+
+    def __init__(self, inner: NeverBlocks, known: dict[int, int]) -> None:
+        super().__init__(inner)
+        self.known, self.sends = known, set()
+        self.stash: dict[int, torch.Tensor] = {}
+        self.queries = self.answered = 0
+
+    def observations(self) -> int:
+        return sum(1 for e in self.events if isinstance(e, Wait) and e.handle not in self.sends)
+
+    def complete(self, handle: int) -> bool:
+        return self.observations() >= self.known.get(handle, 1 << 60)
+
+    def _prune(self) -> None:
+        n = self.observations()
+        self.stash = {h: t for h, t in self.stash.items() if n < self.known.get(h, 1 << 60)}
+
+    def isend(self, tensor: torch.Tensor, *, dst: int, tag: int, lane: str | None = None) -> Any:
+        self._prune()
+        work = super().isend(tensor, dst=dst, tag=tag, lane=lane)
+        self.sends.add(work.handle)
+        self.stash[work.handle] = tensor
+        return _InformedWork(work, self, reports=self.inner.send_completes_alone(dst, device=tensor.device,
+                                                                                  lane=lane))
+
+
+class _InformedWork:
+    def __init__(self, work: Any, comm: Informed, *, reports: bool) -> None:
+        self.work, self.comm, self.reports = work, comm, reports
+
+    def wait(self, *args: Any) -> Any:
+        if not self.reports:
+            self.comm.stash.pop(self.work.handle, None)
+        return self.work.wait(*args)
+
+    def is_completed(self) -> bool:
+        self.comm._prune()
+        done = self.reports and self.comm.complete(self.work.handle)
+        self.comm.queries += 1
+        self.comm.answered += done
+        return done
+
+
 @dataclass
 class Recorded:
-    """One rank's step: what it posted (with a Note before each op it computed) and its trace."""
+    """One rank's step: what it posted (with a Note before each op it computed) and its trace;
+    ``queries``/``answered``: the executor's completion queries on sends, and those answered yes."""
 
     events: list[Event]
     trace: StepTrace
+    queries: int = 0
+    answered: int = 0
 
 
-def record(plan: Plan, rank: int, *, forward_only: bool = False) -> Recorded:
-    """What the executor of ``rank`` posts in one step (``forward_only``: as evaluation runs it)."""
+def record(plan: Plan, rank: int, *, forward_only: bool = False, known: dict[int, int] | None = None,
+           ) -> Recorded:
+    """What the executor of ``rank`` posts in one step (``forward_only``: as evaluation runs it), its
+    sends observed complete as ``known`` says (None: never before the step's end)."""
     place = build_topology(plan).place(rank)
     st = place.stage
-    comm = RecordingCommunicator(NeverBlocks(plan, rank))
+    comm = RecordingCommunicator(NeverBlocks(plan, rank)) if known is None else Informed(NeverBlocks(plan, rank), known)
     tp = TPContext(size=st.tp, rank=place.tp_rank, group=tuple(sorted(place.tp_group)),
                    comm=comm if st.tp > 1 else None, sequence_parallel=st.sequence_parallel,
                    order=place.tp_group)  # type: ignore[arg-type]
@@ -195,14 +260,28 @@ def record(plan: Plan, rank: int, *, forward_only: bool = False) -> Recorded:
             _, trace = ex.run(mbs)
     else:
         _, trace = ex.run(mbs)
-    return Recorded(comm.events, trace)
+    return Recorded(comm.events, trace, getattr(comm, "queries", 0), getattr(comm, "answered", 0))
 
 
 @functools.cache
-def record_all(schedule: str, chunks: int, shape: str, *, forward_only: bool = False) -> dict[int, Recorded]:
-    """Every rank of the case's plan, recorded once per test process (the tests below share them)."""
+def record_all(schedule: str, chunks: int, shape: str, *, forward_only: bool = False,
+               informed: bool = True) -> dict[int, Recorded]:
+    """Every rank of the case's plan, recorded once per test process (the tests below share them):
+    a first run, then (``informed``) a second one whose sends are observed complete where the model
+    of NCCL says the rank can know it (module doc)."""
     plan = make_plan(schedule, chunks, shape)
-    return {r: record(plan, r, forward_only=forward_only) for r in range(plan.world_size)}
+    if not informed:
+        return {r: record(plan, r, forward_only=forward_only) for r in range(plan.world_size)}
+    first = record_all(schedule, chunks, shape, forward_only=forward_only, informed=False)
+    known = known_complete({r: rec.events for r, rec in first.items()}, eager_bytes=0)
+    second = {r: record(plan, r, forward_only=forward_only, known=known.get(r, {})) for r in range(plan.world_size)}
+    for r in second:  # the same posts (handles included), only the waits on sends move
+        assert _posts(second[r].events) == _posts(first[r].events), f"rank {r} posted differently"
+    return second
+
+
+def _posts(events: list[Event]) -> list[Event]:
+    return [e for e in events if not isinstance(e, Wait)]
 
 
 def events_of(case: tuple[str, int, str], **kw: Any) -> dict[int, list[Event]]:
@@ -234,7 +313,7 @@ def test_every_rank_finishes_under_nccl_rules(schedule, chunks, shape):
 def test_sends_never_hold_a_rank_up_before_its_last_op(schedule, chunks, shape):
     """What the predictor's default p2p mode (``async``: a sender posts and goes on) assumes of
     hethub's runtime: every pipeline send the executor waits on before its last op has completed
-    by then (it waits only where a receive proves the message arrived). A send waited on right after
+    by then (it waits only on sends its completion queries found complete). A send waited on right after
     it is posted (a blocking send) would be caught: its receive has not run yet."""
     assert DEFAULT_P2P == "async" and make_plan(schedule, chunks, shape).p2p == DEFAULT_P2P
     events = events_of((schedule, chunks, shape))
@@ -300,9 +379,10 @@ def test_live_p2p_buffers_are_bounded_and_predicted(schedule, chunks, shape):
     """On every rank the executor's traced point-to-point buffers (distinct live storages, counted
     after each op's sends: ``StepTrace.max_p2p_*``) hold the memory model's term
     (``predict/memory/p2p.py``) at most, exactly on each stage's TP rank 0 (which sends and receives
-    on both boundaries), and a number of messages that does not grow with the micro-batches beyond
-    the schedule's in-flight count: a send buffer kept until the step ends, or a sent output kept
-    until its backward, would fail both."""
+    on both boundaries), and never more messages than the schedule's in-flight count plus one (the
+    receive posted for the next op, or the op's own send): every older send has been observed
+    complete and handed back. A send held until the peer consumed it, a stage output kept after its
+    send, or a release the model of NCCL does not allow yet would fail."""
     plan = make_plan(schedule, chunks, shape)
     topo = build_topology(plan)
     predicted = {(s.pipeline, s.stage): s.memory.p2p_buffers_bytes for s in predict(plan).stages}
@@ -315,7 +395,7 @@ def test_live_p2p_buffers_are_bounded_and_predicted(schedule, chunks, shape):
         # Each op sends one buffer, or one per receiver of a sequence slice.
         fan = max([1] + [len(peers[1]) for c in range(pl.stage.num_chunks)
                          for peers in (pl.fwd_peers(c), pl.bwd_peers(c))])
-        assert t.max_p2p_buffers <= (t.max_in_flight + 3) * fan, (r, t.max_p2p_buffers, t.max_in_flight)
+        assert t.max_p2p_buffers <= max_live_messages(t.max_in_flight) * fan, (r, t.max_p2p_buffers, t.max_in_flight)
 
 
 @pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)])
@@ -347,3 +427,16 @@ def test_the_predictor_prices_each_op_and_post_the_executor_runs(schedule, chunk
         assert post_s > 0 and priced[(st.pipeline, st.stage)] == pytest.approx(posts * post_s)
         if chunks > 1 and st.num_stages > 1:  # every op but the pipeline's two ends posts both ways
             assert posts >= 2 * len([o for o in ops if o.kind != "W"]) - 2 * pl.num_micro_batches
+
+
+def test_sends_held_longer_would_break_the_bound():
+    """The buffer bound above can fail: the same executor whose completion queries never answer yes
+    before the step's end (every send held until then) holds more than the in-flight count plus one
+    on some rank of 1F1B, while the informed run, whose queries are asked, stays within it."""
+    case = ("1f1b", 1, "4-stages")
+    informed, held = record_all(*case), record_all(*case, informed=False)
+    assert all(rec.queries > 0 for rec in informed.values() if any(
+        isinstance(e, Post) and _pipeline_send(e) for e in rec.events))
+    over = [r for r, rec in held.items() if rec.trace.max_p2p_buffers > max_live_messages(rec.trace.max_in_flight)]
+    assert over, {r: (rec.trace.max_p2p_buffers, rec.trace.max_in_flight) for r, rec in held.items()}
+    assert all(rec.trace.max_p2p_buffers <= max_live_messages(rec.trace.max_in_flight) for rec in informed.values())

@@ -43,6 +43,9 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 DONE = _Done()
 
@@ -130,6 +133,13 @@ class Communicator:
         name = group_name(tuple(range(self.world_size)), world_size=self.world_size) if lane is None else \
             lane_name(src, dst, lane)
         return Channel(name, ordered=str(dist.get_backend()) not in HOST_BACKENDS)
+
+    def send_completes_alone(self, dst: int, *, device: torch.device, lane: str | None = None) -> bool:
+        """Whether a send to ``dst`` reports its completion by itself: ``Work.is_completed`` turns
+        true once the transfer is over, as under a device's collective library (NCCL queries the
+        send's event), rather than only once waited on (gloo marks its send works complete in
+        ``wait``). The same split as the channel's ordering rule: a native device group, or gloo."""
+        return self.p2p_channel(self.rank, dst, device=device, lane=lane).ordered
 
     def group_channel(self, group: Sequence[int]) -> Channel:
         """The communicator collectives over ``group`` run on. Every backend runs one group's

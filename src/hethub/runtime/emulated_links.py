@@ -66,6 +66,9 @@ class _Both:
             w.wait()
         return True
 
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
 
 class _Arrival:
     """A posted receive that, when waited on, also waits out the emulated link. Receives from one peer

@@ -12,15 +12,23 @@ make the same sequence for every schedule (virtual stages and their wrap hop inc
 other message can queue in between. ``tests/unit/test_nccl_replay.py`` replays what this posts for
 every schedule and plan shape under a model of NCCL's rules.
 
-Overlap: op i + 1's receive is posted before op i runs, so its transfer overlaps op i's compute; op
-i's sends are posted after it and never waited before the next op, so they overlap what follows
-(the predictor's ``async`` p2p mode). A send's buffer is released at the op whose receive proves it
-has arrived (``schedules.messages.send_releases``), where waiting never blocks, and every send left
-is waited at the step's end.
+Overlap: op i + 1's receive is posted right after op i's is taken, before op i runs, so its transfer
+overlaps op i's compute; op i's sends are posted after it and never waited on before they are
+complete, so they overlap what follows (the predictor's ``async`` p2p mode).
 
 Lifetimes (what the memory model's point-to-point term counts, ``schedules.messages.peak_buffer_bytes``):
-a send buffer lives until its release op; a receive buffer from one op before its op until the op
-consumes it (a forward's input then belongs to the saved activations).
+a send larger than NCCL's buffering completes when the peer runs the matching receive, which it
+posts one op ahead, so it is complete once the peer has started the op before the one that
+consumes it and the transfer is over. Before and after every op the sends observed complete
+(``Work.is_completed``, a query that never blocks; under NCCL it reads the send's event) are waited
+on, which returns at once, and dropped, so their memory goes back to the allocator; the rest are
+waited on at the step's end. gloo's send works report completion only once waited on
+(``Communicator.send_completes_alone``): there a send is waited on after the op from which the
+stage knows, from what it received, that the peer posted the receive
+(``schedules.messages.send_releases``), which costs at most the rest of the transfer. A receive
+buffer lives from just after the previous op's receive arrived until its op consumes it (a
+forward's input then belongs to the saved activations), so a rank never holds two receives that
+wait.
 
 Tags name (micro-batch, consumer chunk, direction); NCCL ignores them (order matches), gloo and
 the bridge's host path match by them.
@@ -78,25 +86,41 @@ class Send:
 
 def stage_orders(ex: Any) -> list[tuple[Op, ...]]:
     """Every stage's op order in this pipeline as this step runs it (forward-only steps keep each
-    stage's forwards), for ``send_releases``."""
+    stage's forwards; this stage's own as its executor holds it, which re-balancing may reorder),
+    for ``send_releases``."""
     kinds = {op.kind for op in ex.ops}
     st = ex.place.stage
-    return [tuple(op for op in ex.schedule.ops(stage=s, num_stages=st.num_stages,
-                                               num_micro_batches=ex.place.num_micro_batches) if op.kind in kinds)
-            for s in range(st.num_stages)]
+    orders = [tuple(op for op in ex.schedule.ops(stage=s, num_stages=st.num_stages,
+                                                 num_micro_batches=ex.place.num_micro_batches) if op.kind in kinds)
+              for s in range(st.num_stages)]
+    orders[st.stage] = tuple(ex.ops)
+    return orders
+
+
+@dataclass
+class _InFlight:
+    """A posted send: its work, its buffer, the op index from which this rank knows the peer posted
+    the matching receive (None: not before the step's end) and whether its work reports completion
+    by itself (``Communicator.send_completes_alone``)."""
+
+    work: Any
+    tensor: torch.Tensor
+    known_at: int | None
+    reports: bool
 
 
 class Exchange:
-    """One step's messages of one rank: :meth:`post_receive` one op ahead, :meth:`take` before an op,
-    :meth:`send` after it, :meth:`finish` at the step's end."""
+    """One step's messages of one rank: :meth:`take` op i's receive, then :meth:`post_receive` op
+    i + 1's; :meth:`release` before and after op i, :meth:`send` its sends; :meth:`finish` at the
+    step's end."""
 
     def __init__(self, ex: Any, trace: Any) -> None:
         self.ex, self.trace = ex, trace
         self.posted: dict[int, tuple[Any, torch.Tensor, Any]] = {}  # op index -> (work, buffer, hop)
-        orders = stage_orders(ex)
-        orders[ex.place.stage.stage] = tuple(ex.ops)
-        self.releases = send_releases(orders, ex.place.stage.stage, chunks=ex.chunks)
-        self.in_flight: dict[Op | None, list[tuple[Any, torch.Tensor]]] = {}  # by release op
+        index = {op: i for i, op in enumerate(ex.ops)}
+        releases = send_releases(stage_orders(ex), ex.place.stage.stage, chunks=ex.chunks)
+        self.known_at = {op: None if rel is None else index[rel] for op, rel in releases.items()}
+        self.in_flight: list[_InFlight] = []  # sends not yet handed back, in posting order
 
     def post_receive(self, j: int) -> None:
         """Post op j's receive (if it has one) on its lane."""
@@ -120,40 +144,54 @@ class Exchange:
         ex.buffers.track(buf)
 
     def take(self, i: int) -> torch.Tensor | None:
-        """Op i's received tensor (whole: pieces are all-gathered here), or None; then the sends op i's
-        receive proves arrived are released."""
-        got = None
-        if i in self.posted:
-            work, buf, hop = self.posted.pop(i)
-            w = time.perf_counter()
-            work.wait()
-            got = self.ex.messages.arrived(buf, hop)
-            if got is not buf:
-                self.ex.buffers.track(got)
-            self.trace.recv_wait_s += time.perf_counter() - w
-        self._release(self.in_flight.pop(self.ex.ops[i], []))
+        """Op i's received tensor (whole: pieces are all-gathered here), or None."""
+        if i not in self.posted:
+            return None
+        work, buf, hop = self.posted.pop(i)
+        w = time.perf_counter()
+        work.wait()
+        got = self.ex.messages.arrived(buf, hop)
+        if got is not buf:
+            self.ex.buffers.track(got)
+        self.trace.recv_wait_s += time.perf_counter() - w
         return got
 
     def send(self, op: Op, sends: list[Send]) -> None:
         """Post ``op``'s sends, each on its lane, kept (and their buffers alive) until released."""
         if not sends:
             return
+        ex = self.ex
         lane = FWD_LANE if op.kind == "F" else BWD_LANE
-        works = [(self.ex.comm.isend(s.tensor, dst=s.peer, tag=s.tag, lane=lane), s.tensor) for s in sends]
-        self.in_flight.setdefault(self.releases.get(op), []).extend(works)
-        self.ex.buffers.track(*(s.tensor for s in sends))
+        known_at = self.known_at.get(op)
+        self.in_flight += [
+            _InFlight(ex.comm.isend(s.tensor, dst=s.peer, tag=s.tag, lane=lane), s.tensor, known_at,
+                      ex.comm.send_completes_alone(s.peer, device=s.tensor.device, lane=lane)) for s in sends]
+        ex.buffers.track(*(s.tensor for s in sends))
         _let_sends_start()
+
+    def release(self, *, ran: int | None = None) -> None:
+        """Hand back every send that is complete: observed so (``Work.is_completed``, a query that
+        never blocks; under NCCL it queries the send's event), or, on a backend whose sends report
+        completion only once waited on (gloo), known so: once op ``ran`` (just run) has reached the
+        send's release op, the peer has posted the matching receive, and waiting costs at most the
+        rest of the transfer. Waiting on a complete send returns at once (under NCCL it also lets
+        the allocator reuse the buffer on the compute stream); nothing keeps the buffer after it."""
+        done, pending = [], []
+        for s in self.in_flight:
+            known = not s.reports and ran is not None and s.known_at is not None and ran >= s.known_at
+            (done if known or s.work.is_completed() else pending).append(s)
+        self.in_flight = pending
+        self._wait(done)
 
     def finish(self) -> None:
         """Wait for every send still in flight (the step's end)."""
-        for works in self.in_flight.values():
-            self._release(works)
-        self.in_flight = {}
+        self._wait(self.in_flight)
+        self.in_flight = []
 
-    def _release(self, works: list[tuple[Any, torch.Tensor]]) -> None:
+    def _wait(self, sends: list[_InFlight]) -> None:
         w = time.perf_counter()
-        for work, _ in works:
-            work.wait()
+        for s in sends:
+            s.work.wait()
         self.trace.send_wait_s += time.perf_counter() - w
 
 

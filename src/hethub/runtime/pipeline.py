@@ -148,8 +148,11 @@ class PipelineExecutor:
         link = Exchange(self, st.trace)
         link.post_receive(0)
         for i, op in enumerate(self.ops):
+            got = link.take(i)
             link.post_receive(i + 1)  # its transfer overlaps this op
-            sends = self._run_op(op, link.take(i), st)
+            link.release()  # complete sends go back, before the op and after it (runtime/p2p.py)
+            sends = self._run_op(op, got, st)
+            link.release(ran=i)
             link.send(op, sends)  # in flight while the next ops run (runtime/p2p.py)
             for out in st.to_free:  # posted: the outputs' values are no longer needed
                 _free_output(out)

@@ -1,20 +1,25 @@
-"""Pipeline messages between virtual stages, and the op at which a stage knows a send has arrived.
+"""Pipeline messages between virtual stages, and when a stage knows a send it posted is complete.
 
 An F op of chunk c sends its output to the next virtual stage, a B op its input's gradient to the
 previous one; W sends nothing (virtual stage c x p + s is stage s's chunk c, p stages).
 
-The runtime (``runtime/p2p.py``) never waits for a send before running its next op: a send stays
-in flight while later ops compute, and its buffer is released at a point where it has certainly
-arrived, so that waiting there never blocks. That point is read off the orders alone: a send from
-stage a consumed by op x of stage b has arrived once a has received anything b sent after x (b
-posts that message only after x has taken ours, and a collective inside x ties b's TP and CP ranks
-together). ``send_releases`` gives, for each sending op, the op of the same stage whose receive
-proves it (None: none does before the step ends, where every send is waited). Waiting there is
-free, so the runtime's sends never hold a stage up: the simulation's ``async`` mode.
+The runtime (``runtime/p2p.py``) waits on a send only once it is complete: it posts each op's
+sends and goes on, and before and after every op hands back the sends it observes complete (a
+completion query, which never blocks; on gloo, whose sends report completion only once waited on,
+it waits at the op this module names instead). When a send is complete follows from NCCL's rule
+that a send larger than its buffering completes when the matching receive runs: every stage posts
+op x's receive right after taking op x - 1's (at the step's start for x = 0), so a send consumed by
+op x of stage b completes once b has started op x - 1 and the transfer is over, and the stage that
+sent it knows so once it has received a message b (or a stage that heard from b) sent after that
+(``known_starts``). ``send_releases`` gives, for each sending op, the first op of the same stage at
+whose receive that is known (None: only at the step's end): the release when each transfer
+finishes before the sender's next completion query, which is the moment the tests' model of NCCL
+takes (no wire time). On a link slower than the sender's compute a send is handed back at a later
+query.
 
 ``peak_buffer_bytes`` is the one rule of what that costs in memory, used by the runtime's test and
 by the memory model (``predict/memory``): counted after each op's sends are posted, the sends not
-yet released plus the receive the next op posted before this op ran.
+yet released plus the receive posted for the next op; ``max_live_messages`` bounds its count.
 """
 
 from __future__ import annotations
@@ -27,9 +32,21 @@ from hethub.schedules.base import Op
 def consumer(op: Op, *, stage: int, num_stages: int, chunks: int) -> tuple[int, Op] | None:
     """(stage, op) that takes what ``op`` of ``stage`` sends, or None (W; the first virtual stage's
     B; the last's F)."""
+    return _neighbour(op, stage=stage, num_stages=num_stages, chunks=chunks, towards=1)
+
+
+def producer(op: Op, *, stage: int, num_stages: int, chunks: int) -> tuple[int, Op] | None:
+    """(stage, op) whose message ``op`` of ``stage`` receives, or None (W; the first virtual stage's
+    F; the last's B)."""
+    return _neighbour(op, stage=stage, num_stages=num_stages, chunks=chunks, towards=-1)
+
+
+def _neighbour(op: Op, *, stage: int, num_stages: int, chunks: int, towards: int) -> tuple[int, Op] | None:
+    """The op of the next (``towards`` = 1) or previous (-1) virtual stage in ``op``'s direction of
+    travel that shares its message, or None."""
     if op.kind == "W":
         return None
-    v = op.chunk * num_stages + stage + (1 if op.kind == "F" else -1)
+    v = op.chunk * num_stages + stage + (towards if op.kind == "F" else -towards)
     if not 0 <= v < num_stages * chunks:
         return None
     return v % num_stages, Op(op.kind, op.micro_batch, v // num_stages)
@@ -46,38 +63,66 @@ def op_posts(op: Op, *, stage: int, num_stages: int, chunks: int) -> int:
     return int(receives) + (consumer(op, stage=stage, num_stages=num_stages, chunks=chunks) is not None)
 
 
-def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1) -> dict[Op, Op | None]:
-    """For every op of ``orders[stage]`` that sends, the op of the same stage after whose receive the
-    send has certainly arrived (module doc), or None. ``orders``: every stage's op order, as run."""
+def known_starts(orders: Sequence[Sequence[Op]], *, chunks: int = 1) -> list[list[tuple[int, ...]]]:
+    """``out[s][i][b]``: the last op index of stage b that stage s knows b has started once it has
+    taken op i's receive (-1: none), learnt through the messages it received, directly or through
+    other stages (vector clocks over stages). A stage's TP and CP ranks count as one: every op of
+    a stage with several ranks runs collectives among them."""
     p = len(orders)
-    # Positions of ops in the stages asked (this one and its neighbours), not in every stage's order.
-    positions: dict[int, dict[Op, int]] = {}
+    sent_with: dict[tuple[int, Op], tuple[int, ...]] = {}  # what a message carries: its sender's knowledge
+    out: list[list[tuple[int, ...]]] = [[] for _ in range(p)]
+    known = [(-1,) * p for _ in range(p)]
+    moved = True
+    while moved:
+        moved = False
+        for s in range(p):
+            while len(out[s]) < len(orders[s]):
+                i = len(out[s])
+                op = orders[s][i]
+                src = producer(op, stage=s, num_stages=p, chunks=chunks)
+                k = known[s]
+                if src is not None:
+                    if src not in sent_with:
+                        break  # not sent yet
+                    k = tuple(max(a, b) for a, b in zip(k, sent_with[src], strict=True))
+                k = (*k[:s], i, *k[s + 1:])
+                known[s] = k
+                out[s].append(k)
+                sent_with[(s, op)] = k
+                moved = True
+    stuck = [s for s in range(p) if len(out[s]) < len(orders[s])]
+    if stuck:
+        raise ValueError(f"the op orders deadlock: stages {stuck} wait for messages never sent")
+    return out
 
-    def index(b: int) -> dict[Op, int]:
-        got = positions.get(b)
-        if got is None:
-            got = positions[b] = {op: i for i, op in enumerate(orders[b])}
-        return got
 
-    # next_to[b][i]: what the first op of stage b at or after index i sends to ``stage``, as the op of
-    # ``stage`` that takes it (None: nothing more).
-    next_to: dict[int, list[Op | None]] = {}
+def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1) -> dict[Op, Op | None]:
+    """For every op of ``orders[stage]`` that sends, the first op of the same stage at whose receive
+    the stage knows the send complete (module doc), or None. ``orders``: every stage's op order, as run."""
+    p = len(orders)
+    known = known_starts(orders, chunks=chunks)[stage]
+    index = [{op: i for i, op in enumerate(o)} for o in orders]
+    order = orders[stage]
     out: dict[Op, Op | None] = {}
-    for op in orders[stage]:
+    for i, op in enumerate(order):
         dest = consumer(op, stage=stage, num_stages=p, chunks=chunks)
         if dest is None:
             continue
         b, taken_by = dest
-        x = index(b).get(taken_by)
-        if b not in next_to:
-            nxt: list[Op | None] = [None] * (len(orders[b]) + 1)
-            for i in range(len(orders[b]) - 1, -1, -1):
-                back = consumer(orders[b][i], stage=b, num_stages=p, chunks=chunks)
-                nxt[i] = back[1] if back is not None and back[0] == stage else nxt[i + 1]
-            next_to[b] = nxt
-        proof = None if x is None else next_to[b][x + 1]
-        out[op] = proof if proof is not None and index(stage).get(proof, -1) > index(stage)[op] else None
+        x = index[b].get(taken_by)
+        out[op] = None if x is None else next(
+            (order[j] for j in range(i + 1, len(order)) if known[j][b] >= max(x - 1, 0)), None)
     return out
+
+
+def max_live_messages(in_flight: float) -> float:
+    """Most messages' buffers (per receiver of a sliced hop) a rank holds at once, counted as
+    ``peak_buffer_bytes`` counts, for a stage that holds ``in_flight`` activations (micro-batches;
+    (micro-batch, chunk) pairs with virtual stages): the in-flight count plus one, for every
+    registered order, when sends are handed back where ``send_releases`` says (the receive posted
+    for the next op, or the op's own send, above one message per activation held).
+    ``tests/unit/test_nccl_replay.py`` checks it on the executor's trace."""
+    return in_flight + 1
 
 
 def peak_buffer_bytes(order: Sequence[Op], releases: dict[Op, Op | None], *, sent: Callable[[Op], float],

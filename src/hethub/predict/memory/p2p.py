@@ -1,7 +1,8 @@
 """The point-to-point buffers a pipeline stage holds beside its activations.
 
 The runtime (``runtime/p2p.py``) posts each op's receive one op ahead and leaves its sends in flight
-until an op whose receive proves they arrived; a sent stage output keeps no values. The rule of
+until they are complete, at the latest the op from which the stage knows the peer posted the
+matching receive (``schedules.messages.send_releases``); a sent stage output keeps no values. The rule of
 what that holds at once is ``schedules.messages.peak_buffer_bytes`` over the stage's order (the
 runtime's traced bytes equal it on TP rank 0: ``tests/unit/test_nccl_replay.py``); here are the
 bytes of each message, as one device of the stage holds them: its TP rank 0, which sends and
