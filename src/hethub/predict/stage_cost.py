@@ -340,8 +340,8 @@ class _MemoryLines:
     persistent: _Line
     sync: _Line
     step: _Line
-    acts: _Line  # per in-flight micro-batch
-    work0: float  # forward/backward transients besides the activations, without and with layers
+    acts: _Line  # per in-flight micro-batch (with the point-to-point buffers that grow with it)
+    work0: float  # forward/backward transients besides those, without and with layers
     work1: float
     frag: float
     outside: float
@@ -351,13 +351,15 @@ class _MemoryLines:
         """The lines read off ``mem(layers, in_flight)`` and checked at two more points; None where
         the parts are not of that shape."""
         z, one, two, one_f2 = mem(0, 1), mem(1, 1), mem(2, 1), mem(1, 2)
+        # The pre-plan point-to-point estimate grows by one message per micro-batch in flight.
+        per_f = one_f2.p2p_buffers_bytes - one.p2p_buffers_bytes
 
         def line(get) -> _Line:
             return _Line(get(z), get(one) - (get(two) - get(one)), get(two) - get(one))
 
         lines = cls(line(lambda m: m.persistent_bytes), line(lambda m: m.grad_sync_buffer_bytes),
-                    line(lambda m: m.optimizer_temporaries_bytes), line(lambda m: m.activations_bytes),
-                    _fb_besides_acts(z), _fb_besides_acts(one), one.fragmentation_ratio,
+                    line(lambda m: m.optimizer_temporaries_bytes), line(lambda m: m.activations_bytes + per_f),
+                    _fb_besides_acts(z) - per_f, _fb_besides_acts(one) - per_f, one.fragmentation_ratio,
                     one.framework_context_bytes + one.comm_buffers_bytes)
         if one_f2.activations_bytes != 2 * one.activations_bytes:
             return None

@@ -8,7 +8,7 @@ state that persists across steps (weights, master copies, gradients, optimizer s
   top (the loss's logits and their fp32 gradients at the head; one layer's recomputed activations
   under full recomputation; under selective recomputation one layer's re-run attention core on top
   of its gradients; one layer's gradients otherwise), plus the point-to-point buffers in flight
-  (sends in flight until a receive proves them arrived, and the next op's receive:
+  (sends in flight until known complete, and the next op's receive:
   :mod:`hethub.predict.memory.p2p`);
 * gradient sync: the gradients already lie in one contiguous buffer, which buckets reduce in place
   (``runtime/grad_buffer.py``): nothing more, except for groups whose holders differ in TP degree,
@@ -38,6 +38,7 @@ from typing import Any
 from hethub.memo import Kept
 from hethub.plan import Recompute
 from hethub.predict.memory import activations as act
+from hethub.schedules.messages import max_live_messages
 from hethub.spec.kind import DeviceKind
 from hethub.spec.model import ModelSpec
 
@@ -210,10 +211,11 @@ def stage_memory(
     ``sequence_parallel``, ``cp``: the stage's sequence and context parallelism (the seq_len is the
     whole sequence's; a device holds seq_len / cp tokens of each).
     ``p2p_bytes``: the stage's point-to-point buffers in flight (:func:`~hethub.predict.memory.p2p.p2p_buffer_bytes`
-    for a plan's stage); None: an estimate for callers that know neither the stage's neighbours nor
-    its schedule yet (the planner's search), two whole messages in this precision's boundary dtype; a
-    plan's stage holds up to its in-flight count plus one to three (``PlanCosts.p2p_bytes`` prices it),
-    each message a small fraction of one micro-batch's activations.
+    for a plan's stage, which ``PlanCosts.p2p_bytes`` prices); None: an upper bound for callers that
+    know neither the stage's neighbours nor its position in the order yet (the planner's search),
+    ``schedules.messages.max_live_messages(in_flight)`` whole messages in this precision's boundary
+    dtype (a neighbour of a wider dtype sends wider messages), each a small fraction of one
+    micro-batch's activations.
     """
     recompute = Recompute.of(recompute)
     sp = sequence_parallel and tp > 1
@@ -263,7 +265,8 @@ def stage_memory(
         fragmentation_ratio=kind.fragmentation if kind is not None else 0.0,
         framework_context_bytes=kind.context_bytes if kind is not None else 0.0,
         comm_buffers_bytes=kind.comm_buffer_bytes * communicators if kind is not None else 0.0,
-        p2p_buffers_bytes=2 * tokens * model.hidden_size * act_bytes_for(precision) if p2p_bytes is None else p2p_bytes,
+        p2p_buffers_bytes=(max_live_messages(in_flight) * tokens * model.hidden_size * act_bytes_for(precision)
+                           if p2p_bytes is None else p2p_bytes),
     )
 
 
