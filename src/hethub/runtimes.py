@@ -55,8 +55,9 @@ HETHUB = RuntimeProfile(
     name="hethub", p2p="async", dp_overlap=True, tp_wgrad_overlap=False, attentions=("flash", "math"),
     sources=(
         ("p2p", "runtime/p2p.py: each message isend on its lane and on to the next op, receives posted one op "
-                "ahead, a send waited for only at the op whose receive proves it arrived "
-                "(schedules/messages.py send_releases), the rest at the step's end"),
+                "ahead, a send waited for only once complete: Work.is_completed before and after each op, on gloo "
+                "the op from which the stage knows its receive was posted (schedules/messages.py send_releases), "
+                "the rest at the step's end"),
         ("dp_overlap", "runtime/grad_buffer.py: ~40M-element buckets all-reduced as their gradients become final "
                        "in the last micro-batch's backward, in reverse layer order"),
         ("tp_wgrad_overlap", "runtime/tensor_parallel.py: each TP all-reduce is waited for where it is issued; "

@@ -52,8 +52,8 @@ def _comm(pred, kind: str, what: str) -> float:
 # ---- hethub's entry is what runtime/ does --------------------------------------------------------------
 def test_hethub_p2p_is_async_as_its_executor_sends() -> None:
     src = (RUNTIME / "p2p.py").read_text()
-    # sends posted, waited for only where a receive proves they arrived (never blocking the next op)
-    assert ".comm.isend(" in src and "send_releases(" in src and "work.wait()" in src
+    # sends posted, waited for only once complete: queried, or known (gloo) where send_releases says
+    assert ".comm.isend(" in src and ".is_completed()" in src and "send_releases(" in src and "work.wait()" in src
     assert HETHUB.p2p == "async"
 
 
