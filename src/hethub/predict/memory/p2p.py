@@ -45,9 +45,10 @@ class MessageBytes:
 _PEAKS = Kept(100_000)
 # Past the pipeline's depth, 1F1B and ZB-H1 (and the interleaved schedule at one chunk, whose
 # order is 1F1B's) only repeat one steady window per added micro-batch, so a stage's peak is the same
-# for every count from p on; the interleaved schedule's warm-up follows the count modulo p, so its
-# peak repeats with period p from 2p on. The walk runs the smallest count of the same peak
-# (`walked_micro_batches`, with margin); tests/unit/test_p2p_buffers.py checks it against the full walk.
+# for every count from p on. The walk runs the smallest count of the same peak (`walked_micro_batches`,
+# with margin); tests/unit/test_p2p_buffers.py checks it against the full walk. Interleaving with
+# several chunks has no such shortcut: with sends released as soon as the stage knows them complete
+# (schedules/messages.send_releases), its peak follows no fixed period in the count.
 STEADY_SCHEDULES = frozenset({"1f1b", "zb-h1"})
 
 
@@ -56,10 +57,7 @@ def walked_micro_batches(schedule: str, *, num_stages: int, num_micro_batches: i
     p, m = num_stages, num_micro_batches
     if schedule in STEADY_SCHEDULES or (schedule == "interleaved" and chunks == 1):
         return min(m, p + 2)
-    if schedule == "interleaved":
-        start = 2 * p + 4
-        return m if m < start else start + (m - start) % p
-    return m  # GPipe holds every forward's sends: its peak grows with the count
+    return m  # GPipe holds every forward's sends (its peak grows with the count); interleaved: above
 
 
 @functools.lru_cache(maxsize=256)
