@@ -96,11 +96,13 @@ def known_starts(orders: Sequence[Sequence[Op]], *, chunks: int = 1) -> list[lis
     return out
 
 
-def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1) -> dict[Op, Op | None]:
+def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1,
+                  known: Sequence[Sequence[tuple[int, ...]]] | None = None) -> dict[Op, Op | None]:
     """For every op of ``orders[stage]`` that sends, the first op of the same stage at whose receive
-    the stage knows the send complete (module doc), or None. ``orders``: every stage's op order, as run."""
+    the stage knows the send complete (module doc), or None. ``orders``: every stage's op order, as run;
+    ``known``: ``known_starts(orders)`` where the caller has it (it serves every stage)."""
     p = len(orders)
-    known = known_starts(orders, chunks=chunks)[stage]
+    known = (known if known is not None else known_starts(orders, chunks=chunks))[stage]
     index = [{op: i for i, op in enumerate(o)} for o in orders]
     order = orders[stage]
     out: dict[Op, Op | None] = {}

@@ -2,7 +2,7 @@
 
 The runtime (``runtime/p2p.py``) posts each op's receive one op ahead and leaves its sends in flight
 until they are complete, at the latest the op from which the stage knows the peer posted the
-matching receive (``schedules.messages.send_releases``); a sent stage output keeps no values. The rule of
+matching receive (``schedules.messages.known_starts, send_releases``); a sent stage output keeps no values. The rule of
 what that holds at once is ``schedules.messages.peak_buffer_bytes`` over the stage's order (the
 runtime's traced bytes equal it on TP rank 0: ``tests/unit/test_nccl_replay.py``); here are the
 bytes of each message, as one device of the stage holds them: its TP rank 0, which sends and
@@ -21,7 +21,7 @@ from hethub.memo import Kept
 from hethub.plan import Plan, Stage
 from hethub.predict.memory.model import act_bytes_for
 from hethub.schedules import Op, get_schedule
-from hethub.schedules.messages import peak_buffer_bytes, send_releases
+from hethub.schedules.messages import known_starts, peak_buffer_bytes, send_releases
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,16 @@ def _orders(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: i
 def _releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int, stage: int,
               ) -> tuple[tuple[Op, ...], dict[Op, Op | None]]:
     orders = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
-    return orders[stage], send_releases(orders, stage, chunks=chunks)
+    known = _known(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
+    return orders[stage], send_releases(orders, stage, chunks=chunks, known=known)
+
+
+@functools.lru_cache(maxsize=256)
+def _known(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int,
+           ) -> list[list[tuple[int, ...]]]:
+    """`known_starts` of a pipeline shape's orders, once for all its stages."""
+    orders = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
+    return known_starts(orders, chunks=chunks)
 
 
 def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
