@@ -231,7 +231,13 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     ``auto``, the best over the schedules of ``AUTO_CANDIDATES``, each planned on its own (its
     in-flight memory shapes the stages), chosen by predicted step time."""
     with _collector_paused():
-        result = _reused_or_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+        return _reused_or_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+
+
+def _made(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+          profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
+    """The search's answer with what every answer reports (the proven bound, the one-replica note)."""
+    result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     result = reported(result, proven_bound(cluster=cluster, model=model, config=config, profiles=profiles))
     if config.optimizer_sharding == "zero1" and not result.plan.sharded_optimizer and ONE_REPLICA not in result.notes:
         result = replace(result, notes=(ONE_REPLICA, *result.notes))
@@ -256,12 +262,12 @@ def _collector_paused():
 def _reused_or_made(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                     profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
     if _REUSED is None:
-        return _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+        return _made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     # The objects themselves are kept in the entry, so their ids cannot be reused while it lives.
     key = (id(cluster), id(model), id(profiles), id(host), config)
     if key not in _REUSED:
         try:
-            _REUSED[key] = (_make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host),
+            _REUSED[key] = (_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host),
                             None, (cluster, model, profiles, host))
         except InfeasibleError as err:
             _REUSED[key] = (None, err, (cluster, model, profiles, host))
