@@ -192,22 +192,29 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     results = []  # every row's search, whose kinds-alone bounds merge into the one the rows are read against
     shardings: list[str | None] = []  # each row's plan's optimizer sharding
     notes: list[str] = []  # the planner's sharding choice for hethub's row
+    chosen_plan = None  # hethub's row's plan
+    cp_notes: list[str] = []  # and the planner's context-parallelism choice
     # With the schedule left to the planner, hethub's row under each candidate schedule too.
     runs = [(s, config.schedule) for s in ("hethub", "uniform", "flops-proportional", "homogeneous")]
     if config.schedule == AUTO_SCHEDULE:
         runs[1:1] = [("hethub", name) for name in AUTO_CANDIDATES]
-    runs = [(s, sch, config.optimizer_sharding) for s, sch in runs]
+    runs = [(s, sch, config.optimizer_sharding, config.sequence_parallel) for s, sch in runs]
     if config.optimizer_sharding == "auto":  # and hethub's best unsharded plan, to show what sharding gains
-        runs.insert(1, ("hethub", config.schedule, "none"))
+        runs.insert(1, ("hethub", config.schedule, "none", config.sequence_parallel))
+    if config.sequence_parallel:  # and its best plan without sequence parallelism
+        runs.insert(1, ("hethub", config.schedule, config.optimizer_sharding, False))
     # Each row's searches are made once: the first row (schedule and sharding left to the planner)
     # already searches every candidate schedule, sharded and not, which the rows after it ask for again.
     with reused_searches():
-        for strategy, schedule, sharding in runs:
+        for strategy, schedule, sharding, seq_par in runs:
             label = strategy if schedule == config.schedule else f"{strategy} ({schedule})"
             if sharding != config.optimizer_sharding:
                 label += " (no sharding)"
+            if seq_par != config.sequence_parallel:
+                label += " (no SP)"
             try:
-                row_config = replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding)
+                row_config = replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding,
+                                     sequence_parallel=seq_par)
                 if strategy == "hethub" and schedule != config.schedule:  # the very search auto compared
                     row_config = candidate_config(row_config, schedule)
                 r = make_plan(cluster=cluster, model=model, profiles=profiles, host=host, config=row_config)
@@ -221,6 +228,8 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
                 shardings.append(r.plan.optimizer_sharding)
                 if label == "hethub":
                     notes = [n for n in r.notes if n.startswith("optimizer sharding:")]
+                    chosen_plan = r.plan
+                    cp_notes = [n for n in r.notes if n.startswith("context parallelism:")]
             except HethubError as err:
                 rows.append((label, 0.0, float("nan"), 0.0, 0, 0, None, str(err).split(". Fix")[0], schedule))
                 shardings.append(None)
@@ -267,7 +276,26 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
         print("n/a: a kind used has no price_per_hour (catalog or cluster file)")
     if gain:
         print(gain)
+    if chosen_plan is not None:
+        print(seq_split_gain(rows, chosen_plan))
+    for n in cp_notes:
+        print(n)
     return 0
+
+
+def seq_split_gain(rows: list[tuple], plan) -> str:
+    """Where hethub's chosen plan splits sequences (SP, CP) and what that gains over its best plan
+    without sequence parallelism (the "(no SP)" row)."""
+    stages = [s for p in plan.pipelines for s in p.stages]
+    sp = sum(s.sequence_parallel for s in stages)
+    cp = sorted({s.cp for s in stages if s.cp > 1})
+    chosen = next((r for r in rows if r[0] == "hethub" and not r[7]), None)
+    without = next((r for r in rows if r[0] == "hethub (no SP)" and not r[7]), None)
+    head = (f"sequence parallelism: on {sp} of {sum(s.tp > 1 for s in stages)} TP > 1 stages"
+            + (f", context parallelism {'/'.join(map(str, cp))}" if cp else ", no context parallelism"))
+    if chosen is not None and without is not None:
+        head += f"; predicted {without[2] / chosen[2]:.3f}x the best plan without SP (step {without[2]:.3f} s)"
+    return head
 
 
 def _sharding_gain(rows: list[tuple], shardings: list[str | None], notes: list[str]) -> str:
@@ -390,8 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--profiles", help="directory or file of measured layer profiles (hethub or Sailor format)")
     sp.add_argument("--links", help="measured links profile from 'hethub bench comm' (replaces catalog links)")
     sp.add_argument("--optimizer-sharding", default="auto", choices=("auto", *PLANNED_SHARDINGS),
-                    help="ZeRO-1 optimizer-state sharding across each layer's data-parallel holders; auto "
-                         "(default): plan with and without it and keep the faster predicted")
+                    help="sharding across each layer's data-parallel holders: zero1 the optimizer state, zero2 "
+                         "and the gradients, zero3 and the parameters; auto (default): the fastest predicted "
+                         "(zero2/zero3 priced where memory binds, docs/planner.md)")
     sp.add_argument("--optimizer-shares", default="proportional", choices=OPTIMIZER_SHARES,
                     help="how a sharded group's state is split among its holders: in proportion to their "
                          "free memory (default) or equally")

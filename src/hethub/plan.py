@@ -26,7 +26,8 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import PRECISIONS, ModelSpec
 
 __all__ = ["OPTIMIZER_SHARDINGS", "OPTIMIZER_SHARES", "PLAN_VERSION", "PLAN_VERSION_P2P", "RECOMPUTE_MODES",
-           "Pipeline", "Plan", "Recompute", "ShardWeights", "Stage", "interleave", "split_evenly"]
+           "Pipeline", "Plan", "Recompute", "ShardWeights", "Stage", "interleave", "split_evenly", "zero23_refusal",
+           "zero_stage_of"]
 
 PLAN_FORMAT = "hethub-plan"
 # 2: per-kind "precision"/"attention" under training.kinds. Version 1 files (no per-kind settings)
@@ -65,9 +66,9 @@ KIND_SETTINGS = ("precision", "attention")
 # no whole gradient buffer); "zero3" also the parameters (gathered per layer before each use, released
 # after: runtime/zero_params.py).
 OPTIMIZER_SHARDINGS = ("none", "zero1", "zero2", "zero3")
-# What the planner chooses among today (hethub plan --optimizer-sharding); zero2/zero3 plans are
-# written by hand or by editing a planned one.
-PLANNED_SHARDINGS = ("none", "zero1")
+# What the planner chooses among (hethub plan --optimizer-sharding; zero2/zero3 only for plans that
+# zero23_refusal accepts).
+PLANNED_SHARDINGS = ("none", "zero1", "zero2", "zero3")
 # How a group's elements are split among its holders: in proportion to each holder's free device
 # memory (predicted without optimizer state), or equally.
 OPTIMIZER_SHARES = ("proportional", "equal")
@@ -118,7 +119,7 @@ class Plan:
     @property
     def zero_stage(self) -> int:
         """0 unsharded, else the ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters."""
-        return 0 if self.optimizer_sharding == "none" else int(self.optimizer_sharding[-1])
+        return zero_stage_of(self.optimizer_sharding)
 
     def rank_shard_weights(self) -> dict[int, float]:
         """Each rank's weight in the ZeRO-1 split (``predict/sharding.py``), as the plan carries it."""
@@ -481,20 +482,32 @@ def _shard_weights(training: dict[str, Any]) -> ShardWeights | None:
     return ShardWeights(mem_headroom=float(headroom), by_rank=tuple(float(w) for w in by_rank))
 
 
+def zero_stage_of(sharding: str) -> int:
+    """The ZeRO stage of an optimizer sharding (OPTIMIZER_SHARDINGS): 0 for none."""
+    return 0 if sharding == "none" else int(sharding[-1])
+
+
 def _check_zero23(plan: Plan) -> None:
-    """ZeRO-2 and ZeRO-3 run one collective per micro-batch (and per layer use) over each group of
-    holders, matched in order among them (runtime/zero.py): every holder must run as many. Every
-    pipeline holds every layer, so that is every pipeline."""
+    refusal = zero23_refusal(plan)
+    if refusal is not None:
+        _fail("training.optimizer_sharding", *refusal)
+
+
+def zero23_refusal(plan: Plan) -> tuple[str, str] | None:
+    """Why ``plan`` cannot run its ZeRO-2/3 sharding, as (problem, fix), or None where it can. ZeRO-2
+    and ZeRO-3 run one collective per micro-batch (and per layer use) over each group of holders,
+    matched in order among them (runtime/zero.py): every holder must run as many. Every pipeline
+    holds every layer, so that is every pipeline."""
     counts = sorted({p.num_micro_batches for p in plan.pipelines})
     if len(counts) > 1:
-        _fail("training.optimizer_sharding", f"is {plan.optimizer_sharding!r}, but the pipelines run "
-              f"{', '.join(map(str, counts))} micro-batches per step (each micro-batch's gradients are reduced "
-              "onto their owners, and under zero3 each layer gathered, as collectives all holders join)",
-              "give every pipeline the same num_micro_batches (their micro_batch_size may differ), or use zero1")
+        return (f"is {plan.optimizer_sharding!r}, but the pipelines run {', '.join(map(str, counts))} micro-batches "
+                "per step (each micro-batch's gradients are reduced onto their owners, and under zero3 each layer "
+                "gathered, as collectives all holders join)",
+                "give every pipeline the same num_micro_batches (their micro_batch_size may differ), or use zero1")
     if plan.zero_stage == 3 and any(p.virtual_stages > 1 for p in plan.pipelines):
-        _fail("training.optimizer_sharding", "is 'zero3' on a pipeline with virtual stages (its gathers follow "
-              "each holder's forward order, which chunks interleave differently per holder)",
-              "give each stage one layer range, or use zero2")
+        return ("is 'zero3' on a pipeline with virtual stages (its gathers follow each holder's forward order, which "
+                "chunks interleave differently per holder)", "give each stage one layer range, or use zero2")
+    return None
 
 
 def _check_shard_weights(w: ShardWeights, *, world_size: int) -> None:

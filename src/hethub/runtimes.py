@@ -104,3 +104,11 @@ def runtime_profile(name: str) -> RuntimeProfile:
         return RUNTIMES[name]
     except KeyError:
         raise ValueError(f"unknown runtime {name!r}; use one of {', '.join(RUNTIMES)}") from None
+
+
+def runtime_runs(name: str, *, sequence_parallel: bool = False, cp: int = 1, zero_stage: int = 0) -> bool:
+    """Whether runtime ``name`` runs a plan with these memory-scaling choices (the planner offers only
+    what it does). hethub's runtime runs all of them (``runtime/tensor_parallel.py`` SP,
+    ``runtime/context_parallel.py``, ``runtime/zero_grads.py`` / ``zero_params.py``); the other runtimes
+    are offered none of them until their own lists say which they run."""
+    return name == HETHUB.name or not (sequence_parallel or cp > 1 or zero_stage >= 2)

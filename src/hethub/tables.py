@@ -5,7 +5,7 @@ Identical replicas are folded into one row group ("x16") so a 768-device plan st
 
 from __future__ import annotations
 
-from hethub.plan import Plan
+from hethub.plan import Plan, Stage
 from hethub.predict.result import Prediction
 from hethub.predict.utilisation import cluster_mfu
 from hethub.schedules import DEFAULT_P2P
@@ -34,7 +34,12 @@ def compact_ids(ids: tuple[int, ...] | list[int]) -> str:
 def _signature(plan: Plan, pi: int) -> tuple:
     p = plan.pipelines[pi]
     return (p.micro_batch_size, p.num_micro_batches,
-            tuple((s.kind, s.tp, s.layer_ranges, s.recompute) for s in p.stages))
+            tuple((s.kind, s.tp, s.layer_ranges, s.recompute, s.sequence_parallel, s.cp) for s in p.stages))
+
+
+def seq_split(s: Stage) -> str:
+    """How a stage splits its sequences: "sp" (sequence parallelism), "cpN" (context parallelism), "-"."""
+    return "+".join(["sp"] * s.sequence_parallel + [f"cp{s.cp}"] * (s.cp > 1)) or "-"
 
 
 def format_plan_table(plan: Plan, pred: Prediction) -> str:
@@ -43,7 +48,7 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
         groups.setdefault(_signature(plan, pi), []).append(pi)
     by_stage = {(s.pipeline, s.stage): s for s in pred.stages}
     head = (f"{'pipelines':<14} {'mbs x n':>9} {'stage':>5} {'kind':<12} {'devices':<18} {'layers':<9} {'tp':>2} "
-            f"{'recompute':<9} {'mem GiB / cap':>14} {'fwd+bwd ms':>10} {'sync ms':>8}")
+            f"{'seq':<6} {'recompute':<9} {'mem GiB / cap':>14} {'fwd+bwd ms':>10} {'sync ms':>8}")
     lines = [head, "-" * len(head)]
     for pis in groups.values():
         first = plan.pipelines[pis[0]]
@@ -56,7 +61,8 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
                 f"{label if si == 0 else '':<14} "
                 f"{(f'{first.micro_batch_size}x{first.num_micro_batches}' if si == 0 else ''):>9} "
                 f"{si:>5} {s.kind:<12} {devs:<18} {fmt_chunks(s.layer_ranges):<9} "
-                f"{s.tp:>2} {s.recompute:<9} {mem:>14} {(sp.fwd_s + sp.bwd_s) * 1e3:>10.1f} {sp.sync_s * 1e3:>8.1f}"
+                f"{s.tp:>2} {seq_split(s):<6} {s.recompute:<9} {mem:>14} {(sp.fwd_s + sp.bwd_s) * 1e3:>10.1f} "
+                f"{sp.sync_s * 1e3:>8.1f}"
             )
     return "\n".join(lines)
 

@@ -26,7 +26,8 @@ from hethub.plan import Plan
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.search.assemble import allocate_devices, choose_recompute, to_pipeline
+from hethub.predict.stage_modes import choose_recompute
+from hethub.search.assemble import allocate_devices, to_pipeline
 from hethub.search.config import PlannerConfig
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher
@@ -127,7 +128,8 @@ def _plan(s: Searcher, pipes: list, devices: list, ms: tuple[int, ...], mbs: int
     cfg = s.config
     plan = Plan(model=s.model, cluster=s.cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                 pipelines=tuple(pipelines), schedule=cfg.schedule, precision=cfg.precision, strategy="exhaustive")
-    return choose_recompute(plan, allow_recompute=cfg.allow_recompute, mem_headroom=cfg.mem_headroom)
+    return choose_recompute(plan, allow_recompute=cfg.allow_recompute, mem_headroom=cfg.mem_headroom,
+                            allow_sp=cfg.sequence_parallel)
 
 
 def exhaustive_best(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from hethub.plan import Plan, Recompute
 from hethub.predict.predictor import predict, stage_memory_fits
-from hethub.search.assemble import choose_recompute, with_recompute
+from hethub.predict.stage_modes import choose_recompute
+from hethub.search.assemble import with_recompute
 from hethub.search.config import PlannerConfig
 from hethub.search.planner import make_plan
 from hethub.spec.cluster import load_cluster

@@ -38,10 +38,17 @@ from hethub.predict.comm import (
     rings_link,
     small_allreduce_time_s,
 )
+from hethub.runtimes import DEFAULT_RUNTIME, runtime_runs
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
 
 GRAD_BYTES = 4  # the norms' weight gradients and the ring's K/V gradients travel in fp32
+
+
+def sp_applies(*, tp: int, seq_len: int, cp: int = 1, runtime: str = DEFAULT_RUNTIME) -> bool:
+    """Whether a TP-``tp`` stage can run sequence parallelism (what ``plan._check_seq_split`` accepts:
+    TP > 1 and each CP rank's tokens split over the TP ranks) under ``runtime``."""
+    return tp > 1 and (seq_len // cp) % tp == 0 and runtime_runs(runtime, sequence_parallel=True)
 
 
 def sp_tp_comm_s(*, act_bytes_per_layer: float, layers: int, tp: int, hidden_size: int, link: Link,

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from hethub.layout import DEFAULT_BUCKET_ELEMS, ZERO_IN_FLIGHT_ROUNDS
 from hethub.memo import Kept
 from hethub.plan import Plan, Recompute
 from hethub.predict.comm import tp_comm_time_s
@@ -42,9 +43,11 @@ from hethub.predict.memory import (
     sharded_memory,
     stage_memory,
     stage_params,
+    zero23_memory,
 )
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import cp_compute_share, sp_tp_comm_s
+from hethub.predict.sharding import unit_elems
 from hethub.runtimes import DEFAULT_RUNTIME, runtime_profile
 from hethub.spec.cluster import Cluster, Link, node_link
 from hethub.spec.kind import DeviceKind
@@ -192,6 +195,21 @@ def stage_memory_of(job: StageJob, kind: DeviceKind, *, layers: int, embedding: 
         pin=(job.model, kind))
 
 
+def planned_zero23(mem: StageMemory, model: ModelSpec, *, zero_stage: int, elems: float, holders: int, tp: int,
+                   emb: bool, head: bool, precision: str) -> StageMemory:
+    """``mem`` (sharded as ZeRO-1) under ZeRO-2 or 3 before a plan exists (``memory.zero23_memory`` with
+    the parts ``sharding.zero23_rank_bytes`` gives a plan, estimated): an equal 1/holders slice of the
+    stage's ``elems`` parameters, every unit gathered under ZeRO-3 (its holders at one position), the
+    largest unit or bucket as the reduction round, two units gathered at once (the one in use and the
+    prefetched next)."""
+    units = ["layer.0"] + ["embed"] * emb + ["head"] * head
+    unit = max(unit_elems(model, u, tp=tp) for u in units)
+    rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * min(elems, max(unit, DEFAULT_BUCKET_ELEMS)) * 4
+    wbytes = ModelSpec.state_bytes_per_param(precision)["weights"]
+    return zero23_memory(mem, stage=zero_stage, moment_elems=elems / holders, grad_bytes=4 * elems / holders,
+                         whole_weight_bytes=0.0, gathered_bytes=2 * min(unit, elems) * wbytes, round_bytes=rounds)
+
+
 @dataclass(frozen=True)
 class Affine:
     """A cost as a line in the layer count: ``base`` with no layers, ``per_layer`` each."""
@@ -207,17 +225,21 @@ class StageModel:
     """One stage shape (kind, TP degree, micro-batch size, recomputation) as the planner prices it.
 
     Before a plan exists a stage is taken to sync with other replicas and to talk to two pipeline
-    neighbours (the most buffers a stage holds), and, under ZeRO-1, to keep optimizer state for
-    ``1 / shard_holders`` of its parameters; the predictor re-scores the planner's finalists with
-    each plan's own. ``capacity_bytes``: the memory a stage may use (inf: unlimited). ``sp``, ``cp``:
-    sequence and context parallelism (time and memory; the CP ring's passes depend on the devices
+    neighbours (the most buffers a stage holds), and, sharded (``shard_holders`` > 1), to keep
+    optimizer state for ``1 / shard_holders`` of its parameters, under ZeRO-2 (``zero_stage``) also
+    their gradients, under ZeRO-3 also the parameters, gathered per layer (``planned_zero23``); the
+    predictor re-scores the planner's finalists with each plan's own holders and slices.
+    ``capacity_bytes``: the memory a stage may use (inf: unlimited). ``sp``, ``cp``: sequence and
+    context parallelism (time and memory; the CP ring's passes depend on the devices
     and are :func:`hethub.predict.seq_parallel.cp_ring_s`'s, as hops are the links').
     """
 
     def __init__(self, job: StageJob, kind: DeviceKind, *, tp: int, mbs: int, recompute: Recompute,
-                 capacity_bytes: float, shard_holders: int = 1, sp: bool = False, cp: int = 1) -> None:
+                 capacity_bytes: float, shard_holders: int = 1, sp: bool = False, cp: int = 1,
+                 zero_stage: int = 1) -> None:
         self.job, self.kind, self.tp, self.mbs, self.recompute = job, kind, tp, mbs, Recompute.of(recompute)
         self.capacity_bytes, self.shard_holders, self.sp, self.cp = capacity_bytes, shard_holders, sp, cp
+        self.zero_stage = zero_stage
         self._steps: dict[tuple[int, bool, bool], StageStepCost] = {}
         z, one = self.step(0, emb=False, head=False), self.step(1, emb=False, head=False)
         e, h = self.step(0, emb=True, head=False), self.step(0, emb=False, head=True)
@@ -267,8 +289,13 @@ class StageModel:
                               mbs=self.mbs, recompute=self.recompute, in_flight=in_flight, synced=True, neighbours=2,
                               sp=self.sp, cp=self.cp, p2p_bytes=p2p_bytes)
         if self.shard_holders > 1:
-            mem = sharded_memory(mem, moment_elems=self.params(layers, emb=emb, head=head) / self.shard_holders,
-                                 master_elems=0.0, precision=self.job.precisions[self.kind.name], kind=self.kind)
+            elems = self.params(layers, emb=emb, head=head)
+            precision = self.job.precisions[self.kind.name]
+            mem = sharded_memory(mem, moment_elems=elems / self.shard_holders, master_elems=0.0, precision=precision,
+                                 kind=self.kind)
+            if self.zero_stage >= 2:
+                mem = planned_zero23(mem, self.job.model, zero_stage=self.zero_stage, elems=elems,
+                                     holders=self.shard_holders, tp=self.tp, emb=emb, head=head, precision=precision)
         return mem
 
     def memory_bytes(self, layers: int, *, emb: bool, head: bool, in_flight: float) -> float:

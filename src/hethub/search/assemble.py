@@ -7,10 +7,8 @@ from dataclasses import replace
 
 from hethub.errors import InfeasibleError
 from hethub.plan import Pipeline, Plan, Recompute, Stage
-from hethub.predict.memory import DEFAULT_MEM_HEADROOM
-from hethub.predict.predictor import StageFits
 from hethub.search.combine import Estimate
-from hethub.search.split import RECOMPUTE_ORDER, PipeCost
+from hethub.search.split import PipeCost
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
@@ -72,43 +70,14 @@ def to_pipeline(pc: PipeCost, devices: list[tuple[int, ...]], *, num_micro_batch
     stages, start = [], 0
     for s, (slot, n) in enumerate(zip(pc.slots, pc.layers, strict=True)):
         stages.append(Stage(kind=slot.kind, devices=devices[s], layers=(start, start + n), embedding=s == 0,
-                            head=s == len(pc.slots) - 1, recompute=pc.recompute[s]))
+                            head=s == len(pc.slots) - 1, recompute=pc.recompute[s],
+                            sequence_parallel=bool(pc.sp) and pc.sp[s]))
         start += n
     return Pipeline(micro_batch_size=mbs, num_micro_batches=num_micro_batches, stages=tuple(stages))
 
 
-# ---- Per-stage recomputation of a laid-out plan: the cheapest mode that fits each stage's memory.
+# ---- Per-stage modes of a laid-out plan (predict/stage_modes.py): the fastest that fits each stage.
 def with_recompute(plan: Plan, mode: Recompute) -> Plan:
     """``plan`` with every stage recomputing ``mode``."""
     return replace(plan, pipelines=tuple(replace(p, stages=tuple(replace(s, recompute=mode) for s in p.stages))
                                          for p in plan.pipelines))
-
-
-def choose_recompute(plan: Plan, *, allow_recompute: bool = True,
-                     mem_headroom: float = DEFAULT_MEM_HEADROOM) -> Plan:
-    """Each stage's fastest recomputation mode that fits its memory; without ``allow_recompute`` only
-    ``none`` is tried. A stage that fits under no mode tried keeps its own."""
-    modes = RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
-    under = StageFits(plan, mem_headroom=mem_headroom).under
-    fits = {m: under(m) for m in modes}
-    pipes = []
-    for pi, p in enumerate(plan.pipelines):
-        stages = tuple(replace(s, recompute=next((m for m in modes if fits[m][(pi, si)]), s.recompute))
-                       for si, s in enumerate(p.stages))
-        pipes.append(replace(p, stages=stages))
-    return replace(plan, pipelines=tuple(pipes))
-
-
-def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> bool:
-    """Whether every stage of ``plan`` fits its memory under some recomputation mode (what
-    ``choose_recompute`` then picks), with the plan's real gradient-sync shape."""
-    # Full recomputation first: it holds the fewest activations, so it alone usually settles it.
-    modes = tuple(reversed(RECOMPUTE_ORDER)) if allow_recompute else (Recompute.NONE,)
-    ok: dict[tuple[int, int], bool] = {}
-    under = StageFits(plan, mem_headroom=mem_headroom).under
-    for m in modes:
-        for key, fits in under(m).items():
-            ok[key] = ok.get(key, False) or fits
-        if all(ok.values()):
-            return True
-    return False

@@ -34,7 +34,7 @@ from typing import Any
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
-from hethub.search.split import RECOMPUTE_ORDER, Cache, CostBook, Slot, StageCost
+from hethub.search.split import Cache, CostBook, Slot, StageCost
 
 # The floors' caches in each job's CostBook.
 _PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
@@ -48,6 +48,7 @@ _IN_FLIGHT_BOUNDS: Cache[dict[int, tuple[int, ...]]] = Cache("in-flight bounds")
 _CAPACITY: Cache[Capacity] = Cache("capacity")
 _TEMPLATE_FLOORS: Cache[tuple[float, float] | None] = Cache("template floors")
 _PIPE_FLOORS: Cache[PipeFloor | None] = Cache("pipe floors")
+ALL_MODES = 6  # n_modes for every mode of split._options (at most 3 recomputations x with/without SP)
 
 
 class Capacity:
@@ -267,7 +268,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     hit = book.cache(_PIPE_FLOORS).get(key, ())
     if hit != ():
         return hit
-    n_modes = len(RECOMPUTE_ORDER) if recompute else 1
+    n_modes = ALL_MODES if recompute else 1
     sched = get_schedule(job.schedule, chunks=job.chunks)
     inv_w, base_over_w, base_sum, w_min = 0.0, 0.0, 0.0, math.inf
     caps: list[tuple[int, tuple]] = []  # (stages, their modes: (capacity, w, base) each)
@@ -481,12 +482,11 @@ def in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int,
 
 
 def stage_variants(book: CostBook, kind: str, tp: int, mbs: int) -> list:
-    """Every recomputation mode a split may give a stage (none, selective, full: split._options)."""
+    """Every mode a split may give a stage (split._options: CostBook.modes, plain none first)."""
     key = (kind, tp, mbs)
     hit = book.cache(_STAGE_VARIANTS).get(key)
     if hit is None:
-        hit = book.cache(_STAGE_VARIANTS)[key] = [book.stage(kind, tp=tp, mbs=mbs, recompute=rc)
-                                                  for rc in RECOMPUTE_ORDER]
+        hit = book.cache(_STAGE_VARIANTS)[key] = book.modes(kind, tp=tp, mbs=mbs)
     return hit
 
 

@@ -27,6 +27,8 @@ class PlannerConfig:
     # TP degrees tried; a kind only uses those that divide its node size and the model's dimensions.
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     allow_recompute: bool = True
+    # Sequence parallelism on TP > 1 stages where it pays (a stage mode beside recomputation).
+    sequence_parallel: bool = True
     # How many closed-form finalists the full predictor re-scores; more is slower and rarely better.
     finalists: int = 6
     # Besides them, the best of each micro-batch size (and of the plans mixing sizes): the closed form
@@ -44,8 +46,8 @@ class PlannerConfig:
     min_tokens_per_s: float | None = None
     # Share of each device's memory plans leave free (predict/memory/capacity.py says why 0.1).
     mem_headroom: float = DEFAULT_MEM_HEADROOM
-    # ZeRO-1 optimizer-state sharding (plan.py's training.optimizer_sharding), or "auto": plan with and
-    # without it and keep the faster predicted (planner.py, _best_sharding).
+    # Optimizer sharding (plan.py's training.optimizer_sharding: ZeRO-1, 2 or 3), or "auto": plan with
+    # each and keep the faster predicted (search/variants.py).
     optimizer_sharding: str = "none"
     optimizer_shares: str = "proportional"
     # Holders each parameter group is assumed to have when the search checks a sharded stage's memory
@@ -85,6 +87,9 @@ class PlannerConfig:
         if self.optimizer_sharding not in (*PLANNED_SHARDINGS, "auto"):
             raise bad("optimizer_sharding", f"is {self.optimizer_sharding!r}",
                       f"use one of {', '.join(PLANNED_SHARDINGS)} or auto")
+        if self.optimizer_sharding == "zero3" and self.schedule == "interleaved":
+            raise bad("optimizer_sharding", "is zero3, which runs no virtual stages (plan.zero23_refusal)",
+                      "use zero2 or auto with the interleaved schedule, or another schedule with zero3")
         if self.optimizer_shares not in OPTIMIZER_SHARES:
             raise bad("optimizer_shares", f"is {self.optimizer_shares!r}", f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.objective not in OBJECTIVES:

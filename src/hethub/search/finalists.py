@@ -9,14 +9,15 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from hethub.layout import single_holder_units
-from hethub.plan import Plan
+from hethub.plan import Plan, zero23_refusal
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.search.assemble import build_plan, choose_recompute
+from hethub.predict.stage_modes import choose_recompute
+from hethub.search.assemble import build_plan
 from hethub.search.config import PlannerConfig
 from hethub.search.hetero import plan_key, search, size_key
 from hethub.search.templates import Books, Searcher
@@ -36,16 +37,19 @@ def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: 
         sizes = size_key(est) if per_size else ()
         if len(seen) >= keep and taken[sizes] >= per_size:
             continue
-        seen.add(key)
-        taken[sizes] += 1
         plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
                           seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
                           strategy=strategy)
         # Before the recomputation choice, which it frees memory for; a plan of one replica has nothing
         # to shard across and stays unsharded (the runtime refuses it sharded, planner.make_plan notes it).
-        if config.optimizer_sharding == "zero1" and not single_holder_units(plan):
-            plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=config.optimizer_shares)
-        out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom))
+        if config.optimizer_sharding != "none" and not single_holder_units(plan):
+            plan = replace(plan, optimizer_sharding=config.optimizer_sharding, optimizer_shares=config.optimizer_shares)
+            if plan.zero_stage >= 2 and zero23_refusal(plan) is not None:
+                continue  # not offered: e.g. pipelines of unequal micro-batch counts
+        seen.add(key)
+        taken[sizes] += 1
+        out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom,
+                                    allow_sp=config.sequence_parallel))
         if len(seen) >= keep and not per_size:
             break
     return out

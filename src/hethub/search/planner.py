@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
 from hethub.plan import Plan, Recompute
+from hethub.predict.context_plans import cp_candidates, cp_note
 from hethub.predict.host import HostModel
 from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_bytes
 from hethub.predict.profiles import ProfileSet
@@ -407,7 +408,7 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 shapes.append(est)
     keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
     by_variant: dict[Variant, list[tuple[Plan, Prediction]]] = {}
-    for v in variants:
+    for v in (v for v in variants if v.offered(shapes)):
         got = priced_plans(searcher(v), config=config, host=host, shapes=shapes, keep=keep, firsts=frozenset(firsts))
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
             got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
@@ -426,6 +427,10 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     if not scored:
         bar.close()
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
+    starts = scored[:FIRST_SHAPES]  # context parallelism offered on the best plans (predict/context_plans.py)
+    scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, mem_headroom=config.mem_headroom,
+                                             allow_recompute=config.allow_recompute,
+                                             allow_sp=config.sequence_parallel)], key=lambda x: x[1].step_time_s)
     if config.polish:
         scored = _polished(scored, config=config, profiles=profiles, host=host)
     if INTERLEAVED in names:
@@ -446,7 +451,8 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     best_plan, best_pred = top[0]
     return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
                       efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
-                      notes=(*_variant_notes(scored, names, shardings), *notes), upper_bound_by_kind=parts,
+                      notes=(*_variant_notes(scored, names, shardings), cp_note(scored, starts=starts), *notes),
+                      upper_bound_by_kind=parts,
                       relaxed_kinds=relaxed)
 
 
@@ -467,7 +473,7 @@ def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConf
     identical pipelines where it pays (search/polish.py)."""
     starts, shapes = [], set()
     for plan, pred in scored:
-        if plan.schedule != ONE_F_ONE_B:
+        if plan.schedule != ONE_F_ONE_B or plan.zero_stage == 3:  # ZeRO-3 runs no virtual stages
             continue
         shape = tuple(sorted(tuple((st.kind, len(st.devices)) for st in p.stages) for p in plan.pipelines))
         if shape not in shapes:
@@ -505,12 +511,16 @@ def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], 
         notes.append(f"schedule {best[0].schedule} chosen: predicted step {best[1].step_time_s:.3f} s"
                      + (f" vs {others}" if others else ""))
     if len(shardings) > 1:
-        other = next(((p, r) for p, r in scored if p.optimizer_sharding != best[0].optimizer_sharding), None)
+        firsts: dict[str, tuple[Plan, Prediction]] = {}  # each sharding's best
+        for p, r in scored:
+            firsts.setdefault(p.optimizer_sharding, (p, r))
+        others = [x for z, x in firsts.items() if z != best[0].optimizer_sharding]
         note = f"optimizer sharding: {best[0].optimizer_sharding}"
-        if other is not None:
-            gain = other[1].step_time_s / best[1].step_time_s
-            note += (f" (predicted step {best[1].step_time_s:.3f} s vs {other[1].step_time_s:.3f} s "
-                     f"{other[0].optimizer_sharding}: {gain:.3f}x)")
+        if others:
+            gain = others[0][1].step_time_s / best[1].step_time_s
+            note += (f" (predicted step {best[1].step_time_s:.3f} s vs {others[0][1].step_time_s:.3f} s "
+                     f"{others[0][0].optimizer_sharding}: {gain:.3f}x"
+                     + "".join(f"; {p.optimizer_sharding} {r.step_time_s:.3f} s" for p, r in others[1:]) + ")")
         notes.append(note)
     return notes
 

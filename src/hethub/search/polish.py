@@ -85,7 +85,7 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float,
     by the moves of one plan's job."""
     if move[0] == "batch":
         _, a, b = move
-        if plan.pipelines[a].num_micro_batches <= 1:
+        if plan.pipelines[a].num_micro_batches <= 1 or plan.zero_stage >= 2:  # ZeRO-2/3: equal counts
             return None
         pipes = list(plan.pipelines)
         pipes[a] = replace(pipes[a], num_micro_batches=pipes[a].num_micro_batches - 1)
@@ -120,13 +120,14 @@ def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: boo
     stages, start = [], 0
     for i, (s, k) in enumerate(zip(p.stages, counts, strict=True)):
         in_flight = schedule.in_flight(stage=i, num_stages=len(counts), num_micro_batches=p.num_micro_batches)
-        key = (s.kind, s.tp, s.embedding, s.head, k, in_flight, p.micro_batch_size)
+        key = (s.kind, s.tp, s.embedding, s.head, k, in_flight, p.micro_batch_size, s.sequence_parallel, s.cp)
         if key not in memo:
             memo[key] = None
             kind = plan.cluster.kinds[s.kind]
             cap = usable_bytes(kind, headroom=headroom)
             for rc in recompute_options(allow_recompute):
-                model = StageModel(job, kind, tp=s.tp, mbs=p.micro_batch_size, recompute=rc, capacity_bytes=cap)
+                model = StageModel(job, kind, tp=s.tp, mbs=p.micro_batch_size, recompute=rc, capacity_bytes=cap,
+                                   sp=s.sequence_parallel, cp=s.cp)
                 if model.memory(k, emb=s.embedding, head=s.head, in_flight=in_flight).total_bytes <= cap:
                     memo[key] = rc
                     break

@@ -21,8 +21,11 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 from hethub.plan import Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.profiles import ProfileSet
+from hethub.predict.seq_parallel import sp_applies
 from hethub.predict.stage_cost import Affine, StageJob, StageModel
 from hethub.predict.stage_links import Slot
+from hethub.predict.stage_modes import RECOMPUTE_ORDER
+from hethub.runtimes import DEFAULT_RUNTIME
 from hethub.schedules import get_schedule
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
@@ -49,6 +52,7 @@ class PipeCost:
     params: tuple[float, ...]  # parameters held by one device of each stage
     schedule: str
     chunks: int = 1  # model chunks per stage (interleaved schedule)
+    sp: tuple[bool, ...] = ()  # sequence parallelism per stage (empty: none)
 
     @functools.cached_property
     def num_devices(self) -> int:
@@ -186,24 +190,35 @@ def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...]
 
 def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_flight: int, low: int,
              allow_recompute: bool) -> list[_Option]:
-    """Each recomputation mode (none, selective, full) where it fits; cached (templates share stage
-    positions). Selective is an option of the split itself, not only of the laid-out plan
-    (search/assemble.py): a stage that fits only with selective would otherwise be priced with full
-    recomputation and its template could rank out of the finalists (test_space's first case)."""
+    """Each stage mode (recomputation none, selective, full; with or without sequence parallelism, where
+    ``allow_recompute`` lets the stage trade time for memory) where it fits and no other mode holds as
+    many layers at no more cost; cached (templates share stage positions). Selective is an option of
+    the split itself, not only of the laid-out plan (search/assemble.py): a stage that fits only with
+    selective would otherwise be priced with full recomputation and its template could rank out of the
+    finalists (test_space's first case)."""
     key = (slot.kind, slot.tp, mbs, emb, head, in_flight, low, allow_recompute)
     here = book.options.get(key)
     if here is None:
         n_layers = book.job.model.num_layers
-        here = book.options[key] = []
-        for rc in recompute_options(allow_recompute):
-            sm = book.stage(slot.kind, tp=slot.tp, mbs=mbs, recompute=rc)
+        found: list[_Option] = []
+        for sm in book.modes(slot.kind, tp=slot.tp, mbs=mbs, allow_recompute=allow_recompute):
             u = sm.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
             if u >= low:
                 w = sm.work(emb=emb, head=head)
-                here.append(_Option(w.base, w.per_layer, u, sm))
-            if u >= n_layers:
-                break  # recomputation only adds time when everything already fits
+                found.append(_Option(w.base, w.per_layer, u, sm))
+        here = book.options[key] = [o for o in found if not any(_dominates(q, o) for q in found if q is not o)]
     return here
+
+
+def _dominates(a: _Option, b: _Option) -> bool:
+    """Whether ``a`` holds at least ``b``'s layers at no more cost at any count (of equals, the earlier mode)."""
+    if a.max_layers < b.max_layers or a.base > b.base or a.per_layer > b.per_layer:
+        return False
+    return (a.max_layers, a.base, a.per_layer) != (b.max_layers, b.base, b.per_layer) or _mode_rank(a) < _mode_rank(b)
+
+
+def _mode_rank(o: _Option) -> tuple[int, bool]:
+    return RECOMPUTE_ORDER.index(o.sm.recompute), o.sm.sp
 
 
 def _cost(ops: list[_Option], k: int) -> float:
@@ -250,22 +265,28 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
         params.append(sm.params(k, emb=emb, head=head))
     job = models[0].job
     p2p = hops(slots, numel=job.hop_numel(mbs), nbytes=job.hop_bytes(mbs))
+    sp = tuple(sm.sp for sm in models)
     return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
                     fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
-                    schedule=schedule, chunks=chunks)
+                    schedule=schedule, chunks=chunks, sp=sp if any(sp) else ())
 
 
 # ---- The search's stage costs: caches over the predictor's stage cost model (predict/stage_cost.py).
-__all__ = ["RECOMPUTE_ORDER", "Affine", "CostBook", "Job", "RecomputeFloor", "StageCost", "recompute_options"]
+__all__ = ["RECOMPUTE_ORDER", "Affine", "CostBook", "Job", "RecomputeFloor", "StageCost", "recompute_options",
+           "sp_offered"]
 
-# The recomputation modes, by falling memory and rising backward time: a stage takes the first that fits.
-RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 StageCost = StageModel
 
 
 def recompute_options(allow_recompute: bool) -> tuple[Recompute, ...]:
     """The modes a stage may take once the layout is fixed (polish, baselines): all, or only ``none``."""
     return RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
+
+
+def sp_offered(job: Job, *, tp: int) -> bool:
+    """Whether the search offers sequence parallelism on a TP-``tp`` stage (``seq_parallel.sp_applies``:
+    TP > 1, the sequence splits over the TP ranks, the job's runtime runs it)."""
+    return job.sequence_parallel and sp_applies(tp=tp, seq_len=job.seq_len, runtime=job.runtime)
 
 
 @dataclass(frozen=True)
@@ -280,19 +301,23 @@ class Job:
     chunks: int = 1  # model chunks per stage the schedule runs (interleaved: v)
     relax_memory: bool = False  # the upper bound prices kinds that cannot hold the model
     mem_headroom: float = DEFAULT_MEM_HEADROOM  # share of each device's memory plans leave free
-    # ZeRO-1: each stage keeps AdamW state for 1/holders of its parameters (an assumption the
-    # predictor checks on the finalists with the plan's real holders); 1: unsharded.
+    # Sharded: each stage keeps AdamW state (ZeRO-2: and gradients; 3: and parameters) for 1/holders
+    # of its parameters (an assumption the predictor checks on the finalists with the plan's real
+    # holders); 1: unsharded.
     optimizer_shard_holders: int = 1
+    zero_stage: int = 1
+    sequence_parallel: bool = True  # offered as a stage mode (sp_offered)
+    runtime: str = DEFAULT_RUNTIME  # what the plan is for (hethub.runtimes): the modes it runs
 
 
 class RecomputeFloor:
-    """What the search's floors (bounds.py, mixed.py) take for "a stage that recomputes": the most
-    layers either recomputing mode holds (full's, in practice) at the least time either takes
-    (selective's). The split prices both modes (split._options), so a floor built from none and this
-    stays below every split whichever mode each stage takes."""
+    """What the search's floors (bounds.py, mixed.py) take for "a stage that trades time for memory":
+    the most layers any mode but plain ``none`` holds (full recomputation with sequence parallelism,
+    in practice) at the least time any takes. The split prices every mode (split._options), so a floor
+    built from plain ``none`` and this stays below every split whichever mode each stage takes."""
 
-    def __init__(self, selective: StageCost, full: StageCost) -> None:
-        self.modes = (selective, full)
+    def __init__(self, *modes: StageCost) -> None:
+        self.modes = modes
         for name in ("fwd_per_layer_s", "bwd_per_layer_s", "emb_fwd_s", "emb_bwd_s", "head_fwd_s", "head_bwd_s"):
             setattr(self, name, min(getattr(m, name) for m in self.modes))
 
@@ -326,8 +351,8 @@ class CostBook:
     def __init__(self, job: Job, cluster: Cluster) -> None:
         self.job, self.kinds = job, cluster.kinds
         self.stage_job = StageJob.planned(model=job.model, cluster=cluster, seq_len=job.seq_len,
-                                          precision=job.precision, profiles=job.profiles)
-        self._cache: dict[tuple[str, int, int, Recompute], StageModel] = {}
+                                          precision=job.precision, profiles=job.profiles, runtime=job.runtime)
+        self._cache: dict[tuple[str, int, int, Recompute, bool], StageModel] = {}
         self.splits: dict[tuple, list[PipeCost]] = {}  # by (slots, micro-batch size[, recompute])
         self.fixed: dict[tuple, PipeCost | None] = {}  # given layer counts, by (slots, micro-batch size, counts)
         self.options: dict[tuple, list[_Option]] = {}  # split._options
@@ -347,19 +372,27 @@ class CostBook:
         key = (kind, tp, mbs)
         hit = self.recompute_floors.get(key)
         if hit is None:
-            hit = self.recompute_floors[key] = RecomputeFloor(
-                self.stage(kind, tp=tp, mbs=mbs, recompute=Recompute.SELECTIVE),
-                self.stage(kind, tp=tp, mbs=mbs, recompute=Recompute.FULL))
+            hit = self.recompute_floors[key] = RecomputeFloor(*self.modes(kind, tp=tp, mbs=mbs)[1:])
         return hit
 
-    def stage(self, kind: str, *, tp: int, mbs: int, recompute: Recompute | bool) -> StageCost:
-        """The cost model of one stage shape (a bool ``recompute`` means full or none)."""
+    def modes(self, kind: str, *, tp: int, mbs: int, allow_recompute: bool = True) -> list[StageCost]:
+        """Every mode a split may give a stage of this shape, plain ``none`` first: each recomputation
+        mode, each also with sequence parallelism where offered (``sp_offered``); without
+        ``allow_recompute`` plain ``none`` alone."""
+        sps = (False, True) if allow_recompute and sp_offered(self.job, tp=tp) else (False,)
+        return [self.stage(kind, tp=tp, mbs=mbs, recompute=rc, sp=sp)
+                for rc in recompute_options(allow_recompute) for sp in sps]
+
+    def stage(self, kind: str, *, tp: int, mbs: int, recompute: Recompute | bool, sp: bool = False) -> StageCost:
+        """The cost model of one stage shape (a bool ``recompute`` means full or none; ``sp``: sequence
+        parallelism)."""
         recompute = Recompute.of(recompute)
-        key = (kind, tp, mbs, recompute)
+        key = (kind, tp, mbs, recompute, sp)
         sm = self._cache.get(key)
         if sm is None:
             k, j = self.kinds[kind], self.job
             cap = float("inf") if j.relax_memory else usable_bytes(k, headroom=j.mem_headroom)
             sm = self._cache[key] = StageModel(self.stage_job, k, tp=tp, mbs=mbs, recompute=recompute,
-                                               capacity_bytes=cap, shard_holders=j.optimizer_shard_holders)
+                                               capacity_bytes=cap, shard_holders=j.optimizer_shard_holders, sp=sp,
+                                               zero_stage=j.zero_stage)
         return sm

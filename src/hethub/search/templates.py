@@ -12,9 +12,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from hethub.plan import zero_stage_of
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_links import LinkBook
-from hethub.search.assemble import build_plan, fits_some_mode
+from hethub.predict.stage_modes import fits_some_mode
+from hethub.search.assemble import build_plan
 from hethub.search.bounds import rate_bound
 from hethub.search.combine import Estimate, Group, estimate, step_time_s
 from hethub.search.config import PlannerConfig
@@ -62,7 +64,9 @@ class Searcher:
         self.job = Job(model=model, seq_len=config.seq_len, precision=config.precision,
                        schedule=config.schedule, profiles=profiles, relax_memory=relax_memory,
                        mem_headroom=config.mem_headroom, chunks=config.virtual_stages,
-                       optimizer_shard_holders=config.shard_holders if config.optimizer_sharding == "zero1" else 1)
+                       optimizer_shard_holders=config.shard_holders if config.optimizer_sharding != "none" else 1,
+                       zero_stage=max(1, zero_stage_of(config.optimizer_sharding)),
+                       sequence_parallel=config.sequence_parallel)
         books = Books() if books is None else books
         self.books = books
         if relax_memory not in books.costs:
@@ -144,7 +148,7 @@ class Searcher:
         hit = self._fits.get(key)
         if hit is None:
             cfg = self.config
-            if cfg.optimizer_sharding != "zero1":
+            if cfg.optimizer_sharding == "none":
                 # Two replicas per group have the same sync shape as all of them (whether a stage is
                 # synced, whether its buckets mix TP degrees, their sizes), and each stage's memory
                 # depends on nothing else but its own micro-batches (the most are kept).
@@ -154,11 +158,11 @@ class Searcher:
             total = sum(sum(m) * g.pipe.mbs for g, m in zip(est.groups, est.micro_batches, strict=True))
             plan = build_plan(cluster=self.cluster, model=self.model, est=est, global_batch=total,
                               seq_len=cfg.seq_len, schedule=cfg.schedule, precision=cfg.precision, strategy="hethub",
-                              validate=False, place=cfg.optimizer_sharding == "zero1")  # slices follow the ranks
-            if cfg.optimizer_sharding == "zero1":
-                plan = replace(plan, optimizer_sharding="zero1", optimizer_shares=cfg.optimizer_shares)
+                              validate=False, place=cfg.optimizer_sharding != "none")  # slices follow the ranks
+            if cfg.optimizer_sharding != "none":
+                plan = replace(plan, optimizer_sharding=cfg.optimizer_sharding, optimizer_shares=cfg.optimizer_shares)
             hit = self._fits[key] = fits_some_mode(plan, allow_recompute=cfg.allow_recompute,
-                                                   mem_headroom=cfg.mem_headroom)
+                                                   mem_headroom=cfg.mem_headroom, allow_sp=cfg.sequence_parallel)
         return hit
 
     def rate(self, pipe: PipeCost, *, kind_devices: int, share: float) -> float:

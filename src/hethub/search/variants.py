@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from hethub.plan import Plan
+from hethub.plan import PLANNED_SHARDINGS, Plan, zero_stage_of
 from hethub.predict.host import HostModel
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
@@ -47,7 +47,15 @@ class Variant:
 
     def config(self, config: PlannerConfig, *, holders: int = 1) -> PlannerConfig:
         return replace(config, schedule=self.schedule, optimizer_sharding=self.sharding, virtual_stages=self.chunks,
-                       shard_holders=holders if self.sharding == "zero1" else 1)
+                       shard_holders=holders if self.sharding != "none" else 1)
+
+    def offered(self, shapes: Sequence[Estimate]) -> bool:
+        """Whether the variant is priced on these shapes: ZeRO-2/3 only where memory binds (a stage of
+        some shape recomputes or runs sequence-parallel). Their per-micro-batch reductions (and
+        ZeRO-3's gathers) cost time, which the memory they free repays only by a faster stage mode or
+        layout; elsewhere ZeRO-1 frees the optimizer state at less cost."""
+        return zero_stage_of(self.sharding) < 2 or any(
+            any(g.pipe.recompute) or any(g.pipe.sp) for e in shapes for g in e.groups)
 
     def searcher(self, config: PlannerConfig, *, cluster: Cluster, model: ModelSpec, profiles: ProfileSet | None,
                  links: LinkBook, holders: int = 1) -> Searcher:
@@ -61,9 +69,12 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     shardings."""
     schedules = list(AUTO_CANDIDATES) if config.schedule == AUTO_SCHEDULE else [config.schedule]
     shardings = ["none", "zero1"] if config.optimizer_sharding == "auto" else [config.optimizer_sharding]
-    out = [Variant(sch, z) for sch in schedules if sch != INTERLEAVED for z in shardings]
+    # ZeRO-2/3 free memory the way ZeRO-1 does, more of it: their shapes are the enumerations' (priced
+    # under them where memory binds, `Variant.offered`), not enumerated again.
+    priced = list(PLANNED_SHARDINGS) if config.optimizer_sharding == "auto" else shardings
+    out = [Variant(sch, z) for sch in schedules if sch != INTERLEAVED for z in priced]
     if INTERLEAVED in schedules and config.strategy == "hethub":
-        out += [Variant(INTERLEAVED, z, SIZED_CHUNKS) for z in shardings]
+        out += [Variant(INTERLEAVED, z, SIZED_CHUNKS) for z in priced if zero_stage_of(z) < 3]
     return out, shardings
 
 

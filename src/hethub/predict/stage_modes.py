@@ -1,0 +1,107 @@
+"""A stage's modes: its recomputation (none, selective, full) and sequence parallelism, the choices
+that trade its time for memory once its layers and devices are set. The one list of them, fastest
+first by the stage cost model, and which fit, for the planner's laid-out plans
+(``choose_recompute``) and its splits (``search/split.CostBook.modes`` offers the same)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hethub.plan import Plan, Recompute
+from hethub.predict.memory import DEFAULT_MEM_HEADROOM
+from hethub.predict.predictor import StageFits
+from hethub.predict.seq_parallel import sp_applies
+from hethub.predict.stage_cost import StageJob, stage_step
+
+RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # by falling memory, rising time
+Mode = tuple[Recompute, bool]  # a stage's recomputation and sequence parallelism
+
+
+def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
+                     allow_sp: bool = True) -> Plan:
+    """Each stage's fastest mode that fits its memory (``stage_modes``: recomputation, and sequence
+    parallelism where offered and ``allow_sp``); without ``allow_recompute`` only plain ``none`` is
+    tried. A stage that fits under no mode tried keeps its own."""
+    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
+    fits = ModeFits(plan, mem_headroom)
+    pipes = []
+    for pi, p in enumerate(plan.pipelines):
+        stages = []
+        for si, s in enumerate(p.stages):
+            mode = next((m for m in modes[(pi, si)] if fits(m)[(pi, si)]), (s.recompute, s.sequence_parallel))
+            stages.append(replace(s, recompute=mode[0], sequence_parallel=mode[1]))
+        pipes.append(replace(p, stages=tuple(stages)))
+    return replace(plan, pipelines=tuple(pipes))
+
+
+def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
+                   allow_sp: bool = True) -> bool:
+    """Whether every stage of ``plan`` fits its memory under some mode (what ``choose_recompute`` then
+    picks), with the plan's real gradient-sync shape."""
+    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
+    fits = ModeFits(plan, mem_headroom)
+    # The modes holding the fewest activations first (full recomputation, with SP): they usually settle it.
+    order = sorted({m for ms in modes.values() for m in ms}, key=lambda m: (-RECOMPUTE_ORDER.index(m[0]), not m[1]))
+    left = set(modes)
+    for m in order:
+        left -= {sid for sid in left if m in modes[sid] and fits(m)[sid]}
+        if not left:
+            return True
+    return False
+
+
+def stage_modes(plan: Plan, *, allow_recompute: bool = True, allow_sp: bool = True,
+                ) -> dict[tuple[int, int], list[Mode]]:
+    """Per stage, the modes it may take, fastest first by the stage cost model (``stage_step``: forward
+    plus backward of one micro-batch; of equal times the one holding more memory, as listed): every
+    recomputation mode, each with and without sequence parallelism where offered (``sp_applies``: TP > 1,
+    the sequence splits over the TP ranks, the plan's runtime runs it). The same modes the search's
+    splits price (``CostBook.modes``)."""
+    job = StageJob.of_plan(plan, None)
+    rcs = RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
+    out: dict[tuple[int, int], list[Mode]] = {}
+    memo: dict[tuple, list[Mode]] = {}
+    for pi, p in enumerate(plan.pipelines):
+        for si, s in enumerate(p.stages):
+            offered = allow_recompute and allow_sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
+                                                                  runtime=plan.runtime)
+            sps = (False, True) if offered else (s.sequence_parallel,)
+            key = (s.kind, s.num_layers, s.embedding, s.head, s.tp, s.cp, p.micro_batch_size, sps)
+            if key not in memo:
+                kind = plan.cluster.kinds[s.kind]
+                cands = [(rc, sp) for rc in rcs for sp in sps]
+                times = [stage_step(job, kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
+                                    mbs=p.micro_batch_size, recompute=rc, sp=sp, cp=s.cp) for rc, sp in cands]
+                memo[key] = [m for _, _, m in sorted((t.fwd_s + t.bwd_s, i, m) for i, (t, m) in
+                                                     enumerate(zip(times, cands, strict=True)))]
+            out[(pi, si)] = memo[key]
+    return out
+
+
+class ModeFits:
+    """Per mode, whether each stage fits with every stage in that mode (``StageFits``), found once per
+    mode asked; with SP the plan's stages where it applies run sequence-parallel (what their memory and
+    their messages' sizes depend on)."""
+
+    def __init__(self, plan: Plan, mem_headroom: float) -> None:
+        self.plan, self.mem_headroom = plan, mem_headroom
+        self._fits: dict[bool, StageFits] = {}
+        self._under: dict[Mode, dict[tuple[int, int], bool]] = {}
+
+    def __call__(self, mode: Mode) -> dict[tuple[int, int], bool]:
+        hit = self._under.get(mode)
+        if hit is None:
+            sp = mode[1]
+            if sp not in self._fits:
+                plan = self.plan
+                if sp:
+                    plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+                        replace(s, sequence_parallel=sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
+                                                                runtime=plan.runtime)) for s in p.stages))
+                        for p in plan.pipelines))
+                else:
+                    plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+                        replace(s, sequence_parallel=False) for s in p.stages)) for p in plan.pipelines))
+                self._fits[sp] = StageFits(plan, mem_headroom=self.mem_headroom)
+            hit = self._under[mode] = self._fits[sp].under(mode[0])
+        return hit
