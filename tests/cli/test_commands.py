@@ -59,10 +59,12 @@ def test_compare_prints_every_strategy_with_speedups(capsys):
     assert code == 0
     rows = {r["strategy"]: r for r in json.loads(out)}
     # With the schedule left to the planner (the default), hethub also under each candidate schedule.
-    # With optimizer sharding left to the planner (the default), hethub's best unsharded plan too.
-    assert set(rows) == {"hethub", "hethub (no sharding)", "hethub (1f1b)", "hethub (zb-h1)",
+    # With optimizer sharding left to the planner (the default), hethub's best unsharded plan too, and
+    # its best plan without sequence parallelism.
+    assert set(rows) == {"hethub", "hethub (no SP)", "hethub (no sharding)", "hethub (1f1b)", "hethub (zb-h1)",
                          "hethub (interleaved)", "uniform",
                          "flops-proportional", "homogeneous"}
+    assert rows["hethub"]["step_time_s"] <= rows["hethub (no SP)"]["step_time_s"] * (1 + 1e-9)
     assert rows["hethub"]["step_time_s"] == pytest.approx(min(rows["hethub (1f1b)"]["step_time_s"],
                                                               rows["hethub (zb-h1)"]["step_time_s"],
                                                               rows["hethub (interleaved)"]["step_time_s"]))
