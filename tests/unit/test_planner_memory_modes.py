@@ -181,3 +181,22 @@ def test_cp_is_offered_but_not_taken_where_its_ring_costs_more_than_it_frees():
     fused = choose_recompute(fuse_replicas(plan, 2))
     assert predict(fused).fits_memory
     assert predict(fused).step_time_s > predict(choose_recompute(plan)).step_time_s
+
+
+def test_planned_zero23_memory_lets_a_stage_hold_more_layers():
+    # llama-2-70b on A100-40GB, 8 holders: ZeRO-2 shards the fp32 gradients, ZeRO-3 the parameters too.
+    from hethub.spec.model import get_model
+
+    model = get_model("llama-2-70b")
+    cluster = parse_cluster({"name": "t", "kinds": {"k": {"base": "a100-40gb"}},
+                             "group": [{"kind": "k", "nodes": 2, "devices_per_node": 4}]}, where="test")
+    most = []
+    for z in (1, 2, 3):
+        job = Job(model=model, seq_len=1024, precision="bf16-mixed", schedule="1f1b", optimizer_shard_holders=8,
+                  zero_stage=z)
+        sm = CostBook(job, cluster).stage("k", tp=1, mbs=1, recompute=Recompute.FULL)
+        most.append(sm.max_layers(emb=False, head=False, in_flight=1, limit=model.num_layers))
+        if z >= 2:
+            mem = sm.memory(4, emb=False, head=False, in_flight=1)
+            assert mem.grads_bytes == pytest.approx(4 * sm.params(4, emb=False, head=False) / 8)
+    assert most[0] < most[1] < most[2], most

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from hethub.plan import Pipeline, Plan, Recompute, zero23_refusal
 from hethub.predict.host import HostModel
@@ -69,11 +70,14 @@ def _fused(replicas: Sequence[Pipeline]) -> Pipeline:
 
 
 def cp_candidates(scored: Sequence[tuple[Plan, Prediction]], *, profiles: ProfileSet | None,
-                  host: HostModel | None, mem_headroom: float = DEFAULT_MEM_HEADROOM, allow_recompute: bool = True,
-                  allow_sp: bool = True) -> list[tuple[Plan, Prediction]]:
+                  host: HostModel | None, config: Any = None) -> list[tuple[Plan, Prediction]]:
     """Each of ``scored``'s plans fused at each degree offered (``cp_degrees``), every stage given its
     fastest mode that fits again, predicted; those that fit and are valid (ZeRO-2/3's equal
-    micro-batch counts), fastest first."""
+    micro-batch counts), fastest first. ``config``: the planner's (its headroom, whether it may
+    recompute and use SP; the defaults where None)."""
+    mem_headroom = getattr(config, "mem_headroom", DEFAULT_MEM_HEADROOM)
+    allow_recompute = getattr(config, "allow_recompute", True)
+    allow_sp = getattr(config, "sequence_parallel", True)
     out = []
     for plan, _ in scored:
         for cp in cp_degrees(plan):
@@ -99,7 +103,8 @@ def cp_note(scored: Sequence[tuple[Plan, Prediction]], *, starts: Sequence[tuple
         offered = any(cp_degrees(plan) for plan, _ in starts)
         return ("context parallelism: none offered (no stage of the best plans recomputes fully, or the sequence "
                 "does not split into 2 x cp chunks)" if not offered else
-                "context parallelism: offered, no fused plan fits or is valid")
+                "context parallelism: offered, but no best plan has identical replicas to fuse, or no fused one "
+                "fits and is valid")
     cp = max(s.cp for p in with_cp[0].pipelines for s in p.stages)
     if with_cp is best and without is not None:
         return (f"context parallelism: cp {cp} chosen (predicted step {best[1].step_time_s:.3f} s vs "

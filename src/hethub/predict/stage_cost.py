@@ -416,3 +416,22 @@ def _fb_besides_acts(mem: StageMemory) -> float:
     """The forward/backward moment's transients other than the kept activations (working set,
     point-to-point buffers, gathered parameters)."""
     return mem.phases["forward_backward"] - mem.activations_bytes
+
+
+class ModesFloor:
+    """Several modes of one stage shape as one: the most layers any holds at the least time any takes.
+    The search's floors (``search/bounds.py``, ``mixed.py``) take it for "a stage that trades time for
+    memory" (every mode but plain ``none``: ``split.CostBook.recompute_floor``); the split prices every
+    mode, so a floor built from plain ``none`` and this stays below every split."""
+
+    def __init__(self, *modes: StageModel) -> None:
+        self.modes = modes
+        for name in ("fwd_per_layer_s", "bwd_per_layer_s", "emb_fwd_s", "emb_bwd_s", "head_fwd_s", "head_bwd_s"):
+            setattr(self, name, min(getattr(m, name) for m in self.modes))
+
+    def work(self, *, emb: bool, head: bool) -> Affine:
+        works = [m.work(emb=emb, head=head) for m in self.modes]
+        return Affine(min(w.per_layer for w in works), min(w.base for w in works))
+
+    def max_layers(self, *, emb: bool, head: bool, in_flight: int, limit: int) -> int:
+        return max(m.max_layers(emb=emb, head=head, in_flight=in_flight, limit=limit) for m in self.modes)

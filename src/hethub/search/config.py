@@ -27,8 +27,7 @@ class PlannerConfig:
     # TP degrees tried; a kind only uses those that divide its node size and the model's dimensions.
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     allow_recompute: bool = True
-    # Sequence parallelism on TP > 1 stages where it pays (a stage mode beside recomputation).
-    sequence_parallel: bool = True
+    sequence_parallel: bool = True  # offered on TP > 1 stages, a stage mode beside recomputation
     # How many closed-form finalists the full predictor re-scores; more is slower and rarely better.
     finalists: int = 6
     # Besides them, the best of each micro-batch size (and of the plans mixing sizes): the closed form
@@ -88,8 +87,7 @@ class PlannerConfig:
             raise bad("optimizer_sharding", f"is {self.optimizer_sharding!r}",
                       f"use one of {', '.join(PLANNED_SHARDINGS)} or auto")
         if self.optimizer_sharding == "zero3" and self.schedule == "interleaved":
-            raise bad("optimizer_sharding", "is zero3, which runs no virtual stages (plan.zero23_refusal)",
-                      "use zero2 or auto with the interleaved schedule, or another schedule with zero3")
+            raise bad("optimizer_sharding", "is zero3, which runs no virtual stages", "use zero2 or auto with it")
         if self.optimizer_shares not in OPTIMIZER_SHARES:
             raise bad("optimizer_shares", f"is {self.optimizer_shares!r}", f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.objective not in OBJECTIVES:

@@ -428,9 +428,8 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         bar.close()
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
     starts = scored[:FIRST_SHAPES]  # context parallelism offered on the best plans (predict/context_plans.py)
-    scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, mem_headroom=config.mem_headroom,
-                                             allow_recompute=config.allow_recompute,
-                                             allow_sp=config.sequence_parallel)], key=lambda x: x[1].step_time_s)
+    scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, config=config)],
+                    key=lambda x: x[1].step_time_s)
     if config.polish:
         scored = _polished(scored, config=config, profiles=profiles, host=host)
     if INTERLEAVED in names:
@@ -452,8 +451,7 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
                       efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
                       notes=(*_variant_notes(scored, names, shardings), cp_note(scored, starts=starts), *notes),
-                      upper_bound_by_kind=parts,
-                      relaxed_kinds=relaxed)
+                      upper_bound_by_kind=parts, relaxed_kinds=relaxed)
 
 
 def _enumeration(s: Searcher, *, host: HostModel | None, bar: list[float]) -> Enumeration:
@@ -637,7 +635,7 @@ def infeasible_message(*, cluster: Cluster, model: ModelSpec, config: PlannerCon
                      f"({describe_peak(one, limit=2)}) of {cap / GIB:.1f} GiB usable "
                      f"({config.mem_headroom:.0%} headroom)")
     fixes = ["a smaller --seq-len", "a larger cluster", "a model with fewer layers"]
-    if get_schedule(config.schedule).max_in_flight(stage=0, num_stages=1) is None:
+    if config.schedule != AUTO_SCHEDULE and get_schedule(config.schedule).max_in_flight(stage=0, num_stages=1) is None:
         bounded = [n for n in SCHEDULES if get_schedule(n).max_in_flight(stage=0, num_stages=1) is not None]
         fixes.insert(0, f"schedule {' or '.join(bounded)} ({config.schedule} keeps every micro-batch's activations)")
     if not config.allow_recompute:

@@ -23,6 +23,7 @@ from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.seq_parallel import sp_applies
 from hethub.predict.stage_cost import Affine, StageJob, StageModel
+from hethub.predict.stage_cost import ModesFloor as RecomputeFloor
 from hethub.predict.stage_links import Slot
 from hethub.predict.stage_modes import RECOMPUTE_ORDER
 from hethub.runtimes import DEFAULT_RUNTIME
@@ -206,19 +207,11 @@ def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_
             if u >= low:
                 w = sm.work(emb=emb, head=head)
                 found.append(_Option(w.base, w.per_layer, u, sm))
-        here = book.options[key] = [o for o in found if not any(_dominates(q, o) for q in found if q is not o)]
+        # Without the modes another holds as many layers at no more cost (of equals, the earlier mode).
+        here = book.options[key] = [o for i, o in enumerate(found) if not any(
+            q.max_layers >= o.max_layers and q.base <= o.base and q.per_layer <= o.per_layer
+            and (j < i or q[:3] != o[:3]) for j, q in enumerate(found) if j != i)]
     return here
-
-
-def _dominates(a: _Option, b: _Option) -> bool:
-    """Whether ``a`` holds at least ``b``'s layers at no more cost at any count (of equals, the earlier mode)."""
-    if a.max_layers < b.max_layers or a.base > b.base or a.per_layer > b.per_layer:
-        return False
-    return (a.max_layers, a.base, a.per_layer) != (b.max_layers, b.base, b.per_layer) or _mode_rank(a) < _mode_rank(b)
-
-
-def _mode_rank(o: _Option) -> tuple[int, bool]:
-    return RECOMPUTE_ORDER.index(o.sm.recompute), o.sm.sp
 
 
 def _cost(ops: list[_Option], k: int) -> float:
@@ -272,8 +265,7 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
 
 
 # ---- The search's stage costs: caches over the predictor's stage cost model (predict/stage_cost.py).
-__all__ = ["RECOMPUTE_ORDER", "Affine", "CostBook", "Job", "RecomputeFloor", "StageCost", "recompute_options",
-           "sp_offered"]
+__all__ = ["RECOMPUTE_ORDER", "Affine", "CostBook", "Job", "RecomputeFloor", "StageCost", "recompute_options"]
 
 StageCost = StageModel
 
@@ -281,12 +273,6 @@ StageCost = StageModel
 def recompute_options(allow_recompute: bool) -> tuple[Recompute, ...]:
     """The modes a stage may take once the layout is fixed (polish, baselines): all, or only ``none``."""
     return RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
-
-
-def sp_offered(job: Job, *, tp: int) -> bool:
-    """Whether the search offers sequence parallelism on a TP-``tp`` stage (``seq_parallel.sp_applies``:
-    TP > 1, the sequence splits over the TP ranks, the job's runtime runs it)."""
-    return job.sequence_parallel and sp_applies(tp=tp, seq_len=job.seq_len, runtime=job.runtime)
 
 
 @dataclass(frozen=True)
@@ -306,27 +292,8 @@ class Job:
     # holders); 1: unsharded.
     optimizer_shard_holders: int = 1
     zero_stage: int = 1
-    sequence_parallel: bool = True  # offered as a stage mode (sp_offered)
+    sequence_parallel: bool = True  # offered as a stage mode where it applies (CostBook.modes)
     runtime: str = DEFAULT_RUNTIME  # what the plan is for (hethub.runtimes): the modes it runs
-
-
-class RecomputeFloor:
-    """What the search's floors (bounds.py, mixed.py) take for "a stage that trades time for memory":
-    the most layers any mode but plain ``none`` holds (full recomputation with sequence parallelism,
-    in practice) at the least time any takes. The split prices every mode (split._options), so a floor
-    built from plain ``none`` and this stays below every split whichever mode each stage takes."""
-
-    def __init__(self, *modes: StageCost) -> None:
-        self.modes = modes
-        for name in ("fwd_per_layer_s", "bwd_per_layer_s", "emb_fwd_s", "emb_bwd_s", "head_fwd_s", "head_bwd_s"):
-            setattr(self, name, min(getattr(m, name) for m in self.modes))
-
-    def work(self, *, emb: bool, head: bool) -> Affine:
-        works = [m.work(emb=emb, head=head) for m in self.modes]
-        return Affine(min(w.per_layer for w in works), min(w.base for w in works))
-
-    def max_layers(self, *, emb: bool, head: bool, in_flight: int, limit: int) -> int:
-        return max(m.max_layers(emb=emb, head=head, in_flight=in_flight, limit=limit) for m in self.modes)
 
 
 V = TypeVar("V")
@@ -377,9 +344,11 @@ class CostBook:
 
     def modes(self, kind: str, *, tp: int, mbs: int, allow_recompute: bool = True) -> list[StageCost]:
         """Every mode a split may give a stage of this shape, plain ``none`` first: each recomputation
-        mode, each also with sequence parallelism where offered (``sp_offered``); without
-        ``allow_recompute`` plain ``none`` alone."""
-        sps = (False, True) if allow_recompute and sp_offered(self.job, tp=tp) else (False,)
+        mode, each also with sequence parallelism where the job offers it and it applies
+        (``seq_parallel.sp_applies``); without ``allow_recompute`` plain ``none`` alone."""
+        j = self.job
+        sp = allow_recompute and j.sequence_parallel and sp_applies(tp=tp, seq_len=j.seq_len, runtime=j.runtime)
+        sps = (False, True) if sp else (False,)
         return [self.stage(kind, tp=tp, mbs=mbs, recompute=rc, sp=sp)
                 for rc in recompute_options(allow_recompute) for sp in sps]
 

@@ -50,10 +50,8 @@ class Variant:
                        shard_holders=holders if self.sharding != "none" else 1)
 
     def offered(self, shapes: Sequence[Estimate]) -> bool:
-        """Whether the variant is priced on these shapes: ZeRO-2/3 only where memory binds (a stage of
-        some shape recomputes or runs sequence-parallel). Their per-micro-batch reductions (and
-        ZeRO-3's gathers) cost time, which the memory they free repays only by a faster stage mode or
-        layout; elsewhere ZeRO-1 frees the optimizer state at less cost."""
+        """Whether the variant is priced on these shapes: ZeRO-2/3 only where memory binds (some stage
+        recomputes or runs SP), as their per-micro-batch collectives cost time (docs/planner.md)."""
         return zero_stage_of(self.sharding) < 2 or any(
             any(g.pipe.recompute) or any(g.pipe.sp) for e in shapes for g in e.groups)
 
