@@ -120,11 +120,15 @@ def test_zero23_variants_are_priced_where_memory_binds_and_only_valid_ones():
         def __init__(self, *pipes):
             self.groups = [type("G", (), {"pipe": p})() for p in pipes]
 
-    plain = [_Shape(_Pipe((Recompute.NONE, Recompute.NONE)))]
-    bound = [_Shape(_Pipe((Recompute.NONE, Recompute.FULL)))]
-    assert Variant("1f1b", "zero1").offered(plain) and not Variant("1f1b", "zero3").offered(plain)
-    assert Variant("1f1b", "zero2").offered(bound) and Variant("1f1b", "zero3").offered(bound)
-    assert Variant("1f1b", "zero3").offered([_Shape(_Pipe((Recompute.NONE,), (True,)))])
+    plain = [_Shape(_Pipe((Recompute.NONE, Recompute.NONE))) for _ in range(4)]
+    bound = [_Shape(_Pipe((Recompute.NONE, Recompute.FULL))), *plain]
+    firsts = frozenset({0, 2})
+    assert Variant("1f1b", "zero1").pool(plain, firsts) == (plain, firsts)  # every shape
+    assert Variant("1f1b", "zero3").pool(plain, firsts) == ([], frozenset())  # memory does not bind
+    for z in ("zero2", "zero3"):  # the enumerations' firsts only
+        assert Variant("1f1b", z).pool(bound, firsts) == ([bound[0], bound[2]], frozenset({0, 1}))
+    with_sp = [_Shape(_Pipe((Recompute.NONE,), (True,)))]
+    assert Variant("1f1b", "zero3").pool(with_sp, frozenset({0})) == (with_sp, frozenset({0}))
 
 
 def test_zero23_plans_need_equal_micro_batch_counts():

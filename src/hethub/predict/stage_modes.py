@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hethub.memo import Kept
 from hethub.plan import Plan, Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.predictor import StageFits
@@ -15,6 +16,7 @@ from hethub.predict.stage_cost import StageJob, stage_step
 
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # by falling memory, rising time
 Mode = tuple[Recompute, bool]  # a stage's recomputation and sequence parallelism
+_ORDERS = Kept(100_000)  # stage_modes' answers by stage shape and job: the planner asks the same shapes often
 
 
 def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
@@ -40,8 +42,9 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
     picks), with the plan's real gradient-sync shape."""
     modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
     fits = ModeFits(plan, mem_headroom)
-    # The modes holding the fewest activations first (full recomputation, with SP): they usually settle it.
-    order = sorted({m for ms in modes.values() for m in ms}, key=lambda m: (-RECOMPUTE_ORDER.index(m[0]), not m[1]))
+    # The modes holding the fewest activations first (full recomputation): they usually settle it; SP's
+    # last, as its plan's memory is found anew.
+    order = sorted({m for ms in modes.values() for m in ms}, key=lambda m: (m[1], -RECOMPUTE_ORDER.index(m[0])))
     left = set(modes)
     for m in order:
         left -= {sid for sid in left if m in modes[sid] and fits(m)[sid]}
@@ -60,21 +63,22 @@ def stage_modes(plan: Plan, *, allow_recompute: bool = True, allow_sp: bool = Tr
     job = StageJob.of_plan(plan, None)
     rcs = RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
     out: dict[tuple[int, int], list[Mode]] = {}
-    memo: dict[tuple, list[Mode]] = {}
     for pi, p in enumerate(plan.pipelines):
         for si, s in enumerate(p.stages):
             offered = allow_recompute and allow_sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
                                                                   runtime=plan.runtime)
             sps = (False, True) if offered else (s.sequence_parallel,)
-            key = (s.kind, s.num_layers, s.embedding, s.head, s.tp, s.cp, p.micro_batch_size, sps)
-            if key not in memo:
-                kind = plan.cluster.kinds[s.kind]
+            kind = plan.cluster.kinds[s.kind]
+            key = (id(plan.model), id(kind), plan.seq_len, job.precisions[s.kind], job.attentions[s.kind], job.runtime,
+                   s.num_layers, s.embedding, s.head, s.tp, s.cp, p.micro_batch_size, rcs, sps)
+
+            def order(s=s, kind=kind, mbs=p.micro_batch_size, sps=sps) -> list[Mode]:
                 cands = [(rc, sp) for rc in rcs for sp in sps]
                 times = [stage_step(job, kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                    mbs=p.micro_batch_size, recompute=rc, sp=sp, cp=s.cp) for rc, sp in cands]
-                memo[key] = [m for _, _, m in sorted((t.fwd_s + t.bwd_s, i, m) for i, (t, m) in
-                                                     enumerate(zip(times, cands, strict=True)))]
-            out[(pi, si)] = memo[key]
+                                    mbs=mbs, recompute=rc, sp=sp, cp=s.cp) for rc, sp in cands]
+                return [m for _, _, m in sorted((t.fwd_s + t.bwd_s, i, m) for i, (t, m) in
+                                                enumerate(zip(times, cands, strict=True)))]
+            out[(pi, si)] = _ORDERS.get(key, order, pin=(plan.model, kind))
     return out
 
 

@@ -408,8 +408,9 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 shapes.append(est)
     keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
     by_variant: dict[Variant, list[tuple[Plan, Prediction]]] = {}
-    for v in (v for v in variants if v.offered(shapes)):
-        got = priced_plans(searcher(v), config=config, host=host, shapes=shapes, keep=keep, firsts=frozenset(firsts))
+    for v in variants:
+        pool, first = v.pool(shapes, frozenset(firsts))
+        got = priced_plans(searcher(v), config=config, host=host, shapes=pool, keep=keep, firsts=first) if pool else []
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
             got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
                                      mem_headroom=config.mem_headroom)

@@ -49,11 +49,15 @@ class Variant:
         return replace(config, schedule=self.schedule, optimizer_sharding=self.sharding, virtual_stages=self.chunks,
                        shard_holders=holders if self.sharding != "none" else 1)
 
-    def offered(self, shapes: Sequence[Estimate]) -> bool:
-        """Whether the variant is priced on these shapes: ZeRO-2/3 only where memory binds (some stage
-        recomputes or runs SP), as their per-micro-batch collectives cost time (docs/planner.md)."""
-        return zero_stage_of(self.sharding) < 2 or any(
-            any(g.pipe.recompute) or any(g.pipe.sp) for e in shapes for g in e.groups)
+    def pool(self, shapes: list[Estimate], firsts: frozenset[int]) -> tuple[list[Estimate], frozenset[int]]:
+        """The shapes the variant prices (and which are the enumerations' firsts): all of them, or for
+        ZeRO-2/3 only the enumerations' firsts and only where memory binds (some stage of the pool
+        recomputes or runs SP): their per-micro-batch collectives cost time (docs/planner.md)."""
+        if zero_stage_of(self.sharding) < 2:
+            return shapes, firsts
+        if not any(any(g.pipe.recompute) or any(g.pipe.sp) for e in shapes for g in e.groups):
+            return [], frozenset()
+        return [shapes[i] for i in sorted(firsts)], frozenset(range(len(firsts)))
 
     def searcher(self, config: PlannerConfig, *, cluster: Cluster, model: ModelSpec, profiles: ProfileSet | None,
                  links: LinkBook, holders: int = 1) -> Searcher:
