@@ -7,8 +7,18 @@ memory model, below the predictor's package, can use it too.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+# Every memo, so that a caller comparing cold costs (bench/predict_speed.py) can empty them all.
+_ALL: weakref.WeakSet[Kept] = weakref.WeakSet()
+
+
+def clear_all() -> None:
+    """Empty every memo (they hold only pure results: nothing but the time to recompute is lost)."""
+    for kept in list(_ALL):
+        kept.clear()
 
 
 class Kept:
@@ -20,13 +30,17 @@ class Kept:
         self.limit = limit
         self.entries: dict[tuple, Any] = {}
         self.pins: dict[int, object] = {}
+        _ALL.add(self)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.pins.clear()
 
     def get(self, key: tuple, make: Callable[[], Any], *, pin: tuple[object, ...] = ()) -> Any:
         hit = self.entries.get(key)
         if hit is None:
             if len(self.entries) >= self.limit:
-                self.entries.clear()
-                self.pins.clear()
+                self.clear()
             self.pins.update((id(o), o) for o in pin)
             hit = self.entries[key] = make()
         return hit

@@ -20,6 +20,8 @@ query.
 ``peak_buffer_bytes`` is the one rule of what that costs in memory, used by the runtime's test and
 by the memory model (``predict/memory``): counted after each op's sends are posted, the sends not
 yet released plus the receive posted for the next op; ``max_live_messages`` bounds its count.
+``held_counts`` gives the same walk as counts of messages by kind, which the memory model keeps per
+pipeline shape and prices for any message sizes.
 """
 
 from __future__ import annotations
@@ -144,3 +146,25 @@ def peak_buffer_bytes(order: Sequence[Op], releases: dict[Op, Op | None], *, sen
                 freed_at[pos[rel]] = freed_at.get(pos[rel], 0.0) + sent(op)
         peak = max(peak, live + (received(order[i + 1]) if i + 1 < len(order) else 0.0))
     return peak
+
+
+def held_counts(order: Sequence[Op], releases: dict[Op, Op | None]) -> set[tuple[int, int, Op | None]]:
+    """``peak_buffer_bytes``' walk as counts: after each op's sends are posted, (forward sends not yet
+    released, backward sends not yet released, the next op, whose receive is posted; None after the
+    last). With the bytes of a kind's sends and of each op's receive, the peak is the largest total
+    of these (``tests/unit/test_p2p_buffers.py`` checks it against ``peak_buffer_bytes``)."""
+    pos = {op: i for i, op in enumerate(order)}
+    freed_at: dict[int, list[int]] = {}
+    live = [0, 0]
+    out: set[tuple[int, int, Op | None]] = set()
+    for i, op in enumerate(order):
+        for k in freed_at.pop(i, ()):
+            live[k] -= 1
+        if op in releases:
+            k = 0 if op.kind == "F" else 1
+            live[k] += 1
+            rel = releases[op]
+            if rel is not None:
+                freed_at.setdefault(pos[rel], []).append(k)
+        out.add((live[0], live[1], order[i + 1] if i + 1 < len(order) else None))
+    return out

@@ -13,15 +13,15 @@ stage that sends the activation (its gradient comes back in the same dtype).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from hethub.layout import hop
 from hethub.memo import Kept
 from hethub.plan import Plan, Stage
+from hethub.predict.fastpath import kept_lru, reference
 from hethub.predict.memory.model import act_bytes_for
 from hethub.schedules import Op, get_schedule
-from hethub.schedules.messages import known_starts, peak_buffer_bytes, send_releases
+from hethub.schedules.messages import held_counts, known_starts, peak_buffer_bytes, send_releases
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,13 @@ class MessageBytes:
     wrap_b_received: float = 0.0
 
 
-# Peaks by (schedule, message bytes, stage, stages, micro-batches, chunks): the planner lays out
-# hundreds of plans of one job whose stages repeat these, and each walk is O(ops) in Python.
+# Reference path (predict/fastpath.py): peaks by (schedule, message bytes, stage, stages,
+# micro-batches, chunks), each a replay of the stage's order.
 _PEAKS = Kept(100_000)
 # Past the pipeline's depth, 1F1B and ZB-H1 (and the interleaved schedule at one chunk, whose
 # order is 1F1B's) only repeat one steady window per added micro-batch, so a stage's peak is the same
 # for every count from p on. The walk runs the smallest count of the same peak (`walked_micro_batches`,
-# with margin); tests/unit/test_p2p_buffers.py checks it against the full walk. Interleaving with
-# several chunks has no such shortcut: with sends released as soon as the stage knows them complete
-# (schedules/messages.send_releases), its peak follows no fixed period in the count.
+# with margin); tests/unit/test_p2p_buffers.py checks it against the full walk.
 STEADY_SCHEDULES = frozenset({"1f1b", "zb-h1"})
 
 
@@ -57,17 +55,30 @@ def walked_micro_batches(schedule: str, *, num_stages: int, num_micro_batches: i
     p, m = num_stages, num_micro_batches
     if schedule in STEADY_SCHEDULES or (schedule == "interleaved" and chunks == 1):
         return min(m, p + 2)
-    return m  # GPipe holds every forward's sends (its peak grows with the count); interleaved: above
+    return m  # GPipe holds every forward's sends (its peak grows with the count); interleaved: below
 
 
-@functools.lru_cache(maxsize=256)
+def peak_micro_batches(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int) -> int:
+    """The micro-batch count whose walk holds the same counts of messages at its peak as
+    ``num_micro_batches`` (`held_terms`), for any message sizes: `walked_micro_batches`, and for
+    interleaving with several chunks the count's class under its period. Its order takes the
+    micro-batches in groups of p after a first group of p + m mod p; from m = 3p on, adding p
+    micro-batches adds one steady group, which repeats what the stage holds, so the counts depend on
+    m only through m mod p (tests/unit/test_p2p_buffers.py: every stage, p <= 6, v <= 4, m to 6p + 8)."""
+    p, m = num_stages, num_micro_batches
+    if schedule == "interleaved" and chunks > 1 and m >= 3 * p:
+        return 3 * p + (m - 3 * p) % p
+    return walked_micro_batches(schedule, num_stages=p, num_micro_batches=m, chunks=chunks)
+
+
+@kept_lru(maxsize=256)
 def _orders(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int) -> tuple[tuple[Op, ...], ...]:
     sched = get_schedule(schedule, chunks=chunks)
     return tuple(tuple(sched.ops(stage=s, num_stages=num_stages, num_micro_batches=num_micro_batches))
                  for s in range(num_stages))
 
 
-@functools.lru_cache(maxsize=1024)
+@kept_lru(maxsize=1024)
 def _releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int, stage: int,
               ) -> tuple[tuple[Op, ...], dict[Op, Op | None]]:
     orders = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
@@ -75,7 +86,7 @@ def _releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks:
     return orders[stage], send_releases(orders, stage, chunks=chunks, known=known)
 
 
-@functools.lru_cache(maxsize=256)
+@kept_lru(maxsize=256)
 def _known(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int,
            ) -> list[list[tuple[int, ...]]]:
     """`known_starts` of a pipeline shape's orders, once for all its stages."""
@@ -83,9 +94,50 @@ def _known(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: in
     return known_starts(orders, chunks=chunks)
 
 
+@dataclass(frozen=True)
+class HeldTerms:
+    """What a stage's point-to-point buffers hold at each candidate for their peak, as counts:
+    (forward sends, backward sends, the next op's receive: 0 none, 1 a forward's, 2 a backward's),
+    only those no other row covers (sizes are never negative)."""
+
+    rows: tuple[tuple[int, int, int], ...]
+
+    def peak_bytes(self, msgs: MessageBytes, *, first: bool, last: bool) -> float:
+        f_sent = msgs.wrap_f_sent if last else msgs.f_sent
+        b_sent = msgs.wrap_b_sent if first else msgs.b_sent
+        received = (0.0, msgs.wrap_f_received if first else msgs.f_received,
+                    msgs.wrap_b_received if last else msgs.b_received)
+        return max((f * f_sent + b * b_sent + received[r] for f, b, r in self.rows), default=0.0)
+
+
+@kept_lru(maxsize=65536)
+def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int) -> HeldTerms:
+    """The stage's `HeldTerms` (``schedules.messages.held_counts`` over its order and releases), kept per
+    pipeline shape: the planner prices thousands of stages of a few shapes with different sizes."""
+    m = peak_micro_batches(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
+    order, releases = _releases(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks, stage=stage)
+    first, last = stage == 0, stage == num_stages - 1
+
+    def receives(op: Op | None) -> int:  # which receive the op posts, as `_peak`'s `received` prices it
+        if op is None or op.kind == "W":
+            return 0
+        if op.kind == "F":
+            return 0 if first and op.chunk == 0 else 1
+        return 0 if last and op.chunk == chunks - 1 else 2
+
+    rows = {(f, b, receives(nxt)) for f, b, nxt in held_counts(order, releases)}
+    covered = {r for r in rows for o in rows
+               if o != r and r[0] <= o[0] and r[1] <= o[1] and r[2] in (0, o[2])}
+    return HeldTerms(tuple(sorted(rows - covered)))
+
+
 def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
                      chunks: int = 1) -> float:
     """Peak bytes of the point-to-point buffers one device of the stage holds at once (module doc)."""
+    if not reference():
+        terms = held_terms(schedule, stage=stage, num_stages=num_stages, num_micro_batches=num_micro_batches,
+                           chunks=chunks)
+        return terms.peak_bytes(msgs, first=stage == 0, last=stage == num_stages - 1)
     num_micro_batches = walked_micro_batches(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
                                              chunks=chunks)
     return _PEAKS.get((schedule, msgs, stage, num_stages, num_micro_batches, chunks),
@@ -95,6 +147,7 @@ def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stage
 
 def _peak(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
           chunks: int) -> float:
+    """The rule itself: ``peak_buffer_bytes`` over the stage's order (the oracle of `held_terms`)."""
     order, releases = _releases(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
                                 chunks=chunks, stage=stage)
     first, last = stage == 0, stage == num_stages - 1

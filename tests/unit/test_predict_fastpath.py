@@ -1,0 +1,102 @@
+"""The predictor's shortcuts (predict/fastpath.py) give exactly the plain rules' numbers: the whole
+`predict()` result (step time, every stage's memory parts, timeline) and `stage_memory_fits` under
+every recomputation mode, on plans covering each schedule (interleaved, ZB-H1, GPipe, 1F1B), ZeRO 0-3,
+sequence and context parallelism, recomputation modes, unequal TP, blocking sends and several
+replicas; the slow tier adds every example cluster's planned plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+
+import pytest
+
+from conftest import EXAMPLES, small_cluster, tiny_model
+from hethub.plan import Pipeline, Plan, Recompute, Stage
+from hethub.plan_parts import interleave
+from hethub.predict.fastpath import clear_caches, reference_path
+from hethub.predict.predictor import StageFits, predict
+
+NONE, SELECTIVE, FULL = Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL
+
+
+def _plan(pipes: list[Pipeline], *, schedule: str = "1f1b", sharding: str = "none", p2p: str | None = None,
+          gb: int | None = None) -> Plan:
+    extra = {} if p2p is None else {"p2p": p2p}
+    return Plan(model=tiny_model(), cluster=small_cluster(), global_batch=gb or sum(p.num_samples for p in pipes),
+                seq_len=32, pipelines=tuple(pipes), schedule=schedule, optimizer_sharding=sharding,
+                **extra).validate()
+
+
+def _two_replicas(*, recompute: Recompute = NONE, mbs: int = 2, m: int = 4) -> list[Pipeline]:
+    return [Pipeline(mbs, m, (Stage("fast", (0,), (0, 3), embedding=True, recompute=recompute),
+                              Stage("slow", (4,), (3, 6), head=True, recompute=recompute))),
+            Pipeline(mbs - 1, m, (Stage("fast", (1,), (0, 4), embedding=True),
+                                  Stage("slow", (5,), (4, 6), head=True, recompute=recompute)))]
+
+
+def _plans() -> dict[str, Plan]:
+    three = (Stage("fast", (0,), (0, 2), embedding=True), Stage("fast", (2,), (2, 4)),
+             Stage("slow", (4,), (4, 6), head=True))
+    out = {f"{s}-three-stages": _plan([Pipeline(2, 8, three)], schedule=s) for s in ("1f1b", "zb-h1", "gpipe")}
+    out["blocking"] = _plan([Pipeline(2, 8, three)], p2p="blocking")
+    out["interleaved-v2"] = _plan([interleave(Pipeline(1, 8, (Stage("fast", (0,), (0, 1), embedding=True),
+                                                              Stage("slow", (4,), (1, 2), head=True))),
+                                              [[2, 1], [1, 2]])], schedule="interleaved")
+    out["interleaved-v3-replicas"] = _plan(
+        [interleave(Pipeline(1, 9 + 4 * i, (Stage("fast", (i,), (0, 1), embedding=True),
+                                            Stage("slow", (4 + i,), (1, 2), head=True))), [[1, 1, 1]] * 2)
+         for i in range(2)], schedule="interleaved", sharding="zero1")
+    out["interleaved-three-stages"] = _plan(
+        [interleave(Pipeline(1, 14, three), [[1, 1]] * 3)], schedule="interleaved", sharding="zero2")
+    for z in ("none", "zero1", "zero2", "zero3"):
+        out[f"{z}-replicas"] = _plan(_two_replicas(), sharding=z)
+    out["selective"] = _plan(_two_replicas(recompute=SELECTIVE), sharding="zero1")
+    out["full"] = _plan(_two_replicas(recompute=FULL), schedule="zb-h1")
+    out["unequal-tp-sp"] = _plan([Pipeline(2, 6, (Stage("fast", (0, 1), (0, 4), embedding=True, sequence_parallel=True),
+                                                  Stage("slow", (4,), (4, 6), head=True)))], sharding="zero2")
+    out["cp"] = _plan([Pipeline(1, 6, (Stage("fast", (0, 1), (0, 3), embedding=True, cp=2),
+                                       Stage("slow", (4, 5), (3, 6), head=True, cp=2)))])
+    out["tp-replicas-zero3"] = _plan(
+        [Pipeline(1, 4, (Stage("fast", (0, 1), (0, 3), embedding=True), Stage("slow", (4,), (3, 6), head=True))),
+         Pipeline(1, 4, (Stage("fast", (2,), (0, 2), embedding=True), Stage("slow", (6, 7), (2, 6), head=True)))],
+        sharding="zero3")
+    return out
+
+
+PLANS = _plans()
+
+
+def _same(plan: Plan) -> None:
+    with reference_path():
+        ref = predict(plan, timeline=True)
+        fits_ref = StageFits(plan)
+        ref_fits = {mode: fits_ref.under(mode) for mode in (None, *Recompute)}
+    clear_caches()
+    fast = predict(plan, timeline=True)
+    again = predict(plan, timeline=True)  # served from the memos the first call filled
+    fits = StageFits(plan)
+    assert {mode: fits.under(mode) for mode in (None, *Recompute)} == ref_fits
+    for got in (fast, again):
+        for f in dataclasses.fields(ref):
+            assert getattr(got, f.name) == getattr(ref, f.name), f.name
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_shortcuts_give_the_plain_rules_prediction(name: str) -> None:
+    _same(PLANS[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", sorted(glob.glob(str(EXAMPLES / "*.toml"))))
+def test_every_example_clusters_plan_predicts_alike(path: str) -> None:
+    from hethub.search import PlannerConfig, make_plan
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+
+    cluster = load_cluster(path)
+    small = cluster.num_devices <= 8
+    result = make_plan(cluster=cluster, model=get_model("small" if small else "llama-3-8b"),
+                       config=PlannerConfig(global_batch=16 if small else 256, seq_len=128 if small else 2048,
+                                            schedule="auto", optimizer_sharding="auto"))
+    _same(result.plan)
