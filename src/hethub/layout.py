@@ -20,6 +20,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hethub.memo import Kept
 from hethub.plan import Plan, Recompute
 from hethub.plan_parts import LayerChunks, SeqGrid
 
@@ -343,8 +344,17 @@ class Topology:
         return rank in self.unit_holders[unit][0].tp_group(0)
 
 
+# stage_places by plan (id, pinned; plans are frozen): the predictor's sync and sharding rules ask
+# it several times per prediction, O(devices) each.
+_PLACES = Kept(64)
+
+
 def stage_places(plan: Plan) -> tuple[StagePlace, ...]:
     """Every stage of every pipeline, in pipeline then stage order, with its torch ranks."""
+    return _PLACES.get((id(plan),), lambda: _stage_places(plan), pin=(plan,))
+
+
+def _stage_places(plan: Plan) -> tuple[StagePlace, ...]:
     rank_of = plan.rank_of_device()
     return tuple(StagePlace(pipeline=pi, stage=si, num_stages=len(p.stages), kind=s.kind,
                             ranks=tuple(rank_of[d] for d in s.devices), layers=s.layers, embedding=s.embedding,

@@ -11,6 +11,7 @@ still launches with a dense ``world_size``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -144,16 +145,23 @@ class Plan:
         kind's default from the catalog ("math" on pre-Ampere GPUs)."""
         return self.kind_settings.get(kind, {}).get("attention") or self.cluster.kinds[kind].attention
 
-    @property
+    @functools.cached_property
     def devices(self) -> tuple[int, ...]:
+        # Kept on the instance (frozen, so it cannot go stale): the predictor's sync and sharding
+        # rules ask it per group, and a 4,096-device plan sorts 4,096 ids each time.
         return tuple(sorted(d for p in self.pipelines for d in p.devices))
 
     @property
     def world_size(self) -> int:
         return len(self.devices)
 
-    def rank_of_device(self) -> dict[int, int]:
+    @functools.cached_property
+    def _rank_of(self) -> dict[int, int]:
         return {d: r for r, d in enumerate(self.devices)}
+
+    def rank_of_device(self) -> dict[int, int]:
+        """Each device's rank (the plan's devices in ascending id order); a copy the caller may change."""
+        return dict(self._rank_of)
 
     @property
     def tokens_per_step(self) -> int:

@@ -3,6 +3,7 @@ validates and reads and writes them as the versioned plan file, and re-exports t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -127,7 +128,7 @@ class Pipeline:
     def num_samples(self) -> int:
         return self.micro_batch_size * self.num_micro_batches
 
-    @property
+    @functools.cached_property
     def devices(self) -> tuple[int, ...]:
         return tuple(d for s in self.stages for d in s.devices)
 

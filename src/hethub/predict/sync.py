@@ -376,11 +376,9 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
             continue
         n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
         first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
+        ends = {x: (min(sp[u][0] for u in us), max(sp[u][1] for u in us)) for x in g.holders for sp in (span(x),)}
         for k in range(n):
-            ready = {}
-            for x in g.holders:
-                a, c = min(span(x)[u][0] for u in us), max(span(x)[u][1] for u in us)
-                ready[x] = -backward_s[x] * (1.0 - (a + (c - a) * (k + 1) / n))
+            ready = {x: -backward_s[x] * (1.0 - (a + (c - a) * (k + 1) / n)) for x, (a, c) in ends.items()}
             buckets.append(((first, g.name, k), gi, g.holders, ready, d))
     buckets.sort(key=lambda b: b[0])
     cursor: dict[StageId, float] = {}

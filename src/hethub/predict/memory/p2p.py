@@ -21,7 +21,13 @@ from hethub.plan import Plan, Stage
 from hethub.predict.fastpath import kept_lru, reference
 from hethub.predict.memory.model import act_bytes_for
 from hethub.schedules import Op, get_schedule
-from hethub.schedules.messages import held_counts, known_starts, peak_buffer_bytes, send_releases
+from hethub.schedules.messages import (
+    held_counts,
+    known_starts,
+    line_releases,
+    peak_buffer_bytes,
+    send_releases,
+)
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,12 @@ def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches:
     """The stage's `HeldTerms` (``schedules.messages.held_counts`` over its order and releases), kept per
     pipeline shape: the planner prices thousands of stages of a few shapes with different sizes."""
     m = peak_micro_batches(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
-    order, releases = _releases(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks, stage=stage)
+    if chunks == 1:  # a line of stages: the releases without vector clocks
+        orders = _orders(schedule, num_stages=num_stages, num_micro_batches=m, chunks=1)
+        order, releases = orders[stage], line_releases(orders, stage)
+    else:
+        order, releases = _releases(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks,
+                                    stage=stage)
     first, last = stage == 0, stage == num_stages - 1
 
     def receives(op: Op | None) -> int:  # which receive the op posts, as `_peak`'s `received` prices it
