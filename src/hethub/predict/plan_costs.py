@@ -17,6 +17,7 @@ from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import boundary_time_s
 from hethub.predict.compute import p2p_post_s
+from hethub.predict.fastpath import reference
 from hethub.predict.memory import StageMemory, act_bytes_for, message_bytes, p2p_buffer_bytes
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_ring_s, splits_sequence
@@ -24,6 +25,7 @@ from hethub.predict.stage_cost import StageJob, StageStepCost, stage_memory_of, 
 from hethub.schedules import Op, Schedule
 from hethub.schedules.messages import op_posts
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
+from hethub.spec.cluster import Cluster
 
 __all__ = ["PlanCosts", "StageStepCost", "sync_shape"]
 
@@ -50,6 +52,10 @@ class PlanCosts:
         self.memory: dict[tuple, StageMemory] = {}
         self.finish: dict[tuple, list[float]] = {}
         self.schedules: dict[tuple, list[StageSchedule]] = {}
+        # p2p_bytes by pipeline shape (micro-batch size and count, chunks, each stage's kind, TP,
+        # SP and CP: what message_bytes and the buffer peak read) and stage index.
+        self.pipe_shape: dict[int, tuple] = {}
+        self.p2p: dict[tuple[tuple, int], float] = {}
 
     @functools.cached_property
     def sync_shape(self) -> dict[tuple[int, int], tuple[bool, bool, float]]:
@@ -98,7 +104,8 @@ class PlanCosts:
                                   hidden_size=plan.model.hidden_size, act_bytes=self.act_bytes, flat=flat)
         numel = self.job.hop_numel(mbs)
         cluster = self.plan.cluster
-        return _HOPS.get((id(cluster), src.devices, dst.devices, numel, self.act_bytes, flat),
+        where = (src.devices, dst.devices) if reference() else hop_places(cluster, src.devices, dst.devices)
+        return _HOPS.get((id(cluster), where, numel, self.act_bytes, flat),
                          lambda: boundary_time_s(cluster, senders=src.devices, receivers=dst.devices, numel=numel,
                                                  nbytes=numel * self.act_bytes, flat=flat), pin=(cluster,))
 
@@ -133,7 +140,19 @@ class PlanCosts:
 
     def p2p_bytes(self, pi: int, si: int) -> float:
         """Point-to-point buffer bytes one device of stage ``si`` of pipeline ``pi`` holds at once
-        (``predict/memory/p2p.py``)."""
+        (``predict/memory/p2p.py``), kept per pipeline shape: replicas repeat it."""
+        p = self.plan.pipelines[pi]
+        if reference():
+            return self._p2p_bytes(pi, si)
+        if pi not in self.pipe_shape:
+            self.pipe_shape[pi] = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
+                                   tuple((s.kind, s.tp, s.sequence_parallel, s.cp) for s in p.stages))
+        key = (self.pipe_shape[pi], si)
+        if key not in self.p2p:
+            self.p2p[key] = self._p2p_bytes(pi, si)
+        return self.p2p[key]
+
+    def _p2p_bytes(self, pi: int, si: int) -> float:
         p = self.plan.pipelines[pi]
         return p2p_buffer_bytes(self.plan.schedule, message_bytes(self.plan, pi, si), stage=si,
                                 num_stages=len(p.stages), num_micro_batches=p.num_micro_batches,
@@ -277,3 +296,17 @@ def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]
         mixed = [n for n, m in synced if m]
         out[sid] = (True, bool(mixed), float(sum(mixed)))
     return out
+
+
+def hop_places(cluster: Cluster, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple:
+    """What a boundary's price (``comm.boundary_time_s``) reads of its devices: each one's node group
+    and its node and NIC numbered by first appearance. Boundaries with equal places have the same
+    links pair by pair (``Cluster.link``: same node or not, the groups' kinds and NICs) and the
+    same NIC sharing (``comm.shared_links``), so one price serves every replica of a pipeline."""
+    nodes: dict[int, int] = {}
+    nics: dict[int, int] = {}
+    out = [len(senders)]
+    for d in (*senders, *receivers):
+        dev = cluster.devices[d]
+        out.append((dev.group, nodes.setdefault(dev.node, len(nodes)), nics.setdefault(dev.nic, len(nics))))
+    return tuple(out)
