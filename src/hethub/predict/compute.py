@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from hethub.memo import Kept
 from hethub.plan import Recompute
 from hethub.predict import opmodel
 from hethub.predict.calibrate import DEFAULT_GEMM_EFF, DEFAULT_K_HALF, DEFAULT_LAUNCH_S, DEFAULT_MEM_EFF
@@ -150,9 +151,20 @@ def _phase_times(part: str, shape: opmodel.Shape, params: KernelParams) -> tuple
             opmodel.phase_time_s(bwd, params, elem_bytes=shape.elem_bytes))
 
 
+# kernel_params by kind (id, pinned: kinds are frozen) and precision: asked per stage of every plan.
+_KERNEL_PARAMS = Kept(1024)
+
+
 def kernel_params(kind: DeviceKind, precision: str) -> tuple[KernelParams, str] | None:
     """The op model's numbers for `kind` at `precision`, and what they rest on; None where the kind
-    has no compute-unit data (the constant-efficiency roofline applies).
+    has no compute-unit data (the constant-efficiency roofline applies). Kept per kind and precision
+    (`_kernel_params`)."""
+    return _KERNEL_PARAMS.get((id(kind), precision), lambda: (_kernel_params(kind, precision),),
+                              pin=(kind,))[0]
+
+
+def _kernel_params(kind: DeviceKind, precision: str) -> tuple[KernelParams, str] | None:
+    """`kernel_params`, computed.
 
     bf16-mixed runs its GEMMs on the tensor cores at the dense bf16 peak; fp32 on the non-tensor fp32
     units (PyTorch's default: TF32 off for matmuls). Each number comes from the catalog where fitted,

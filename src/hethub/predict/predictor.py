@@ -405,9 +405,10 @@ def _sources(plan: Plan, stages: tuple[StagePrediction, ...]) -> dict[str, objec
             "bw_bytes_per_s": cluster.cross_kind.bw_bytes_per_s, "latency_s": cluster.cross_kind.latency_s,
             "source": cluster.cross_kind_source or "assumed: the cluster file cites no source "
                       "(network.cross_kind_source); measure it with 'hethub bench comm' and pass --links"}
+    last = {s.kind: (s.precision, s.compute_source) for s in stages}  # per kind, as its last stage says
     return {"compute": {s.kind: s.compute_source for s in stages}, "calibration": {
-                s.kind: calibration_of(cluster.kinds[s.kind], precision=s.precision, compute_source=s.compute_source)
-                for s in stages},
+                kind: calibration_of(cluster.kinds[kind], precision=precision, compute_source=source)
+                for kind, (precision, source) in last.items()},
             "communication": comm, "fabrics": _fabric_sources(plan, stages),
             "runtime": runtime_profile(plan.runtime).describe(), **out,
             "memory": "analytic: named parts (predict/memory): state per precision, kept activations per layer, "
