@@ -136,10 +136,24 @@ def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches:
             return 0 if first and op.chunk == 0 else 1
         return 0 if last and op.chunk == chunks - 1 else 2
 
-    rows = {(f, b, receives(nxt)) for f, b, nxt in held_counts(order, releases)}
-    covered = {r for r in rows for o in rows
-               if o != r and r[0] <= o[0] and r[1] <= o[1] and r[2] in (0, o[2])}
-    return HeldTerms(tuple(sorted(rows - covered)))
+    return HeldTerms(_uncovered({(f, b, receives(nxt)) for f, b, nxt in held_counts(order, releases)}))
+
+
+def _uncovered(rows: set[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """The rows no other row covers: a row with a receive is covered only by one with the same receive
+    and at least its counts; one without, by any other row with at least its counts."""
+    def front(points: set[tuple[int, int]]) -> set[tuple[int, int]]:  # the maximal (f, b) pairs
+        out, best_b = set(), -1
+        for f, b in sorted(points, key=lambda x: (-x[0], -x[1])):
+            if b > best_b:
+                out.add((f, b))
+                best_b = b
+        return out
+
+    keep = {(f, b, r) for r in (1, 2) for f, b in front({(f, b) for f, b, rr in rows if rr == r})}
+    received = {(f, b) for f, b, r in rows if r}
+    keep |= {(f, b, 0) for f, b in front({(f, b) for f, b, _ in rows}) if (f, b, 0) in rows and (f, b) not in received}
+    return tuple(sorted(keep))
 
 
 def p2p_buffer_bytes(schedule: str, msgs: MessageBytes, *, stage: int, num_stages: int, num_micro_batches: int,
