@@ -1,5 +1,5 @@
 """CPU time of one `predict()` and one `stage_memory_fits()` at 512 and 4,096 devices: the plain rules
-(predict/fastpath.py's reference path, what the predictor ran before its shortcuts) beside the
+(hethub/memo.py's reference path, what the predictor ran before its shortcuts) beside the
 shortcuts, in one process, every memo emptied before each call (a job's first prediction), and
 again with the memos the first call left (the planner's later predictions of one job).
 
@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.plan_parts import interleave
-from hethub.predict.fastpath import clear_caches, reference_path
 from hethub.predict.predictor import predict, stage_memory_fits
 from hethub.spec.model import get_model
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hethub.predict.fastpath import reference_path
+from hethub.memo import reference_path
 from hethub.predict.memory.p2p import (
     MessageBytes,
     _peak,

@@ -1,4 +1,4 @@
-"""The predictor's shortcuts (predict/fastpath.py) give exactly the plain rules' numbers: the whole
+"""The predictor's shortcuts (hethub/memo.py) give exactly the plain rules' numbers: the whole
 `predict()` result (step time, every stage's memory parts, timeline) and `stage_memory_fits` under
 every recomputation mode, on plans covering each schedule (interleaved, ZB-H1, GPipe, 1F1B), ZeRO 0-3,
 sequence and context parallelism, recomputation modes, unequal TP, blocking sends and several
@@ -12,9 +12,9 @@ import glob
 import pytest
 
 from conftest import EXAMPLES, small_cluster, tiny_model
+from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
-from hethub.predict.fastpath import clear_caches, reference_path
 from hethub.predict.predictor import StageFits, predict
 
 NONE, SELECTIVE, FULL = Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL

@@ -13,11 +13,10 @@ import functools
 import itertools
 from dataclasses import replace
 
-from hethub.memo import Kept
+from hethub.memo import Kept, reference
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import boundary_time_s
 from hethub.predict.compute import p2p_post_s
-from hethub.predict.fastpath import reference
 from hethub.predict.memory import StageMemory, act_bytes_for, message_bytes, p2p_buffer_bytes
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_ring_s, splits_sequence

@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.layout import hop
-from hethub.memo import Kept
+from hethub.memo import Kept, kept_lru, reference
 from hethub.plan import Plan, Stage
-from hethub.predict.fastpath import kept_lru, reference
 from hethub.predict.memory.model import act_bytes_for
 from hethub.schedules import Op, get_schedule
 from hethub.schedules.messages import (
@@ -46,7 +45,7 @@ class MessageBytes:
     wrap_b_received: float = 0.0
 
 
-# Reference path (predict/fastpath.py): peaks by (schedule, message bytes, stage, stages,
+# Reference path (hethub/memo.py): peaks by (schedule, message bytes, stage, stages,
 # micro-batches, chunks), each a replay of the stage's order.
 _PEAKS = Kept(100_000)
 # Past the pipeline's depth, 1F1B and ZB-H1 (and the interleaved schedule at one chunk, whose
