@@ -346,7 +346,7 @@ class Topology:
 
 # stage_places by plan (id, pinned; plans are frozen): the predictor's sync and sharding rules ask
 # it several times per prediction, O(devices) each.
-_PLACES = Kept(64)
+_PLACES = Kept(64, shortcut=True)
 
 
 def stage_places(plan: Plan) -> tuple[StagePlace, ...]:

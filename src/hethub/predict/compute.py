@@ -152,7 +152,7 @@ def _phase_times(part: str, shape: opmodel.Shape, params: KernelParams) -> tuple
 
 
 # kernel_params by kind (id, pinned: kinds are frozen) and precision: asked per stage of every plan.
-_KERNEL_PARAMS = Kept(1024)
+_KERNEL_PARAMS = Kept(1024, shortcut=True)
 
 
 def kernel_params(kind: DeviceKind, precision: str) -> tuple[KernelParams, str] | None:

@@ -36,6 +36,9 @@ _SYNC_SHAPES = Kept(64)
 # Stage-to-stage boundary times by the cluster (id, pinned), the hop's devices, size and flat: the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
 _HOPS = Kept(100_000)
+# An interleaved stage's activation peak by schedule, place, stages, micro-batches and chunk weights (the
+# chunks' count is the weights'): replicas repeat it, and each is a walk of the stage's order.
+_PEAK_HELD = Kept(100_000, shortcut=True)
 
 
 class PlanCosts:
@@ -230,8 +233,9 @@ class PlanCosts:
         weights = [acts(b - a, s.embedding and c == 0, s.head and c == v - 1)
                    for c, (a, b) in enumerate(s.layer_ranges)]
         whole = acts(s.num_layers, s.embedding, s.head)
-        peak = schedule.peak_held(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches,
-                                  chunk_weights=weights)  # type: ignore[attr-defined]
+        n, m = len(p.stages), p.num_micro_batches
+        peak = _PEAK_HELD.get((schedule.name, si, n, m, tuple(weights)), lambda: schedule.peak_held(
+            stage=si, num_stages=n, num_micro_batches=m, chunk_weights=weights))  # type: ignore[attr-defined]
         return peak / whole if whole > 0 else 0.0
 
 

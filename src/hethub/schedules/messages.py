@@ -148,6 +148,77 @@ def line_releases(orders: Sequence[Sequence[Op]], stage: int) -> dict[Op, Op | N
     return out
 
 
+def ring_releases(orders: Sequence[Sequence[Op]], *, chunks: int) -> list[dict[Op, Op | None]]:
+    """``send_releases`` of every stage at once, in O(ops x stages) plain integer steps: what stage s
+    knows of stage b after op i is propagated column by column (one stage b at a time) instead of as
+    ``known_starts``' vectors of every stage per op, which the stages' order of messages allows with
+    virtual stages too (the wrap makes the stages a ring, so knowledge of a neighbour may come round
+    it). ``tests/unit/test_messages_line.py`` checks it against ``send_releases`` exhaustively."""
+    p = len(orders)
+    gid = [{op: k for k, op in enumerate(o)} for o in orders]
+    base = [0]
+    for o in orders:
+        base.append(base[-1] + len(o))
+    n = base[-1]
+    # One topological order of all ops (each stage's in order, a receive after its send), and each
+    # op's previous op on its stage and producer as global indices (n: none, whose column value is -1).
+    prev, src, topo = [n] * n, [n] * n, []
+    done, ptr, moved = [False] * (n + 1), [0] * p, True
+    done[n] = True
+    while moved:
+        moved = False
+        for s in range(p):
+            while ptr[s] < len(orders[s]):
+                i = ptr[s]
+                g = base[s] + i
+                pr = producer(orders[s][i], stage=s, num_stages=p, chunks=chunks)
+                if pr is not None:
+                    src[g] = base[pr[0]] + gid[pr[0]][pr[1]]
+                    if not done[src[g]]:
+                        break
+                prev[g] = g - 1 if i > 0 else n
+                done[g] = True
+                topo.append(g)
+                ptr[s] += 1
+                moved = True
+    if len(topo) < n:
+        raise ValueError("the op orders deadlock: some stages wait for messages never sent")
+    heard: list[dict[int, list[int]]] = [{} for _ in range(p)]  # heard[s][b][i]: b's last op s knows of
+    wanted = [set() for _ in range(p)]  # per b, the stages that send to it
+    for s in range(p):
+        for op in orders[s]:
+            dest = consumer(op, stage=s, num_stages=p, chunks=chunks)
+            if dest is not None:
+                wanted[dest[0]].add(s)
+    for b in range(p):
+        if not wanted[b]:
+            continue
+        col = [-1] * (n + 1)
+        lo, hi = base[b], base[b + 1]
+        for g in topo:
+            if lo <= g < hi:
+                col[g] = g - lo
+            else:
+                x, y = col[prev[g]], col[src[g]]
+                col[g] = x if x > y else y
+        for s in wanted[b]:
+            heard[s][b] = col[base[s]:base[s + 1]]
+    out: list[dict[Op, Op | None]] = []
+    for s in range(p):
+        rel: dict[Op, Op | None] = {}
+        order = orders[s]
+        for i, op in enumerate(order):
+            dest = consumer(op, stage=s, num_stages=p, chunks=chunks)
+            if dest is None:
+                continue
+            b, taken_by = dest
+            x = gid[b].get(taken_by)
+            j = len(order) if x is None else bisect.bisect_left(heard[s][b], max(x - 1, 0), lo=i + 1)
+            rel[op] = order[j] if j < len(order) else None
+        out.append(rel)
+    return out
+
+
 def max_live_messages(in_flight: float) -> float:
     """Most messages' buffers (per receiver of a sliced hop) a rank holds at once, counted as
     ``peak_buffer_bytes`` counts, for a stage that holds ``in_flight`` activations (micro-batches;

@@ -25,6 +25,7 @@ from hethub.schedules.messages import (
     known_starts,
     line_releases,
     peak_buffer_bytes,
+    ring_releases,
     send_releases,
 )
 
@@ -99,6 +100,12 @@ def _known(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: in
     return known_starts(orders, chunks=chunks)
 
 
+@kept_lru(maxsize=256)
+def _ring(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int) -> list[dict[Op, Op | None]]:
+    orders = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
+    return ring_releases(orders, chunks=chunks)
+
+
 @dataclass(frozen=True)
 class HeldTerms:
     """What a stage's point-to-point buffers hold at each candidate for their peak, as counts:
@@ -123,9 +130,9 @@ def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches:
     if chunks == 1:  # a line of stages: the releases without vector clocks
         orders = _orders(schedule, num_stages=num_stages, num_micro_batches=m, chunks=1)
         order, releases = orders[stage], line_releases(orders, stage)
-    else:
-        order, releases = _releases(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks,
-                                    stage=stage)
+    else:  # virtual stages: a ring, every stage's releases at once
+        order = _orders(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks)[stage]
+        releases = _ring(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks)[stage]
     first, last = stage == 0, stage == num_stages - 1
 
     def receives(op: Op | None) -> int:  # which receive the op posts, as `_peak`'s `received` prices it
