@@ -101,8 +101,13 @@ def _known(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: in
 
 
 @kept_lru(maxsize=256)
-def _ring(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int) -> list[dict[Op, Op | None]]:
+def _all_releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int,
+                  ) -> list[dict[Op, Op | None]]:
+    """Every stage's ``send_releases`` of a pipeline shape, by the cheaper equal forms: a line of stages
+    without vector clocks (``line_releases``), virtual stages' ring column by column (``ring_releases``)."""
     orders = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
+    if chunks == 1:
+        return [line_releases(orders, s) for s in range(num_stages)]
     return ring_releases(orders, chunks=chunks)
 
 
@@ -122,17 +127,19 @@ class HeldTerms:
         return max((f * f_sent + b * b_sent + received[r] for f, b, r in self.rows), default=0.0)
 
 
-@kept_lru(maxsize=65536)
 def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int) -> HeldTerms:
     """The stage's `HeldTerms` (``schedules.messages.held_counts`` over its order and releases), kept per
-    pipeline shape: the planner prices thousands of stages of a few shapes with different sizes."""
+    pipeline shape and class of micro-batch count (`peak_micro_batches`): the planner prices thousands
+    of stages of a few shapes with different sizes."""
     m = peak_micro_batches(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
-    if chunks == 1:  # a line of stages: the releases without vector clocks
-        orders = _orders(schedule, num_stages=num_stages, num_micro_batches=m, chunks=1)
-        order, releases = orders[stage], line_releases(orders, stage)
-    else:  # virtual stages: a ring, every stage's releases at once
-        order = _orders(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks)[stage]
-        releases = _ring(schedule, num_stages=num_stages, num_micro_batches=m, chunks=chunks)[stage]
+    return _held_terms(schedule, stage=stage, num_stages=num_stages, num_micro_batches=m, chunks=chunks)
+
+
+@kept_lru(maxsize=65536)
+def _held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int) -> HeldTerms:
+    order = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)[stage]
+    releases = _all_releases(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
+                             chunks=chunks)[stage]
     first, last = stage == 0, stage == num_stages - 1
 
     def receives(op: Op | None) -> int:  # which receive the op posts, as `_peak`'s `received` prices it
