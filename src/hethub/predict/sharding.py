@@ -34,6 +34,7 @@ from hethub.layout import (
     unit_holders,
     unit_position,
 )
+from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.memory.model import layer_elems
 from hethub.spec.model import ModelSpec
@@ -90,6 +91,16 @@ def buckets(plan: Plan) -> list[Bucket]:
     return [Bucket(holders=hs, units=tuple(us), mixed=len({s.tp for s in hs}) > 1) for hs, us in by_set.values()]
 
 
+# Each plan's buckets with their reduction lines (plan id, pinned; plans are frozen): the predictor
+# splits them under several weights per plan (each recomputation mode, ZeRO-2/3's bytes).
+_LINES = Kept(64, shortcut=True)
+
+
+def bucket_lines(plan: Plan) -> tuple[tuple[Bucket, tuple[tuple[int, ...], ...]], ...]:
+    """`buckets` of the plan, each with its `Bucket.lines`."""
+    return _LINES.get((id(plan),), lambda: tuple((b, tuple(b.lines())) for b in buckets(plan)), pin=(plan,))
+
+
 def rank_weights(plan: Plan, *, free_bytes: Mapping[StageId, float] | None) -> dict[int, float]:
     """Each rank's share weight: its stage's free bytes per device (``proportional``), or 1 (``equal``,
     or when no free bytes are given)."""
@@ -118,9 +129,9 @@ def rank_shards(plan: Plan, weights: Mapping[int, float]) -> RankShards:
     moments = dict.fromkeys(range(plan.world_size), 0)
     masters = dict.fromkeys(range(plan.world_size), 0)
     padded: dict[tuple[int, ...], int] = {}
-    for b in buckets(plan):
+    for b, lines in bucket_lines(plan):
         n = b.elems(plan.model)
-        for line in b.lines():
+        for line in lines:
             sizes = split_elems(n, [weights[r] for r in line])
             padded[line] = max(sizes)
             for r, k in zip(line, sizes, strict=True):
@@ -161,11 +172,11 @@ def zero23_rank_bytes(plan: Plan, weights: Mapping[int, float], *,
     whole = dict.fromkeys(range(plan.world_size), 0)
     sizes: dict[int, dict[str, tuple[int, int]]] = {r: {} for r in range(plan.world_size)}  # unit -> (bytes, staging)
     largest = dict.fromkeys(range(plan.world_size), (0, 0))  # (layout elems, local elems) of the largest bucket
-    for b in buckets(plan):
+    for b, lines in bucket_lines(plan):
         precisions = {plan.precision_of(s.kind) for s in b.holders}
         gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
         gathered = stage3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
-        for line in b.lines():
+        for line in lines:
             for r in line:
                 tp = place_of[r].tp
                 layout = [unit_elems(model, u, tp=1 if b.mixed else tp) for u in b.units]
@@ -179,7 +190,7 @@ def zero23_rank_bytes(plan: Plan, weights: Mapping[int, float], *,
                         continue
                     direct = not b.mixed and gather_bytes == wbytes[r]
                     sizes[r][u] = (n * wbytes[r], 0 if direct else n_layout * gather_bytes)
-    mixed_any = {r for b in buckets(plan) if b.mixed for line in b.lines() for r in line}
+    mixed_any = {r for b, lines in bucket_lines(plan) if b.mixed for line in lines for r in line}
     out = {}
     for r in range(plan.world_size):
         layout_elems, local_elems = largest[r]
