@@ -36,6 +36,11 @@ _SYNC_SHAPES = Kept(64)
 # Stage-to-stage boundary times by the cluster (id, pinned), the hop's devices, size and flat: the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
 _HOPS = Kept(100_000)
+# A stage's point-to-point buffer bytes by its pipeline's shape (the model (id, pinned), sequence
+# length, schedule, micro-batch size and count, chunks, each stage's kind, TP, SP, CP and precision:
+# what message_bytes and the buffer peak read) and its index: replicas and the planner's plans of one
+# job repeat them.
+_P2P = Kept(100_000, shortcut=True)
 # An interleaved stage's activation peak by schedule, place, stages, micro-batches and chunk weights (the
 # chunks' count is the weights'): replicas repeat it, and each is a walk of the stage's order.
 _PEAK_HELD = Kept(100_000, shortcut=True)
@@ -54,10 +59,7 @@ class PlanCosts:
         self.memory: dict[tuple, StageMemory] = {}
         self.finish: dict[tuple, list[float]] = {}
         self.schedules: dict[tuple, list[StageSchedule]] = {}
-        # p2p_bytes by pipeline shape (micro-batch size and count, chunks, each stage's kind, TP,
-        # SP and CP: what message_bytes and the buffer peak read) and stage index.
-        self.pipe_shape: dict[int, tuple] = {}
-        self.p2p: dict[tuple[tuple, int], float] = {}
+        self.pipe_shape: dict[int, tuple] = {}  # per pipeline: its key in _P2P
 
     @functools.cached_property
     def sync_shape(self) -> dict[tuple[int, int], tuple[bool, bool, float]]:
@@ -144,15 +146,13 @@ class PlanCosts:
         """Point-to-point buffer bytes one device of stage ``si`` of pipeline ``pi`` holds at once
         (``predict/memory/p2p.py``), kept per pipeline shape: replicas repeat it."""
         p = self.plan.pipelines[pi]
-        if reference():
-            return self._p2p_bytes(pi, si)
         if pi not in self.pipe_shape:
-            self.pipe_shape[pi] = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
-                                   tuple((s.kind, s.tp, s.sequence_parallel, s.cp) for s in p.stages))
-        key = (self.pipe_shape[pi], si)
-        if key not in self.p2p:
-            self.p2p[key] = self._p2p_bytes(pi, si)
-        return self.p2p[key]
+            plan = self.plan
+            self.pipe_shape[pi] = (id(plan.model), plan.seq_len, plan.schedule, p.micro_batch_size,
+                                   p.num_micro_batches, p.virtual_stages,
+                                   tuple((s.kind, s.tp, s.sequence_parallel, s.cp, plan.precision_of(s.kind))
+                                         for s in p.stages))
+        return _P2P.get((self.pipe_shape[pi], si), lambda: self._p2p_bytes(pi, si), pin=(self.plan.model,))
 
     def _p2p_bytes(self, pi: int, si: int) -> float:
         p = self.plan.pipelines[pi]
