@@ -27,7 +27,7 @@ pipeline shape and prices for any message sizes.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from hethub.schedules.base import Op
 
@@ -136,9 +136,17 @@ def line_releases(orders: Sequence[Sequence[Op]], stage: int) -> dict[Op, Op | N
             last[src[0]] = max(last[src[0]], index[src[0]][src[1]])
         for b, col in heard.items():
             col.append(last[b])
+    return _first_known(order, stage, num_stages=p, chunks=1, index=index, heard=heard)
+
+
+def _first_known(order: Sequence[Op], stage: int, *, num_stages: int, chunks: int, index: Mapping[int, dict[Op, int]],
+                 heard: Mapping[int, list[int]]) -> dict[Op, Op | None]:
+    """``send_releases``' answer from ``heard[b][i]``, the last op of stage b the stage knows of after
+    its op i (never decreasing in i): for each sending op, the first later op where that reaches the
+    op before the consumer's (its receive is posted then), or None."""
     out: dict[Op, Op | None] = {}
     for i, op in enumerate(order):
-        dest = consumer(op, stage=stage, num_stages=p, chunks=1)
+        dest = consumer(op, stage=stage, num_stages=num_stages, chunks=chunks)
         if dest is None:
             continue
         b, taken_by = dest
@@ -203,20 +211,8 @@ def ring_releases(orders: Sequence[Sequence[Op]], *, chunks: int) -> list[dict[O
                 col[g] = x if x > y else y
         for s in wanted[b]:
             heard[s][b] = col[base[s]:base[s + 1]]
-    out: list[dict[Op, Op | None]] = []
-    for s in range(p):
-        rel: dict[Op, Op | None] = {}
-        order = orders[s]
-        for i, op in enumerate(order):
-            dest = consumer(op, stage=s, num_stages=p, chunks=chunks)
-            if dest is None:
-                continue
-            b, taken_by = dest
-            x = gid[b].get(taken_by)
-            j = len(order) if x is None else bisect.bisect_left(heard[s][b], max(x - 1, 0), lo=i + 1)
-            rel[op] = order[j] if j < len(order) else None
-        out.append(rel)
-    return out
+    index = dict(enumerate(gid))
+    return [_first_known(orders[s], s, num_stages=p, chunks=chunks, index=index, heard=heard[s]) for s in range(p)]
 
 
 def max_live_messages(in_flight: float) -> float:
