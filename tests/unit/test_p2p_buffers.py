@@ -11,6 +11,7 @@ import pytest
 from hethub.memo import reference_path
 from hethub.predict.memory.p2p import (
     MessageBytes,
+    _held_terms,
     _peak,
     held_terms,
     p2p_buffer_bytes,
@@ -102,3 +103,16 @@ def test_reference_path_replays() -> None:
     with reference_path():
         slow = p2p_buffer_bytes("interleaved", msgs, stage=1, num_stages=4, num_micro_batches=21, chunks=2)
     assert fast == slow == _peak("interleaved", msgs, stage=1, num_stages=4, num_micro_batches=21, chunks=2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_1f1b_stages_counts_depend_on_its_tail_only(schedule: str) -> None:
+    # held_terms answers from the shortest pipeline with the same tail; the walk of the stage's own shape
+    # must give the same counts
+    for p in range(1, 11):
+        for stage in range(p):
+            for m in range(1, 3 * p + 6):
+                walked = peak_micro_batches(schedule, num_stages=p, num_micro_batches=m, chunks=1)
+                own = _held_terms(schedule, stage=stage, num_stages=p, num_micro_batches=walked, chunks=1)
+                assert held_terms(schedule, stage=stage, num_stages=p, num_micro_batches=m, chunks=1) == own, (
+                    p, stage, m)

@@ -132,6 +132,12 @@ def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches:
     pipeline shape and class of micro-batch count (`peak_micro_batches`): the planner prices thousands
     of stages of a few shapes with different sizes."""
     m = peak_micro_batches(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
+    if schedule == "1f1b" or (schedule == "interleaved" and chunks == 1):
+        # A 1F1B stage's order, and its neighbours', depend only on the stages after it (its warm-up)
+        # and m; its counts on d = p - s, whether it is first, and min(m, d + 1): the same stage of the
+        # shortest pipeline with that tail (tests/unit/test_p2p_buffers.py, to 10 stages).
+        d = num_stages - stage
+        stage, num_stages, m = (0, d, min(m, d + 1)) if stage == 0 else (1, d + 1, min(m, d + 1))
     return _held_terms(schedule, stage=stage, num_stages=num_stages, num_micro_batches=m, chunks=chunks)
 
 
