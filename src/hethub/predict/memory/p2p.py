@@ -101,14 +101,25 @@ def _known(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: in
 
 
 @kept_lru(maxsize=256)
-def _all_releases(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int,
-                  ) -> list[dict[Op, Op | None]]:
-    """Every stage's ``send_releases`` of a pipeline shape, by the cheaper equal forms: a line of stages
-    without vector clocks (``line_releases``), virtual stages' ring column by column (``ring_releases``)."""
+def _ring(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int) -> list[dict[Op, Op | None]]:
+    """Every stage's ``send_releases`` of a pipeline with virtual stages, column by column (``ring_releases``)."""
     orders = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)
-    if chunks == 1:
-        return [line_releases(orders, s) for s in range(num_stages)]
     return ring_releases(orders, chunks=chunks)
+
+
+def _stage_releases(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int,
+                    ) -> tuple[tuple[Op, ...], dict[Op, Op | None]]:
+    """The stage's order and ``send_releases``, by the cheaper equal forms: on a line of stages from
+    its own and its neighbours' orders alone (``line_releases``), with virtual stages from the ring's."""
+    if chunks > 1:
+        order = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)[stage]
+        return order, _ring(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
+                            chunks=chunks)[stage]
+    sched = get_schedule(schedule)
+    orders: list[tuple[Op, ...]] = [()] * num_stages  # line_releases reads the stage and its neighbours only
+    for b in range(max(0, stage - 1), min(num_stages, stage + 2)):
+        orders[b] = tuple(sched.ops(stage=b, num_stages=num_stages, num_micro_batches=num_micro_batches))
+    return orders[stage], line_releases(orders, stage)
 
 
 @dataclass(frozen=True)
@@ -143,9 +154,8 @@ def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches:
 
 @kept_lru(maxsize=65536)
 def _held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int) -> HeldTerms:
-    order = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)[stage]
-    releases = _all_releases(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
-                             chunks=chunks)[stage]
+    order, releases = _stage_releases(schedule, stage=stage, num_stages=num_stages,
+                                      num_micro_batches=num_micro_batches, chunks=chunks)
     first, last = stage == 0, stage == num_stages - 1
 
     def receives(op: Op | None) -> int:  # which receive the op posts, as `_peak`'s `received` prices it
