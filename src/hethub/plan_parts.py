@@ -161,6 +161,26 @@ def split_evenly(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
+# The interleaved schedule's chunks per stage a pipeline may take (the planner tries each).
+CHUNK_CHOICES = (2, 3, 4, 6, 8)
+
+
+def chunk_choices(p: Pipeline) -> tuple[int, ...]:
+    """The v a pipeline may take: up to its largest stage's layer count (a stage with fewer layers
+    than v has empty chunks, which pass their input on), at least as many micro-batches as stages,
+    two or more stages."""
+    n = len(p.stages)
+    if n < 2 or p.num_micro_batches < n:
+        return ()
+    most = max(s.num_layers for s in p.stages)
+    return tuple(v for v in CHUNK_CHOICES if v <= most)
+
+
+def with_chunks(p: Pipeline, v: int) -> Pipeline:
+    """``p`` with each stage's layers in v chunks as equal as can be, the smaller ones first (the
+    warm-up holds mostly early chunks' activations; v = 1: plain layers)."""
+    return interleave(p, [split_evenly(s.num_layers, v)[::-1] for s in p.stages])
+
 @dataclass(frozen=True)
 class ShardWeights:
     """What a ZeRO-1 plan's optimizer-state split rests on: each rank's weight in its buckets' split

@@ -85,15 +85,3 @@ def test_sync_tail_is_exact_after_the_last_finish(schedule):
 def test_sync_tail_of_a_sharded_plan_is_a_floor():
     plan = replace(_plans("1f1b")[0], optimizer_sharding="zero1")
     assert 0.0 == sync_tail_s(plan) <= predict(plan).step_time_s
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_polish_moves_with_the_memo_of_the_job_are_the_moves_made_alone(schedule):
-    # The polish shares each stage shape's recomputation choice among all its moves (one memo per
-    # job) and keeps the stages a move leaves alone: the same plans as each move made on its own.
-    cfg = PlannerConfig(global_batch=64, seq_len=1024, schedule=schedule, top_k=2, polish=False)
-    for plan, _ in make_plan(cluster=CLUSTER, model=MODEL, config=cfg).alternatives:
-        shared: dict = {}
-        for mv in _moves(plan):
-            alone = _apply(plan, mv, allow_recompute=True, headroom=0.1)
-            assert _apply(plan, mv, allow_recompute=True, headroom=0.1, memo=shared) == alone

@@ -21,7 +21,7 @@ from hethub.predict.memory import StageMemory, act_bytes_for, message_bytes, p2p
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_ring_s, splits_sequence
 from hethub.predict.stage_cost import StageJob, StageStepCost, stage_memory_of, stage_params_of, stage_step
-from hethub.schedules import Op, Schedule
+from hethub.schedules import Op, Schedule, get_schedule
 from hethub.schedules.messages import op_posts
 from hethub.schedules.simulate import StageSchedule, simulate_pipeline, simulate_pipeline_time
 from hethub.spec.cluster import Cluster
@@ -60,6 +60,7 @@ class PlanCosts:
         self.finish: dict[tuple, list[float]] = {}
         self.schedules: dict[tuple, list[StageSchedule]] = {}
         self.pipe_shape: dict[int, tuple] = {}  # per pipeline: its key in _P2P
+        self.closed: dict[tuple, tuple] = {}  # pipeline_times and closed_form_of, by stage, hop and pipeline
 
     @functools.cached_property
     def sync_shape(self) -> dict[tuple[int, int], tuple[bool, bool, float]]:
@@ -76,6 +77,35 @@ class PlanCosts:
             kind=stage.kind, layers=stage.num_layers, embedding=stage.embedding, head=stage.head, tp=stage.tp,
             mbs=mbs, recompute=stage.recompute, sp=stage.sequence_parallel, cp=stage.cp),
             mbs=mbs, layers=stage.num_layers)
+
+    def pipeline_times(self, p: Pipeline) -> tuple[list[float], list[float], list[float]]:
+        """Each stage's forward and backward time (``of_stage``: all its layers as one chunk) and each
+        hop (``boundary_s``) of ``p``, as new lists (a caller may change them to price a move)."""
+        mbs, memo = p.micro_batch_size, self.closed
+        for s in p.stages:
+            if (s, mbs) not in memo:
+                c = self.of_stage(s, mbs=mbs)
+                memo[(s, mbs)] = (c.fwd_s, c.bwd_s)
+        for a, b in itertools.pairwise(p.stages):
+            if (a.devices, b.devices, mbs) not in memo:
+                memo[(a.devices, b.devices, mbs)] = (self.boundary_s(a, b, mbs=mbs),)
+        return ([memo[(s, mbs)][0] for s in p.stages], [memo[(s, mbs)][1] for s in p.stages],
+                [memo[(a.devices, b.devices, mbs)][0] for a, b in itertools.pairwise(p.stages)])
+
+    def closed_form(self, fwd_s: list[float], bwd_s: list[float], p2p_s: list[float], *, chunks: int = 1,
+                    ) -> tuple[float, float]:
+        """The plan's schedule's closed form of a pipeline, T(m) = base + m x period, as (base, period)
+        (``Schedule.fill_drain_s``, ``period_s``: what the planner prices pipelines with)."""
+        sch = get_schedule(self.plan.schedule, chunks=chunks)
+        per = sch.period_s(fwd_s=fwd_s, bwd_s=bwd_s, p2p_s=p2p_s)
+        return sch.fill_drain_s(fwd_s=fwd_s, bwd_s=bwd_s, p2p_s=p2p_s, per_micro_batch_s=per), per
+
+    def closed_form_of(self, p: Pipeline) -> tuple[float, float]:
+        """``closed_form`` of a plan pipeline over its ``pipeline_times``."""
+        key = (p.micro_batch_size, p.stages)
+        if key not in self.closed:
+            self.closed[key] = self.closed_form(*self.pipeline_times(p), chunks=p.virtual_stages)
+        return self.closed[key]
 
     def stage_cost(self, *, kind: str, layers: int, embedding: bool, head: bool, tp: int, mbs: int,
                    recompute: Recompute, sp: bool = False, cp: int = 1) -> StageStepCost:

@@ -25,7 +25,7 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan, Recompute, ShardWeights
@@ -254,15 +254,22 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     drain = not get_schedule(plan.schedule).split_backward
     best = 0.0
     for p in plan.pipelines:
-        if p.virtual_stages > 1:
-            continue
-        m, fill, back = p.num_micro_batches, 0.0, 0.0
-        for s in p.stages:
-            cost = costs.of_stage(s, mbs=p.micro_batch_size)
-            best = max(best, fill + m * (cost.fwd_s + cost.bwd_s) + back)
-            fill += cost.fwd_s
-            if drain:
-                back += cost.bwd_s
+        if p.virtual_stages == 1:
+            fb = [costs.of_stage(s, mbs=p.micro_batch_size) for s in p.stages]
+            best = max(best, pipeline_floor_s([c.fwd_s for c in fb], [c.bwd_s for c in fb],
+                                              num_micro_batches=p.num_micro_batches, drain=drain))
+    return best
+
+
+def pipeline_floor_s(fwd_s: Sequence[float], bwd_s: Sequence[float], *, num_micro_batches: int, drain: bool) -> float:
+    """`step_floor_s` of one pipeline without chunks from its stages' forward and backward times
+    (``drain``: the schedule does not split the backward)."""
+    best, fill, back = 0.0, 0.0, 0.0
+    for f, b in zip(fwd_s, bwd_s, strict=True):
+        best = max(best, fill + num_micro_batches * (f + b) + back)
+        fill += f
+        if drain:
+            back += b
     return best * (1 - 1e-12)  # the simulation adds the same times in another order (rounding)
 
 

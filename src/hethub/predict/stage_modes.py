@@ -20,17 +20,20 @@ _ORDERS = Kept(100_000)  # stage_modes' answers by stage shape and job: the plan
 
 
 def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
-                     allow_sp: bool = True) -> Plan:
+                     allow_sp: bool = True, strict: bool = False) -> Plan | None:
     """Each stage's fastest mode that fits its memory (``stage_modes``: recomputation, and sequence
     parallelism where offered and ``allow_sp``); without ``allow_recompute`` only plain ``none`` is
-    tried. A stage that fits under no mode tried keeps its own."""
+    tried. A stage that fits under no mode tried keeps its own, or, ``strict``, the answer is None."""
     modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
     fits = ModeFits(plan, mem_headroom)
     pipes = []
     for pi, p in enumerate(plan.pipelines):
         stages = []
         for si, s in enumerate(p.stages):
-            mode = next((m for m in modes[(pi, si)] if fits(m)[(pi, si)]), (s.recompute, s.sequence_parallel))
+            mode = next((m for m in modes[(pi, si)] if fits(m)[(pi, si)]), None)
+            if mode is None and strict:
+                return None
+            mode = mode or (s.recompute, s.sequence_parallel)
             stages.append(replace(s, recompute=mode[0], sequence_parallel=mode[1]))
         pipes.append(replace(p, stages=tuple(stages)))
     return replace(plan, pipelines=tuple(pipes))

@@ -1,175 +1,182 @@
-"""Local search with the full predictor around the best plan.
-
-The closed form ranks whole plans well but cannot see every detail of the event simulation (with
-few micro-batches, which stage holds the last layer matters). Starting from the predictor's best,
-we move one layer across each stage boundary, or one micro-batch between pipelines, applying each
-move to all identical pipelines at once, and keep any move the predictor likes, within a budget of
-predictions. Also the interleaved schedule's chunks per pipeline, chosen the same way.
+"""The final local search with the full predictor around the best plans (docs/planner.md,
+"Refinement": best improvement over layer, split, merge and micro-batch moves, every stage at the
+fastest recomputation mode the predictor's exact memory allows, moves screened by the schedule's
+closed form and confirmed by ``predict()``), and the interleaved schedule's chunks per pipeline.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
-from hethub.plan import Pipeline, Plan, Recompute, interleave, split_evenly
+from hethub.plan import Pipeline, Plan, Recompute, Stage
+from hethub.plan_parts import chunk_choices, with_chunks
 from hethub.predict.host import HostModel
-from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
+from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, predict
+from hethub.predict.predictor import floor_reaches, pipeline_floor_s, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.predict.stage_cost import StageJob, StageModel
+from hethub.predict.stage_modes import choose_recompute
 from hethub.schedules import get_schedule
-from hethub.search.split import recompute_options
+
+CONFIRM = 3  # predictions per batch of the screen's best: the best improving one of a batch is taken
 
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget: int,
            allow_recompute: bool, host: HostModel | None = None,
            mem_headroom: float = DEFAULT_MEM_HEADROOM) -> tuple[Plan, Prediction]:
-    """First-improvement local search. After a move is taken, the next round starts at that same
-    move (moving another layer the same way often helps again) and goes round the others from
-    there, instead of re-trying from the first ones, which just failed: fewer predictions per step,
-    which matters because the budget, not the local optimum, usually ends the search on large plans.
-    A move whose step floor (predictor.floor_reaches: the stage costs' floor without simulation,
-    then that plus the exact sync tail) is already not below the current step cannot be taken, so
-    it is not predicted. ``budget``: the predictions it may make,
-    so the same plan comes out however busy the machine is."""
-    costs = PlanCosts(plan, profiles) if host is None else None  # stage costs: every move keeps the job
-    # Each stage shape's recomputation choice (_resplit), for every move: a move changes two stages'
-    # shapes and keeps the job, so the rest are asked again and again.
-    modes: dict[tuple, Recompute | None] = {}
-    start, improved = 0, True
-    while improved and budget > 0:
-        improved = False
-        moves = _moves(plan)
-        for j in range(len(moves)):
-            if budget <= 0:
-                break
-            i = (start + j) % len(moves)
-            cand = _apply(plan, moves[i], allow_recompute=allow_recompute, headroom=mem_headroom, memo=modes)
-            if cand is None:
-                continue
-            if costs is not None and floor_reaches(cand, pred.step_time_s * (1 - 1e-9), costs=costs):
-                continue
-            p = predict(cand, profiles=profiles, host=host, mem_headroom=mem_headroom)
-            budget -= 1
-            if p.fits_memory and p.step_time_s < pred.step_time_s * (1 - 1e-9):
-                plan, pred, improved, start = cand, p, True, i
-                break
+    """Best-improvement local search from ``plan`` until no move improves its prediction or
+    ``budget`` predictions (counted: the same plan however busy the machine) are spent. Each round
+    screens every move lazily best-first: a moved stage counts without recomputation until its
+    candidate's exact memory is checked. Plans whose step floor cannot beat the current step, or
+    already predicted, are not predicted."""
+    costs = PlanCosts(plan, profiles)  # stage costs and hops: every move keeps the job
+    seen: set[tuple] = {_key(plan)}
+    while budget > 0:
+        bar, found, tried = pred.step_time_s * (1 - 1e-9), [], 0
+        sigs, times = [_signature(p) for p in plan.pipelines], [costs.closed_form_of(p) for p in plan.pipelines]
+        lists = {sig: costs.pipeline_times(plan.pipelines[sigs.index(sig)]) for sig in set(sigs)}
+        scored = ((_score(plan, sigs, times, move, costs, bar if host is None else float("inf"), lists), n, move, None)
+                  for n, move in enumerate(_moves(plan, sigs)))
+        heap = [x for x in scored if x[0] is not None]
+        heapq.heapify(heap)
+        while heap and budget > 0 and not (found and tried % CONFIRM == 0):
+            _, n, move, cand = heapq.heappop(heap)
+            if cand is None:  # screened optimistically: make it, with its exact modes, and screen it again
+                cand = _apply(plan, move, allow_recompute=allow_recompute, headroom=mem_headroom)
+                if cand is not None:
+                    exact = [costs.closed_form_of(p) for p in cand.pipelines]
+                    heapq.heappush(heap, (_score(cand, sigs, exact, None, costs), n, move, cand))
+            elif _key(cand) not in seen:
+                seen.add(_key(cand))
+                if host is None and floor_reaches(cand, bar, costs=costs):
+                    continue
+                p = predict(cand, profiles=profiles, host=host, mem_headroom=mem_headroom)
+                budget, tried = budget - 1, tried + 1
+                if p.fits_memory and p.step_time_s < bar:
+                    found.append((p.step_time_s, n, cand, p))
+        if not found:
+            return plan, pred
+        _, _, plan, pred = min(found, key=lambda x: x[:2])
     return plan, pred
 
 
+def _key(plan: Plan) -> tuple:
+    return tuple((p.num_micro_batches, p.micro_batch_size, p.stages) for p in plan.pipelines)
+
+
 def _signature(p: Pipeline) -> tuple:
-    return (p.micro_batch_size, tuple((s.kind, s.tp, s.layers) for s in p.stages))
+    return (p.micro_batch_size, tuple((s.kind, s.tp, s.layers, s.chunks) for s in p.stages))
 
 
-def _moves(plan: Plan) -> list[tuple]:
-    """One layer across a stage boundary of one kind of pipeline (all identical ones at once), then
-    one micro-batch from one kind of pipeline to another."""
+def _moves(plan: Plan, sigs: Sequence[tuple] | None = None) -> list[tuple]:
+    """Per kind of pipeline (identical ones at once): a layer from any stage to any other, a stage split,
+    two adjacent stages of one kind and TP merged (chunked or CP pipelines: none of these); a
+    micro-batch from one kind of pipeline to another. ``sigs``: each pipeline's ``_signature``."""
     firsts: dict[tuple, int] = {}
-    for i, p in enumerate(plan.pipelines):
-        firsts.setdefault(_signature(p), i)
-    out: list[tuple] = []
+    for i, sig in enumerate(sigs or [_signature(p) for p in plan.pipelines]):
+        firsts.setdefault(sig, i)
+    out: list[tuple] = [("modes",)]  # the plan as it is, each stage at the exact memory's fastest mode
     for sig, i in firsts.items():
-        n = len(plan.pipelines[i].stages)
-        out += [("layer", sig, i, src, dst) for b in range(n - 1) for src, dst in ((b, b + 1), (b + 1, b))]
-    idx = list(firsts.values())
+        stages = plan.pipelines[i].stages
+        if plan.pipelines[i].virtual_stages > 1 or any(s.cp > 1 for s in stages):
+            continue
+        n = len(stages)
+        out += [("layer", sig, src, dst) for src in range(n) for dst in range(n) if src != dst]
+        out += [("split", sig, si) for si in range(n) if stages[si].tp > 1]
+        out += [("merge", sig, si) for si in range(n - 1)
+                if (stages[si].kind, stages[si].tp) == (stages[si + 1].kind, stages[si + 1].tp)]
+    idx = list(firsts.values()) if plan.zero_stage < 2 else []  # ZeRO-2/3: equal micro-batch counts
     out += [("batch", a, b) for a in idx for b in idx if a != b]
     return out
 
 
-def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float,
-           memo: dict[tuple, Recompute | None] | None = None) -> Plan | None:
-    """``plan`` with ``move`` made (None where it cannot be); ``memo``: as for :func:`_resplit`, shared
-    by the moves of one plan's job."""
-    if move[0] == "batch":
-        _, a, b = move
-        if plan.pipelines[a].num_micro_batches <= 1 or plan.zero_stage >= 2:  # ZeRO-2/3: equal counts
+def _reshaped(plan: Plan, p: Pipeline, move: tuple) -> Pipeline | None:
+    """One pipeline of the moved kind with ``move`` made, the changed stages without recomputation
+    (None where the move cannot be made)."""
+    kind, si = move[0], move[2]
+    rows: list[tuple[tuple[int, ...], int, Stage | None]] = [(s.devices, s.num_layers, s) for s in p.stages]
+    if kind == "layer":  # (devices, layers, the stage kept or None)
+        for i, d in ((si, -1), (move[3], 1)):
+            rows[i] = (rows[i][0], rows[i][1] + d, None)
+    elif kind == "split":
+        devs, k, half = rows[si][0], rows[si][1], p.stages[si].tp // 2
+        rows[si:si + 1] = [(devs[:half], k - k // 2, None), (devs[half:], k // 2, None)]
+    else:
+        devs, m = rows[si][0] + rows[si + 1][0], plan.model
+        if len({plan.cluster.devices[d].node for d in devs}) > 1 or any(
+                x % len(devs) for x in (m.num_heads, m.num_kv_heads, m.ffn_hidden_size)):
             return None
-        pipes = list(plan.pipelines)
-        pipes[a] = replace(pipes[a], num_micro_batches=pipes[a].num_micro_batches - 1)
-        pipes[b] = replace(pipes[b], num_micro_batches=pipes[b].num_micro_batches + 1)
-        return replace(plan, pipelines=tuple(pipes))
-    _, sig, ref, src, dst = move
-    counts = [s.num_layers for s in plan.pipelines[ref].stages]
-    low = 0 if src in (0, len(counts) - 1) else 1
-    if counts[src] - 1 < low:
-        return None
-    counts[src] -= 1
-    counts[dst] += 1
-    pipes, memo = [], {} if memo is None else memo
-    for p in plan.pipelines:
-        q = (_resplit(plan, p, counts, allow_recompute=allow_recompute, memo=memo, headroom=headroom)
-             if _signature(p) == sig else p)
-        if q is None:
+        rows[si:si + 2] = [(devs, rows[si][1] + rows[si + 1][1], None)]
+    n, stages, start = len(rows), [], 0
+    for i, (devs, k, st) in enumerate(rows):
+        if k < (0 if i in (0, n - 1) else 1):
             return None
-        pipes.append(q)
-    return replace(plan, pipelines=tuple(pipes))
-
-
-def _resplit(plan: Plan, p: Pipeline, counts: list[int], *, allow_recompute: bool,
-             memo: dict | None = None, headroom: float = DEFAULT_MEM_HEADROOM) -> Pipeline | None:
-    """p with these layer counts, recomputing exactly where a stage does not fit otherwise. `memo`
-    shares that decision among the identical pipelines a move changes together (and among the moves of
-    one job: it depends on the stage's shape and the job only). Memory is judged as the planner does
-    (predict.stage_cost.StageModel: synced, two neighbours); the predictor then checks the plan."""
-    memo = {} if memo is None else memo
-    schedule = get_schedule(plan.schedule)
-    job = StageJob.of_plan(plan, None)
-    stages, start = [], 0
-    for i, (s, k) in enumerate(zip(p.stages, counts, strict=True)):
-        in_flight = schedule.in_flight(stage=i, num_stages=len(counts), num_micro_batches=p.num_micro_batches)
-        key = (s.kind, s.tp, s.embedding, s.head, k, in_flight, p.micro_batch_size, s.sequence_parallel, s.cp)
-        if key not in memo:
-            memo[key] = None
-            kind = plan.cluster.kinds[s.kind]
-            cap = usable_bytes(kind, headroom=headroom)
-            for rc in recompute_options(allow_recompute):
-                model = StageModel(job, kind, tp=s.tp, mbs=p.micro_batch_size, recompute=rc, capacity_bytes=cap,
-                                   sp=s.sequence_parallel, cp=s.cp)
-                if model.memory(k, emb=s.embedding, head=s.head, in_flight=in_flight).total_bytes <= cap:
-                    memo[key] = rc
-                    break
-        mode = memo[key]
-        if mode is None:
-            return None
-        # A move changes two stages; the others are kept as they are (replace() is slow).
-        layers = (start, start + k)
-        stages.append(s if s.layers == layers and s.recompute == mode else replace(s, layers=layers, recompute=mode))
+        st = st or Stage(plan.cluster.devices[devs[0]].kind, devs, (start, start + k), embedding=i == 0,
+                         head=i == n - 1)
+        stages.append(st if st.layers == (start, start + k) else replace(st, layers=(start, start + k)))
         start += k
     return replace(p, stages=tuple(stages))
 
 
+def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float) -> Plan | None:
+    """``plan`` with ``move`` made and every stage at its fastest mode that fits the exact memory
+    (None where the move cannot be made or a stage then fits under no mode)."""
+    pipes: list[Pipeline | None] = list(plan.pipelines)
+    if move[0] == "batch":
+        a, b = move[1:]
+        if plan.pipelines[a].num_micro_batches <= 1:
+            return None
+        for i, d in ((a, -1), (b, 1)):
+            pipes[i] = replace(plan.pipelines[i], num_micro_batches=plan.pipelines[i].num_micro_batches + d)
+    elif move[0] != "modes":
+        pipes = [_reshaped(plan, p, move) if _signature(p) == move[1] else p for p in plan.pipelines]
+    if None in pipes:
+        return None
+    return choose_recompute(replace(plan, pipelines=tuple(pipes)), allow_recompute=allow_recompute,
+                            mem_headroom=headroom, strict=True)
+
+
+def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], move: tuple | None,
+           costs: PlanCosts, bar_s: float = float("inf"), lists: dict | None = None) -> tuple | None:
+    """The closed form's (slowest pipeline, sum) of ``plan`` with ``move`` made, the moved pipelines
+    priced as their first with the moved stages not recomputing (``sigs``: the pipelines'
+    ``_signature``; ``lists``: ``PlanCosts.pipeline_times`` of the first of each). None where the move
+    cannot be made or the changed pipelines' step floor (without recomputation: below the floor with
+    any mode) reaches ``bar_s``."""
+    ts = [b + p.num_micro_batches * per for p, (b, per) in zip(plan.pipelines, times, strict=True)]
+    if move is None or move[0] == "modes":
+        return (max(ts), sum(ts))
+    if move[0] == "batch":
+        _, a, b = move
+        ts[a], ts[b] = ts[a] - times[a][1], ts[b] + times[b][1]
+        (fwd, bwd, _), most = costs.pipeline_times(plan.pipelines[b]), plan.pipelines[b].num_micro_batches + 1
+    else:
+        ref = plan.pipelines[sigs.index(move[1])]
+        if move[0] == "layer":  # two stages change: priced without new Stage objects
+            if ref.stages[move[2]].num_layers - 1 < (0 if move[2] in (0, len(ref.stages) - 1) else 1):
+                return None
+            fwd, bwd, hops = (list(x) for x in lists[move[1]])
+            for i, d in ((move[2], -1), (move[3], 1)):
+                s = ref.stages[i]
+                c = costs.stage_cost(kind=s.kind, layers=s.num_layers + d, embedding=s.embedding, head=s.head,
+                                     tp=s.tp, mbs=ref.micro_batch_size, recompute=Recompute.NONE)
+                fwd[i], bwd[i] = c.fwd_s, c.bwd_s
+        elif (q := _reshaped(plan, ref, move)) is None:
+            return None
+        else:
+            fwd, bwd, hops = costs.pipeline_times(q)
+        base, per = costs.closed_form(fwd, bwd, hops)
+        ts = [base + p.num_micro_batches * per if sig == move[1] else t
+              for p, sig, t in zip(plan.pipelines, sigs, ts, strict=True)]
+        most = max(p.num_micro_batches for p, sig in zip(plan.pipelines, sigs, strict=True) if sig == move[1])
+    drain = not get_schedule(plan.schedule).split_backward
+    return None if pipeline_floor_s(fwd, bwd, num_micro_batches=most, drain=drain) >= bar_s else (max(ts), sum(ts))
+
+
 # ---- Choosing virtual stages: the interleaved schedule's v per pipeline, where it pays, under memory.
-CHUNK_CHOICES = (2, 3, 4, 6, 8)
-
-
-def _shape(p: Pipeline) -> tuple:
-    return (p.micro_batch_size, p.num_micro_batches, tuple((s.kind, s.tp, s.num_layers, s.recompute) for s in p.stages))
-
-
-def chunk_choices(p: Pipeline) -> tuple[int, ...]:
-    """The v a pipeline may take: up to its largest stage's layer count (a stage with fewer layers
-    than v has empty chunks, which pass their input on), at least as many micro-batches as stages,
-    two or more stages."""
-    n = len(p.stages)
-    if n < 2 or p.num_micro_batches < n:
-        return ()
-    most = max(s.num_layers for s in p.stages)
-    return tuple(v for v in CHUNK_CHOICES if v <= most)
-
-
-def with_chunks(p: Pipeline, v: int) -> Pipeline:
-    """``p`` with each stage's layers in v chunks as equal as can be, the smaller ones first (the
-    warm-up holds mostly early chunks' activations; v = 1: plain layers)."""
-    return interleave(p, [split_evenly(s.num_layers, v)[::-1] for s in p.stages])
-
-
-def fits(pred: Prediction) -> bool:
-    return all(sp.fits for sp in pred.stages)
-
-
 def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, host: HostModel | None,
                     mem_headroom: float) -> tuple[Plan, Prediction]:
     """``plan`` (made for 1F1B) under the interleaved schedule with the best v per group of identical
@@ -178,7 +185,7 @@ def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None
     best_pred = pred
     groups: dict[tuple, list[int]] = {}
     for pi, p in enumerate(plan.pipelines):
-        groups.setdefault(_shape(p), []).append(pi)
+        groups.setdefault((p.num_micro_batches, _signature(p), *(s.recompute for s in p.stages)), []).append(pi)
     for members in groups.values():
         for v in chunk_choices(plan.pipelines[members[0]]):
             pipes = list(best.pipelines)
@@ -186,7 +193,7 @@ def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None
                 pipes[pi] = with_chunks(plan.pipelines[pi], v)
             trial = replace(best, pipelines=tuple(pipes)).validate()
             tp = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
-            if fits(tp) and tp.step_time_s < best_pred.step_time_s:
+            if tp.fits_memory and tp.step_time_s < best_pred.step_time_s:
                 best, best_pred = trial, tp
     return best, best_pred
 
@@ -215,6 +222,6 @@ def chunked_candidates(scored: Sequence[tuple[Plan, Prediction]], v: int, *, pro
             continue  # a 1F1B plan: the 1F1B search's to offer, not interleaving's
         trial = replace(plan, schedule="interleaved", pipelines=pipes).validate()
         pred = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
-        if fits(pred):
+        if pred.fits_memory:
             out.append((trial, pred))
     return out
