@@ -142,7 +142,7 @@ def _for_file(plan: Plan, config: PlannerConfig) -> Plan:
 
 def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: str | None) -> int:
     """The plan for --objective/--budget-per-hour/--min-tokens-per-s, beside the throughput plan."""
-    from hethub.search.prices import plan_for_cost
+    from hethub.commands.cost_plan import plan_for_cost
     from hethub.tables import format_plan_table, format_summary, prediction_basis
 
     cp = plan_for_cost(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
@@ -184,9 +184,9 @@ def _cost_plan(*, cluster, model, config, profiles, host, as_json: bool, out: st
 def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     from dataclasses import replace
 
+    from hethub.commands.cost_plan import plan_price_per_hour, usd_per_million_tokens
     from hethub.predict.utilisation import cluster_mfu
     from hethub.search.planner import candidate_config, make_plan, merged_bound, reused_searches
-    from hethub.search.prices import plan_price_per_hour, usd_per_million_tokens
 
     rows: list[tuple] = []
     results = []  # every row's search, whose kinds-alone bounds merge into the one the rows are read against

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from hethub.cli import main
+from hethub.commands.cost_plan import plan_for_cost, plan_price_per_hour, sub_fleets, usd_per_million_tokens
 from hethub.errors import InfeasibleError, SpecError
 from hethub.search import PlannerConfig
-from hethub.search.prices import plan_for_cost, plan_price_per_hour, sub_fleets, usd_per_million_tokens
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.kind import catalog
 from hethub.spec.model import get_model
@@ -78,7 +78,7 @@ def test_cost_objective_under_a_budget_picks_a_cheaper_subset_than_the_throughpu
 
 
 def test_cli_cost_plan_prints_both_plans(tmp_path, capsys, monkeypatch):
-    from hethub.search import prices
+    from hethub.commands import cost_plan as prices
 
     # The text and the --json run ask for the same search: run it once and hand the second run the
     # first one's result, after checking it asks the same. ZB-H1 is named: it is what `auto` chooses

@@ -176,25 +176,24 @@ def test_planner_shards_where_the_freed_memory_pays() -> None:
 
 
 def test_the_sharded_variant_prices_the_unsharded_enumerations_shapes() -> None:
-    # The default path pools the shapes of every enumeration; the sharded variant splits and prices the
-    # unsharded enumeration's shapes too (each stage's recomputation chosen again: the freed memory may
-    # let it recompute less), so a layout the optimistic sharded enumeration missed is still a sharded
-    # candidate, predicted with its real holders.
+    # Every variant splits and prices the one enumeration's shapes (each stage's recomputation chosen
+    # again: the freed memory may let it recompute less); here an unsharded enumeration's shapes priced
+    # sharded are sharded candidates, predicted with their real holders.
     from hethub.predict.stage_links import LinkBook
     from hethub.search.variants import Variant, enumerate_shapes, priced_plans
 
     cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-3-8b")
     cfg = PlannerConfig(global_batch=512, seq_len=2048, polish=False)
     links = LinkBook(cluster)
-    unsharded = enumerate_shapes(Variant("1f1b", "none").searcher(cfg, cluster=cluster, model=model, profiles=None,
-                                                                  links=links), host=None)
+    unsharded = enumerate_shapes([Variant("1f1b", "none").searcher(cfg, cluster=cluster, model=model, profiles=None,
+                                                                   links=links)])
     sharded = Variant("1f1b", "zero1").searcher(cfg, cluster=cluster, model=model, profiles=None, links=links,
                                                 holders=16)
-    got = priced_plans(sharded, config=cfg, host=None, shapes=unsharded.shapes, keep=3)
+    got = priced_plans(sharded, config=cfg, host=None, shapes=unsharded, keep=3)
     # (512 sequences: the calibrated catalog gives 64 only single-replica shapes, with nothing to shard.)
     # A plan of one replica has nothing to shard across and stays unsharded (layout.single_holder_units).
     assert got and any(p.optimizer_sharding == "zero1" for p, _ in got)
     assert all(p.optimizer_sharding == ("zero1" if len(p.pipelines) > 1 else "none") for p, _ in got)
     assert all(r.fits_memory and r.step_time_s == predict(p).step_time_s for p, r in got)
     stages = {tuple((s.kind, s.tp) for s in pl.stages) for pl in got[0][0].pipelines}
-    assert stages <= {tuple((sl.kind, sl.tp) for sl in g.pipe.slots) for e in unsharded.shapes for g in e.groups}
+    assert stages <= {tuple((sl.kind, sl.tp) for sl in g.pipe.slots) for e in unsharded for g in e.groups}

@@ -158,19 +158,30 @@ class PlanCosts:
                 p2p_bytes=p2p_bytes)
         return mem
 
-    def stage_shape(self, pi: int, si: int, *, in_flight: float) -> tuple:
+    def stage_shape(self, pi: int, si: int, *, in_flight: float, p2p_bound: bool = False) -> tuple:
         """What stage ``si`` of pipeline ``pi``'s memory depends on, its gradient sync as the runtime does
         it: (kind, layers, embedding, head, tp, micro-batch size, recompute, in_flight, synced, mixed
         sync, pipeline neighbours, sync bucket parameters, sequence parallel, CP degree, point-to-point
         buffer bytes). ``in_flight``:
-        micro-batches of the whole stage held at the peak (fractional for chunks)."""
+        micro-batches of the whole stage held at the peak (fractional for chunks). ``p2p_bound``: the
+        point-to-point buffers as the memory model's closed-form upper bound (None: in-flight + 1
+        whole messages, ``schedules.messages.max_live_messages``) where every stage's messages have
+        one dtype, as that bound assumes, instead of replaying the stage's order: a screen, since
+        a stage that fits with it fits with the exact bytes."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
         synced, mixed, bucket = self.sync_shape[(pi, si)]
         if s.cp > 1 and not synced:  # CP ranks sum their gradients like data-parallel holders: all of them
             synced, bucket = True, None
         return (s.kind, s.num_layers, s.embedding, s.head, s.tp, p.micro_batch_size, s.recompute, in_flight, synced,
-                mixed, (si > 0) + (si < n - 1), bucket, s.sequence_parallel, s.cp, self.p2p_bytes(pi, si))
+                mixed, (si > 0) + (si < n - 1), bucket, s.sequence_parallel, s.cp,
+                None if p2p_bound and self.one_message_dtype else self.p2p_bytes(pi, si))
+
+    @functools.cached_property
+    def one_message_dtype(self) -> bool:
+        """Whether every stage's activations (its messages) have one element size."""
+        plan = self.plan
+        return len({act_bytes_for(plan.precision_of(s.kind)) for p in plan.pipelines for s in p.stages}) == 1
 
     def p2p_bytes(self, pi: int, si: int) -> float:
         """Point-to-point buffer bytes one device of stage ``si`` of pipeline ``pi`` holds at once

@@ -74,7 +74,8 @@ class StageFits:
     pipelines repeat an earlier one and each stage's memory key but for its mode are found once, for
     every mode asked."""
 
-    def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> None:
+    def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM, p2p_bound: bool = False) -> None:
+        """``p2p_bound``: point-to-point buffers at their closed-form upper bound (``PlanCosts.stage_shape``)."""
         self.plan, self.costs = plan, PlanCosts(plan, None)
         schedule = get_schedule(plan.schedule)
         self.mem_headroom = check_headroom(mem_headroom)
@@ -101,7 +102,7 @@ class StageFits:
                 shape = None
                 if p.virtual_stages == 1:
                     held = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=p.num_micro_batches)
-                    shape = costs.stage_shape(pi, si, in_flight=held)
+                    shape = costs.stage_shape(pi, si, in_flight=held, p2p_bound=p2p_bound)
                 self.own.append((pi, si, shape))
         self.schedule = schedule
         # per kind, not per stage

@@ -92,23 +92,30 @@ class ModeFits:
 
     def __init__(self, plan: Plan, mem_headroom: float) -> None:
         self.plan, self.mem_headroom = plan, mem_headroom
-        self._fits: dict[bool, StageFits] = {}
+        self._fits: dict[tuple[bool, bool], StageFits] = {}
         self._under: dict[Mode, dict[tuple[int, int], bool]] = {}
 
     def __call__(self, mode: Mode) -> dict[tuple[int, int], bool]:
         hit = self._under.get(mode)
         if hit is None:
-            sp = mode[1]
-            if sp not in self._fits:
-                plan = self.plan
-                if sp:
-                    plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                        replace(s, sequence_parallel=sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
-                                                                runtime=plan.runtime)) for s in p.stages))
-                        for p in plan.pipelines))
-                else:
-                    plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                        replace(s, sequence_parallel=False) for s in p.stages)) for p in plan.pipelines))
-                self._fits[sp] = StageFits(plan, mem_headroom=self.mem_headroom)
-            hit = self._under[mode] = self._fits[sp].under(mode[0])
+            # The point-to-point buffers at their closed-form bound first (PlanCosts.stage_shape): a
+            # stage that fits so fits exactly, and the exact replay runs only where one does not.
+            hit = self._stage_fits(mode[1], bound=True).under(mode[0])
+            if not all(hit.values()):
+                hit = self._stage_fits(mode[1], bound=False).under(mode[0])
+            self._under[mode] = hit
         return hit
+
+    def _stage_fits(self, sp: bool, *, bound: bool) -> StageFits:
+        if (sp, bound) not in self._fits:
+            plan = self.plan
+            if sp:
+                plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+                    replace(s, sequence_parallel=sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
+                                                            runtime=plan.runtime)) for s in p.stages))
+                    for p in plan.pipelines))
+            else:
+                plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+                    replace(s, sequence_parallel=False) for s in p.stages)) for p in plan.pipelines))
+            self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound)
+        return self._fits[(sp, bound)]

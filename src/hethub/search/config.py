@@ -35,7 +35,7 @@ class PlannerConfig:
     # None: finalists + top_k per size, so allowing more sizes never loses the plan one size gives;
     # 0: none beyond the overall ones (faster, but more sizes can then give a worse plan).
     finalists_per_size: int | None = None
-    # Cost-aware planning (search/prices.py): most tokens/s, or fewest dollars per token; both within
+    # Cost-aware planning (commands/cost_plan.py): most tokens/s, or fewest dollars per token; both within
     # the budget (dollars per hour of the devices used) and above the throughput floor, if given.
     objective: str = "throughput"
     # The predictor-driven local search after the closed-form search (planner.py); cost planning

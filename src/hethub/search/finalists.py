@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hethub.layout import single_holder_units
@@ -56,13 +57,16 @@ def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: 
 
 
 def score_plans(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
-           require_fit: bool = True, host: HostModel | None = None, keep: int = 0) -> list[tuple[Plan, Prediction]]:
+                require_fit: bool = True, host: HostModel | None = None, keep: int = 0,
+                steps: list[float] | None = None) -> list[tuple[Plan, Prediction]]:
     """`plans` predicted, those that fit (all with ``require_fit=False``), fastest first. With ``keep``,
     a plan whose step floor (predictor.floor_reaches) is not below the keep-th fastest so far is not
     predicted: it could not be among the first ``keep`` (on a tie the earlier plan sorts first), so
-    those are exactly the unscreened ones; the rest of the list may then lack such plans."""
+    those are exactly the unscreened ones; the rest of the list may then lack such plans. ``steps``:
+    the fastest predicted steps of earlier calls whose plans compete with these (updated in place),
+    so the first ``keep`` over all those calls are exactly the unscreened ones."""
     scored: list[tuple[Plan, Prediction]] = []
-    steps: list[float] = []  # the fastest `keep` predicted steps so far, sorted
+    steps = [] if steps is None else steps  # the fastest `keep` predicted steps so far, sorted
     costs = None
     for plan in plans:
         if keep and host is None and len(steps) >= keep:
@@ -93,16 +97,19 @@ class BoundParts:
 
 
 def bound_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                profiles: ProfileSet | None, books: Books | None = None,
-                host: HostModel | None = None) -> BoundParts:
+                profiles: ProfileSet | None, books: Books | None = None, host: HostModel | None = None,
+                candidates: Callable[[str], list[Plan]] | None = None) -> BoundParts:
     """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
-    candidates, scored, and the kinds whose part is a relaxed-memory plan."""
+    candidates, scored, and the kinds whose part is a relaxed-memory plan. ``candidates``: a kind's
+    candidate plans where the caller has them (the default path's, priced under every variant);
+    otherwise searched under ``config``."""
     parts: dict[str, float] = {}
     relaxed_kinds: set[str] = set()
     notes, feasible = [], []
     for kind in cluster.kind_names:
-        plans = _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
-                            books=books)
+        plans = (candidates(kind) if candidates is not None else
+                 _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
+                             books=books))
         # The part is the best, and the combined search takes the best two (`feasible`).
         scored = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=2)
         if scored:

@@ -16,7 +16,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples
 from hethub.search.mixed import price_mixed
@@ -77,14 +77,11 @@ def _fill_now(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tupl
     return groups, left
 
 
-def search(s: Searcher, *, kinds_alone: bool = False, bar: Sequence[float] = ()) -> list[Estimate]:
-    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans. ``bar``:
-    closed-form steps found already (another variant's candidates): only a candidate that could
-    still enter the finalists beside them is priced."""
+def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
+    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
     results = Results(s.config.finalists + s.config.top_k, fits=s.fits, per_size=s.config.per_size_finalists)
-    results.raise_bar(bar)
     if kinds_alone:
         for k in kinds:
             solo_k = _alone_all_sizes(s, results, k)
@@ -352,12 +349,6 @@ class Results:
         self.fits = fits  # whether a candidate that would be kept fits memory laid out (Searcher.fits)
         self._best: list[tuple[float, tuple]] = []  # (step, key) of the best distinct so far, sorted
         self._by_size: dict[tuple[int, ...], list[tuple[float, tuple]]] = {}  # the same per size_key
-
-    def raise_bar(self, steps: Sequence[float]) -> None:
-        """Count ``steps`` (candidates kept elsewhere) among the overall kept ones: pruning reads them."""
-        for i, step in enumerate(steps):
-            bisect.insort(self._best, (step, ("elsewhere", i)), key=lambda x: x[0])
-        del self._best[self.keep:]
 
     def may_enter(self, step_lower_bound: float) -> bool:
         """Whether a candidate whose step is at least this could still be among the overall kept ones.

@@ -30,13 +30,23 @@ from hethub.predict.utilisation import cluster_mfu
 from hethub.progress import progress
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
+from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
 from hethub.search.finalists import BoundParts, bound_parts, finalist_plans, score_plans
-from hethub.search.hetero import plan_key, search
+from hethub.search.hetero import search
 from hethub.search.polish import chunked_candidates, chunks_note, interleave_all, polish
 from hethub.search.proven_bound import ProvenBound, proven_bound
 from hethub.search.templates import Books, Searcher, tp_options
-from hethub.search.variants import SIZED_CHUNKS, Enumeration, Variant, enumerate_shapes, priced_plans, variants_of
+from hethub.search.variants import (
+    SIZED_CHUNKS,
+    Variant,
+    alone_plans,
+    alone_shapes,
+    enumerate_shapes,
+    enumeration_variants,
+    priced_plans,
+    variants_of,
+)
 from hethub.spec.cluster import Cluster
 from hethub.spec.kind import GIB
 from hethub.spec.model import ModelSpec
@@ -366,65 +376,48 @@ def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, p
 def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
                    host: HostModel | None) -> PlanResult:
     """The best plan over every variant (schedule, optimizer sharding) the config leaves open, every
-    variant pricing one pool of shapes enumerated per sharding and per schedule with its own closed
-    form (search/variants.py)."""
+    variant pricing the one enumeration's pool of shapes and each kind alone (search/variants.py)."""
     t0 = time.perf_counter()
     _check_job(model, config)
     _check_state_fits(cluster, model, config)
     variants, shardings = variants_of(config)
     names = [v.schedule for v in variants]
-    base = ONE_F_ONE_B if ONE_F_ONE_B in names else names[0]
     links = LinkBook(cluster)  # one per job: hops and rings depend on the cluster alone
-    searchers: dict[Variant, Searcher] = {}  # per variant: the enumeration's splits and checks, reused by its pricing
-
-    def searcher(v: Variant) -> Searcher:
-        if v not in searchers:
-            searchers[v] = v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
-                                      holders=SHARD_HOLDERS_OPTIMISM * holders)
-        return searchers[v]
-
-    # The schedules whose closed form and in-flight rule differ enumerate their own shapes; the
-    # interleaved schedule's are the 1F1B ones, priced for chunks.
-    schedules = list(dict.fromkeys(n for n in (base, *names) if n != INTERLEAVED))
-    bar = progress(len(schedules) * len(shardings) + len(variants) + 1, desc=f"plan {cluster.name}", unit="steps",
+    bar = progress(len(variants) + 3, desc=f"plan {cluster.name}", unit="steps",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
-    enums, holders = [], 2
-    bar_s: list[float] = []  # the best closed-form steps so far: each enumeration prices only what beats them
-    for z in shardings:  # "none" first: its best sets the sharded enumerations' assumed holders
-        for sch in schedules:
-            e = _enumeration(searcher(Variant(sch, z)), host=host, bar=bar_s)
-            enums.append(e)
-            bar_s = sorted([*bar_s, *(est.step_time_s for est in e.shapes)])[:config.finalists + config.top_k]
-            bar.update()
-        if z == "none" and enums[0].shapes:
-            holders = max(2, sum(g.count for g in enums[0].shapes[0].groups))
-    shapes, seen, firsts = [], set(), set()
-    for e in enums:
-        for rank, est in enumerate(e.shapes):
-            if plan_key(est) not in seen:
-                seen.add(plan_key(est))
-                if rank < FIRST_SHAPES:
-                    firsts.add(len(shapes))
-                shapes.append(est)
+    # As many holders as devices: the loosest memory any sharded plan could have.
+    enums = [v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
+                        holders=SHARD_HOLDERS_OPTIMISM * cluster.num_devices)
+             for v in enumeration_variants(variants, shardings)]
+    s0 = enums[0]
+    shapes, alone = _enumeration(enums, host=host)
+    bar.update()
+    # Sharded stages assume SHARD_HOLDERS_OPTIMISM times the best shape's replicas as holders (the
+    # predictor checks every finalist with its real ones).
+    holders = max(2, sum(g.count for g in shapes[0].groups)) if shapes else 2
+    searchers = {v: v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
+                               holders=SHARD_HOLDERS_OPTIMISM * holders) for v in variants}
     keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
     by_variant: dict[Variant, list[tuple[Plan, Prediction]]] = {}
+    # A schedule's variants screen their plans against each other's predictions (finalists.score_plans),
+    # so every schedule keeps its own best plans (the interleaving starts from 1F1B's).
+    steps: dict[str, list[float]] = {v.schedule: [] for v in variants}
     for v in variants:
-        pool, first = v.pool(shapes, frozenset(firsts))
-        got = priced_plans(searcher(v), config=config, host=host, shapes=pool, keep=keep, firsts=first) if pool else []
+        pool, first = v.pool(shapes, frozenset(range(min(len(shapes), FIRST_SHAPES * len(enums)))))
+        got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
+                           steps=steps[v.schedule]) if pool else []
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
             got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
                                      mem_headroom=config.mem_headroom)
         by_variant[v] = got
         bar.update()
     # Each kind alone is part of the space (hethub >= homogeneous) and the bound's parts.
-    parts_by, relaxed_by, notes = [], [], []
-    for e in enums:
-        parts, bound_notes, alone, relaxed = e.bound.parts, e.bound.notes, e.bound.alone, e.bound.relaxed
-        parts_by.append(parts)
-        relaxed_by.append(relaxed)
-        notes += [n for n in bound_notes if n not in notes]
-        by_variant.setdefault(Variant(e.schedule, e.sharding), []).extend(alone)
-    scored = sorted((x for got in by_variant.values() for x in got), key=lambda x: x[1].step_time_s)
+    plain = [searchers[v] for v in variants if v.schedule != INTERLEAVED and v.sharding in shardings]
+    b = bound_parts(cluster=cluster, model=model, config=s0.config, profiles=profiles, books=s0.books, host=host,
+                    candidates=lambda kind: alone_plans(plain, alone[kind], config=config))
+    notes = list(b.notes)
+    bar.update()
+    scored = sorted([*(x for got in by_variant.values() for x in got), *b.alone], key=lambda x: x[1].step_time_s)
     if not scored:
         bar.close()
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
@@ -438,7 +431,7 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                         key=lambda x: x[1].step_time_s)
     bar.update()
     bar.close()
-    parts, relaxed = _merged_parts(parts_by, relaxed_by)
+    parts, relaxed = b.parts, b.relaxed
     bound = sum(parts.values())
     elapsed = time.perf_counter() - t0
     top = []
@@ -455,14 +448,18 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                       upper_bound_by_kind=parts, relaxed_kinds=relaxed)
 
 
-def _enumeration(s: Searcher, *, host: HostModel | None, bar: list[float]) -> Enumeration:
-    """`variants.enumerate_shapes`, kept within `reused_searches` (``--compare`` asks the same ones per row)."""
+def _enumeration(enums: list[Searcher], *, host: HostModel | None,
+                 ) -> tuple[list[Estimate], dict[str, list[Estimate]]]:
+    """`variants.enumerate_shapes` and `variants.alone_shapes`, kept within `reused_searches`
+    (``--compare`` asks the same ones per row)."""
     if _REUSED is None:
-        return enumerate_shapes(s, host=host, bar=bar)
-    cfg, job = s.config, s.job
-    key = ("enumeration", id(s.cluster), id(s.model), id(job.profiles), id(host), tuple(bar), replace(cfg, top_k=1))
+        return enumerate_shapes(enums), alone_shapes(enums)
+    s = enums[0]
+    key = ("enumeration", id(s.cluster), id(s.model), id(s.job.profiles), id(host),
+           tuple(replace(e.config, top_k=1) for e in enums))
     if key not in _REUSED:
-        _REUSED[key] = (enumerate_shapes(s, host=host, bar=bar), None, (s.cluster, s.model, job.profiles, host))
+        got = enumerate_shapes(enums), alone_shapes(enums)
+        _REUSED[key] = (got, None, (s.cluster, s.model, s.job.profiles, host))
     return _REUSED[key][0]
 
 

@@ -3,17 +3,19 @@ sharding the config leaves open.
 
 A *variant* is a schedule and an optimizer sharding. A shape (kind-pure templates, their replicas
 and fills, mixed pipelines) does not depend on the variant; its layer splits (in-flight memory),
-closed-form times and memory do. The search enumerates shapes per sharding (sharding frees memory,
-which admits shapes the unsharded search cannot hold) and per schedule whose closed form differs
-(1F1B, ZB-H1: each prunes with its own bar, and ZB-H1 favours deeper pipelines), and pools the best
-distinct shapes of all; every variant splits and prices every shape of the pool (`reprice`). The
-predictor then scores each variant's best, the best are polished, and the interleaved schedule
-starts from the 1F1B plans and from the shapes priced with stages sized for two chunks.
+closed-form times and memory do. The search enumerates shapes once per closed form that prunes
+differently (ZB-H1, 1F1B), each at the loosest memory (ZeRO-1 with as many holders as devices where
+sharding is open), so the pool holds every shape some variant can fit; each kind alone likewise. Every variant then
+splits and prices every shape of the pool with its own closed form and memory (`reprice`), which
+drops the shapes it cannot fit. The predictor scores each variant's best, the best are polished, and
+the interleaved schedule starts from the 1F1B plans and from the shapes priced with stages sized
+for two chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import math
 from dataclasses import dataclass, replace
 
 from hethub.plan import PLANNED_SHARDINGS, Plan, zero_stage_of
@@ -24,7 +26,7 @@ from hethub.predict.stage_links import LinkBook
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE
 from hethub.search.combine import Estimate, Group, estimate_samples
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import BoundParts, bound_parts, finalist_plans, score_plans
+from hethub.search.finalists import finalist_plans, score_plans
 from hethub.search.hetero import plan_key, search
 from hethub.search.templates import Books, Searcher
 from hethub.spec.cluster import Cluster
@@ -32,9 +34,10 @@ from hethub.spec.model import ModelSpec
 
 ONE_F_ONE_B, INTERLEAVED = "1f1b", "interleaved"
 SIZED_CHUNKS = 2  # the v the interleaved schedule's stages are also sized for
-# Distinct shapes of each enumeration priced under every variant (their first `finalists + top_k`
-# are what one variant's own search would have kept; the rest is room for the variants' reorder).
-SHAPES_PER_ENUMERATION = 24
+ENUM_SCHEDULES = ("zb-h1", "1f1b")  # enumeration_variants says why
+# Distinct shapes of the enumeration priced under every variant (its first `finalists + top_k` are
+# what one variant's own search would have kept; the rest is room for the variants' reorder).
+SHAPES_POOL = 48
 
 
 @dataclass(frozen=True)
@@ -80,32 +83,50 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     return out, shardings
 
 
-@dataclass
-class Enumeration:
-    """The shapes of one enumeration (one schedule, one sharding), best closed form first, and each
-    kind alone under it (the bound's parts)."""
+def enumeration_variants(variants: list[Variant], shardings: list[str]) -> list[Variant]:
+    """The variants the enumeration runs under: ZB-H1 and 1F1B where open (the interleaved schedule's
+    shapes are the 1F1B ones), whose bars prune differently: ZB-H1's small bubble favours deeper
+    pipelines, 1F1B's fill shallower ones; each under ZeRO-1 where open (the loosest memory: every
+    shape a variant fits is in the pool)."""
+    names = [v.schedule for v in variants if v.schedule != INTERLEAVED] or [ONE_F_ONE_B]
+    zero = "zero1" if "zero1" in shardings else shardings[0]
+    return [Variant(n, zero) for n in ENUM_SCHEDULES if n in names] or [Variant(names[0], zero)]
 
-    schedule: str
-    sharding: str
-    shapes: list[Estimate]
-    bound: BoundParts
 
-
-def enumerate_shapes(s: Searcher, *, host: HostModel | None, bar: Sequence[float] = ()) -> Enumeration:
-    """One enumeration: the search's candidates under ``s``'s schedule and sharding that could beat
-    the closed-form steps ``bar`` (the enumerations before it), and each kind alone (the bound's
-    parts). ``s`` is the variant's searcher, which `priced_plans` reuses (its splits and checks)."""
-    shapes, seen = [], set()
-    for est in search(s, bar=bar):
+def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
+    """The first ``n`` candidates of distinct plans (`hetero.plan_key`), in order."""
+    out, seen = [], set()
+    for est in ests:
         key = plan_key(est)
         if key not in seen:
             seen.add(key)
-            shapes.append(est)
-        if len(shapes) >= SHAPES_PER_ENUMERATION:
-            break
-    parts = bound_parts(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles, books=s.books,
-                        host=host)
-    return Enumeration(s.config.schedule, s.config.optimizer_sharding, shapes, parts)
+            out.append(est)
+            if len(out) == n:
+                break
+    return out
+
+
+def enumerate_shapes(searchers: list[Searcher]) -> list[Estimate]:
+    """The enumeration: each searcher's best distinct candidates under its variant, best closed form
+    first, pooled in turns (each one's first ``SHAPES_POOL`` kept)."""
+    found = [distinct(search(s), SHAPES_POOL) for s in searchers]
+    return distinct([e for turn in itertools.zip_longest(*found) for e in turn if e is not None],
+                    SHAPES_POOL * len(found))
+
+
+def alone_shapes(searchers: list[Searcher]) -> dict[str, list[Estimate]]:
+    """Each kind's single-kind candidates under the searchers' variants (on their cost books), pooled
+    as `enumerate_shapes` pools: the upper bound's parts, repriced per variant like the pool."""
+    out = {}
+    for kind in searchers[0].counts:
+        found = []
+        for s in searchers:
+            k = Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles, kinds=(kind,),
+                         books=s.books)
+            found.append(distinct(search(k, kinds_alone=True), SHAPES_POOL))
+        out[kind] = distinct([e for turn in itertools.zip_longest(*found) for e in turn if e is not None],
+                             SHAPES_POOL * len(found))
+    return out
 
 
 def reprice(s: Searcher, est: Estimate) -> Estimate | None:
@@ -116,7 +137,8 @@ def reprice(s: Searcher, est: Estimate) -> Estimate | None:
         pipes = s.splits(g.pipe.slots, g.pipe.mbs)
         if not pipes:
             return None
-        groups.append(Group(pipes[0], g.count))
+        # The split of the same kind (with or without recomputation) where the variant has one.
+        groups.append(Group(next((p for p in pipes if any(p.recompute) == any(g.pipe.recompute)), pipes[0]), g.count))
     sizes = {g.pipe.mbs for g in groups}
     if len(sizes) == 1:
         out = s.estimate(groups, sizes.pop())
@@ -126,27 +148,40 @@ def reprice(s: Searcher, est: Estimate) -> Estimate | None:
     return out if out is not None and s.fits(out) else None
 
 
+def repriced(s: Searcher, shapes: list[Estimate]) -> list[tuple[int, Estimate]]:
+    """(index in ``shapes``, the shape priced under ``s``'s variant) of those that fit, best closed form first."""
+    got = [(i, e) for i, e in ((i, reprice(s, est)) for i, est in enumerate(shapes)) if e is not None]
+    return sorted(got, key=lambda x: x[1].step_time_s)
+
+
 def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, shapes: list[Estimate], keep: int,
-                 firsts: frozenset[int] = frozenset()) -> list[tuple[Plan, Prediction]]:
-    """The shapes priced under the variant of ``s`` (its searcher: sharded stages assume its holders,
-    as the sharded enumeration did), the best distinct laid out and predicted, with those of the
-    shapes at ``firsts`` (indices); fastest first. ``config``: the user's (finalists, top_k)."""
-    profiles = s.job.profiles
-    ests: list[Estimate] = []
-    first: list[Estimate] = []  # the enumeration's own best few, whatever this variant's closed form says
-    for i, est in enumerate(shapes):
-        got = reprice(s, est)
-        if got is not None:
-            ests.append(got)
-            if i in firsts:
-                first.append(got)
-    if not ests:
+                 firsts: int = 0, steps: list[float] | None = None) -> list[tuple[Plan, Prediction]]:
+    """The shapes priced under the variant of ``s`` (its searcher: sharded stages assume its holders),
+    the best distinct laid out and predicted, with those of the first ``firsts`` shapes; fastest
+    first. ``config``: the user's (finalists, top_k); ``keep``, ``steps``: `finalists.score_plans`'s."""
+    got = repriced(s, shapes)
+    if not got:
         return []
     # The closed form ranks variants with errors of their own (ZB-H1's split backward is an assumed
     # half), so the shapes the enumeration ranked first are laid out too and the predictor decides.
-    ests.sort(key=lambda e: e.step_time_s)
     n = config.finalists + config.top_k
-    ests = ests[:n] + [e for e in first if e not in ests[:n]] + ests[n:]
+    ests = [e for _, e in got]
+    first = [e for i, e in got[n:] if i < firsts]
     cfg = replace(s.config, top_k=config.top_k, finalists=config.finalists + len(first))
-    plans = finalist_plans(s, ests, config=cfg, strategy="hethub", per_size=config.per_size_finalists)
-    return score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=keep)
+    plans = finalist_plans(s, [*ests[:n], *first, *ests[n:]], config=cfg, strategy="hethub",
+                           per_size=config.per_size_finalists)
+    return score_plans(plans, s.job.profiles, host=host, headroom=config.mem_headroom, keep=keep, steps=steps)
+
+
+def alone_plans(searchers: list[Searcher], shapes: list[Estimate], *, config: PlannerConfig) -> list[Plan]:
+    """One kind's single-kind ``shapes`` priced under every variant's searcher, each variant's best
+    laid out as its own search of the kind alone would (``config``'s finalists, top_k and per-size
+    places): the candidates of the kind's part of the bound, which `finalists.bound_parts` screens
+    by their step floors against the best predicted over all variants."""
+    priced = [(s, [e for _, e in repriced(s, shapes)]) for s in searchers]
+    out = []
+    # The variant of the best closed form first: its plans raise the screen's bar soonest.
+    for s, ests in sorted(priced, key=lambda x: x[1][0].step_time_s if x[1] else math.inf):
+        cfg = replace(s.config, finalists=config.finalists, top_k=config.top_k)
+        out += finalist_plans(s, ests, config=cfg, strategy="homogeneous", per_size=config.per_size_finalists)
+    return out
