@@ -18,7 +18,7 @@ from hethub import __version__
 from hethub.argtypes import HelpFormatter, headroom_fraction, positive_float, positive_int
 from hethub.errors import HethubError, missing_extra
 from hethub.plan import OPTIMIZER_SHARES, PLANNED_SHARDINGS, Plan
-from hethub.runtimes import RUNTIMES
+from hethub.runtimes import DEFAULT_RUNTIME, RUNTIMES
 from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, P2P_MODES, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
@@ -53,7 +53,8 @@ def plan_config(args: argparse.Namespace) -> PlannerConfig:
                          schedule=args.schedule, precision=args.precision, top_k=args.top_k,
                          objective=args.objective, budget_per_hour=args.budget_per_hour,
                          min_tokens_per_s=args.min_tokens_per_s, mem_headroom=args.mem_headroom,
-                         optimizer_sharding=args.optimizer_sharding, optimizer_shares=args.optimizer_shares)
+                         optimizer_sharding=args.optimizer_sharding, optimizer_shares=args.optimizer_shares,
+                         runtime=getattr(args, "runtime", None) or DEFAULT_RUNTIME)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -87,13 +88,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _cost_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host, as_json=args.json,
                           out=args.out)
     result = make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    result = replace(result, plan=_for_file(result.plan, config))
+    result = replace(result, plan=_for_file(result.plan, config), notes=(*result.notes, *_runtime_notes(config)))
     if args.out:
         result.plan.save(args.out)
     pred = result.prediction
     if args.json:
         out = {
             "strategy": args.strategy,
+            "runtime": result.plan.runtime,
             "tokens_per_s": pred.tokens_per_s,
             "step_time_s": pred.step_time_s,
             "upper_bound_tokens_per_s": result.upper_bound_tokens_per_s,
@@ -130,6 +132,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nplan written to {args.out}")
     return 0
+
+
+def _runtime_notes(config: PlannerConfig) -> tuple[str, ...]:
+    """What planning for ``config.runtime`` left out of the plan space that hethub's runtime has."""
+    r = RUNTIMES[config.runtime]
+    if r.stage_recompute:
+        return ()
+    return (f"runtime {r.name}: no activation recomputation planned ({r.source('stage_recompute')}; hethub "
+            "chooses it per stage)",)
 
 
 def _for_file(plan: Plan, config: PlannerConfig) -> Plan:
@@ -197,7 +208,7 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
     # With the schedule left to the planner, hethub's row under each candidate schedule too.
     runs = [(s, config.schedule) for s in ("hethub", "uniform", "flops-proportional", "homogeneous")]
     if config.schedule == AUTO_SCHEDULE:
-        runs[1:1] = [("hethub", name) for name in AUTO_CANDIDATES]
+        runs[1:1] = [("hethub", name) for name in RUNTIMES[config.runtime].auto_schedules]
     runs = [(s, sch, config.optimizer_sharding, config.sequence_parallel) for s, sch in runs]
     if config.optimizer_sharding == "auto":  # and hethub's best unsharded plan, to show what sharding gains
         runs.insert(1, ("hethub", config.schedule, "none", config.sequence_parallel))
@@ -424,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--optimizer-shares", default="proportional", choices=OPTIMIZER_SHARES,
                     help="how a sharded group's state is split among its holders: in proportion to their "
                          "free memory (default) or equally")
+    sp.add_argument("--runtime", choices=tuple(RUNTIMES), default=DEFAULT_RUNTIME,
+                    help="the runtime that will train the plan: search only what it runs (its schedules, optimizer "
+                         "shardings, equal or unequal batch shares and TP degrees, recomputation) and predict with "
+                         "its cost rules (hethub.runtimes; docs/planner.md); deepspeed plans export to Sailor's format")
     sp.add_argument("--compare", action="store_true",
                     help="print every strategy side by side, with $ per million tokens")
     sp.add_argument("--objective", default="throughput", choices=["throughput", "cost"],

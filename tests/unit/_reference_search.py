@@ -295,11 +295,13 @@ class _PostFloor:
             def ring(params: tuple[float, float], kinds=kinds, own=sl.kind, tp=tp) -> float:
                 # The holders' smallest TP is at most tp: within a node the ring is fastest at tp,
                 # across nodes at 1 (its rings share the NIC; search/mixed.py SyncFloors._ring).
-                # At the best share of the line rate: a floor under the fused all-reduce of any number of layers.
-                return min(allreduce_floor_s(nbytes=(params[0] / t + params[1]) * self.gb, participants=replicas,
-                                             link=self._link(kinds, own, devices, rings=t)) for t in {1, tp})
+                # At the best share of the line rate: a floor under the fused all-reduce of these
+                # bytes; across vendor islands the two-level exchange's (LinkBook.bridge_floor_s).
+                return min(min(allreduce_floor_s(nbytes=(nb := (params[0] / t + params[1]) * self.gb),
+                                                 participants=replicas, link=self._link(kinds, own, devices, rings=t)),
+                               self.s.links.bridge_floor_s(kinds, nbytes=nb, replicas=replicas)) for t in {1, tp})
 
-            t = n * ring(self.layer)
+            t = ring((n * self.layer[0], n * self.layer[1]))  # the stage's layers, fused or not
             if i == 0 or (self.tied and i == last):
                 t += ring(self.emb)
             if i == last:

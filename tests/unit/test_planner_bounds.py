@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import hethub.search.templates as templates
 from hethub.search import PlannerConfig
 from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound, smallest_holding
-from hethub.search.combine import Group, allocate, water_level, water_level_beside
+from hethub.search.combine import Group, allocate, finish_lines, lines_level_beside, water_level
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
 from hethub.search.split import CostBook, Job, Slot, StageCost
 from hethub.search.templates import Searcher
@@ -225,7 +225,7 @@ def test_water_level_beside_a_stream_is_the_first_time_the_batch_is_done(specs, 
     times = sorted({a + k * b for a, b, _ in specs for k in range(1, total + 1)}
                    | {start + k * per for k in range(0, total + 1)})
     want = next(t for t in times if finished(t) >= total)
-    got = water_level_beside(groups, total, start_s=start, per_s=per, at_start=at_start)
+    got = lines_level_beside(finish_lines(groups), total, start_s=start, per_s=per, at_start=at_start)
     assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 

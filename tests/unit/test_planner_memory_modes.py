@@ -60,9 +60,10 @@ def test_split_modes_add_sp_on_tp_stages_only_where_offered():
     assert all(not m.sp for m in no_sp.modes("k", tp=2, mbs=1))
     odd = CostBook(replace(job, seq_len=4095), cluster)  # the sequence does not split over 2 TP ranks
     assert all(not m.sp for m in odd.modes("k", tp=2, mbs=1))
-    # Other runtimes are offered none of the new choices until their lists say they run them.
+    # Other runtimes are offered what their lists (hethub.runtimes) say they run.
     assert runtime_runs("hethub", sequence_parallel=True, cp=4, zero_stage=3)
-    assert not runtime_runs("megatron", sequence_parallel=True) and runtime_runs("megatron")
+    assert runtime_runs("megatron", sequence_parallel=True, cp=2) and not runtime_runs("megatron", zero_stage=2)
+    assert not runtime_runs("deepspeed", sequence_parallel=True) and not runtime_runs("deepspeed", cp=2)
 
 
 def test_stage_modes_are_ordered_by_the_stage_cost_model():

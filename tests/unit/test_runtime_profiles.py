@@ -16,7 +16,7 @@ from hethub.errors import PlanError
 from hethub.plan import PLAN_VERSION_RUNTIME, Pipeline, Plan, Stage
 from hethub.predict import opmodel
 from hethub.predict.predictor import predict
-from hethub.runtimes import ATTENTION_KINDS, DEEPSPEED, HETHUB, MEGATRON, RUNTIMES
+from hethub.runtimes import ATTENTION_KINDS, CAPABILITIES, DEEPSPEED, HETHUB, MEGATRON, RUNTIMES
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 
@@ -177,4 +177,5 @@ def test_predict_json_reports_exposed_and_overlapped_comm_and_every_source(tmp_p
 
 def test_every_runtime_names_a_source_for_every_property() -> None:
     for r in RUNTIMES.values():
-        assert {k for k, _ in r.sources} == {"p2p", "dp_overlap", "tp_wgrad_overlap", "attentions"}
+        assert {k for k, _ in r.sources} == {"p2p", "dp_overlap", "tp_wgrad_overlap", "attentions", "schedules",
+                                             "shardings", *CAPABILITIES}

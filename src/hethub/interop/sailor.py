@@ -293,7 +293,9 @@ def export_sailor_plan(plan: Plan, *, nearest_equal: bool = False) -> dict[str, 
     all entries as one plan). Sailor gives every replica the same micro-batch count,
     ceil(gbs / (mbs x dp x entries)); a plan whose replicas take unequal shares is refused, or with
     ``nearest_equal`` written with every replica at the mean count rounded to the nearest whole
-    number (gbs then written for that count).
+    number (gbs then written for that count). Refused, naming the feature: several micro-batch
+    sizes, a schedule other than 1F1B, recomputation, ZeRO (any optimizer sharding), interleaved
+    chunks, context or sequence parallelism, a stage with nothing on it.
     """
     ps = plan.pipelines
     mbs = {p.micro_batch_size for p in ps}
@@ -303,6 +305,18 @@ def export_sailor_plan(plan: Plan, *, nearest_equal: bool = False) -> dict[str, 
         _nope(f"the schedule is {plan.schedule!r}; Sailor runs 1F1B")
     if any(s.recompute for p in ps for s in p.stages):
         _nope("some stages recompute activations; Sailor's plan format has no recomputation flag")
+    if plan.optimizer_sharding != "none":
+        _nope(f"the optimizer state is sharded (training.optimizer_sharding {plan.optimizer_sharding!r}: ZeRO-"
+              f"{plan.zero_stage}); Sailor's plan format has no ZeRO stage and its runs keep whole optimizer state "
+              "on every replica", zero=True)
+    if any(p.virtual_stages > 1 for p in ps):
+        _nope("some pipelines interleave model chunks (virtual stages); Sailor runs one chunk per stage")
+    if any(s.cp > 1 for p in ps for s in p.stages):
+        _nope("some stages use context parallelism (cp > 1); Sailor's plan format has only TP per stage")
+    if any(s.sequence_parallel for p in ps for s in p.stages):
+        _nope("some stages use sequence parallelism; Sailor's plan format has no such flag")
+    if any(s.layers[0] == s.layers[1] and not s.embedding and not s.head for p in ps for s in p.stages):
+        _nope("a stage holds no layer, embedding or head; Sailor's layers_per_stage needs a layer on every stage")
     nmb = sorted({p.num_micro_batches for p in ps})
     m = nmb[0]
     if len(nmb) > 1:
@@ -360,10 +374,13 @@ def _entry_out(group: list[Pipeline], *, zone: str, apart: bool, n_layers: int) 
     return {"num_stages": n, "layers_per_stage": layers_ps, "tmp_per_stage": tmps, "dp": [len(group)] * n}
 
 
-def _nope(why: str, *, nearest: bool = False) -> None:
+def _nope(why: str, *, nearest: bool = False, zero: bool = False) -> None:
     fix = ("export the nearest equal-share plan instead (export_sailor_plan(plan, nearest_equal=True), "
            "'hethub export-plan --nearest-equal'), or keep hethub's plan format" if nearest else
-           "export a plan without that (e.g. from 'hethub plan' with equal replicas), or keep hethub's plan format")
+           "plan without ZeRO ('hethub plan --runtime deepspeed --optimizer-sharding none'), or keep hethub's "
+           "plan format" if zero else
+           "plan for Sailor's runtime ('hethub plan --runtime deepspeed --optimizer-sharding none': 1F1B, equal "
+           "replica shares, no recomputation), or keep hethub's plan format")
     raise PlanError(f"cannot write this plan in Sailor's format: {why}. Fix: {fix}.")
 
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import NamedTuple
 
-from hethub.predict.comm import boundary_time_s, p2p_time_s, rings_link
+from hethub.predict.comm import allreduce_floor_s, boundary_time_s, p2p_time_s, rings_link
 from hethub.predict.stage_cost import tp_link
+from hethub.predict.sync import bucket_count, islands_allreduce_s, kind_island_labels
+from hethub.runtimes import DEFAULT_RUNTIME, runtime_profile
 from hethub.spec.cluster import Cluster, Link
 
 
@@ -32,8 +35,10 @@ class LinkBook:
     rule of ``predict.comm.shared_links`` through ``boundary_time_s`` and ``rings_link``), read on
     representative devices: each kind's first nodes, from their first device."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, *, runtime: str = DEFAULT_RUNTIME) -> None:
         self.cluster = cluster
+        # Whether the runtime reduces gradients in buckets (runtimes: dp_overlap), each its own all-reduce.
+        self.buckets = runtime_profile(runtime).dp_overlap
         self.ring_cache: dict[tuple, dict] = {}  # all-reduce times by ring size, shared by a search's estimates
         self.node_size: dict[str, int] = {}
         self._hops: dict[tuple, float] = {}
@@ -134,3 +139,44 @@ class LinkBook:
             width = min([rings, *(len(n) for n in nodes)])
             link = self._rings[key] = rings_link(self.cluster, [[n[q] for n in nodes] for q in range(width)])
         return link
+
+    def sync_allreduce_s(self, kinds: dict[str, int], *, tp: int, nbytes: float, elem_bytes: float,
+                         devices: int) -> float:
+        """One gradient-sync group's all-reduce among holders of these kinds (holder count per kind),
+        their smallest TP degree `tp`, by the predictor's rule (``predict.sync.islands_allreduce_s``) on
+        representative links (`replicas`): one ring over the holders' slowest link inside a vendor
+        island; across islands each island's ring over its own kinds' link, and the slowest
+        cross-island pair of kinds (`between`) as the bridge. Where the runtime reduces in buckets,
+        each bucket is its own all-reduce (``predict.sync.bucket_count``; their overlap with the
+        backward is the predictor's alone)."""
+        n = bucket_count(nbytes, elem_bytes=elem_bytes) if self.buckets else 1
+        return n * self._group_allreduce_s(kinds, tp=tp, nbytes=nbytes / n, elem_bytes=elem_bytes, devices=devices)
+
+    def _group_allreduce_s(self, kinds: dict[str, int], *, tp: int, nbytes: float, elem_bytes: float,
+                           devices: int) -> float:
+        labels = kind_island_labels(self.cluster, kinds)
+        link = self.replicas(frozenset(kinds), devices=devices, rings=tp)
+        participants = sum(kinds.values())
+        by_island: dict[str, list[str]] = {}
+        for k in kinds:
+            by_island.setdefault(labels[k], []).append(k)
+        if len(by_island) == 1:
+            return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link)
+        islands = [(sum(kinds[k] for k in ks), self.replicas(frozenset(ks), devices=devices, rings=tp))
+                   for ks in by_island.values()]
+        pairs = [self.between(a, b) for a in kinds for b in kinds if labels[a] != labels[b]]
+        bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+        return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link,
+                                   islands=islands, bridge=bridge)
+
+    def bridge_floor_s(self, kinds: frozenset[str], *, nbytes: float, replicas: int) -> float:
+        """A floor under `sync_allreduce_s` of ``nbytes`` among ``replicas`` holders of these kinds,
+        however many each kind has, where they span several vendor islands (inf inside one: the ring
+        is the floor there): the two-level exchange moves at least one member's segments, at least
+        nbytes / (replicas - 1), as an all-reduce over the bridge at line rate."""
+        labels = kind_island_labels(self.cluster, kinds)
+        pairs = [self.between(a, b) for a in kinds for b in kinds if labels[a] != labels[b]]
+        if not pairs or replicas < 2:
+            return math.inf
+        bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+        return allreduce_floor_s(nbytes=nbytes / (replicas - 1), participants=2, link=bridge)

@@ -65,7 +65,7 @@ parameters, and the collective shares the device with it).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hethub.islands import Exchange, exchange, island_of_kind, padded_numel, segment_bytes
@@ -200,12 +200,9 @@ def _sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None) -> list[
 def island_labels(plan: Plan, stages: Sequence[StageId]) -> dict[StageId, str]:
     """Each holder stage's vendor island (``hethub.islands.island_of_kind``, as the bridge forms them
     unforced)."""
-    out = {}
-    for pi, si in stages:
-        kind = plan.pipelines[pi].stages[si].kind
-        k = plan.cluster.kinds[kind]
-        out[(pi, si)] = island_of_kind(kind, backend=k.backend, vendor=k.vendor, force_bridge=False)
-    return out
+    kinds = {x: plan.pipelines[x[0]].stages[x[1]].kind for x in stages}
+    labels = kind_island_labels(plan.cluster, set(kinds.values()))
+    return {x: labels[k] for x, k in kinds.items()}
 
 
 def holder_exchange(plan: Plan, holders: Sequence[StageId]) -> Exchange:
@@ -266,20 +263,41 @@ def group_allreduce_s(plan: Plan, holders: Sequence[StageId], *, nbytes: float, 
     bridge's two-level all-reduce (:func:`two_level_allreduce_time_s`) over each island's slowest
     ring link and the slowest cross-island pair of the holders' first devices. Holders with CP ranks
     (``participants`` above the holder count) are priced as the ring."""
-    ring = allreduce_time_s(nbytes=nbytes, participants=participants, link=link)
     if participants != len(holders):
-        return ring
+        return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link)
     ex = holder_exchange(plan, holders)
     if len(ex.islands) == 1:
-        return ring
+        return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link)
     first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in holders]
-    island_links = [slowest_link(plan.cluster, [first[m] for m in isl]) for isl in ex.islands]
+    islands = [(len(isl), slowest_link(plan.cluster, [first[m] for m in isl])) for isl in ex.islands]
     pairs = [plan.cluster.link(first[a], first[b]) for i, isl in enumerate(ex.islands) for a in isl
              for other in ex.islands[i + 1:] for b in other]
     bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+    return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link,
+                               islands=islands, bridge=bridge)
+
+
+def islands_allreduce_s(*, nbytes: float, elem_bytes: float, participants: int, link: Link,
+                        islands: Sequence[tuple[int, Link]] = (), bridge: Link | None = None) -> float:
+    """The gradient sync's all-reduce rule, shared by the predictor (:func:`group_allreduce_s`, on a
+    plan's devices) and the planner's closed form (search/combine.py, on representative links): the
+    ring over ``link`` among ``participants`` inside one vendor island; across several (``islands``:
+    each island's holder count and slowest ring link, ``bridge`` the slowest cross-island pair) the
+    bridge's two-level all-reduce (:func:`two_level_allreduce_time_s`)."""
+    if len(islands) <= 1 or bridge is None:
+        return allreduce_time_s(nbytes=nbytes, participants=participants, link=link)
     return two_level_allreduce_time_s(elems=max(1, round(nbytes / elem_bytes)), elem_bytes=elem_bytes,
-                                      island_links=island_links, island_sizes=[len(isl) for isl in ex.islands],
-                                      bridge=bridge)
+                                      island_links=[lk for _, lk in islands],
+                                      island_sizes=[n for n, _ in islands], bridge=bridge)
+
+
+def kind_island_labels(cluster: Cluster, kinds: Iterable[str]) -> dict[str, str]:
+    """Each kind's vendor island (``hethub.islands.island_of_kind``, as the bridge forms them unforced)."""
+    out = {}
+    for kind in kinds:
+        k = cluster.kinds[kind]
+        out[kind] = island_of_kind(kind, backend=k.backend, vendor=k.vendor, force_bridge=False)
+    return out
 
 
 def two_level_allreduce_time_s(*, elems: int, elem_bytes: float, island_links: Sequence[Link],
@@ -414,10 +432,16 @@ def _exposed_rounds(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapp
     return out
 
 
+def bucket_count(nbytes: float, *, elem_bytes: float, bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> int:
+    """How many buckets a runtime that overlaps its reduction (runtimes: dp_overlap) reduces ``nbytes``
+    of gradients in (runtime/grad_buffer.py), each its own all-reduce."""
+    return max(1, math.ceil(nbytes / elem_bytes / bucket_elems))
+
+
 def _buckets_of(plan: Plan, g: SyncGroup, *, grad_bytes: float, bucket_elems: int) -> tuple[int, float]:
     """How many buckets the runtime reduces group ``g`` in, and each one's all-reduce time (across
     vendor islands the bridge's two-level all-reduce, :func:`group_allreduce_s`)."""
-    n = max(1, math.ceil(g.nbytes / grad_bytes / bucket_elems))
+    n = bucket_count(g.nbytes, elem_bytes=grad_bytes, bucket_elems=bucket_elems)
     return n, group_allreduce_s(plan, g.holders, nbytes=g.nbytes / n, link=g.link, participants=g.participants,
                                 elem_bytes=grad_bytes)
 

@@ -12,14 +12,16 @@ import bisect
 import heapq
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from hethub.layout import block_starts
-from hethub.predict.comm import allreduce_time_s, small_allreduce_time_s
+from hethub.predict.comm import small_allreduce_time_s
 from hethub.predict.stage_links import LinkBook
+from hethub.predict.sync import islands_allreduce_s
 from hethub.schedules import get_schedule
-from hethub.search.split import PipeCost, Slot
+from hethub.search.split import PipeCost
 from hethub.spec.model import ModelSpec
 
 
@@ -60,10 +62,15 @@ def bisect_time(ok: Callable[[float], bool], *, lo_s: float, hi_s: float, rel_to
     return lo_s, hi_s
 
 
-def allocate(groups: list[Group], total_mb: int) -> tuple[list[list[int]], float] | None:
-    """Micro-batches per pipeline minimising the latest finish; pipelines left with none are dropped."""
+def allocate(groups: list[Group], total_mb: int, *, equal: bool = False) -> tuple[list[list[int]], float] | None:
+    """Micro-batches per pipeline minimising the latest finish; pipelines left with none are dropped.
+    ``equal``: every pipeline the same count (a runtime without unequal shares), None unless it divides."""
     if not groups or total_mb < 1:
         return None
+    if equal:
+        n = sum(g.count for g in groups)
+        return None if total_mb % n else ([[total_mb // n] * g.count for g in groups],
+                                          max(g.pipe.time_s(total_mb // n) for g in groups))
     if len(groups) == 1:  # identical pipelines: as even as integers allow
         c = min(groups[0].count, total_mb)
         ms = [total_mb // c + (i < total_mb % c) for i in range(c)]
@@ -134,16 +141,11 @@ def water_level_with(lines: list[tuple[float, float, int]], total_mb: int, *, ba
     return _filled_level(lines, total_mb)
 
 
-def water_level_beside(groups: list, total_mb: int, *, start_s: float, per_s: float, at_start: int) -> float:
-    """`water_level` of `groups` beside a stream that finishes `at_start` micro-batches at start_s and
-    one more every per_s after it: the first time T the groups and the stream finish total_mb (exact;
-    mixed._rate_level's floor, which bisected for it)."""
-    return lines_level_beside(finish_lines(groups), total_mb, start_s=start_s, per_s=per_s, at_start=at_start)
-
-
 def lines_level_beside(gs: list[tuple[float, float, int]], total_mb: int, *, start_s: float, per_s: float,
                        at_start: int) -> float:
-    """`water_level_beside` of groups whose `finish_lines` are `gs`."""
+    """`water_level` of groups whose `finish_lines` are `gs` beside a stream that finishes `at_start`
+    micro-batches at start_s and one more every per_s after it: the first time T the groups and the
+    stream finish total_mb (exact; mixed._rate_level's floor)."""
     pure = _filled_level(gs, total_mb)  # the groups alone (inf: they finish none)
     if at_start >= total_mb:
         return min(start_s, pure)
@@ -183,14 +185,11 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     """End of the step: each pipeline's backward, the world all-reduce of the loss, the per-layer
     gradient all-reduces, the world all-reduce of the gradient norm, then the updates.
 
-    The closed form's sync, on one representative per group (identical pipelines finish together),
-    from the predictor's collective costs (predict/comm.py) and links (predict/stage_links.py); the
-    predictor's own (predict/sync.py) simulates the runtime's buckets and decides between finalists.
-    The two world all-reduces are barriers of every stage (8 bytes over one device per stage);
-    one ring all-reduce per parameter group (embedding, each layer, head) among all replicas, sized
-    by the smallest TP degree among its holders, over the slowest link their kinds imply; a stage
-    runs its groups in layer order, each once all holders are free. Replicas whose layer boundaries
-    differ therefore chain their syncs, which this captures and a per-stage sum would not.
+    On one representative per group: each parameter group (embedding, layers between any replica's
+    boundaries, head; fused where holders match) by the predictor's rule on representative links
+    (``LinkBook.sync_allreduce_s``), sized by its holders' smallest TP, in layer order once all its
+    holders are free, so replicas whose boundaries differ chain their syncs. The predictor
+    (predict/sync.py) also overlaps buckets with the backward; it decides between finalists.
     """
     replicas = sum(g.count for g in groups)
     total_devices = sum(g.count * g.pipe.num_devices for g in groups)
@@ -218,69 +217,52 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
         rings = links.ring_cache.setdefault((replicas, total_devices, gb), {})
         slots = [g.pipe.slots for g in groups]
 
-        def ring(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
-            here = [slots[gi][si] for gi, si in holders]
-            key = (matrix, extra, frozenset([sl.kind for sl in here]), min([sl.tp for sl in here]))
-            t = rings.get(key)
-            if t is None:
-                link = links.replicas(key[2], devices=total_devices, rings=key[3])
-                t = rings[key] = allreduce_time_s(nbytes=(matrix / key[3] + extra) * gb, participants=replicas,
-                                                  link=link)
-            return t
-
-        def run(holders: list[tuple[int, int]], dur: float) -> None:
-            end = max(cursor[gi][si] for gi, si in holders) + dur
-            for gi, si in holders:
-                cursor[gi][si] = end
-
-        # Between two boundaries (of any replica) the holders do not change: run that stretch of
-        # layers as one block, which is exactly the same as running its layers one by one.
-        # First layer of each stage; empty stages share their successor's start, so bisect_right
-        # below takes the last match.
+        # (matrix, other) parameters by holders, fused where the first comes (sync._buckets). Empty
+        # stages share their successor's start, so bisect_right below takes the last match.
         starts = [block_starts(g.pipe.layers) for g in groups]
         cuts = sorted({a for st in starts for a in st if a < model.num_layers} | {0, model.num_layers})
         last = [len(g.pipe.layers) - 1 for g in groups]
-        emb = [(gi, 0) for gi in range(len(groups))]
-        if model.tied_embeddings:
-            emb += [(gi, last[gi]) for gi in range(len(groups)) if last[gi] > 0]
-        run(emb, ring(v * h, model.embedding_params - v * h, emb))
-        for a, b in itertools.pairwise(cuts):
-            hs = [(gi, bisect.bisect_right(starts[gi], a) - 1) for gi in range(len(groups))]
-            run(hs, (b - a) * ring(matmul, norm, hs))
-        hs = [(gi, last[gi]) for gi in range(len(groups))]
-        run(hs, ring(0 if model.tied_embeddings else v * h, model.final_norm_params, hs))
+        emb = [(gi, 0) for gi in range(len(groups))] + [
+            (gi, last[gi]) for gi in range(len(groups)) if last[gi] > 0 and model.tied_embeddings]
+        fused: dict[tuple[tuple[int, int], ...], list[float]] = {tuple(emb): [v * h, model.embedding_params - v * h]}
+        parts = [(tuple((gi, bisect.bisect_right(starts[gi], a) - 1) for gi in range(len(groups))),
+                  (b - a) * matmul, (b - a) * norm) for a, b in itertools.pairwise(cuts)]
+        for hs, matrix, extra in [*parts, (tuple((gi, last[gi]) for gi in range(len(groups))),
+                                           0 if model.tied_embeddings else v * h, model.final_norm_params)]:
+            part = fused.setdefault(hs, [0.0, 0.0])
+            part[0], part[1] = part[0] + matrix, part[1] + extra
+        for hs, (matrix, extra) in fused.items():  # each once all its holders are free
+            count: Counter[str] = Counter()  # holders per kind
+            for gi, si in hs:
+                count[slots[gi][si].kind] += groups[gi].count
+            key = (matrix, extra, tuple(sorted(count.items())), min(slots[gi][si].tp for gi, si in hs))
+            if (t := rings.get(key)) is None:
+                t = rings[key] = links.sync_allreduce_s(count, tp=key[3], nbytes=(matrix / key[3] + extra) * gb,
+                                                        elem_bytes=gb, devices=total_devices)
+            end = max(cursor[gi][si] for gi, si in hs) + t
+            for gi, si in hs:
+                cursor[gi][si] = end
     barrier()  # the gradient norm
     return max(c + u for g, row in zip(groups, cursor, strict=True) for c, u in zip(row, g.pipe.update_s, strict=True))
 
 
-def embedding_sync_floor(first: list[tuple[Slot, int]], last: list[tuple[Slot, int]], *, total_devices: int,
-                         links: LinkBook, model: ModelSpec, precision: str) -> float:
-    """A floor under what `step_time_s` adds after the makespan: the last pipeline to finish ends
-    with its first stage, which then all-reduces the embedding's gradients with the first stage of
-    every replica (and the last stages, with tied embeddings) before it can update. ``first`` /
-    ``last``: (slot of that stage, replicas) per group."""
-    replicas = sum(n for _, n in first)
-    if replicas <= 1:
-        return 0.0
-    holders = first + (last if model.tied_embeddings else [])
-    return embedding_ring_s(frozenset(sl.kind for sl, _ in holders), min(sl.tp for sl, _ in holders), replicas,
-                            total_devices=total_devices, links=links, model=model, precision=precision)
-
-
 def embedding_ring_s(kinds: frozenset[str], tp: int, replicas: int, *, total_devices: int, links: LinkBook,
                      model: ModelSpec, precision: str) -> float:
-    """`embedding_sync_floor`'s ring: the embedding's gradients all-reduced among `replicas` holders of
-    these kinds whose smallest TP degree is `tp` (the floors cache it by these four values)."""
+    """A floor under what `step_time_s` adds after the makespan: the last pipeline to finish ends with
+    its first stage, whose embedding gradients are then all-reduced among `replicas` holders of these
+    kinds (first stages; with tied embeddings, last ones too), smallest TP degree `tp`, before it can
+    update (the floors cache it by these four values)."""
     gb = ModelSpec.state_bytes_per_param(precision)["grads"]
     vh = model.vocab_size * model.hidden_size
-    link = links.replicas(kinds, devices=total_devices, rings=tp)
-    return allreduce_time_s(nbytes=(vh / tp + model.embedding_params - vh) * gb, participants=replicas, link=link)
+    link, nbytes = links.replicas(kinds, devices=total_devices, rings=tp), (vh / tp + model.embedding_params - vh) * gb
+    return min(islands_allreduce_s(nbytes=nbytes, elem_bytes=gb, participants=replicas, link=link),
+               links.bridge_floor_s(kinds, nbytes=nbytes, replicas=replicas))  # across islands: two-level
 
 
 def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec,
-             precision: str) -> Estimate | None:
+             precision: str, equal: bool = False) -> Estimate | None:
     groups = [g for g in groups if g.count > 0]
-    alloc = allocate(groups, total_mb)
+    alloc = allocate(groups, total_mb, equal=equal)
     if alloc is None:
         return None
     return _priced(groups, alloc[0], links=links, model=model, precision=precision)
@@ -365,7 +347,7 @@ def _settle_samples(groups: list[Group], counts: list[list[int]], total_samples:
 
 
 def estimate_samples(groups: list[Group], *, total_samples: int, links: LinkBook, model: ModelSpec,
-                     precision: str) -> Estimate | None:
+                     precision: str, equal: bool = False) -> Estimate | None:
     """`estimate` for groups that may differ in micro-batch size (the global batch in samples)."""
     groups = [g for g in groups if g.count > 0]
     sizes = {g.pipe.mbs for g in groups}
@@ -373,7 +355,9 @@ def estimate_samples(groups: list[Group], *, total_samples: int, links: LinkBook
         if not groups or total_samples % groups[0].pipe.mbs:
             return None
         return estimate(groups, total_mb=total_samples // groups[0].pipe.mbs, links=links, model=model,
-                        precision=precision)
+                        precision=precision, equal=equal)
+    if equal:  # one size and count for every pipeline
+        return None
     alloc = allocate_samples(groups, total_samples)
     if alloc is None:
         return None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from hethub.errors import SpecError
 from hethub.plan import OPTIMIZER_SHARES, PLANNED_SHARDINGS
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
+from hethub.runtimes import DEFAULT_RUNTIME, RUNTIMES, planner_error
 from hethub.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 from hethub.spec.model import PRECISIONS
 
@@ -55,6 +56,7 @@ class PlannerConfig:
     # Model chunks per stage the search sizes stages and prices pipelines for (the interleaved
     # schedule's v; the planner sets it while choosing v, search/polish.py).
     virtual_stages: int = 1
+    runtime: str = DEFAULT_RUNTIME  # hethub.runtimes: the search keeps to what it runs, priced by its rules
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> SpecError:
@@ -68,12 +70,12 @@ class PlannerConfig:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise bad("finalists_per_size", f"must be a non-negative integer or None, got {v!r}",
                       "give e.g. 2, 0 for none, or leave it out (finalists + top_k)")
-        if self.strategy not in STRATEGIES:
-            raise bad("strategy", f"is {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
+        for name, choices in (("strategy", STRATEGIES), ("precision", PRECISIONS),
+                              ("optimizer_shares", OPTIMIZER_SHARES), ("objective", OBJECTIVES)):
+            if getattr(self, name) not in choices:
+                raise bad(name, f"is {getattr(self, name)!r}", f"use one of {', '.join(choices)}")
         if self.schedule not in (*SCHEDULES, AUTO_SCHEDULE):
             raise bad("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)} or {AUTO_SCHEDULE}")
-        if self.precision not in PRECISIONS:
-            raise bad("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
         if (isinstance(self.mem_headroom, bool) or not isinstance(self.mem_headroom, (int, float))
                 or not 0 <= self.mem_headroom < 1):
             raise bad("mem_headroom", f"must be a fraction in [0, 1), got {self.mem_headroom!r}",
@@ -88,17 +90,21 @@ class PlannerConfig:
                       f"use one of {', '.join(PLANNED_SHARDINGS)} or auto")
         if self.optimizer_sharding == "zero3" and self.schedule == "interleaved":
             raise bad("optimizer_sharding", "is zero3, which runs no virtual stages", "use zero2 or auto with it")
-        if self.optimizer_shares not in OPTIMIZER_SHARES:
-            raise bad("optimizer_shares", f"is {self.optimizer_shares!r}", f"use one of {', '.join(OPTIMIZER_SHARES)}")
-        if self.objective not in OBJECTIVES:
-            raise bad("objective", f"is {self.objective!r}", f"use one of {', '.join(OBJECTIVES)}")
         for name in ("budget_per_hour", "min_tokens_per_s"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
                 raise bad(name, f"must be a positive number, got {v!r}", "give a positive number or leave it out")
+        if (why := planner_error(self.runtime, schedule=self.schedule, sharding=self.optimizer_sharding)):
+            raise SpecError(why)
+        if not RUNTIMES[self.runtime].stage_recompute:  # it plans no recomputation (runtimes.py says why)
+            object.__setattr__(self, "allow_recompute", False)
         if any(t & (t - 1) for t in self.tp_degrees):
             # Powers of two pack into nodes without fragmentation (see docs/planner.md, "devices").
             raise bad("tp_degrees", f"must be powers of two, got {self.tp_degrees!r}", "use 1, 2, 4, 8, ...")
+
+    @property
+    def equal_shares(self) -> bool:  # every replica the same micro-batches (hethub.runtimes: unequal_shares)
+        return not RUNTIMES[self.runtime].unequal_shares
 
     @property
     def cost_aware(self) -> bool:

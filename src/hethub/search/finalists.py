@@ -18,6 +18,7 @@ from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_modes import choose_recompute
+from hethub.runtimes import runtime_refusals
 from hethub.search.assemble import build_plan
 from hethub.search.config import PlannerConfig
 from hethub.search.hetero import plan_key, search, size_key
@@ -36,11 +37,11 @@ def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: 
         if key in seen:
             continue
         sizes = size_key(est) if per_size else ()
-        if len(seen) >= keep and taken[sizes] >= per_size:
+        if len(out) >= keep and taken[sizes] >= per_size:
             continue
         plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
                           seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
-                          strategy=strategy)
+                          strategy=strategy).with_runtime(config.runtime)
         # Before the recomputation choice, which it frees memory for; a plan of one replica has nothing
         # to shard across and stays unsharded (the runtime refuses it sharded, planner.make_plan notes it).
         if config.optimizer_sharding != "none" and not single_holder_units(plan):
@@ -48,10 +49,13 @@ def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: 
             if plan.zero_stage >= 2 and zero23_refusal(plan) is not None:
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
         seen.add(key)
+        plan = choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom,
+                                allow_sp=config.sequence_parallel)
+        if runtime_refusals(plan):  # what the runtime cannot run (Megatron: replicas or TP degrees that differ)
+            continue
         taken[sizes] += 1
-        out.append(choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom,
-                                    allow_sp=config.sequence_parallel))
-        if len(seen) >= keep and not per_size:
+        out.append(plan)
+        if len(out) >= keep and not per_size:
             break
     return out
 

@@ -173,7 +173,7 @@ def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
             groups += [Group(r.pipe, c), *_fill(s, k, r.pipe.mbs, s.share[k], s.counts[k] - c * d)[0]]
         if results.may_enter(water_level_samples(groups, s.config.global_batch)):
             results.add(estimate_samples(groups, total_samples=s.config.global_batch, links=s.links, model=s.model,
-                                         precision=s.config.precision))
+                                         precision=s.config.precision, equal=s.config.equal_shares))
 
 
 def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | None:

@@ -533,7 +533,7 @@ class SyncFloors:
         self._sync: dict[tuple, float] = {}
         self.rate_levels: dict[tuple, float] = {}  # mixed._rate_level's, per family beside these groups
         self.replicas = sum(g.count for g in pure)
-        # The embedding's holders among the pure groups (combine.embedding_sync_floor's `first` and,
+        # The embedding's holders among the pure groups (combine.embedding_ring_s's first stages and,
         # with tied embeddings, `last`): their kinds and smallest TP degree.
         ends = self.firsts + (self.lasts if s.model.tied_embeddings else [])
         self.end_kinds = frozenset(sl.kind for sl, _ in ends)
@@ -565,8 +565,9 @@ class SyncFloors:
             gb = ModelSpec.state_bytes_per_param(s.config.precision)["grads"]
             norm = m.layer_params - m.layer_matmul_params
             hit = self._rings[key] = min(
-                allreduce_floor_s(nbytes=(m.layer_matmul_params / t + norm) * gb, participants=replicas,
-                                  link=s.links.replicas(kinds, devices=devices, rings=t)) for t in {1, tp})
+                min(allreduce_floor_s(nbytes=(nb := (m.layer_matmul_params / t + norm) * gb), participants=replicas,
+                                      link=s.links.replicas(kinds, devices=devices, rings=t)),
+                    s.links.bridge_floor_s(kinds, nbytes=nb, replicas=replicas)) for t in {1, tp})
         return hit
 
     def _chains(self, replicas: int, devices: int) -> float:
@@ -599,7 +600,7 @@ class SyncFloors:
         return hit
 
     def sync_floor(self, pairs: list[tuple[Slot, Slot]], c: int, devices: int) -> float:
-        """The embedding sync after the makespan (combine.embedding_sync_floor) for c mixed pipelines
+        """The embedding sync after the makespan (combine.embedding_ring_s) for c mixed pipelines
         of at least `devices` devices whose (first, last) stages are one of `pairs`; more replicas and
         more devices only slow a ring down, so a box's smallest are a floor for all of it."""
         key = (tuple(pairs), c, devices)
@@ -607,7 +608,7 @@ class SyncFloors:
         if hit is None:
             replicas, total = self.replicas + c, min(self.devices + c * devices, self._dev_cap)
             hit = 0.0
-            if replicas > 1:  # combine.embedding_sync_floor, its ring cached by (kinds, smallest TP)
+            if replicas > 1:  # combine.embedding_ring_s, cached by (kinds, smallest TP)
                 tied = self.s.model.tied_embeddings
                 hit = min(self._embedding_ring(frozenset([a.kind, *((b.kind,) if tied else ())]),
                                                min(a.tp, b.tp) if tied else a.tp, replicas, total)

@@ -28,7 +28,8 @@ from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.utilisation import cluster_mfu
 from hethub.progress import progress
-from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE, SCHEDULES, get_schedule
+from hethub.runtimes import runtime_profile, runtime_refusals
+from hethub.schedules import AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
@@ -103,7 +104,7 @@ def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     t0 = time.perf_counter()
     results: dict[str, PlanResult] = {}
     errors: list[InfeasibleError] = []
-    for name in AUTO_CANDIDATES:
+    for name in runtime_profile(config.runtime).auto_schedules:
         try:
             if name == INTERLEAVED and ONE_F_ONE_B in results:  # interleaving starts from the 1F1B plans
                 results[name] = _plan_interleaved(cluster=cluster, model=model, config=config, profiles=profiles,
@@ -336,8 +337,8 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     else:
         s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
         n = config.finalists + config.top_k
-        scored = score_plans([plan for _, plan in baseline_plans(s, strategy=config.strategy)[:n]], profiles, host=host,
-                        headroom=config.mem_headroom, keep=config.top_k)
+        plans = [p.with_runtime(config.runtime) for _, p in baseline_plans(s, strategy=config.strategy)[:n]]
+        scored = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=config.top_k)
     bar.update()
     if not scored:
         bar.close()
@@ -370,6 +371,7 @@ def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, p
     """``scored`` (fastest first) with its first plans polished (POLISH_BUDGETS), fastest first."""
     polished = [polish(*cand, profiles=profiles, budget=budget, allow_recompute=config.allow_recompute, host=host,
                        mem_headroom=config.mem_headroom) for cand, budget in zip(scored, POLISH_BUDGETS, strict=False)]
+    polished = [p if not runtime_refusals(p[0]) else c for p, c in zip(polished, scored, strict=False)]
     return sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
 
 
@@ -382,7 +384,7 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     _check_state_fits(cluster, model, config)
     variants, shardings = variants_of(config)
     names = [v.schedule for v in variants]
-    links = LinkBook(cluster)  # one per job: hops and rings depend on the cluster alone
+    links = LinkBook(cluster, runtime=config.runtime)  # one per job: hops and rings depend on the cluster
     bar = progress(len(variants) + 3, desc=f"plan {cluster.name}", unit="steps",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
     # As many holders as devices: the loosest memory any sharded plan could have.

@@ -73,7 +73,7 @@ class Searcher:
             books.costs[relax_memory] = CostBook(self.job, cluster)
         self.book = books.costs[relax_memory]
         if books.links is None:
-            books.links = LinkBook(cluster)
+            books.links = LinkBook(cluster, runtime=config.runtime)
         self.links = books.links
         counts = cluster.count_by_kind()
         self.counts = {k: counts[k] for k in (kinds or cluster.kind_names)}
@@ -134,7 +134,7 @@ class Searcher:
 
     def estimate(self, groups: list[Group], mbs: int) -> Estimate | None:
         return estimate(groups, total_mb=self.config.global_batch // mbs, links=self.links, model=self.model,
-                        precision=self.config.precision)
+                        precision=self.config.precision, equal=self.config.equal_shares)
 
     def fits(self, est: Estimate) -> bool:
         """Whether the candidate's plan fits memory with its real gradient-sync shape. The stage

@@ -23,7 +23,8 @@ from hethub.predict.host import HostModel
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_links import LinkBook
-from hethub.schedules import AUTO_CANDIDATES, AUTO_SCHEDULE
+from hethub.runtimes import runtime_profile
+from hethub.schedules import AUTO_SCHEDULE
 from hethub.search.combine import Estimate, Group, estimate_samples
 from hethub.search.config import PlannerConfig
 from hethub.search.finalists import finalist_plans, score_plans
@@ -72,11 +73,14 @@ class Variant:
 def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     """The variants the config leaves open (the interleaved schedule's sized one included) and the
     shardings."""
-    schedules = list(AUTO_CANDIDATES) if config.schedule == AUTO_SCHEDULE else [config.schedule]
-    shardings = ["none", "zero1"] if config.optimizer_sharding == "auto" else [config.optimizer_sharding]
+    runtime = runtime_profile(config.runtime)  # what it runs (hethub.runtimes)
+    schedules = list(runtime.auto_schedules) if config.schedule == AUTO_SCHEDULE else [config.schedule]
+    shardings = [z for z in ("none", "zero1") if z in runtime.shardings] if config.optimizer_sharding == "auto" \
+        else [config.optimizer_sharding]
     # ZeRO-2/3 free memory the way ZeRO-1 does, more of it: their shapes are the enumerations' (priced
     # under them where memory binds, `Variant.offered`), not enumerated again.
-    priced = list(PLANNED_SHARDINGS) if config.optimizer_sharding == "auto" else shardings
+    priced = [z for z in PLANNED_SHARDINGS if z in runtime.shardings] if config.optimizer_sharding == "auto" \
+        else shardings
     out = [Variant(sch, z) for sch in schedules if sch != INTERLEAVED for z in priced]
     if INTERLEAVED in schedules and config.strategy == "hethub":
         out += [Variant(INTERLEAVED, z, SIZED_CHUNKS) for z in priced if zero_stage_of(z) < 3]
@@ -144,7 +148,7 @@ def reprice(s: Searcher, est: Estimate) -> Estimate | None:
         out = s.estimate(groups, sizes.pop())
     else:
         out = estimate_samples(groups, total_samples=s.config.global_batch, links=s.links, model=s.model,
-                               precision=s.config.precision)
+                               precision=s.config.precision, equal=s.config.equal_shares)
     return out if out is not None and s.fits(out) else None
 
 
