@@ -25,7 +25,7 @@ CONFIRM = 3  # predictions per batch of the screen's best: the best improving on
 
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget: int,
-           allow_recompute: bool, host: HostModel | None = None,
+           allow_recompute: bool, allow_sp: bool = True, host: HostModel | None = None,
            mem_headroom: float = DEFAULT_MEM_HEADROOM) -> tuple[Plan, Prediction]:
     """Best-improvement local search from ``plan`` until no move improves its prediction or
     ``budget`` predictions (counted: the same plan however busy the machine) are spent. Each round
@@ -45,7 +45,7 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget:
         while heap and budget > 0 and not (found and tried % CONFIRM == 0):
             _, n, move, cand = heapq.heappop(heap)
             if cand is None:  # screened optimistically: make it, with its exact modes, and screen it again
-                cand = _apply(plan, move, allow_recompute=allow_recompute, headroom=mem_headroom)
+                cand = _apply(plan, move, allow_recompute=allow_recompute, allow_sp=allow_sp, headroom=mem_headroom)
                 if cand is not None:
                     exact = [costs.closed_form_of(p) for p in cand.pipelines]
                     heapq.heappush(heap, (_score(cand, sigs, exact, None, costs), n, move, cand))
@@ -121,7 +121,7 @@ def _reshaped(plan: Plan, p: Pipeline, move: tuple) -> Pipeline | None:
     return replace(p, stages=tuple(stages))
 
 
-def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float) -> Plan | None:
+def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float, allow_sp: bool = True) -> Plan | None:
     """``plan`` with ``move`` made and every stage at its fastest mode that fits the exact memory
     (None where the move cannot be made or a stage then fits under no mode)."""
     pipes: list[Pipeline | None] = list(plan.pipelines)
@@ -136,7 +136,7 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float) -
     if None in pipes:
         return None
     return choose_recompute(replace(plan, pipelines=tuple(pipes)), allow_recompute=allow_recompute,
-                            mem_headroom=headroom, strict=True)
+                            allow_sp=allow_sp, mem_headroom=headroom, strict=True)
 
 
 def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], move: tuple | None,
