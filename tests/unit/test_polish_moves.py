@@ -18,7 +18,7 @@ from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.predictor import predict
 from hethub.predict.stage_modes import ModeFits, choose_recompute, stage_modes
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.polish import _apply, _moves, polish
+from hethub.search.polish import _apply, _moves, _signature, polish
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec, get_model
 
@@ -119,6 +119,13 @@ def test_every_move_gives_a_valid_plan_at_the_fastest_modes_that_fit():
                     faster = listed[:listed.index((s.recompute, s.sequence_parallel))]
                     assert not any(fits(m)[(pi, si)] for m in faster)
     assert {"modes", "layer", "split", "merge"} <= made
+    # Splits and merges keep to the config's TP degrees: with only the plan's largest degree allowed no
+    # stage may split, and merges are offered only into an allowed degree.
+    plan = make_plan(cluster=cluster, model=model, config=cfg).plan
+    top = max(s.tp for p in plan.pipelines for s in p.stages)
+    assert not [mv for mv in _moves(plan, tp_degrees=(top,)) if mv[0] == "split"]
+    stages_of = {_signature(p): p.stages for p in plan.pipelines}
+    assert all(2 * stages_of[mv[1]][mv[2]].tp == top for mv in _moves(plan, tp_degrees=(top,)) if mv[0] == "merge")
 
 
 # ---- The any-pair property on random small clusters.

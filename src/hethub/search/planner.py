@@ -371,7 +371,8 @@ def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, p
     """``scored`` (fastest first) with its first plans polished (POLISH_BUDGETS), fastest first."""
     polished = [polish(*cand, profiles=profiles, budget=budget, allow_recompute=config.allow_recompute,
                        allow_sp=config.sequence_parallel, host=host,
-                       mem_headroom=config.mem_headroom) for cand, budget in zip(scored, POLISH_BUDGETS, strict=False)]
+                       mem_headroom=config.mem_headroom, tp_degrees=config.tp_degrees)
+                for cand, budget in zip(scored, POLISH_BUDGETS, strict=False)]
     polished = [p if not runtime_refusals(p[0]) else c for p, c in zip(polished, scored, strict=False)]
     return sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
 

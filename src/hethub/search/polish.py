@@ -26,12 +26,13 @@ CONFIRM = 3  # predictions per batch of the screen's best: the best improving on
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget: int,
            allow_recompute: bool, allow_sp: bool = True, host: HostModel | None = None,
-           mem_headroom: float = DEFAULT_MEM_HEADROOM) -> tuple[Plan, Prediction]:
+           mem_headroom: float = DEFAULT_MEM_HEADROOM, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+           ) -> tuple[Plan, Prediction]:
     """Best-improvement local search from ``plan`` until no move improves its prediction or
     ``budget`` predictions (counted: the same plan however busy the machine) are spent. Each round
     screens every move lazily best-first: a moved stage counts without recomputation until its
     candidate's exact memory is checked. Plans whose step floor cannot beat the current step, or
-    already predicted, are not predicted."""
+    already predicted, are not predicted. Splits and merges keep to ``tp_degrees`` (the config's)."""
     costs = PlanCosts(plan, profiles)  # stage costs and hops: every move keeps the job
     seen: set[tuple] = {_key(plan)}
     while budget > 0:
@@ -39,7 +40,7 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget:
         sigs, times = [_signature(p) for p in plan.pipelines], [costs.closed_form_of(p) for p in plan.pipelines]
         lists = {sig: costs.pipeline_times(plan.pipelines[sigs.index(sig)]) for sig in set(sigs)}
         scored = ((_score(plan, sigs, times, move, costs, bar if host is None else float("inf"), lists), n, move, None)
-                  for n, move in enumerate(_moves(plan, sigs)))
+                  for n, move in enumerate(_moves(plan, sigs, tp_degrees=tp_degrees)))
         heap = [x for x in scored if x[0] is not None]
         heapq.heapify(heap)
         while heap and budget > 0 and not (found and tried % CONFIRM == 0):
@@ -71,7 +72,8 @@ def _signature(p: Pipeline) -> tuple:
     return (p.micro_batch_size, tuple((s.kind, s.tp, s.layers, s.chunks) for s in p.stages))
 
 
-def _moves(plan: Plan, sigs: Sequence[tuple] | None = None) -> list[tuple]:
+def _moves(plan: Plan, sigs: Sequence[tuple] | None = None, *, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+           ) -> list[tuple]:
     """Per kind of pipeline (identical ones at once): a layer from any stage to any other, a stage split,
     two adjacent stages of one kind and TP merged (chunked or CP pipelines: none of these); a
     micro-batch from one kind of pipeline to another. ``sigs``: each pipeline's ``_signature``."""
@@ -85,9 +87,10 @@ def _moves(plan: Plan, sigs: Sequence[tuple] | None = None) -> list[tuple]:
             continue
         n = len(stages)
         out += [("layer", sig, src, dst) for src in range(n) for dst in range(n) if src != dst]
-        out += [("split", sig, si) for si in range(n) if stages[si].tp > 1]
+        out += [("split", sig, si) for si in range(n) if stages[si].tp > 1 and stages[si].tp // 2 in tp_degrees]
         out += [("merge", sig, si) for si in range(n - 1)
-                if (stages[si].kind, stages[si].tp) == (stages[si + 1].kind, stages[si + 1].tp)]
+                if (stages[si].kind, stages[si].tp) == (stages[si + 1].kind, stages[si + 1].tp)
+                and 2 * stages[si].tp in tp_degrees]
     idx = list(firsts.values()) if plan.zero_stage < 2 else []  # ZeRO-2/3: equal micro-batch counts
     out += [("batch", a, b) for a in idx for b in idx if a != b]
     return out
