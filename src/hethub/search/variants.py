@@ -135,21 +135,29 @@ def alone_shapes(searchers: list[Searcher]) -> dict[str, list[Estimate]]:
 
 def reprice(s: Searcher, est: Estimate) -> Estimate | None:
     """``est``'s shape (each group's stage kinds, TP degrees and replicas) split and priced under the
-    searcher's variant; None where it does not fit."""
-    groups = []
+    searcher's variant; None where it does not fit. Two splits per group are priced: the one of the
+    same kind (with or without recomputation) as the enumerated shape's, and the variant's min-max
+    split, since a variant with less memory (ZB-H1 beside 1F1B) may need recomputation to keep the
+    layers where the enumeration put them."""
+    options = []
     for g in est.groups:
         pipes = s.splits(g.pipe.slots, g.pipe.mbs)
         if not pipes:
             return None
-        # The split of the same kind (with or without recomputation) where the variant has one.
-        groups.append(Group(next((p for p in pipes if any(p.recompute) == any(g.pipe.recompute)), pipes[0]), g.count))
-    sizes = {g.pipe.mbs for g in groups}
-    if len(sizes) == 1:
-        out = s.estimate(groups, sizes.pop())
-    else:
-        out = estimate_samples(groups, total_samples=s.config.global_batch, links=s.links, model=s.model,
-                               precision=s.config.precision, equal=s.config.equal_shares)
-    return out if out is not None and s.fits(out) else None
+        same = next((p for p in pipes if any(p.recompute) == any(g.pipe.recompute)), pipes[0])
+        options.append((g.count, same, pipes[0]))
+    best = None
+    for picks in dict.fromkeys((tuple(o[1] for o in options), tuple(o[2] for o in options))):
+        groups = [Group(pipe, count) for pipe, (count, _, _) in zip(picks, options, strict=True)]
+        sizes = {g.pipe.mbs for g in groups}
+        if len(sizes) == 1:
+            out = s.estimate(groups, sizes.pop())
+        else:
+            out = estimate_samples(groups, total_samples=s.config.global_batch, links=s.links, model=s.model,
+                                   precision=s.config.precision, equal=s.config.equal_shares)
+        if out is not None and s.fits(out) and (best is None or out.step_time_s < best.step_time_s):
+            best = out
+    return best
 
 
 def repriced(s: Searcher, shapes: list[Estimate]) -> list[tuple[int, Estimate]]:
