@@ -106,18 +106,9 @@ def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1
     ``known``: ``known_starts(orders)`` where the caller has it (it serves every stage)."""
     p = len(orders)
     known = (known if known is not None else known_starts(orders, chunks=chunks))[stage]
-    index = [{op: i for i, op in enumerate(o)} for o in orders]
-    order = orders[stage]
-    out: dict[Op, Op | None] = {}
-    for i, op in enumerate(order):
-        dest = consumer(op, stage=stage, num_stages=p, chunks=chunks)
-        if dest is None:
-            continue
-        b, taken_by = dest
-        x = index[b].get(taken_by)
-        out[op] = None if x is None else next(
-            (order[j] for j in range(i + 1, len(order)) if known[j][b] >= max(x - 1, 0)), None)
-    return out
+    index = {b: {op: i for i, op in enumerate(o)} for b, o in enumerate(orders)}
+    heard = {b: [k[b] for k in known] for b in range(p)}  # vector clocks never decrease
+    return _first_known(orders[stage], stage, num_stages=p, chunks=chunks, index=index, heard=heard)
 
 
 def line_releases(orders: Sequence[Sequence[Op]], stage: int) -> dict[Op, Op | None]:
