@@ -4,7 +4,7 @@ sharding the config leaves open.
 A *variant* is a schedule and an optimizer sharding. A shape (kind-pure templates, their replicas
 and fills, mixed pipelines) does not depend on the variant; its layer splits (in-flight memory),
 closed-form times and memory do. The search enumerates shapes once per closed form that prunes
-differently (ZB-H1, 1F1B), each at the loosest memory (ZeRO-1 with as many holders as devices where
+differently (ZB-H1, 1F1B), each at the loosest memory (ZeRO-1 with more holders than devices where
 sharding is open), so the pool holds every shape some variant can fit; each kind alone likewise. Every variant then
 splits and prices every shape of the pool with its own closed form and memory (`reprice`), which
 drops the shapes it cannot fit. The predictor scores each variant's best, the best are polished, and
@@ -78,7 +78,7 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     shardings = [z for z in ("none", "zero1") if z in runtime.shardings] if config.optimizer_sharding == "auto" \
         else [config.optimizer_sharding]
     # ZeRO-2/3 free memory the way ZeRO-1 does, more of it: their shapes are the enumerations' (priced
-    # under them where memory binds, `Variant.offered`), not enumerated again.
+    # under them where memory binds, `Variant.pool`), not enumerated again.
     priced = [z for z in PLANNED_SHARDINGS if z in runtime.shardings] if config.optimizer_sharding == "auto" \
         else shardings
     out = [Variant(sch, z) for sch in schedules if sch != INTERLEAVED for z in priced]
@@ -113,7 +113,11 @@ def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
 def enumerate_shapes(searchers: list[Searcher]) -> list[Estimate]:
     """The enumeration: each searcher's best distinct candidates under its variant, best closed form
     first, pooled in turns (each one's first ``SHAPES_POOL`` kept)."""
-    found = [distinct(search(s), SHAPES_POOL) for s in searchers]
+    return _in_turns([distinct(search(s), SHAPES_POOL) for s in searchers])
+
+
+def _in_turns(found: list[list[Estimate]]) -> list[Estimate]:
+    """The searchers' distinct candidate lists merged in turns (first of each, then second...), distinct."""
     return distinct([e for turn in itertools.zip_longest(*found) for e in turn if e is not None],
                     SHAPES_POOL * len(found))
 
@@ -128,8 +132,7 @@ def alone_shapes(searchers: list[Searcher]) -> dict[str, list[Estimate]]:
             k = Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles, kinds=(kind,),
                          books=s.books)
             found.append(distinct(search(k, kinds_alone=True), SHAPES_POOL))
-        out[kind] = distinct([e for turn in itertools.zip_longest(*found) for e in turn if e is not None],
-                             SHAPES_POOL * len(found))
+        out[kind] = _in_turns(found)
     return out
 
 
