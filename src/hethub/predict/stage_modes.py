@@ -109,13 +109,9 @@ class ModeFits:
     def _stage_fits(self, sp: bool, *, bound: bool) -> StageFits:
         if (sp, bound) not in self._fits:
             plan = self.plan
-            if sp:
-                plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                    replace(s, sequence_parallel=sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
-                                                            runtime=plan.runtime)) for s in p.stages))
-                    for p in plan.pipelines))
-            else:
-                plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                    replace(s, sequence_parallel=False) for s in p.stages)) for p in plan.pipelines))
+            plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+                replace(s, sequence_parallel=sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
+                                                               runtime=plan.runtime)) for s in p.stages))
+                for p in plan.pipelines))
             self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound)
         return self._fits[(sp, bound)]
