@@ -13,6 +13,7 @@ from hethub.spec.model import PRECISIONS
 
 STRATEGIES = ("hethub", "uniform", "flops-proportional", "homogeneous")
 OBJECTIVES = ("throughput", "cost")
+TP_DEGREES = (1, 2, 4, 8)  # the TP degrees searched unless the config narrows them
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class PlannerConfig:
     # Micro-batch sizes tried (each must divide the global batch to be used).
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     # TP degrees tried; a kind only uses those that divide its node size and the model's dimensions.
-    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    tp_degrees: tuple[int, ...] = TP_DEGREES
     allow_recompute: bool = True
     sequence_parallel: bool = True  # offered on TP > 1 stages, a stage mode beside recomputation
     # How many closed-form finalists the full predictor re-scores; more is slower and rarely better.

@@ -20,13 +20,14 @@ from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_modes import choose_recompute
 from hethub.schedules import get_schedule
+from hethub.search.config import TP_DEGREES
 
 CONFIRM = 3  # predictions per batch of the screen's best: the best improving one of a batch is taken
 
 
 def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget: int,
            allow_recompute: bool, allow_sp: bool = True, host: HostModel | None = None,
-           mem_headroom: float = DEFAULT_MEM_HEADROOM, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+           mem_headroom: float = DEFAULT_MEM_HEADROOM, tp_degrees: tuple[int, ...] = TP_DEGREES
            ) -> tuple[Plan, Prediction]:
     """Best-improvement local search from ``plan`` until no move improves its prediction or
     ``budget`` predictions (counted: the same plan however busy the machine) are spent. Each round
@@ -72,7 +73,7 @@ def _signature(p: Pipeline) -> tuple:
     return (p.micro_batch_size, tuple((s.kind, s.tp, s.layers, s.chunks) for s in p.stages))
 
 
-def _moves(plan: Plan, sigs: Sequence[tuple] | None = None, *, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+def _moves(plan: Plan, sigs: Sequence[tuple] | None = None, *, tp_degrees: tuple[int, ...] = TP_DEGREES
            ) -> list[tuple]:
     """Per kind of pipeline (identical ones at once): a layer from any stage to any other, a stage split,
     two adjacent stages of one kind and TP merged (chunked or CP pipelines: none of these); a
