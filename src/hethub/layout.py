@@ -17,6 +17,7 @@ parameter names (``unit_param_prefix``), which the predictor's sync model follow
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -289,16 +290,21 @@ def split_elems(n: int, weights: Sequence[float]) -> list[int]:
     member), summing to ``n`` exactly: a bucket's slices among its ZeRO-1 owners, sized the same by
     the runtime and the memory model. Zero weights get nothing unless every weight is zero (then
     equal shares)."""
-    w = [max(0.0, float(x)) for x in weights]
+    w = list(map(max, itertools.repeat(0.0), map(float, weights)))
     total = sum(w)
     if total <= 0:
         w, total = [1.0] * len(weights), float(len(weights))
-    exact = [n * x / total for x in w]
-    sizes = [int(e) for e in exact]
+    # Members of equal weight (a stage's ranks, replicas' stages) have equal shares: each distinct
+    # weight's share and remainder found once.
+    exact = {x: n * x / total for x in set(w)}
+    whole = {x: int(e) for x, e in exact.items()}
+    sizes = list(map(whole.__getitem__, w))
     left = n - sum(sizes)
-    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in order[:left]:
-        sizes[i] += 1
+    if left:
+        # Largest remainder first, ties to the earlier member (a stable sort keeps index order).
+        behind = {x: -(e - whole[x]) for x, e in exact.items()}
+        for i in sorted(range(len(w)), key=list(map(behind.__getitem__, w)).__getitem__)[:left]:
+            sizes[i] += 1
     return sizes
 
 

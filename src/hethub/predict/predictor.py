@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
+from hethub.layout import stage_places
+from hethub.memo import reference
 from hethub.plan import Pipeline, Plan, Recompute, ShardWeights
 from hethub.predict import fabrics
 from hethub.predict.compute import calibration_of
@@ -44,7 +46,14 @@ from hethub.predict.memory import (
 from hethub.predict.plan_costs import PlanCosts, StageStepCost
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.predict.sharding import rank_shards, rank_weights, stage_shard_elems, zero23_rank_bytes
+from hethub.predict.sharding import (
+    rank_shards,
+    rank_weights,
+    stage_elems_of,
+    stage_shard_elems,
+    stage_weights,
+    zero23_stage_bytes,
+)
 from hethub.predict.sync import (
     SyncResult,
     exposed_sync_groups,
@@ -71,40 +80,44 @@ def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM,
 
 class StageFits:
     """`stage_memory_fits` of one plan under several recomputation modes: the plan's costs, which
-    pipelines repeat an earlier one and each stage's memory key but for its mode are found once, for
-    every mode asked."""
+    pipelines repeat an earlier one and each stage's memory shape but for its mode are found once,
+    for every mode asked."""
 
-    def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM, p2p_bound: bool = False) -> None:
-        """``p2p_bound``: point-to-point buffers at their closed-form upper bound (``PlanCosts.stage_shape``)."""
-        self.plan, self.costs = plan, PlanCosts(plan, None)
-        schedule = get_schedule(plan.schedule)
+    def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM, p2p_bound: bool = False,
+                 costs: PlanCosts | None = None) -> None:
+        """``p2p_bound``: point-to-point buffers at their closed-form upper bound (``PlanCosts.stage_shape``).
+        ``costs``: the ``PlanCosts(plan, None)`` of this plan to share, if any."""
+        self.plan, self.costs = plan, PlanCosts(plan, None) if costs is None else costs
+        self.schedule = schedule = get_schedule(plan.schedule)
         self.mem_headroom = check_headroom(mem_headroom)
         costs = self.costs
-        # Unsharded: a pipeline equal to an earlier one but for its devices has its stages' memory
-        # (sharded slices depend on the ranks, so each pipeline is its own).
+        # A pipeline equal to an earlier one in all that its stages' unsharded memory depends on
+        # (PlanCosts.stage_shape's fields but the in-flight count and the buffers, which its place in
+        # the schedule and its shape give) has their memory: replicas.
         seen: dict[tuple, int] = {}
         self.twins: list[int] = []
-        # Each stage of a pipeline that is no earlier one's twin: its place and its memory's shape
-        # (PlanCosts.stage_shape), or, for chunked pipelines, None (asked per mode through _stage_mem).
-        self.own: list[tuple[int, int, tuple | None]] = []
+        # Each stage of a pipeline that is no earlier one's twin: its place and its memory's shape's
+        # index in ``shapes`` (PlanCosts.stage_shape), or, for chunked pipelines, None (asked per mode
+        # through _stage_mem).
+        self.own: list[tuple[int, int, int | None]] = []
+        index: dict[tuple, int] = {}
         for pi, p in enumerate(plan.pipelines):
-            twin = pi
-            if not plan.sharded_optimizer:
-                sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
-                       tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute) for s in p.stages),
-                       tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
-                twin = seen.setdefault(sig, pi)
+            sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
+                   tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute, s.sequence_parallel, s.cp)
+                         for s in p.stages),
+                   tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
+            twin = pi if reference() else seen.setdefault(sig, pi)  # a shortcut (memo.py)
             self.twins.append(twin)
             if twin != pi:
                 continue
             n = len(p.stages)
             for si in range(n):
-                shape = None
+                k = None
                 if p.virtual_stages == 1:
                     held = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=p.num_micro_batches)
-                    shape = costs.stage_shape(pi, si, in_flight=held, p2p_bound=p2p_bound)
-                self.own.append((pi, si, shape))
-        self.schedule = schedule
+                    k = index.setdefault(costs.stage_shape(pi, si, in_flight=held, p2p_bound=p2p_bound), len(index))
+                self.own.append((pi, si, k))
+        self.shapes = tuple(index)  # each distinct shape once
         # per kind, not per stage
         self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
                        for kind in {s.kind for p in plan.pipelines for s in p.stages}}
@@ -112,10 +125,11 @@ class StageFits:
     def under(self, recompute: Recompute | None = None) -> dict[tuple[int, int], bool]:
         """Per (pipeline, stage): whether it fits, every stage recomputing ``recompute`` (None: its own mode)."""
         plan, costs = self.plan, self.costs
+        by_shape = [costs.memory_of(shape, recompute) for shape in self.shapes]
         mems: dict[tuple[int, int], StageMemory] = {}
-        for pi, si, shape in self.own:
-            mems[(pi, si)] = (_stage_mem(costs, self.schedule, pi, si, recompute=recompute)[1] if shape is None
-                              else costs.memory_of(shape, recompute))
+        for pi, si, k in self.own:
+            mems[(pi, si)] = (_stage_mem(costs, self.schedule, pi, si, recompute=recompute)[1] if k is None
+                              else by_shape[k])
         for pi, twin in enumerate(self.twins):
             if twin != pi:
                 for si in range(len(plan.pipelines[pi].stages)):
@@ -323,24 +337,41 @@ def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
     when unsharded: ``mems`` as they are)."""
     if not plan.sharded_optimizer:
         return mems, None
-    # The split the plan carries is the one the runtime makes; the headroom only computes a missing one.
-    weights = (plan.rank_shard_weights() if plan.shard_weights is not None
-               else _shard_weights(plan, mems, headroom=headroom))
-    per_stage = stage_shard_elems(plan, rank_shards(plan, weights))
-    out = {sid: _sharded(plan, *sid, mem, per_stage[sid]) for sid, mem in mems.items()}
-    if plan.zero_stage >= 2:  # the stage's device: each part at its largest over the stage's ranks
-        by_rank = zero23_rank_bytes(plan, weights)
-        rank_of = plan.rank_of_device()
-        for (pi, si), mem in out.items():
-            ranks = [by_rank[rank_of[d]] for d in plan.pipelines[pi].stages[si].devices]
-            out[(pi, si)] = zero23_memory(mem, stage=plan.zero_stage, moment_elems=per_stage[(pi, si)][0],
-                                          **{f: max(getattr(x, f) for x in ranks) for f in (
-                                              "grad_bytes", "whole_weight_bytes", "gathered_bytes", "round_bytes")})
+    # The split the plan carries is the one the runtime makes; the headroom only computes a missing one,
+    # the same for every rank of a stage: then each stage's slice is found per stage (a shortcut: memo.py).
+    if plan.shard_weights is not None:
+        weights = plan.rank_shard_weights()
+        per_stage = stage_shard_elems(plan, rank_shards(plan, weights))
+    else:
+        by_stage = _shard_weights(plan, mems, headroom=headroom)
+        weights = rank_weights(plan, by_stage)
+        per_stage = (stage_shard_elems(plan, rank_shards(plan, weights)) if reference()
+                     else stage_elems_of(plan, by_stage))
+    # ZeRO-2/3: each part is its stage's on every rank but the gradient shard, whose largest is the
+    # largest moment slice's (zero23_rank_bytes).
+    held = dict(zip(((st.pipeline, st.stage) for st in stage_places(plan)), zero23_stage_bytes(plan), strict=True)
+                ) if plan.zero_stage >= 2 else {}
+    # Stages of one unsharded memory and slice (replicas) share their sharded memory (a shortcut: memo.py).
+    made: dict[tuple, StageMemory] = {}
+    out = {}
+    fresh = reference()
+    for sid, mem in mems.items():
+        key = sid if fresh else (id(mem), plan.pipelines[sid[0]].stages[sid[1]].kind, per_stage[sid], held.get(sid))
+        hit = made.get(key)
+        if hit is None:
+            hit = made[key] = _sharded(plan, *sid, mem, per_stage[sid])
+            if held:
+                whole, gathered, rounds = held[sid]
+                hit = made[key] = zero23_memory(hit, stage=plan.zero_stage, moment_elems=per_stage[sid][0],
+                                                grad_bytes=4 * per_stage[sid][0], whole_weight_bytes=whole,
+                                                gathered_bytes=gathered, round_bytes=rounds)
+        out[sid] = hit
     return out, weights
 
 
-def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float) -> dict[int, float]:
-    """Each rank's weight in its buckets' optimizer-state split (predict/sharding.py): with
+def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float,
+                   ) -> dict[tuple[int, int], float]:
+    """Each stage's ranks' weight in their buckets' optimizer-state split (predict/sharding.py): with
     ``proportional`` shares, its device's usable memory less the stage's predicted peak without
     optimizer state and master weights (both sharded in mixed precision; none in fp32)."""
     # What ZeRO-2 and 3 shard too (gradients; parameters) is not what a share has to fit beside.
@@ -348,7 +379,7 @@ def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
     free = {sid: usable_bytes(plan.cluster.kinds[plan.pipelines[sid[0]].stages[sid[1]].kind], headroom=headroom)
             - (mem.total_bytes - mem.optimizer_bytes - mem.master_weights_bytes
                - sum(getattr(mem, f"{part}_bytes") for part in sharded)) for sid, mem in mems.items()}
-    return rank_weights(plan, free_bytes=free)
+    return stage_weights(plan, free_bytes=free)
 
 
 def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[int, float]:
@@ -358,7 +389,7 @@ def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEA
     schedule = get_schedule(plan.schedule)
     mems = {(pi, si): _stage_mem(costs, schedule, pi, si)[1]
             for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))}
-    return _shard_weights(plan, mems, headroom=check_headroom(mem_headroom))
+    return rank_weights(plan, _shard_weights(plan, mems, headroom=check_headroom(mem_headroom)))
 
 
 def with_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> Plan:

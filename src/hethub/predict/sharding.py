@@ -20,6 +20,7 @@ Pure (no torch); the element counts per unit are exact for the runtime's modules
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,16 +102,19 @@ def bucket_lines(plan: Plan) -> tuple[tuple[Bucket, tuple[tuple[int, ...], ...]]
     return _LINES.get((id(plan),), lambda: tuple((b, tuple(b.lines())) for b in buckets(plan)), pin=(plan,))
 
 
-def rank_weights(plan: Plan, *, free_bytes: Mapping[StageId, float] | None) -> dict[int, float]:
-    """Each rank's share weight: its stage's free bytes per device (``proportional``), or 1 (``equal``,
+def stage_weights(plan: Plan, *, free_bytes: Mapping[StageId, float] | None) -> dict[StageId, float]:
+    """Each stage's ranks' share weight: its free bytes per device (``proportional``), or 1 (``equal``,
     or when no free bytes are given)."""
+    by_free = plan.optimizer_shares == "proportional" and free_bytes is not None
+    return {(st.pipeline, st.stage): max(0.0, float(free_bytes[(st.pipeline, st.stage)])) if by_free else 1.0
+            for st in stage_places(plan)}
+
+
+def rank_weights(plan: Plan, by_stage: Mapping[StageId, float]) -> dict[int, float]:
+    """Each rank's share weight: its stage's (``stage_weights``)."""
     out: dict[int, float] = {}
     for st in stage_places(plan):
-        w = 1.0
-        if plan.optimizer_shares == "proportional" and free_bytes is not None:
-            w = max(0.0, float(free_bytes[(st.pipeline, st.stage)]))
-        for r in st.ranks:
-            out[r] = w
+        out.update(dict.fromkeys(st.ranks, by_stage[(st.pipeline, st.stage)]))
     return out
 
 
@@ -126,8 +130,8 @@ class RankShards:
 
 def rank_shards(plan: Plan, weights: Mapping[int, float]) -> RankShards:
     """Every rank's owned elements over all buckets (see the module doc)."""
-    moments = dict.fromkeys(range(plan.world_size), 0)
-    masters = dict.fromkeys(range(plan.world_size), 0)
+    moments = [0] * plan.world_size  # by rank
+    masters = [0] * plan.world_size
     padded: dict[tuple[int, ...], int] = {}
     for b, lines in bucket_lines(plan):
         n = b.elems(plan.model)
@@ -136,18 +140,127 @@ def rank_shards(plan: Plan, weights: Mapping[int, float]) -> RankShards:
             padded[line] = max(sizes)
             for r, k in zip(line, sizes, strict=True):
                 moments[r] += k
-                if b.mixed:
+            if b.mixed:
+                for r, k in zip(line, sizes, strict=True):
                     masters[r] += k
-    return RankShards(moment_elems=moments, master_elems=masters, padded_elems=padded)
+    return RankShards(moment_elems=dict(enumerate(moments)), master_elems=dict(enumerate(masters)),
+                      padded_elems=padded)
 
 
 def stage_shard_elems(plan: Plan, shards: RankShards) -> dict[StageId, tuple[int, int]]:
     """Per stage: the largest (moment, master) elements over its ranks (the memory model's one device)."""
+    moments, masters = shards.moment_elems.__getitem__, shards.master_elems.__getitem__
+    return {(st.pipeline, st.stage): (max(map(moments, st.ranks)), max(map(masters, st.ranks)))
+            for st in stage_places(plan)}
+
+
+def stage_elems_of(plan: Plan, stage_weights: Mapping[StageId, float]) -> dict[StageId, tuple[int, int]]:
+    """``stage_shard_elems(plan, rank_shards(plan, weights))`` where every rank has its stage's weight
+    (``rank_weights`` of ``stage_weights``), found per stage instead of per rank. A line's members of one stage have one
+    weight, so ``split_elems`` gives each the same whole part, and the remainder's extra elements to
+    the first ``c`` of them in line (rank) order: a rank's total is its stage's whole parts plus the
+    number of lines whose first ``c`` include it. Each line's parts and counts come from its stages'
+    weights, their sum taken over the members in line order as ``split_elems`` adds them."""
+    places, lines, coords = _stage_lines(plan)
+    w = [max(0.0, float(stage_weights[(st.pipeline, st.stage)])) for st in places]
+    ones = [1.0] * len(places)
+    base_mixed = [0] * len(places)
+    plus_mixed: list[list[int]] = [[] for _ in places]
+    base_own: list[dict[int, int]] = [{} for _ in places]  # non-mixed lines, by the TP rank they hold
+    plus_own: list[dict[int, list[int]]] = [{} for _ in places]
+    for n, mixed, q, members, holders in lines:
+        total = sum(map(w.__getitem__, members))
+        x = w if total > 0 else ones
+        total = total if total > 0 else float(len(members))
+        plus, behind, left = {}, {}, n
+        for i, positions in holders.items():
+            e = n * x[i] / total
+            whole = int(e)
+            behind.setdefault(-(e - whole), []).append(i)
+            left -= whole * len(positions)
+            plus[i] = 0
+            if mixed:
+                base_mixed[i] += whole
+            else:
+                base_own[i][q] = base_own[i].get(q, 0) + whole
+        for f in sorted(behind) if left else ():  # largest remainder first, ties to the earlier member
+            group = behind[f]
+            count = sum(len(holders[i]) for i in group)
+            if left >= count:
+                for i in group:
+                    plus[i] = len(holders[i])
+                left -= count
+            else:
+                for i in map(members.__getitem__, sorted(itertools.chain(*(holders[i] for i in group)))[:left]):
+                    plus[i] += 1
+                left = 0
+            if not left:
+                break
+        for i, c in plus.items():
+            (plus_mixed[i] if mixed else plus_own[i].setdefault(q, [])).append(c)
     out: dict[StageId, tuple[int, int]] = {}
-    for st in stage_places(plan):
-        out[(st.pipeline, st.stage)] = (max(shards.moment_elems[r] for r in st.ranks),
-                                        max(shards.master_elems[r] for r in st.ranks))
+    for i, st in enumerate(places):
+        if not plus_own[i]:  # mixed lines only: the stage's first rank has an extra element in each that gives one
+            out[(st.pipeline, st.stage)] = (base_mixed[i] + len(plus_mixed[i]) - plus_mixed[i].count(0),) * 2
+            continue
+        over_mixed = _more_than(plus_mixed[i], len(st.ranks))
+        over_own = {q: _more_than(cs, st.cp) for q, cs in plus_own[i].items()}
+        moment = master = 0
+        for q, j_mixed, j_own in coords[i]:
+            mine = base_mixed[i] + over_mixed[j_mixed]
+            master = max(master, mine)
+            moment = max(moment, mine + base_own[i].get(q, 0) + (over_own[q][j_own] if q in over_own else 0))
+        out[(st.pipeline, st.stage)] = (moment, master)
     return out
+
+
+def _more_than(counts: list[int], size: int) -> list[int]:
+    """For each j < size: how many of ``counts`` exceed j."""
+    if not counts:
+        return [0] * size
+    hist = [0] * (size + 1)
+    for c in counts:
+        hist[c] += 1
+    out, acc = [0] * size, 0
+    for j in range(size - 1, -1, -1):
+        acc += hist[j + 1]
+        out[j] = acc
+    return out
+
+
+# _stage_lines by plan (id, pinned): which stages' members sit where in each line does not depend on the weights.
+_STAGE_LINES = Kept(64, shortcut=True)
+
+
+_Lines = tuple[tuple[StagePlace, ...], tuple[tuple, ...], dict[int, tuple[tuple[int, int, int], ...]]]
+
+
+def _stage_lines(plan: Plan) -> _Lines:
+    """The plan's stage places; each bucket line as (elements, mixed, the TP rank it holds (0 if mixed),
+    each member's stage index, each holder stage's index -> its members' positions in the line); and
+    per stage in a non-mixed line each rank's (TP rank, index among the stage's sorted ranks, index
+    among its CP group's sorted ranks)."""
+    def make() -> _Lines:
+        places = stage_places(plan)
+        stage_of = {r: i for i, st in enumerate(places) for r in st.ranks}
+        lines = []
+        for b, members_of in bucket_lines(plan):
+            n = b.elems(plan.model)
+            for q, line in enumerate(members_of):
+                members = tuple(map(stage_of.__getitem__, line))
+                holders: dict[int, list[int]] = {}
+                for pos, i in enumerate(members):
+                    holders.setdefault(i, []).append(pos)
+                lines.append((n, b.mixed, 0 if b.mixed else q, members, holders))
+        coords: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        for i in {i for _, mixed, _, _, holders in lines if not mixed for i in holders}:  # non-mixed lines' stages
+            st = places[i]
+            tp, ranks = st.tp, st.ranks
+            mixed_at = {r: j for j, r in enumerate(sorted(ranks))}
+            own_at = {r: j for q in range(tp) for j, r in enumerate(sorted(st.cp_group(q)))}  # in its CP group
+            coords[i] = tuple((k % tp, mixed_at[r], own_at[r]) for k, r in enumerate(ranks))
+        return places, tuple(lines), coords
+    return _STAGE_LINES.get((id(plan),), make, pin=(plan,))
 
 
 @dataclass(frozen=True)
@@ -164,42 +277,61 @@ class Zero23Bytes:
 
 def zero23_rank_bytes(plan: Plan, weights: Mapping[int, float], *,
                       bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> dict[int, Zero23Bytes]:
-    """Every rank's :class:`Zero23Bytes` (a ZeRO-2 plan's ranks gather nothing and keep every parameter)."""
+    """Every rank's :class:`Zero23Bytes` (a ZeRO-2 plan's ranks gather nothing and keep every parameter):
+    its gradient shard from its owned elements, the rest its stage's (``zero23_stage_bytes``)."""
+    moments = rank_shards(plan, weights).moment_elems
+    stage_of = {r: i for i, st in enumerate(stage_places(plan)) for r in st.ranks}
+    held = zero23_stage_bytes(plan, bucket_elems=bucket_elems)
+    return {r: Zero23Bytes(4 * moments[r], *held[stage_of[r]]) for r in range(plan.world_size)}
+
+
+# zero23_stage_bytes by plan (id, pinned; plans are frozen) and bucket size: the predictor asks it
+# under several split weights per plan (each recomputation mode), and it depends on none of them.
+_HELD = Kept(64, shortcut=True)
+
+
+def zero23_stage_bytes(plan: Plan, *, bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> tuple[tuple[int, int, int], ...]:
+    """Per stage (``stage_places`` order): (whole weight, gathered, round) bytes of :class:`Zero23Bytes`,
+    which do not depend on the split. Each rank of a stage is a member of one line of every bucket its
+    stage holds (its TP rank's, or the mixed bucket's one line) and of no other, with the stage's TP
+    degree and precision: those bytes are its stage's."""
+    return _HELD.get((id(plan), bucket_elems), lambda: _zero23_stage_bytes(plan, bucket_elems), pin=(plan,))
+
+
+def _zero23_stage_bytes(plan: Plan, bucket_elems: int) -> tuple[tuple[int, int, int], ...]:
     model, stage3 = plan.model, plan.zero_stage == 3
-    shards = rank_shards(plan, weights)
-    place_of = {r: st for st in stage_places(plan) for r in st.ranks}
-    wbytes = {r: ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for r, st in place_of.items()}
-    whole = dict.fromkeys(range(plan.world_size), 0)
-    sizes: dict[int, dict[str, tuple[int, int]]] = {r: {} for r in range(plan.world_size)}  # unit -> (bytes, staging)
-    largest = dict.fromkeys(range(plan.world_size), (0, 0))  # (layout elems, local elems) of the largest bucket
-    for b, lines in bucket_lines(plan):
+    places = stage_places(plan)
+    index = {(st.pipeline, st.stage): i for i, st in enumerate(places)}
+    wbytes = [ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for st in places]
+    whole = [0] * len(places)
+    sizes: list[dict[str, tuple[int, int]]] = [{} for _ in places]  # unit -> (bytes, staging)
+    largest = [(0, 0)] * len(places)  # (layout elems, local elems) of the largest bucket
+    mixed_any = [False] * len(places)
+    for b, _ in bucket_lines(plan):
         precisions = {plan.precision_of(s.kind) for s in b.holders}
         gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
         gathered = stage3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
-        for line in lines:
-            for r in line:
-                tp = place_of[r].tp
-                layout = [unit_elems(model, u, tp=1 if b.mixed else tp) for u in b.units]
-                local = [unit_elems(model, u, tp=tp) for u in b.units]
-                spans = bucket_ranges(layout, cap_elems=bucket_elems)  # units are not split here: a bound
-                big = max(((sum(layout[i:j]), sum(local[i:j])) for i, j in spans), default=(0, 0))
-                largest[r] = max(largest[r], big)
-                for u, n_layout, n in zip(b.units, layout, local, strict=True):
-                    if not gathered:
-                        whole[r] += n * wbytes[r]
-                        continue
-                    direct = not b.mixed and gather_bytes == wbytes[r]
-                    sizes[r][u] = (n * wbytes[r], 0 if direct else n_layout * gather_bytes)
-    mixed_any = {r for b, lines in bucket_lines(plan) if b.mixed for line in lines for r in line}
-    out = {}
-    for r in range(plan.world_size):
-        layout_elems, local_elems = largest[r]
-        rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if r in mixed_any else 0)
-        out[r] = Zero23Bytes(grad_bytes=4 * shards.moment_elems[r], whole_weight_bytes=whole[r],
-                             gathered_bytes=_gather_peak(place_of[r], sizes[r], tied=model.tied_embeddings,
-                                                         num_layers=model.num_layers),
-                             round_bytes=rounds)
-    return out
+        for st in b.holders:
+            i = index[(st.pipeline, st.stage)]
+            mixed_any[i] = mixed_any[i] or b.mixed
+            layout = [unit_elems(model, u, tp=1 if b.mixed else st.tp) for u in b.units]
+            local = [unit_elems(model, u, tp=st.tp) for u in b.units]
+            spans = bucket_ranges(layout, cap_elems=bucket_elems)  # units are not split here: a bound
+            big = max(((sum(layout[lo:hi]), sum(local[lo:hi])) for lo, hi in spans), default=(0, 0))
+            largest[i] = max(largest[i], big)
+            for u, n_layout, n in zip(b.units, layout, local, strict=True):
+                if not gathered:
+                    whole[i] += n * wbytes[i]
+                    continue
+                direct = not b.mixed and gather_bytes == wbytes[i]
+                sizes[i][u] = (n * wbytes[i], 0 if direct else n_layout * gather_bytes)
+    out = []
+    for i, st in enumerate(places):
+        layout_elems, local_elems = largest[i]
+        rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if mixed_any[i] else 0)
+        out.append((whole[i], _gather_peak(st, sizes[i], tied=model.tied_embeddings, num_layers=model.num_layers),
+                    rounds))
+    return tuple(out)
 
 
 def _gather_peak(st: StagePlace, sizes: Mapping[str, tuple[int, int]], *, tied: bool, num_layers: int) -> int:

@@ -109,9 +109,15 @@ class ModeFits:
     def _stage_fits(self, sp: bool, *, bound: bool) -> StageFits:
         if (sp, bound) not in self._fits:
             plan = self.plan
-            plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                replace(s, sequence_parallel=sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
-                                                               runtime=plan.runtime)) for s in p.stages))
-                for p in plan.pipelines))
-            self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound)
+            flags = [[sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp, runtime=plan.runtime) for s in p.stages]
+                     for p in plan.pipelines]
+            if any(s.sequence_parallel != f for p, fs in zip(plan.pipelines, flags, strict=True)
+                   for s, f in zip(p.stages, fs, strict=True)):
+                plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+                    replace(s, sequence_parallel=f) for s, f in zip(p.stages, fs, strict=True)))
+                    for p, fs in zip(plan.pipelines, flags, strict=True)))
+            # The bound's and the exact buffers' checks of one plan share its costs.
+            other = self._fits.get((sp, not bound))
+            self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound,
+                                                costs=other.costs if other is not None else None)
         return self._fits[(sp, bound)]

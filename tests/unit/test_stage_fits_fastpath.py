@@ -1,0 +1,172 @@
+"""The laid-out plans' memory checks at scale give the plain rules' answers exactly: each stage's
+optimizer slice found per stage (``sharding.stage_elems_of``) equals the largest over its ranks of the
+per-rank split (``rank_shards``) on random layouts (mixed and equal TP degrees in one sync group, CP,
+ranks in any order, ties and zero weights); ``split_elems`` is the largest-remainder rule; and
+``StageFits.under``, ``fits_some_mode`` and ``choose_recompute`` answer as on the reference path
+(hethub/memo.py) for plans covering ZeRO 0-3, equal and proportional shares, SP, CP, interleaving
+and replicas that differ only in their sequence parallelism."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from conftest import small_cluster, tiny_model
+from hethub.errors import PlanError
+from hethub.layout import split_elems, stage_places
+from hethub.memo import clear_caches, reference_path
+from hethub.plan import Pipeline, Plan, Recompute, Stage
+from hethub.plan_parts import interleave
+from hethub.predict.predictor import StageFits, predict
+from hethub.predict.sharding import rank_shards, rank_weights, stage_elems_of, stage_shard_elems
+from hethub.predict.stage_modes import choose_recompute, fits_some_mode
+
+
+def _plain_split(n: int, weights: list[float]) -> list[int]:
+    """The largest-remainder rule as written before split_elems grouped equal weights."""
+    w = [max(0.0, float(x)) for x in weights]
+    total = sum(w)
+    if total <= 0:
+        w, total = [1.0] * len(weights), float(len(weights))
+    exact = [n * x / total for x in w]
+    sizes = [int(e) for e in exact]
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:n - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def test_split_elems_is_the_largest_remainder_rule() -> None:
+    rng = random.Random(7)
+    for _ in range(5_000):
+        pool = [rng.choice([0.0, -1.0, 0.1, 1 / 3, 2.0, 3e9 + 0.5, rng.random(), rng.uniform(-1, 5)]) for _ in range(3)]
+        w = [rng.choice(pool) for _ in range(rng.randint(0, 12))]
+        n = rng.choice([0, 1, 3, 7, 12345, 40_000_000, rng.randint(0, 10**9)])
+        assert split_elems(n, w) == _plain_split(n, w), (n, w)
+
+
+def _random_plan(rng: random.Random, sharding: str) -> Plan | None:
+    cluster = small_cluster(fast=16, slow=16, per_node=8)
+    model = tiny_model(8)
+    free = {"fast": list(range(16)), "slow": list(range(16, 32))}
+    for ids in free.values():
+        rng.shuffle(ids)  # a stage's devices, so its ranks, in any order
+    pipes = []
+    for _ in range(rng.randint(2, 4)):
+        n, cp = rng.randint(1, 3), rng.choice([1, 1, 2])
+        cuts = sorted(rng.sample(range(1, model.num_layers), n - 1))
+        bounds = [0, *cuts, model.num_layers]
+        stages = []
+        for i in range(n):
+            kind = rng.choice(["fast", "slow"])
+            tp = rng.choice([1, 2, 2, 4])
+            if len(free[kind]) < tp * cp:
+                return None
+            devs, free[kind] = tuple(free[kind][:tp * cp]), free[kind][tp * cp:]
+            stages.append(Stage(kind, devs, (bounds[i], bounds[i + 1]), embedding=i == 0, head=i == n - 1, cp=cp))
+        pipes.append(Pipeline(1, rng.randint(1, 4), tuple(stages)))
+    try:
+        return Plan(model=model, cluster=cluster, global_batch=sum(p.num_samples for p in pipes), seq_len=32,
+                    pipelines=tuple(pipes), optimizer_sharding=sharding).validate()
+    except PlanError:
+        return None
+
+
+def test_the_per_stage_slices_are_the_largest_rank_slices() -> None:
+    rng = random.Random(3)
+    checked = mixed = same_tp = 0
+    while checked < 60:
+        plan = _random_plan(rng, "zero1")
+        if plan is None:
+            continue
+        places = stage_places(plan)
+        pool = [rng.choice([0.0, -2.0, 1.0, 1 / 3, rng.random() * 1e10]) for _ in range(3)]
+        for weights in ({(st.pipeline, st.stage): rng.choice(pool) for st in places},
+                        {(st.pipeline, st.stage): rng.random() * 1e10 for st in places},
+                        {(st.pipeline, st.stage): 0.0 for st in places}):
+            want = stage_shard_elems(plan, rank_shards(plan, rank_weights(plan, weights)))
+            assert stage_elems_of(plan, weights) == want
+        tps = {len({st.tp for st in places if st.pipeline == pi}) for pi in range(len(plan.pipelines))}
+        mixed += max(tps) > 1
+        same_tp += min(tps) == 1
+        checked += 1
+    assert mixed and same_tp  # both kinds of sync groups were drawn
+
+
+NONE, SELECTIVE, FULL = Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL
+
+
+def _plan(pipes: list[Pipeline], *, schedule: str = "1f1b", sharding: str = "none", shares: str = "proportional",
+          ) -> Plan:
+    return Plan(model=tiny_model(), cluster=small_cluster(fast=8, slow=8, per_node=4),
+                global_batch=sum(p.num_samples for p in pipes), seq_len=32, pipelines=tuple(pipes),
+                schedule=schedule, optimizer_sharding=sharding, optimizer_shares=shares).validate()
+
+
+def _replicas(*, sp: tuple[bool, bool] = (False, False)) -> list[Pipeline]:
+    return [Pipeline(1, 4, (Stage("fast", (2 * i, 2 * i + 1), (0, 3), embedding=True, sequence_parallel=sp[i]),
+                            Stage("slow", (8 + i,), (3, 6), head=True))) for i in range(2)]
+
+
+def _plans() -> dict[str, Plan]:
+    out = {f"{z}-{shares}": _plan(_replicas(), sharding=z, shares=shares)
+           for z in ("none", "zero1", "zero2", "zero3") for shares in ("proportional", "equal")}
+    out["replicas-differing-in-sp"] = _plan(_replicas(sp=(True, False)))
+    out["replicas-differing-in-sp-zero1"] = _plan(_replicas(sp=(False, True)), sharding="zero1")
+    out["mixed-tp-sync-group"] = _plan(
+        [Pipeline(1, 4, (Stage("fast", (0, 1), (0, 3), embedding=True), Stage("slow", (8,), (3, 6), head=True))),
+         Pipeline(1, 4, (Stage("fast", (4,), (0, 2), embedding=True), Stage("slow", (9, 10), (2, 6), head=True)))],
+        sharding="zero2")
+    out["cp"] = _plan([Pipeline(1, 4, (Stage("fast", (0, 1), (0, 3), embedding=True, cp=2),
+                                       Stage("slow", (8, 9), (3, 6), head=True, cp=2))),
+                       Pipeline(1, 4, (Stage("fast", (2, 3), (0, 3), embedding=True, cp=2),
+                                       Stage("slow", (10, 11), (3, 6), head=True, cp=2)))], sharding="zero1")
+    out["interleaved"] = _plan([interleave(Pipeline(1, 8, (Stage("fast", (i,), (0, 1), embedding=True),
+                                                           Stage("slow", (8 + i,), (1, 2), head=True))),
+                                           [[2, 1], [1, 2]]) for i in range(2)], schedule="interleaved",
+                               sharding="zero1")
+    return out
+
+
+PLANS = _plans()
+
+
+def _tight(plan: Plan) -> list[float]:
+    """Headrooms just above and below each stage's predicted peak under each mode: answers at the edge."""
+    out = set()
+    for mode in Recompute:
+        pred = predict(replace(plan, pipelines=tuple(replace(p, stages=tuple(replace(s, recompute=mode)
+                                                                             for s in p.stages))
+                                                     for p in plan.pipelines)))
+        for sp in pred.stages:
+            edge = 1 - sp.peak_mem_bytes / sp.device_mem_bytes
+            out.update((edge * (1 - 1e-9), edge * (1 + 1e-9)))
+    edges = sorted(out)
+    return edges[::max(1, len(edges) // 6)]
+
+
+def _answers(plan: Plan, headrooms: list[float]) -> tuple:
+    out = []
+    for headroom in headrooms:
+        fits = StageFits(plan, mem_headroom=headroom)
+        bound = StageFits(plan, mem_headroom=headroom, p2p_bound=True)
+        out += [fits.under(mode) for mode in (None, *Recompute)] + [bound.under(mode) for mode in (None, *Recompute)]
+        for kw in ({}, {"allow_sp": False}, {"allow_recompute": False}):
+            out.append(fits_some_mode(plan, mem_headroom=headroom, **kw))
+            out.append(choose_recompute(plan, mem_headroom=headroom, **kw))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_fits_and_modes_answer_as_the_plain_rules(name: str) -> None:
+    plan = PLANS[name]
+    with reference_path():
+        headrooms = _tight(plan)
+        want = _answers(plan, headrooms)
+    clear_caches()
+    assert _answers(plan, headrooms) == want
+    assert _answers(plan, headrooms) == want  # again, from the memos the first call filled
+    # At the edge the answers differ between headrooms: the comparison could fail.
+    assert len({a for a in want if isinstance(a, bool)}) == 2
