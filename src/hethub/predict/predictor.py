@@ -376,9 +376,16 @@ def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, head
     optimizer state and master weights (both sharded in mixed precision; none in fp32)."""
     # What ZeRO-2 and 3 shard too (gradients; parameters) is not what a share has to fit beside.
     sharded = {2: ("grads",), 3: ("grads", "weights")}.get(plan.zero_stage, ())
-    free = {sid: usable_bytes(plan.cluster.kinds[plan.pipelines[sid[0]].stages[sid[1]].kind], headroom=headroom)
-            - (mem.total_bytes - mem.optimizer_bytes - mem.master_weights_bytes
-               - sum(getattr(mem, f"{part}_bytes") for part in sharded)) for sid, mem in mems.items()}
+    usable = {kind: usable_bytes(k, headroom=headroom) for kind, k in plan.cluster.kinds.items()}
+    made: dict[tuple[int, str], float] = {}  # replicas' stages share their memory
+    free = {}
+    for (pi, si), mem in mems.items():
+        kind = plan.pipelines[pi].stages[si].kind
+        key = (id(mem), kind)
+        if key not in made:
+            made[key] = usable[kind] - (mem.total_bytes - mem.optimizer_bytes - mem.master_weights_bytes
+                                        - sum(getattr(mem, f"{part}_bytes") for part in sharded))
+        free[(pi, si)] = made[key]
     return stage_weights(plan, free_bytes=free)
 
 
