@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import small_cluster, tiny_model
+from conftest import EXAMPLES, small_cluster, tiny_model
 from hethub.errors import PlanError
 from hethub.layout import split_elems, stage_places
 from hethub.memo import clear_caches, reference_path
@@ -170,3 +170,36 @@ def test_fits_and_modes_answer_as_the_plain_rules(name: str) -> None:
     assert _answers(plan, headrooms) == want  # again, from the memos the first call filled
     # At the edge the answers differ between headrooms: the comparison could fail.
     assert len({a for a in want if isinstance(a, bool)}) == 2
+
+
+@pytest.mark.slow
+def test_a_real_searchs_candidates_answer_as_the_plain_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every laid-out candidate a default-path search checks in this process, replayed on the reference
+    # path: the same answers mode by mode.
+    import hethub.predict.stage_modes as stage_modes
+    from hethub.search import PlannerConfig, make_plan
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+
+    asked: list[tuple[Plan, float, list]] = []
+
+    class Recorded(stage_modes.ModeFits):
+        def __init__(self, plan: Plan, mem_headroom: float) -> None:
+            super().__init__(plan, mem_headroom)
+            asked.append((plan, mem_headroom, []))
+            self.calls = asked[-1][2]
+
+        def __call__(self, mode: stage_modes.Mode) -> dict[tuple[int, int], bool]:
+            out = super().__call__(mode)
+            self.calls.append((mode, out))
+            return out
+
+    monkeypatch.setattr(stage_modes, "ModeFits", Recorded)
+    make_plan(cluster=load_cluster(EXAMPLES / "a100-v100-32.toml"), model=get_model("llama-2-7b"),
+              config=PlannerConfig(global_batch=256, seq_len=2048))
+    monkeypatch.undo()
+    assert any(not all(out.values()) for _, _, calls in asked for _, out in calls)  # some candidates do not fit
+    with reference_path():
+        for plan, headroom, calls in asked:
+            fits = stage_modes.ModeFits(plan, headroom)
+            assert [(mode, fits(mode)) for mode, _ in calls] == calls
