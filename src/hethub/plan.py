@@ -163,6 +163,10 @@ class Plan:
         """Each device's rank (the plan's devices in ascending id order); a copy the caller may change."""
         return dict(self._rank_of)
 
+    def rank_of(self, device: int) -> int:
+        """One device's rank (``rank_of_device`` without copying the whole map)."""
+        return self._rank_of[device]
+
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len

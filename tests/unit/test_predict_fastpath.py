@@ -1,8 +1,10 @@
 """The predictor's shortcuts (hethub/memo.py) give exactly the plain rules' numbers: the whole
-`predict()` result (step time, every stage's memory parts, timeline) and `stage_memory_fits` under
-every recomputation mode, on plans covering each schedule (interleaved, ZB-H1, GPipe, 1F1B), ZeRO 0-3,
-sequence and context parallelism, recomputation modes, unequal TP, blocking sends and several
-replicas; the slow tier adds every example cluster's planned plan."""
+`predict()` result (step time, every stage's memory parts, with and without the timeline, whose
+simulations differ: records or finish only) and `stage_memory_fits` under every recomputation mode,
+on plans covering each schedule (interleaved, ZB-H1, GPipe, 1F1B), ZeRO 0-3, sequence and context
+parallelism (replicas whose hops price alike), recomputation modes, unequal TP, blocking and
+DeepSpeed's lock-step sends (interleaved too), several replicas and a local emulation host; the slow
+tier adds every example cluster's planned plan."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import glob
 import pytest
 
 from conftest import EXAMPLES, small_cluster, tiny_model
+from hethub.emulation.host import host_model
 from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
+from hethub.predict.host import HostModel
 from hethub.predict.predictor import StageFits, predict
+from hethub.spec.cluster import EmulationHost
 
 NONE, SELECTIVE, FULL = Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL
 
@@ -57,6 +62,18 @@ def _plans() -> dict[str, Plan]:
                                                   Stage("slow", (4,), (4, 6), head=True)))], sharding="zero2")
     out["cp"] = _plan([Pipeline(1, 6, (Stage("fast", (0, 1), (0, 3), embedding=True, cp=2),
                                        Stage("slow", (4, 5), (3, 6), head=True, cp=2)))])
+    out["interleaved-blocking"] = _plan(
+        [interleave(Pipeline(1, 8, three), [[1, 1]] * 3)], schedule="interleaved", p2p="blocking")
+    out["lockstep-deepspeed"] = dataclasses.replace(_plan(_two_replicas(), p2p="lockstep"),
+                                                    runtime="deepspeed").validate()
+    sp = [Pipeline(1, 4, (Stage("fast", (2 * i, 2 * i + 1), (0, 3), embedding=True, sequence_parallel=True),
+                          Stage("slow", (4 + 2 * i, 5 + 2 * i), (3, 6), head=True, sequence_parallel=True)))
+          for i in range(2)]
+    out["sp-replicas"] = _plan(sp, sharding="zero1")
+    out["cp-replicas-interleaved"] = _plan(
+        [interleave(Pipeline(1, 6, (Stage("fast", (2 * i, 2 * i + 1), (0, 3), embedding=True, cp=2),
+                                    Stage("slow", (4 + 2 * i, 5 + 2 * i), (3, 6), head=True, cp=2))), [[2, 1], [1, 2]])
+         for i in range(2)], schedule="interleaved")
     out["tp-replicas-zero3"] = _plan(
         [Pipeline(1, 4, (Stage("fast", (0, 1), (0, 3), embedding=True), Stage("slow", (4,), (3, 6), head=True))),
          Pipeline(1, 4, (Stage("fast", (2,), (0, 2), embedding=True), Stage("slow", (6, 7), (2, 6), head=True)))],
@@ -67,24 +84,32 @@ def _plans() -> dict[str, Plan]:
 PLANS = _plans()
 
 
-def _same(plan: Plan) -> None:
+def _same(plan: Plan, *, host: HostModel | None = None) -> None:
     with reference_path():
-        ref = predict(plan, timeline=True)
+        refs = [predict(plan, timeline=t, host=host) for t in (True, False)]
         fits_ref = StageFits(plan)
         ref_fits = {mode: fits_ref.under(mode) for mode in (None, *Recompute)}
     clear_caches()
-    fast = predict(plan, timeline=True)
-    again = predict(plan, timeline=True)  # served from the memos the first call filled
+    for ref, timeline in zip(refs, (True, False), strict=True):
+        fast = predict(plan, timeline=timeline, host=host)
+        again = predict(plan, timeline=timeline, host=host)  # served from the memos the first call filled
+        for got in (fast, again):
+            for f in dataclasses.fields(ref):
+                assert getattr(got, f.name) == getattr(ref, f.name), f.name
     fits = StageFits(plan)
     assert {mode: fits.under(mode) for mode in (None, *Recompute)} == ref_fits
-    for got in (fast, again):
-        for f in dataclasses.fields(ref):
-            assert getattr(got, f.name) == getattr(ref, f.name), f.name
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_shortcuts_give_the_plain_rules_prediction(name: str) -> None:
     _same(PLANS[name])
+
+
+@pytest.mark.parametrize("name", ["interleaved-three-stages", "zero1-replicas", "zb-h1-three-stages"])
+def test_shortcuts_give_the_plain_rules_prediction_on_an_emulation_host(name: str) -> None:
+    plan = PLANS[name]
+    host = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, host=EmulationHost(cores=2)))
+    _same(host, host=host_model(host.cluster))
 
 
 @pytest.mark.slow

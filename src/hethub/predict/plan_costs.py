@@ -33,7 +33,8 @@ __all__ = ["PlanCosts", "StageStepCost", "sync_shape"]
 _FINISH = Kept(4096)
 # sync_shape by layout (the model's id, pinned; each stage's TP degree and layer ranges).
 _SYNC_SHAPES = Kept(64)
-# Stage-to-stage boundary times by the cluster (id, pinned), the hop's devices, size and flat: the local
+# Stage-to-stage boundary times by the cluster (id, pinned), the hop's devices (their places, hop_places,
+# off the reference path), size and flat (and where sequences are split, each side's grid): the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
 _HOPS = Kept(100_000)
 # A stage's point-to-point buffer bytes by its pipeline's shape (the model (id, pinned), sequence
@@ -133,12 +134,15 @@ class PlanCosts:
         of the two: the plain TP rule (``comm.boundary_time_s``) or, where either splits sequences,
         seq_parallel's."""
         plan = self.plan
-        if splits_sequence((src, dst)):
-            return boundary_hop_s(plan.cluster, src, dst, mbs=mbs, seq_len=plan.seq_len,
-                                  hidden_size=plan.model.hidden_size, act_bytes=self.act_bytes, flat=flat)
-        numel = self.job.hop_numel(mbs)
-        cluster = self.plan.cluster
+        cluster = plan.cluster
         where = (src.devices, dst.devices) if reference() else hop_places(cluster, src.devices, dst.devices)
+        if splits_sequence((src, dst)):  # the devices' places and each side's TP x CP grid and SP
+            grids = (src.tp, src.cp, src.sequence_parallel, dst.tp, dst.cp, dst.sequence_parallel)
+            return _HOPS.get((id(cluster), where, grids, mbs, plan.seq_len, plan.model.hidden_size, self.act_bytes,
+                              flat), lambda: boundary_hop_s(cluster, src, dst, mbs=mbs, seq_len=plan.seq_len,
+                                                            hidden_size=plan.model.hidden_size,
+                                                            act_bytes=self.act_bytes, flat=flat), pin=(cluster,))
+        numel = self.job.hop_numel(mbs)
         return _HOPS.get((id(cluster), where, numel, self.act_bytes, flat),
                          lambda: boundary_time_s(cluster, senders=src.devices, receivers=dst.devices, numel=numel,
                                                  nbytes=numel * self.act_bytes, flat=flat), pin=(cluster,))
@@ -215,6 +219,12 @@ class PlanCosts:
                 self.schedules[sig] = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
                                                         schedule=self.plan.schedule, chunks=chunks, p2p=self.plan.p2p)
             return [st.finish_s for st in self.schedules[sig]]
+        if sig not in self.finish and chunks != 1 and reference():
+            # The plain rule of virtual stages: the records' simulation (its finish-only twin,
+            # schedules.simulate._chunked_finish, does the same arithmetic without records).
+            self.finish[sig] = [st.finish_s for st in simulate_pipeline(
+                fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m, schedule=self.plan.schedule, chunks=chunks,
+                p2p=self.plan.p2p)]
         if sig not in self.finish:
             # Shared between predictions: the planner predicts the same pipelines again under each
             # optimizer sharding, in the kind-alone and combined searches and in the polish.

@@ -208,8 +208,7 @@ def island_labels(plan: Plan, stages: Sequence[StageId]) -> dict[StageId, str]:
 def holder_exchange(plan: Plan, holders: Sequence[StageId]) -> Exchange:
     """The hierarchical schedule among a group's holders, members (indices into ``holders``) in the
     runtime's chunk order: ascending rank of each holder's first device."""
-    rank_of = plan.rank_of_device()
-    first = [rank_of[plan.pipelines[pi].stages[si].devices[0]] for pi, si in holders]
+    first = [plan.rank_of(plan.pipelines[pi].stages[si].devices[0]) for pi, si in holders]
     labels = island_labels(plan, holders)
     order = sorted(range(len(holders)), key=lambda i: first[i])
     return exchange(order, {i: labels[holders[i]] for i in order})

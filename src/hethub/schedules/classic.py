@@ -10,14 +10,16 @@ from hethub.schedules.base import Op, Schedule
 # orders hold ~1e5 ops, and building them is then list slicing rather than object creation.
 _FWD: list[Op] = []
 _BWD: list[Op] = []
+_WGT: list[Op] = []
 
 
-def _fwd_bwd(m: int) -> tuple[list[Op], list[Op]]:
-    """The forward and backward ops of micro-batches 0..m-1."""
+def shared_ops(m: int) -> tuple[list[Op], list[Op], list[Op]]:
+    """The forward, backward and weight-gradient (W, a split backward's) ops of micro-batches 0..m-1."""
     for i in range(len(_FWD), m):
         _FWD.append(Op("F", i))
         _BWD.append(Op("B", i))
-    return _FWD[:m], _BWD[:m]
+        _WGT.append(Op("W", i))
+    return _FWD[:m], _BWD[:m], _WGT[:m]
 
 
 class OneFOneB(Schedule):
@@ -32,7 +34,7 @@ class OneFOneB(Schedule):
     def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
         m = num_micro_batches
         w = min(num_stages - stage - 1, m)
-        fwd, bwd = _fwd_bwd(m)
+        fwd, bwd, _ = shared_ops(m)
         steady: list[Op] = [fwd[0]] * (2 * (m - w))
         steady[0::2] = fwd[w:]  # F(w + j), B(j) for j < m - w
         steady[1::2] = bwd[:m - w]
@@ -85,7 +87,7 @@ class GPipe(Schedule):
     name = "gpipe"
 
     def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
-        fwd, bwd = _fwd_bwd(num_micro_batches)
+        fwd, bwd, _ = shared_ops(num_micro_batches)
         return (*fwd, *bwd)
 
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:

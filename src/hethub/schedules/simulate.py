@@ -93,8 +93,7 @@ def simulate_pipeline_time(
                                                         num_micro_batches, schedule=schedule, chunks=chunks)]
     blocking = _blocking(p2p)
     if chunks != 1:
-        return [st.finish_s for st in _simulate_chunked(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, chunks,
-                                                        blocking=blocking)]
+        return _chunked_finish(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, chunks, blocking=blocking)
     finish, _ = _simulate(fwd_s, bwd_s, p2p_s, num_micro_batches, schedule, wgrad_share, record=False,
                           blocking=blocking)
     return finish
@@ -492,3 +491,75 @@ def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seq
             raise RuntimeError("pipeline schedule deadlocked; this is a bug in the op order")
         remaining -= progressed
     return [StageSchedule(ops=tuple(r), finish_s=c) for r, c in zip(recs, clock, strict=True)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_order(p: int, s: int, m: int, schedule: str, v: int) -> tuple[tuple[bool, int, int], ...]:
+    """Device s's op order over virtual stages as (forward?, micro-batch, virtual stage k = c p + s)."""
+    sched = get_schedule(schedule, chunks=v)
+    return tuple((kind == "F", i, c * p + s) for kind, i, c in sched.ops(stage=s, num_stages=p, num_micro_batches=m))
+
+
+def _chunked_finish(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
+                    schedule: str, v: int, *, blocking: bool) -> list[float]:
+    """Each device's finish under :func:`_simulate_chunked`'s rules, without its records: the same
+    float operations in the same order (each link's messages in its one writer's op order, so the
+    sweep order does not matter), kept in lists by virtual stage and micro-batch instead of dicts
+    by tuple. None marks a message not yet sent (the records' path asks the dicts the same)."""
+    sched = get_schedule(schedule, chunks=v)
+    if sched.split_backward:
+        raise ValueError(f"schedule {schedule!r} splits the backward and has virtual stages; not simulated")
+    n = check_inputs(fwd_s, bwd_s, p2p_s, m)
+    if n % v:
+        raise ValueError(f"{n} virtual-stage times for {v} chunks per device: need a multiple of {v}")
+    p, last = n // v, n - 1
+    orders = [_chunk_order(p, s, m, schedule, v) for s in range(p)]
+    # Async: the end of F(k, i) / B(k, i), which the receiver reads. Blocking: the arrival of the
+    # message into virtual stage k of micro-batch i, which the sender computes.
+    fwd_at: list[list[float | None]] = [[None] * m for _ in range(n)]
+    bwd_at: list[list[float | None]] = [[None] * m for _ in range(n)]
+    fwd_link, bwd_link = [0.0] * p, [0.0] * p
+    ptr, clock = [0] * p, [0.0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = 0
+        for s in range(p):
+            order, k, t = orders[s], ptr[s], clock[s]
+            stop = len(order)
+            while k < stop:
+                fw, i, vs = order[k]
+                if fw:
+                    if vs > 0:
+                        got = fwd_at[vs if blocking else vs - 1][i]
+                        if got is None:
+                            break
+                        if not blocking:  # link_arrival_s, inlined
+                            got = fwd_link[s] = max(got, fwd_link[s]) + p2p_s[vs - 1]
+                        t = max(t, got)
+                    t = t + fwd_s[vs]
+                    if not blocking:
+                        fwd_at[vs][i] = t
+                    elif vs < last:  # the stage is held until delivery
+                        to = (s + 1) % p
+                        t = fwd_link[to] = fwd_at[vs + 1][i] = max(t, fwd_link[to]) + p2p_s[vs]
+                else:
+                    if vs < last:
+                        got = bwd_at[vs if blocking else vs + 1][i]
+                        if got is None:
+                            break
+                        if not blocking:
+                            got = bwd_link[s] = max(got, bwd_link[s]) + p2p_s[vs]
+                        t = max(t, got)
+                    t = t + bwd_s[vs]
+                    if not blocking:
+                        bwd_at[vs][i] = t
+                    elif vs > 0:
+                        to = (s - 1) % p
+                        t = bwd_link[to] = bwd_at[vs - 1][i] = max(t, bwd_link[to]) + p2p_s[vs - 1]
+                k += 1
+            progressed += k - ptr[s]
+            ptr[s], clock[s] = k, t
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked; this is a bug in the op order")
+        remaining -= progressed
+    return clock

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hethub.schedules.base import Op, Schedule
+from hethub.schedules.classic import shared_ops
 
 # Assumed where no model shape is at hand: W is half of the backward (the weight GEMMs' FLOPs equal
 # the input-gradient GEMMs', and the weightless attention backward is small at short sequences).
@@ -42,14 +43,15 @@ class ZeroBubbleH1(Schedule):
     def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
         m, d = num_micro_batches, stage
         w = min(num_stages - stage - 1, m)
-        out = [Op("F", i) for i in range(w)]
+        fwd, bwd, wgt = shared_ops(m)
+        out = fwd[:w]
         for j in range(m):
             if j < m - w:
-                out.append(Op("F", w + j))
-            out.append(Op("B", j))
+                out.append(fwd[w + j])
+            out.append(bwd[j])
             if j >= d:
-                out.append(Op("W", j - d))
-        out += [Op("W", i) for i in range(max(0, m - d), m)]
+                out.append(wgt[j - d])
+        out += wgt[max(0, m - d):m]
         return tuple(out)
 
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
