@@ -139,23 +139,30 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
     """The plan's all-reduces: parameter groups fused by holders, in the runtime's order, with their cost.
     ``shard_weights`` (per rank, ``predict/sharding.py``): a sharded optimizer's split; each group is then
     priced as reduce-scatter + all-gather (see the module doc)."""
-    if plan.sharded_optimizer:  # the split depends on the ranks' weights
-        return _sync_groups(plan, shard_weights=shard_weights)
     key = (id(plan.model), id(plan.cluster), plan.precision,
            tuple(tuple((s.devices, s.layers, s.chunks, s.embedding, s.head, s.cp) for s in p.stages)
                  for p in plan.pipelines))
-    return list(_GROUPS.get(key, lambda: tuple(_sync_groups(plan, shard_weights=None)), pin=(plan.model, plan.cluster)))
+    fused = _GROUPS.get(key, lambda: tuple(_fused_groups(plan)), pin=(plan.model, plan.cluster))
+    if not plan.sharded_optimizer:
+        return list(fused)
+    # The split depends on the ranks' weights: each fused group priced as its reduce-scatter + all-gather.
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    weights = shard_weights if shard_weights is not None else dict.fromkeys(range(plan.world_size), 1.0)
+    weight = {(pi, si): weights[plan.rank_of(s.devices[0])] for pi, p in enumerate(plan.pipelines)
+              for si, s in enumerate(p.stages)}
+    return [_sharded_group(g, plan=plan, weight=weight, grad_bytes=grad_bytes) for g in fused]
 
 
-def _sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None) -> list[SyncGroup]:
+def _fused_groups(plan: Plan) -> list[SyncGroup]:
+    """Every parameter group's all-reduce, groups with the same holders fused (``_buckets``): the
+    unsharded sync, which a sharded one prices again by its split. Depends on what ``sync_groups``
+    keeps it by."""
     model, cluster = plan.model, plan.cluster
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
     holders = {u: [(st.pipeline, st.stage) for st in hs] for u, hs in unit_holders(plan, stage_places(plan)).items()}
 
     tp_of = {(pi, si): s.tp for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
-    devs = {(pi, si): s.devices for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
     stage_of = {(pi, si): s for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
-    first_dev = {x: d[0] for x, d in devs.items()}
     h, v = model.hidden_size, model.vocab_size
     norm_layer = model.layer_params - model.layer_matmul_params
     pos = model.embedding_params - v * h
@@ -188,13 +195,7 @@ def _sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None) -> list[
     head_units = ("final_norm",) if model.tied_embeddings else ("head", "final_norm")
     units = [("embed",), *((f"layer.{layer}",) for layer in range(model.num_layers)), head_units]
     first_names = {g.name: min(unit_param_prefix(u) for u in us) for g, us in zip(groups, units, strict=True)}
-    fused = _buckets(groups, first_names=first_names)
-    if not plan.sharded_optimizer:
-        return fused
-    weights = shard_weights if shard_weights is not None else dict.fromkeys(range(plan.world_size), 1.0)
-    rank_of = plan.rank_of_device()
-    return [_sharded_group(g, plan=plan, weight={x: weights[rank_of[d]] for x, d in first_dev.items()},
-                           grad_bytes=grad_bytes) for g in fused]
+    return _buckets(groups, first_names=first_names)
 
 
 def island_labels(plan: Plan, stages: Sequence[StageId]) -> dict[StageId, str]:

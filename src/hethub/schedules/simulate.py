@@ -69,7 +69,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, get_schedule
+from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, Op, get_schedule
 from hethub.schedules.lockstep import simulate_lockstep
 from hethub.schedules.records import StageSchedule, TimedOp, check_inputs
 from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
@@ -151,8 +151,14 @@ def _codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
     sched = get_schedule(schedule)
     if sched.chunks_per_stage != 1:
         raise ValueError(f"schedule {schedule!r} has virtual stages, which the event simulation does not model yet")
-    return tuple(i if kind == "F" else ~i if kind == "B" else ~(m + i)
-                 for kind, i, _ in sched.ops(stage=s, num_stages=p, num_micro_batches=m))
+    return tuple(map(_code_of(m).__getitem__, sched.ops(stage=s, num_stages=p, num_micro_batches=m)))
+
+
+@functools.lru_cache(maxsize=64)
+def _code_of(m: int) -> dict[Op, int]:
+    """Each single-chunk op of m micro-batches and its code (``_codes``)."""
+    return {Op(kind, i): code for i in range(m)
+            for kind, code in (("F", i), ("B", ~i), ("W", ~(m + i)))}
 
 
 def link_arrival_s(*, sent_s: float, link_free_s: float, transfer_s: float) -> float:
@@ -527,35 +533,50 @@ def _chunked_finish(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seque
             order, k, t = orders[s], ptr[s], clock[s]
             stop = len(order)
             while k < stop:
+                # max(a, b) written as "b if b > a else a", which is what max returns (the hot loop).
                 fw, i, vs = order[k]
                 if fw:
                     if vs > 0:
                         got = fwd_at[vs if blocking else vs - 1][i]
                         if got is None:
                             break
-                        if not blocking:  # link_arrival_s, inlined
-                            got = fwd_link[s] = max(got, fwd_link[s]) + p2p_s[vs - 1]
-                        t = max(t, got)
-                    t = t + fwd_s[vs]
+                        if not blocking:  # link_arrival_s
+                            if fwd_link[s] > got:
+                                got = fwd_link[s]
+                            got += p2p_s[vs - 1]
+                            fwd_link[s] = got
+                        if got > t:
+                            t = got
+                    t += fwd_s[vs]
                     if not blocking:
                         fwd_at[vs][i] = t
                     elif vs < last:  # the stage is held until delivery
                         to = (s + 1) % p
-                        t = fwd_link[to] = fwd_at[vs + 1][i] = max(t, fwd_link[to]) + p2p_s[vs]
+                        if fwd_link[to] > t:
+                            t = fwd_link[to]
+                        t += p2p_s[vs]
+                        fwd_link[to] = fwd_at[vs + 1][i] = t
                 else:
                     if vs < last:
                         got = bwd_at[vs if blocking else vs + 1][i]
                         if got is None:
                             break
                         if not blocking:
-                            got = bwd_link[s] = max(got, bwd_link[s]) + p2p_s[vs]
-                        t = max(t, got)
-                    t = t + bwd_s[vs]
+                            if bwd_link[s] > got:
+                                got = bwd_link[s]
+                            got += p2p_s[vs]
+                            bwd_link[s] = got
+                        if got > t:
+                            t = got
+                    t += bwd_s[vs]
                     if not blocking:
                         bwd_at[vs][i] = t
                     elif vs > 0:
                         to = (s - 1) % p
-                        t = bwd_link[to] = bwd_at[vs - 1][i] = max(t, bwd_link[to]) + p2p_s[vs - 1]
+                        if bwd_link[to] > t:
+                            t = bwd_link[to]
+                        t += p2p_s[vs - 1]
+                        bwd_link[to] = bwd_at[vs - 1][i] = t
                 k += 1
             progressed += k - ptr[s]
             ptr[s], clock[s] = k, t
