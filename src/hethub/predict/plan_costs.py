@@ -219,19 +219,17 @@ class PlanCosts:
                 self.schedules[sig] = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
                                                         schedule=self.plan.schedule, chunks=chunks, p2p=self.plan.p2p)
             return [st.finish_s for st in self.schedules[sig]]
-        if sig not in self.finish and chunks != 1 and reference():
-            # The plain rule of virtual stages: the records' simulation (its finish-only twin,
-            # schedules.simulate._chunked_finish, does the same arithmetic without records).
-            self.finish[sig] = [st.finish_s for st in simulate_pipeline(
-                fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m, schedule=self.plan.schedule, chunks=chunks,
-                p2p=self.plan.p2p)]
         if sig not in self.finish:
+            kw = {"fwd_s": fwd, "bwd_s": bwd, "p2p_s": p2p, "num_micro_batches": m, "schedule": self.plan.schedule,
+                  "chunks": chunks, "p2p": self.plan.p2p}
+            # The plain rule of virtual stages is the records' simulation; its finish-only twin
+            # (schedules.simulate._chunked_finish) does the same arithmetic without records.
+            plain = chunks != 1 and reference()
             # Shared between predictions: the planner predicts the same pipelines again under each
             # optimizer sharding, in the kind-alone and combined searches and in the polish.
             hit = _FINISH.get((tuple(fwd), tuple(bwd), tuple(p2p), m, self.plan.schedule, chunks, self.plan.p2p),
-                              lambda: tuple(simulate_pipeline_time(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=m,
-                                                                   schedule=self.plan.schedule, chunks=chunks,
-                                                                   p2p=self.plan.p2p)))
+                              lambda: tuple(st.finish_s for st in simulate_pipeline(**kw)) if plain
+                              else tuple(simulate_pipeline_time(**kw)))
             self.finish[sig] = list(hit)
         return self.finish[sig]
 
