@@ -69,7 +69,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, Op, get_schedule
+from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, Op, Schedule, get_schedule
 from hethub.schedules.lockstep import simulate_lockstep
 from hethub.schedules.records import StageSchedule, TimedOp, check_inputs
 from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
@@ -418,6 +418,18 @@ def _repeats(sim: _EventSim, before: list[int], after: list[int], *, first: int,
     return True
 
 
+def _virtual_stages(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
+                    sched: Schedule) -> int:
+    """The number of virtual stages, after checking the inputs fit the chunked schedule ``sched``."""
+    v = sched.chunks_per_stage
+    if sched.split_backward:
+        raise ValueError(f"schedule {sched.name!r} splits the backward and has virtual stages; not simulated")
+    n = check_inputs(fwd_s, bwd_s, p2p_s, m)
+    if n % v:
+        raise ValueError(f"{n} virtual-stage times for {v} chunks per device: need a multiple of {v}")
+    return n
+
+
 def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
                       schedule: str, v: int, *, blocking: bool = False) -> list[StageSchedule]:
     """The event simulation over virtual stages (module docstring); plain dicts, as interleaved
@@ -425,11 +437,7 @@ def _simulate_chunked(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seq
     sends the sender computes each arrival, in the order it sends (its stage is held until then),
     and the receiver takes it from ``arrival``."""
     sched = get_schedule(schedule, chunks=v)
-    if sched.split_backward:
-        raise ValueError(f"schedule {schedule!r} splits the backward and has virtual stages; not simulated")
-    n = check_inputs(fwd_s, bwd_s, p2p_s, m)
-    if n % v:
-        raise ValueError(f"{n} virtual-stage times for {v} chunks per device: need a multiple of {v}")
+    n = _virtual_stages(fwd_s, bwd_s, p2p_s, m, sched)
     p = n // v
     orders = [sched.ops(stage=s, num_stages=p, num_micro_batches=m) for s in range(p)]
     f_end: dict[tuple[int, int], float] = {}
@@ -512,12 +520,7 @@ def _chunked_finish(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Seque
     float operations in the same order (each link's messages in its one writer's op order, so the
     sweep order does not matter), kept in lists by virtual stage and micro-batch instead of dicts
     by tuple. None marks a message not yet sent (the records' path asks the dicts the same)."""
-    sched = get_schedule(schedule, chunks=v)
-    if sched.split_backward:
-        raise ValueError(f"schedule {schedule!r} splits the backward and has virtual stages; not simulated")
-    n = check_inputs(fwd_s, bwd_s, p2p_s, m)
-    if n % v:
-        raise ValueError(f"{n} virtual-stage times for {v} chunks per device: need a multiple of {v}")
+    n = _virtual_stages(fwd_s, bwd_s, p2p_s, m, get_schedule(schedule, chunks=v))
     p, last = n // v, n - 1
     orders = [_chunk_order(p, s, m, schedule, v) for s in range(p)]
     # Async: the end of F(k, i) / B(k, i), which the receiver reads. Blocking: the arrival of the
