@@ -12,15 +12,12 @@ import bisect
 import heapq
 import itertools
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hethub.layout import block_starts
 from hethub.predict.comm import small_allreduce_time_s
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.sync import islands_allreduce_s
-from hethub.schedules import get_schedule
 from hethub.search.split import PipeCost
 from hethub.spec.model import ModelSpec
 
@@ -192,58 +189,80 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     (predict/sync.py) also overlaps buckets with the backward; it decides between finalists.
     """
     replicas = sum(g.count for g in groups)
-    total_devices = sum(g.count * g.pipe.num_devices for g in groups)
-    # When each stage finishes relative to stage 0 is the schedule's (its last ops ripple up).
-    cursor: list[list[float]] = [
-        get_schedule(g.pipe.schedule, chunks=g.pipe.chunks).stage_finish_s(step_s=t, bwd_s=g.pipe.bwd_s,
-                                                                           p2p_s=g.pipe.p2p_s)
-        for g, t in zip(groups, times_s, strict=True)]
-    kinds = frozenset(sl.kind for g in groups for sl in g.pipe.slots)
+    devices = sum(g.count * g.pipe.num_devices for g in groups)
     world_s = small_allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),
-                                     link=links.replicas(kinds, devices=total_devices))
-
-    def barrier() -> None:
-        end = max(max(row) for row in cursor) + world_s
-        for row in cursor:
-            row[:] = [end] * len(row)
-
-    barrier()  # the loss
+                                     link=links.replicas(frozenset().union(*(g.pipe.kinds for g in groups)),
+                                                         devices=devices))
+    # When each stage finishes relative to stage 0 is the schedule's (its last ops ripple up); all wait for the loss.
+    end = max(max(g.pipe.stage_finish_s(t)) for g, t in zip(groups, times_s, strict=True)) + world_s
     if replicas > 1:
-        gb = ModelSpec.state_bytes_per_param(precision)["grads"]
-        h, v = model.hidden_size, model.vocab_size
-        matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
-        norm = model.layer_params - matmul
-        # All-reduce times by (sizes, holders' kinds, smallest TP); the rest of the key is fixed per call.
-        rings = links.ring_cache.setdefault((replicas, total_devices, gb), {})
-        slots = [g.pipe.slots for g in groups]
+        end = _synced_s(groups, end, links=links, model=model, precision=precision, replicas=replicas, devices=devices)
+    return end + world_s + max(u for g in groups for u in g.pipe.update_s)  # the gradient norm, then the updates
 
-        # (matrix, other) parameters by holders, fused where the first comes (sync._buckets). Empty
-        # stages share their successor's start, so bisect_right below takes the last match.
-        starts = [block_starts(g.pipe.layers) for g in groups]
-        cuts = sorted({a for st in starts for a in st if a < model.num_layers} | {0, model.num_layers})
-        last = [len(g.pipe.layers) - 1 for g in groups]
-        emb = [(gi, 0) for gi in range(len(groups))] + [
-            (gi, last[gi]) for gi in range(len(groups)) if last[gi] > 0 and model.tied_embeddings]
-        fused: dict[tuple[tuple[int, int], ...], list[float]] = {tuple(emb): [v * h, model.embedding_params - v * h]}
-        parts = [(tuple((gi, bisect.bisect_right(starts[gi], a) - 1) for gi in range(len(groups))),
-                  (b - a) * matmul, (b - a) * norm) for a, b in itertools.pairwise(cuts)]
-        for hs, matrix, extra in [*parts, (tuple((gi, last[gi]) for gi in range(len(groups))),
-                                           0 if model.tied_embeddings else v * h, model.final_norm_params)]:
-            part = fused.setdefault(hs, [0.0, 0.0])
-            part[0], part[1] = part[0] + matrix, part[1] + extra
-        for hs, (matrix, extra) in fused.items():  # each once all its holders are free
-            count: Counter[str] = Counter()  # holders per kind
-            for gi, si in hs:
-                count[slots[gi][si].kind] += groups[gi].count
-            key = (matrix, extra, tuple(sorted(count.items())), min(slots[gi][si].tp for gi, si in hs))
-            if (t := rings.get(key)) is None:
-                t = rings[key] = links.sync_allreduce_s(count, tp=key[3], nbytes=(matrix / key[3] + extra) * gb,
-                                                        elem_bytes=gb, devices=total_devices)
-            end = max(cursor[gi][si] for gi, si in hs) + t
-            for gi, si in hs:
-                cursor[gi][si] = end
-    barrier()  # the gradient norm
-    return max(c + u for g, row in zip(groups, cursor, strict=True) for c, u in zip(row, g.pipe.update_s, strict=True))
+
+def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: ModelSpec, precision: str,
+              replicas: int, devices: int) -> float:
+    """When the last parameter group's gradient all-reduce ends, every stage free at start_s: the
+    embedding, the layers between any replica's boundaries, the head (fused where holders match,
+    sync._buckets), in that order, each once all its holders (a stage of each replica; the embedding's
+    also the last ones with tied embeddings) are free. Walked over the boundaries: a replica's holder
+    changes only at its own, and every layer group is held by every replica, so all its holders are
+    free when it ends."""
+    gb = ModelSpec.state_bytes_per_param(precision)["grads"]
+    rings = links.ring_cache.setdefault((replicas, devices, gb), {})  # all-reduce times; the rest of the key
+    h, v, tied = model.hidden_size, model.vocab_size, model.tied_embeddings
+    matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
+    norm = model.layer_params - matmul
+    n, lasts = len(groups), [len(g.pipe.layers) - 1 for g in groups]
+
+    def ring_s(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
+        count: dict[str, int] = {}  # holders per kind, in holder order (the all-reduce's islands)
+        for gi, si in holders:
+            kind = groups[gi].pipe.slots[si].kind
+            count[kind] = count.get(kind, 0) + groups[gi].count
+        tp = min(groups[gi].pipe.slots[si].tp for gi, si in holders)
+        key = (matrix, extra, tuple(sorted(count.items())), tp)
+        if (t := rings.get(key)) is None:
+            t = rings[key] = links.sync_allreduce_s(count, tp=tp, nbytes=(matrix / tp + extra) * gb,
+                                                    elem_bytes=gb, devices=devices)
+        return t
+
+    at: dict[int, list[tuple[int, int]]] = {}  # layer -> the replicas' stages holding layers from it on
+    for gi, g in enumerate(groups):
+        a = 0
+        for si, k in enumerate(g.pipe.layers):
+            if k:
+                at.setdefault(a, []).append((gi, si))
+                a += k
+    cuts = [*sorted(at), model.num_layers]
+    emb = [(gi, 0) for gi in range(n)] + [(gi, lasts[gi]) for gi in range(n) if lasts[gi] > 0 and tied]
+    head = (0 if tied else v * h, model.final_norm_params)
+    # The embedding's holders are the first layers' (the head's the last layers'): one group.
+    first_too = len(emb) == n and all(g.pipe.layers[0] for g in groups)
+    last_too = all(g.pipe.layers[-1] for g in groups)
+    parts: list[list] = [[v * h, model.embedding_params - v * h]]
+    for a, b in itertools.pairwise(cuts):
+        if a or not first_too:
+            parts.append([0.0, 0.0])
+        parts[-1][0] += (b - a) * matmul
+        parts[-1][1] += (b - a) * norm
+    if last_too:
+        parts[-1][0] += head[0]
+        parts[-1][1] += head[1]
+    e_emb = start_s + ring_s(*parts[0], emb)
+    ends = e_emb
+    cur, free = [0] * n, [e_emb] * n  # each replica's holder now, and when it is free
+    for (a, _), (matrix, extra) in zip(itertools.pairwise(cuts[first_too:]), parts[1:], strict=True):
+        for gi, si in at[a]:  # a stage the embedding's group left at start_s, or one it waited for
+            cur[gi], free[gi] = si, e_emb if si == 0 or (tied and si == lasts[gi]) else start_s
+        e = max(free) + ring_s(matrix, extra, list(enumerate(cur)))
+        free = [e] * n
+        ends = max(ends, e)
+    if not last_too:  # a last stage without layers: free when the embedding's group ended (tied) or at start_s
+        e = max(free[gi] if cur[gi] == lasts[gi] else e_emb if tied else start_s for gi in range(n)) \
+            + ring_s(0.0 + head[0], 0.0 + head[1], [(gi, lasts[gi]) for gi in range(n)])
+        ends = max(ends, e)
+    return ends
 
 
 def embedding_ring_s(kinds: frozenset[str], tp: int, replicas: int, *, total_devices: int, links: LinkBook,

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
+from hethub.memo import Kept
 from hethub.plan import Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.profiles import ProfileSet
@@ -27,7 +28,7 @@ from hethub.predict.stage_cost import ModesFloor as RecomputeFloor
 from hethub.predict.stage_links import Slot
 from hethub.predict.stage_modes import RECOMPUTE_ORDER
 from hethub.runtimes import DEFAULT_RUNTIME
-from hethub.schedules import get_schedule
+from hethub.schedules import Schedule, get_schedule
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
@@ -65,14 +66,21 @@ class PipeCost:
 
     @functools.cached_property
     def per_mb_s(self) -> float:
-        return get_schedule(self.schedule, chunks=self.chunks).period_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s,
-                                                                        p2p_s=self.p2p_s)
+        return self._sched.period_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s, p2p_s=self.p2p_s)
 
     @functools.cached_property
     def base_s(self) -> float:
         """T(m) = base_s + m * per_mb_s: fill and drain of the pipeline plus the steady state."""
-        return get_schedule(self.schedule, chunks=self.chunks).fill_drain_s(
-            fwd_s=self.fwd_s, bwd_s=self.bwd_s, p2p_s=self.p2p_s, per_micro_batch_s=self.per_mb_s)
+        return self._sched.fill_drain_s(fwd_s=self.fwd_s, bwd_s=self.bwd_s, p2p_s=self.p2p_s,
+                                        per_micro_batch_s=self.per_mb_s)
+
+    def stage_finish_s(self, step_s: float) -> list[float]:
+        """Each stage's finish when stage 0 finishes at ``step_s`` (the schedule's; its last ops ripple up)."""
+        return self._sched.stage_finish_s(step_s=step_s, bwd_s=self.bwd_s, p2p_s=self.p2p_s)
+
+    @functools.cached_property
+    def _sched(self) -> Schedule:
+        return get_schedule(self.schedule, chunks=self.chunks)
 
     def time_s(self, m: int) -> float:
         return self.base_s + m * self.per_mb_s
@@ -248,20 +256,20 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
     """Closed-form costs of a pipeline whose stage models and layer counts are given: each stage's
     times and parameters exactly as the predictor has them (StageModel.step)."""
     p = len(slots)
-    fwd, bwd, upd, params = [], [], [], []
-    for s, (sm, k) in enumerate(zip(models, counts, strict=True)):
-        emb, head = s == 0, s == p - 1
-        step = sm.step(k, emb=emb, head=head)
-        fwd.append(step.fwd_s)
-        bwd.append(step.bwd_s)
-        upd.append(step.times.update_s)
-        params.append(sm.params(k, emb=emb, head=head))
+    # (forward, backward, update, parameters) per stage, kept per (stage model, layers, position).
+    fwd, bwd, upd, params = zip(*[_TERMS.get((sm, k, s == 0, s == p - 1), lambda sm=sm, k=k, s=s: (
+        (st := sm.step(k, emb=s == 0, head=s == p - 1)).fwd_s, st.bwd_s, st.times.update_s,
+        sm.params(k, emb=s == 0, head=s == p - 1))) for s, (sm, k) in enumerate(zip(models, counts, strict=True))],
+                                  strict=True)
     job = models[0].job
     p2p = hops(slots, numel=job.hop_numel(mbs), nbytes=job.hop_bytes(mbs))
     sp = tuple(sm.sp for sm in models)
     return PipeCost(slots=slots, mbs=mbs, layers=tuple(counts), recompute=tuple(sm.recompute for sm in models),
-                    fwd_s=tuple(fwd), bwd_s=tuple(bwd), update_s=tuple(upd), p2p_s=p2p, params=tuple(params),
-                    schedule=schedule, chunks=chunks, sp=sp if any(sp) else ())
+                    fwd_s=fwd, bwd_s=bwd, update_s=upd, p2p_s=p2p, params=params, schedule=schedule, chunks=chunks,
+                    sp=sp if any(sp) else ())
+
+
+_TERMS = Kept(1 << 16, shortcut=True)
 
 
 # ---- The search's stage costs: caches over the predictor's stage cost model (predict/stage_cost.py).
