@@ -128,15 +128,15 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
 
     # Give layers one at a time to the stage whose cost grows least: each stage's cost (cheapest option
     # that still fits) is nondecreasing in its layer count, so this greedy minimises the bottleneck.
-    counts = _greedy(opts, lows, n_layers, marginal=False, cap=math.inf)
+    first = [(_cost(ops, k), _cost(ops, k + 1)) for ops, k in zip(opts, lows, strict=True)]
+    counts, bottleneck = _greedy(opts, lows, first, n_layers, marginal=False, cap=math.inf)
     if counts is None:
         return []
-    bottleneck = max(_cost(ops, k) for ops, k in zip(opts, counts, strict=True))
     # Among splits within (a slack on) that bottleneck, minimise the sum of stage times: it is the
     # pipeline's fill and drain, which weighs as much as the bottleneck when micro-batches are few.
     out: list[PipeCost] = []
     for slack in slacks:
-        cand = _greedy(opts, lows, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))
+        cand = _greedy(opts, lows, first, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))[0]
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
             pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, hops=hops,
                           schedule=job.schedule, chunks=job.chunks)
@@ -145,28 +145,27 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
     return out
 
 
-def _greedy(opts: list[list[_Option]], lows: list[int], n_layers: int, *, marginal: bool,
-            cap: float) -> list[int] | None:
-    """Add layers one at a time to the stage with the smallest key whose cost stays within cap.
+def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float, float]], n_layers: int, *,
+            marginal: bool, cap: float) -> tuple[list[int] | None, float]:
+    """Add layers one at a time to the stage with the smallest key whose cost stays within cap; the
+    counts (None where the layers do not fit) and the most costly stage's cost.
 
     The key of a stage at k layers is (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal`
-    (cost(k + 1) - cost(k), 0) (the sum). This is the search's hottest loop: heap entries carry
-    cost(k + 1), which is the next entry's cost(k), and the cost itself is inlined.
+    (cost(k + 1) - cost(k), 0) (the sum); `first`: each stage's (cost(k), cost(k + 1)) at its low.
+    This is the search's hottest loop: heap entries carry cost(k + 1), which is the next entry's
+    cost(k), and the cost itself is inlined.
     """
-    counts = list(lows)
-    heap = []
-    for s, (ops, k) in enumerate(zip(opts, counts, strict=True)):
-        nxt = _cost(ops, k + 1)
-        if nxt <= cap:
-            cur = _cost(ops, k)
-            heap.append((nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
+    counts, costs = list(lows), [cur for cur, _ in first]
+    heap = [(nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt)
+            for s, (cur, nxt) in enumerate(first) if nxt <= cap]
     heapq.heapify(heap)
     pop, push, inf = heapq.heappop, heapq.heappush, math.inf
     for _ in range(n_layers - sum(counts)):
         if not heap:
-            return None
+            return None, inf
         _, _, s, cur = pop(heap)  # stages are unique in the heap: the 4th field never breaks a tie
         k = counts[s] = counts[s] + 1
+        costs[s] = cur
         k += 1
         nxt = inf
         for base, per_layer, most, _sm in opts[s]:  # _cost(opts[s], k), inlined
@@ -176,7 +175,7 @@ def _greedy(opts: list[list[_Option]], lows: list[int], n_layers: int, *, margin
                     nxt = c
         if nxt <= cap:
             push(heap, (nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
-    return counts
+    return counts, max(costs)
 
 
 def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...], *, mbs: int,
