@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hethub.layout import block_starts
 from hethub.predict.comm import small_allreduce_time_s
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.sync import islands_allreduce_s
@@ -180,14 +181,10 @@ def _filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
 def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, model: ModelSpec,
                 precision: str) -> float:
     """End of the step: each pipeline's backward, the world all-reduce of the loss, the per-layer
-    gradient all-reduces, the world all-reduce of the gradient norm, then the updates.
-
-    On one representative per group: each parameter group (embedding, layers between any replica's
-    boundaries, head; fused where holders match) by the predictor's rule on representative links
-    (``LinkBook.sync_allreduce_s``), sized by its holders' smallest TP, in layer order once all its
-    holders are free, so replicas whose boundaries differ chain their syncs. The predictor
-    (predict/sync.py) also overlaps buckets with the backward; it decides between finalists.
-    """
+    gradient all-reduces (`_synced_s`: on one representative per group, by the predictor's rule on
+    representative links, ``LinkBook.sync_allreduce_s``), the world all-reduce of the gradient norm,
+    then the updates. The predictor (predict/sync.py) also overlaps buckets with the backward; it
+    decides between finalists."""
     replicas = sum(g.count for g in groups)
     devices = sum(g.count * g.pipe.num_devices for g in groups)
     world_s = small_allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),
@@ -204,10 +201,10 @@ def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: Mo
               replicas: int, devices: int) -> float:
     """When the last parameter group's gradient all-reduce ends, every stage free at start_s: the
     embedding, the layers between any replica's boundaries, the head (fused where holders match,
-    sync._buckets), in that order, each once all its holders (a stage of each replica; the embedding's
-    also the last ones with tied embeddings) are free. Walked over the boundaries: a replica's holder
-    changes only at its own, and every layer group is held by every replica, so all its holders are
-    free when it ends."""
+    sync._buckets), in that order, each sized by its holders' smallest TP once all of them (a stage
+    of each replica; the embedding's also the last ones with tied embeddings) are free, so replicas
+    whose boundaries differ chain their syncs. Walked over the boundaries: a replica's holder changes
+    only at its own, and every layer group is held by every replica, so all are free when it ends."""
     gb = ModelSpec.state_bytes_per_param(precision)["grads"]
     rings = links.ring_cache.setdefault((replicas, devices, gb), {})  # all-reduce times; the rest of the key
     h, v, tied = model.hidden_size, model.vocab_size, model.tied_embeddings
@@ -229,11 +226,9 @@ def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: Mo
 
     at: dict[int, list[tuple[int, int]]] = {}  # layer -> the replicas' stages holding layers from it on
     for gi, g in enumerate(groups):
-        a = 0
-        for si, k in enumerate(g.pipe.layers):
+        for si, (a, k) in enumerate(zip(block_starts(g.pipe.layers), g.pipe.layers, strict=True)):
             if k:
                 at.setdefault(a, []).append((gi, si))
-                a += k
     cuts = [*sorted(at), model.num_layers]
     emb = [(gi, 0) for gi in range(n)] + [(gi, lasts[gi]) for gi in range(n) if lasts[gi] > 0 and tied]
     head = (0 if tied else v * h, model.final_norm_params)
@@ -244,13 +239,10 @@ def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: Mo
     for a, b in itertools.pairwise(cuts):
         if a or not first_too:
             parts.append([0.0, 0.0])
-        parts[-1][0] += (b - a) * matmul
-        parts[-1][1] += (b - a) * norm
+        parts[-1][:] = parts[-1][0] + (b - a) * matmul, parts[-1][1] + (b - a) * norm
     if last_too:
-        parts[-1][0] += head[0]
-        parts[-1][1] += head[1]
-    e_emb = start_s + ring_s(*parts[0], emb)
-    ends = e_emb
+        parts[-1][:] = parts[-1][0] + head[0], parts[-1][1] + head[1]
+    ends = e_emb = start_s + ring_s(*parts[0], emb)
     cur, free = [0] * n, [e_emb] * n  # each replica's holder now, and when it is free
     for (a, _), (matrix, extra) in zip(itertools.pairwise(cuts[first_too:]), parts[1:], strict=True):
         for gi, si in at[a]:  # a stage the embedding's group left at start_s, or one it waited for

@@ -49,13 +49,8 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
     searcher: the combination search asks the same leftovers for every choice of the other kinds.
     """
     key = (kind, mbs, share, left)
-    hit = s.fills.get(key)
-    if hit is None:
-        hit = s.fills[key] = _fill_now(s, kind, mbs, share, left)
-    return list(hit[0]), hit[1]
-
-
-def _fill_now(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[list[Group], int]:
+    if key in s.fills:
+        return list(s.fills[key][0]), s.fills[key][1]
     groups: list[Group] = []
     while left > 0:
         ranked = s.pure(kind, mbs, share=share)
@@ -74,7 +69,8 @@ def _fill_now(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tupl
         d = best.pipe.num_devices
         groups.append(Group(best.pipe, left // d))
         left -= (left // d) * d
-    return groups, left
+    s.fills[key] = (groups, left)
+    return list(groups), left
 
 
 def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
@@ -82,11 +78,9 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
     results = Results(s.config.finalists + s.config.top_k, fits=s.fits, per_size=s.config.per_size_finalists)
-    if kinds_alone:
-        for k in kinds:
-            solo_k = _alone_all_sizes(s, results, k)
-            if solo_k is not None:
-                solo[k] = solo_k
+    for k in kinds if kinds_alone else []:
+        if (solo_k := _alone_all_sizes(s, results, k)) is not None:
+            solo[k] = solo_k
     sizes = [] if kinds_alone else _promising_mbs(s)
     for mbs in sizes:
         _search_size(s, results, mbs)
@@ -339,8 +333,7 @@ class Results:
     overall kept ones only: the per-size places hold what the search priced anyway, so they cost
     predictions, not search. The first size searched (the smallest) is priced before any other size
     sets the bar, so its places hold exactly the finalists a search of that size alone would have;
-    a later size's hold its best among those priced under the bar the earlier sizes set (pruning by
-    per-size bars too made the 512-device bench search about 1.9x slower)."""
+    a later size's hold its best among those priced under the bar the earlier sizes set."""
 
     def __init__(self, keep: int, fits: Callable[[Estimate], bool] | None = None, *, per_size: int = 0) -> None:
         self.items: list[Estimate] = []

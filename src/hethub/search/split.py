@@ -148,13 +148,10 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
 def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float, float]], n_layers: int, *,
             marginal: bool, cap: float) -> tuple[list[int] | None, float]:
     """Add layers one at a time to the stage with the smallest key whose cost stays within cap; the
-    counts (None where the layers do not fit) and the most costly stage's cost.
-
-    The key of a stage at k layers is (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal`
-    (cost(k + 1) - cost(k), 0) (the sum); `first`: each stage's (cost(k), cost(k + 1)) at its low.
-    This is the search's hottest loop: heap entries carry cost(k + 1), which is the next entry's
-    cost(k), and the cost itself is inlined.
-    """
+    counts (None where the layers do not fit) and the most costly stage's cost. The key of a stage
+    at k layers is (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal` (cost(k + 1) -
+    cost(k), 0) (the sum); `first`: each stage's (cost(k), cost(k + 1)) at its low. The search's
+    hottest loop: heap entries carry cost(k + 1), the next entry's cost(k); the cost is inlined."""
     counts, costs = list(lows), [cur for cur, _ in first]
     heap = [(nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt)
             for s, (cur, nxt) in enumerate(first) if nxt <= cap]
@@ -232,16 +229,8 @@ def _cost(ops: list[_Option], k: int) -> float:
 
 
 def _cheapest(ops: list[_Option], k: int) -> _Option:
-    """The first option of least cost holding k layers (min's choice; a loop, as in `_cost`)."""
-    best, best_cost = None, math.inf
-    for o in ops:
-        if o.max_layers >= k:
-            c = o.base + k * o.per_layer
-            if best is None or c < best_cost:
-                best, best_cost = o, c
-    if best is None:
-        raise ValueError(f"no option holds {k} layers")
-    return best
+    """The first option of least cost holding k layers."""
+    return min((o for o in ops if o.max_layers >= k), key=lambda o: o.base + k * o.per_layer)
 
 
 def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Option]], counts: list[int],

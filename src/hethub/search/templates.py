@@ -140,8 +140,8 @@ class Searcher:
         """Whether the candidate's plan fits memory with its real gradient-sync shape. The stage
         models (costs.py) size a stage as if every holder of its parameters had its TP degree; where
         holders differ, the runtime builds full-size gradients (2 x TP of them, predict/memory), which
-        the search cannot see, so such candidates are checked laid out (about 20 ms on 768 devices)
-        before they take a finalist's place. Candidates of one TP degree are sized right already."""
+        the search cannot see, so such candidates are checked laid out before they take a finalist's
+        place. Candidates of one TP degree are sized right already."""
         if self.job.relax_memory or len({sl.tp for g in est.groups for sl in g.pipe.slots}) == 1:
             return True
         key = (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
