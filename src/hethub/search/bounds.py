@@ -59,7 +59,6 @@ class Capacity:
     def __init__(self, book: CostBook, kind: str, *, tp: int, mbs: int, schedule: Schedule) -> None:
         self.models = [book.stage(kind, tp=tp, mbs=mbs, recompute=False), book.recompute_floor(kind, tp=tp, mbs=mbs)]
         self.kind, self.tp, self.mbs = kind, tp, mbs  # not the book: it keeps this (no reference cycle)
-        self._runs = Runs()  # a middle stage's modes by in-flight count (_middle_groups)
         # Each stage's in-flight bound by stage count, shared by every (kind, TP, micro-batch size).
         self._in_flights: dict[int, tuple[int, ...]] = book.cache(_IN_FLIGHT_BOUNDS).setdefault(schedule.name, {})
         self.limit = book.job.model.num_layers
@@ -108,37 +107,13 @@ class Capacity:
         """The smallest bottleneck B >= lo at which p stages hold the model's L layers, each stage in
         the recomputation mode (none, selective, full: `stage_modes`) that holds the most layers
         within B at the stage's in-flight count (this capacity's schedule), the first and the last
-        stage with the embedding's and the head's memory and time (`smallest_holding`, exact per
-        stage): tight where every stage must recompute, which the other floors price at the
-        cheapest mode. None: the stages cannot hold L layers in any mode."""
+        stage with the embedding's and the head's memory and time (`segment_memory`'s stages,
+        `smallest_holding`: exact per stage): tight where every stage must recompute, which the
+        other floors price at the cheapest mode. None: the stages cannot hold L layers in any mode."""
         self.total(p, variant=0)  # fills the in-flight bounds of p stages
-        bounds = self._in_flights[p]
-        if p == 1:
-            caps = [(1, stage_modes(book, self.kind, self.tp, self.mbs, True, True, bounds[0]))]
-        else:
-            caps = [(1, stage_modes(book, self.kind, self.tp, self.mbs, True, False, bounds[0])),
-                    (1, stage_modes(book, self.kind, self.tp, self.mbs, False, True, bounds[-1])),
-                    *self._middle_groups(book, bounds[1:-1])]
-        if any(max(c for c, _, _ in modes) < 0 for _, modes in caps):
-            return None  # a stage that fits in no mode: split.split_layers has no split either
-        return smallest_holding(caps, self.limit, lo)
-
-    def _middle_groups(self, book: CostBook, flights: tuple[int, ...]) -> list[tuple[int, tuple]]:
-        """The middle stages as (count, modes) groups. Under 1F1B their in-flight counts run from p - 2
-        down to 2, one stage each, and the modes of long runs of them are equal (capacities level off),
-        so they are read off `holding.Runs` of the modes by count."""
-        if not flights:
-            return []
-        if flights == tuple(range(len(flights) + 1, 1, -1)):
-            runs = self._runs
-            for f in range(runs.last + 1, len(flights) + 2):
-                runs.add(stage_modes(book, self.kind, self.tp, self.mbs, False, False, f))
-            return [(k, modes) for modes, k in runs.counts(2, len(flights) + 1)]
-        groups: dict[tuple, int] = {}
-        for f in flights:
-            modes = stage_modes(book, self.kind, self.tp, self.mbs, False, False, f)
-            groups[modes] = groups.get(modes, 0) + 1
-        return [(k, modes) for modes, k in groups.items()]
+        mid = segment_terms(book, self.kind, self.tp, p, self.mbs, True, True, ALL_MODES)[4]
+        seg = segment_memory(book, self.kind, self.tp, self.mbs, self._in_flights[p], True, True, ALL_MODES, mid)
+        return None if seg is None else smallest_holding(seg[0], self.limit, lo)
 
 
 def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
