@@ -197,7 +197,7 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
 
     from hethub.commands.cost_plan import plan_price_per_hour, usd_per_million_tokens
     from hethub.predict.utilisation import cluster_mfu
-    from hethub.search.planner import candidate_config, make_plan, merged_bound, reused_searches
+    from hethub.search.planner import make_plan, merged_bound, reused_searches
 
     rows: list[tuple] = []
     results = []  # every row's search, whose kinds-alone bounds merge into the one the rows are read against
@@ -214,8 +214,7 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
         runs.insert(1, ("hethub", config.schedule, "none", config.sequence_parallel))
     if config.sequence_parallel:  # and its best plan without sequence parallelism
         runs.insert(1, ("hethub", config.schedule, config.optimizer_sharding, False))
-    # Each row's searches are made once: the first row (schedule and sharding left to the planner)
-    # already searches every candidate schedule, sharded and not, which the rows after it ask for again.
+    # The rows share their enumerations and repeated searches (planner.reused_searches).
     with reused_searches():
         for strategy, schedule, sharding, seq_par in runs:
             label = strategy if schedule == config.schedule else f"{strategy} ({schedule})"
@@ -226,8 +225,6 @@ def _compare(*, cluster, model, config, profiles, host, as_json: bool) -> int:
             try:
                 row_config = replace(config, strategy=strategy, schedule=schedule, optimizer_sharding=sharding,
                                      sequence_parallel=seq_par)
-                if strategy == "hethub" and schedule != config.schedule:  # the very search auto compared
-                    row_config = candidate_config(row_config, schedule)
                 r = make_plan(cluster=cluster, model=model, profiles=profiles, host=host, config=row_config)
                 try:  # dollars per million tokens where every kind used has a price
                     usd = usd_per_million_tokens(plan_price_per_hour(r.plan), r.prediction.tokens_per_s)

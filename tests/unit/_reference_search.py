@@ -174,16 +174,15 @@ def _finishes_below(g: Group, bound_s: float, total: int) -> int:
 
 
 class _Options:
-    """The mixed-pipeline groups over some unused kinds, each with `pipe_floor`'s memory-free floor
-    (looser, cheap; the tight one is paid for only by combinations that may enter), ordered by how
-    many micro-batches they finish by the bound, most first."""
+    """The mixed-pipeline groups over some unused kinds that can fit, each with `pipe_floor`'s floor,
+    ordered by how many micro-batches they finish by the bound, most first."""
 
     def __init__(self, s: Searcher, kinds: tuple[str, ...], mbs: int, bound_s: float, total: int,
                  floors: dict[tuple, PipeFloor | None]) -> None:
         items = []
         for segs, c in _mixed_options(s, list(kinds)):
             if segs not in floors:
-                floors[segs] = pipe_floor(s.book, s.links, segs, mbs, memory=False)
+                floors[segs] = pipe_floor(s.book, s.links, segs, mbs)
             floor = floors[segs]
             if floor is not None:
                 items.append((_finishes_below(Group(floor, c), bound_s, total), floor, segs, c))

@@ -126,7 +126,7 @@ def test_upper_bound_relaxes_memory_of_a_kind_that_cannot_hold_the_model():
     assert len(notes) == 1 and "v100-16gb" in notes[0] and "relaxed" in notes[0]
     alone, _ = upper_bound(cluster=cluster, model=get_model("llama-2-7b"), config=cfg)
     r = make_plan(cluster=cluster, model=get_model("llama-2-7b"), config=cfg)
-    assert r.notes == notes
+    assert r.notes[-len(notes):] == notes  # after the planner's own (context parallelism's)
     # The kind-alone sum is reported as the reference; the bound efficiency reads is the proven one.
     assert r.kinds_alone_tokens_per_s == alone
     assert r.upper_bound_tokens_per_s >= alone

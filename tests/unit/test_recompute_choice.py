@@ -9,13 +9,18 @@ from pathlib import Path
 from hethub.plan import Plan, Recompute
 from hethub.predict.predictor import predict, stage_memory_fits
 from hethub.predict.stage_modes import choose_recompute
-from hethub.search.assemble import with_recompute
 from hethub.search.config import PlannerConfig
 from hethub.search.planner import make_plan
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
+
+
+def with_recompute(plan: Plan, mode: Recompute) -> Plan:
+    """``plan`` with every stage recomputing ``mode``."""
+    return replace(plan, pipelines=tuple(replace(p, stages=tuple(replace(s, recompute=mode) for s in p.stages))
+                                         for p in plan.pipelines))
 
 
 def _with_stage(plan: Plan, pi: int, si: int, mode: str) -> Plan:

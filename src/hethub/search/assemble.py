@@ -1,12 +1,10 @@
-"""Turn a priced set of pipelines into a Plan: choose devices, write layer ranges, and give each stage
-the fastest recomputation mode that fits its memory as the predictor computes it."""
+"""Turn a priced set of pipelines into a Plan: choose devices and write layer ranges (each stage's
+mode is then the fastest that fits, `predict/stage_modes.choose_recompute`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hethub.errors import InfeasibleError
-from hethub.plan import Pipeline, Plan, Recompute, Stage
+from hethub.plan import Pipeline, Plan, Stage
 from hethub.search.combine import Estimate
 from hethub.search.split import PipeCost
 from hethub.spec.cluster import Cluster
@@ -75,9 +73,3 @@ def to_pipeline(pc: PipeCost, devices: list[tuple[int, ...]], *, num_micro_batch
         start += n
     return Pipeline(micro_batch_size=mbs, num_micro_batches=num_micro_batches, stages=tuple(stages))
 
-
-# ---- Per-stage modes of a laid-out plan (predict/stage_modes.py): the fastest that fits each stage.
-def with_recompute(plan: Plan, mode: Recompute) -> Plan:
-    """``plan`` with every stage recomputing ``mode``."""
-    return replace(plan, pipelines=tuple(replace(p, stages=tuple(replace(s, recompute=mode) for s in p.stages))
-                                         for p in plan.pipelines))

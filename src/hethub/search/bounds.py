@@ -212,7 +212,7 @@ class PipeFloor:
 
 
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
-               mbs: int, *, memory: bool = True, in_flight_hint: int = 1, recompute: bool = True) -> PipeFloor | None:
+               mbs: int, *, in_flight_hint: int = 1, recompute: bool = True) -> PipeFloor | None:
     """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
 
     ``segments`` are (kind, tp, stages) in pipeline order. Stage s costs at least base_s + k_s w_s for
@@ -230,16 +230,15 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     extra cost per layer. The work of one micro-batch is at least sum base_s + L min w_s (+ that extra),
     and at least B. T(m) = work + 2 sum p2p + (m - 1) B.
 
-    ``memory=False`` skips the memory terms: a looser floor in O(segments) rather than O(stages x 16),
-    to order many candidates before the tight one is paid for. ``recompute=False``: the floor of the
-    splits without any recomputation (split_layers(allow_recompute=False)), none's mode alone.
+    ``recompute=False``: the floor of the splits without any recomputation
+    (split_layers(allow_recompute=False)), none's mode alone.
     """
     job = book.job
     n_layers = job.model.num_layers
     p = sum(n for _, _, n in segments)
     if not segments or p > n_layers + 2:
         return None
-    key = (segments, mbs, memory, in_flight_hint, recompute)
+    key = (segments, mbs, in_flight_hint, recompute)
     hit = book.cache(_PIPE_FLOORS).get(key, ())
     if hit != ():
         return hit
@@ -260,40 +259,33 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
         base_sum += d_base
         w_min = min(w_min, seg_w_min)
         extra_min = min(extra_min, extra)
-        if memory:
-            # what split.split_layers sizes each stage for (Searcher.in_flight_hint's hint for GPipe)
-            flights = in_flights(book, sched, p, in_flight_hint)[pos:pos + n]
-            seg = segment_memory(book, kind, tp, mbs, flights, first, last, n_modes, mid)
-            if seg is None:
-                book.cache(_PIPE_FLOORS)[key] = None
-                return None
-            seg_caps, seg_plain, one_first, one_last, seg_one_max, seg_held = seg
-            caps += seg_caps
-            plain_total += seg_plain
-            held += seg_held
-        else:  # the pipeline's first and last stages 0, the others `mid`
-            one_first = 0.0 if pos == 0 or pos == p - 1 else mid
-            one_last = 0.0 if pos + n - 1 in (0, p - 1) else mid
-            seg_one_max = mid if n - (pos == 0) - (pos + n == p) > 0 else 0.0
+        # what split.split_layers sizes each stage for (Searcher.in_flight_hint's hint for GPipe)
+        flights = in_flights(book, sched, p, in_flight_hint)[pos:pos + n]
+        seg = segment_memory(book, kind, tp, mbs, flights, first, last, n_modes, mid)
+        if seg is None:
+            book.cache(_PIPE_FLOORS)[key] = None
+            return None
+        seg_caps, seg_plain, one_first, one_last, seg_one_max, seg_held = seg
+        caps += seg_caps
+        plain_total += seg_plain
+        held += seg_held
         ends.append((one_first, one_last))
         one_max = max(one_max, seg_one_max)
         pos += n
-    if w_min <= 0 or (memory and held < n_layers):
+    if w_min <= 0 or held < n_layers:
         book.cache(_PIPE_FLOORS)[key] = None
         return None
 
     # Every B below the continuous balance holds fewer than L layers, so start there.
     balance = max((n_layers + base_over_w) / inv_w, one_max)
-    lo = smallest_holding(caps, n_layers, balance) if memory else balance
+    lo = smallest_holding(caps, n_layers, balance)
     if lo is None:  # not reached: the capacities were checked to hold L above
         book.cache(_PIPE_FLOORS)[key] = None
         return None
     bottleneck = lo
-    forced = max(0.0, n_layers - plain_total) if memory else 0.0
+    forced = max(0.0, n_layers - plain_total)
     work = max(bottleneck, base_sum + n_layers * w_min + (forced * extra_min if forced and extra_min < math.inf
-                                                           else 0.0))
-    if memory:
-        work = max(work, base_sum + least_layer_work(caps, n_layers))
+                                                           else 0.0), base_sum + least_layer_work(caps, n_layers))
     numel = mbs * job.seq_len * job.model.hidden_size
     # The hops as every split of these stages pays them (split.split_layers prices with pipe_hops,
     # which lays each kind's segment out on its own: one segment's hops depend on it alone).

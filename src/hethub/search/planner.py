@@ -14,7 +14,7 @@ import contextlib
 import gc
 import io
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
@@ -28,18 +28,16 @@ from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.utilisation import cluster_mfu
 from hethub.progress import progress
-from hethub.runtimes import runtime_profile, runtime_refusals
+from hethub.runtimes import runtime_refusals
 from hethub.schedules import AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import BoundParts, bound_parts, finalist_plans, score_plans
-from hethub.search.hetero import search
-from hethub.search.polish import chunked_candidates, chunks_note, interleave_all, polish
+from hethub.search.finalists import bound_parts, score_plans
+from hethub.search.polish import chunked_candidates, interleave_plan, polish
 from hethub.search.proven_bound import ProvenBound, proven_bound
-from hethub.search.templates import Books, Searcher, tp_options
+from hethub.search.templates import Searcher, tp_options
 from hethub.search.variants import (
-    SIZED_CHUNKS,
     Variant,
     alone_plans,
     alone_shapes,
@@ -53,13 +51,13 @@ from hethub.spec.kind import GIB
 from hethub.spec.model import ModelSpec
 
 ONE_F_ONE_B, INTERLEAVED = "1f1b", "interleaved"
+BASELINES = ("uniform", "flops-proportional")  # other systems' layouts (search/baselines.py)
 INTERLEAVE_STARTS = 3  # the best 1F1B plans of distinct shapes tried with virtual stages
-INTERLEAVE_POOL = 6  # 1F1B plans (predicted anyway as finalists) the starts are chosen among
-# Predictions the polish may make from each of its starts, best first: the runners-up too, since
-# polish moves layers and never swaps a template for another, so a runner-up a little slower as
-# scored may polish to the better plan. Counted in predictions, the same plan comes out however
-# busy the machine is.
+# Predictions the polish may make from each of its starts, best first, on a plan of up to
+# POLISH_FULL_DEVICES devices: the runners-up too, since polish moves layers and never swaps a
+# template for another, so a runner-up a little slower as scored may polish to the better plan.
 POLISH_BUDGETS = (16, 6, 6)
+POLISH_FULL_DEVICES = 1024
 SHARD_HOLDERS_OPTIMISM = 8  # sharded stages' assumed holders: this times the unsharded best's replicas
 FIRST_SHAPES = 3  # each enumeration's best shapes, laid out and predicted under every variant
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
@@ -90,131 +88,6 @@ class PlanResult:
     kinds_alone_tokens_per_s: float = 0.0
     vs_kinds_alone: float | None = None
     mfu: float = 0.0
-
-
-def candidate_config(config: PlannerConfig, name: str) -> PlannerConfig:
-    """The search schedule ``auto`` makes for candidate schedule ``name`` (1F1B keeps more plans: the
-    interleaving's starts); its result, alternatives cut to ``config.top_k``, is what auto compares."""
-    top_k = max(config.top_k, INTERLEAVE_POOL) if name == ONE_F_ONE_B else config.top_k
-    return replace(config, schedule=name, top_k=top_k)
-
-
-def _best_schedule(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                   profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
-    t0 = time.perf_counter()
-    results: dict[str, PlanResult] = {}
-    errors: list[InfeasibleError] = []
-    for name in runtime_profile(config.runtime).auto_schedules:
-        try:
-            if name == INTERLEAVED and ONE_F_ONE_B in results:  # interleaving starts from the 1F1B plans
-                results[name] = _plan_interleaved(cluster=cluster, model=model, config=config, profiles=profiles,
-                                                  host=host, base=results[ONE_F_ONE_B])
-                continue
-            results[name] = make_plan(cluster=cluster, model=model, config=candidate_config(config, name),
-                                      profiles=profiles, host=host)
-        except InfeasibleError as err:
-            errors.append(err)
-    if not results:
-        raise errors[0]
-    if ONE_F_ONE_B in results:  # its extra alternatives were the interleaving's starts
-        one = results[ONE_F_ONE_B]
-        results[ONE_F_ONE_B] = replace(one, alternatives=one.alternatives[:config.top_k])
-    # The first of equals wins: interleaving that found no v > 1 worth it is 1F1B, listed first.
-    name, best = min(results.items(), key=lambda kv: kv[1].prediction.step_time_s)
-    best = against_bound(best, *merged_bound(results.values()))
-    others = ", ".join(f"{n} {r.prediction.step_time_s:.3f} s" for n, r in results.items() if n != name)
-    note = f"schedule {name} chosen: predicted step {best.prediction.step_time_s:.3f} s"
-    note += f" vs {others}" if others else ""
-    return replace(best, search_time_s=time.perf_counter() - t0, notes=(note, *best.notes))
-
-
-def _best_sharding(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                   profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
-    """ZeRO-1 as an outer option for the single-kind strategy (the hethub strategy prices both
-    shardings from one enumeration, `_plan_variants`): plan unsharded, then sharded assuming
-    ``SHARD_HOLDERS_OPTIMISM`` times the unsharded plan's pipelines as each group's holders (the
-    predictor checks every finalist with its real ones; if none fits, again with the unsharded
-    count), and keep the faster predicted (``auto``) or the sharded one (``zero1``)."""
-    t0 = time.perf_counter()
-    base: PlanResult | None = None
-    with contextlib.suppress(InfeasibleError):  # perhaps only sharded state fits
-        base = make_plan(cluster=cluster, model=model, config=replace(config, optimizer_sharding="none"),
-                         profiles=profiles, host=host)
-    replicas = max(2, len(base.plan.pipelines)) if base is not None else 2
-    zero: PlanResult | None = None
-    for holders in (SHARD_HOLDERS_OPTIMISM * replicas, replicas):
-        try:
-            zero = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
-                             config=replace(config, optimizer_sharding="zero1", shard_holders=holders))
-            break
-        except InfeasibleError:
-            if holders == replicas and (base is None or config.optimizer_sharding == "zero1"):
-                raise
-    if zero is None:
-        assert base is not None
-        return replace(base, notes=("optimizer sharding: none (no sharded plan fits)", *base.notes))
-    faster = base is None or zero.prediction.step_time_s < base.prediction.step_time_s
-    if config.optimizer_sharding == "zero1" or faster:
-        best, other = zero, base
-    else:
-        best, other = base, zero
-    best = against_bound(best, *merged_bound([r for r in (zero, base) if r is not None]))
-    note = f"optimizer sharding: {best.plan.optimizer_sharding}"
-    if other is not None:
-        gain = other.prediction.step_time_s / best.prediction.step_time_s
-        note += (f" (predicted step {best.prediction.step_time_s:.3f} s vs {other.prediction.step_time_s:.3f} s "
-                 f"{other.plan.optimizer_sharding}: {gain:.3f}x)")
-    return replace(best, search_time_s=time.perf_counter() - t0, notes=(note, *best.notes))
-
-
-def _plan_interleaved(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                      host: HostModel | None, base: PlanResult | None = None) -> PlanResult:
-    """The interleaved schedule's plan: the 1F1B plans (``base``, if already made) interleaved, and,
-    for the hethub strategy, searches with stages sized for v chunks (search/polish.py)."""
-    if base is None:
-        base = make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
-                         config=replace(config, schedule=ONE_F_ONE_B, top_k=max(config.top_k, INTERLEAVE_POOL)))
-    sized = []
-    if config.strategy == "hethub":
-        # Stages sized for v chunks' activations (the split's memory and closed form take v).
-        with contextlib.suppress(InfeasibleError):
-            v = SIZED_CHUNKS
-            sized.append((v, make_plan(cluster=cluster, model=model, profiles=profiles, host=host,
-                                       config=replace(config, schedule=INTERLEAVED, virtual_stages=v, polish=False,
-                                                      top_k=max(config.top_k, INTERLEAVE_STARTS)))))
-    return _interleaved(base, config=replace(config, schedule=INTERLEAVED), profiles=profiles, host=host, sized=sized)
-
-
-def _interleaved(base: PlanResult, *, config: PlannerConfig, profiles: ProfileSet | None,
-                 host: HostModel | None, sized: Sequence[tuple[int, PlanResult]] = ()) -> PlanResult:
-    """``base`` (planned under 1F1B) with the interleaved schedule's v chosen per pipeline where the
-    predictor finds it faster within memory (search/polish.py); and the plans of ``sized``,
-    searched with stages sized for v chunks, laid out in v chunks where each fits."""
-    t0 = time.perf_counter()
-    # The best of each shape (kinds and TP degrees per stage): a runner-up of fewer, larger stages
-    # may interleave better than the best 1F1B plan and its re-splits (nvidia-amd-32, llama-3-70b).
-    starts, rest, shapes = [], [], set()
-    for plan, pred in base.alternatives:
-        shape = tuple(sorted(tuple((st.kind, len(st.devices)) for st in p.stages) for p in plan.pipelines))
-        if shape not in shapes and len(starts) < INTERLEAVE_STARTS:
-            shapes.add(shape)
-            starts.append((plan, pred))
-        else:
-            rest.append((replace(plan, schedule=INTERLEAVED), pred))
-    tried = interleave_all(starts, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
-    for v, r in sized:
-        tried += chunked_candidates(r.alternatives, v, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
-    elapsed = base.search_time_s + sum(r.search_time_s for _, r in sized) + time.perf_counter() - t0
-    bound = base.upper_bound_tokens_per_s
-    top = []
-    for plan, pred in sorted([*tried, *rest], key=lambda x: x[1].step_time_s)[:config.top_k]:
-        eff = pred.tokens_per_s / bound if bound > 0 else 0.0
-        top.append((plan.with_meta(predicted_tokens_per_s=pred.tokens_per_s, predicted_step_time_s=pred.step_time_s,
-                                   efficiency=eff, search_time_s=elapsed), pred))
-    plan, pred = top[0]
-    note = f"interleaved: virtual stages per pipeline {chunks_note(plan)} (v 1: the 1F1B order)"
-    return replace(base, plan=plan, prediction=pred, search_time_s=elapsed, alternatives=tuple(top),
-                   efficiency=pred.tokens_per_s / bound if bound > 0 else 0.0, notes=(note, *base.notes))
 
 
 # Searches kept by `reused_searches`: (ids of cluster, model, profiles, host; config) -> result or error.
@@ -289,101 +162,37 @@ def _reused_or_made(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig
     return result
 
 
-def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-               profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
-    if config.strategy == "hethub" and config.schedule != INTERLEAVED and (
-            config.schedule == AUTO_SCHEDULE or config.optimizer_sharding == "auto"
-            or (config.optimizer_sharding == "zero1" and config.shard_holders < 2)):
-        return _plan_variants(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    if config.schedule == AUTO_SCHEDULE:
-        return _best_schedule(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    if config.schedule == INTERLEAVED and config.virtual_stages == 1:
-        return _plan_interleaved(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    if config.optimizer_sharding != "none" and config.strategy in ("uniform", "flops-proportional"):
-        # The baselines are plans other systems would run: unsharded (their plans are built as such).
-        config = replace(config, optimizer_sharding="none")
-    if config.optimizer_sharding == "auto" or (config.optimizer_sharding == "zero1" and config.shard_holders < 2):
-        return _best_sharding(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    t0 = time.perf_counter()
-    _check_job(model, config)
-    _check_state_fits(cluster, model, config)
-    books = Books()
-    # Large clusters take seconds: show the phases (a bar on a terminal, log lines elsewhere).
-    bar = progress(3, desc=f"plan {cluster.name}", unit="phases",
-                   stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
-
-    def bound_part() -> BoundParts:
-        return bound_parts(cluster=cluster, model=model, config=config, profiles=profiles, books=books, host=host)
-
-    def mixed_part(s: Searcher) -> list[tuple[Plan, Prediction]]:
-        # The polish's starts and the top_k alternatives are read from the first ones only.
-        keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
-        return score_plans(_hethub_candidates(s, config=config), profiles, host=host, headroom=config.mem_headroom,
-                      keep=keep)
-
-    mixed = None
-    b = bound_part()
-    parts, notes, alone, relaxed = b.parts, b.notes, b.alone, b.relaxed
-    bound = sum(parts.values())
-    bar.update()
-    # The kind-alone plans were scored for the bound already; predict() is deterministic, so reuse it.
-    if config.strategy == "homogeneous":
-        scored = sorted(alone, key=lambda x: x[1].step_time_s)
-    elif config.strategy == "hethub":
-        # Single-kind plans are part of the space; carrying them over guarantees hethub >= homogeneous.
-        if mixed is None:
-            mixed = mixed_part(Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books))
-        scored = sorted([*mixed, *alone], key=lambda x: x[1].step_time_s)
-    else:
-        s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, books=books)
-        n = config.finalists + config.top_k
-        plans = [p.with_runtime(config.runtime) for _, p in baseline_plans(s, strategy=config.strategy)[:n]]
-        scored = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=config.top_k)
-    bar.update()
-    if not scored:
-        bar.close()
-        raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
-    if config.strategy == "hethub" and config.polish:
-        # A short local search with the predictor itself, bounded so it never dominates the search:
-        # POLISH_SHARE of the search time. The best start gets at least POLISH_MIN_S, so a fast search
-        # does not starve it (on large plans the budget, not a local optimum, often ends it, and each
-        # step is a prediction of the whole plan).
-        scored = _polished(scored, config=config, profiles=profiles, host=host)
-    bar.update()
-    bar.close()
-    elapsed = time.perf_counter() - t0
-    top = []
-    for plan, pred in scored[: config.top_k]:
-        eff = pred.tokens_per_s / bound if bound > 0 else 0.0
-        plan = replace(plan, strategy=config.strategy).with_meta(
-            strategy=config.strategy, predicted_tokens_per_s=pred.tokens_per_s,
-            predicted_step_time_s=pred.step_time_s, efficiency=eff, search_time_s=elapsed,
-            upper_bound_tokens_per_s=bound)
-        top.append((plan, pred))
-    best_plan, best_pred = top[0]
-    return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
-                      efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
-                      notes=notes, upper_bound_by_kind=parts, relaxed_kinds=relaxed)
-
-
 def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
               host: HostModel | None) -> list[tuple[Plan, Prediction]]:
-    """``scored`` (fastest first) with its first plans polished (POLISH_BUDGETS), fastest first."""
-    polished = [polish(*cand, profiles=profiles, budget=budget, allow_recompute=config.allow_recompute,
-                       allow_sp=config.sequence_parallel, host=host,
+    """``scored`` (fastest first) with its first plans polished (`polish_budget`), fastest first."""
+    polished = [polish(*cand, profiles=profiles, budget=polish_budget(i, cand[0]), host=host,
+                       allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel,
                        mem_headroom=config.mem_headroom, tp_degrees=config.tp_degrees)
-                for cand, budget in zip(scored, POLISH_BUDGETS, strict=False)]
+                for i, cand in enumerate(scored[:len(POLISH_BUDGETS)])]
     polished = [p if not runtime_refusals(p[0]) else c for p, c in zip(polished, scored, strict=False)]
     return sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
 
 
-def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                   host: HostModel | None) -> PlanResult:
-    """The best plan over every variant (schedule, optimizer sharding) the config leaves open, every
-    variant pricing the one enumeration's pool of shapes and each kind alone (search/variants.py)."""
+def polish_budget(start: int, plan: Plan) -> int:
+    """Predictions the polish may make from its ``start``-th start (0: the best), ``plan``: its
+    `POLISH_BUDGETS` entry, scaled down on plans of more than `POLISH_FULL_DEVICES` devices, as a
+    prediction's cost grows with the plan's devices (its pipelines' timelines, its ranks' memory),
+    so that the polish stays a bounded share of the search; at least one. Counted in predictions
+    and fixed by the plan, the same plan comes out however busy the machine is."""
+    return max(1, POLISH_BUDGETS[start] * POLISH_FULL_DEVICES // max(plan.world_size, POLISH_FULL_DEVICES))
+
+
+def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
+               host: HostModel | None) -> PlanResult:
+    """The best plan of ``config.strategy`` over every variant (schedule, optimizer sharding) the
+    config leaves open (one where it fixes both), every variant pricing the one enumeration's pool of
+    shapes and each kind alone (search/variants.py). The baselines price their own layouts
+    (search/baselines.py) unsharded, as the systems they stand for build them; homogeneous is each
+    kind alone."""
+    if config.strategy in BASELINES:
+        config = replace(config, optimizer_sharding="none")
     t0 = time.perf_counter()
-    _check_job(model, config)
-    _check_state_fits(cluster, model, config)
+    _check_job(model, config, cluster)
     variants, shardings = variants_of(config)
     names = [v.schedule for v in variants]
     links = LinkBook(cluster, runtime=config.runtime)  # one per job: hops and rings depend on the cluster
@@ -394,11 +203,12 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                         holders=SHARD_HOLDERS_OPTIMISM * cluster.num_devices)
              for v in enumeration_variants(variants, shardings)]
     s0 = enums[0]
-    shapes, alone = _enumeration(enums, host=host)
+    shapes, alone = _enumeration(enums, host=host, mixed=config.strategy == "hethub")
     bar.update()
     # Sharded stages assume SHARD_HOLDERS_OPTIMISM times the best shape's replicas as holders (the
     # predictor checks every finalist with its real ones).
-    holders = max(2, sum(g.count for g in shapes[0].groups)) if shapes else 2
+    firsts = shapes[:1] or [a[0] for a in alone.values() if a]
+    holders = max([2, *(sum(g.count for g in e.groups) for e in firsts)])
     searchers = {v: v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
                                holders=SHARD_HOLDERS_OPTIMISM * holders) for v in variants}
     keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
@@ -410,6 +220,10 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
         pool, first = v.pool(shapes, frozenset(range(min(len(shapes), FIRST_SHAPES * len(enums)))))
         got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
                            steps=steps[v.schedule]) if pool else []
+        if config.strategy in BASELINES:
+            plans = [p.with_runtime(config.runtime) for _, p in baseline_plans(searchers[v], strategy=config.strategy)]
+            got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
+                              headroom=config.mem_headroom, keep=keep)
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
             got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
                                      mem_headroom=config.mem_headroom)
@@ -419,52 +233,54 @@ def _plan_variants(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     plain = [searchers[v] for v in variants if v.schedule != INTERLEAVED and v.sharding in shardings]
     b = bound_parts(cluster=cluster, model=model, config=s0.config, profiles=profiles, books=s0.books, host=host,
                     candidates=lambda kind: alone_plans(plain, alone[kind], config=config))
-    notes = list(b.notes)
     bar.update()
-    scored = sorted([*(x for got in by_variant.values() for x in got), *b.alone], key=lambda x: x[1].step_time_s)
+    own = [x for got in by_variant.values() for x in got]
+    scored = sorted(own if config.strategy in BASELINES else [*own, *b.alone], key=lambda x: x[1].step_time_s)
     if not scored:
         bar.close()
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
-    starts = scored[:FIRST_SHAPES]  # context parallelism offered on the best plans (predict/context_plans.py)
+    hethub = config.strategy == "hethub"
+    starts = scored[:FIRST_SHAPES] if hethub else []  # offered context parallelism (predict/context_plans.py)
     scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, config=config)],
                     key=lambda x: x[1].step_time_s)
-    if config.polish:
+    if config.polish and hethub:
         scored = _polished(scored, config=config, profiles=profiles, host=host)
     if INTERLEAVED in names:
         scored = sorted([*scored, *_interleavings(scored, config=config, profiles=profiles, host=host)],
                         key=lambda x: x[1].step_time_s)
+    notes = [*_variant_notes(scored, names, shardings), cp_note(scored, starts=starts) if hethub else ""]
+    if config.schedule == INTERLEAVED:  # the 1F1B plans are the interleaved schedule's at v 1
+        scored = [(replace(p, schedule=INTERLEAVED), r) for p, r in scored if p.zero_stage < 3]
+        v = ", ".join(str(p.virtual_stages) for p in scored[0][0].pipelines)
+        notes = [f"interleaved: virtual stages per pipeline v {v} (v 1: the 1F1B order)",
+                 *(n for n in notes if not n.startswith("schedule "))]
     bar.update()
     bar.close()
-    parts, relaxed = b.parts, b.relaxed
-    bound = sum(parts.values())
     elapsed = time.perf_counter() - t0
-    top = []
-    for plan, pred in scored[:config.top_k]:
-        eff = pred.tokens_per_s / bound if bound > 0 else 0.0
-        plan = replace(plan, strategy="hethub").with_meta(
-            strategy="hethub", predicted_tokens_per_s=pred.tokens_per_s, predicted_step_time_s=pred.step_time_s,
-            efficiency=eff, search_time_s=elapsed, upper_bound_tokens_per_s=bound)
-        top.append((plan, pred))
-    best_plan, best_pred = top[0]
-    return PlanResult(plan=best_plan, prediction=best_pred, search_time_s=elapsed, upper_bound_tokens_per_s=bound,
-                      efficiency=best_pred.tokens_per_s / bound if bound > 0 else 0.0, alternatives=tuple(top),
-                      notes=(*_variant_notes(scored, names, shardings), cp_note(scored, starts=starts), *notes),
-                      upper_bound_by_kind=parts, relaxed_kinds=relaxed)
+    # Bound and efficiency: `reported`'s (the proven bound).
+    top = tuple((replace(plan, strategy=config.strategy).with_meta(
+        strategy=config.strategy, predicted_tokens_per_s=pred.tokens_per_s, predicted_step_time_s=pred.step_time_s,
+        search_time_s=elapsed), pred) for plan, pred in scored[:config.top_k])
+    return PlanResult(plan=top[0][0], prediction=top[0][1], search_time_s=elapsed, upper_bound_tokens_per_s=0.0,
+                      efficiency=0.0, alternatives=top, notes=(*(n for n in notes if n), *b.notes),
+                      upper_bound_by_kind=b.parts, relaxed_kinds=b.relaxed)
 
 
-def _enumeration(enums: list[Searcher], *, host: HostModel | None,
+def _enumeration(enums: list[Searcher], *, host: HostModel | None, mixed: bool,
                  ) -> tuple[list[Estimate], dict[str, list[Estimate]]]:
-    """`variants.enumerate_shapes` and `variants.alone_shapes`, kept within `reused_searches`
-    (``--compare`` asks the same ones per row)."""
+    """`variants.enumerate_shapes` (``mixed``; none otherwise) and `variants.alone_shapes`, kept
+    within `reused_searches` (``--compare``'s rows ask the same ones; the strategy changes neither)."""
     if _REUSED is None:
-        return enumerate_shapes(enums), alone_shapes(enums)
+        return enumerate_shapes(enums) if mixed else [], alone_shapes(enums)
     s = enums[0]
     key = ("enumeration", id(s.cluster), id(s.model), id(s.job.profiles), id(host),
-           tuple(replace(e.config, top_k=1) for e in enums))
+           tuple(replace(e.config, top_k=1, strategy="hethub") for e in enums))
     if key not in _REUSED:
-        got = enumerate_shapes(enums), alone_shapes(enums)
-        _REUSED[key] = (got, None, (s.cluster, s.model, s.job.profiles, host))
-    return _REUSED[key][0]
+        _REUSED[key] = ([None, alone_shapes(enums)], None, (s.cluster, s.model, s.job.profiles, host))
+    got = _REUSED[key][0]
+    if mixed and got[0] is None:
+        got[0] = enumerate_shapes(enums)
+    return got[0] if mixed else [], got[1]
 
 
 def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
@@ -481,22 +297,8 @@ def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConf
             starts.append((plan, pred))
         if len(starts) == INTERLEAVE_STARTS:
             break
-    tried = interleave_all(starts, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
+    tried = [interleave_plan(*x, profiles=profiles, host=host, mem_headroom=config.mem_headroom) for x in starts]
     return [(p, r) for p, r in tried if any(q.virtual_stages > 1 for q in p.pipelines)]
-
-
-def _merged_parts(parts_by: list[dict[str, float]], relaxed_by: list[frozenset[str]],
-                  ) -> tuple[dict[str, float], frozenset[str]]:
-    """Each kind's best part over several bounds, a relaxed-memory part counting only where no bound
-    found one that fits (`merged_bound`)."""
-    fitting: dict[str, float] = {}
-    relaxed: dict[str, float] = {}
-    for parts, rel in zip(parts_by, relaxed_by, strict=True):
-        for kind, tps in parts.items():
-            into = relaxed if kind in rel else fitting
-            into[kind] = max(into.get(kind, 0.0), tps)
-    parts = {k: fitting.get(k, relaxed.get(k, 0.0)) for k in dict.fromkeys([*fitting, *relaxed])}
-    return parts, frozenset(relaxed) - frozenset(fitting)
 
 
 def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], shardings: list[str]) -> list[str]:
@@ -534,29 +336,17 @@ def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 
 
 def merged_bound(results: Iterable[PlanResult]) -> tuple[dict[str, float], frozenset[str]]:
-    """Each kind's part of the bound over several searches of the same job (schedules, sharding): the
-    best any of them found for that kind alone (a result's own bound covers only its own variant, so
-    a plan of another variant could read above it). Also the kinds whose merged part is still a
-    relaxed-memory plan."""
-    done = list(results)
-    return _merged_parts([r.upper_bound_by_kind or {} for r in done], [r.relaxed_kinds for r in done])
-
-
-def against_bound(result: PlanResult, parts: dict[str, float], relaxed: frozenset[str] = frozenset()) -> PlanResult:
-    """``result`` with its bound (``parts``; ``relaxed``: the kinds whose part is a relaxed-memory
-    plan), efficiency and its alternatives' efficiencies taken against it."""
-    bound = sum(parts.values())
-    if bound <= 0:
-        return result
-
-    def eff(tokens_per_s: float) -> float:
-        return tokens_per_s / bound
-
-    alts = tuple((plan.with_meta(efficiency=eff(pred.tokens_per_s), upper_bound_tokens_per_s=bound), pred)
-                 for plan, pred in result.alternatives)
-    plan = result.plan.with_meta(efficiency=eff(result.prediction.tokens_per_s), upper_bound_tokens_per_s=bound)
-    return replace(result, plan=plan, alternatives=alts, upper_bound_tokens_per_s=bound, upper_bound_by_kind=parts,
-                   efficiency=eff(result.prediction.tokens_per_s), relaxed_kinds=relaxed)
+    """Each kind's part of the kind-alone bound over several searches of the same job (`--compare`'s
+    rows): the best any of them found for that kind alone, a relaxed-memory part counting only where
+    no search found one that fits. Also the kinds whose merged part is still a relaxed-memory plan."""
+    fitting: dict[str, float] = {}
+    relaxed: dict[str, float] = {}
+    for r in results:
+        for kind, tps in (r.upper_bound_by_kind or {}).items():
+            into = relaxed if kind in r.relaxed_kinds else fitting
+            into[kind] = max(into.get(kind, 0.0), tps)
+    parts = {k: fitting.get(k, relaxed.get(k, 0.0)) for k in dict.fromkeys([*fitting, *relaxed])}
+    return parts, frozenset(relaxed) - frozenset(fitting)
 
 
 def reported(result: PlanResult, bound: ProvenBound) -> PlanResult:
@@ -582,35 +372,32 @@ def reported(result: PlanResult, bound: ProvenBound) -> PlanResult:
                    vs_kinds_alone=tps / alone if alone else None, mfu=mfu(tps))
 
 
-def _check_job(model: ModelSpec, config: PlannerConfig) -> None:
+def _check_job(model: ModelSpec, config: PlannerConfig, cluster: Cluster | None = None) -> None:
+    """Refuse at once what no plan can run, with the fix; with ``cluster``, also a model whose weights,
+    gradients and optimizer state exceed the whole cluster's usable memory (the search would take
+    minutes to find that no split holds it)."""
     if config.seq_len > model.max_seq_len:
         raise InfeasibleError(f"seq_len {config.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}. "
                               f"Fix: use --seq-len {model.max_seq_len} or less.")
     if not config.usable_micro_batch_sizes:
         raise InfeasibleError(f"no micro-batch size in {config.micro_batch_sizes} divides the global batch "
                               f"{config.global_batch}. Fix: use a global batch divisible by one of them.")
-
-
-def _check_state_fits(cluster: Cluster, model: ModelSpec, config: PlannerConfig) -> None:
-    """Refuse at once a model whose weights, gradients and optimizer state exceed the whole cluster's
-    usable memory: no split can hold it, and the search would take minutes to find that out (llama-140b
-    on the 4 local CPU devices: over a minute)."""
-    state = model.num_params * sum(ModelSpec.state_bytes_per_param(config.precision).values())
-    usable = sum(n * usable_bytes(cluster.kinds[k], headroom=config.mem_headroom)
-                 for k, n in cluster.count_by_kind().items())
-    if state > usable:
+    if cluster is not None and _state_bytes(model, config) > _usable_bytes(cluster, config):
         raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
 
 
-def _hethub_candidates(s: Searcher, *, config: PlannerConfig) -> list[Plan]:
-    return finalist_plans(s, search(s), config=config, strategy="hethub", per_size=config.per_size_finalists)
+def _state_bytes(model: ModelSpec, config: PlannerConfig) -> float:
+    return model.num_params * sum(state_bytes_per_param(config.precision).values())
+
+
+def _usable_bytes(cluster: Cluster, config: PlannerConfig) -> float:
+    return sum(n * usable_bytes(cluster.kinds[k], headroom=config.mem_headroom)
+               for k, n in cluster.count_by_kind().items())
 
 
 # ---- Why nothing fits, in words a person can act on.
 def infeasible_message(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig) -> str:
-    state = model.num_params * sum(state_bytes_per_param(config.precision).values())
-    counts = cluster.count_by_kind()
-    usable = sum(n * usable_bytes(cluster.kinds[k], headroom=config.mem_headroom) for k, n in counts.items())
+    state, usable = _state_bytes(model, config), _usable_bytes(cluster, config)
     head = (f"no {config.strategy} plan for {model.name} ({model.num_params / 1e9:.1f}B parameters, "
             f"{model.num_layers} layers) at seq_len {config.seq_len} fits cluster {cluster.name!r} "
             f"({cluster.num_devices} devices)")
@@ -623,7 +410,7 @@ def infeasible_message(*, cluster: Cluster, model: ModelSpec, config: PlannerCon
     parts = []
     job = StageJob.planned(model=model, cluster=cluster, seq_len=config.seq_len, precision=config.precision,
                            profiles=None)
-    for k in counts:
+    for k in cluster.count_by_kind():
         tps = tp_options(cluster, model, k, config.tp_degrees)
         if not tps:
             parts.append(f"{k} has no TP degree in {config.tp_degrees} that divides its node size and the "

@@ -202,19 +202,6 @@ def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None
     return best, best_pred
 
 
-def chunks_note(plan: Plan) -> str:
-    """'v 2, 2, 1' per pipeline, for notes and tables."""
-    return "v " + ", ".join(str(p.virtual_stages) for p in plan.pipelines)
-
-
-def interleave_all(scored: Sequence[tuple[Plan, Prediction]], *, profiles: ProfileSet | None,
-                   host: HostModel | None, mem_headroom: float) -> list[tuple[Plan, Prediction]]:
-    """Each candidate interleaved where it pays, best first."""
-    out = [interleave_plan(plan, pred, profiles=profiles, host=host, mem_headroom=mem_headroom)
-           for plan, pred in scored]
-    return sorted(out, key=lambda x: x[1].step_time_s)
-
-
 def chunked_candidates(scored: Sequence[tuple[Plan, Prediction]], v: int, *, profiles: ProfileSet | None,
                        host: HostModel | None, mem_headroom: float) -> list[tuple[Plan, Prediction]]:
     """Plans searched with stages sized for v chunks (``PlannerConfig.virtual_stages``), each pipeline

@@ -75,6 +75,7 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     shardings."""
     runtime = runtime_profile(config.runtime)  # what it runs (hethub.runtimes)
     schedules = list(runtime.auto_schedules) if config.schedule == AUTO_SCHEDULE else [config.schedule]
+    schedules = [ONE_F_ONE_B, *schedules] if schedules == [INTERLEAVED] else schedules  # it starts from 1F1B's
     shardings = [z for z in ("none", "zero1") if z in runtime.shardings] if config.optimizer_sharding == "auto" \
         else [config.optimizer_sharding]
     # ZeRO-2/3 free memory the way ZeRO-1 does, more of it: their shapes are the enumerations' (priced
