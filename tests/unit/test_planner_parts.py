@@ -100,28 +100,29 @@ def test_devices_are_packed_largest_tp_first_inside_nodes():
             assert len({cluster.devices[d].node for d in devs}) == 1
 
 
-def test_reused_searches_answer_a_repeated_search_with_its_first_result():
+def test_reused_searches_enumerate_a_job_once(monkeypatch):
+    # --compare's rows: within reused_searches a job's enumeration (mixed shapes, each kind alone) is
+    # made once and priced by every search that asks it again (the same config, or another strategy),
+    # with the plan it gives alone.
+    from dataclasses import replace
+
+    import hethub.search.planner as planner
     from conftest import small_cluster, tiny_model
-    from hethub.errors import InfeasibleError
-    from hethub.search.planner import make_plan, reused_searches
 
     cluster, model = small_cluster(), tiny_model()
     config = PlannerConfig(global_batch=8, seq_len=32, micro_batch_sizes=(1, 2), polish=False)
-    too_long = PlannerConfig(global_batch=8, seq_len=64 * 1024)  # longer than the model's max_seq_len
-    errors = []
-    with reused_searches():
-        first = make_plan(cluster=cluster, model=model, config=config)
-        assert make_plan(cluster=cluster, model=model, config=PlannerConfig(**vars(config))) is first
-        assert make_plan(cluster=cluster, model=model, config=PlannerConfig(global_batch=16, seq_len=32,
-                         micro_batch_sizes=(1, 2), polish=False)) is not first  # another config: searched
-        for _ in range(2):
-            try:
-                make_plan(cluster=cluster, model=model, config=too_long)
-            except InfeasibleError as err:
-                errors.append(err)
-    assert len(errors) == 2 and errors[0] is errors[1]
-    again = make_plan(cluster=cluster, model=model, config=config)  # outside: searched again, same answer
-    assert again is not first and again.plan.pipelines == first.plan.pipelines
+    made = []
+    for name in ("enumerate_shapes", "alone_shapes"):
+        real = getattr(planner, name)
+        monkeypatch.setattr(planner, name, lambda enums, real=real, name=name: made.append(name) or real(enums))
+    with planner.reused_searches():
+        first = planner.make_plan(cluster=cluster, model=model, config=config)
+        again = planner.make_plan(cluster=cluster, model=model, config=PlannerConfig(**vars(config)))
+        planner.make_plan(cluster=cluster, model=model, config=replace(config, strategy="homogeneous"))
+    assert sorted(made) == ["alone_shapes", "enumerate_shapes"]
+    assert again.plan.pipelines == first.plan.pipelines
+    alone = planner.make_plan(cluster=cluster, model=model, config=config)  # outside: enumerated again
+    assert len(made) == 4 and alone.plan.pipelines == first.plan.pipelines
 
 
 def test_the_default_path_gives_the_same_plan_under_a_slow_clock(monkeypatch):

@@ -34,11 +34,10 @@ from typing import Any
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
-from hethub.search.split import Cache, CostBook, Slot, StageCost
+from hethub.search.split import Cache, CostBook, Slot
 
 # The floors' caches in each job's CostBook.
 _PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
-_STAGE_VARIANTS: Cache[list[StageCost]] = Cache("modes")
 _STAGE_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("stage-modes")
 _SEGMENT_TERMS: Cache[tuple[float, float, float, float, float, float]] = Cache("segment-terms")
 _SEGMENT_MEMORY: Cache[tuple | None] = Cache("segment-memory")
@@ -448,15 +447,6 @@ def in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int,
     return hit
 
 
-def stage_variants(book: CostBook, kind: str, tp: int, mbs: int) -> list:
-    """Every mode a split may give a stage (split._options: CostBook.modes, plain none first)."""
-    key = (kind, tp, mbs)
-    hit = book.cache(_STAGE_VARIANTS).get(key)
-    if hit is None:
-        hit = book.cache(_STAGE_VARIANTS)[key] = book.modes(kind, tp=tp, mbs=mbs)
-    return hit
-
-
 def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: bool,
                  in_flight: int) -> tuple[tuple[int, float, float], ...]:
     """(capacity in layers, -1 if not even none fit; cost per layer; base) of one stage position in each
@@ -465,7 +455,7 @@ def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: b
     hit = book.cache(_STAGE_MODES).get(key)
     if hit is None:
         n_layers, out = book.job.model.num_layers, []
-        for v in stage_variants(book, kind, tp, mbs):
+        for v in book.modes(kind, tp=tp, mbs=mbs):
             cap = v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
             w = v.work(emb=emb, head=head)
             out.append((max(cap, -1), w.per_layer, w.base if emb or head else 0.0))
@@ -481,7 +471,7 @@ def segment_terms(book: CostBook, kind: str, tp: int, n: int, mbs: int, first: b
     key = (kind, tp, n, mbs, first, last, n_modes)
     hit = book.cache(_SEGMENT_TERMS).get(key)
     if hit is None:
-        variants = stage_variants(book, kind, tp, mbs)[:n_modes]
+        variants = book.modes(kind, tp=tp, mbs=mbs)[:n_modes]
         mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
         # The segment's stages by what they hold besides layers: the embedding (first stage of the
         # pipeline), the head (its last), both (one stage), neither (the others).

@@ -90,17 +90,15 @@ class PlanResult:
     mfu: float = 0.0
 
 
-# Searches kept by `reused_searches`: (ids of cluster, model, profiles, host; config) -> result or error.
+# The enumerations kept by `reused_searches`: (ids of cluster, model, profiles, host; configs) ->
+# ([mixed shapes or None, kind-alone shapes], None, the keyed objects).
 _REUSED: dict[tuple, tuple] | None = None
 
 
 @contextlib.contextmanager
 def reused_searches():
-    """Within it, `make_plan` answers a search it already made (the same cluster, model, profiles and
-    host objects and an equal config) with the same result or error instead of searching again.
-    `hethub plan --compare` plans the schedule ``auto`` (every candidate schedule, sharded and not)
-    and then each schedule's and the unsharded row on its own: without this, each of those searches
-    ran twice (figures: docs/testing.md)."""
+    """Within it, `make_plan` enumerates a job's shapes once per enumeration config (the same cluster,
+    model, profiles and host objects): `hethub plan --compare`'s rows share the ones they have in common."""
     global _REUSED
     outer, _REUSED = _REUSED, ({} if _REUSED is None else _REUSED)
     try:
@@ -111,18 +109,11 @@ def reused_searches():
 
 def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
               profiles: ProfileSet | None = None, host: HostModel | None = None) -> PlanResult:
-    """Best memory-feasible plan under `config.strategy`, scored by the predictor (with `host`, the
-    local emulation host every rank runs on, if any: ``hethub.emulation.host_model``). With schedule
-    ``auto``, the best over the schedules of ``AUTO_CANDIDATES``, each planned on its own (its
-    in-flight memory shapes the stages), chosen by predicted step time."""
+    """Best memory-feasible plan under `config.strategy` over every schedule and optimizer sharding the
+    config leaves open (`_make_plan`), scored by the predictor (with `host`, the local emulation host
+    every rank runs on, if any: ``hethub.emulation.host_model``), read against the proven bound."""
     with _collector_paused():
-        return _reused_or_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-
-
-def _made(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-          profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
-    """The search's answer with what every answer reports (the proven bound, the one-replica note)."""
-    result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+        result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     result = reported(result, proven_bound(cluster=cluster, model=model, config=config, profiles=profiles))
     if config.optimizer_sharding == "zero1" and not result.plan.sharded_optimizer and ONE_REPLICA not in result.notes:
         result = replace(result, notes=(ONE_REPLICA, *result.notes))
@@ -142,24 +133,6 @@ def _collector_paused():
     finally:
         if paused:
             gc.enable()
-
-
-def _reused_or_made(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                    profiles: ProfileSet | None, host: HostModel | None) -> PlanResult:
-    if _REUSED is None:
-        return _made(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    # The objects themselves are kept in the entry, so their ids cannot be reused while it lives.
-    key = (id(cluster), id(model), id(profiles), id(host), config)
-    if key not in _REUSED:
-        try:
-            _REUSED[key] = (_made(cluster=cluster, model=model, config=config, profiles=profiles, host=host),
-                            None, (cluster, model, profiles, host))
-        except InfeasibleError as err:
-            _REUSED[key] = (None, err, (cluster, model, profiles, host))
-    result, err, _ = _REUSED[key]
-    if err is not None:
-        raise err
-    return result
 
 
 def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,

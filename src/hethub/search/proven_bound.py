@@ -1,20 +1,10 @@
 """The proven upper bound on a job's tokens/s, and the figures reported against it.
 
-Every device works at its kind's best modelled rate on its share of the layers: the fastest
-per-layer forward + backward time of the one stage cost model (``predict/stage_cost.py``) over the
-TP degrees and micro-batch sizes the planner may use. Why no plan the planner writes can beat it,
-under the predictor as judge: a stage of ``l`` layers at TP ``t`` running ``n`` micro-batches of
-``b`` sequences keeps each of its devices busy for at least ``n * l * tau(t, b)`` seconds per step,
-``tau`` the least per-layer time over any depth, so the step is at least that long and each device
-advances at most ``b * seq_len / (t * tau)`` layer-tokens per second; the plan must advance
-``num_layers * global_batch * seq_len`` of them. Summing over devices gives the bound. Relaxed
-(each only raises it): memory (any TP degree and micro-batch size on every device, no
-recomputation), the pipeline bubble, all communication (TP collectives, hops, gradient sync), the
-optimizer step, the embedding and the head, and device counts (devices split freely, not by TP
-groups or nodes). The planner's plans use no context parallelism, which the bound therefore omits.
-
-It depends on the job only (cluster, model, sequence length, precision, TP degrees and micro-batch
-sizes), never on the schedule, sharding or strategy searched, so one command has one bound.
+Every device counts at its kind's best modelled rate on its share of the layers: the least per-layer
+forward + backward time of the one stage cost model (``predict/stage_cost.py``) over the TP degrees
+and micro-batch sizes the planner may use. Why no plan the planner writes can beat it under the
+predictor, and what it relaxes: docs/planner.md, "Upper bound, efficiency and the kind-alone
+reference". It depends on the job only, never on the schedule, sharding or strategy searched.
 """
 
 from __future__ import annotations
