@@ -180,8 +180,8 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     bar.update()
     # Sharded stages assume SHARD_HOLDERS_OPTIMISM times the best shape's replicas as holders (the
     # predictor checks every finalist with its real ones).
-    firsts = shapes[:1] or [a[0] for a in alone.values() if a]
-    holders = max([2, *(sum(g.count for g in e.groups) for e in firsts)])
+    bests = shapes[:1] or [a[0] for a in alone.values() if a]
+    holders = max([2, *(sum(g.count for g in e.groups) for e in bests)])
     searchers = {v: v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
                                holders=SHARD_HOLDERS_OPTIMISM * holders) for v in variants}
     keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
@@ -189,8 +189,10 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     # A schedule's variants screen their plans against each other's predictions (finalists.score_plans),
     # so every schedule keeps its own best plans (the interleaving starts from 1F1B's).
     steps: dict[str, list[float]] = {v.schedule: [] for v in variants}
+    firsts = frozenset(range(min(len(shapes), FIRST_SHAPES * len(enums))))
     for v in variants:
-        pool, first = v.pool(shapes, frozenset(range(min(len(shapes), FIRST_SHAPES * len(enums)))))
+        # A sharding the config asks for prices the whole pool; one priced beside them, its part.
+        pool, first = (shapes, firsts) if v.sharding in shardings else v.pool(shapes, firsts)
         got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
                            steps=steps[v.schedule]) if pool else []
         if config.strategy in BASELINES:
