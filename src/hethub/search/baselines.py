@@ -34,10 +34,6 @@ def _proportional(total: int, weights: list[float], *, minimum: int) -> list[int
     return [minimum + x for x in out]
 
 
-def _equal(total: int, n: int) -> list[int]:
-    return [total // n + (i < total % n) for i in range(n)]
-
-
 def baseline_plans(s: Searcher, *, strategy: str) -> list[tuple[float, Plan]]:
     cluster, model, cfg = s.cluster, s.model, s.config
     ids = [d.id for d in cluster.devices]
@@ -69,7 +65,7 @@ def _shape(s: Searcher, *, strategy: str, ids: list[int], tp: int, pp: int, dp: 
     kinds = [[cluster.devices[ids[(i * pp + st) * tp]].kind for st in range(pp)] for i in range(dp)]
     total_mb = cfg.global_batch // mbs
     if strategy == "uniform":
-        layer_split = [_equal(model.num_layers, pp) for _ in range(dp)]
+        layer_split = [[model.num_layers // pp + (i < model.num_layers % pp) for i in range(pp)]] * dp
         mbs_split = [total_mb // dp] * dp
     else:
         speed = [[cluster.kinds[k].effective_flops * tp for k in row] for row in kinds]

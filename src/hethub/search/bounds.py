@@ -77,19 +77,15 @@ class Capacity:
             hit = self._ats[key] = max(0, n)
         return hit
 
-    def _bound_of(self, stage: int, p: int) -> int:
-        n = self.schedule.max_in_flight(stage=stage, num_stages=p)
-        if n is None:
-            raise ValueError("Capacity needs a schedule with an in-flight bound")
-        return n
-
     def total(self, p: int, *, variant: int) -> int:
         key = (p, variant)
         if key not in self._totals:
             # O(p) per p: each stage's count is cached in its StageCost (max_layers).
             bounds = self._in_flights.get(p)
             if bounds is None:
-                bounds = self._in_flights[p] = tuple(self._bound_of(s, p) for s in range(p))
+                # capacity() gives every Capacity a schedule with an in-flight bound
+                bounds = self._in_flights[p] = tuple(self.schedule.max_in_flight(stage=s, num_stages=p)
+                                                     for s in range(p))
             if p == 1:
                 self._totals[key] = self._at(variant, emb=True, head=True, in_flight=bounds[0])
             else:  # the middle stages' counts by in-flight count, filled once (a dict lookup each after)
