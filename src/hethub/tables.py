@@ -70,7 +70,7 @@ def format_plan_table(plan: Plan, pred: Prediction) -> str:
 def format_summary(plan: Plan, pred: Prediction, *, upper_bound_tokens_per_s: float | None = None,
                    search_time_s: float | None = None, kinds_alone_tokens_per_s: float | None = None) -> str:
     """The plan's headline: devices, schedule, predicted step and tokens/s; with the job's proven upper
-    bound (search/proven_bound.py) the efficiency (<= 1) and MFU; with the sum of kind-alone plans, the
+    bound (predict/proven_bound.py) the efficiency (<= 1) and MFU; with the sum of kind-alone plans, the
     ratio to it (above 1 where mixing kinds relieves one's memory)."""
     used = plan.world_size
     kinds = ", ".join(f"{n} x{c}" for n, c in _kinds_used(plan).items())

@@ -1,5 +1,5 @@
-"""The proven upper bound (search/proven_bound.py): every plan the planner writes reads at most 1
-against it, on every example cluster and on random ones; it is one number per job, whatever
+"""The proven upper bound (predict/proven_bound.py, planner.job_bound): every plan the planner
+writes reads at most 1 against it, on every example cluster and on random ones; it is one number per job, whatever
 schedule, sharding or strategy was searched; and it is exact where the model is a plain roofline."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from conftest import plan_768, tiny_model
 from hethub.errors import InfeasibleError
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.proven_bound import proven_bound
+from hethub.search.planner import job_bound
 from hethub.spec.cluster import Cluster, Link, NodeGroup, load_cluster
 from hethub.spec.kind import DeviceKind
 from hethub.spec.model import get_model
@@ -81,7 +81,7 @@ def test_efficiency_is_at_most_one_on_random_clusters_and_strategies(seed):
     cluster = _random_cluster(rng)
     config = PlannerConfig(global_batch=rng.choice((8, 16, 32)), seq_len=128, top_k=3)
     model = get_model("small")
-    bound = proven_bound(cluster=cluster, model=model, config=config).tokens_per_s
+    bound = job_bound(cluster=cluster, model=model, config=config).tokens_per_s
     for strategy in ("hethub", "uniform", "flops-proportional", "homogeneous"):
         try:
             r = make_plan(cluster=cluster, model=model, config=PlannerConfig(
@@ -114,6 +114,6 @@ def test_bound_is_the_roofline_rate_of_every_device_where_the_model_is_a_rooflin
     cluster = Cluster(name="roof", kinds={"r": kind}, groups=(NodeGroup("r", 2, 2),), inter_node=Link(10e9, 1e-5),
                       cross_kind=Link(10e9, 1e-5))
     model, seq = tiny_model(), 64
-    b = proven_bound(cluster=cluster, model=model, config=PlannerConfig(global_batch=8, seq_len=seq))
+    b = job_bound(cluster=cluster, model=model, config=PlannerConfig(global_batch=8, seq_len=seq))
     per_token_s = 3 * model.num_layers * model.layer_fwd_flops(tokens=1, seq_len=seq) / kind.effective_flops
     assert b.tokens_per_s == pytest.approx(4 / per_token_s)

@@ -1,6 +1,6 @@
 """The planner's entry points: make_plan and upper_bound.
 
-Every result is reported against the job's proven upper bound (search/proven_bound.py), so its
+Every result is reported against the job's proven upper bound (predict/proven_bound.py), so its
 ``efficiency`` is at most 1 whichever variants ran; the sum of kind-alone plans (HETHUB's
 reference) is reported beside it as ``vs_kinds_alone``.
 
@@ -23,6 +23,7 @@ from hethub.predict.context_plans import cp_candidates, cp_note
 from hethub.predict.host import HostModel
 from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_bytes
 from hethub.predict.profiles import ProfileSet
+from hethub.predict.proven_bound import ProvenBound, proven_bound
 from hethub.predict.result import Prediction
 from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.predict.stage_links import LinkBook
@@ -35,7 +36,6 @@ from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
 from hethub.search.finalists import bound_parts, score_plans
 from hethub.search.polish import chunked_candidates, interleave_plan, polish
-from hethub.search.proven_bound import ProvenBound, proven_bound
 from hethub.search.templates import Searcher, tp_options
 from hethub.search.variants import (
     Variant,
@@ -71,8 +71,7 @@ class PlanResult:
     plan: Plan
     prediction: Prediction
     search_time_s: float
-    # The proven bound (search/proven_bound.py) once make_plan returns; within a search, the
-    # kind-alone sum that ranks its variants.
+    # The proven bound (predict/proven_bound.py) and the plan's tokens/s over it, set by make_plan.
     upper_bound_tokens_per_s: float
     efficiency: float  # prediction.tokens_per_s / upper bound: <= 1 once make_plan returns
     alternatives: tuple[tuple[Plan, Prediction], ...]  # top-k, best first, including the best
@@ -114,7 +113,7 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     every rank runs on, if any: ``hethub.emulation.host_model``), read against the proven bound."""
     with _collector_paused():
         result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    result = reported(result, proven_bound(cluster=cluster, model=model, config=config, profiles=profiles))
+    result = reported(result, job_bound(cluster=cluster, model=model, config=config, profiles=profiles))
     if config.optimizer_sharding == "zero1" and not result.plan.sharded_optimizer and ONE_REPLICA not in result.notes:
         result = replace(result, notes=(ONE_REPLICA, *result.notes))
     return result
@@ -322,6 +321,14 @@ def merged_bound(results: Iterable[PlanResult]) -> tuple[dict[str, float], froze
             into[kind] = max(into.get(kind, 0.0), tps)
     parts = {k: fitting.get(k, relaxed.get(k, 0.0)) for k in dict.fromkeys([*fitting, *relaxed])}
     return parts, frozenset(relaxed) - frozenset(fitting)
+
+
+def job_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+              profiles: ProfileSet | None = None) -> ProvenBound:
+    """The proven bound (predict/proven_bound.py) over the plans the config's search may write."""
+    return proven_bound(cluster=cluster, model=model, seq_len=config.seq_len, precision=config.precision,
+                        tp_by_kind={k: tp_options(cluster, model, k, config.tp_degrees) for k in cluster.kind_names},
+                        micro_batch_sizes=config.micro_batch_sizes, profiles=profiles)
 
 
 def reported(result: PlanResult, bound: ProvenBound) -> PlanResult:

@@ -1,10 +1,10 @@
-"""The proven upper bound on a job's tokens/s, and the figures reported against it.
+"""The proven upper bound on a job's predicted tokens/s, which plans' efficiency is read against.
 
 Every device counts at its kind's best modelled rate on its share of the layers: the least per-layer
-forward + backward time of the one stage cost model (``predict/stage_cost.py``) over the TP degrees
-and micro-batch sizes the planner may use. Why no plan the planner writes can beat it under the
+forward + backward time of the one stage cost model (``stage_cost.py``) over the TP degrees and
+micro-batch sizes a plan may use. Why no plan of those degrees and sizes can beat it under the
 predictor, and what it relaxes: docs/planner.md, "Upper bound, efficiency and the kind-alone
-reference". It depends on the job only, never on the schedule, sharding or strategy searched.
+reference". It depends on the job only, never on a plan's schedule, sharding or strategy.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from hethub.plan import Recompute
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_cost import StageJob, stage_step
-from hethub.search.config import PlannerConfig
-from hethub.search.templates import tp_options
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
@@ -49,18 +47,19 @@ def least_layer_time_s(job: StageJob, cluster: Cluster, kind: str, *, tp: int, m
     return best
 
 
-def proven_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
+def proven_bound(*, cluster: Cluster, model: ModelSpec, seq_len: int, precision: str,
+                 tp_by_kind: dict[str, tuple[int, ...]], micro_batch_sizes: tuple[int, ...],
                  profiles: ProfileSet | None = None) -> ProvenBound:
-    """The job's proven upper bound on tokens/s (module docstring: the argument and its relaxations)."""
-    job = StageJob.planned(model=model, cluster=cluster, seq_len=config.seq_len, precision=config.precision,
-                           profiles=profiles)
+    """The job's proven upper bound on tokens/s over plans whose stages of each kind use the TP degrees
+    of ``tp_by_kind`` and whose micro-batches are of ``micro_batch_sizes`` (module docstring)."""
+    job = StageJob.planned(model=model, cluster=cluster, seq_len=seq_len, precision=precision, profiles=profiles)
     by_kind: dict[str, float] = {}
     for kind, count in cluster.count_by_kind().items():
         rate = 0.0  # layer-tokens per second of one device
-        for tp in tp_options(cluster, model, kind, config.tp_degrees):
-            for mbs in sorted(set(config.micro_batch_sizes)):
+        for tp in tp_by_kind.get(kind, ()):
+            for mbs in sorted(set(micro_batch_sizes)):
                 tau = least_layer_time_s(job, cluster, kind, tp=tp, mbs=mbs)
                 if tau > 0:
-                    rate = max(rate, mbs * config.seq_len / (tp * tau))
+                    rate = max(rate, mbs * seq_len / (tp * tau))
         by_kind[kind] = count * rate / model.num_layers
     return ProvenBound(tokens_per_s=sum(by_kind.values()), by_kind=by_kind)
