@@ -146,6 +146,23 @@ def test_the_default_path_gives_the_same_plan_under_a_slow_clock(monkeypatch):
     assert busy.search_time_s > 100 * calm.search_time_s  # the clock did run fast
 
 
+def test_the_polish_budget_is_set_by_the_plan_size_alone():
+    # planner.polish_budget: POLISH_BUDGETS on plans up to POLISH_FULL_DEVICES devices, then fewer
+    # predictions as each costs more (budget x devices bounded), never none; the plan fixes it.
+    from types import SimpleNamespace
+
+    import hethub.search.planner as planner
+
+    def budgets(devices):
+        return tuple(planner.polish_budget(i, SimpleNamespace(world_size=devices)) for i in range(3))
+
+    full = planner.POLISH_FULL_DEVICES
+    assert budgets(8) == budgets(full) == planner.POLISH_BUDGETS == (16, 6, 6)
+    assert budgets(2 * full) == (8, 3, 3) and budgets(4 * full) == (4, 1, 1) and budgets(64 * full) == (1, 1, 1)
+    for n in (full, 2 * full, 4 * full):
+        assert budgets(n)[0] * n <= planner.POLISH_BUDGETS[0] * full
+
+
 def test_the_default_path_shows_one_progress_bar(monkeypatch):
     # `hethub plan`'s defaults (schedule and sharding auto) price every variant from one enumeration
     # per sharding inside one search: one bar, where six searches each showed their own.
