@@ -210,9 +210,6 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     bar.update()
     own = [x for got in by_variant.values() for x in got]
     scored = sorted(own if config.strategy in BASELINES else [*own, *b.alone], key=lambda x: x[1].step_time_s)
-    if not scored:
-        bar.close()
-        raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
     hethub = config.strategy == "hethub"
     starts = scored[:FIRST_SHAPES] if hethub else []  # offered context parallelism (predict/context_plans.py)
     scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, config=config)],
@@ -222,14 +219,17 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     if INTERLEAVED in names:
         scored = sorted([*scored, *_interleavings(scored, config=config, profiles=profiles, host=host)],
                         key=lambda x: x[1].step_time_s)
-    notes = [*_variant_notes(scored, names, shardings), cp_note(scored, starts=starts) if hethub else ""]
     if config.schedule == INTERLEAVED:  # the 1F1B plans are the interleaved schedule's at v 1
         scored = [(replace(p, schedule=INTERLEAVED), r) for p, r in scored if p.zero_stage < 3]
+    bar.update()
+    bar.close()
+    if not scored:
+        raise InfeasibleError(infeasible_message(cluster=cluster, model=model, config=config))
+    notes = [*_variant_notes(scored, names, shardings), cp_note(scored, starts=starts) if hethub else ""]
+    if config.schedule == INTERLEAVED:
         v = ", ".join(str(p.virtual_stages) for p in scored[0][0].pipelines)
         notes = [f"interleaved: virtual stages per pipeline v {v} (v 1: the 1F1B order)",
                  *(n for n in notes if not n.startswith("schedule "))]
-    bar.update()
-    bar.close()
     elapsed = time.perf_counter() - t0
     # Bound and efficiency: `reported`'s (the proven bound).
     top = tuple((replace(plan, strategy=config.strategy).with_meta(
