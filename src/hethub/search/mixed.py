@@ -104,24 +104,20 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
     return level + max(ctx.sync_floor(fam.pairs, clo, devices), ctx.tail_floor(segs, clo, devices))
 
 
-def _rate_level(ctx: SyncFloors, fam: Family, total: int) -> float:
+def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = None) -> float:
     """A floor under the makespan of every candidate in the family's `boxes` beside ctx's pure
     groups, whatever its replica and stage counts. A mixed pipeline j finishes its m-th micro-batch
     no earlier than F + (m - 1) B_j (its fill floor and bottleneck, as in `_box_level`), and its fill
     is at least F0, the schedule's fill floor for one micro-batch's least work through all layers
     with the bottleneck left out (the floor only grows with it). A stage of kind k takes w_k or more
     per layer, so B_j >= L / sum over j's stages of 1 / w_k, and over the family's stages (fam.slots
-    of each kind) sum_j 1 / B_j <= R = sum_k slots_k / w_k / L. So by time T >= F0 the c <= c_max
-    pipelines finish at most c_max + R (T - F0) micro-batches, none before F0, and the candidates'
-    makespan T has finished_mb(pure, T) plus that >= total. After the makespan, `_box_level`'s sync
-    floors, which only grow with the replicas, the devices and fewer stages, at the boxes' fewest
-    replicas and devices and most stages per kind."""
-    return _stream_level(ctx, fam, total, fam.rate_terms[4])
-
-
-def _stream_level(ctx: SyncFloors, fam: Family, total: int, rate: float) -> float:
-    """`_rate_level` with the family's pipelines together finishing at most `rate` micro-batches per
-    second after their first (R there, a tighter rate in `_boxes_level`)."""
+    of each kind) sum_j 1 / B_j <= R = sum_k slots_k / w_k / L (``rate``: a tighter one, as
+    `_boxes_level` knows). So by time T >= F0 the c <= c_max pipelines finish at most
+    c_max + R (T - F0) micro-batches, none before F0, and the candidates' makespan T has
+    finished_mb(pure, T) plus that >= total. After the makespan, `_box_level`'s sync floors, which
+    only grow with the replicas, the devices and fewer stages, at the boxes' fewest replicas and
+    devices and most stages per kind."""
+    rate = fam.rate_terms[4] if rate is None else rate
     key = (id(fam), total, rate)
     hit = ctx.rate_levels.get(key)
     if hit is None:
@@ -145,7 +141,7 @@ def _boxes_level(ctx: SyncFloors, fam: Family, cores: list[tuple[tuple, tuple | 
         return math.inf
     if any(core[3] <= 0 for _, core in held):
         return _rate_level(ctx, fam, total)
-    return _stream_level(ctx, fam, total, min(fam.rate_terms[4], max(box[1] / core[3] for box, core in held)))
+    return _rate_level(ctx, fam, total, min(fam.rate_terms[4], max(box[1] / core[3] for box, core in held)))
 
 
 def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, total: int) -> float:
