@@ -1,5 +1,5 @@
-"""The default path: one enumeration of candidate shapes, priced under every schedule and optimizer
-sharding the config leaves open.
+"""The search's one path (planner._make_plan): one enumeration of candidate shapes, priced under every
+schedule and optimizer sharding the config leaves open.
 
 A *variant* is a schedule and an optimizer sharding. A shape (kind-pure templates, their replicas
 and fills, mixed pipelines) does not depend on the variant; its layer splits (in-flight memory),
