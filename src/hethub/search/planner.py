@@ -29,7 +29,7 @@ from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.utilisation import cluster_mfu
 from hethub.progress import progress
-from hethub.runtimes import runtime_refusals
+from hethub.runtimes import runtime_profile, runtime_refusals
 from hethub.schedules import AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
 from hethub.search.combine import Estimate
@@ -159,14 +159,15 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     """The best plan of ``config.strategy`` over every variant (schedule, optimizer sharding) the
     config leaves open (one where it fixes both), every variant pricing the one enumeration's pool of
     shapes and each kind alone (search/variants.py). The baselines price their own layouts
-    (search/baselines.py) unsharded, as the systems they stand for build them; homogeneous is each
-    kind alone."""
+    (search/baselines.py) unsharded, as the systems they stand for build them; homogeneous prices
+    each kind alone under every variant."""
     if config.strategy in BASELINES:
         config = replace(config, optimizer_sharding="none")
     t0 = time.perf_counter()
     _check_job(model, config, cluster)
     variants, shardings = variants_of(config)
-    names = [v.schedule for v in variants]
+    names = list(runtime_profile(config.runtime).auto_schedules) if config.schedule == AUTO_SCHEDULE \
+        else [config.schedule]  # the schedules open (the baselines' interleaving has no variant)
     links = LinkBook(cluster, runtime=config.runtime)  # one per job: hops and rings depend on the cluster
     bar = progress(len(variants) + 3, desc=f"plan {cluster.name}", unit="steps",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
@@ -198,6 +199,10 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
             plans = [p.with_runtime(config.runtime) for _, p in baseline_plans(searchers[v], strategy=config.strategy)]
             got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
                               headroom=config.mem_headroom, keep=keep)
+        elif config.strategy == "homogeneous" and v.sharding in shardings:  # each kind alone under the variant
+            plans = [p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config)]
+            got = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=keep,
+                              steps=steps[v.schedule])
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
             got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
                                      mem_headroom=config.mem_headroom)
@@ -209,8 +214,8 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
                     candidates=lambda kind: alone_plans(plain, alone[kind], config=config))
     bar.update()
     own = [x for got in by_variant.values() for x in got]
-    scored = sorted(own if config.strategy in BASELINES else [*own, *b.alone], key=lambda x: x[1].step_time_s)
     hethub = config.strategy == "hethub"
+    scored = sorted([*own, *b.alone] if hethub else own, key=lambda x: x[1].step_time_s)
     starts = scored[:FIRST_SHAPES] if hethub else []  # offered context parallelism (predict/context_plans.py)
     scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, config=config)],
                     key=lambda x: x[1].step_time_s)
@@ -228,8 +233,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     notes = [*_variant_notes(scored, names, shardings), cp_note(scored, starts=starts) if hethub else ""]
     if config.schedule == INTERLEAVED:
         v = ", ".join(str(p.virtual_stages) for p in scored[0][0].pipelines)
-        notes = [f"interleaved: virtual stages per pipeline v {v} (v 1: the 1F1B order)",
-                 *(n for n in notes if not n.startswith("schedule "))]
+        notes = [f"interleaved: virtual stages per pipeline v {v} (v 1: the 1F1B order)", *notes]
     elapsed = time.perf_counter() - t0
     # Bound and efficiency: `reported`'s (the proven bound).
     top = tuple((replace(plan, strategy=config.strategy).with_meta(
