@@ -193,8 +193,9 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     for v in variants:
         # A sharding the config asks for prices the whole pool; one priced beside them, its part.
         pool, first = (shapes, firsts) if v.sharding in shardings else v.pool(shapes, firsts)
+        own = len(enums) == 1 and searchers[v].config == enums[0].config  # the pool's one enumeration is v's
         got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
-                           steps=steps[v.schedule]) if pool else []
+                           steps=steps[v.schedule], own=own) if pool else []
         if config.strategy in BASELINES:
             plans = [p.with_runtime(config.runtime) for _, p in baseline_plans(searchers[v], strategy=config.strategy)]
             got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,

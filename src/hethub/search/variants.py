@@ -171,11 +171,13 @@ def repriced(s: Searcher, shapes: list[Estimate]) -> list[tuple[int, Estimate]]:
 
 
 def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, shapes: list[Estimate], keep: int,
-                 firsts: int = 0, steps: list[float] | None = None) -> list[tuple[Plan, Prediction]]:
+                 firsts: int = 0, steps: list[float] | None = None, own: bool = False) -> list[tuple[Plan, Prediction]]:
     """The shapes priced under the variant of ``s`` (its searcher: sharded stages assume its holders),
     the best distinct laid out and predicted, with those of the first ``firsts`` shapes; fastest
-    first. ``config``: the user's (finalists, top_k); ``keep``, ``steps``: `finalists.score_plans`'s."""
-    got = repriced(s, shapes)
+    first. ``config``: the user's (finalists, top_k); ``keep``, ``steps``: `finalists.score_plans`'s;
+    ``own``: the shapes were enumerated by ``s`` itself, so priced as they are (a reprice keeps only
+    the min-max split or one like the shape's, not the split the search chose)."""
+    got = sorted(enumerate(shapes), key=lambda x: x[1].step_time_s) if own else repriced(s, shapes)
     if not got:
         return []
     # The closed form ranks variants with errors of their own (ZB-H1's split backward is an assumed
