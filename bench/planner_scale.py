@@ -8,7 +8,7 @@ README's HETHUB-768 command (examples/clusters/hethub-768.toml, llama-140b, 1536
 (docs/planner.md) on a 2-core machine: 512 devices <= 3 s, 4,096 <= 10 s, HETHUB-768 <= 4 s. On a
 shared machine the wall time says little: cpu_s (this process and its children) and the load
 average beside it say how busy it was. Each plan's tokens/s is printed beside main's at the commit
-named in REFERENCE (six searches, before the default path shared one pool of shapes), with their
+named in REFERENCE, with their
 ratio: the plans must not get worse.
 """
 
@@ -36,9 +36,9 @@ SIZES: dict[int, tuple[list[tuple[str, int]], str, int, int]] = {
     4096: ([("h100-sxm", 256), ("a100-80gb", 128), ("mi300x", 128)], "llama-2-70b", 2048, 4096),
 }
 HETHUB_768 = ("examples/clusters/hethub-768.toml", "llama-140b", 1536, 4096)
-# The default path's plans on main fdf8658 (2026-12-05, this script's cases through `hethub plan`'s
-# defaults: six searches, three schedules x two shardings, with the calibrated catalog), tokens/s.
-REFERENCE = {32: 109_163, 128: 595_956, 512: 509_980, 768: 72_967, 4096: 3_452_312}
+# The default path's plans, tokens/s, on main 64a7f09 (2026-12-05, this script's cases through
+# `hethub plan`'s defaults; 4,096 devices on 8ca1f55, whose other plans equal 64a7f09's).
+REFERENCE = {32: 114_092, 128: 588_249, 512: 480_202, 768: 77_297, 4096: 3_235_598}
 
 
 def build(groups: list[tuple[str, int]], n: int) -> Cluster:

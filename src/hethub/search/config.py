@@ -30,6 +30,7 @@ class PlannerConfig:
     tp_degrees: tuple[int, ...] = TP_DEGREES
     allow_recompute: bool = True
     sequence_parallel: bool = True  # offered on TP > 1 stages, a stage mode beside recomputation
+    context_parallel: bool = True  # the best plans' replicas fused into CP 2 / 4 where a stage recomputes fully
     # How many closed-form finalists the full predictor re-scores; more is slower and rarely better.
     finalists: int = 6
     # Besides them, the best of each micro-batch size (and of the plans mixing sizes): the closed form

@@ -217,7 +217,8 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     own = [x for got in by_variant.values() for x in got]
     hethub = config.strategy == "hethub"
     scored = sorted([*own, *b.alone] if hethub else own, key=lambda x: x[1].step_time_s)
-    starts = scored[:FIRST_SHAPES] if hethub else []  # offered context parallelism (predict/context_plans.py)
+    # offered context parallelism (predict/context_plans.py)
+    starts = scored[:FIRST_SHAPES] if hethub and config.context_parallel else []
     scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, config=config)],
                     key=lambda x: x[1].step_time_s)
     if config.polish and hethub:
