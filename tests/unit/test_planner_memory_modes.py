@@ -15,10 +15,13 @@ from hethub.predict.predictor import predict
 from hethub.predict.stage_modes import choose_recompute, stage_modes
 from hethub.runtimes import runtime_runs
 from hethub.search import PlannerConfig, make_plan
+from hethub.search.finalists import finalist_plans, score_plans
+from hethub.search.hetero import search
 from hethub.search.split import CostBook, Job
-from hethub.search.variants import Variant, variants_of
-from hethub.spec.cluster import parse_cluster
-from hethub.spec.model import ModelSpec
+from hethub.search.templates import Searcher
+from hethub.search.variants import Variant, enumeration_variants, variants_of
+from hethub.spec.cluster import load_cluster, parse_cluster
+from hethub.spec.model import ModelSpec, get_model
 
 MODEL = ModelSpec(name="m", num_layers=6, hidden_size=1024, num_heads=8, num_kv_heads=4, ffn_hidden_size=2816,
                   vocab_size=32000, max_seq_len=8192)
@@ -130,6 +133,42 @@ def test_zero23_variants_are_priced_where_memory_binds_and_only_valid_ones():
         assert Variant("1f1b", z).pool(bound, firsts) == ([bound[0], bound[2]], frozenset({0, 1}))
     with_sp = [_Shape(_Pipe((Recompute.NONE,), (True,)))]
     assert Variant("1f1b", "zero3").pool(with_sp, frozenset({0})) == (with_sp, frozenset({0}))
+
+
+def test_a_forced_sharding_prices_the_one_replica_shapes_unsharded():
+    # A plan of one replica is unsharded whatever sharding is asked (finalists.finalist_plans): a forced
+    # ZeRO-2/3 also searches at one holder, where its per-micro-batch collectives do not rank the
+    # one-replica shapes last, and the unsharded variant prices those shapes.
+    config = PlannerConfig(global_batch=8, seq_len=512, schedule="1f1b", optimizer_sharding="zero2")
+    variants, asked = variants_of(config)
+    assert asked == ["zero2"] and {v.sharding for v in variants} == {"zero2", "none"}
+    enums = enumeration_variants(variants, asked)
+    assert [(v.sharding, v.one_holder) for v in enums] == [("zero2", False), ("zero2", True)]
+    assert enums[1].config(config, holders=64).shard_holders == 1 < enums[0].config(config, holders=64).shard_holders
+    auto = variants_of(replace(config, optimizer_sharding="auto"))
+    assert not any(v.one_holder for v in enumeration_variants(*auto))  # "none" is asked: the default path as it was
+
+    class _Shape:
+        def __init__(self, *counts):
+            self.groups = [type("G", (), {"count": n})() for n in counts]
+
+    shapes = [_Shape(2), _Shape(1), _Shape(1, 1), _Shape(1)]
+    assert Variant("1f1b", "none").pool(shapes, frozenset({0, 1})) == ([shapes[1], shapes[3]], frozenset({0}))
+
+
+def test_forced_zero2_is_at_least_the_best_one_replica_plan():
+    # The README's 32-device job under --schedule 1f1b --optimizer-sharding zero2: the best one-replica
+    # plan (a 16-17 stage pipeline, unsharded) beats every ZeRO-2 plan of several replicas; the pool
+    # enumerated at the loosest memory held none, so the forced search lost a quarter of its tokens/s.
+    cluster, model = load_cluster("examples/clusters/a100-v100-32.toml"), get_model("llama-2-7b")
+    config = PlannerConfig(global_batch=256, seq_len=2048, schedule="1f1b", optimizer_sharding="zero2")
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)  # one holder: a replica's memory
+    ones = [e for e in search(s) if sum(g.count for g in e.groups) == 1]
+    plans = finalist_plans(s, ones, config=config, strategy="hethub")
+    best = score_plans(plans, None)[0]
+    assert not best[0].sharded_optimizer and len(best[0].pipelines) == 1
+    got = make_plan(cluster=cluster, model=model, config=config)
+    assert got.prediction.tokens_per_s >= best[1].tokens_per_s * (1 - 1e-9)
 
 
 def test_zero23_plans_need_equal_micro_batch_counts():

@@ -61,8 +61,8 @@ POLISH_FULL_DEVICES = 1024
 SHARD_HOLDERS_OPTIMISM = 8  # sharded stages' assumed holders: this times the unsharded best's replicas
 FIRST_SHAPES = 3  # each enumeration's best shapes, laid out and predicted under every variant
 PROGRESS_MIN_DEVICES = 256  # smaller clusters plan in well under a second
-ONE_REPLICA = ("optimizer sharding: none, although zero1 was asked: the plan has one replica, so each parameter "
-               "has a single holder and ZeRO-1 has nothing to shard across (as Megatron's distributed optimizer "
+ONE_REPLICA = ("optimizer sharding: none, although {0} was asked: the plan has one replica, so each parameter "
+               "has a single holder and {0} has nothing to shard across (as Megatron's distributed optimizer "
                "at data-parallel size 1); more devices or a smaller model give replicas to shard over")
 
 
@@ -114,8 +114,9 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     with _collector_paused():
         result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     result = reported(result, job_bound(cluster=cluster, model=model, config=config, profiles=profiles))
-    if config.optimizer_sharding == "zero1" and not result.plan.sharded_optimizer and ONE_REPLICA not in result.notes:
-        result = replace(result, notes=(ONE_REPLICA, *result.notes))
+    one = ONE_REPLICA.format(z := config.optimizer_sharding)
+    if z not in ("none", "auto") and not result.plan.sharded_optimizer and one not in result.notes:
+        result = replace(result, notes=(one, *result.notes))
     return result
 
 

@@ -43,20 +43,25 @@ SHAPES_POOL = 48
 
 @dataclass(frozen=True)
 class Variant:
-    """A schedule (with its model chunks per stage) and an optimizer sharding."""
+    """A schedule (its model chunks per stage) and an optimizer sharding, ``one_holder``: at one replica's memory."""
 
     schedule: str
     sharding: str
     chunks: int = 1
+    one_holder: bool = False
 
     def config(self, config: PlannerConfig, *, holders: int = 1) -> PlannerConfig:
         return replace(config, schedule=self.schedule, optimizer_sharding=self.sharding, virtual_stages=self.chunks,
-                       shard_holders=holders if self.sharding != "none" else 1)
+                       shard_holders=1 if self.sharding == "none" or self.one_holder else holders)
 
     def pool(self, shapes: list[Estimate], firsts: frozenset[int]) -> tuple[list[Estimate], frozenset[int]]:
-        """The shapes the variant prices (and which are the enumerations' firsts): all of them, or for
-        ZeRO-2/3 only the enumerations' firsts and only where memory binds (some stage of the pool
+        """The shapes a variant the config does not ask prices (and which are the enumerations' firsts):
+        unsharded, those of one replica (a sharded plan of one replica is unsharded: `variants_of`);
+        ZeRO-1 all; ZeRO-2/3 only the enumerations' firsts and only where memory binds (some stage
         recomputes or runs SP): their per-micro-batch collectives cost time (docs/planner.md)."""
+        if self.sharding == "none":
+            ones = [i for i, e in enumerate(shapes) if sum(g.count for g in e.groups) == 1]
+            return [shapes[i] for i in ones], frozenset(j for j, i in enumerate(ones) if i in firsts)
         if zero_stage_of(self.sharding) < 2:
             return shapes, firsts
         if not any(any(g.pipe.recompute) or any(g.pipe.sp) for e in shapes for g in e.groups):
@@ -72,7 +77,7 @@ class Variant:
 
 def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     """The variants the config leaves open (the interleaved schedule's sized one included) and the
-    shardings."""
+    shardings asked; the unsharded ones always, as a plan of one replica is (finalists.finalist_plans)."""
     runtime = runtime_profile(config.runtime)  # what it runs (hethub.runtimes)
     schedules = list(runtime.auto_schedules) if config.schedule == AUTO_SCHEDULE else [config.schedule]
     schedules = [ONE_F_ONE_B, *schedules] if schedules == [INTERLEAVED] else schedules  # it starts from 1F1B's
@@ -81,7 +86,7 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     # ZeRO-2/3 free memory the way ZeRO-1 does, more of it: their shapes are the enumerations' (priced
     # under them where memory binds, `Variant.pool`), not enumerated again.
     priced = [z for z in PLANNED_SHARDINGS if z in runtime.shardings] if config.optimizer_sharding == "auto" \
-        else shardings
+        else list(dict.fromkeys([*shardings, "none"]))
     out = [Variant(sch, z) for sch in schedules if sch != INTERLEAVED for z in priced]
     if INTERLEAVED in schedules and config.strategy == "hethub":
         out += [Variant(INTERLEAVED, z, SIZED_CHUNKS) for z in priced if zero_stage_of(z) < 3]
@@ -92,10 +97,12 @@ def enumeration_variants(variants: list[Variant], shardings: list[str]) -> list[
     """The variants the enumeration runs under: ZB-H1 and 1F1B where open (the interleaved schedule's
     shapes are the 1F1B ones), whose bars prune differently: ZB-H1's small bubble favours deeper
     pipelines, 1F1B's fill shallower ones; each under ZeRO-1 where open (the loosest memory: every
-    shape a variant fits is in the pool)."""
+    shape a variant fits is in the pool). An asked ZeRO-2/3 also at one holder: there its per-micro-batch
+    collectives rank first the one-replica shapes, which pay none, unsharded (`Variant.pool`)."""
     names = [v.schedule for v in variants if v.schedule != INTERLEAVED] or [ONE_F_ONE_B]
     zero = "zero1" if "zero1" in shardings else shardings[0]
-    return [Variant(n, zero) for n in ENUM_SCHEDULES if n in names] or [Variant(names[0], zero)]
+    out = [Variant(n, zero) for n in ENUM_SCHEDULES if n in names] or [Variant(names[0], zero)]
+    return out + [Variant(v.schedule, z, one_holder=True) for v in out for z in shardings if zero_stage_of(z) >= 2]
 
 
 def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
