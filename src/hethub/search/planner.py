@@ -89,9 +89,22 @@ class PlanResult:
     mfu: float = 0.0
 
 
-# The enumerations kept by `reused_searches`: (ids of cluster, model, profiles, host; configs) ->
-# ([mixed shapes or None, kind-alone shapes], None, the keyed objects).
-_REUSED: dict[tuple, tuple] | None = None
+@dataclass(frozen=True)
+class EnumerationKey:
+    """A job's enumeration in `reused_searches`: cluster, model, profiles and host by id, and its configs."""
+    ids: tuple[int, ...]
+    configs: tuple[PlannerConfig, ...]
+
+
+@dataclass
+class Enumerated:
+    """Its kind-alone shapes, its mixed ones once asked, and the keyed objects (so no id is reused)."""
+    alone: dict[str, list[Estimate]]
+    held: tuple[object, ...]
+    mixed: list[Estimate] | None = None
+
+
+_REUSED: dict[EnumerationKey, Enumerated] | None = None  # the enumerations `reused_searches` keeps
 
 
 @contextlib.contextmanager
@@ -253,15 +266,12 @@ def _enumeration(enums: list[Searcher], *, host: HostModel | None, mixed: bool,
     within `reused_searches` (``--compare``'s rows ask the same ones; the strategy changes neither)."""
     if _REUSED is None:
         return enumerate_shapes(enums) if mixed else [], alone_shapes(enums)
-    s = enums[0]
-    key = ("enumeration", id(s.cluster), id(s.model), id(s.job.profiles), id(host),
-           tuple(replace(e.config, top_k=1, strategy="hethub") for e in enums))
-    if key not in _REUSED:
-        _REUSED[key] = ([None, alone_shapes(enums)], None, (s.cluster, s.model, s.job.profiles, host))
-    got = _REUSED[key][0]
-    if mixed and got[0] is None:
-        got[0] = enumerate_shapes(enums)
-    return got[0] if mixed else [], got[1]
+    held = (enums[0].cluster, enums[0].model, enums[0].job.profiles, host)
+    key = EnumerationKey(tuple(map(id, held)), tuple(replace(e.config, top_k=1, strategy="hethub") for e in enums))
+    got = _REUSED.get(key) or _REUSED.setdefault(key, Enumerated(alone=alone_shapes(enums), held=held))
+    if mixed and got.mixed is None:
+        got.mixed = enumerate_shapes(enums)
+    return (got.mixed or []) if mixed else [], got.alone
 
 
 def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
