@@ -7,21 +7,25 @@ whichever ranks hold each parameter.
 
 Torch ranks are the plan's devices in ascending device-id order, so a plan that leaves devices idle
 still launches with a dense ``world_size``.
+
+Its parts are in ``plan_parts``, their checks in ``plan_check`` and the file's field readers in
+``plan_fields``; this module assembles, validates, writes and reads the plan.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
+from hethub.plan_check import check_layer_ranges, check_seq_split, check_shard_weights, check_stage, fail
+from hethub.plan_fields import kind_settings_of, pipeline_from_dict, shard_weights_of, typed_field
 from hethub.plan_parts import RECOMPUTE_MODES, Pipeline, Recompute, ShardWeights, Stage, interleave, split_evenly
 from hethub.runtimes import ATTENTION_KINDS, DEFAULT_RUNTIME, RUNTIMES, runtime_profile
-from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, SCHEDULES, get_schedule
+from hethub.schedules import DEFAULT_P2P, DEFAULT_SCHEDULE, LOCKSTEP, P2P_MODES, SCHEDULES
 from hethub.schedules.lockstep import LOCKSTEP_FIX, lockstep_unsupported
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import PRECISIONS, ModelSpec
@@ -125,9 +129,9 @@ class Plan:
     def rank_shard_weights(self) -> dict[int, float]:
         """Each rank's weight in the ZeRO-1 split (``predict/sharding.py``), as the plan carries it."""
         if self.shard_weights is None:
-            _fail("training.optimizer_shard_weights", "is missing from a plan with optimizer sharding",
-                  "start training through 'python -m hethub.train' or 'hethub train' (they compute it at the "
-                  "default memory headroom), or re-create the plan with 'hethub plan'")
+            fail("training.optimizer_shard_weights", "is missing from a plan with optimizer sharding",
+                 "start training through 'python -m hethub.train' or 'hethub train' (they compute it at the "
+                 "default memory headroom), or re-create the plan with 'hethub plan'")
         assert self.shard_weights is not None
         return dict(enumerate(self.shard_weights.by_rank))
 
@@ -179,77 +183,77 @@ class Plan:
         """Raise PlanError naming the first inconsistent field and how to fix it; return self if fine."""
         m, c = self.model, self.cluster
         if self.schedule not in SCHEDULES:
-            _fail("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+            fail("schedule", f"is {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            _fail("training.optimizer_sharding", f"is {self.optimizer_sharding!r}",
-                  f"use one of {', '.join(OPTIMIZER_SHARDINGS)}")
+            fail("training.optimizer_sharding", f"is {self.optimizer_sharding!r}",
+                 f"use one of {', '.join(OPTIMIZER_SHARDINGS)}")
         if self.zero_stage >= 2:
             _check_zero23(self)
         if self.optimizer_shares not in OPTIMIZER_SHARES:
-            _fail("training.optimizer_shares", f"is {self.optimizer_shares!r}",
-                  f"use one of {', '.join(OPTIMIZER_SHARES)}")
+            fail("training.optimizer_shares", f"is {self.optimizer_shares!r}",
+                 f"use one of {', '.join(OPTIMIZER_SHARES)}")
         if self.sharded_optimizer and self.shard_weights is not None:
-            _check_shard_weights(self.shard_weights, world_size=self.world_size)
+            check_shard_weights(self.shard_weights, world_size=self.world_size)
         if self.runtime not in RUNTIMES:
-            _fail("training.runtime", f"is {self.runtime!r}", f"use one of {', '.join(RUNTIMES)} (hethub: hethub's "
-                  "own runtime, which trains the plan; megatron, deepspeed: predict the plan as those run it)")
+            fail("training.runtime", f"is {self.runtime!r}", f"use one of {', '.join(RUNTIMES)} (hethub: hethub's "
+                 "own runtime, which trains the plan; megatron, deepspeed: predict the plan as those run it)")
         if self.p2p not in P2P_MODES:
-            _fail("training.p2p", f"is {self.p2p!r}", f"use one of {', '.join(P2P_MODES)} (async: hethub's runtime; "
-                  "blocking: a runtime whose sends block, such as Megatron-LM; lockstep: DeepSpeed's pipeline engine)")
+            fail("training.p2p", f"is {self.p2p!r}", f"use one of {', '.join(P2P_MODES)} (async: hethub's runtime; "
+                 "blocking: a runtime whose sends block, such as Megatron-LM; lockstep: DeepSpeed's pipeline engine)")
         if self.p2p == LOCKSTEP:
             why = lockstep_unsupported(schedule=self.schedule,
                                        chunks=max((p.virtual_stages for p in self.pipelines), default=1))
             if why is not None:
-                _fail("training.p2p", why, LOCKSTEP_FIX)
+                fail("training.p2p", why, LOCKSTEP_FIX)
         if self.precision not in PRECISIONS:
-            _fail("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+            fail("precision", f"is {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
         for kind, settings in self.kind_settings.items():
             kw = f"training.kinds.{kind}"
             if kind not in c.kinds:
-                _fail(kw, f"names kind {kind!r}, not a kind of cluster {c.name!r}",
-                      f"use one of {', '.join(c.kind_names)}")
+                fail(kw, f"names kind {kind!r}, not a kind of cluster {c.name!r}",
+                     f"use one of {', '.join(c.kind_names)}")
             if not isinstance(settings, dict) or set(settings) - set(KIND_SETTINGS):
-                _fail(kw, f"is {settings!r}", f"give an object with only {' and/or '.join(KIND_SETTINGS)}")
+                fail(kw, f"is {settings!r}", f"give an object with only {' and/or '.join(KIND_SETTINGS)}")
             prec, att = settings.get("precision"), settings.get("attention")
             if prec is not None and prec not in c.kinds[kind].precisions:
-                _fail(f"{kw}.precision", f"is {prec!r}, which hethub's runtime does not run on {kind} "
-                      f"(it runs {', '.join(c.kinds[kind].precisions)})", "use one of those or leave it out")
+                fail(f"{kw}.precision", f"is {prec!r}, which hethub's runtime does not run on {kind} "
+                     f"(it runs {', '.join(c.kinds[kind].precisions)})", "use one of those or leave it out")
             if att is not None and att not in ATTENTION_KINDS:
-                _fail(f"{kw}.attention", f"is {att!r}", f"use one of {', '.join(ATTENTION_KINDS)}")
+                fail(f"{kw}.attention", f"is {att!r}", f"use one of {', '.join(ATTENTION_KINDS)}")
             runs = runtime_profile(self.runtime).attentions
             if att is not None and att not in runs:
-                _fail(f"{kw}.attention", f"is {att!r}, which the {self.runtime} runtime does not run (it runs "
-                      f"{', '.join(runs)})", f"use one of those, or set training.runtime to one that runs {att!r} "
-                      f"({', '.join(n for n, r in RUNTIMES.items() if att in r.attentions)}) to predict the plan "
-                      "as that runtime runs it")
+                fail(f"{kw}.attention", f"is {att!r}, which the {self.runtime} runtime does not run (it runs "
+                     f"{', '.join(runs)})", f"use one of those, or set training.runtime to one that runs {att!r} "
+                     f"({', '.join(n for n, r in RUNTIMES.items() if att in r.attentions)}) to predict the plan "
+                     "as that runtime runs it")
         if self.seq_len < 1 or self.seq_len > m.max_seq_len:
-            _fail("seq_len", f"is {self.seq_len}, outside 1..{m.max_seq_len} (the model's max_seq_len)",
-                  "use a sequence length the model supports")
+            fail("seq_len", f"is {self.seq_len}, outside 1..{m.max_seq_len} (the model's max_seq_len)",
+                 "use a sequence length the model supports")
         if not self.pipelines:
-            _fail("pipelines", "is empty", "add at least one pipeline")
+            fail("pipelines", "is empty", "add at least one pipeline")
         used: dict[int, str] = {}
         for pi, p in enumerate(self.pipelines):
             where = f"pipelines[{pi}]"
             if p.micro_batch_size < 1 or p.num_micro_batches < 1:
-                _fail(f"{where}.micro_batch_size/num_micro_batches",
-                      f"are {p.micro_batch_size}/{p.num_micro_batches}", "both must be >= 1")
+                fail(f"{where}.micro_batch_size/num_micro_batches",
+                     f"are {p.micro_batch_size}/{p.num_micro_batches}", "both must be >= 1")
             if not p.stages:
-                _fail(f"{where}.stages", "is empty", "give each pipeline at least one stage")
+                fail(f"{where}.stages", "is empty", "give each pipeline at least one stage")
             for si, s in enumerate(p.stages):
                 sw = f"{where}.stages[{si}]"
-                _check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1)
-                _check_seq_split(s, sw, seq_len=self.seq_len, cp0=p.stages[0].cp)
+                check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1)
+                check_seq_split(s, sw, seq_len=self.seq_len, cp0=p.stages[0].cp)
                 for d in s.devices:
                     if d in used:
-                        _fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",
-                              "give every device to exactly one stage")
+                        fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",
+                             "give every device to exactly one stage")
                     used[d] = sw
-            _check_layer_ranges(p, where, model=m, schedule=self.schedule)
+            check_layer_ranges(p, where, model=m, schedule=self.schedule)
         total = sum(p.num_samples for p in self.pipelines)
         if total != self.global_batch:
-            _fail("global_batch", f"is {self.global_batch} but the pipelines take {total} sequences "
-                  "(sum of micro_batch_size x num_micro_batches)",
-                  "make the pipelines' shares add up to the global batch")
+            fail("global_batch", f"is {self.global_batch} but the pipelines take {total} sequences "
+                 "(sum of micro_batch_size x num_micro_batches)",
+                 "make the pipelines' shares add up to the global batch")
         return self
 
     # ---- io ------------------------------------------------------------------------------------------
@@ -311,30 +315,30 @@ class Plan:
                             f"{', '.join(map(str, READABLE_VERSIONS))}. Fix: re-create the plan with this version of "
                             "'hethub plan'.")
         try:
-            model = ModelSpec.from_dict(_get(data, "model", "", dict), where="plan field 'model'")
-            cluster = Cluster.from_dict(_get(data, "cluster", "", dict), where="plan field 'cluster'")
+            model = ModelSpec.from_dict(typed_field(data, "model", "", dict), where="plan field 'model'")
+            cluster = Cluster.from_dict(typed_field(data, "cluster", "", dict), where="plan field 'cluster'")
         except SpecError as err:
             raise PlanError(str(err)) from None
-        t = _get(data, "training", "", dict)
-        runtime = _get(t, "runtime", "training", str, default=DEFAULT_RUNTIME)
+        t = typed_field(data, "training", "", dict)
+        runtime = typed_field(t, "runtime", "training", str, default=DEFAULT_RUNTIME)
         if runtime not in RUNTIMES:
-            _fail("training.runtime", f"is {runtime!r}", f"use one of {', '.join(RUNTIMES)}")
-        pipelines = tuple(_pipeline_from_dict(p, f"pipelines[{i}]")
-                          for i, p in enumerate(_get(data, "pipelines", "", list)))
+            fail("training.runtime", f"is {runtime!r}", f"use one of {', '.join(RUNTIMES)}")
+        pipelines = tuple(pipeline_from_dict(p, f"pipelines[{i}]")
+                          for i, p in enumerate(typed_field(data, "pipelines", "", list)))
         meta = data.get("meta") or {}
         if not isinstance(meta, dict):
-            _fail("meta", "must be an object", "write {} or delete it")
-        plan = Plan(model=model, cluster=cluster, global_batch=_get(t, "global_batch", "training", int),
-                    seq_len=_get(t, "seq_len", "training", int), pipelines=pipelines,
-                    schedule=_get(t, "schedule", "training", str, default=DEFAULT_SCHEDULE),
-                    precision=_get(t, "precision", "training", str, default="bf16-mixed"),
+            fail("meta", "must be an object", "write {} or delete it")
+        plan = Plan(model=model, cluster=cluster, global_batch=typed_field(t, "global_batch", "training", int),
+                    seq_len=typed_field(t, "seq_len", "training", int), pipelines=pipelines,
+                    schedule=typed_field(t, "schedule", "training", str, default=DEFAULT_SCHEDULE),
+                    precision=typed_field(t, "precision", "training", str, default="bf16-mixed"),
                     strategy=str(data.get("strategy", "manual")), meta=dict(meta),
-                    kind_settings=_kind_settings(t),
-                    optimizer_sharding=_get(t, "optimizer_sharding", "training", str, default="none"),
-                    optimizer_shares=_get(t, "optimizer_shares", "training", str, default="proportional"),
+                    kind_settings=kind_settings_of(t),
+                    optimizer_sharding=typed_field(t, "optimizer_sharding", "training", str, default="none"),
+                    optimizer_shares=typed_field(t, "optimizer_shares", "training", str, default="proportional"),
                     runtime=runtime,
-                    p2p=_get(t, "p2p", "training", str, default=RUNTIMES[runtime].p2p),
-                    shard_weights=_shard_weights(t))
+                    p2p=typed_field(t, "p2p", "training", str, default=RUNTIMES[runtime].p2p),
+                    shard_weights=shard_weights_of(t))
         plan.validate()
         _check_ranks(data, plan)
         return plan
@@ -350,150 +354,6 @@ class Plan:
             raise PlanError(f"{p}: {err}") from None
 
 
-def _fail(fieldname: str, problem: str, fix: str) -> None:
-    raise PlanError(f"plan field '{fieldname}' {problem}. Fix: {fix}.")
-
-
-def _check_layer_ranges(p: Pipeline, where: str, *, model: ModelSpec, schedule: str) -> None:
-    """Every stage holds v chunks, and the chunks in virtual-stage order (chunk 0 of every stage,
-    then chunk 1, ...; without chunks: the stages in order) cover the layers contiguously, once."""
-    v, n = p.virtual_stages, len(p.stages)
-    for si, s in enumerate(p.stages):
-        if s.num_chunks != v:
-            _fail(f"{where}.stages[{si}].chunks", f"holds {s.num_chunks} chunk(s) but stage 0 holds {v}",
-                  "give every stage of a pipeline the same number of layer chunks")
-        if s.chunks and s.layers != s.chunks[0]:
-            _fail(f"{where}.stages[{si}].layers", f"is {list(s.layers)}, not the first chunk {list(s.chunks[0])}",
-                  "leave 'layers' out of a stage that lists 'chunks'")
-    if v > 1:
-        try:
-            get_schedule(schedule, chunks=v)
-        except ValueError:
-            _fail(f"{where}.virtual_stages", f"is {v} but the plan's schedule is {schedule!r}, which runs one "
-                  "chunk per stage", "set training.schedule to \"interleaved\", or give each stage one layer range")
-        if n < 2:
-            _fail(f"{where}.virtual_stages", f"is {v} on a pipeline of one stage (nothing to interleave)",
-                  "give the stage one layer range, or use two or more stages")
-    expect = 0
-    for k in range(v * n):
-        c, si = divmod(k, n)
-        start, end = p.stages[si].layer_ranges[c]
-        fieldname = f"{where}.stages[{si}]." + (f"chunks[{c}]" if v > 1 else "layers")
-        if start != expect or end < start or end > model.num_layers:
-            order = " (virtual stage order: chunk 0 of every stage, then chunk 1, ...)" if v > 1 else ""
-            _fail(fieldname, f"is [{start}, {end}), expected to start at {expect} and end by {model.num_layers}",
-                  f"give contiguous layer ranges covering every layer once{order}")
-        expect = end
-    for si, s in enumerate(p.stages):
-        # An empty chunk of a stage with other layers passes its input on (one more hop, no work).
-        if s.num_layers == 0 and not (s.embedding or s.head):
-            _fail(f"{where}.stages[{si}].{'chunks' if v > 1 else 'layers'}", "is empty and the stage holds no "
-                  "embedding or head", "remove the stage or give it layers")
-    if expect != model.num_layers:
-        _fail(f"{where}.stages", f"cover layers 0..{expect}, but the model has {model.num_layers}",
-              f"make the last {'chunk' if v > 1 else 'stage'}'s layers end at {model.num_layers}")
-
-
-def _check_seq_split(s: Stage, sw: str, *, seq_len: int, cp0: int) -> None:
-    """Context and sequence parallelism: a CP degree that divides the devices and the sequence into
-    2cp load-balanced chunks, equal on every stage of the pipeline (CP rank c of each stage holds the
-    same positions, so stage messages go CP rank to CP rank); SP only with TP > 1 and a CP-local
-    sequence the TP degree divides."""
-    if isinstance(s.cp, bool) or not isinstance(s.cp, int) or s.cp < 1:
-        _fail(f"{sw}.cp", f"is {s.cp!r}", "give the context-parallel degree, an integer >= 1")
-    if len(s.devices) % s.cp:
-        _fail(f"{sw}.cp", f"is {s.cp}, which does not divide the stage's {len(s.devices)} devices",
-              "list tp x cp devices (CP-major: CP rank c's TP group first, then the next)")
-    if s.cp != cp0:
-        _fail(f"{sw}.cp", f"is {s.cp} but the pipeline's first stage has cp {cp0}",
-              "give every stage of a pipeline the same CP degree (replicas may differ)")
-    if s.cp > 1 and seq_len % (2 * s.cp):
-        _fail(f"{sw}.cp", f"is {s.cp}, but seq_len {seq_len} does not split into 2 x cp = {2 * s.cp} equal chunks "
-              "(causal load balancing: CP rank c holds chunks c and 2cp-1-c)",
-              f"use a CP degree with seq_len divisible by 2 x cp, or a sequence length divisible by {2 * s.cp}")
-    if not isinstance(s.sequence_parallel, bool):
-        _fail(f"{sw}.sequence_parallel", f"is {s.sequence_parallel!r}", "write true or false")
-    if s.sequence_parallel and s.tp < 2:
-        _fail(f"{sw}.sequence_parallel", "is true on a stage with TP 1 (sequence parallelism splits what TP "
-              "replicates)", "give the stage TP > 1 or set it false")
-    local = seq_len // s.cp
-    if s.sequence_parallel and local % s.tp:
-        _fail(f"{sw}.sequence_parallel", f"is true, but the {local} tokens each CP rank holds do not split "
-              f"evenly over TP {s.tp}",
-              "use a sequence length (per CP rank) divisible by the TP degree, or set it false")
-
-
-def _check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first: bool, last: bool) -> None:
-    if s.kind not in cluster.kinds:
-        _fail(f"{sw}.kind", f"is {s.kind!r}, not a kind of cluster {cluster.name!r}",
-              f"use one of {', '.join(cluster.kind_names)}")
-    if not s.devices:
-        _fail(f"{sw}.devices", "is empty", "give the stage at least one device")
-    for d in s.devices:
-        if not 0 <= d < cluster.num_devices:
-            _fail(f"{sw}.devices", f"names device {d}, but the cluster has devices 0..{cluster.num_devices - 1}",
-                  "use device ids of this cluster")
-        if cluster.devices[d].kind != s.kind:
-            _fail(f"{sw}.devices", f"includes device {d} of kind {cluster.devices[d].kind!r}, not {s.kind!r}",
-                  "use only devices of the stage's kind")
-    for c in range(s.cp):
-        if len({cluster.devices[d].node for d in s.tp_group(c)}) > 1:
-            where = f" (CP rank {c}'s TP group {list(s.tp_group(c))})" if s.cp > 1 else ""
-            _fail(f"{sw}.devices", f"span several nodes{where}", "keep a tensor-parallel group inside one node"
-                  + (" (devices are CP-major: CP rank c's TP group is devices[c*tp:(c+1)*tp])" if s.cp > 1 else ""))
-    tp = s.tp
-    if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
-        _fail(f"{sw}.tp", f"is {tp}, which does not divide the model's heads ({model.num_heads}), KV heads "
-              f"({model.num_kv_heads}) and FFN size ({model.ffn_hidden_size})", "use a TP degree that divides them")
-    if s.embedding != first:
-        _fail(f"{sw}.embedding", f"is {s.embedding}", "put the embedding on the first stage of each pipeline only")
-    if s.head != last:
-        _fail(f"{sw}.head", f"is {s.head}", "put the head on the last stage of each pipeline only")
-
-
-_TYPE_WORDS = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
-
-
-def _get(obj: dict[str, Any], key: str, where: str, typ: type, *, default: Any = None) -> Any:
-    """obj[key] checked against `typ`, with the field's full path in the error."""
-    path = f"{where}.{key}" if where else key
-    if not isinstance(obj, dict):
-        _fail(where or "(top level)", "must be an object", "see docs/plan-format.md")
-    if key not in obj:
-        if default is not None:
-            return default
-        _fail(path, "is missing", "add it (see docs/plan-format.md)")
-    value = obj[key]
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        _fail(path, f"must be {_TYPE_WORDS[typ]}, got {value!r}", f"write {_TYPE_WORDS[typ]}")
-    return value
-
-
-def _kind_settings(training: dict[str, Any]) -> dict[str, dict[str, str]]:
-    kinds = training.get("kinds", {})
-    if not isinstance(kinds, dict) or not all(isinstance(v, dict) for v in kinds.values()):
-        _fail("training.kinds", f"must map kind names to objects, got {kinds!r}",
-              'write e.g. {"v100-16gb": {"precision": "fp32", "attention": "math"}}')
-    for k, v in kinds.items():
-        for key, val in v.items():
-            if not isinstance(val, str):
-                _fail(f"training.kinds.{k}.{key}", f"must be a string, got {val!r}", "write a string")
-    return {k: dict(v) for k, v in kinds.items()}
-
-
-def _shard_weights(training: dict[str, Any]) -> ShardWeights | None:
-    where = "training.optimizer_shard_weights"
-    if "optimizer_shard_weights" not in training:
-        return None
-    got = _get(training, "optimizer_shard_weights", "training", dict)
-    headroom, by_rank = got.get("mem_headroom"), _get(got, "by_rank", where, list)
-    if isinstance(headroom, bool) or not isinstance(headroom, int | float):
-        _fail(f"{where}.mem_headroom", f"must be a number, got {headroom!r}", "write the fraction, e.g. 0.1")
-    if not all(isinstance(w, int | float) and not isinstance(w, bool) for w in by_rank):
-        _fail(f"{where}.by_rank", "must be a list of numbers, one per rank", "re-create the plan with 'hethub plan'")
-    return ShardWeights(mem_headroom=float(headroom), by_rank=tuple(float(w) for w in by_rank))
-
-
 def zero_stage_of(sharding: str) -> int:
     """The ZeRO stage of an optimizer sharding (OPTIMIZER_SHARDINGS): 0 for none."""
     return 0 if sharding == "none" else int(sharding[-1])
@@ -502,7 +362,7 @@ def zero_stage_of(sharding: str) -> int:
 def _check_zero23(plan: Plan) -> None:
     refusal = zero23_refusal(plan)
     if refusal is not None:
-        _fail("training.optimizer_sharding", *refusal)
+        fail("training.optimizer_sharding", *refusal)
 
 
 def zero23_refusal(plan: Plan) -> tuple[str, str] | None:
@@ -522,78 +382,16 @@ def zero23_refusal(plan: Plan) -> tuple[str, str] | None:
     return None
 
 
-def _check_shard_weights(w: ShardWeights, *, world_size: int) -> None:
-    where = "training.optimizer_shard_weights"
-    if not 0 <= w.mem_headroom < 1:
-        _fail(f"{where}.mem_headroom", f"is {w.mem_headroom!r}", "give a fraction in [0, 1)")
-    if len(w.by_rank) != world_size:
-        _fail(f"{where}.by_rank", f"lists {len(w.by_rank)} weights for {world_size} ranks",
-              "re-create the plan with 'hethub plan' (or delete the field: 'hethub train' then recomputes it)")
-    if not all(math.isfinite(x) and x >= 0 for x in w.by_rank):
-        _fail(f"{where}.by_rank", "holds a negative or non-finite weight", "give weights >= 0 (free bytes, or 1 each)")
-
-
-def _pipeline_from_dict(p: Any, where: str) -> Pipeline:
-    stages = []
-    for si, s in enumerate(_get(p, "stages", where, list)):
-        sw = f"{where}.stages[{si}]"
-        devices = _get(s, "devices", sw, list)
-        if not all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
-            _fail(f"{sw}.devices", f"must be a list of device ids, got {devices!r}", "write e.g. [0, 1]")
-        chunks: tuple[tuple[int, int], ...] = ()
-        if "chunks" in s:
-            if "layers" in s:
-                _fail(f"{sw}.layers", "is given beside 'chunks'", "give either 'layers' or 'chunks', not both")
-            raw = _get(s, "chunks", sw, list)
-            if len(raw) < 2:
-                _fail(f"{sw}.chunks", f"lists {len(raw)} range(s)",
-                      "give two or more layer ranges, or write 'layers' for one")
-            chunks = tuple(_layer_range(r, f"{sw}.chunks[{c}]") for c, r in enumerate(raw))
-            layers = chunks[0]
-        else:
-            layers = _layer_range(_get(s, "layers", sw, list), f"{sw}.layers")
-        cp = _get(s, "cp", sw, int, default=1)
-        if cp < 1:
-            _fail(f"{sw}.cp", f"is {cp}", "give the context-parallel degree, an integer >= 1")
-        if "tp" in s and s["tp"] * cp != len(devices):
-            _fail(f"{sw}.tp", f"is {s['tp']!r} but the stage lists {len(devices)} devices for cp {cp}",
-                  "a stage's TP degree times its CP degree equals its number of devices")
-        stages.append(Stage(kind=_get(s, "kind", sw, str), devices=tuple(devices), layers=layers,
-                            embedding=_get(s, "embedding", sw, bool, default=False),
-                            head=_get(s, "head", sw, bool, default=False),
-                            recompute=_recompute(s, sw), chunks=chunks, cp=cp,
-                            sequence_parallel=_get(s, "sequence_parallel", sw, bool, default=False)))
-    pipe = Pipeline(micro_batch_size=_get(p, "micro_batch_size", where, int),
-                    num_micro_batches=_get(p, "num_micro_batches", where, int), stages=tuple(stages))
-    v = _get(p, "virtual_stages", where, int, default=1)
-    if stages and v != pipe.virtual_stages:
-        _fail(f"{where}.virtual_stages", f"is {v} but stage 0 lists {pipe.virtual_stages} layer chunk(s)",
-              "make it the number of ranges in each stage's 'chunks' (1: 'layers' only)")
-    return pipe
-
-
-def _layer_range(r: Any, fieldname: str) -> tuple[int, int]:
-    if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
-        _fail(fieldname, f"must be [start, end), got {r!r}", "write e.g. [0, 16]")
-    return (r[0], r[1])
-
-
-def _recompute(stage: dict[str, Any], where: str) -> Recompute:
-    """A stage's "recompute": a mode's word, or true/false as plans before version 3 wrote it."""
-    value = stage.get("recompute", Recompute.NONE.value)
-    return Recompute.of(value, where=f"{where}.recompute")
-
-
 def _check_ranks(data: dict[str, Any], plan: Plan) -> None:
     """Ranks and world_size are derived; if a person edited them, say they disagree rather than silently
     ignore (a launcher may have been sized by them)."""
     if "world_size" in data and data["world_size"] != plan.world_size:
-        _fail("world_size", f"is {data['world_size']!r} but the pipelines use {plan.world_size} devices (one rank "
-              "each)", f"write {plan.world_size}, or delete 'world_size' (it is derived)")
+        fail("world_size", f"is {data['world_size']!r} but the pipelines use {plan.world_size} devices (one rank "
+             "each)", f"write {plan.world_size}, or delete 'world_size' (it is derived)")
     rank = plan.rank_of_device()
     for pi, p in enumerate(data["pipelines"]):
         for si, s in enumerate(p["stages"]):
             if "ranks" in s and s["ranks"] != [rank[d] for d in s["devices"]]:
-                _fail(f"pipelines[{pi}].stages[{si}].ranks", f"is {s['ranks']} but devices {s['devices']} "
-                      f"get ranks {[rank[d] for d in s['devices']]} (ranks are devices in ascending order)",
-                      "edit 'devices' only, or delete 'ranks'")
+                fail(f"pipelines[{pi}].stages[{si}].ranks", f"is {s['ranks']} but devices {s['devices']} "
+                     f"get ranks {[rank[d] for d in s['devices']]} (ranks are devices in ascending order)",
+                     "edit 'devices' only, or delete 'ranks'")

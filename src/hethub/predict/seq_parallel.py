@@ -46,7 +46,7 @@ GRAD_BYTES = 4  # the norms' weight gradients and the ring's K/V gradients trave
 
 
 def sp_applies(*, tp: int, seq_len: int, cp: int = 1, runtime: str = DEFAULT_RUNTIME) -> bool:
-    """Whether a TP-``tp`` stage can run sequence parallelism (what ``plan._check_seq_split`` accepts:
+    """Whether a TP-``tp`` stage can run sequence parallelism (what ``plan_check.check_seq_split`` accepts:
     TP > 1 and each CP rank's tokens split over the TP ranks) under ``runtime``."""
     return tp > 1 and (seq_len // cp) % tp == 0 and runtime_runs(runtime, sequence_parallel=True)
 
