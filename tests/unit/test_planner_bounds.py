@@ -137,7 +137,7 @@ def test_results_track_the_best_distinct_candidates():
 def test_merged_bound_takes_each_kinds_best_fitting_part_over_the_variants():
     from types import SimpleNamespace
 
-    from hethub.search.planner import merged_bound
+    from hethub.commands.compare import merged_bound
 
     def result(parts, relaxed=()):
         return SimpleNamespace(upper_bound_by_kind=parts, relaxed_kinds=frozenset(relaxed))

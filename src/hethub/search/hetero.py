@@ -174,7 +174,7 @@ def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | Non
     """The kind's best single-group plan over every usable micro-batch size. Sizes are tried best
     template rate first; a size is skipped only where every device at its best template rate (or
     rate bound) is below a plan found at an earlier size (`_alone`'s own stopping rule, no
-    heuristic). The bound (planner.merged_bound) reads these plans."""
+    heuristic). The bound (commands/compare.merged_bound) reads these plans."""
     sizes = list(s.config.usable_micro_batch_sizes)
 
     def top(b: int) -> float:

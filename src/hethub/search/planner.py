@@ -14,7 +14,6 @@ import contextlib
 import gc
 import io
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
@@ -127,9 +126,8 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     with _collector_paused():
         result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     result = reported(result, job_bound(cluster=cluster, model=model, config=config, profiles=profiles))
-    one = ONE_REPLICA.format(z := config.optimizer_sharding)
-    if z not in ("none", "auto") and not result.plan.sharded_optimizer and one not in result.notes:
-        result = replace(result, notes=(one, *result.notes))
+    if (z := config.optimizer_sharding) not in ("none", "auto") and not result.plan.sharded_optimizer:
+        result = replace(result, notes=(ONE_REPLICA.format(z), *result.notes))
     return result
 
 
@@ -324,20 +322,6 @@ def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     _check_job(model, config)
     b = bound_parts(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
     return sum(b.parts.values()), b.notes
-
-
-def merged_bound(results: Iterable[PlanResult]) -> tuple[dict[str, float], frozenset[str]]:
-    """Each kind's part of the kind-alone bound over several searches of the same job (`--compare`'s
-    rows): the best any of them found for that kind alone, a relaxed-memory part counting only where
-    no search found one that fits. Also the kinds whose merged part is still a relaxed-memory plan."""
-    fitting: dict[str, float] = {}
-    relaxed: dict[str, float] = {}
-    for r in results:
-        for kind, tps in (r.upper_bound_by_kind or {}).items():
-            into = relaxed if kind in r.relaxed_kinds else fitting
-            into[kind] = max(into.get(kind, 0.0), tps)
-    parts = {k: fitting.get(k, relaxed.get(k, 0.0)) for k in dict.fromkeys([*fitting, *relaxed])}
-    return parts, frozenset(relaxed) - frozenset(fitting)
 
 
 def job_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,

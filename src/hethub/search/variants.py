@@ -56,9 +56,8 @@ class Variant:
 
     def pool(self, shapes: list[Estimate], firsts: frozenset[int]) -> tuple[list[Estimate], frozenset[int]]:
         """The shapes a variant the config does not ask prices (and which are the enumerations' firsts):
-        unsharded, those of one replica (a sharded plan of one replica is unsharded: `variants_of`);
-        ZeRO-1 all; ZeRO-2/3 only the enumerations' firsts and only where memory binds (some stage
-        recomputes or runs SP): their per-micro-batch collectives cost time (docs/planner.md)."""
+        unsharded, those of one replica (`variants_of`); ZeRO-1 all; ZeRO-2/3 the enumerations' firsts
+        where memory binds (some stage recomputes or runs SP): their per-micro-batch collectives cost time."""
         if self.sharding == "none":
             ones = [i for i, e in enumerate(shapes) if sum(g.count for g in e.groups) == 1]
             return [shapes[i] for i in ones], frozenset(j for j, i in enumerate(ones) if i in firsts)
@@ -94,11 +93,10 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
 
 
 def enumeration_variants(variants: list[Variant], shardings: list[str]) -> list[Variant]:
-    """The variants the enumeration runs under: ZB-H1 and 1F1B where open (the interleaved schedule's
-    shapes are the 1F1B ones), whose bars prune differently: ZB-H1's small bubble favours deeper
-    pipelines, 1F1B's fill shallower ones; each under ZeRO-1 where open (the loosest memory: every
-    shape a variant fits is in the pool). An asked ZeRO-2/3 also at one holder: there its per-micro-batch
-    collectives rank first the one-replica shapes, which pay none, unsharded (`Variant.pool`)."""
+    """The variants the enumeration runs under: ZB-H1 and 1F1B where open (the interleaved schedule's are
+    1F1B's; ZB-H1's small bubble favours deeper pipelines, 1F1B's fill shallower ones), under ZeRO-1 where
+    open (the loosest memory: the pool holds every shape a variant fits); an asked ZeRO-2/3 also at one
+    holder, ranking first the one-replica shapes, which pay no per-micro-batch collective unsharded."""
     names = [v.schedule for v in variants if v.schedule != INTERLEAVED] or [ONE_F_ONE_B]
     zero = "zero1" if "zero1" in shardings else shardings[0]
     out = [Variant(n, zero) for n in ENUM_SCHEDULES if n in names] or [Variant(names[0], zero)]
