@@ -34,7 +34,8 @@ def _proportional(total: int, weights: list[float], *, minimum: int) -> list[int
     return [minimum + x for x in out]
 
 
-def baseline_plans(s: Searcher, *, strategy: str) -> list[tuple[float, Plan]]:
+def baseline_plans(s: Searcher, *, strategy: str) -> list[Plan]:
+    """The strategy's layouts for every TP, PP and DP degree and micro-batch size, best closed form first."""
     cluster, model, cfg = s.cluster, s.model, s.config
     ids = [d.id for d in cluster.devices]
     n_dev, n_layers = len(ids), model.num_layers
@@ -55,8 +56,7 @@ def baseline_plans(s: Searcher, *, strategy: str) -> list[tuple[float, Plan]]:
                 plan = _shape(s, strategy=strategy, ids=ids, tp=tp, pp=pp, dp=dp, mbs=mbs)
                 if plan is not None:
                     out.append(plan)
-    out.sort(key=lambda x: x[0])
-    return out
+    return [plan for _, plan in sorted(out, key=lambda x: x[0])]
 
 
 def _shape(s: Searcher, *, strategy: str, ids: list[int], tp: int, pp: int, dp: int,

@@ -209,7 +209,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
         got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
                            steps=steps[v.schedule], own=own) if pool else []
         if config.strategy in BASELINES:
-            plans = [p.with_runtime(config.runtime) for _, p in baseline_plans(searchers[v], strategy=config.strategy)]
+            plans = [p.with_runtime(config.runtime) for p in baseline_plans(searchers[v], strategy=config.strategy)]
             got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
                               headroom=config.mem_headroom, keep=keep)
         elif config.strategy == "homogeneous" and v.sharding in shardings:  # each kind alone under the variant
