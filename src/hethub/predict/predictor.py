@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
-from hethub.layout import stage_places
 from hethub.memo import reference
 from hethub.plan import Pipeline, Plan, Recompute, ShardWeights
 from hethub.predict import fabrics
@@ -39,21 +38,13 @@ from hethub.predict.memory import (
     StageMemory,
     check_headroom,
     describe_peak,
-    sharded_memory,
     usable_bytes,
-    zero23_memory,
 )
 from hethub.predict.plan_costs import PlanCosts, StageStepCost
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.predict.sharding import (
-    rank_shards,
-    rank_weights,
-    stage_elems_of,
-    stage_shard_elems,
-    stage_weights,
-    zero23_stage_bytes,
-)
+from hethub.predict.shard_memory import screened_fits, shard_weights, with_sharding
+from hethub.predict.sharding import rank_weights
 from hethub.predict.sync import (
     SyncResult,
     exposed_sync_groups,
@@ -134,8 +125,12 @@ class StageFits:
             if twin != pi:
                 for si in range(len(plan.pipelines[pi].stages)):
                     mems[(pi, si)] = mems[(twin, si)]
-        mems, _ = _with_sharding(plan, mems, headroom=self.mem_headroom)
         usable = self.usable
+        if plan.sharded_optimizer and plan.shard_weights is None and not reference():  # a shortcut (memo.py)
+            hit = screened_fits(plan, mems, headroom=self.mem_headroom, usable=usable)
+            if hit is not None:
+                return hit
+        mems, _ = with_sharding(plan, mems, headroom=self.mem_headroom)
         return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
                 for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
 
@@ -193,7 +188,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
                                      chunks=v))
         updates.append(upd)
 
-    mems, weights = _with_sharding(plan, {(pi, si): mem for pi, si, _, mem, _, _ in partial}, headroom=mem_headroom)
+    mems, weights = with_sharding(plan, {(pi, si): mem for pi, si, _, mem, _, _ in partial}, headroom=mem_headroom)
     if weights is not None:
         for pi, si, _, mem, _, _ in partial:
             if mem.optimizer_bytes > 0:  # AdamW streams only the owned slice's state
@@ -331,64 +326,6 @@ def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int,
     return in_flight, costs.plan_stage_memory(pi, si, in_flight=held, recompute=recompute)
 
 
-def _with_sharding(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float,
-                   ) -> tuple[dict[tuple[int, int], StageMemory], dict[int, float] | None]:
-    """Each stage's memory under the plan's optimizer sharding, and the ranks' slice weights (None
-    when unsharded: ``mems`` as they are)."""
-    if not plan.sharded_optimizer:
-        return mems, None
-    # The split the plan carries is the one the runtime makes; the headroom only computes a missing one,
-    # the same for every rank of a stage: then each stage's slice is found per stage (a shortcut: memo.py).
-    if plan.shard_weights is not None:
-        weights = plan.rank_shard_weights()
-        per_stage = stage_shard_elems(plan, rank_shards(plan, weights))
-    else:
-        by_stage = _shard_weights(plan, mems, headroom=headroom)
-        weights = rank_weights(plan, by_stage)
-        per_stage = (stage_shard_elems(plan, rank_shards(plan, weights)) if reference()
-                     else stage_elems_of(plan, by_stage))
-    # ZeRO-2/3: each part is its stage's on every rank but the gradient shard, whose largest is the
-    # largest moment slice's (zero23_rank_bytes).
-    held = dict(zip(((st.pipeline, st.stage) for st in stage_places(plan)), zero23_stage_bytes(plan), strict=True)
-                ) if plan.zero_stage >= 2 else {}
-    # Stages of one unsharded memory and slice (replicas) share their sharded memory (a shortcut: memo.py).
-    made: dict[tuple, StageMemory] = {}
-    out = {}
-    fresh = reference()
-    for sid, mem in mems.items():
-        key = sid if fresh else (id(mem), plan.pipelines[sid[0]].stages[sid[1]].kind, per_stage[sid], held.get(sid))
-        hit = made.get(key)
-        if hit is None:
-            hit = made[key] = _sharded(plan, *sid, mem, per_stage[sid])
-            if held:
-                whole, gathered, rounds = held[sid]
-                hit = made[key] = zero23_memory(hit, stage=plan.zero_stage, moment_elems=per_stage[sid][0],
-                                                grad_bytes=4 * per_stage[sid][0], whole_weight_bytes=whole,
-                                                gathered_bytes=gathered, round_bytes=rounds)
-        out[sid] = hit
-    return out, weights
-
-
-def _shard_weights(plan: Plan, mems: dict[tuple[int, int], StageMemory], *, headroom: float,
-                   ) -> dict[tuple[int, int], float]:
-    """Each stage's ranks' weight in their buckets' optimizer-state split (predict/sharding.py): with
-    ``proportional`` shares, its device's usable memory less the stage's predicted peak without
-    optimizer state and master weights (both sharded in mixed precision; none in fp32)."""
-    # What ZeRO-2 and 3 shard too (gradients; parameters) is not what a share has to fit beside.
-    sharded = {2: ("grads",), 3: ("grads", "weights")}.get(plan.zero_stage, ())
-    usable = {kind: usable_bytes(k, headroom=headroom) for kind, k in plan.cluster.kinds.items()}
-    made: dict[tuple[int, str], float] = {}  # replicas' stages share their memory
-    free = {}
-    for (pi, si), mem in mems.items():
-        kind = plan.pipelines[pi].stages[si].kind
-        key = (id(mem), kind)
-        if key not in made:
-            made[key] = usable[kind] - (mem.total_bytes - mem.optimizer_bytes - mem.master_weights_bytes
-                                        - sum(getattr(mem, f"{part}_bytes") for part in sharded))
-        free[(pi, si)] = made[key]
-    return stage_weights(plan, free_bytes=free)
-
-
 def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[int, float]:
     """Each rank's weight in the ZeRO-1 split at ``mem_headroom``, computed from the memory model (what
     the prediction uses when the plan carries none)."""
@@ -396,7 +333,7 @@ def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEA
     schedule = get_schedule(plan.schedule)
     mems = {(pi, si): _stage_mem(costs, schedule, pi, si)[1]
             for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))}
-    return rank_weights(plan, _shard_weights(plan, mems, headroom=check_headroom(mem_headroom)))
+    return rank_weights(plan, shard_weights(plan, mems, headroom=check_headroom(mem_headroom)))
 
 
 def with_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> Plan:
@@ -407,12 +344,6 @@ def with_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM
     weights = optimizer_shard_weights(plan, mem_headroom=mem_headroom)
     return replace(plan, shard_weights=ShardWeights(mem_headroom=float(mem_headroom),
                                                     by_rank=tuple(weights[r] for r in range(plan.world_size))))
-
-
-def _sharded(plan: Plan, pi: int, si: int, mem: StageMemory, elems: tuple[int, int]) -> StageMemory:
-    s = plan.pipelines[pi].stages[si]
-    return sharded_memory(mem, moment_elems=elems[0], master_elems=elems[1], precision=plan.precision_of(s.kind),
-                          kind=plan.cluster.kinds[s.kind])
 
 
 def _chunk_shares(chunked: dict[int, tuple[list[float], list[float], list[float], int]], pi: int,

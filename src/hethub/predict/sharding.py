@@ -214,6 +214,67 @@ def stage_elems_of(plan: Plan, stage_weights: Mapping[StageId, float]) -> dict[S
     return out
 
 
+def layout_key(plan: Plan) -> tuple:
+    """What a plan's buckets and their members' counts depend on (``buckets``, ``Bucket.elems``): the
+    model (its id; pin it), each stage's layer ranges, embedding, head, TP and CP degrees, in pipeline
+    and stage order; not its kinds, devices, ranks, micro-batches, recomputation or SP."""
+    return (id(plan.model), tuple(tuple((s.layer_ranges, s.embedding, s.head, len(s.devices), s.cp) for s in p.stages)
+                                  for p in plan.pipelines))
+
+
+@dataclass(frozen=True)
+class BucketSums:
+    """A layout's buckets as ``stage_elems_bounds`` reads them. Per bucket: the elements each line
+    splits, whether its holders mix TP degrees, and each holder stage (its index in ``stage_places``
+    order) with the members it puts in one line (its CP degree, or all its ranks when mixed)."""
+
+    elems: tuple[int, ...]
+    mixed: tuple[bool, ...]
+    holders: tuple[tuple[tuple[int, int], ...], ...]
+
+
+# BucketSums by layout_key: a layout recurs across the planner's candidates, their SP and recomputation
+# modes and their ZeRO stages, each a new plan.
+_SUMS = Kept(256, shortcut=True)
+
+
+def bucket_sums(plan: Plan) -> BucketSums:
+    """The plan's :class:`BucketSums` (from ``buckets``, kept by ``layout_key``)."""
+    def make() -> BucketSums:
+        index = {(st.pipeline, st.stage): i for i, st in enumerate(stage_places(plan))}
+        bs = buckets(plan)
+        return BucketSums(
+            elems=tuple(b.elems(plan.model) for b in bs), mixed=tuple(b.mixed for b in bs),
+            holders=tuple(tuple((index[(h.pipeline, h.stage)], len(h.ranks) if b.mixed else h.cp) for h in b.holders)
+                          for b in bs))
+    return _SUMS.get(layout_key(plan), make, pin=(plan.model,))
+
+
+def stage_elems_bounds(plan: Plan, stage_weights: list[float]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per stage (``stage_places`` order, ``stage_weights`` likewise): a low and a high bound of each part
+    of ``stage_elems_of``, (moments low, moments high, masters low, masters high), found per bucket
+    instead of per rank. Every member of a line gets ``int(e)`` or ``int(e) + 1`` of its ``n`` elements,
+    e = n x weight / (the line's weights' sum); here the sum is taken per holder stage, in another order,
+    which moves e by far less than one element (a relative 1e-12 of n), so the exact slice lies in
+    [int(e) - 1, int(e) + 2] of this e. A rank is a member of one line per bucket its stage holds, and its
+    master elements are its mixed buckets' (the module doc)."""
+    sums = bucket_sums(plan)
+    w = [max(0.0, float(x)) for x in stage_weights]
+    count = len(w)
+    lo_m, hi_m, lo_ma, hi_ma = [0] * count, [0] * count, [0] * count, [0] * count
+    for n, mixed, holders in zip(sums.elems, sums.mixed, sums.holders, strict=True):
+        total = sum(w[i] * c for i, c in holders)
+        for i, _ in holders:
+            whole = int(n * w[i] / total) if total > 0 else int(n / sum(c for _, c in holders))
+            low, high = max(0, whole - 1), whole + 2
+            lo_m[i] += low
+            hi_m[i] += high
+            if mixed:
+                lo_ma[i] += low
+                hi_ma[i] += high
+    return lo_m, hi_m, lo_ma, hi_ma
+
+
 def _more_than(counts: list[int], size: int) -> list[int]:
     """For each j < size: how many of ``counts`` exceed j."""
     if not counts:
