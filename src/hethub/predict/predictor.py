@@ -113,8 +113,11 @@ class StageFits:
         self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
                        for kind in {s.kind for p in plan.pipelines for s in p.stages}}
 
-    def under(self, recompute: Recompute | None = None) -> dict[tuple[int, int], bool]:
-        """Per (pipeline, stage): whether it fits, every stage recomputing ``recompute`` (None: its own mode)."""
+    def under(self, recompute: Recompute | None = None, *, asked: Collection[tuple[int, int]] | None = None,
+              ) -> dict[tuple[int, int], bool]:
+        """Per (pipeline, stage): whether it fits, every stage recomputing ``recompute`` (None: its own mode).
+        ``asked``: the stages to answer for (None: all); every stage's memory is still found, as a sharded
+        optimizer's split weighs them all."""
         plan, costs = self.plan, self.costs
         by_shape = [costs.memory_of(shape, recompute) for shape in self.shapes]
         mems: dict[tuple[int, int], StageMemory] = {}
@@ -127,12 +130,14 @@ class StageFits:
                     mems[(pi, si)] = mems[(twin, si)]
         usable = self.usable
         if plan.sharded_optimizer and plan.shard_weights is None and not reference():  # a shortcut (memo.py)
-            hit = screened_fits(plan, mems, headroom=self.mem_headroom, usable=usable)
+            hit = screened_fits(plan, mems, headroom=self.mem_headroom, usable=usable, asked=asked)
             if hit is not None:
                 return hit
         mems, _ = with_sharding(plan, mems, headroom=self.mem_headroom)
-        return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
-                for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+        if asked is None:
+            return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
+                    for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
+        return {(pi, si): mems[(pi, si)].total_bytes <= usable[plan.pipelines[pi].stages[si].kind] for pi, si in asked}
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,

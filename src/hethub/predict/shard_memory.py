@@ -5,6 +5,9 @@ answers the same from bounds on the slices without walking the ranks (``screened
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Collection
+
 from hethub.layout import stage_places
 from hethub.memo import reference
 from hethub.plan import Plan
@@ -96,29 +99,31 @@ def shard_weights(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: flo
 
 
 def screened_fits(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: float, usable: dict[str, float],
-                  ) -> dict[StageId, bool] | None:
-    """Per stage, whether its memory under the plan's sharding (``with_sharding``) is within ``usable``
-    bytes of its kind, found from ``stage_elems_bounds``' slices instead of the exact ones where both
-    bounds agree, else None (then ask ``with_sharding``). Sound: a stage's total grows with its slices
-    part by part (``sharded_memory``, ``zero23_memory``), so the exact total lies between the bounds'.
-    Only for a plan whose split is found from its memory (no ``shard_weights``), off the reference path."""
+                  asked: Collection[StageId] | None = None) -> dict[StageId, bool] | None:
+    """Per stage (of ``asked``; None: all), whether its memory under the plan's sharding (``with_sharding``)
+    is within ``usable`` bytes of its kind, found from ``stage_elems_bounds``' slices instead of the exact
+    ones where both bounds agree, else None (then ask ``with_sharding``). Sound: a stage's total grows
+    with its slices part by part (``sharded_memory``, ``zero23_memory``), so the exact total lies
+    between the bounds'. Only for a plan whose split is found from its memory (no ``shard_weights``),
+    off the reference path."""
     places = stage_places(plan)
     by_stage = shard_weights(plan, mems, headroom=headroom)
     lo_m, hi_m, lo_ma, hi_ma = stage_elems_bounds(plan, [by_stage[(st.pipeline, st.stage)] for st in places])
     held = _zero23_held(plan)
+    starts = list(itertools.accumulate((len(p.stages) for p in plan.pipelines), initial=0))
     out: dict[StageId, bool] = {}
     made: dict[tuple, bool] = {}  # replicas' stages: one memory, weight and slice bounds
-    for i, st in enumerate(places):
-        sid = (st.pipeline, st.stage)
-        mem, kind = mems[sid], st.kind
-        key = (id(mem), kind, lo_m[i], hi_m[i], lo_ma[i], hi_ma[i], held.get(sid))
+    for sid in ((st.pipeline, st.stage) for st in places) if asked is None else asked:
+        i = starts[sid[0]] + sid[1]
+        mem, kind, stage_held = mems[sid], places[i].kind, held.get(sid)
+        key = (id(mem), kind, lo_m[i], hi_m[i], lo_ma[i], hi_ma[i], stage_held)
         hit = made.get(key)
         if hit is None:
             cap = usable[kind]
             slack = abs(cap) * _SCREEN_MARGIN
-            if sharded_stage(plan, sid, mem, (hi_m[i], hi_ma[i]), held.get(sid)).total_bytes <= cap - slack:
+            if sharded_stage(plan, sid, mem, (hi_m[i], hi_ma[i]), stage_held).total_bytes <= cap - slack:
                 hit = True
-            elif sharded_stage(plan, sid, mem, (lo_m[i], lo_ma[i]), held.get(sid)).total_bytes > cap + slack:
+            elif sharded_stage(plan, sid, mem, (lo_m[i], lo_ma[i]), stage_held).total_bytes > cap + slack:
                 hit = False
             else:
                 return None

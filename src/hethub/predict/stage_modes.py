@@ -5,6 +5,7 @@ first by the stage cost model, and which fit, for the planner's laid-out plans
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 from hethub.memo import Kept
@@ -50,7 +51,10 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
     order = sorted({m for ms in modes.values() for m in ms}, key=lambda m: (m[1], -RECOMPUTE_ORDER.index(m[0])))
     left = set(modes)
     for m in order:
-        left -= {sid for sid in left if m in modes[sid] and fits(m)[sid]}
+        asked = [sid for sid in left if m in modes[sid]]
+        if asked:
+            ok = fits(m, asked)
+            left.difference_update(sid for sid in asked if ok[sid])
         if not left:
             return True
     return False
@@ -95,15 +99,17 @@ class ModeFits:
         self._fits: dict[tuple[bool, bool], StageFits] = {}
         self._under: dict[Mode, dict[tuple[int, int], bool]] = {}
 
-    def __call__(self, mode: Mode) -> dict[tuple[int, int], bool]:
+    def __call__(self, mode: Mode, asked: Collection[tuple[int, int]] | None = None) -> dict[tuple[int, int], bool]:
+        """Per stage (of ``asked``; None: all, kept per mode): whether it fits with every stage in ``mode``."""
         hit = self._under.get(mode)
         if hit is None:
             # The point-to-point buffers at their closed-form bound first (PlanCosts.stage_shape): a
             # stage that fits so fits exactly, and the exact replay runs only where one does not.
-            hit = self._stage_fits(mode[1], bound=True).under(mode[0])
+            hit = self._stage_fits(mode[1], bound=True).under(mode[0], asked=asked)
             if not all(hit.values()):
-                hit = self._stage_fits(mode[1], bound=False).under(mode[0])
-            self._under[mode] = hit
+                hit = self._stage_fits(mode[1], bound=False).under(mode[0], asked=asked)
+            if asked is None:
+                self._under[mode] = hit
         return hit
 
     def _stage_fits(self, sp: bool, *, bound: bool) -> StageFits:

@@ -32,7 +32,7 @@ owned slice only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from hethub.memo import Kept
@@ -182,6 +182,19 @@ class StageMemory:
         parts = self.parts
         return max(parts, key=lambda k: parts[k])
 
+    def with_parts(self, **changes: float) -> StageMemory:
+        """``dataclasses.replace(self, **changes)`` without its per-field work (the optimizer sharding
+        makes one per stage of every plan the planner checks): the fields copied, ``changes`` over them,
+        nothing cached carried over."""
+        if not _FIELDS.issuperset(changes):
+            raise TypeError(f"StageMemory has no field {sorted(set(changes) - _FIELDS)}")
+        out = object.__new__(StageMemory)
+        own = self.__dict__
+        out.__dict__.update({f: own[f] for f in _FIELDS}, **changes)
+        return out
+
+
+_FIELDS = frozenset(f.name for f in fields(StageMemory))
 
 # stage_memory's terms of the stage's shape alone (its parameters, and what a layer keeps with and
 # without its recomputation) by model (id, pinned) and shape: the planner prices ~10^4 stages, mostly
@@ -282,7 +295,7 @@ def sharded_memory(mem: StageMemory, *, moment_elems: float, master_elems: float
     per = state_bytes_per_param(precision)
     gpu_like = kind is not None and kind.device_type != "cpu"
     step_tmp = moment_elems * 4 if gpu_like else min(mem.optimizer_temporaries_bytes, moment_elems * 4 * 2)
-    return replace(mem, optimizer_bytes=moment_elems * per["optimizer"],
+    return mem.with_parts(optimizer_bytes=moment_elems * per["optimizer"],
                    master_weights_bytes=sharded_master_bytes(precision, moment_elems=moment_elems,
                                                              master_elems=master_elems),
                    optimizer_temporaries_bytes=step_tmp)
@@ -296,10 +309,10 @@ def zero23_memory(mem: StageMemory, *, stage: int, moment_elems: float, grad_byt
     live while the backward runs and at the sync. ZeRO-3 keeps only the parameters of groups it does
     not gather, gathers the others per use (``gathered_bytes``, at their peak) and keeps an fp32 master
     of every owned element, also in fp32 (the parameter it would view is freed)."""
-    out = replace(mem, grads_bytes=grad_bytes, grad_sync_buffer_bytes=round_bytes,
+    out = mem.with_parts(grads_bytes=grad_bytes, grad_sync_buffer_bytes=round_bytes,
                   fb_temporaries_bytes=mem.fb_temporaries_bytes + round_bytes)
     if stage == 3:
-        out = replace(out, weights_bytes=whole_weight_bytes, gathered_bytes=gathered_bytes,
+        out = out.with_parts(weights_bytes=whole_weight_bytes, gathered_bytes=gathered_bytes,
                       master_weights_bytes=moment_elems * 4)
     return out
 
