@@ -317,13 +317,14 @@ def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]
         counts = groups.setdefault(key, {})
         counts[unit] = counts.get(unit, 0) + count
 
+    tps = [[s.tp for s in p.stages] for p in plan.pipelines]
     for a, b in itertools.pairwise(bounds):
         if b > a:
-            key = tuple((pi, si, p.stages[si].tp) for pi, p in enumerate(plan.pipelines)
+            key = tuple((pi, si, tps[pi][si]) for pi in range(len(tps))
                         for si in (held[pi][bisect.bisect_right(starts[pi], a) - 1][1],))
             add(key, "layer", b - a)
-    add(tuple((pi, 0, p.stages[0].tp) for pi, p in enumerate(plan.pipelines)), "embedding", 1)
-    add(tuple((pi, len(p.stages) - 1, p.stages[-1].tp) for pi, p in enumerate(plan.pipelines)), "head", 1)
+    add(tuple((pi, 0, tp[0]) for pi, tp in enumerate(tps)), "embedding", 1)
+    add(tuple((pi, len(tp) - 1, tp[-1]) for pi, tp in enumerate(tps)), "head", 1)
     sizes: dict[tuple[str, int], float] = {}  # (unit type, TP) -> parameters on one device
 
     def size(u: str, tp: int) -> float:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection
 
-from hethub.layout import stage_places
 from hethub.memo import reference
 from hethub.plan import Plan
 from hethub.predict.memory import StageMemory, sharded_memory, usable_bytes, zero23_memory
@@ -76,7 +75,8 @@ def sharded_stage(plan: Plan, sid: StageId, mem: StageMemory, elems: tuple[int, 
 def _zero23_held(plan: Plan) -> dict[StageId, tuple[int, int, int]]:
     if plan.zero_stage < 2:
         return {}
-    return dict(zip(((st.pipeline, st.stage) for st in stage_places(plan)), zero23_stage_bytes(plan), strict=True))
+    ids = ((pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages)))  # stage_places' order
+    return dict(zip(ids, zero23_stage_bytes(plan), strict=True))
 
 
 def shard_weights(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: float) -> dict[StageId, float]:
@@ -106,16 +106,15 @@ def screened_fits(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: flo
     with its slices part by part (``sharded_memory``, ``zero23_memory``), so the exact total lies
     between the bounds'. Only for a plan whose split is found from its memory (no ``shard_weights``),
     off the reference path."""
-    places = stage_places(plan)
-    by_stage = shard_weights(plan, mems, headroom=headroom)
-    lo_m, hi_m, lo_ma, hi_ma = stage_elems_bounds(plan, [by_stage[(st.pipeline, st.stage)] for st in places])
+    by_stage = shard_weights(plan, mems, headroom=headroom)  # in stage_places' order
+    lo_m, hi_m, lo_ma, hi_ma = stage_elems_bounds(plan, list(by_stage.values()))
     held = _zero23_held(plan)
     starts = list(itertools.accumulate((len(p.stages) for p in plan.pipelines), initial=0))
     out: dict[StageId, bool] = {}
     made: dict[tuple, bool] = {}  # replicas' stages: one memory, weight and slice bounds
-    for sid in ((st.pipeline, st.stage) for st in places) if asked is None else asked:
+    for sid in by_stage if asked is None else asked:
         i = starts[sid[0]] + sid[1]
-        mem, kind, stage_held = mems[sid], places[i].kind, held.get(sid)
+        mem, kind, stage_held = mems[sid], plan.pipelines[sid[0]].stages[sid[1]].kind, held.get(sid)
         key = (id(mem), kind, lo_m[i], hi_m[i], lo_ma[i], hi_ma[i], stage_held)
         hit = made.get(key)
         if hit is None:

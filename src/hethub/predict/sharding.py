@@ -105,9 +105,10 @@ def bucket_lines(plan: Plan) -> tuple[tuple[Bucket, tuple[tuple[int, ...], ...]]
 def stage_weights(plan: Plan, *, free_bytes: Mapping[StageId, float] | None) -> dict[StageId, float]:
     """Each stage's ranks' share weight: its free bytes per device (``proportional``), or 1 (``equal``,
     or when no free bytes are given)."""
-    by_free = plan.optimizer_shares == "proportional" and free_bytes is not None
-    return {(st.pipeline, st.stage): max(0.0, float(free_bytes[(st.pipeline, st.stage)])) if by_free else 1.0
-            for st in stage_places(plan)}
+    ids = [(pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))]  # stage_places' order
+    if plan.optimizer_shares != "proportional" or free_bytes is None:
+        return dict.fromkeys(ids, 1.0)
+    return {sid: max(0.0, float(free_bytes[sid])) for sid in ids}
 
 
 def rank_weights(plan: Plan, by_stage: Mapping[StageId, float]) -> dict[int, float]:
