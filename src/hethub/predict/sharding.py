@@ -227,11 +227,15 @@ def layout_key(plan: Plan) -> tuple:
 class BucketSums:
     """A layout's buckets as ``stage_elems_bounds`` reads them. Per bucket: the elements each line
     splits, whether its holders mix TP degrees, and each holder stage (its index in ``stage_places``
-    order) with the members it puts in one line (its CP degree, or all its ranks when mixed)."""
+    order) with the members it puts in one line (its CP degree, or all its ranks when mixed), and
+    those members' count. Per stage: how many buckets, and how many mixed ones, it holds."""
 
     elems: tuple[int, ...]
     mixed: tuple[bool, ...]
     holders: tuple[tuple[tuple[int, int], ...], ...]
+    members: tuple[int, ...]
+    held: tuple[int, ...]
+    held_mixed: tuple[int, ...]
 
 
 # BucketSums by layout_key: a layout recurs across the planner's candidates, their SP and recomputation
@@ -244,10 +248,16 @@ def bucket_sums(plan: Plan) -> BucketSums:
     def make() -> BucketSums:
         index = {(st.pipeline, st.stage): i for i, st in enumerate(stage_places(plan))}
         bs = buckets(plan)
-        return BucketSums(
-            elems=tuple(b.elems(plan.model) for b in bs), mixed=tuple(b.mixed for b in bs),
-            holders=tuple(tuple((index[(h.pipeline, h.stage)], len(h.ranks) if b.mixed else h.cp) for h in b.holders)
-                          for b in bs))
+        holders = tuple(tuple((index[(h.pipeline, h.stage)], len(h.ranks) if b.mixed else h.cp) for h in b.holders)
+                        for b in bs)
+        held, held_mixed = [0] * len(index), [0] * len(index)
+        for b, hs in zip(bs, holders, strict=True):
+            for i, _ in hs:
+                held[i] += 1
+                held_mixed[i] += b.mixed
+        return BucketSums(elems=tuple(b.elems(plan.model) for b in bs), mixed=tuple(b.mixed for b in bs),
+                          holders=holders, members=tuple(sum(c for _, c in hs) for hs in holders),
+                          held=tuple(held), held_mixed=tuple(held_mixed))
     return _SUMS.get(layout_key(plan), make, pin=(plan.model,))
 
 
@@ -255,25 +265,30 @@ def stage_elems_bounds(plan: Plan, stage_weights: list[float]) -> tuple[list[int
     """Per stage (``stage_places`` order, ``stage_weights`` likewise): a low and a high bound of each part
     of ``stage_elems_of``, (moments low, moments high, masters low, masters high), found per bucket
     instead of per rank. Every member of a line gets ``int(e)`` or ``int(e) + 1`` of its ``n`` elements,
-    e = n x weight / (the line's weights' sum); here the sum is taken per holder stage, in another order,
-    which moves e by far less than one element (a relative 1e-12 of n), so the exact slice lies in
-    [int(e) - 1, int(e) + 2] of this e. A rank is a member of one line per bucket its stage holds, and its
-    master elements are its mixed buckets' (the module doc)."""
+    e = n x weight / (the line's weights' sum); here e is found per holder stage in another order of
+    operations, which moves it by far less than one element (a relative 1e-12 of n), so the exact slice
+    lies in [int(e) - 1, int(e) + 2] of this e. A rank is a member of one line per bucket its stage
+    holds, and its master elements are its mixed buckets' (the module doc)."""
     sums = bucket_sums(plan)
     w = [max(0.0, float(x)) for x in stage_weights]
-    count = len(w)
-    lo_m, hi_m, lo_ma, hi_ma = [0] * count, [0] * count, [0] * count, [0] * count
-    for n, mixed, holders in zip(sums.elems, sums.mixed, sums.holders, strict=True):
+    whole, whole_mixed = [0] * len(w), [0] * len(w)
+    for n, mixed, holders, members in zip(sums.elems, sums.mixed, sums.holders, sums.members, strict=True):
         total = sum(w[i] * c for i, c in holders)
-        for i, _ in holders:
-            whole = int(n * w[i] / total) if total > 0 else int(n / sum(c for _, c in holders))
-            low, high = max(0, whole - 1), whole + 2
-            lo_m[i] += low
-            hi_m[i] += high
-            if mixed:
-                lo_ma[i] += low
-                hi_ma[i] += high
-    return lo_m, hi_m, lo_ma, hi_ma
+        if total > 0:
+            scale = n / total
+            parts = [(i, int(w[i] * scale)) for i, _ in holders]
+        else:  # no member has weight: equal shares
+            even = int(n / members)
+            parts = [(i, even) for i, _ in holders]
+        for i, k in parts:
+            whole[i] += k
+        if mixed:
+            for i, k in parts:
+                whole_mixed[i] += k
+    return ([max(0, x - k) for x, k in zip(whole, sums.held, strict=True)],
+            [x + 2 * k for x, k in zip(whole, sums.held, strict=True)],
+            [max(0, x - k) for x, k in zip(whole_mixed, sums.held_mixed, strict=True)],
+            [x + 2 * k for x, k in zip(whole_mixed, sums.held_mixed, strict=True)])
 
 
 def _more_than(counts: list[int], size: int) -> list[int]:
