@@ -189,17 +189,17 @@ def test_a_real_searchs_candidates_answer_as_the_plain_rules(monkeypatch: pytest
             asked.append((plan, mem_headroom, []))
             self.calls = asked[-1][2]
 
-        def __call__(self, mode: stage_modes.Mode) -> dict[tuple[int, int], bool]:
-            out = super().__call__(mode)
-            self.calls.append((mode, out))
+        def __call__(self, mode: stage_modes.Mode, asked: list | None = None) -> dict[tuple[int, int], bool]:
+            out = super().__call__(mode, asked)
+            self.calls.append((mode, asked, out))
             return out
 
     monkeypatch.setattr(stage_modes, "ModeFits", Recorded)
     make_plan(cluster=load_cluster(EXAMPLES / "a100-v100-32.toml"), model=get_model("llama-2-7b"),
               config=PlannerConfig(global_batch=256, seq_len=2048))
     monkeypatch.undo()
-    assert any(not all(out.values()) for _, _, calls in asked for _, out in calls)  # some candidates do not fit
+    assert any(not all(out.values()) for _, _, calls in asked for _, _, out in calls)  # some candidates do not fit
     with reference_path():
         for plan, headroom, calls in asked:
             fits = stage_modes.ModeFits(plan, headroom)
-            assert [(mode, fits(mode)) for mode, _ in calls] == calls
+            assert [(mode, stages, fits(mode, stages)) for mode, stages, _ in calls] == calls

@@ -21,6 +21,7 @@ Pure (no torch); the element counts per unit are exact for the runtime's modules
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -227,12 +228,13 @@ def layout_key(plan: Plan) -> tuple:
 class BucketSums:
     """A layout's buckets as ``stage_elems_bounds`` reads them. Per bucket: the elements each line
     splits, whether its holders mix TP degrees, and each holder stage (its index in ``stage_places``
-    order) with the members it puts in one line (its CP degree, or all its ranks when mixed), and
+    order) and the members each puts in one line (its CP degree, or all its ranks when mixed), and
     those members' count. Per stage: how many buckets, and how many mixed ones, it holds."""
 
     elems: tuple[int, ...]
     mixed: tuple[bool, ...]
-    holders: tuple[tuple[tuple[int, int], ...], ...]
+    stages: tuple[tuple[int, ...], ...]
+    counts: tuple[tuple[int, ...], ...]
     members: tuple[int, ...]
     held: tuple[int, ...]
     held_mixed: tuple[int, ...]
@@ -241,6 +243,7 @@ class BucketSums:
 # BucketSums by layout_key: a layout recurs across the planner's candidates, their SP and recomputation
 # modes and their ZeRO stages, each a new plan.
 _SUMS = Kept(256, shortcut=True)
+_SUMS_OF = Kept(64, shortcut=True)  # by plan (id, pinned; plans are frozen): one plan is asked once per mode
 
 
 def bucket_sums(plan: Plan) -> BucketSums:
@@ -256,9 +259,11 @@ def bucket_sums(plan: Plan) -> BucketSums:
                 held[i] += 1
                 held_mixed[i] += b.mixed
         return BucketSums(elems=tuple(b.elems(plan.model) for b in bs), mixed=tuple(b.mixed for b in bs),
-                          holders=holders, members=tuple(sum(c for _, c in hs) for hs in holders),
+                          stages=tuple(tuple(i for i, _ in hs) for hs in holders),
+                          counts=tuple(tuple(c for _, c in hs) for hs in holders),
+                          members=tuple(sum(c for _, c in hs) for hs in holders),
                           held=tuple(held), held_mixed=tuple(held_mixed))
-    return _SUMS.get(layout_key(plan), make, pin=(plan.model,))
+    return _SUMS_OF.get((id(plan),), lambda: _SUMS.get(layout_key(plan), make, pin=(plan.model,)), pin=(plan,))
 
 
 def stage_elems_bounds(plan: Plan, stage_weights: list[float]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -272,18 +277,20 @@ def stage_elems_bounds(plan: Plan, stage_weights: list[float]) -> tuple[list[int
     sums = bucket_sums(plan)
     w = [max(0.0, float(x)) for x in stage_weights]
     whole, whole_mixed = [0] * len(w), [0] * len(w)
-    for n, mixed, holders, members in zip(sums.elems, sums.mixed, sums.holders, sums.members, strict=True):
-        total = sum(w[i] * c for i, c in holders)
+    at = w.__getitem__
+    for n, mixed, stages, counts, members in zip(sums.elems, sums.mixed, sums.stages, sums.counts, sums.members,
+                                                 strict=True):
+        ws = list(map(at, stages))
+        total = sum(map(operator.mul, ws, counts))
         if total > 0:
             scale = n / total
-            parts = [(i, int(w[i] * scale)) for i, _ in holders]
+            parts = [int(x * scale) for x in ws]
         else:  # no member has weight: equal shares
-            even = int(n / members)
-            parts = [(i, even) for i, _ in holders]
-        for i, k in parts:
+            parts = [int(n / members)] * len(stages)
+        for i, k in zip(stages, parts, strict=True):
             whole[i] += k
         if mixed:
-            for i, k in parts:
+            for i, k in zip(stages, parts, strict=True):
                 whole_mixed[i] += k
     return ([max(0, x - k) for x, k in zip(whole, sums.held, strict=True)],
             [x + 2 * k for x, k in zip(whole, sums.held, strict=True)],

@@ -120,8 +120,8 @@ class ModeFits:
             if any(s.sequence_parallel != f for p, fs in zip(plan.pipelines, flags, strict=True)
                    for s, f in zip(p.stages, fs, strict=True)):
                 plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                    replace(s, sequence_parallel=f) for s, f in zip(p.stages, fs, strict=True)))
-                    for p, fs in zip(plan.pipelines, flags, strict=True)))
+                    s if s.sequence_parallel == f else replace(s, sequence_parallel=f)
+                    for s, f in zip(p.stages, fs, strict=True))) for p, fs in zip(plan.pipelines, flags, strict=True)))
             # The bound's and the exact buffers' checks of one plan share its costs.
             other = self._fits.get((sp, not bound))
             self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound,
