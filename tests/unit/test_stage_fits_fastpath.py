@@ -4,7 +4,9 @@ per-rank split (``rank_shards``) on random layouts (mixed and equal TP degrees i
 ranks in any order, ties and zero weights); ``split_elems`` is the largest-remainder rule; and
 ``StageFits.under``, ``fits_some_mode`` and ``choose_recompute`` answer as on the reference path
 (hethub/memo.py) for plans covering ZeRO 0-3, equal and proportional shares, SP, CP, interleaving
-and replicas that differ only in their sequence parallelism."""
+and replicas that differ only in their sequence parallelism, for all stages or some; the screen's
+bounds on each stage's slice (``stage_elems_bounds``) hold the exact slice; and the layout caches
+tell plans apart by everything their values depend on."""
 
 from __future__ import annotations
 
@@ -19,8 +21,18 @@ from hethub.layout import split_elems, stage_places
 from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
+from hethub.predict import shard_memory
+from hethub.predict.memory import StageMemory
 from hethub.predict.predictor import StageFits, predict
-from hethub.predict.sharding import rank_shards, rank_weights, stage_elems_of, stage_shard_elems
+from hethub.predict.sharding import (
+    bucket_sums,
+    layout_key,
+    rank_shards,
+    rank_weights,
+    stage_elems_bounds,
+    stage_elems_of,
+    stage_shard_elems,
+)
 from hethub.predict.stage_modes import choose_recompute, fits_some_mode
 
 
@@ -88,6 +100,11 @@ def test_the_per_stage_slices_are_the_largest_rank_slices() -> None:
                         {(st.pipeline, st.stage): 0.0 for st in places}):
             want = stage_shard_elems(plan, rank_shards(plan, rank_weights(plan, weights)))
             assert stage_elems_of(plan, weights) == want
+            # The screen's bounds hold the exact slices between them, part by part.
+            lo_m, hi_m, lo_ma, hi_ma = stage_elems_bounds(plan, list(weights.values()))
+            for i, st in enumerate(places):
+                moment, master = want[(st.pipeline, st.stage)]
+                assert lo_m[i] <= moment <= hi_m[i] and lo_ma[i] <= master <= hi_ma[i]
         tps = {len({st.tp for st in places if st.pipeline == pi}) for pi in range(len(plan.pipelines))}
         mixed += max(tps) > 1
         same_tp += min(tps) == 1
@@ -149,10 +166,12 @@ def _tight(plan: Plan) -> list[float]:
 
 def _answers(plan: Plan, headrooms: list[float]) -> tuple:
     out = []
+    some = [(pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))][1::2]
     for headroom in headrooms:
         fits = StageFits(plan, mem_headroom=headroom)
         bound = StageFits(plan, mem_headroom=headroom, p2p_bound=True)
         out += [fits.under(mode) for mode in (None, *Recompute)] + [bound.under(mode) for mode in (None, *Recompute)]
+        out += [fits.under(mode, asked=some) for mode in Recompute]  # some stages asked: their answers
         for kw in ({}, {"allow_sp": False}, {"allow_recompute": False}):
             out.append(fits_some_mode(plan, mem_headroom=headroom, **kw))
             out.append(choose_recompute(plan, mem_headroom=headroom, **kw))
@@ -203,3 +222,70 @@ def test_a_real_searchs_candidates_answer_as_the_plain_rules(monkeypatch: pytest
         for plan, headroom, calls in asked:
             fits = stage_modes.ModeFits(plan, headroom)
             assert [(mode, stages, fits(mode, stages)) for mode, stages, _ in calls] == calls
+
+
+def test_the_screen_decides_away_from_the_edge_and_defers_at_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both paths of StageFits.under on sharded plans run in the comparisons above: the screen's answer,
+    # and the exact split where a stage's bounds straddle its usable bytes.
+    seen: list[bool] = []
+    screen = shard_memory.screened_fits
+
+    def counted(*args: object, **kw: object) -> dict | None:
+        out = screen(*args, **kw)  # type: ignore[arg-type]
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr("hethub.predict.predictor.screened_fits", counted)
+    plan = PLANS["zero1-proportional"]
+    with reference_path():
+        headrooms = _tight(plan)
+    for headroom in headrooms:
+        StageFits(plan, mem_headroom=headroom).under()
+    assert True in seen and False in seen
+
+
+def _layout_plan(*, split: int = 3, tp: int = 2, embed_first: bool = True, kinds: tuple[str, str] = ("fast", "slow"),
+                 sharding: str = "zero1") -> Plan:
+    def pipe(i: int) -> Pipeline:
+        first = Stage(kinds[0], tuple(range(4 * i, 4 * i + tp)), (0, split), embedding=embed_first)
+        last = Stage(kinds[1], (8 + 4 * i,), (split, 6), head=True, embedding=not embed_first)
+        return Pipeline(1, 4, (first, last))
+    return Plan(model=_MODEL, cluster=_CLUSTER, global_batch=8, seq_len=32, pipelines=(pipe(0), pipe(1)),
+                optimizer_sharding=sharding)
+
+
+_MODEL, _CLUSTER = tiny_model(), small_cluster(fast=8, slow=8, per_node=4)
+
+
+def test_the_layout_caches_see_every_input_of_their_values() -> None:
+    # Plans sharing a layout share its BucketSums (the other plan's kinds, sharding); a near miss (the
+    # layer split, a holder's TP degree, where the embedding sits) gets its own, equal to a cold one's.
+    base = _layout_plan()
+    shared = [_layout_plan(kinds=("slow", "fast")), _layout_plan(sharding="zero2")]
+    near = [_layout_plan(split=2), _layout_plan(tp=1), _layout_plan(embed_first=False)]
+    clear_caches()
+    first = bucket_sums(base)
+    for plan in shared:
+        assert layout_key(plan) == layout_key(base) and bucket_sums(plan) is first
+    for plan in near:
+        assert layout_key(plan) != layout_key(base)
+        warm = bucket_sums(plan)
+        clear_caches()
+        assert warm == bucket_sums(plan) != first
+        bucket_sums(base)  # warm again for the next
+    # And the fit answers of each plan after the others equal the plain rules'.
+    for plan in [base, *shared, *near]:
+        with reference_path():
+            want = [StageFits(plan, mem_headroom=h).under(m) for h in (0.0, 0.5) for m in Recompute]
+        assert [StageFits(plan, mem_headroom=h).under(m) for h in (0.0, 0.5) for m in Recompute] == want
+
+
+def test_with_parts_is_replace() -> None:
+    mem = StageMemory(*(float(i + 1) for i in range(8)), fragmentation_ratio=0.1, framework_context_bytes=9.0,
+                      comm_buffers_bytes=10.0, gathered_bytes=11.0, p2p_buffers_bytes=12.0)
+    mem.total_bytes  # noqa: B018 - a cached value that must not be carried over
+    changed = mem.with_parts(grads_bytes=100.0, gathered_bytes=0.0)
+    assert changed == replace(mem, grads_bytes=100.0, gathered_bytes=0.0)
+    assert changed.total_bytes == replace(mem, grads_bytes=100.0, gathered_bytes=0.0).total_bytes != mem.total_bytes
+    with pytest.raises(TypeError, match="no field"):
+        mem.with_parts(grad_bytes=1.0)
