@@ -26,6 +26,7 @@ from hethub.predict.memory import StageMemory
 from hethub.predict.predictor import StageFits, predict
 from hethub.predict.sharding import (
     bucket_sums,
+    buckets,
     layout_key,
     rank_shards,
     rank_weights,
@@ -34,6 +35,7 @@ from hethub.predict.sharding import (
     stage_shard_elems,
 )
 from hethub.predict.stage_modes import choose_recompute, fits_some_mode
+from hethub.spec.model import ModelSpec
 
 
 def _plain_split(n: int, weights: list[float]) -> list[int]:
@@ -59,9 +61,9 @@ def test_split_elems_is_the_largest_remainder_rule() -> None:
         assert split_elems(n, w) == _plain_split(n, w), (n, w)
 
 
-def _random_plan(rng: random.Random, sharding: str) -> Plan | None:
+def _random_plan(rng: random.Random, sharding: str, model: ModelSpec | None = None) -> Plan | None:
     cluster = small_cluster(fast=16, slow=16, per_node=8)
-    model = tiny_model(8)
+    model = model or tiny_model(8)
     free = {"fast": list(range(16)), "slow": list(range(16, 32))}
     for ids in free.values():
         rng.shuffle(ids)  # a stage's devices, so its ranks, in any order
@@ -289,3 +291,32 @@ def test_with_parts_is_replace() -> None:
     assert changed.total_bytes == replace(mem, grads_bytes=100.0, gathered_bytes=0.0).total_bytes != mem.total_bytes
     with pytest.raises(TypeError, match="no field"):
         mem.with_parts(grad_bytes=1.0)
+
+
+def _sums_by_rule(plan: Plan) -> list:
+    """``buckets``' sums as ``BucketSums`` holds them (in any order): per bucket its elements, whether
+    mixed, and each holder's stage index and members in one line."""
+    index = {(st.pipeline, st.stage): i for i, st in enumerate(stage_places(plan))}
+    return sorted((b.elems(plan.model), b.mixed, tuple(sorted((index[(h.pipeline, h.stage)],
+                                                               len(h.ranks) if b.mixed else h.cp) for h in b.holders)))
+                  for b in buckets(plan))
+
+
+def test_the_bucket_sums_by_layer_runs_are_the_buckets() -> None:
+    # Runs of layers between stage boundaries, merged by holder set, against the per-unit grouping, for
+    # untied, tied and learned-position models, chunked stages and CP.
+    rng = random.Random(11)
+    base = tiny_model(8)
+    models = [base, replace(base, tied_embeddings=True), replace(base, arch="gpt", tied_embeddings=True),
+              replace(base, arch="gpt")]
+    plans = [PLANS["interleaved"], PLANS["cp"], PLANS["mixed-tp-sync-group"]]
+    while len(plans) < 60:
+        plan = _random_plan(rng, "zero1", models[len(plans) % len(models)])
+        if plan is not None:
+            plans.append(plan)
+    for plan in plans:
+        clear_caches()
+        sums = bucket_sums(plan)
+        got = sorted((n, m, tuple(sorted(zip(st, c, strict=True))))
+                     for n, m, st, c in zip(sums.elems, sums.mixed, sums.stages, sums.counts, strict=True))
+        assert got == _sums_by_rule(plan)

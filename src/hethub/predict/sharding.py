@@ -20,6 +20,7 @@ Pure (no torch); the element counts per unit are exact for the runtime's modules
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 from collections.abc import Mapping
@@ -247,23 +248,61 @@ _SUMS_OF = Kept(64, shortcut=True)  # by plan (id, pinned; plans are frozen): on
 
 
 def bucket_sums(plan: Plan) -> BucketSums:
-    """The plan's :class:`BucketSums` (from ``buckets``, kept by ``layout_key``)."""
-    def make() -> BucketSums:
-        index = {(st.pipeline, st.stage): i for i, st in enumerate(stage_places(plan))}
-        bs = buckets(plan)
-        holders = tuple(tuple((index[(h.pipeline, h.stage)], len(h.ranks) if b.mixed else h.cp) for h in b.holders)
-                        for b in bs)
-        held, held_mixed = [0] * len(index), [0] * len(index)
-        for b, hs in zip(bs, holders, strict=True):
-            for i, _ in hs:
-                held[i] += 1
-                held_mixed[i] += b.mixed
-        return BucketSums(elems=tuple(b.elems(plan.model) for b in bs), mixed=tuple(b.mixed for b in bs),
-                          stages=tuple(tuple(i for i, _ in hs) for hs in holders),
-                          counts=tuple(tuple(c for _, c in hs) for hs in holders),
-                          members=tuple(sum(c for _, c in hs) for hs in holders),
-                          held=tuple(held), held_mixed=tuple(held_mixed))
-    return _SUMS_OF.get((id(plan),), lambda: _SUMS.get(layout_key(plan), make, pin=(plan.model,)), pin=(plan,))
+    """The plan's :class:`BucketSums` (kept by plan and by ``layout_key``)."""
+    return _SUMS_OF.get((id(plan),), lambda: _SUMS.get(layout_key(plan), lambda: _bucket_sums(plan),
+                                                         pin=(plan.model,)), pin=(plan,))
+
+
+def _bucket_sums(plan: Plan) -> BucketSums:
+    """``buckets(plan)``'s sums found per run of layers between stage boundaries instead of per unit:
+    the layers of one run have the same holders (each pipeline's stage holding the run's first layer),
+    so one bucket; runs and units (``layout.stage_units``: the embedding with the positions of a
+    learned-position model, or with the tied head's copy; the final norm and the head) of the same
+    holder set merge, as ``buckets`` groups units by theirs."""
+    model, tied = plan.model, plan.model.tied_embeddings
+    stages = [s for p in plan.pipelines for s in p.stages]  # stage_places' order
+    first = list(itertools.accumulate((len(p.stages) for p in plan.pipelines), initial=0))
+    units: dict[tuple[int, ...], dict[str, int]] = {}
+
+    def add(holders: tuple[int, ...], unit: str, count: int) -> None:
+        if holders:
+            counts = units.setdefault(holders, {})
+            counts[unit] = counts.get(unit, 0) + count
+
+    held = [sorted((a, b, first[pi] + si) for si, s in enumerate(p.stages) for a, b in s.layer_ranges if b > a)
+            for pi, p in enumerate(plan.pipelines)]
+    starts = [[a for a, _, _ in h] for h in held]
+    bounds = sorted({0, model.num_layers, *(x for s in stages for r in s.layer_ranges for x in r)})
+    for a, b in itertools.pairwise(bounds):
+        if b > a:
+            holders = []
+            for h, st in zip(held, starts, strict=True):
+                k = bisect.bisect_right(st, a) - 1
+                if k >= 0 and h[k][1] > a:
+                    holders.append(h[k][2])
+            add(tuple(holders), "layer", b - a)
+    emb = tuple(i for i, s in enumerate(stages) if s.embedding)
+    heads = tuple(i for i, s in enumerate(stages) if s.head)
+    add(tuple(sorted(emb + (tuple(i for i in heads if not stages[i].embedding) if tied else ()))), "embed", 1)
+    if model.arch == "gpt":
+        add(emb, "pos", 1)
+    add(heads, "final_norm", 1)
+    if not tied:
+        add(heads, "head", 1)
+    elems, mixed, counts = [], [], []
+    for holders, us in units.items():
+        tps = {stages[i].tp for i in holders}
+        mixed.append(len(tps) > 1)
+        tp = 1 if mixed[-1] else tps.pop()
+        elems.append(sum(k * unit_elems(model, "layer.0" if u == "layer" else u, tp=tp) for u, k in us.items()))
+        counts.append(tuple(len(stages[i].devices) if mixed[-1] else stages[i].cp for i in holders))
+    held_all, held_mixed = [0] * len(stages), [0] * len(stages)
+    for holders, m in zip(units, mixed, strict=True):
+        for i in holders:
+            held_all[i] += 1
+            held_mixed[i] += m
+    return BucketSums(elems=tuple(elems), mixed=tuple(mixed), stages=tuple(units), counts=tuple(counts),
+                      members=tuple(map(sum, counts)), held=tuple(held_all), held_mixed=tuple(held_mixed))
 
 
 def stage_elems_bounds(plan: Plan, stage_weights: list[float]) -> tuple[list[int], list[int], list[int], list[int]]:
