@@ -247,8 +247,7 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                 floor = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)
                 if floor is None:
                     continue
-                sync = max(ctx.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
-                           ctx.tail_floor(segs, c, devices))
+                sync = ctx.order_floor(segs, c, devices)
                 lv = max(level, water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s,
                                                  count=c) + sync)
                 heapq.heappush(heap, (lv, next(tie), 2, ctx, fam, (segs, c, sync)))
@@ -267,7 +266,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
         for pipe in pipes:
             if results.may_enter(water_level_with(ctx.lines, total, base_s=pipe.base_s, per_mb_s=pipe.per_mb_s,
                                                   count=c)):
-                results.add(s.estimate([*ctx.pure, Group(pipe, c)], mbs))
+                # Priced only where its makespan plus the order's sync floor could still enter.
+                results.add(s.estimate([*ctx.pure, Group(pipe, c)], mbs, after_s=sync, may_enter=results.may_enter))
 
 
 # ---- The families of the mixed search: each set of kinds and TP degree per kind over a pool.
@@ -566,15 +566,17 @@ class SyncFloors:
                     s.links.bridge_floor_s(kinds, nbytes=nb, replicas=replicas)) for t in {1, tp})
         return hit
 
-    def _chains(self, replicas: int, devices: int) -> float:
+    def _chains(self, replicas: int, devices: int, mixed: frozenset[str]) -> float:
         """The longest chain of layer syncs the pure groups force, whatever the mixed pipelines' split:
         two consecutive blocks of layers (between any replica's stage boundaries) run one after the
         other when some replica holds both on one stage (step_time_s runs a stage's blocks in layer
         order), so between two cuts where *every* replica has a stage boundary the blocks form one
         chain; the mixed pipelines can only remove such cuts. Each block is priced with the pure
-        holders' kinds and smallest TP (combine's ring with fewer holders known: a floor)."""
+        holders' kinds and smallest TP (combine's ring with fewer holders known: a floor) or, where a
+        mixed stage of another vendor island joins them (the two-level exchange can beat the slowest
+        link's ring), with that stage's kind (`mixed`: the mixed pipelines' kinds), whichever is less."""
         devices = min(devices, self._dev_cap)
-        key = (replicas, devices)
+        key = (replicas, devices, mixed)
         hit = self._pure_tail.get(key)
         if hit is None:
             n_layers = self.s.model.num_layers
@@ -589,8 +591,8 @@ class SyncFloors:
                 if a in common:
                     chain = 0.0
                 holders = [st[bisect.bisect_right(sa, a) - 1] for st, sa in zip(stages, starts, strict=True)]
-                chain += (b - a) * self._ring(frozenset(h.kind for h in holders), min(h.tp for h in holders),
-                                              replicas, devices)
+                kinds, tp = frozenset(h.kind for h in holders), min(h.tp for h in holders)
+                chain += (b - a) * min(self._ring(kinds | {m}, tp, replicas, devices) for m in {*mixed, *kinds})
                 hit = max(hit, chain)
             self._pure_tail[key] = hit
         return hit
@@ -623,6 +625,12 @@ class SyncFloors:
                                                   model=s.model, precision=s.config.precision)
         return hit
 
+    def order_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
+        """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of
+        these segments in this order, of `devices` devices each, beside every pure pipeline."""
+        return max(self.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
+                   self.tail_floor(segs, c, devices))
+
     def tail_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
         """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of
         these segments (at most n stages of each; at least `devices` devices each) beside the pure
@@ -639,7 +647,7 @@ class SyncFloors:
         key = (segs, replicas, total)
         hit = self._tails.get(key)
         if hit is None:
-            pure = self._chains(replicas, total) if self.pure else 0.0
+            pure = self._chains(replicas, total, frozenset(k for k, _, _ in segs)) if self.pure else 0.0
             inv = sum(n / r for kind, tp, n in segs
                       if (r := self._ring(self._kind_sets[kind], tp, replicas, total)) > 0)
             hit = self._tails[key] = max(pure, self.s.model.num_layers / inv if inv > 0 else 0.0)

@@ -132,9 +132,10 @@ class Searcher:
                                                in_flight_hint=max(1, self.config.global_batch // mbs))
         return self.book.fixed[key]
 
-    def estimate(self, groups: list[Group], mbs: int) -> Estimate | None:
+    def estimate(self, groups: list[Group], mbs: int, **floor) -> Estimate | None:
+        """combine.estimate (``floor``: its after_s and may_enter)."""
         return estimate(groups, total_mb=self.config.global_batch // mbs, links=self.links, model=self.model,
-                        precision=self.config.precision, equal=self.config.equal_shares)
+                        precision=self.config.precision, equal=self.config.equal_shares, **floor)
 
     def fits(self, est: Estimate) -> bool:
         """Whether the candidate's plan fits memory with its real gradient-sync shape. The stage

@@ -1,0 +1,69 @@
+"""The mixed search prices a candidate only where its allocation's makespan plus its order's sync
+floor (`SyncFloors.order_floor`) could still enter the finalists (`combine.estimate`'s ``may_enter``).
+That sum must be at most the candidate's closed-form step wherever every pipeline gets micro-batches
+(the floor counts every replica's ring): checked on random candidates beside random pure groups."""
+
+import random
+
+import pytest
+from test_reference_search import instance
+
+from hethub.search.combine import Group, allocate
+from hethub.search.mixed import SyncFloors, families
+from hethub.search.templates import Searcher
+
+
+def _pure_groups(s: Searcher, mbs: int, rng: random.Random) -> list[Group]:
+    """Random kind-pure groups as the combination search holds them: a top template of some kinds,
+    replicated over part or all of the kind (the rest is the mixed pipelines' pool)."""
+    out = []
+    for kind in s.counts:
+        ranked = [r.pipe for r in s.pure(kind, mbs, share=s.share[kind])[:4] if r.rate > 0]
+        if ranked and rng.random() < 0.7:
+            pipe = rng.choice(ranked)
+            most = s.counts[kind] // pipe.num_devices
+            if most:
+                out.append(Group(pipe, rng.randint(max(1, most // 2), most)))
+    return out
+
+
+def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random, *, tries: int):
+    """(makespan, sync floor, step) of random mixed candidates beside `pure` whose allocation keeps every pipeline."""
+    ctx, total = SyncFloors(s, pure), s.total_mb(mbs)
+    pool = {k: n - sum(g.count * g.pipe.devices_by_kind().get(k, 0) for g in pure) for k, n in s.counts.items()}
+    out = []
+    for fam, boxes in families(s, pool, mbs):
+        for clo, chi, lo, hi in boxes:
+            for _ in range(tries):
+                c = rng.randint(clo, chi)
+                top = [min(b, n // c) for b, n in zip(hi, fam.slots, strict=True)]
+                if any(a > b for a, b in zip(lo, top, strict=True)):
+                    continue
+                ns = [rng.randint(a, b) for a, b in zip(lo, top, strict=True)]
+                order = rng.sample(range(len(ns)), len(ns))
+                segs = tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
+                after = ctx.order_floor(segs, c, sum(t * n for _, t, n in segs))
+                for pipe in s.mixed(segs, mbs):
+                    groups = [*pure, Group(pipe, c)]
+                    alloc, est = allocate(groups, total), s.estimate(groups, mbs)
+                    if est is not None and all(len(m) == g.count for g, m in zip(groups, alloc[0], strict=True)):
+                        out.append((alloc[1], after, est.step_time_s))
+                        # The pruned estimate is the plain one wherever it is let in, and None where not.
+                        assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: True) == est
+                        assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: False) is None
+    return out
+
+
+@pytest.mark.parametrize("seed", [3, 11, 27, 40])
+def test_makespan_plus_order_floor_is_below_the_step(seed):
+    cluster, model, config = instance(seed)
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    rng = random.Random(seed)
+    pairs = []
+    for mbs in (1, 2):
+        for _ in range(3):
+            pairs += floor_and_steps(s, _pure_groups(s, mbs, rng), mbs, rng, tries=3)
+    assert len(pairs) > 20
+    bad = [(m, a, t) for m, a, t in pairs if m + a > t * (1 + 1e-12)]
+    assert not bad, f"{len(bad)} of {len(pairs)} floors above their step, e.g. {bad[0]}"
+    assert sum(a > 0 for _, a, _ in pairs) > len(pairs) / 2  # the sync floor is what the pruning gains
