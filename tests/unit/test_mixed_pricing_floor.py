@@ -1,14 +1,15 @@
-"""The mixed search prices a candidate only where its allocation's makespan plus its order's sync
-floor (`SyncFloors.order_floor`) could still enter the finalists (`combine.estimate`'s ``may_enter``).
-That sum must be at most the candidate's closed-form step wherever every pipeline gets micro-batches
-(the floor counts every replica's ring): checked on random candidates beside random pure groups."""
+"""The mixed search prices a candidate only where its step with its order's sync floor
+(`SyncFloors.order_floor`) in place of the exact gradient syncs could still enter the finalists
+(`combine.estimate`'s ``may_enter``). That floor must be at most the candidate's closed-form step
+wherever every pipeline gets micro-batches (the sync floor counts every replica's ring): checked on
+random candidates beside random pure groups."""
 
 import random
 
 import pytest
 from test_reference_search import instance
 
-from hethub.search.combine import Group, allocate
+from hethub.search.combine import Group, allocate, step_time_s
 from hethub.search.mixed import SyncFloors, families
 from hethub.search.templates import Searcher
 
@@ -28,7 +29,7 @@ def _pure_groups(s: Searcher, mbs: int, rng: random.Random) -> list[Group]:
 
 
 def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random, *, tries: int):
-    """(makespan, sync floor, step) of random mixed candidates beside `pure` whose allocation keeps every pipeline."""
+    """(step floor, sync floor, step) of random mixed candidates beside `pure` whose allocation keeps every pipeline."""
     ctx, total = SyncFloors(s, pure), s.total_mb(mbs)
     pool = {k: n - sum(g.count * g.pipe.devices_by_kind().get(k, 0) for g in pure) for k, n in s.counts.items()}
     out = []
@@ -47,14 +48,17 @@ def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random
                     groups = [*pure, Group(pipe, c)]
                     alloc, est = allocate(groups, total), s.estimate(groups, mbs)
                     if est is not None and all(len(m) == g.count for g, m in zip(groups, alloc[0], strict=True)):
-                        out.append((alloc[1], after, est.step_time_s))
+                        times = [g.pipe.time_s(max(m)) for g, m in zip(groups, alloc[0], strict=True)]
+                        floor = step_time_s(groups, times, links=s.links, model=s.model, precision=s.config.precision,
+                                            sync_floor_s=after)
+                        out.append((floor, after, est.step_time_s))
                         # The pruned estimate is the plain one wherever it is let in, and None where not.
                         assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: True) == est
                         assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: False) is None
     return out
 
 
-@pytest.mark.parametrize("seed", [3, 11, 27, 40])
+@pytest.mark.parametrize("seed", [1, 3, 10, 11, 16, 27, 40])  # 1, 10, 11, 16: two vendor islands
 def test_makespan_plus_order_floor_is_below_the_step(seed):
     cluster, model, config = instance(seed)
     s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
@@ -64,6 +68,6 @@ def test_makespan_plus_order_floor_is_below_the_step(seed):
         for _ in range(3):
             pairs += floor_and_steps(s, _pure_groups(s, mbs, rng), mbs, rng, tries=3)
     assert len(pairs) > 20
-    bad = [(m, a, t) for m, a, t in pairs if m + a > t * (1 + 1e-12)]
+    bad = [(f, a, t) for f, a, t in pairs if f > t * (1 + 1e-12)]
     assert not bad, f"{len(bad)} of {len(pairs)} floors above their step, e.g. {bad[0]}"
     assert sum(a > 0 for _, a, _ in pairs) > len(pairs) / 2  # the sync floor is what the pruning gains

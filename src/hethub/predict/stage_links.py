@@ -169,6 +169,29 @@ class LinkBook:
         return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link,
                                    islands=islands, bridge=bridge)
 
+    def islands_floor_s(self, kinds: dict[str, int], *, nbytes: float, devices: int, rings: int) -> float:
+        """A floor under `sync_allreduce_s` of ``nbytes`` among exactly these holders (count per kind)
+        spanning several vendor islands, their smallest TP degree ``rings``. The two-level exchange
+        (predict.sync.two_level_allreduce_time_s) runs a reduce-scatter and an all-gather of the whole
+        buffer in each island, at least that island's ring all-reduce at the line rate; and each
+        island's members together own the whole buffer on the bridge, so one member of the smallest
+        island all-reduces at least nbytes / its size over it. Elements round to whole ones per
+        bucket: the bytes are taken a hair low. Buckets only add latencies."""
+        labels = kind_island_labels(self.cluster, kinds)
+        islands: dict[str, list[str]] = {}
+        for k in kinds:
+            islands.setdefault(labels[k], []).append(k)
+        pairs = [self.between(a, b) for a in kinds for b in kinds if labels[a] != labels[b]]
+        if not pairs:
+            return 0.0
+        bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+        sizes = [sum(kinds[k] for k in ks) for ks in islands.values()]
+        nbytes = nbytes * (1 - 1e-6) - 4.0
+        return max(allreduce_floor_s(nbytes=nbytes, participants=n, link=self.replicas(frozenset(ks), devices=devices,
+                                                                                      rings=rings))
+                   for n, ks in zip(sizes, islands.values(), strict=True)) \
+            + allreduce_floor_s(nbytes=nbytes / min(sizes), participants=len(sizes), link=bridge)
+
     def bridge_floor_s(self, kinds: frozenset[str], *, nbytes: float, replicas: int) -> float:
         """A floor under `sync_allreduce_s` of ``nbytes`` among ``replicas`` holders of these kinds,
         however many each kind has, where they span several vendor islands (inf inside one: the ring

@@ -179,12 +179,13 @@ def _filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
 
 
 def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, model: ModelSpec,
-                precision: str) -> float:
+                precision: str, sync_floor_s: float | None = None) -> float:
     """End of the step: each pipeline's backward, the world all-reduce of the loss, the per-layer
     gradient all-reduces (`_synced_s`: on one representative per group, by the predictor's rule on
     representative links, ``LinkBook.sync_allreduce_s``), the world all-reduce of the gradient norm,
     then the updates. The predictor (predict/sync.py) also overlaps buckets with the backward; it
-    decides between finalists."""
+    decides between finalists. ``sync_floor_s``: a floor under the syncs' span in their place (a
+    floor of the step)."""
     replicas = sum(g.count for g in groups)
     devices = sum(g.count * g.pipe.num_devices for g in groups)
     world_s = small_allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),
@@ -193,7 +194,8 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     # When each stage finishes relative to stage 0 is the schedule's (its last ops ripple up); all wait for the loss.
     end = max(max(g.pipe.stage_finish_s(t)) for g, t in zip(groups, times_s, strict=True)) + world_s
     if replicas > 1:
-        end = _synced_s(groups, end, links=links, model=model, precision=precision, replicas=replicas, devices=devices)
+        end = end + sync_floor_s if sync_floor_s is not None else _synced_s(
+            groups, end, links=links, model=model, precision=precision, replicas=replicas, devices=devices)
     return end + world_s + max(u for g in groups for u in g.pipe.update_s)  # the gradient norm, then the updates
 
 
@@ -308,12 +310,14 @@ def embedding_ring_s(kinds: frozenset[str], tp: int, replicas: int, *, total_dev
 def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec, precision: str,
              equal: bool = False, after_s: float = 0.0, may_enter: Callable[[float], bool] | None = None
              ) -> Estimate | None:
-    """The groups' best allocation, priced. With `may_enter`: None, unpriced, where it rejects the
-    makespan plus `after_s`, a floor under what the step adds after it given every pipeline a share."""
+    """The groups' best allocation, priced. With `may_enter`: None, unpriced, where every pipeline has
+    a share and it rejects the step with `after_s`, a floor under the syncs' span, in their place."""
     groups = [g for g in groups if g.count > 0]
     alloc = allocate(groups, total_mb, equal=equal)
-    if alloc is None or (may_enter is not None and not may_enter(alloc[1] + after_s)
-                         and all(len(c) == g.count for g, c in zip(groups, alloc[0], strict=True))):
+    if alloc is None or (may_enter is not None and all(len(c) == g.count for g, c in zip(groups, alloc[0], strict=True))
+                         and not may_enter(step_time_s(groups, [g.pipe.time_s(max(c)) for g, c in zip(
+                             groups, alloc[0], strict=True)], links=links, model=model, precision=precision,
+                             sync_floor_s=after_s))):
         return None
     return _priced(groups, alloc[0], links=links, model=model, precision=precision)
 

@@ -24,6 +24,7 @@ from typing import Protocol
 from hethub.layout import block_starts
 from hethub.predict.comm import allreduce_floor_s
 from hethub.predict.memory import act_bytes_for
+from hethub.predict.sync import kind_island_labels
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, Runs, pipe_floor, smallest_holding, stage_modes
 from hethub.search.combine import (
@@ -541,6 +542,10 @@ class SyncFloors:
         # layers), so its layer rings span those kinds too (tail_floor).
         pure_kinds = {k for g in pure if len(g.pipe.kinds) == 1 for k in g.pipe.kinds}
         self._kind_sets = {k: frozenset({k, *pure_kinds}) for k in s.counts}
+        counts: dict[str, int] = {}  # the pure groups' holders of each layer per kind, where each is of one kind
+        for g in pure:
+            counts[g.pipe.slots[0].kind] = counts.get(g.pipe.slots[0].kind, 0) + g.count
+        self._counts = tuple(sorted(counts.items())) if all(len(g.pipe.kinds) == 1 for g in pure) else None
         # A ring's link depends on its devices only through `devices <= node size` (LinkBook.replicas),
         # so device counts above every node size are one cache key: exact, and the caches hit across boxes.
         self._dev_cap = max(s.links.node_size.values(), default=0) + 1
@@ -591,10 +596,39 @@ class SyncFloors:
                 if a in common:
                     chain = 0.0
                 holders = [st[bisect.bisect_right(sa, a) - 1] for st, sa in zip(stages, starts, strict=True)]
-                kinds, tp = frozenset(h.kind for h in holders), min(h.tp for h in holders)
-                chain += (b - a) * min(self._ring(kinds | {m}, tp, replicas, devices) for m in {*mixed, *kinds})
+                count: dict[str, int] = {}
+                for g, h in zip(self.pure, holders, strict=True):
+                    count[h.kind] = count.get(h.kind, 0) + g.count
+                kinds, tp, key = frozenset(count), min(h.tp for h in holders), tuple(sorted(count.items()))
+                chain += (b - a) * min(self._ring(kinds | {m}, tp, replicas, devices) if self._one_island(kinds | {m})
+                                       else self._islands_ring(key, m, replicas, tp, devices) for m in {*mixed, *kinds})
                 hit = max(hit, chain)
             self._pure_tail[key] = hit
+        return hit
+
+    def _layer_ring(self, kind: str, tp: int, replicas: int, devices: int) -> float:
+        """A floor under one layer's all-reduce held by a mixed stage of (kind, tp) and every pure group."""
+        kinds = self._kind_sets[kind]
+        if self._counts is None or self._one_island(kinds):
+            return self._ring(kinds, tp, replicas, devices)
+        return self._islands_ring(self._counts, kind, replicas, tp, devices)
+
+    def _one_island(self, kinds: frozenset[str]) -> bool:
+        return len(set(kind_island_labels(self.s.cluster, kinds).values())) == 1
+
+    def _islands_ring(self, pure: tuple[tuple[str, int], ...], m: str, replicas: int, tp: int, devices: int) -> float:
+        """A floor under one layer's gradient all-reduce among the pure holders (holders per kind) and
+        the other replicas' stages, of kind m from another vendor island (`_ring` otherwise), by
+        ``LinkBook.islands_floor_s``, at TP degree 1 or tp as `_ring` takes them."""
+        key = ("islands", pure, m, replicas, tp, devices)
+        hit = self._rings.get(key)
+        if hit is None:
+            md, count = self.s.model, dict(pure)
+            count[m] = count.get(m, 0) + replicas - sum(count.values())
+            gb = ModelSpec.state_bytes_per_param(self.s.config.precision)["grads"]
+            norm = md.layer_params - md.layer_matmul_params
+            hit = self._rings[key] = min(self.s.links.islands_floor_s(
+                count, nbytes=(md.layer_matmul_params / t + norm) * gb, devices=devices, rings=t) for t in {1, tp})
         return hit
 
     def sync_floor(self, pairs: list[tuple[Slot, Slot]], c: int, devices: int) -> float:
@@ -648,7 +682,6 @@ class SyncFloors:
         hit = self._tails.get(key)
         if hit is None:
             pure = self._chains(replicas, total, frozenset(k for k, _, _ in segs)) if self.pure else 0.0
-            inv = sum(n / r for kind, tp, n in segs
-                      if (r := self._ring(self._kind_sets[kind], tp, replicas, total)) > 0)
+            inv = sum(n / r for kind, tp, n in segs if (r := self._layer_ring(kind, tp, replicas, total)) > 0)
             hit = self._tails[key] = max(pure, self.s.model.num_layers / inv if inv > 0 else 0.0)
         return hit
