@@ -20,6 +20,7 @@ from hethub.predict.stage_cost import tp_link
 from hethub.predict.sync import bucket_count, islands_allreduce_s, kind_island_labels
 from hethub.runtimes import DEFAULT_RUNTIME, runtime_profile
 from hethub.spec.cluster import Cluster, Link
+from hethub.spec.model import ModelSpec
 
 
 class Slot(NamedTuple):
@@ -168,6 +169,38 @@ class LinkBook:
         bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
         return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link,
                                    islands=islands, bridge=bridge)
+
+    def embedding_sync_floor_s(self, kinds: frozenset[str], tp: int, replicas: int, *, devices: int,
+                               model: ModelSpec, precision: str) -> float:
+        """A floor under what the search's closed form (search/combine.step_time_s) adds after the
+        makespan: the last pipeline to finish ends with its first stage, whose embedding gradients are
+        then all-reduced among `replicas` holders of these kinds (first stages; with tied embeddings,
+        last ones too), smallest TP degree `tp`, before it can update."""
+        gb = ModelSpec.state_bytes_per_param(precision)["grads"]
+        vh = model.vocab_size * model.hidden_size
+        link, nbytes = self.replicas(kinds, devices=devices, rings=tp), (vh / tp + model.embedding_params - vh) * gb
+        return min(islands_allreduce_s(nbytes=nbytes, elem_bytes=gb, participants=replicas, link=link),
+                   self.bridge_floor_s(kinds, nbytes=nbytes, replicas=replicas))  # across islands: two-level
+
+    def layer_sync_floor_s(self, kinds: frozenset[str], *, tp: int, replicas: int, devices: int, matrix: float,
+                           extra: float, elem_bytes: float, counts: dict[str, int] | None = None) -> float:
+        """A floor under `sync_allreduce_s` of (matrix / t + extra) elements among `replicas` holders of
+        these kinds whose smallest TP degree t is at most tp. Within a node the ring is fastest at the
+        largest degree (the smallest shards); across nodes at degree 1, because the shard's rings share
+        the NIC (the extra counts t times), so the floor is the smaller of the two. Each at the line
+        rate (``allreduce_floor_s``), and more kinds only slow a ring; across vendor islands the
+        two-level exchange may beat the slowest link's ring: `islands_floor_s` where ``counts`` (the
+        holders per kind) are known, else `bridge_floor_s`."""
+        across = counts is not None and len(set(kind_island_labels(self.cluster, kinds).values())) > 1
+
+        def one(t: int) -> float:
+            nb = (matrix / t + extra) * elem_bytes
+            if across:
+                return self.islands_floor_s(counts, nbytes=nb, devices=devices, rings=t)
+            return min(allreduce_floor_s(nbytes=nb, participants=replicas, link=self.replicas(kinds, devices=devices,
+                                                                                              rings=t)),
+                       self.bridge_floor_s(kinds, nbytes=nb, replicas=replicas))
+        return min(one(t) for t in {1, tp})
 
     def islands_floor_s(self, kinds: dict[str, int], *, nbytes: float, devices: int, rings: int) -> float:
         """A floor under `sync_allreduce_s` of ``nbytes`` among exactly these holders (count per kind)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from hethub.layout import block_starts
 from hethub.predict.comm import small_allreduce_time_s
 from hethub.predict.stage_links import LinkBook
-from hethub.predict.sync import islands_allreduce_s
 from hethub.search.split import PipeCost
 from hethub.spec.model import ModelSpec
 
@@ -213,19 +212,17 @@ def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: Mo
     matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
     norm = model.layer_params - matmul
     n, lasts = len(groups), [len(g.pipe.layers) - 1 for g in groups]
-    slots, counts = [g.pipe.slots for g in groups], [g.count for g in groups]
 
     def ring_s(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
-        """The all-reduce of one part among these holders, cached by (sizes, holders per kind, smallest TP)."""
-        key = (matrix, extra, tuple(sorted(_kind_counts(slots, counts, holders).items())),
-               min(slots[gi][si].tp for gi, si in holders))
-        return rings[key] if key in rings else priced(key, holders)
-
-    def priced(key: tuple, holders: list[tuple[int, int]]) -> float:
-        """A ring's time on a cache miss: the holder-order count, as sync_allreduce_s takes it."""
-        matrix, extra, _, tp = key
-        t = rings[key] = links.sync_allreduce_s(_kind_counts(slots, counts, holders), tp=tp,
-                                                nbytes=(matrix / tp + extra) * gb, elem_bytes=gb, devices=devices)
+        count: dict[str, int] = {}  # holders per kind, in holder order (the all-reduce's islands)
+        for gi, si in holders:
+            kind = groups[gi].pipe.slots[si].kind
+            count[kind] = count.get(kind, 0) + groups[gi].count
+        tp = min(groups[gi].pipe.slots[si].tp for gi, si in holders)
+        key = (matrix, extra, tuple(sorted(count.items())), tp)
+        if (t := rings.get(key)) is None:
+            t = rings[key] = links.sync_allreduce_s(count, tp=tp, nbytes=(matrix / tp + extra) * gb,
+                                                    elem_bytes=gb, devices=devices)
         return t
 
     at: dict[int, list[tuple[int, int]]] = {}  # layer -> the replicas' stages holding layers from it on
@@ -247,64 +244,18 @@ def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: Mo
     if last_too:
         parts[-1][:] = parts[-1][0] + head[0], parts[-1][1] + head[1]
     ends = e_emb = start_s + ring_s(*parts[0], emb)
-    # Each replica's holder now (`cur`), and the holders' count per kind and per TP degree, updated only
-    # where a replica's holder changes. After each part every holder is free at its end (`free`), so a
-    # part starts once that end and the new holders are free: the embedding's (first or tied last
-    # stage) when it ended, any other at start_s.
-    cur = [0] * n
-    kc: dict[str, int] = {}
-    tpc: dict[int, int] = {}
-    for gi in range(n):
-        sl = slots[gi][0]
-        kc[sl.kind] = kc.get(sl.kind, 0) + counts[gi]
-        tpc[sl.tp] = tpc.get(sl.tp, 0) + 1
-    free = e_emb
+    cur, free = [0] * n, [e_emb] * n  # each replica's holder now, and when it is free
     for (a, _), (matrix, extra) in zip(itertools.pairwise(cuts[first_too:]), parts[1:], strict=True):
-        moved = at[a]
-        start = free if len(moved) < n else -math.inf
-        for gi, si in moved:
-            old, new, c = slots[gi][cur[gi]], slots[gi][si], counts[gi]
-            cur[gi] = si
-            if old is not new:
-                kc[old.kind] -= c
-                if not kc[old.kind]:
-                    del kc[old.kind]
-                kc[new.kind] = kc.get(new.kind, 0) + c
-                tpc[old.tp] -= 1
-                if not tpc[old.tp]:
-                    del tpc[old.tp]
-                tpc[new.tp] = tpc.get(new.tp, 0) + 1
-            start = max(start, e_emb if si == 0 or (tied and si == lasts[gi]) else start_s)
-        key = (matrix, extra, tuple(sorted(kc.items())), min(tpc))
-        free = start + (rings[key] if key in rings else priced(key, list(enumerate(cur))))
-        ends = max(ends, free)
+        for gi, si in at[a]:  # a stage the embedding's group left at start_s, or one it waited for
+            cur[gi], free[gi] = si, e_emb if si == 0 or (tied and si == lasts[gi]) else start_s
+        e = max(free) + ring_s(matrix, extra, list(enumerate(cur)))
+        free = [e] * n
+        ends = max(ends, e)
     if not last_too:  # a last stage without layers: free when the embedding's group ended (tied) or at start_s
-        e = max(free if cur[gi] == lasts[gi] else e_emb if tied else start_s for gi in range(n)) \
+        e = max(free[gi] if cur[gi] == lasts[gi] else e_emb if tied else start_s for gi in range(n)) \
             + ring_s(0.0 + head[0], 0.0 + head[1], [(gi, lasts[gi]) for gi in range(n)])
         ends = max(ends, e)
     return ends
-
-
-def _kind_counts(slots: list[tuple], counts: list[int], holders: list[tuple[int, int]]) -> dict[str, int]:
-    """Holders per kind (each group's count of replicas), in holder order: an all-reduce's islands."""
-    out: dict[str, int] = {}
-    for gi, si in holders:
-        kind = slots[gi][si].kind
-        out[kind] = out.get(kind, 0) + counts[gi]
-    return out
-
-
-def embedding_ring_s(kinds: frozenset[str], tp: int, replicas: int, *, total_devices: int, links: LinkBook,
-                     model: ModelSpec, precision: str) -> float:
-    """A floor under what `step_time_s` adds after the makespan: the last pipeline to finish ends with
-    its first stage, whose embedding gradients are then all-reduced among `replicas` holders of these
-    kinds (first stages; with tied embeddings, last ones too), smallest TP degree `tp`, before it can
-    update (the floors cache it by these four values)."""
-    gb = ModelSpec.state_bytes_per_param(precision)["grads"]
-    vh = model.vocab_size * model.hidden_size
-    link, nbytes = links.replicas(kinds, devices=total_devices, rings=tp), (vh / tp + model.embedding_params - vh) * gb
-    return min(islands_allreduce_s(nbytes=nbytes, elem_bytes=gb, participants=replicas, link=link),
-               links.bridge_floor_s(kinds, nbytes=nbytes, replicas=replicas))  # across islands: two-level
 
 
 def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec, precision: str,

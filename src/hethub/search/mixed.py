@@ -22,16 +22,13 @@ import weakref
 from typing import Protocol
 
 from hethub.layout import block_starts
-from hethub.predict.comm import allreduce_floor_s
 from hethub.predict.memory import act_bytes_for
-from hethub.predict.sync import kind_island_labels
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, Runs, pipe_floor, smallest_holding, stage_modes
 from hethub.search.combine import (
     Estimate,
     Group,
     bisect_time,
-    embedding_ring_s,
     finish_lines,
     finished_mb,
     lines_level_beside,
@@ -530,7 +527,7 @@ class SyncFloors:
         self._sync: dict[tuple, float] = {}
         self.rate_levels: dict[tuple, float] = {}  # mixed._rate_level's, per family beside these groups
         self.replicas = sum(g.count for g in pure)
-        # The embedding's holders among the pure groups (combine.embedding_ring_s's first stages and,
+        # The embedding's holders among the pure groups (LinkBook.embedding_sync_floor_s's first stages and,
         # with tied embeddings, `last`): their kinds and smallest TP degree.
         ends = self.firsts + (self.lasts if s.model.tied_embeddings else [])
         self.end_kinds = frozenset(sl.kind for sl, _ in ends)
@@ -542,33 +539,29 @@ class SyncFloors:
         # layers), so its layer rings span those kinds too (tail_floor).
         pure_kinds = {k for g in pure if len(g.pipe.kinds) == 1 for k in g.pipe.kinds}
         self._kind_sets = {k: frozenset({k, *pure_kinds}) for k in s.counts}
-        counts: dict[str, int] = {}  # the pure groups' holders of each layer per kind, where each is of one kind
-        for g in pure:
-            counts[g.pipe.slots[0].kind] = counts.get(g.pipe.slots[0].kind, 0) + g.count
+        counts = {k: sum(g.count for g in pure if g.pipe.kinds == {k}) for k in pure_kinds}  # each layer's holders
         self._counts = tuple(sorted(counts.items())) if all(len(g.pipe.kinds) == 1 for g in pure) else None
         # A ring's link depends on its devices only through `devices <= node size` (LinkBook.replicas),
         # so device counts above every node size are one cache key: exact, and the caches hit across boxes.
         self._dev_cap = max(s.links.node_size.values(), default=0) + 1
 
-    def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int) -> float:
+    def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int,
+              pure: tuple[tuple[str, int], ...] | None = None, rest: str = "") -> float:
         """A floor under one layer's gradient all-reduce (combine.step_time_s's ring) among `replicas`
-        holders that include stages of `kinds` with TP degrees down to tp: the holders' smallest TP is
-        at most tp, and more kinds only make the ring's slowest link slower. Within a node the ring
-        is fastest at the largest degree (the smallest shards); across nodes at degree 1, because the
-        shard's rings share the NIC (tp rings of (matrix / tp + norm) bytes: the norm counts tp
-        times), so the floor is the smaller of the two. At the best share of the line rate
-        (``allreduce_floor_s``): layers are synced fused, which achieves more than one by one."""
+        holders of `kinds` with TP degrees down to tp (``LinkBook.layer_sync_floor_s``; ``pure``, where
+        known: how many of each kind the pure groups hold, the rest being of kind ``rest``). Layers are
+        synced fused, which achieves more than one by one."""
         devices = min(devices, self._dev_cap)
-        key = ("layer", kinds, tp, replicas, devices)
+        key = ("layer", kinds, tp, replicas, devices, pure, rest)
         hit = self._rings.get(key)
         if hit is None:
-            m, s = self.s.model, self.s
-            gb = ModelSpec.state_bytes_per_param(s.config.precision)["grads"]
-            norm = m.layer_params - m.layer_matmul_params
-            hit = self._rings[key] = min(
-                min(allreduce_floor_s(nbytes=(nb := (m.layer_matmul_params / t + norm) * gb), participants=replicas,
-                                      link=s.links.replicas(kinds, devices=devices, rings=t)),
-                    s.links.bridge_floor_s(kinds, nbytes=nb, replicas=replicas)) for t in {1, tp})
+            m, counts = self.s.model, None if pure is None else dict(pure)
+            if counts is not None:
+                counts[rest] = counts.get(rest, 0) + replicas - sum(counts.values())
+            hit = self._rings[key] = self.s.links.layer_sync_floor_s(
+                kinds, tp=tp, replicas=replicas, devices=devices, matrix=m.layer_matmul_params,
+                extra=m.layer_params - m.layer_matmul_params, counts=counts,
+                elem_bytes=ModelSpec.state_bytes_per_param(self.s.config.precision)["grads"])
         return hit
 
     def _chains(self, replicas: int, devices: int, mixed: frozenset[str]) -> float:
@@ -577,9 +570,7 @@ class SyncFloors:
         other when some replica holds both on one stage (step_time_s runs a stage's blocks in layer
         order), so between two cuts where *every* replica has a stage boundary the blocks form one
         chain; the mixed pipelines can only remove such cuts. Each block is priced with the pure
-        holders' kinds and smallest TP (combine's ring with fewer holders known: a floor) or, where a
-        mixed stage of another vendor island joins them (the two-level exchange can beat the slowest
-        link's ring), with that stage's kind (`mixed`: the mixed pipelines' kinds), whichever is less."""
+        holders and any one mixed stage of the kinds `mixed` (a floor: the least of those rings)."""
         devices = min(devices, self._dev_cap)
         key = (replicas, devices, mixed)
         hit = self._pure_tail.get(key)
@@ -596,43 +587,17 @@ class SyncFloors:
                 if a in common:
                     chain = 0.0
                 holders = [st[bisect.bisect_right(sa, a) - 1] for st, sa in zip(stages, starts, strict=True)]
-                count: dict[str, int] = {}
-                for g, h in zip(self.pure, holders, strict=True):
-                    count[h.kind] = count.get(h.kind, 0) + g.count
-                kinds, tp, key = frozenset(count), min(h.tp for h in holders), tuple(sorted(count.items()))
-                chain += (b - a) * min(self._ring(kinds | {m}, tp, replicas, devices) if self._one_island(kinds | {m})
-                                       else self._islands_ring(key, m, replicas, tp, devices) for m in {*mixed, *kinds})
+                kinds, tp = frozenset(h.kind for h in holders), min(h.tp for h in holders)
+                have = tuple((k, sum(g.count for g, h in zip(self.pure, holders, strict=True) if h.kind == k))
+                             for k in sorted(kinds))  # the pure holders per kind
+                chain += (b - a) * min(self._ring(kinds | {m}, tp, replicas, devices, have, m)
+                                       for m in {*mixed, *kinds})
                 hit = max(hit, chain)
             self._pure_tail[key] = hit
         return hit
 
-    def _layer_ring(self, kind: str, tp: int, replicas: int, devices: int) -> float:
-        """A floor under one layer's all-reduce held by a mixed stage of (kind, tp) and every pure group."""
-        kinds = self._kind_sets[kind]
-        if self._counts is None or self._one_island(kinds):
-            return self._ring(kinds, tp, replicas, devices)
-        return self._islands_ring(self._counts, kind, replicas, tp, devices)
-
-    def _one_island(self, kinds: frozenset[str]) -> bool:
-        return len(set(kind_island_labels(self.s.cluster, kinds).values())) == 1
-
-    def _islands_ring(self, pure: tuple[tuple[str, int], ...], m: str, replicas: int, tp: int, devices: int) -> float:
-        """A floor under one layer's gradient all-reduce among the pure holders (holders per kind) and
-        the other replicas' stages, of kind m from another vendor island (`_ring` otherwise), by
-        ``LinkBook.islands_floor_s``, at TP degree 1 or tp as `_ring` takes them."""
-        key = ("islands", pure, m, replicas, tp, devices)
-        hit = self._rings.get(key)
-        if hit is None:
-            md, count = self.s.model, dict(pure)
-            count[m] = count.get(m, 0) + replicas - sum(count.values())
-            gb = ModelSpec.state_bytes_per_param(self.s.config.precision)["grads"]
-            norm = md.layer_params - md.layer_matmul_params
-            hit = self._rings[key] = min(self.s.links.islands_floor_s(
-                count, nbytes=(md.layer_matmul_params / t + norm) * gb, devices=devices, rings=t) for t in {1, tp})
-        return hit
-
     def sync_floor(self, pairs: list[tuple[Slot, Slot]], c: int, devices: int) -> float:
-        """The embedding sync after the makespan (combine.embedding_ring_s) for c mixed pipelines
+        """The embedding sync after the makespan (LinkBook.embedding_sync_floor_s) for c mixed pipelines
         of at least `devices` devices whose (first, last) stages are one of `pairs`; more replicas and
         more devices only slow a ring down, so a box's smallest are a floor for all of it."""
         key = (tuple(pairs), c, devices)
@@ -640,7 +605,7 @@ class SyncFloors:
         if hit is None:
             replicas, total = self.replicas + c, min(self.devices + c * devices, self._dev_cap)
             hit = 0.0
-            if replicas > 1:  # combine.embedding_ring_s, cached by (kinds, smallest TP)
+            if replicas > 1:  # LinkBook.embedding_sync_floor_s, cached by (kinds, smallest TP)
                 tied = self.s.model.tied_embeddings
                 hit = min(self._embedding_ring(frozenset([a.kind, *((b.kind,) if tied else ())]),
                                                min(a.tp, b.tp) if tied else a.tp, replicas, total)
@@ -649,19 +614,18 @@ class SyncFloors:
         return hit
 
     def _embedding_ring(self, kinds: frozenset[str], tp: int, replicas: int, total: int) -> float:
-        """combine.embedding_ring_s for the pure groups' first (and, tied, last) stages plus these."""
+        """LinkBook.embedding_sync_floor_s for the pure groups' first (and, tied, last) stages plus these."""
         kinds, tp = kinds | self.end_kinds, min(tp, self.end_tp)
         key = ("embedding", kinds, tp, replicas, total)
         hit = self._rings.get(key)
         if hit is None:
             s = self.s
-            hit = self._rings[key] = embedding_ring_s(kinds, tp, replicas, total_devices=total, links=s.links,
-                                                  model=s.model, precision=s.config.precision)
+            hit = self._rings[key] = s.links.embedding_sync_floor_s(kinds, tp, replicas, devices=total, model=s.model,
+                                                                    precision=s.config.precision)
         return hit
 
     def order_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
-        """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of
-        these segments in this order, of `devices` devices each, beside every pure pipeline."""
+        """`sync_floor` and `tail_floor` of c mixed pipelines of these segments in this order: their floor."""
         return max(self.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
                    self.tail_floor(segs, c, devices))
 
@@ -682,6 +646,7 @@ class SyncFloors:
         hit = self._tails.get(key)
         if hit is None:
             pure = self._chains(replicas, total, frozenset(k for k, _, _ in segs)) if self.pure else 0.0
-            inv = sum(n / r for kind, tp, n in segs if (r := self._layer_ring(kind, tp, replicas, total)) > 0)
+            inv = sum(n / r for k, tp, n in segs if (r := self._ring(self._kind_sets[k], tp, replicas, total,
+                                                                      self._counts, k)) > 0)
             hit = self._tails[key] = max(pure, self.s.model.num_layers / inv if inv > 0 else 0.0)
         return hit

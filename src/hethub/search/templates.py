@@ -133,7 +133,6 @@ class Searcher:
         return self.book.fixed[key]
 
     def estimate(self, groups: list[Group], mbs: int, **floor) -> Estimate | None:
-        """combine.estimate (``floor``: its after_s and may_enter)."""
         return estimate(groups, total_mb=self.config.global_batch // mbs, links=self.links, model=self.model,
                         precision=self.config.precision, equal=self.config.equal_shares, **floor)
 
