@@ -23,7 +23,10 @@ TOL = 1e-5
 BUCKET_ELEMS = 4096
 
 
-@pytest.fixture(autouse=True, params=["auto", "force"])
+# The forced-bridge half is the slow tier's: the fast tier trains through the forced bridge in
+# test_bridge.py (p2p both ways, DP across kinds), test_zero.py, test_zero23.py,
+# test_interleaved_training.py and test_split_schedules.py.
+@pytest.fixture(autouse=True, params=["auto", pytest.param("force", marks=pytest.mark.slow)])
 def bridge(request, monkeypatch):
     """Every parity case runs twice: native groups, and with the cross-kind bridge forced on."""
     monkeypatch.setenv("HETHUB_BRIDGE", request.param)
