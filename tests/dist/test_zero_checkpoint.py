@@ -51,7 +51,14 @@ def _assert_equal_to_uninterrupted(p: Plan, q: Plan, tmp_path: Path, *, cfg: Tra
             assert diff <= TOL, (n, diff)
 
 
-@pytest.mark.parametrize(("p_sharding", "q_sharding"), [("zero1", "equal"), ("none", "zero1"), ("zero1", "none")])
+# The fast tier keeps one resume per direction of re-sharding: sharded -> unsharded here, sharded ->
+# re-sharded under other shares (the mixed-precision test below), ZeRO-2 -> ZeRO-3 (further down); the
+# other pairs run in the slow tier.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("p_sharding", "q_sharding"), [pytest.param("zero1", "equal", marks=SLOW),
+                                                        pytest.param("none", "zero1", marks=SLOW), ("zero1", "none")])
 def test_resume_under_another_plan_and_sharding(tmp_path: Path, p_sharding: str, q_sharding: str) -> None:
     # p: two unequal replicas on two kinds (TP=1); q: another split, a TP=2 stage and the other sharding.
     p = make_plan([(2, 2, [(F, 1, 4), (F, 1, 2)]), (2, 1, [(S, 1, 6)])])
@@ -73,7 +80,8 @@ def test_mixed_precision_master_shards_resume_resharded(tmp_path: Path) -> None:
     _assert_equal_to_uninterrupted(_zero1(p), _zero1(p, shares="equal"), tmp_path, cfg=cfg)
 
 
-@pytest.mark.parametrize(("p_sharding", "q_sharding"), [("zero3", "zero1"), ("none", "zero3"), ("zero2", "zero3")])
+@pytest.mark.parametrize(("p_sharding", "q_sharding"), [pytest.param("zero3", "zero1", marks=SLOW),
+                                                        pytest.param("none", "zero3", marks=SLOW), ("zero2", "zero3")])
 def test_resume_zero23_under_another_sharding(tmp_path: Path, p_sharding: str, q_sharding: str) -> None:
     # ZeRO-2/3 need equal micro-batch counts: p's replicas align their layer splits (ZeRO-3 gathers every
     # layer), q's do not (the layers whose holders sit at different positions stay whole).
