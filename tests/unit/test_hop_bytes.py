@@ -18,6 +18,8 @@ from hethub.predict.memory.model import act_bytes_for
 from hethub.predict.seq_parallel import boundary_messages, stage_hop
 
 Sends = Counter[tuple[int, int, int]]  # (sending rank, receiving rank, bytes) -> messages in one step
+# On test_nccl_replay's worker, whose recordings (record_all, kept per process) these tests read.
+pytestmark = pytest.mark.xdist_group("nccl_replay")
 
 
 def recorded_sends(schedule: str, chunks: int, shape: str) -> Sends:

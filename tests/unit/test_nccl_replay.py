@@ -84,7 +84,8 @@ SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("inte
 # Three chunks repeat two chunks' interleaving with one more virtual stage per rank: the slow tier's.
 MATRIX = [(s, v, name) for s, v in SCHEDULES for name, _ in SHAPES]
 CASES = [pytest.param(*c, marks=pytest.mark.slow) if c[1] == 3 else c for c in MATRIX]
-# One worker records every case (record_all is kept per process) for the three tests that read it.
+# One worker records every case (record_all is kept per process) for the tests that read it, here and
+# in test_hop_bytes.py.
 pytestmark = pytest.mark.xdist_group("nccl_replay")
 
 
