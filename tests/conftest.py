@@ -24,19 +24,55 @@ settings.load_profile("hethub")
 SLOW_TESTS = REPO / "tests" / "slow_tests.txt"
 
 
+def pytest_configure(config):
+    # xdist registers its mark only where it is loaded; a run with -p no:xdist reads the marks too.
+    config.addinivalue_line("markers", "xdist_group(name): tests that share a worker under --dist loadgroup")
+
+
 def slow_test_ids() -> set[str]:
     """The node ids (without parameters) that tests/slow_tests.txt puts in the slow tier."""
     lines = SLOW_TESTS.read_text(encoding="utf-8").splitlines()
     return {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its hook names them in node ids)
 def pytest_collection_modifyitems(config, items):
     """Marks the tests listed in tests/slow_tests.txt `slow`: the list is the tier's one home, so
-    moving a test between tiers edits one line, not the test's file."""
+    moving a test between tiers edits one line, not the test's file.
+
+    And puts the tests that use a module-scoped fixture of their own module in one xdist group per
+    module (unless they name a group): `--dist loadgroup` then runs them on one worker, which builds
+    the fixture (a planner search, a profile, a tokenizer) once instead of once per worker."""
     slow = slow_test_ids()
     for item in items:
         if item.nodeid.split("[", 1)[0] in slow:
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is None and _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        for item in items:
+            _tag_group(item)
+
+
+def _tag_group(item) -> None:
+    """Appends ``@group`` to the node id, which is how the controller's loadgroup scheduler learns the
+    group. pytest-xdist's own hook writes ``item._nodeid``, which pytest 9.2 no longer reads (node ids
+    live in ``item._id``): without this every group was silently spread over both workers."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None or "@" in item.nodeid or not hasattr(item, "_id"):
+        return
+    name = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+    item._id = type(item._id).parse(f"{item.nodeid}@{name}")
+
+
+def _uses_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(item, "module", None)
+    if info is None or module is None:
+        return False
+    return any(d.scope == "module" and d.baseid == item.parent.nodeid.split("::")[0]
+               and not name.startswith("_xunit_setup")  # setup_module: no result to share
+               for name, defs in info.name2fixturedefs.items() for d in defs)
 
 
 def small_cluster(*, fast: int = 4, slow: int = 4, per_node: int = 2) -> Cluster:
