@@ -21,7 +21,9 @@ and that its live point-to-point buffers are the memory model's term, on the exe
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -89,13 +91,21 @@ CASES = [pytest.param(*c, marks=pytest.mark.slow) if c[1] == 3 else c for c in M
 pytestmark = pytest.mark.xdist_group("nccl_replay")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
     """Tiny tensors: torch's thread pool only costs here (5x on a loaded 2-core host)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread_here() -> Iterator[None]:
+    with _one_thread():
+        yield
 
 
 def make_plan(schedule: str, chunks: int, shape: str) -> Plan:
@@ -276,10 +286,13 @@ def record_all(schedule: str, chunks: int, shape: str, *, forward_only: bool = F
     of NCCL says the rank can know it (module doc)."""
     plan = make_plan(schedule, chunks, shape)
     if not informed:
-        return {r: record(plan, r, forward_only=forward_only) for r in range(plan.world_size)}
+        with _one_thread():  # whichever module records first (test_hop_bytes reads these too)
+            return {r: record(plan, r, forward_only=forward_only) for r in range(plan.world_size)}
     first = record_all(schedule, chunks, shape, forward_only=forward_only, informed=False)
     known = known_complete({r: rec.events for r, rec in first.items()}, eager_bytes=0)
-    second = {r: record(plan, r, forward_only=forward_only, known=known.get(r, {})) for r in range(plan.world_size)}
+    with _one_thread():
+        second = {r: record(plan, r, forward_only=forward_only, known=known.get(r, {}))
+                  for r in range(plan.world_size)}
     for r in second:  # the same posts (handles included), only the waits on sends move
         assert _posts(second[r].events) == _posts(first[r].events), f"rank {r} posted differently"
     return second
