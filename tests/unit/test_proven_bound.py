@@ -78,7 +78,8 @@ def _random_cluster(rng: random.Random) -> Cluster:
                    cross_kind=Link(rng.uniform(0.5e9, 10e9), 5e-5))
 
 
-@pytest.mark.parametrize("seed", [s if s < 3 else pytest.param(s, marks=pytest.mark.slow) for s in range(6)])
+# The fast tier checks three of the six random draws (those that plan in about a CPU second).
+@pytest.mark.parametrize("seed", [s if s in (1, 2, 4) else pytest.param(s, marks=pytest.mark.slow) for s in range(6)])
 def test_efficiency_is_at_most_one_on_random_clusters_and_strategies(seed):
     rng = random.Random(seed)
     cluster = _random_cluster(rng)
