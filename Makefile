@@ -20,8 +20,9 @@ lint: $(BIN)/hethub
 	$(BIN)/ruff check src tests bench
 
 # Two workers: the suite is mostly single-threaded, and the CI machine has two cores. loadgroup: tests
-# marked with one xdist_group share a worker (and so a search cached in tests/conftest.py).
-# `test` is the fast tier (~4 min); the slow tier (tests/slow_tests.txt and @pytest.mark.slow) is
+# marked with one xdist_group share a worker (and so a search cached in tests/conftest.py, which also
+# writes the group where pytest 9.2 reads it). `test` is the fast tier (target ~4 min idle; figures in
+# docs/testing.md); the slow tier (tests/slow_tests.txt and @pytest.mark.slow) is
 # `test-slow`; `test-all` (what .ci/run runs) is both.
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
