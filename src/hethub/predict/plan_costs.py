@@ -18,6 +18,7 @@ from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.comm import boundary_time_s
 from hethub.predict.compute import p2p_post_s
 from hethub.predict.memory import StageMemory, act_bytes_for, message_bytes, p2p_buffer_bytes
+from hethub.predict.memory.p2p import peak_micro_batches
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.seq_parallel import boundary_hop_s, cp_ring_s, splits_sequence
 from hethub.predict.stage_cost import StageJob, StageStepCost, stage_memory_of, stage_params_of, stage_step
@@ -38,9 +39,9 @@ _SYNC_SHAPES = Kept(64)
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
 _HOPS = Kept(100_000)
 # A stage's point-to-point buffer bytes by its pipeline's shape (the model (id, pinned), sequence
-# length, schedule, micro-batch size and count, chunks, each stage's kind, TP, SP, CP and precision:
-# what message_bytes and the buffer peak read) and its index: replicas and the planner's plans of one
-# job repeat them.
+# length, schedule, micro-batch size, the count's class (peak_micro_batches), chunks, each stage's kind,
+# TP, SP, CP and precision: what message_bytes and the buffer peak read) and its index: replicas and the
+# planner's plans of one job repeat them.
 _P2P = Kept(100_000, shortcut=True)
 # An interleaved stage's activation peak by schedule, place, stages, micro-batches and chunk weights (the
 # chunks' count is the weights'): replicas repeat it, and each is a walk of the stage's order.
@@ -193,8 +194,12 @@ class PlanCosts:
         p = self.plan.pipelines[pi]
         if pi not in self.pipe_shape:
             plan = self.plan
-            self.pipe_shape[pi] = (id(plan.model), plan.seq_len, plan.schedule, p.micro_batch_size,
-                                   p.num_micro_batches, p.virtual_stages,
+            # The micro-batch count as the buffer peak reads it (peak_micro_batches): one class of counts
+            # has one peak, so candidates differing only in their counts share it.
+            m = peak_micro_batches(plan.schedule, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches,
+                                   chunks=p.virtual_stages)
+            self.pipe_shape[pi] = (id(plan.model), plan.seq_len, plan.schedule, p.micro_batch_size, m,
+                                   p.virtual_stages,
                                    tuple((s.kind, s.tp, s.sequence_parallel, s.cp, plan.precision_of(s.kind))
                                          for s in p.stages))
         return _P2P.get((self.pipe_shape[pi], si), lambda: self._p2p_bytes(pi, si), pin=(self.plan.model,))

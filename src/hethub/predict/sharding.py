@@ -408,8 +408,9 @@ def zero23_rank_bytes(plan: Plan, weights: Mapping[int, float], *,
     return {r: Zero23Bytes(4 * moments[r], *held[stage_of[r]]) for r in range(plan.world_size)}
 
 
-# zero23_stage_bytes by plan (id, pinned; plans are frozen) and bucket size: the predictor asks it
-# under several split weights per plan (each recomputation mode), and it depends on none of them.
+# zero23_stage_bytes by what it reads: the layout (layout_key; the model pinned), the ZeRO stage, the bucket
+# size and each stage's TP degree and precision. The predictor asks it under several split weights per
+# plan (each recomputation mode), and the planner's candidates, SP modes and ZeRO stages repeat layouts.
 _HELD = Kept(64, shortcut=True)
 
 
@@ -418,7 +419,9 @@ def zero23_stage_bytes(plan: Plan, *, bucket_elems: int = DEFAULT_BUCKET_ELEMS) 
     which do not depend on the split. Each rank of a stage is a member of one line of every bucket its
     stage holds (its TP rank's, or the mixed bucket's one line) and of no other, with the stage's TP
     degree and precision: those bytes are its stage's."""
-    return _HELD.get((id(plan), bucket_elems), lambda: _zero23_stage_bytes(plan, bucket_elems), pin=(plan,))
+    key = (layout_key(plan), plan.zero_stage, bucket_elems,
+           tuple((s.tp, plan.precision_of(s.kind)) for p in plan.pipelines for s in p.stages))
+    return _HELD.get(key, lambda: _zero23_stage_bytes(plan, bucket_elems), pin=(plan.model,))
 
 
 def _zero23_stage_bytes(plan: Plan, bucket_elems: int) -> tuple[tuple[int, int, int], ...]:
