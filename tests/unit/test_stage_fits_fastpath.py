@@ -23,6 +23,7 @@ from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
 from hethub.predict import shard_memory
 from hethub.predict.memory import StageMemory
+from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import StageFits, predict
 from hethub.predict.sharding import (
     bucket_sums,
@@ -33,6 +34,7 @@ from hethub.predict.sharding import (
     stage_elems_bounds,
     stage_elems_of,
     stage_shard_elems,
+    zero23_stage_bytes,
 )
 from hethub.predict.stage_modes import choose_recompute, fits_some_mode
 from hethub.spec.model import ModelSpec
@@ -280,6 +282,36 @@ def test_the_layout_caches_see_every_input_of_their_values() -> None:
         with reference_path():
             want = [StageFits(plan, mem_headroom=h).under(m) for h in (0.0, 0.5) for m in Recompute]
         assert [StageFits(plan, mem_headroom=h).under(m) for h in (0.0, 0.5) for m in Recompute] == want
+
+
+def test_the_held_bytes_and_buffer_memos_see_every_input_of_their_values() -> None:
+    # ZeRO-2/3's held bytes are kept by layout, ZeRO stage, TP and precision; the point-to-point
+    # buffers by pipeline shape with the micro-batch count's peak class. A plan differing from a warm
+    # one in any of those gets its own value, equal to a cold one's and unlike the warm one's.
+    base = _layout_plan(sharding="zero3")
+    near = [_layout_plan(sharding="zero2"), replace(base, kind_settings={"fast": {"precision": "fp32"}})]
+    clear_caches()
+    first = zero23_stage_bytes(base)
+    for plan in near:
+        warm = zero23_stage_bytes(plan)
+        clear_caches()
+        assert warm == zero23_stage_bytes(plan) != first
+        zero23_stage_bytes(base)
+    assert zero23_stage_bytes(replace(base, global_batch=16)) is zero23_stage_bytes(base)
+
+    def p2p(plan: Plan) -> list[float]:
+        return [PlanCosts(plan, None).p2p_bytes(0, si) for si in range(len(plan.pipelines[0].stages))]
+
+    three = [Stage("fast", (i,), (2 * i, 2 * i + 2), embedding=i == 0, head=i == 2) for i in range(3)]
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        one = _plan([Pipeline(1, 2, tuple(three))], schedule=schedule)  # one model: its id is in the key
+        plans = [replace(one, pipelines=(Pipeline(1, m, tuple(three)),), global_batch=m) for m in (2, 3, 8, 12)]
+        clear_caches()
+        warm = [p2p(plan) for plan in plans]
+        with reference_path():
+            assert warm == [p2p(plan) for plan in plans]
+        if schedule == "gpipe":  # its buffers grow with the count: each its own
+            assert len({tuple(w) for w in warm}) == len(plans)
 
 
 def test_with_parts_is_replace() -> None:
