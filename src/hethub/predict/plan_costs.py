@@ -32,8 +32,9 @@ __all__ = ["PlanCosts", "StageStepCost", "sync_shape"]
 # Pipeline finishes by the event simulation's inputs (pure: floats, counts, the schedule's name and
 # the p2p mode).
 _FINISH = Kept(4096)
-# sync_shape by layout (the model's id, pinned; each stage's TP degree and layer ranges).
-_SYNC_SHAPES = Kept(64)
+# sync_shape by layout (the model's id, pinned; each stage's TP degree and layer ranges): the planner
+# returns to a layout after hundreds of others (its candidates, then their modes and predictions).
+_SYNC_SHAPES = Kept(256)
 # Stage-to-stage boundary times by the cluster (id, pinned), the hop's devices (their places, hop_places,
 # off the reference path), size and flat (and where sequences are split, each side's grid): the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
@@ -294,7 +295,7 @@ class PlanCosts:
 
 
 def sync_shape(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
-    """`_sync_shape_of`, kept for the last few layouts: it depends only on the model, each stage's TP
+    """`_sync_shape_of`, kept for the last few hundred layouts: it depends only on the model, each stage's TP
     degree and layer ranges, and the planner asks it again for the same layout under each
     recomputation mode and each move of the local search (0.1 s on a 768-stage plan). Read-only."""
     key = (id(plan.model), tuple(tuple((s.tp, s.layer_ranges) for s in p.stages) for p in plan.pipelines))
