@@ -32,6 +32,25 @@ def test_flops_per_token_is_6n_plus_attention():
     assert m.train_flops_per_token(seq_len=s) == pytest.approx(rule, rel=0.03)
 
 
+def test_embedding_elems_split_the_token_table_and_replicate_positions():
+    llama, gpt = PRESETS["llama-2-7b"], PRESETS["opt-350m"]
+    assert llama.embedding_parts == (32000 * 4096, 0)
+    assert gpt.embedding_parts == (50272 * 1024, 2048 * 1024)  # learned positions, one row per position
+    for m in (llama, gpt):
+        assert sum(m.embedding_parts) == m.embedding_params
+        assert m.embedding_elems(1) == m.embedding_params
+    assert llama.embedding_elems(4) == 32000 * 4096 / 4
+    assert gpt.embedding_elems(8) == 50272 * 1024 / 8 + 2048 * 1024  # the positions stay whole on every rank
+
+
+def test_vocab_tp_is_the_runtimes_vocabulary_parallel_rule():
+    """A TP degree that does not divide the vocabulary replicates the table (tensor_parallel.vocab_parallel)."""
+    gpt_neo, llama = PRESETS["gpt-neo-2.7b"], PRESETS["llama-2-7b"]  # vocabularies 50257 (odd), 32000
+    assert [gpt_neo.vocab_tp(t) for t in (1, 2, 4, 29)] == [1, 1, 1, 29]  # 50257 = 29 x 1733
+    assert [llama.vocab_tp(t) for t in (1, 2, 8, 3)] == [1, 2, 8, 1]
+    assert gpt_neo.embedding_elems(gpt_neo.vocab_tp(2)) == gpt_neo.embedding_params
+
+
 def write_config(tmp_path: Path, cfg: dict, name: str = "model") -> Path:
     d = tmp_path / name
     d.mkdir()

@@ -50,14 +50,13 @@ def unit_elems(model: ModelSpec, unit: str, *, tp: int) -> int:
     column-parallel weights and biases (wq, wk, wv, w1, w3) and row-parallel weights (wo, w2) split,
     norms and row-parallel biases replicated; embedding and head split by vocabulary where ``tp``
     divides it (``runtime/tensor_parallel.vocab_parallel``)."""
-    h, v = model.hidden_size, model.vocab_size
-    vtp = tp if tp > 1 and v % tp == 0 else 1
+    table, pos = model.embedding_parts
     if unit == "embed":
-        return v * h // vtp
+        return table // model.vocab_tp(tp)
     if unit == "pos":
-        return model.max_seq_len * h
+        return pos
     if unit == "head":
-        return v * h // vtp
+        return model.head_params // model.vocab_tp(tp)
     if unit == "final_norm":
         return model.final_norm_params
     return layer_elems(model, tp=tp)

@@ -177,8 +177,7 @@ class LinkBook:
         then all-reduced among `replicas` holders of these kinds (first stages; with tied embeddings,
         last ones too), smallest TP degree `tp`, before it can update."""
         gb = ModelSpec.state_bytes_per_param(precision)["grads"]
-        vh = model.vocab_size * model.hidden_size
-        link, nbytes = self.replicas(kinds, devices=devices, rings=tp), (vh / tp + model.embedding_params - vh) * gb
+        link, nbytes = self.replicas(kinds, devices=devices, rings=tp), model.embedding_elems(tp) * gb
         return min(islands_allreduce_s(nbytes=nbytes, elem_bytes=gb, participants=replicas, link=link),
                    self.bridge_floor_s(kinds, nbytes=nbytes, replicas=replicas))  # across islands: two-level
 

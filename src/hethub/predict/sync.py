@@ -163,9 +163,7 @@ def _fused_groups(plan: Plan) -> list[SyncGroup]:
 
     tp_of = {(pi, si): s.tp for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
     stage_of = {(pi, si): s for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
-    h, v = model.hidden_size, model.vocab_size
     norm_layer = model.layer_params - model.layer_matmul_params
-    pos = model.embedding_params - v * h
     links: dict[tuple[StageId, ...], Link] = {}
 
     def group(name: str, stages: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
@@ -185,11 +183,11 @@ def _fused_groups(plan: Plan) -> list[SyncGroup]:
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
     # holders at the embedding stage's count keeps the max-over-holders rule simple and safe.
-    groups = [group("embedding", holders["embed"], {t: v * h / t + pos for t in tps})]
+    groups = [group("embedding", holders["embed"], {t: model.embedding_elems(t) for t in tps})]
     layer_params = {t: model.layer_matmul_params / t + norm_layer for t in tps}
     groups.extend(group(f"layer {layer}", holders[f"layer.{layer}"], layer_params) for layer in range(model.num_layers))
     # A tied head's matrix is synced with the embedding; only the final norm is left here.
-    head_matrix = 0 if model.tied_embeddings else v * h
+    head_matrix = 0 if model.tied_embeddings else model.head_params
     groups.append(group("head", holders["final_norm"], {t: head_matrix / t + model.final_norm_params for t in tps}))
     # Where the runtime meets each group's parameters: its units' name prefixes, the first of them.
     head_units = ("final_norm",) if model.tied_embeddings else ("head", "final_norm")

@@ -208,7 +208,7 @@ def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: Mo
     only at its own, and every layer group is held by every replica, so all are free when it ends."""
     gb = ModelSpec.state_bytes_per_param(precision)["grads"]
     rings = links.ring_cache.setdefault((replicas, devices, gb), {})  # all-reduce times; the rest of the key
-    h, v, tied = model.hidden_size, model.vocab_size, model.tied_embeddings
+    tied = model.tied_embeddings
     matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
     norm = model.layer_params - matmul
     n, lasts = len(groups), [len(g.pipe.layers) - 1 for g in groups]
@@ -232,11 +232,11 @@ def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: Mo
                 at.setdefault(a, []).append((gi, si))
     cuts = [*sorted(at), model.num_layers]
     emb = [(gi, 0) for gi in range(n)] + [(gi, lasts[gi]) for gi in range(n) if lasts[gi] > 0 and tied]
-    head = (0 if tied else v * h, model.final_norm_params)
+    head = (0 if tied else model.head_params, model.final_norm_params)
     # The embedding's holders are the first layers' (the head's the last layers'): one group.
     first_too = len(emb) == n and all(g.pipe.layers[0] for g in groups)
     last_too = all(g.pipe.layers[-1] for g in groups)
-    parts: list[list] = [[v * h, model.embedding_params - v * h]]
+    parts: list[list] = [list(model.embedding_parts)]
     for a, b in itertools.pairwise(cuts):
         if a or not first_too:
             parts.append([0.0, 0.0])

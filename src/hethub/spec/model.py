@@ -101,9 +101,25 @@ class ModelSpec:
         return self.layer_matmul_params + norms + bias
 
     @functools.cached_property
+    def embedding_parts(self) -> tuple[int, int]:
+        """The embedding's (token table, learned position embeddings; the gpt family only):
+        vocabulary-parallel TP splits the first by rows and replicates the second."""
+        return self.vocab_size * self.hidden_size, (self.max_seq_len * self.hidden_size if self.arch == "gpt" else 0)
+
+    @functools.cached_property
     def embedding_params(self) -> int:
-        pos = self.max_seq_len * self.hidden_size if self.arch == "gpt" else 0
-        return self.vocab_size * self.hidden_size + pos
+        return sum(self.embedding_parts)
+
+    def embedding_elems(self, vocab_tp: int) -> float:
+        """Embedding elements on one rank of a stage whose vocabulary is split ``vocab_tp`` ways
+        (``vocab_tp(tp)`` where the runtime's rule decides; the sync model's floors take the TP degree)."""
+        table, pos = self.embedding_parts
+        return table / vocab_tp + pos
+
+    def vocab_tp(self, tp: int) -> int:
+        """How many ways a TP-``tp`` stage splits the embedding and head by vocabulary: ``tp`` where it
+        divides the vocabulary, else 1 (the runtime replicates them: ``runtime/tensor_parallel.vocab_parallel``)."""
+        return tp if self.vocab_size % tp == 0 else 1
 
     @property
     def final_norm_params(self) -> int:

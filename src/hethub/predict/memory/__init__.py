@@ -61,4 +61,4 @@ __all__ = [
 def runtime_vocab_parallel(model: ModelSpec, tp: int) -> bool:
     """Whether the runtime splits a TP-``tp`` stage's embedding and head by vocabulary (mirrors
     ``hethub.runtime.tensor_parallel.vocab_parallel``; no torch import here)."""
-    return RUNTIME_VOCAB_PARALLEL and model.vocab_size % tp == 0
+    return RUNTIME_VOCAB_PARALLEL and model.vocab_tp(tp) == tp

@@ -83,12 +83,11 @@ def stage_params(model: ModelSpec, *, layers: int, embedding: bool, head: bool, 
     """Parameters held by one device of a stage (TP splits matmuls, and embedding and head by
     vocabulary where ``vocab_parallel``; otherwise those are replicated). A tied head on the stage
     that holds the embedding uses the embedding's matrix: counted once."""
-    h = model.hidden_size
     per_layer = layer_elems(model, tp=tp)
     n = layers * per_layer
     vtp = tp if vocab_parallel else 1
     if embedding:
-        n += model.vocab_size * h / vtp + (model.embedding_params - model.vocab_size * h)
+        n += model.embedding_elems(vtp)
     if head:
         n += model.final_norm_params + (0 if embedding and model.tied_embeddings else model.head_params / vtp)
     return n
@@ -333,5 +332,5 @@ def _largest_tensor(model: ModelSpec, *, embedding: bool, head: bool, tp: int, v
     h = model.hidden_size
     big = max(model.ffn_hidden_size * h / tp, h * h / tp)
     if embedding or head:
-        big = max(big, model.vocab_size * h / vtp)
+        big = max(big, model.embedding_parts[0] / vtp)
     return big
