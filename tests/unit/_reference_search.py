@@ -293,7 +293,7 @@ class _PostFloor:
 
             def ring(params: tuple[float, float], kinds=kinds, own=sl.kind, tp=tp) -> float:
                 # The holders' smallest TP is at most tp: within a node the ring is fastest at tp,
-                # across nodes at 1 (its rings share the NIC; search/mixed.py SyncFloors._ring).
+                # across nodes at 1 (its rings share the NIC; search/sync_floors.py SyncFloors._ring).
                 # At the best share of the line rate: a floor under the fused all-reduce of these
                 # bytes; across vendor islands the two-level exchange's (LinkBook.bridge_floor_s).
                 return min(min(allreduce_floor_s(nbytes=(nb := (params[0] / t + params[1]) * self.gb),

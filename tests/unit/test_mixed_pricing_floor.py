@@ -10,7 +10,8 @@ import pytest
 from test_reference_search import instance
 
 from hethub.search.combine import Group, allocate, step_time_s
-from hethub.search.mixed import SyncFloors, families
+from hethub.search.mixed import families
+from hethub.search.sync_floors import SyncFloors
 from hethub.search.templates import Searcher
 
 

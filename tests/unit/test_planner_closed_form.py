@@ -14,8 +14,9 @@ from hethub.schedules.classic import round_trip_period_s
 from hethub.schedules.simulate import simulate_pipeline_time
 from hethub.search import PlannerConfig
 from hethub.search.combine import Group
-from hethub.search.mixed import SyncFloors, _box_core, _box_level, _boxes_level, _rate_level, _split, families
+from hethub.search.mixed import _box_core, _box_level, _boxes_level, _rate_level, _split, families
 from hethub.search.split import Slot
+from hethub.search.sync_floors import SyncFloors
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec

@@ -69,7 +69,7 @@ def test_search_has_no_ring_formula_of_its_own():
 
 @pytest.mark.parametrize("nbytes", [1e3, 5e7, 2e9])
 def test_the_bridge_floor_is_below_the_rule_for_any_holder_counts(nbytes):
-    """The search's sync floors (mixed.SyncFloors, LinkBook.embedding_sync_floor_s) do not know how many
+    """The search's sync floors (sync_floors.SyncFloors, LinkBook.embedding_sync_floor_s) do not know how many
     holders each kind has: LinkBook.bridge_floor_s must stay below the two-level exchange for all."""
     cluster = instance(27)[0]
     links = LinkBook(cluster)

@@ -321,7 +321,7 @@ class CostBook:
         self.options: dict[tuple, list[_Option]] = {}  # split._options
         self.recompute_floors: dict[tuple[str, int, int], RecomputeFloor] = {}
         self.solo: dict[tuple[int, int], tuple[PipeCost, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
-        self._caches: dict[Cache[Any], dict[Any, Any]] = {}  # the floors' (bounds.py, mixed.py)
+        self._caches: dict[Cache[Any], dict[Any, Any]] = {}  # the floors' (bounds.py, mixed.py, sync_floors.py)
 
     def cache(self, which: Cache[V]) -> dict[Any, V]:
         """The cache ``which`` of this book (empty at first)."""

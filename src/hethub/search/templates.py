@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hethub.plan import zero_stage_of
 from hethub.predict.profiles import ProfileSet
@@ -82,12 +83,12 @@ class Searcher:
         self.share = {k: f / sum(flops.values()) for k, f in flops.items()}
         self._pure: dict[tuple[str, int, float], list[Ranked]] = {}
         self._skipped: dict[tuple[str, int, float], list[tuple[int, int, float]]] = {}  # (tp, stages, bound)
-        self.mixed_cache: dict[tuple, list] = {}
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._fits: dict[tuple, bool] = {}
-        # mixed_sync.SyncFloors' ring floors, which depend on their keys only: shared by every set of
-        # pure groups the mixed search places pipelines beside.
-        self.sync_rings: dict[tuple, float] = {}
+        # mixed.families': (kinds, TP degrees, micro-batch size) -> its Family (a module above this one);
+        # (pool as sorted (kind, devices), micro-batch size) -> the pool's families with their boxes.
+        self.family_protos: dict[tuple[tuple[str, ...], tuple[int, ...], int], Any] = {}
+        self.pool_families: dict[tuple[tuple[tuple[str, int], ...], int], list[tuple[Any, list[tuple]]]] = {}
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
         """The min-max split, plus the best split without recomputation when that one recomputes.

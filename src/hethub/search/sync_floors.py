@@ -1,0 +1,145 @@
+"""Floors under what a step adds after the makespan (the embedding's and the layers' gradient syncs,
+combine.step_time_s's tail) for mixed pipelines placed beside a set of pure groups (search/mixed.py)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+
+from hethub.layout import block_starts
+from hethub.search.combine import Group, finish_lines
+from hethub.search.split import Cache, Slot
+from hethub.search.templates import Searcher
+from hethub.spec.model import ModelSpec
+
+_LAYER_RINGS: Cache[float] = Cache("layer-sync-floors")  # by SyncFloors._ring's arguments
+_EMBEDDING_RINGS: Cache[float] = Cache("embedding-sync-floors")  # by (kinds, smallest TP, replicas, devices)
+
+
+class SyncFloors:
+    """One set of pure groups beside which mixed pipelines are placed, with cached floors under
+    what the step adds after the makespan (the embedding sync and the layers' gradient syncs)."""
+
+    def __init__(self, s: Searcher, pure: list[Group]) -> None:
+        self.s, self.pure = s, pure
+        self.lines = finish_lines(pure)  # combine.water_level_with's, for floors beside these groups
+        self.devices = sum(g.count * g.pipe.num_devices for g in pure)
+        self._sync: dict[tuple, float] = {}
+        self.rate_levels: dict[tuple, float] = {}  # mixed._rate_level's, per family beside these groups
+        self.replicas = sum(g.count for g in pure)
+        # The embedding's holders among the pure groups (LinkBook.embedding_sync_floor_s's first stages and,
+        # with tied embeddings, last ones): their kinds and smallest TP degree.
+        ends = [sl for g in pure for sl in (g.pipe.slots[0], g.pipe.slots[-1])[:1 + s.model.tied_embeddings]]
+        self.end_kinds, self.end_tp = frozenset(sl.kind for sl in ends), min([sl.tp for sl in ends], default=math.inf)
+        # The ring floors depend on their keys and the job only: shared by every SyncFloors of the book.
+        self._layer_rings, self._embedding_rings = s.book.cache(_LAYER_RINGS), s.book.cache(_EMBEDDING_RINGS)
+        self._pure_tail: dict[tuple, float] = {}
+        self._tails: dict[tuple, float] = {}
+        # A mixed stage's layers are also held by a stage of every kind-pure group (each holds all
+        # layers), so its layer rings span those kinds too (tail_floor).
+        pure_kinds = {k for g in pure if len(g.pipe.kinds) == 1 for k in g.pipe.kinds}
+        self._kind_sets = {k: frozenset({k, *pure_kinds}) for k in s.counts}
+        counts = {k: sum(g.count for g in pure if g.pipe.kinds == {k}) for k in pure_kinds}  # each layer's holders
+        self._counts = tuple(sorted(counts.items())) if all(len(g.pipe.kinds) == 1 for g in pure) else None
+        # A ring's link depends on its devices only through `devices <= node size` (LinkBook.replicas),
+        # so device counts above every node size are one cache key: exact, and the caches hit across boxes.
+        self._dev_cap = max(s.links.node_size.values(), default=0) + 1
+
+    def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int,
+              pure: tuple[tuple[str, int], ...] | None = None, rest: str = "") -> float:
+        """A floor under one layer's gradient all-reduce (combine.step_time_s's ring) among `replicas`
+        holders of `kinds` with TP degrees down to tp (``LinkBook.layer_sync_floor_s``; ``pure``, where
+        known: how many of each kind the pure groups hold, the rest being of kind ``rest``). Layers are
+        synced fused, which achieves more than one by one."""
+        devices = min(devices, self._dev_cap)
+        key = (kinds, tp, replicas, devices, pure, rest)
+        hit = self._layer_rings.get(key)
+        if hit is None:
+            m, counts = self.s.model, None if pure is None else dict(pure)
+            if counts is not None:
+                counts[rest] = counts.get(rest, 0) + replicas - sum(counts.values())
+            hit = self._layer_rings[key] = self.s.links.layer_sync_floor_s(
+                kinds, tp=tp, replicas=replicas, devices=devices, matrix=m.layer_matmul_params,
+                extra=m.layer_params - m.layer_matmul_params, counts=counts,
+                elem_bytes=ModelSpec.state_bytes_per_param(self.s.config.precision)["grads"])
+        return hit
+
+    def _chains(self, replicas: int, devices: int, mixed: frozenset[str]) -> float:
+        """The longest chain of layer syncs the pure groups force, whatever the mixed pipelines' split:
+        two consecutive blocks of layers (between any replica's stage boundaries) run one after the
+        other when some replica holds both on one stage (step_time_s runs a stage's blocks in layer
+        order), so between two cuts where *every* replica has a stage boundary the blocks form one
+        chain; the mixed pipelines can only remove such cuts. Each block is priced with the pure
+        holders and any one mixed stage of the kinds `mixed` (a floor: the least of those rings)."""
+        devices = min(devices, self._dev_cap)
+        key = (replicas, devices, mixed)
+        hit = self._pure_tail.get(key)
+        if hit is None:
+            n_layers = self.s.model.num_layers
+            bounds = [set(block_starts(g.pipe.layers)) | {n_layers} for g in self.pure]
+            common = set.intersection(*bounds) | {0, n_layers}
+            cuts = sorted(set.union(*bounds) | {0})
+            stages = [[sl for sl, k in zip(g.pipe.slots, g.pipe.layers, strict=True) if k] for g in self.pure]
+            starts = [[a for a, k in zip(block_starts(g.pipe.layers), g.pipe.layers, strict=True) if k]
+                      for g in self.pure]
+            hit = chain = 0.0
+            for a, b in itertools.pairwise(cuts):
+                if a in common:
+                    chain = 0.0
+                holders = [st[bisect.bisect_right(sa, a) - 1] for st, sa in zip(stages, starts, strict=True)]
+                kinds, tp = frozenset(h.kind for h in holders), min(h.tp for h in holders)
+                have = tuple((k, sum(g.count for g, h in zip(self.pure, holders, strict=True) if h.kind == k))
+                             for k in sorted(kinds))  # the pure holders per kind
+                chain += (b - a) * min(self._ring(kinds | {m}, tp, replicas, devices, have, m)
+                                       for m in {*mixed, *kinds})
+                hit = max(hit, chain)
+            self._pure_tail[key] = hit
+        return hit
+
+    def sync_floor(self, pairs: list[tuple[Slot, Slot]], c: int, devices: int) -> float:
+        """The embedding sync after the makespan (LinkBook.embedding_sync_floor_s) for c mixed pipelines
+        of at least `devices` devices whose (first, last) stages are one of `pairs`; more replicas and
+        more devices only slow a ring down, so a box's smallest are a floor for all of it."""
+        key = (tuple(pairs), c, devices)
+        hit = self._sync.get(key)
+        if hit is None:
+            replicas, total = self.replicas + c, min(self.devices + c * devices, self._dev_cap)
+            hit = math.inf if replicas > 1 else 0.0
+            s, tied = self.s, self.s.model.tied_embeddings
+            for a, b in pairs if replicas > 1 else ():  # beside the pure groups' first (and, tied, last) stages
+                kinds = self.end_kinds | {a.kind, *((b.kind,) if tied else ())}
+                tp = min(a.tp, b.tp, self.end_tp) if tied else min(a.tp, self.end_tp)
+                if (t := self._embedding_rings.get((kinds, tp, replicas, total))) is None:
+                    t = self._embedding_rings[kinds, tp, replicas, total] = s.links.embedding_sync_floor_s(
+                        kinds, tp, replicas, devices=total, model=s.model, precision=s.config.precision)
+                hit = min(hit, t)
+            self._sync[key] = hit
+        return hit
+
+    def order_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
+        """`sync_floor` and `tail_floor` of c mixed pipelines of these segments in this order: their floor."""
+        return max(self.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
+                   self.tail_floor(segs, c, devices))
+
+    def tail_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
+        """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of
+        these segments (at most n stages of each; at least `devices` devices each) beside the pure
+        groups: after the loss barrier every stage syncs its layers block by block, so the step is at
+        least the barrier plus the pure groups' longest chain of syncs (`_chains`), and plus one mixed
+        stage's layer rings: the mixed stages hold all L layers, so one holds k_s layers with
+        k_s r_s >= L / sum_s 1 / r_s (r_s its ring per layer, among holders of its kind and every
+        kind-pure group's: more kinds only slow a ring). Fewer replicas or devices only make rings
+        faster, so c and `devices` may be a box's smallest."""
+        replicas = self.replicas + c
+        if replicas <= 1:
+            return 0.0
+        total = min(self.devices + c * devices, self._dev_cap)
+        key = (segs, replicas, total)
+        hit = self._tails.get(key)
+        if hit is None:
+            pure = self._chains(replicas, total, frozenset(k for k, _, _ in segs)) if self.pure else 0.0
+            inv = sum(n / r for k, tp, n in segs if (r := self._ring(self._kind_sets[k], tp, replicas, total,
+                                                                      self._counts, k)) > 0)
+            hit = self._tails[key] = max(pure, self.s.model.num_layers / inv if inv > 0 else 0.0)
+        return hit
