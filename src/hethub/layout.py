@@ -16,77 +16,71 @@ parameter names (``unit_param_prefix``), which the predictor's sync model follow
 
 from __future__ import annotations
 
-import functools
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hethub.layout_parts import (
+    WHOLE,
+    Hop,
+    StagePlace,
+    block_starts,
+    bwd_source,
+    bwd_targets,
+    fwd_source,
+    fwd_targets,
+    hop,
+    split_hop,
+    stage_hops,
+    wrap_hops,
+)
+from hethub.layout_units import (
+    DEFAULT_BUCKET_ELEMS,
+    ZERO_IN_FLIGHT_ROUNDS,
+    bucket_ranges,
+    gathers_params,
+    reduction_key,
+    split_elems,
+    stage_units,
+    unit_of,
+    unit_param_prefix,
+    unit_position,
+)
 from hethub.memo import Kept
-from hethub.plan import Plan, Recompute
-from hethub.plan_parts import LayerChunks, SeqGrid
+from hethub.plan import Plan
 
-
-@dataclass(frozen=True)
-class StagePlace(LayerChunks, SeqGrid):
-    pipeline: int
-    stage: int
-    num_stages: int
-    kind: str
-    ranks: tuple[int, ...]  # torch ranks, CP-major, TP rank order within each CP rank (SeqGrid)
-    layers: tuple[int, int]  # with chunks: the first chunk's
-    embedding: bool
-    head: bool
-    recompute: Recompute = Recompute.NONE
-    chunks: tuple[tuple[int, int], ...] = ()  # layer ranges of the stage's model chunks (virtual stages)
-    cp: int = 1
-    sequence_parallel: bool = False
-
-    def _members(self) -> tuple[int, ...]:
-        return self.ranks
-
-
-@dataclass(frozen=True)
-class Hop:
-    """How one message between adjacent stages travels, from each sending rank to each receiving rank
-    of the same CP rank (receiver q's sender is TP rank q mod (sender's TP)).
-
-    ``piece``: ``whole`` (the receiver gets the whole tensor), ``flat`` (1/t of the flattened tensor,
-    t the receiver's TP degree: receiver q gets slice q; Megatron's scatter-gather, here between any
-    two degrees) or ``seq`` (the receiver's own sequence slice: positions [q s/t, (q+1) s/t) of the
-    CP-local sequence). ``source_gathers``: the sender, holding only its own sequence slice (a
-    sequence-parallel stage), first all-gathers the slices over its TP group. ``dest_gathers``: the
-    receiver all-gathers the pieces over its TP group on arrival (``flat`` or ``seq``)."""
-
-    piece: str = "whole"
-    source_gathers: bool = False
-    dest_gathers: bool = False
-    parts: int = 1  # ``flat``, ``seq``: the receiving stage's TP degree (how many pieces the tensor is cut into)
-
-
-WHOLE = Hop()
-
-
-def hop(*, src_tp: int, src_sp: bool, dst_tp: int, dst_sp: bool, numel: int, flat: bool = True) -> Hop:
-    """How a tensor moves from a stage of TP degree ``src_tp`` to one of ``dst_tp``, each holding it
-    sequence-split over its TP ranks or not (``*_sp``): forward, the sender's output to the receiver's
-    input; backward, the receiver's input gradient back to the sender (the same rule, roles swapped).
-
-    The link between the stages carries one copy of the tensor whatever the two degrees: each
-    receiver gets only its piece and the receiving TP group all-gathers on its own (usually fast,
-    native) link. Sequence slices travel as they are held (Korthikanti et al. 2022): a
-    sequence-parallel receiver gets only its slice, a sequence-parallel sender of the same TP degree
-    sends its own; a sequence-parallel sender facing another degree gathers first. Otherwise the
-    receiver's flat slice (``split_hop``; allowed only where ``flat``: the wrap of virtual stages
-    sends whole tensors), or the whole tensor to a receiver alone in its stage or where it does not
-    split evenly. The predictor prices each case from the same result (``predict/comm.py``:
-    ``hop_messages``)."""
-    if dst_sp:
-        return Hop("seq", source_gathers=src_sp and src_tp != dst_tp, parts=dst_tp)
-    if src_sp and src_tp == dst_tp:
-        return Hop("seq", dest_gathers=True, parts=dst_tp)
-    if flat and split_hop(a=src_tp, b=dst_tp, numel=numel):
-        return Hop("flat", source_gathers=src_sp, dest_gathers=True, parts=dst_tp)
-    return Hop("whole", source_gathers=src_sp)
+# Re-exported: the stage records and activation routing (layout_parts.py) and the parameter units
+# (layout_units.py) are part of this module's interface, which the runtime and the predictor import.
+__all__ = [
+    "DEFAULT_BUCKET_ELEMS",
+    "WHOLE",
+    "ZERO_IN_FLIGHT_ROUNDS",
+    "GradGroup",
+    "Hop",
+    "RankPlace",
+    "StagePlace",
+    "Topology",
+    "block_starts",
+    "bucket_ranges",
+    "build_topology",
+    "bwd_source",
+    "bwd_targets",
+    "fwd_source",
+    "fwd_targets",
+    "gathers_params",
+    "hop",
+    "reduction_key",
+    "seq_positions",
+    "single_holder_units",
+    "split_elems",
+    "split_hop",
+    "stage_hops",
+    "stage_places",
+    "stage_units",
+    "unit_holders",
+    "unit_of",
+    "unit_param_prefix",
+    "unit_position",
+    "wrap_hops",
+]
 
 
 @dataclass(frozen=True)
@@ -159,153 +153,6 @@ class GradGroup:
 
     ranks: tuple[int, ...]
     mixed: bool
-
-
-# ---- activation routing between stages of TP degree a (sender) and b (receiver) -----------------
-def fwd_source(*, a: int, q: int) -> int:
-    """TP rank of the previous stage that receiver q gets its activation from."""
-    return q % a
-
-
-def fwd_targets(*, a: int, b: int, j: int) -> tuple[int, ...]:
-    """TP ranks of the next stage that sender j sends its activation to."""
-    return tuple(q for q in range(b) if fwd_source(a=a, q=q) == j)
-
-
-def bwd_source(*, b: int, j: int) -> int:
-    """TP rank of the next stage that sender j gets its output gradient from."""
-    return j % b
-
-
-def bwd_targets(*, a: int, b: int, q: int) -> tuple[int, ...]:
-    """TP ranks of the previous stage that receiver q sends its input gradient to."""
-    return tuple(j for j in range(a) if bwd_source(b=b, j=j) == q)
-
-
-def split_hop(*, a: int, b: int, numel: int) -> bool:
-    """Whether the hop from a stage of TP degree a to one of degree b sends each receiving TP rank
-    only its slice of the replicated activation (Megatron's scatter-gather, any two degrees): receiver
-    q gets slice q of b from sender q mod a and all-gathers the whole tensor over its TP group
-    (usually the fast intra-node link), so the link between the stages carries one copy, not one per
-    receiver (4 -> 8: one copy where whole tensors sent eight). A receiving stage of one rank, or a
-    tensor that does not split into b equal slices, gets whole tensors from sender q mod a."""
-    return b > 1 and numel % b == 0
-
-
-# ---- parameter units ------------------------------------------------------------------------------
-def stage_units(stage: StagePlace, *, tied: bool, learned_pos: bool) -> tuple[str, ...]:
-    """The units a stage holds, in module order."""
-    return _units(stage.layer_ranges, embedding=stage.embedding, head=stage.head, tied=tied, learned_pos=learned_pos)
-
-
-# Cached: a large plan has thousands of stages but few distinct (layers, embedding, head) shapes.
-@functools.lru_cache(maxsize=4096)
-def _units(ranges: tuple[tuple[int, int], ...], *, embedding: bool, head: bool, tied: bool,
-           learned_pos: bool) -> tuple[str, ...]:
-    units: list[str] = []
-    if embedding:
-        units.append("embed")
-        if learned_pos:
-            units.append("pos")
-    units += [f"layer.{i}" for a, b in ranges for i in range(a, b)]
-    if head:
-        units.append("final_norm")
-        if not tied:
-            units.append("head")
-        elif "embed" not in units:
-            units.append("embed")  # the tied head holds the embedding under its own name
-    return tuple(units)
-
-
-_MODULE_OF_UNIT = {"embed": "embed", "pos": "pos", "final_norm": "norm", "head": "head"}
-_UNIT_OF_MODULE = {m: u for u, m in _MODULE_OF_UNIT.items()}
-
-
-def unit_of(param_name: str) -> str:
-    """Map a parameter name of the stage module to its unit."""
-    parts = param_name.split(".")
-    if parts[0] == "layers":
-        return f"layer.{parts[1]}"
-    return _UNIT_OF_MODULE[parts[0]]
-
-
-def unit_param_prefix(unit: str) -> str:
-    """The name every parameter of ``unit`` starts with in a stage module (the inverse of ``unit_of``);
-    the runtime walks parameters sorted by name, so this orders the gradient syncs."""
-    if unit.startswith("layer."):
-        return f"layers.{unit[len('layer.'):]}"
-    return _MODULE_OF_UNIT[unit]
-
-
-# Megatron-LM's default data-parallel bucket (``--ddp-bucket-size``: 40M elements, 160 MB of fp32
-# gradients): large enough to amortise a collective's latency, small enough that the backward still
-# has work left to hide the next bucket behind.
-DEFAULT_BUCKET_ELEMS = 40_000_000
-
-
-def unit_position(unit: str, *, num_layers: int) -> int:
-    """A unit's place in the forward pass: embedding, positions, layers 0..L-1, final norm, head."""
-    if unit.startswith("layer."):
-        return 2 + int(unit[len("layer."):])
-    return {"embed": 0, "pos": 1, "final_norm": num_layers + 2, "head": num_layers + 3}[unit]
-
-
-def reduction_key(param_name: str, *, num_layers: int) -> tuple[int, str]:
-    """Sort key of a parameter in the gradient reduction order: units in reverse forward order (the
-    order the backward makes their gradients final), then by name. Every rank sorts its gradient
-    buckets by it, so ranks sharing a group issue their collectives in the same order (NCCL requires
-    it). A tied head's embedding matrix sorts with the embedding, last."""
-    return (-unit_position(unit_of(param_name), num_layers=num_layers), param_name)
-
-
-def bucket_ranges(numels: list[int] | tuple[int, ...], *, cap_elems: int) -> list[tuple[int, int]]:
-    """Consecutive items ``[i, j)`` of each bucket over tensors of these sizes, in order: a bucket
-    closes once it holds at least ``cap_elems`` elements (Megatron's rule: a tensor is never split, so
-    one larger than the cap is a bucket of its own)."""
-    if cap_elems < 1:
-        raise ValueError(f"the gradient bucket size must be >= 1 element, got {cap_elems}")
-    out, start, acc = [], 0, 0
-    for i, n in enumerate(numels):
-        acc += n
-        if acc >= cap_elems:
-            out.append((start, i + 1))
-            start, acc = i + 1, 0
-    if start < len(numels):
-        out.append((start, len(numels)))
-    return out
-
-
-def block_starts(sizes: list[int] | tuple[int, ...]) -> list[int]:
-    """Where each of consecutive blocks of these sizes starts (an exclusive prefix sum): replica r
-    takes sequences [start_r, start_r + samples_r) of each global batch; stage s's first layer."""
-    out, acc = [], 0
-    for n in sizes:
-        out.append(acc)
-        acc += n
-    return out
-
-
-def split_elems(n: int, weights: Sequence[float]) -> list[int]:
-    """``n`` elements split in proportion to ``weights`` (largest remainder; ties to the earlier
-    member), summing to ``n`` exactly: a bucket's slices among its ZeRO-1 owners, sized the same by
-    the runtime and the memory model. Zero weights get nothing unless every weight is zero (then
-    equal shares)."""
-    w = list(map(max, itertools.repeat(0.0), map(float, weights)))
-    total = sum(w)
-    if total <= 0:
-        w, total = [1.0] * len(weights), float(len(weights))
-    # Members of equal weight (a stage's ranks, replicas' stages) have equal shares: each distinct
-    # weight's share and remainder found once.
-    exact = {x: n * x / total for x in set(w)}
-    whole = {x: int(e) for x, e in exact.items()}
-    sizes = list(map(whole.__getitem__, w))
-    left = n - sum(sizes)
-    if left:
-        # Largest remainder first, ties to the earlier member (a stable sort keeps index order).
-        behind = {x: -(e - whole[x]) for x, e in exact.items()}
-        for i in sorted(range(len(w)), key=list(map(behind.__getitem__, w)).__getitem__)[:left]:
-            sizes[i] += 1
-    return sizes
 
 
 @dataclass(frozen=True)
@@ -437,28 +284,6 @@ def build_topology(plan: Plan) -> Topology:
     return _with_groups(topo)
 
 
-def stage_hops(prev: StagePlace | None, st: StagePlace, nxt: StagePlace | None, *, numel: int) -> dict[str, Hop]:
-    """RankPlace's four hops of a stage between ``prev`` and ``nxt`` (``hop``; ``numel``: one CP rank's
-    micro-batch activation)."""
-    out = {"hop_in": WHOLE, "hop_out": WHOLE, "hop_grad_in": WHOLE, "hop_grad_out": WHOLE}
-    sp = st.sequence_parallel
-    if prev is not None:
-        out["hop_in"] = hop(src_tp=prev.tp, src_sp=prev.sequence_parallel, dst_tp=st.tp, dst_sp=sp, numel=numel)
-        out["hop_grad_out"] = hop(src_tp=st.tp, src_sp=sp, dst_tp=prev.tp, dst_sp=prev.sequence_parallel, numel=numel)
-    if nxt is not None:
-        out["hop_out"] = hop(src_tp=st.tp, src_sp=sp, dst_tp=nxt.tp, dst_sp=nxt.sequence_parallel, numel=numel)
-        out["hop_grad_in"] = hop(src_tp=nxt.tp, src_sp=nxt.sequence_parallel, dst_tp=st.tp, dst_sp=sp, numel=numel)
-    return out
-
-
-def wrap_hops(last: StagePlace, first: StagePlace, *, numel: int) -> dict[str, Hop]:
-    """The hops of the wrap from a pipeline's last stage to its first (virtual stages): never ``flat``."""
-    return {"wrap_hop": hop(src_tp=last.tp, src_sp=last.sequence_parallel, dst_tp=first.tp,
-                            dst_sp=first.sequence_parallel, numel=numel, flat=False),
-            "wrap_grad_hop": hop(src_tp=first.tp, src_sp=first.sequence_parallel, dst_tp=last.tp,
-                                 dst_sp=last.sequence_parallel, numel=numel, flat=False)}
-
-
 def seq_positions(seq_len: int, *, cp: int, cp_rank: int) -> tuple[tuple[int, int], ...]:
     """The sequence positions [start, end) CP rank ``cp_rank`` of ``cp`` holds, in the order it holds
     them: the sequence cut into 2cp equal chunks, rank c takes chunks c and 2cp-1-c, so under a causal
@@ -491,19 +316,3 @@ def _with_groups(topo: Topology) -> Topology:
     return Topology(world_size=topo.world_size, places=topo.places, stages=topo.stages,
                     unit_holders=topo.unit_holders, groups=tuple(seen), global_batch=topo.global_batch,
                     log_rank=topo.log_rank)
-
-
-# ZeRO-2/3's rounds of gradient reductions a rank keeps in flight at once (runtime/zero_grads.py), which
-# the memory model counts.
-ZERO_IN_FLIGHT_ROUNDS = 2
-
-
-def gathers_params(positions: Sequence[tuple[int, int]]) -> bool:
-    """Whether ZeRO-3 shards the parameters of a unit whose holder stages sit at these positions
-    ((stage index, stages in its pipeline) each; runtime/zero_params.py): two or more holders, all at
-    the same position of pipelines of the same depth. Their forwards and
-    backwards then run in one order, so gathering before each use (a collective of all holders) pairs
-    up; holders at different positions interleave them differently (a last stage runs B(0) before
-    F(1), a first stage F(1) before B(0)) and per-use gathers would wait on each other in a cycle, so
-    such a unit keeps its parameters whole (its gradients and optimizer state stay sharded)."""
-    return len(positions) > 1 and len(set(positions)) == 1
