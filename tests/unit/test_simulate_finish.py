@@ -1,4 +1,4 @@
-"""The finish-only simulation of interleaved pipelines (schedules/simulate.py, _chunked_finish, what
+"""The finish-only simulation of interleaved pipelines (schedules/chunked_sim.py, chunked_finish, what
 ``simulate_pipeline_time`` runs with chunks) against the records' simulation (``simulate_pipeline``):
 the same finishes bit for bit on random pipelines, asynchronous and blocking sends, with and without
 a trailing hop, fewer micro-batches than devices included; and the same error on a bad input."""

@@ -1,4 +1,4 @@
-"""The event simulation's steady-phase skip (schedules/simulate.py, _skip_steady) against the plain
+"""The event simulation's steady-phase skip (schedules/event_sim.py, skip_steady) against the plain
 simulation: the same finishes to 1e-12 relative on random pipelines of every single-chunk schedule
 and both p2p modes it simulates, and it does skip where the pipeline settles."""
 
@@ -7,7 +7,8 @@ import random
 import pytest
 
 from hethub.schedules import get_schedule
-from hethub.schedules.simulate import _EventSim, _simulate, _skip_steady, simulate_pipeline_time
+from hethub.schedules.event_sim import EventSim, skip_steady
+from hethub.schedules.simulate import _simulate, simulate_pipeline_time
 
 SCHEDULES = ("1f1b", "zb-h1", "gpipe")
 
@@ -74,8 +75,8 @@ def test_a_settled_pipeline_is_skipped(schedule, blocking):
     p, m = 8, 200
     fwd, bwd, p2p = [0.01] * p, [0.02] * p, [0.001] * (p - 1)
     share = 0.5 if get_schedule(schedule).split_backward else 0.0  # as _simulate takes it
-    sim = _EventSim(fwd, bwd, p2p, m, schedule, share, record=False, blocking=blocking)
-    _skip_steady(sim)
+    sim = EventSim(fwd, bwd, p2p, m, schedule, share, record=False, blocking=blocking)
+    skip_steady(sim)
     assert min(sim.nb) > m // 2
     assert sim.run([len(o) for o in sim.orders])
     plain = finishes(fwd, bwd, p2p, m, schedule, blocking=blocking, extrapolate=False)

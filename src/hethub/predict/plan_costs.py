@@ -229,7 +229,7 @@ class PlanCosts:
             kw = {"fwd_s": fwd, "bwd_s": bwd, "p2p_s": p2p, "num_micro_batches": m, "schedule": self.plan.schedule,
                   "chunks": chunks, "p2p": self.plan.p2p}
             # The plain rule of virtual stages is the records' simulation; its finish-only twin
-            # (schedules.simulate._chunked_finish) does the same arithmetic without records.
+            # (schedules.chunked_sim.chunked_finish) does the same arithmetic without records.
             plain = chunks != 1 and reference()
             # Shared between predictions: the planner predicts the same pipelines again under each
             # optimizer sharding, in the kind-alone and combined searches and in the polish.
