@@ -49,6 +49,10 @@ def test_vocab_tp_is_the_runtimes_vocabulary_parallel_rule():
     assert [gpt_neo.vocab_tp(t) for t in (1, 2, 4, 29)] == [1, 1, 1, 29]  # 50257 = 29 x 1733
     assert [llama.vocab_tp(t) for t in (1, 2, 8, 3)] == [1, 2, 8, 1]
     assert gpt_neo.embedding_elems(gpt_neo.vocab_tp(2)) == gpt_neo.embedding_params
+    vocab_parallel = pytest.importorskip("hethub.runtime.tensor_parallel").vocab_parallel
+    for vocab in (255, 256, 250, 50257, 32000):
+        m = replace(llama, vocab_size=vocab)
+        assert all((m.vocab_tp(t) > 1) == vocab_parallel(vocab, t) for t in range(1, 17))
 
 
 def write_config(tmp_path: Path, cfg: dict, name: str = "model") -> Path:

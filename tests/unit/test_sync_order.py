@@ -54,3 +54,33 @@ def test_predicted_sync_order_is_the_runtimes_on_every_rank(name):
     for rank in range(p.world_size):
         st = topo.place(rank).stage
         assert _predicted_order(p, (st.pipeline, st.stage)) == _runtime_bucket_order(p, rank), (name, rank)
+
+
+def _runtime_bucket_elems(p, rank: int) -> dict[frozenset[tuple[int, int]], int]:
+    """GradSync's all-reduced elements on ``rank`` per group of holder stages (its TP shard of each)."""
+    topo = build_topology(p)
+    pl = topo.place(rank)
+    st = pl.stage
+    model = StageModel(p.model, layers=st.layers, embedding=st.embedding, head=st.head,
+                       tp=TPContext(size=st.tp, rank=pl.tp_rank, group=st.tp_group(pl.cp_rank)))
+    out: dict[frozenset[tuple[int, int]], int] = {}
+    for name, param in model.named_parameters():
+        unit = unit_of(name)
+        if len(topo.sync_group(unit, rank).ranks) > 1:
+            holders = frozenset((h.pipeline, h.stage) for h in topo.unit_holders[unit])
+            out[holders] = out.get(holders, 0) + param.numel()
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("vocab", [256, 255])
+def test_predicted_sync_bytes_are_the_runtimes_on_tp_stages(vocab, tied):
+    """Each predicted all-reduce carries what the runtime's TP-2 ranks reduce: the embedding and head
+    split by vocabulary where 2 divides it, whole where it does not (255: the runtime replicates them,
+    ModelSpec.vocab_tp)."""
+    spec = replace(SPEC, vocab_size=vocab, tied_embeddings=tied)
+    p = plan([(1, 2, [((0, 1), 3), ((2, 3), 3)]), (1, 2, [((4, 5), 3), ((6, 7), 3)])], spec=spec)
+    predicted = {frozenset(g.holders): g.nbytes / 4 for g in sync_groups(p)}  # fp32 gradients
+    for rank in range(p.world_size):
+        for holders, elems in _runtime_bucket_elems(p, rank).items():
+            assert predicted[holders] == elems, (rank, sorted(holders))

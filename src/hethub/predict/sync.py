@@ -183,12 +183,13 @@ def _fused_groups(plan: Plan) -> list[SyncGroup]:
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
     # holders at the embedding stage's count keeps the max-over-holders rule simple and safe.
-    groups = [group("embedding", holders["embed"], {t: model.embedding_elems(t) for t in tps})]
+    groups = [group("embedding", holders["embed"], {t: model.embedding_elems(model.vocab_tp(t)) for t in tps})]
     layer_params = {t: model.layer_matmul_params / t + norm_layer for t in tps}
     groups.extend(group(f"layer {layer}", holders[f"layer.{layer}"], layer_params) for layer in range(model.num_layers))
     # A tied head's matrix is synced with the embedding; only the final norm is left here.
     head_matrix = 0 if model.tied_embeddings else model.head_params
-    groups.append(group("head", holders["final_norm"], {t: head_matrix / t + model.final_norm_params for t in tps}))
+    head_params = {t: head_matrix / model.vocab_tp(t) + model.final_norm_params for t in tps}
+    groups.append(group("head", holders["final_norm"], head_params))
     # Where the runtime meets each group's parameters: its units' name prefixes, the first of them.
     head_units = ("final_norm",) if model.tied_embeddings else ("head", "final_norm")
     units = [("embed",), *((f"layer.{layer}",) for layer in range(model.num_layers)), head_units]
