@@ -15,10 +15,11 @@ at scale"). A top-level module so that the memory model, below the predictor's p
 from __future__ import annotations
 
 import functools
+import heapq
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 # Every memo, so that a caller comparing cold costs (bench/predict_speed.py) can empty them all.
 _ALL: weakref.WeakSet[Kept] = weakref.WeakSet()
@@ -95,3 +96,81 @@ def clear_caches() -> None:
     clear_all()
     for clear in _LRU:
         clear()
+
+
+T = TypeVar("T")
+
+
+class Ranked(Generic[T]):
+    """Groups of alternatives, each group standing for its first alternative, by ``key`` (ties: the
+    given order), that passes ``check``; the groups that have one in that alternative's key order
+    (ties: group order): a stable sort of the groups' passing choices. ``check`` is the expensive
+    part, so an alternative is checked only when the order is read up to it (a heap of each group's
+    next alternative: one whose key is the least left is at or before its group's choice). On the
+    reference path every alternative is checked and the choices sorted, the plain rule."""
+
+    def __init__(self, options: list[list[T]], *, key: Callable[[T], float],
+                 check: Callable[[T], bool] | None = None) -> None:
+        self.options = [sorted(o, key=key) for o in options]
+        self.key, self.check = key, check
+        self.passed: dict[tuple[int, int], bool] = {}
+        self.order: list[tuple[int, T]] = []  # the order's first groups: (group, its choice)
+        self.heap = [(key(o[0]), i, 0) for i, o in enumerate(self.options) if o]
+        heapq.heapify(self.heap)
+        self.lead, self.moved = 0, []  # `promote`'s
+        if _REFERENCE[0]:
+            every = [(i, [x for j, x in enumerate(o) if self._passes(i, j)]) for i, o in enumerate(self.options)]
+            self.order = sorted(((i, ok[0]) for i, ok in every if ok), key=lambda x: key(x[1]))
+            self.heap = []
+
+    def _passes(self, i: int, j: int) -> bool:
+        if (i, j) not in self.passed:
+            self.passed[i, j] = self.check is None or self.check(self.options[i][j])
+        return self.passed[i, j]
+
+    def _at(self, n: int, wanted: Callable[[T], bool]) -> tuple[int, T] | None:
+        """The order's ``n``-th group and choice, None past its end. A group whose next alternative
+        ``wanted`` refuses is dropped unchecked: the reader promises it refuses all of that group's
+        alternatives, now and later."""
+        while len(self.order) <= n and self.heap:
+            _, i, j = self.heap[0]
+            if not wanted(self.options[i][j]):
+                heapq.heappop(self.heap)
+            elif self._passes(i, j):
+                heapq.heappop(self.heap)
+                self.order.append((i, self.options[i][j]))
+            elif j + 1 < len(self.options[i]):
+                heapq.heapreplace(self.heap, (self.key(self.options[i][j + 1]), i, j + 1))
+            else:
+                heapq.heappop(self.heap)
+        return self.order[n] if n < len(self.order) else None
+
+    def first(self, n: int) -> list[T]:
+        """The order's first ``n`` choices (checked up to them)."""
+        if n > 0:
+            self._at(n - 1, lambda _: True)
+        return [x for _, x in self.order[:n]]
+
+    def choice(self, i: int) -> T | None:
+        """Group ``i``'s choice, checking only its own alternatives."""
+        return next((x for j, x in enumerate(self.options[i]) if self._passes(i, j)), None)
+
+    def promote(self, lead: int, groups: range) -> int:
+        """Read the first ``lead`` groups, then those of ``groups`` after them (in the order), then
+        the rest; returns how many moved."""
+        ahead = {i for i, _ in self.order[:len(self.first(lead))]}
+        moved = [(i, x) for i in groups if i not in ahead and (x := self.choice(i)) is not None]
+        self.lead, self.moved = lead, sorted(moved, key=lambda m: self.key(m[1]))
+        return len(moved)
+
+    def read(self, wanted: Callable[[T], bool] = lambda _: True) -> Iterator[T]:
+        """The choices in order (`promote`'s), those of groups ``wanted`` refuses possibly left out
+        (`_at`): for one reader, whose refusals stand."""
+        moved = {i for i, _ in self.moved}
+        yield from (x for _, x in self.order[:self.lead])
+        yield from (x for _, x in self.moved)
+        n = self.lead
+        while (got := self._at(n, wanted)) is not None:
+            n += 1
+            if got[0] not in moved:
+                yield got[1]

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from hethub.layout import single_holder_units
+from hethub.memo import Ranked
 from hethub.plan import Plan, zero23_refusal
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
@@ -20,6 +21,7 @@ from hethub.predict.result import Prediction
 from hethub.predict.stage_modes import choose_recompute
 from hethub.runtimes import runtime_refusals
 from hethub.search.assemble import build_plan
+from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
 from hethub.search.hetero import plan_key, search, size_key
 from hethub.search.templates import Books, Searcher
@@ -27,17 +29,18 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 
-def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: str, per_size: int = 0) -> list[Plan]:
+def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfig, strategy: str,
+                   per_size: int = 0) -> list[Plan]:
     """The plans of the best `finalists + top_k` distinct candidates of `ests` (best first) and, with
-    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why)."""
+    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why). A `Ranked`
+    order is read only as far as that, its shapes of filled sizes skipped unchecked."""
     out, seen, taken = [], set(), Counter()
     keep = config.finalists + config.top_k
-    for est in ests:
-        key = plan_key(est)
-        if key in seen:
-            continue
-        sizes = size_key(est) if per_size else ()
-        if len(out) >= keep and taken[sizes] >= per_size:
+
+    def full(est: Estimate) -> bool:  # stays so: `out` and `taken` only grow; one size for a shape's splits
+        return len(out) >= keep and taken[size_key(est) if per_size else ()] >= per_size
+    for est in ests.read(lambda e: not full(e)) if isinstance(ests, Ranked) else ests:
+        if plan_key(est) in seen or full(est):
             continue
         plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
                           seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
@@ -48,12 +51,12 @@ def finalist_plans(s: Searcher, ests: list, *, config: PlannerConfig, strategy: 
             plan = replace(plan, optimizer_sharding=config.optimizer_sharding, optimizer_shares=config.optimizer_shares)
             if plan.zero_stage >= 2 and zero23_refusal(plan) is not None:
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
-        seen.add(key)
+        seen.add(plan_key(est))
         plan = choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom,
                                 allow_sp=config.sequence_parallel)
         if runtime_refusals(plan):  # what the runtime cannot run (Megatron: replicas or TP degrees that differ)
             continue
-        taken[sizes] += 1
+        taken[size_key(est) if per_size else ()] += 1
         out.append(plan)
         if len(out) >= keep and not per_size:
             break

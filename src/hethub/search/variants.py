@@ -18,6 +18,7 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
+from hethub.memo import Ranked
 from hethub.plan import PLANNED_SHARDINGS, Plan, zero_stage_of
 from hethub.predict.host import HostModel
 from hethub.predict.profiles import ProfileSet
@@ -142,37 +143,37 @@ def alone_shapes(searchers: list[Searcher]) -> dict[str, list[Estimate]]:
     return out
 
 
-def reprice(s: Searcher, est: Estimate) -> Estimate | None:
+def reprice(s: Searcher, est: Estimate) -> list[Estimate]:
     """``est``'s shape (each group's stage kinds, TP degrees and replicas) split and priced under the
-    searcher's variant; None where it does not fit. Two splits per group are priced: the one of the
-    same kind (with or without recomputation) as the enumerated shape's, and the variant's min-max
-    split, since a variant with less memory (ZB-H1 beside 1F1B) may need recomputation to keep the
-    layers where the enumeration put them."""
+    searcher's variant, in closed form, before the memory check (`repriced`). Two splits per group
+    are priced: the one of the same kind (with or without recomputation) as the enumerated shape's,
+    and the variant's min-max split, since a variant with less memory (ZB-H1 beside 1F1B) may need
+    recomputation to keep the layers where the enumeration put them."""
     options = []
     for g in est.groups:
         pipes = s.splits(g.pipe.slots, g.pipe.mbs)
         if not pipes:
-            return None
+            return []
         same = next((p for p in pipes if any(p.recompute) == any(g.pipe.recompute)), pipes[0])
         options.append((g.count, same, pipes[0]))
-    best = None
+    out = []
     for picks in dict.fromkeys((tuple(o[1] for o in options), tuple(o[2] for o in options))):
         groups = [Group(pipe, count) for pipe, (count, _, _) in zip(picks, options, strict=True)]
         sizes = {g.pipe.mbs for g in groups}
-        if len(sizes) == 1:
-            out = s.estimate(groups, sizes.pop())
-        else:
-            out = estimate_samples(groups, total_samples=s.config.global_batch, links=s.links, model=s.model,
-                                   precision=s.config.precision, equal=s.config.equal_shares)
-        if out is not None and s.fits(out) and (best is None or out.step_time_s < best.step_time_s):
-            best = out
-    return best
+        out.append(s.estimate(groups, sizes.pop()) if len(sizes) == 1 else estimate_samples(
+            groups, total_samples=s.config.global_batch, links=s.links, model=s.model, precision=s.config.precision,
+            equal=s.config.equal_shares))
+    return [e for e in out if e is not None]
 
 
-def repriced(s: Searcher, shapes: list[Estimate]) -> list[tuple[int, Estimate]]:
-    """(index in ``shapes``, the shape priced under ``s``'s variant) of those that fit, best closed form first."""
-    got = [(i, e) for i, e in ((i, reprice(s, est)) for i, est in enumerate(shapes)) if e is not None]
-    return sorted(got, key=lambda x: x[1].step_time_s)
+def repriced(s: Searcher, shapes: list[Estimate]) -> Ranked[Estimate]:
+    """The shapes priced under ``s``'s variant, each as the fastest of its splits that fits (`Searcher.fits`,
+    checked only where the order is read that far), best closed form first."""
+    return Ranked([reprice(s, est) for est in shapes], key=step_time, check=s.fits)
+
+
+def step_time(est: Estimate) -> float:
+    return est.step_time_s
 
 
 def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, shapes: list[Estimate], keep: int,
@@ -182,17 +183,12 @@ def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, 
     first. ``config``: the user's (finalists, top_k); ``keep``, ``steps``: `finalists.score_plans`'s;
     ``own``: the shapes were enumerated by ``s`` itself, so priced as they are (a reprice keeps only
     the min-max split or one like the shape's, not the split the search chose)."""
-    got = sorted(enumerate(shapes), key=lambda x: x[1].step_time_s) if own else repriced(s, shapes)
-    if not got:
-        return []
+    got = Ranked([[e] for e in shapes], key=step_time) if own else repriced(s, shapes)
     # The closed form ranks variants with errors of their own (ZB-H1's split backward is an assumed
     # half), so the shapes the enumeration ranked first are laid out too and the predictor decides.
     n = config.finalists + config.top_k
-    ests = [e for _, e in got]
-    first = [e for i, e in got[n:] if i < firsts]
-    cfg = replace(s.config, top_k=config.top_k, finalists=config.finalists + len(first))
-    plans = finalist_plans(s, [*ests[:n], *first, *ests[n:]], config=cfg, strategy="hethub",
-                           per_size=config.per_size_finalists)
+    cfg = replace(s.config, top_k=config.top_k, finalists=config.finalists + got.promote(n, range(firsts)))
+    plans = finalist_plans(s, got, config=cfg, strategy="hethub", per_size=config.per_size_finalists)
     return score_plans(plans, s.job.profiles, host=host, headroom=config.mem_headroom, keep=keep, steps=steps)
 
 
@@ -201,10 +197,10 @@ def alone_plans(searchers: list[Searcher], shapes: list[Estimate], *, config: Pl
     laid out as its own search of the kind alone would (``config``'s finalists, top_k and per-size
     places): the candidates of the kind's part of the bound, which `finalists.bound_parts` screens
     by their step floors against the best predicted over all variants."""
-    priced = [(s, [e for _, e in repriced(s, shapes)]) for s in searchers]
+    priced = [(s, repriced(s, shapes)) for s in searchers]
     out = []
     # The variant of the best closed form first: its plans raise the screen's bar soonest.
-    for s, ests in sorted(priced, key=lambda x: x[1][0].step_time_s if x[1] else math.inf):
+    for s, ests in sorted(priced, key=lambda x: min(map(step_time, x[1].first(1)), default=math.inf)):
         cfg = replace(s.config, finalists=config.finalists, top_k=config.top_k)
         out += finalist_plans(s, ests, config=cfg, strategy="homogeneous", per_size=config.per_size_finalists)
     return out
