@@ -159,7 +159,7 @@ class Ranked(Generic[T]):
         """Read the first ``lead`` groups, then those of ``groups`` after them (in the order), then
         the rest; returns how many moved."""
         ahead = {i for i, _ in self.order[:len(self.first(lead))]}
-        moved = [(i, x) for i in groups if i not in ahead and (x := self.choice(i)) is not None]
+        moved = [(i, x) for i in groups[:len(self.options)] if i not in ahead and (x := self.choice(i)) is not None]
         self.lead, self.moved = lead, sorted(moved, key=lambda m: self.key(m[1]))
         return len(moved)
 
