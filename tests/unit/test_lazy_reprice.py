@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from conftest import EXAMPLES
 from hethub.memo import Ranked, reference_path
-from hethub.search import PlannerConfig, make_plan, templates
+from hethub.plan import Recompute
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import predict, step_floor_s
+from hethub.predict.stage_modes import choose_recompute, modes_floor_s
+from hethub.search import PlannerConfig, finalists, make_plan, templates
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 
@@ -152,9 +156,10 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
     enum = [Variant("zb-h1", "zero1").searcher(cfg, cluster=cluster, model=model, profiles=None, links=links,
                                                holders=64)]
     shapes, alone = enumerate_shapes(enum), alone_shapes(enum)
-    calls = []
-    plain = templates.fits_some_mode
+    calls, laid = [], []
+    plain, choose = templates.fits_some_mode, finalists.choose_recompute
     monkeypatch.setattr(templates, "fits_some_mode", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    monkeypatch.setattr(finalists, "choose_recompute", lambda p, **k: laid.append((p, k)) or choose(p, **k))
 
     def priced() -> list:
         out = []
@@ -166,7 +171,25 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
         return out
     with reference_path():
         want = priced()
-    eager = len(calls)
+    eager, layouts = len(calls), len(laid)
     calls.clear()
     assert priced() == want
-    assert len(calls) < eager
+    assert len(calls) < eager and len(laid) < 2 * layouts  # fewer checks, and some layouts skipped
+    _floors_hold(laid[:layouts], rng=random.Random(5))
+
+
+def _floors_hold(laid: list, *, rng: random.Random) -> None:
+    """`modes_floor_s`, which lets `finalist_plans` skip a layout, is below the step floor the
+    scoring screens with (`step_floor_s` of the laid-out plan) and the predicted step, on the
+    planner's candidates as laid out and with their stages' own modes drawn at random."""
+    assert laid
+    for n, (plan, k) in enumerate(laid):
+        modes = dict(allow_recompute=k["allow_recompute"], allow_sp=k["allow_sp"])
+        drawn = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+            replace(st, recompute=rng.choice(list(Recompute)), sequence_parallel=st.tp > 1 and rng.random() < 0.5)
+            for st in p.stages)) for p in plan.pipelines))
+        for pre in (plan, drawn):
+            post = choose_recompute(pre, **k)
+            floor = modes_floor_s(pre, costs=PlanCosts(pre, None), **modes)
+            assert floor <= step_floor_s(post)
+            assert n % 8 or floor <= predict(post).step_time_s

@@ -11,9 +11,11 @@ from dataclasses import replace
 from hethub.memo import Kept
 from hethub.plan import Plan, Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
-from hethub.predict.predictor import StageFits
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import StageFits, pipeline_floor_s
 from hethub.predict.seq_parallel import sp_applies
 from hethub.predict.stage_cost import StageJob, stage_step
+from hethub.schedules import get_schedule
 
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # by falling memory, rising time
 Mode = tuple[Recompute, bool]  # a stage's recomputation and sequence parallelism
@@ -58,6 +60,24 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
         if not left:
             return True
     return False
+
+
+def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True, allow_sp: bool = True) -> float:
+    """A floor under ``predictor.step_floor_s`` of ``choose_recompute(plan, ...)`` (the same flags),
+    whatever modes it picks, before they are chosen: each stage at the least forward and the least
+    backward time over its modes and its own (``pipeline_floor_s`` only grows with each; float
+    rounding is monotone too). ``costs``: as for ``step_floor_s``."""
+    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
+    drain, best = not get_schedule(plan.schedule).split_backward, 0.0
+    for pi, p in enumerate(plan.pipelines):
+        if p.virtual_stages == 1:
+            fb = [[costs.of_stage(replace(s, recompute=rc, sequence_parallel=sp), mbs=p.micro_batch_size)
+                   for rc, sp in {*modes[(pi, si)], (s.recompute, s.sequence_parallel)}]
+                  for si, s in enumerate(p.stages)]
+            best = max(best, pipeline_floor_s([min(c.fwd_s for c in cs) for cs in fb],
+                                              [min(c.bwd_s for c in cs) for cs in fb],
+                                              num_micro_batches=p.num_micro_batches, drain=drain))
+    return best
 
 
 def stage_modes(plan: Plan, *, allow_recompute: bool = True, allow_sp: bool = True,

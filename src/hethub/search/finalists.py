@@ -5,12 +5,13 @@ alone, the upper bound's parts. Used by the planner's searches and the reference
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from hethub.layout import single_holder_units
-from hethub.memo import Ranked
+from hethub.memo import Ranked, reference
 from hethub.plan import Plan, zero23_refusal
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
@@ -18,8 +19,8 @@ from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.predict.stage_modes import choose_recompute
-from hethub.runtimes import runtime_refusals
+from hethub.predict.stage_modes import choose_recompute, modes_floor_s
+from hethub.runtimes import runtime_profile, runtime_refusals
 from hethub.search.assemble import build_plan
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
@@ -29,16 +30,21 @@ from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 
-def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfig, strategy: str,
-                   per_size: int = 0) -> list[Plan]:
+def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfig, strategy: str, per_size: int = 0,
+                   bar: Callable[[], float] | None = None) -> Iterator[Plan]:
     """The plans of the best `finalists + top_k` distinct candidates of `ests` (best first) and, with
-    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why). A `Ranked`
-    order is read only as far as that, its shapes of filled sizes skipped unchecked."""
-    out, seen, taken = [], set(), Counter()
+    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why), laid out
+    as their reader asks for them. A `Ranked` order is read only as far as that, its shapes of
+    filled sizes skipped unchecked. ``bar``: the reader's (`score_bar`): a plan whose floor under
+    every mode (`modes_floor_s`) reaches it is counted in its place, unread, its modes not chosen
+    (where the runtime's refusals do not depend on them; none on the reference path)."""
+    seen, taken, placed, costs = set(), Counter(), 0, None
     keep = config.finalists + config.top_k
+    runtime = runtime_profile(config.runtime)
+    bar = None if reference() or not (runtime.stage_recompute and runtime.sequence_parallel) else bar
 
-    def full(est: Estimate) -> bool:  # stays so: `out` and `taken` only grow; one size for a shape's splits
-        return len(out) >= keep and taken[size_key(est) if per_size else ()] >= per_size
+    def full(est: Estimate) -> bool:  # stays so: `placed` and `taken` only grow; one size for a shape's splits
+        return placed >= keep and taken[size_key(est) if per_size else ()] >= per_size
     for est in ests.read(lambda e: not full(e)) if isinstance(ests, Ranked) else ests:
         if plan_key(est) in seen or full(est):
             continue
@@ -52,15 +58,24 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
             if plan.zero_stage >= 2 and zero23_refusal(plan) is not None:
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
         seen.add(plan_key(est))
-        plan = choose_recompute(plan, allow_recompute=config.allow_recompute, mem_headroom=config.mem_headroom,
-                                allow_sp=config.sequence_parallel)
+        modes = dict(allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel)
+        costs = costs or (PlanCosts(plan, s.job.profiles) if bar else None)  # one job: stage costs are shared
+        unread = bar is not None and (b := bar()) < math.inf and modes_floor_s(plan, costs=costs, **modes) >= b
+        plan = plan if unread else choose_recompute(plan, mem_headroom=config.mem_headroom, **modes)
         if runtime_refusals(plan):  # what the runtime cannot run (Megatron: replicas or TP degrees that differ)
             continue
         taken[size_key(est) if per_size else ()] += 1
-        out.append(plan)
-        if len(out) >= keep and not per_size:
+        placed += 1
+        if not unread:
+            yield plan
+        if placed >= keep and not per_size:
             break
-    return out
+
+
+def score_bar(steps: list[float], *, keep: int, host: HostModel | None) -> Callable[[], float]:
+    """The step a plan's floor must be below for ``score_plans(keep=keep, steps=steps, host=host)`` to
+    predict it, as it reaches the plan (inf: any)."""
+    return lambda: steps[keep - 1] if keep and host is None and len(steps) >= keep else math.inf
 
 
 def score_plans(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
@@ -105,20 +120,21 @@ class BoundParts:
 
 def bound_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 profiles: ProfileSet | None, books: Books | None = None, host: HostModel | None = None,
-                candidates: Callable[[str], list[Plan]] | None = None) -> BoundParts:
+                candidates: Callable[[str, Callable[[], float]], Iterable[Plan]] | None = None) -> BoundParts:
     """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
     candidates, scored, and the kinds whose part is a relaxed-memory plan. ``candidates``: a kind's
-    candidate plans where the caller has them (the default path's, priced under every variant);
-    otherwise searched under ``config``."""
+    candidate plans where the caller has them (the default path's, priced under every variant), laid
+    out as the scoring reaches them (its `score_bar`); otherwise searched under ``config``."""
     parts: dict[str, float] = {}
     relaxed_kinds: set[str] = set()
     notes, feasible = [], []
     for kind in cluster.kind_names:
-        plans = (candidates(kind) if candidates is not None else
+        steps: list[float] = []
+        plans = (candidates(kind, score_bar(steps, keep=2, host=host)) if candidates is not None else
                  _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                              books=books))
         # The part is the best, and the combined search takes the best two (`feasible`).
-        scored = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=2)
+        scored = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=2, steps=steps)
         if scored:
             feasible.extend(scored[:2])
             parts[kind] = scored[0][1].tokens_per_s
@@ -139,7 +155,7 @@ def bound_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 
 
 def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
-                kind: str, relax: bool, books: Books | None) -> list[Plan]:
+                kind: str, relax: bool, books: Books | None) -> Iterator[Plan]:
     s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, relax_memory=relax, kinds=(kind,),
                  books=books)
     return finalist_plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous",

@@ -224,7 +224,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     # Each kind alone is part of the space (hethub >= homogeneous) and the bound's parts.
     plain = [searchers[v] for v in variants if v.schedule != INTERLEAVED and v.sharding in shardings]
     b = bound_parts(cluster=cluster, model=model, config=s0.config, profiles=profiles, books=s0.books, host=host,
-                    candidates=lambda kind: alone_plans(plain, alone[kind], config=config))
+                    candidates=lambda kind, bar: alone_plans(plain, alone[kind], config=config, bar=bar))
     bar.update()
     own = [x for got in by_variant.values() for x in got]
     hethub = config.strategy == "hethub"

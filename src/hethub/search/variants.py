@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from hethub.memo import Ranked
@@ -28,7 +29,7 @@ from hethub.runtimes import runtime_profile
 from hethub.schedules import AUTO_SCHEDULE
 from hethub.search.combine import Estimate, Group, estimate_samples
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import finalist_plans, score_plans
+from hethub.search.finalists import finalist_plans, score_bar, score_plans
 from hethub.search.hetero import plan_key, search
 from hethub.search.templates import Books, Searcher
 from hethub.spec.cluster import Cluster
@@ -188,19 +189,21 @@ def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, 
     # half), so the shapes the enumeration ranked first are laid out too and the predictor decides.
     n = config.finalists + config.top_k
     cfg = replace(s.config, top_k=config.top_k, finalists=config.finalists + got.promote(n, range(firsts)))
-    plans = finalist_plans(s, got, config=cfg, strategy="hethub", per_size=config.per_size_finalists)
+    steps = [] if steps is None else steps
+    plans = finalist_plans(s, got, config=cfg, strategy="hethub", per_size=config.per_size_finalists,
+                           bar=score_bar(steps, keep=keep, host=host))
     return score_plans(plans, s.job.profiles, host=host, headroom=config.mem_headroom, keep=keep, steps=steps)
 
 
-def alone_plans(searchers: list[Searcher], shapes: list[Estimate], *, config: PlannerConfig) -> list[Plan]:
+def alone_plans(searchers: list[Searcher], shapes: list[Estimate], *, config: PlannerConfig,
+                bar: Callable[[], float] | None = None) -> Iterator[Plan]:
     """One kind's single-kind ``shapes`` priced under every variant's searcher, each variant's best
     laid out as its own search of the kind alone would (``config``'s finalists, top_k and per-size
     places): the candidates of the kind's part of the bound, which `finalists.bound_parts` screens
-    by their step floors against the best predicted over all variants."""
+    by their step floors against the best predicted over all variants (``bar``: `finalist_plans`')."""
     priced = [(s, repriced(s, shapes)) for s in searchers]
-    out = []
     # The variant of the best closed form first: its plans raise the screen's bar soonest.
     for s, ests in sorted(priced, key=lambda x: min(map(step_time, x[1].first(1)), default=math.inf)):
         cfg = replace(s.config, finalists=config.finalists, top_k=config.top_k)
-        out += finalist_plans(s, ests, config=cfg, strategy="homogeneous", per_size=config.per_size_finalists)
-    return out
+        yield from finalist_plans(s, ests, config=cfg, strategy="homogeneous", per_size=config.per_size_finalists,
+                                  bar=bar)
