@@ -68,6 +68,11 @@ class RuntimeProfile:
     context_parallel: bool = True
 
     @property
+    def runs_stage_modes(self) -> bool:
+        """Whether it runs every stage mode (recomputation, SP): its refusals of a plan do not depend on them."""
+        return self.stage_recompute and self.sequence_parallel
+
+    @property
     def auto_schedules(self) -> tuple[str, ...]:
         """The schedules the planner chooses among for schedule "auto" under this runtime."""
         return tuple(n for n in AUTO_CANDIDATES if n in self.schedules)

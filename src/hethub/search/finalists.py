@@ -33,18 +33,16 @@ from hethub.spec.model import ModelSpec
 def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfig, strategy: str, per_size: int = 0,
                    bar: Callable[[], float] | None = None) -> Iterator[Plan]:
     """The plans of the best `finalists + top_k` distinct candidates of `ests` (best first) and, with
-    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why), laid out
-    as their reader asks for them. A `Ranked` order is read only as far as that, its shapes of
-    filled sizes skipped unchecked. ``bar``: the reader's (`score_bar`): a plan whose floor under
-    every mode (`modes_floor_s`) reaches it is counted in its place, unread, its modes not chosen
-    (where the runtime's refusals do not depend on them; none on the reference path)."""
-    seen, taken, placed, costs = set(), Counter(), 0, None
-    keep = config.finalists + config.top_k
-    runtime = runtime_profile(config.runtime)
-    bar = None if reference() or not (runtime.stage_recompute and runtime.sequence_parallel) else bar
-
-    def full(est: Estimate) -> bool:  # stays so: `placed` and `taken` only grow; one size for a shape's splits
-        return placed >= keep and taken[size_key(est) if per_size else ()] >= per_size
+    `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why), laid out as
+    read. A `Ranked` order is read only as far as that, shapes of filled sizes skipped unchecked.
+    ``bar``: the reader's (`score_bar`): a plan whose floor under every mode (`modes_floor_s`) reaches
+    it takes its place unread, its modes not chosen (where the runtime's refusals do not depend on
+    them; never on the reference path)."""
+    seen, taken, costs, keep = set(), Counter(), None, config.finalists + config.top_k
+    bar = bar if runtime_profile(config.runtime).runs_stage_modes and not reference() else None
+    modes = dict(allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel)
+    def full(est: Estimate) -> bool:  # stays so: `taken` only grows; one size for a shape's splits
+        return taken.total() >= keep and taken[size_key(est) if per_size else ()] >= per_size
     for est in ests.read(lambda e: not full(e)) if isinstance(ests, Ranked) else ests:
         if plan_key(est) in seen or full(est):
             continue
@@ -58,23 +56,20 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
             if plan.zero_stage >= 2 and zero23_refusal(plan) is not None:
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
         seen.add(plan_key(est))
-        modes = dict(allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel)
         costs = costs or (PlanCosts(plan, s.job.profiles) if bar else None)  # one job: stage costs are shared
         unread = bar is not None and (b := bar()) < math.inf and modes_floor_s(plan, costs=costs, **modes) >= b
         plan = plan if unread else choose_recompute(plan, mem_headroom=config.mem_headroom, **modes)
         if runtime_refusals(plan):  # what the runtime cannot run (Megatron: replicas or TP degrees that differ)
             continue
         taken[size_key(est) if per_size else ()] += 1
-        placed += 1
         if not unread:
             yield plan
-        if placed >= keep and not per_size:
+        if taken.total() >= keep and not per_size:
             break
 
 
 def score_bar(steps: list[float], *, keep: int, host: HostModel | None) -> Callable[[], float]:
-    """The step a plan's floor must be below for ``score_plans(keep=keep, steps=steps, host=host)`` to
-    predict it, as it reaches the plan (inf: any)."""
+    """The step a plan's floor must be below for ``score_plans(keep=keep, steps=steps, host=host)`` to predict it."""
     return lambda: steps[keep - 1] if keep and host is None and len(steps) >= keep else math.inf
 
 

@@ -33,7 +33,7 @@ from hethub.schedules import AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import bound_parts, score_plans
+from hethub.search.finalists import bound_parts, score_bar, score_plans
 from hethub.search.polish import chunked_candidates, interleave_plan, polish
 from hethub.search.templates import Searcher, tp_options
 from hethub.search.variants import (
@@ -213,7 +213,8 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
             got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
                               headroom=config.mem_headroom, keep=keep)
         elif config.strategy == "homogeneous" and v.sharding in shardings:  # each kind alone under the variant
-            plans = [p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config)]
+            bar = score_bar(steps[v.schedule], keep=keep, host=host)  # laid out as the scoring reads them
+            plans = (p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config, bar=bar))
             got = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=keep,
                               steps=steps[v.schedule])
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits

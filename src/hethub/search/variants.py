@@ -107,15 +107,10 @@ def enumeration_variants(variants: list[Variant], shardings: list[str]) -> list[
 
 def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
     """The first ``n`` candidates of distinct plans (`hetero.plan_key`), in order."""
-    out, seen = [], set()
+    out: dict[tuple, Estimate] = {}
     for est in ests:
-        key = plan_key(est)
-        if key not in seen:
-            seen.add(key)
-            out.append(est)
-            if len(out) == n:
-                break
-    return out
+        out.setdefault(plan_key(est), est)
+    return list(out.values())[:n]
 
 
 def enumerate_shapes(searchers: list[Searcher]) -> list[Estimate]:
@@ -135,21 +130,17 @@ def alone_shapes(searchers: list[Searcher]) -> dict[str, list[Estimate]]:
     as `enumerate_shapes` pools: the upper bound's parts, repriced per variant like the pool."""
     out = {}
     for kind in searchers[0].counts:
-        found = []
-        for s in searchers:
-            k = Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles, kinds=(kind,),
-                         books=s.books)
-            found.append(distinct(search(k, kinds_alone=True), SHAPES_POOL))
-        out[kind] = _in_turns(found)
+        alone = [Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles, kinds=(kind,),
+                          books=s.books) for s in searchers]
+        out[kind] = _in_turns([distinct(search(k, kinds_alone=True), SHAPES_POOL) for k in alone])
     return out
 
 
 def reprice(s: Searcher, est: Estimate) -> list[Estimate]:
-    """``est``'s shape (each group's stage kinds, TP degrees and replicas) split and priced under the
-    searcher's variant, in closed form, before the memory check (`repriced`). Two splits per group
-    are priced: the one of the same kind (with or without recomputation) as the enumerated shape's,
-    and the variant's min-max split, since a variant with less memory (ZB-H1 beside 1F1B) may need
-    recomputation to keep the layers where the enumeration put them."""
+    """``est``'s shape (each group's stage kinds, TP degrees and replicas) split and priced in closed form
+    under the searcher's variant, unchecked (`repriced`). Two splits per group: the one of the same kind
+    (with or without recomputation) as the enumerated shape's, and the min-max split, as a variant with
+    less memory (ZB-H1 beside 1F1B) may need recomputation to keep the layers where the enumeration put them."""
     options = []
     for g in est.groups:
         pipes = s.splits(g.pipe.slots, g.pipe.mbs)
@@ -170,11 +161,7 @@ def reprice(s: Searcher, est: Estimate) -> list[Estimate]:
 def repriced(s: Searcher, shapes: list[Estimate]) -> Ranked[Estimate]:
     """The shapes priced under ``s``'s variant, each as the fastest of its splits that fits (`Searcher.fits`,
     checked only where the order is read that far), best closed form first."""
-    return Ranked([reprice(s, est) for est in shapes], key=step_time, check=s.fits)
-
-
-def step_time(est: Estimate) -> float:
-    return est.step_time_s
+    return Ranked([reprice(s, est) for est in shapes], key=lambda e: e.step_time_s, check=s.fits)
 
 
 def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, shapes: list[Estimate], keep: int,
@@ -184,7 +171,7 @@ def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, 
     first. ``config``: the user's (finalists, top_k); ``keep``, ``steps``: `finalists.score_plans`'s;
     ``own``: the shapes were enumerated by ``s`` itself, so priced as they are (a reprice keeps only
     the min-max split or one like the shape's, not the split the search chose)."""
-    got = Ranked([[e] for e in shapes], key=step_time) if own else repriced(s, shapes)
+    got = Ranked([[e] for e in shapes], key=lambda e: e.step_time_s) if own else repriced(s, shapes)
     # The closed form ranks variants with errors of their own (ZB-H1's split backward is an assumed
     # half), so the shapes the enumeration ranked first are laid out too and the predictor decides.
     n = config.finalists + config.top_k
@@ -197,13 +184,12 @@ def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, 
 
 def alone_plans(searchers: list[Searcher], shapes: list[Estimate], *, config: PlannerConfig,
                 bar: Callable[[], float] | None = None) -> Iterator[Plan]:
-    """One kind's single-kind ``shapes`` priced under every variant's searcher, each variant's best
-    laid out as its own search of the kind alone would (``config``'s finalists, top_k and per-size
-    places): the candidates of the kind's part of the bound, which `finalists.bound_parts` screens
-    by their step floors against the best predicted over all variants (``bar``: `finalist_plans`')."""
+    """One kind's single-kind ``shapes`` priced under every variant's searcher, each variant's best laid out
+    as its own search of the kind alone would (``config``'s finalists, top_k and per-size places): the
+    candidates of the kind's part of the bound, which `finalists.bound_parts` scores (``bar``: its)."""
     priced = [(s, repriced(s, shapes)) for s in searchers]
     # The variant of the best closed form first: its plans raise the screen's bar soonest.
-    for s, ests in sorted(priced, key=lambda x: min(map(step_time, x[1].first(1)), default=math.inf)):
+    for s, ests in sorted(priced, key=lambda x: min((e.step_time_s for e in x[1].first(1)), default=math.inf)):
         cfg = replace(s.config, finalists=config.finalists, top_k=config.top_k)
         yield from finalist_plans(s, ests, config=cfg, strategy="homogeneous", per_size=config.per_size_finalists,
                                   bar=bar)
