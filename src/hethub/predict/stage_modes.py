@@ -66,17 +66,25 @@ def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True,
     """A floor under ``predictor.step_floor_s`` of ``choose_recompute(plan, ...)`` (the same flags),
     whatever modes it picks, before they are chosen: each stage at the least forward and the least
     backward time over its modes and its own (``pipeline_floor_s`` only grows with each; float
-    rounding is monotone too). ``costs``: as for ``step_floor_s``."""
+    rounding is monotone too; a CP ring's passes, added by ``PlanCosts.with_ring``, do not depend on
+    the mode). ``costs``: as for ``step_floor_s``."""
     modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
-    drain, best = not get_schedule(plan.schedule).split_backward, 0.0
+    drain, best, least = not get_schedule(plan.schedule).split_backward, 0.0, {}
     for pi, p in enumerate(plan.pipelines):
-        if p.virtual_stages == 1:
-            fb = [[costs.of_stage(replace(s, recompute=rc, sequence_parallel=sp), mbs=p.micro_batch_size)
-                   for rc, sp in {*modes[(pi, si)], (s.recompute, s.sequence_parallel)}]
-                  for si, s in enumerate(p.stages)]
-            best = max(best, pipeline_floor_s([min(c.fwd_s for c in cs) for cs in fb],
-                                              [min(c.bwd_s for c in cs) for cs in fb],
-                                              num_micro_batches=p.num_micro_batches, drain=drain))
+        if p.virtual_stages > 1:
+            continue
+        times = []
+        for si, s in enumerate(p.stages):
+            key = (s.kind, s.tp, s.cp, s.layers, s.embedding, s.head, s.recompute, s.sequence_parallel,
+                   p.micro_batch_size)  # a replica's stages share it: its modes and costs depend on nothing else
+            if key not in least:
+                cs = [costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
+                                       mbs=p.micro_batch_size, recompute=rc, sp=sp, cp=s.cp)
+                      for rc, sp in {*modes[(pi, si)], (s.recompute, s.sequence_parallel)}]
+                least[key] = replace(cs[0], fwd_s=min(c.fwd_s for c in cs), bwd_s=min(c.bwd_s for c in cs))
+            times.append(costs.with_ring(s, least[key], mbs=p.micro_batch_size, layers=s.num_layers))
+        best = max(best, pipeline_floor_s([t.fwd_s for t in times], [t.bwd_s for t in times],
+                                          num_micro_batches=p.num_micro_batches, drain=drain))
     return best
 
 
