@@ -213,8 +213,9 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
             got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
                               headroom=config.mem_headroom, keep=keep)
         elif config.strategy == "homogeneous" and v.sharding in shardings:  # each kind alone under the variant
-            bar = score_bar(steps[v.schedule], keep=keep, host=host)  # laid out as the scoring reads them
-            plans = (p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config, bar=bar))
+            screen = score_bar(steps[v.schedule], keep=keep, host=host)  # laid out as the scoring reads them
+            plans = (p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config,
+                                                                        bar=screen))
             got = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=keep,
                               steps=steps[v.schedule])
         if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits

@@ -121,8 +121,7 @@ def enumerate_shapes(searchers: list[Searcher]) -> list[Estimate]:
 
 def _in_turns(found: list[list[Estimate]]) -> list[Estimate]:
     """The searchers' distinct candidate lists merged in turns (first of each, then second...), distinct."""
-    return distinct([e for turn in itertools.zip_longest(*found) for e in turn if e is not None],
-                    SHAPES_POOL * len(found))
+    return distinct([e for t in itertools.zip_longest(*found) for e in t if e is not None], SHAPES_POOL * len(found))
 
 
 def alone_shapes(searchers: list[Searcher]) -> dict[str, list[Estimate]]:
