@@ -9,7 +9,10 @@ or an equivalent form proved equal to its rule by an exhaustive test (the buffer
 :mod:`hethub.predict.memory.p2p`). A shortcut of the second sort asks ``reference()`` and takes the
 plain rule where it says so: that is how ``tests/unit/test_predict_fastpath.py`` compares whole
 predictions and how ``bench/predict_speed.py`` times both in one process (docs/predictor.md, "Cost
-at scale"). A top-level module so that the memory model, below the predictor's package, can use it.
+at scale"). A lazy order (``Ranked``: the planner's variants check each shape's memory only where
+the finalists read that far, `search/variants.repriced`) is of the second sort, proved by
+``tests/unit/test_lazy_reprice.py``. A top-level module so that the memory model, below the
+predictor's package, can use it.
 """
 
 from __future__ import annotations
