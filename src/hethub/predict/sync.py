@@ -79,7 +79,7 @@ from hethub.layout import (
     unit_param_prefix,
     unit_position,
 )
-from hethub.memo import Kept
+from hethub.memo import Kept, reference
 from hethub.plan import Plan
 from hethub.predict.comm import (
     allreduce_time_s,
@@ -165,20 +165,30 @@ def _fused_groups(plan: Plan) -> list[SyncGroup]:
     stage_of = {(pi, si): s for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
     norm_layer = model.layer_params - model.layer_matmul_params
     links: dict[tuple[StageId, ...], Link] = {}
+    # A group's price by its holders and bytes (all it depends on): the layers between two stage
+    # boundaries of every pipeline share both, so it is found once per such run, not per layer (a
+    # shortcut: memo.py).
+    priced: dict[tuple, SyncGroup] = {}
+    fresh = reference()
 
     def group(name: str, stages: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
         hs = tuple(stages)
+        nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
+        got = None if fresh else priced.get((hs, nbytes))
+        if got is not None:
+            return replace(got, name=name)
         link = links.get(hs)
         if link is None:  # one ring per TP rank of the smallest degree, all at once (lined up)
             # Every CP rank of a holder is in the ring (layout.Topology.sync_group).
             rings = tuple(tuple(d for x in hs for d in stage_of[x].cp_group(q))
                           for q in range(min(tp_of[x] for x in hs)))
             link = links[hs] = _RINGS.get((id(cluster), rings), lambda: rings_link(cluster, rings), pin=(cluster,))
-        nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
         members = sum(stage_of[x].cp for x in hs)
-        return SyncGroup(name, hs, nbytes, link, group_allreduce_s(plan, hs, nbytes=nbytes, link=link,
-                                                                   participants=members, elem_bytes=grad_bytes),
-                         members=members if members != len(hs) else 0)
+        got = priced[(hs, nbytes)] = SyncGroup(
+            name, hs, nbytes, link, group_allreduce_s(plan, hs, nbytes=nbytes, link=link, participants=members,
+                                                      elem_bytes=grad_bytes),
+            members=members if members != len(hs) else 0)
+        return got
 
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
