@@ -17,6 +17,7 @@ from hethub.spec.kind import GIB, DeviceKind
 DEFAULT_MEM_HEADROOM = 0.1
 _LABELS = {"weights": "weights", "master_weights": "master weights", "grads": "gradients",
            "optimizer": "optimizer state", "activations": "activations", "fb_temporaries": "working set",
+           "gathered_weights": "gathered parameters (ZeRO-3)",
            "p2p_buffers": "point-to-point buffers",
            "grad_sync_buffer": "gradient-sync buffer", "optimizer_temporaries": "optimizer-step scratch",
            "fragmentation": "allocator fragmentation", "framework_context": "framework context",
