@@ -36,7 +36,7 @@ from hethub.predict.sharding import (
     stage_shard_elems,
     zero23_stage_bytes,
 )
-from hethub.predict.stage_modes import choose_recompute, fits_some_mode
+from hethub.predict.stage_modes import ModeFits, choose_recompute, fits_some_mode, stage_modes
 from hethub.spec.model import ModelSpec
 
 
@@ -193,6 +193,32 @@ def test_fits_and_modes_answer_as_the_plain_rules(name: str) -> None:
     assert _answers(plan, headrooms) == want  # again, from the memos the first call filled
     # At the edge the answers differ between headrooms: the comparison could fail.
     assert len({a for a in want if isinstance(a, bool)}) == 2
+
+
+@pytest.mark.parametrize("name", sorted(set(PLANS) - {"interleaved"}))  # chunked stages get no floor
+def test_the_memory_floor_is_under_the_memory_and_screens_hopeless_plans(name: str) -> None:
+    # StageFits.over names only stages under() says do not fit (a floor too high, e.g. with the optimizer
+    # slice or the point-to-point buffers in it, names one at the edge that does fit); it names some; and
+    # where it finds a stage over under every mode, the plain rules' fits_some_mode says no too.
+    plan = PLANS[name]
+    with reference_path():
+        headrooms = _tight(plan)
+    named, hopeless = 0, []
+    for headroom in headrooms:
+        for bound in (False, True):
+            fits = StageFits(plan, mem_headroom=headroom, p2p_bound=bound)
+            for mode in (None, *Recompute):
+                ok = fits.under(mode)
+                over = fits.over(mode, asked=list(ok))
+                assert not any(ok[sid] for sid in over), (headroom, bound, mode)
+                named += len(over)
+        modes = stage_modes(plan)
+        if ModeFits(plan, headroom).hopeless(modes, modes):
+            hopeless.append(headroom)
+    assert named and hopeless
+    with reference_path():
+        assert not any(fits_some_mode(plan, mem_headroom=h) for h in hopeless)
+        assert not any(ModeFits(plan, h).hopeless(stage_modes(plan), stage_modes(plan)) for h in hopeless)  # off
 
 
 @pytest.mark.slow

@@ -43,7 +43,14 @@ from hethub.predict.memory import (
 from hethub.predict.plan_costs import PlanCosts, StageStepCost
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.predict.shard_memory import screened_fits, shard_weights, with_sharding
+from hethub.predict.shard_memory import (
+    SCREEN_MARGIN,
+    screened_fits,
+    shard_weights,
+    sharded_stage,
+    with_sharding,
+    zero23_held,
+)
 from hethub.predict.sharding import rank_weights
 from hethub.predict.sync import (
     SyncResult,
@@ -138,6 +145,31 @@ class StageFits:
             return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
                     for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
         return {(pi, si): mems[(pi, si)].total_bytes <= usable[plan.pipelines[pi].stages[si].kind] for pi, si in asked}
+
+
+    def over(self, recompute: Recompute | None = None, *, asked: Collection[tuple[int, int]]) -> set[tuple[int, int]]:
+        """Those of the ``asked`` stages for which a floor under their memory (``under``'s, every stage
+        recomputing ``recompute``) is already over the usable bytes, so ``under`` says they do not fit
+        whatever the other stages hold: the shape's memory without point-to-point buffers and, under a
+        sharded optimizer, without an optimizer slice (every part grows with both, as ``screened_fits``
+        relies on). A chunked pipeline's stages get no floor (their memory is found per mode)."""
+        plan, costs = self.plan, self.costs
+        held = zero23_held(plan)
+        shape_of = {(pi, si): k for pi, si, k in self.own}
+        made: dict[tuple, bool] = {}
+        out = set()
+        for pi, si in asked:
+            k = shape_of[(self.twins[pi], si)]
+            key = (k, held.get((pi, si)))
+            if k is not None and key not in made:
+                mem = costs.memory_of((*self.shapes[k][:-1], 0.0), recompute)
+                if plan.sharded_optimizer:
+                    mem = sharded_stage(plan, (pi, si), mem, (0, 0), held.get((pi, si)))
+                cap = self.usable[plan.pipelines[pi].stages[si].kind]
+                made[key] = mem.total_bytes > cap + abs(cap) * SCREEN_MARGIN
+            if k is not None and made[key]:
+                out.add((pi, si))
+        return out
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
@@ -317,6 +349,18 @@ def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts) -> bool:
     prediction on 512 devices). ``costs``: as for ``step_floor_s``."""
     floor = step_floor_s(plan, costs=costs)
     return floor >= bar_s or floor + sync_tail_s(plan, costs=costs) >= bar_s
+
+
+def may_fit_below(plan: Plan, *, mem_headroom: float, bar_s: float | None = None, costs: PlanCosts | None = None,
+                  host: HostModel | None = None) -> bool:
+    """False only where ``predict(plan, host=host, mem_headroom=mem_headroom)`` provably has a stage over
+    its memory, or a step of at least ``bar_s`` where given (``floor_reaches``, without a host; ``costs``
+    as there, required with ``bar_s``): a caller keeping only plans that fit with a step below ``bar_s``
+    need not predict the others. The memory is ``StageFits``' (the prediction's own memory without its
+    timing, which a stage's memory does not read: equal answers, ``tests/unit/test_predict_fastpath.py``)."""
+    if bar_s is not None and host is None and costs is not None and floor_reaches(plan, bar_s, costs=costs):
+        return False
+    return all(StageFits(plan, mem_headroom=mem_headroom).under().values())
 
 
 def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int,

@@ -24,7 +24,7 @@ from hethub.predict.sharding import (
 StageId = tuple[int, int]
 # Float sums of one memory's parts in another order (a bound's parts against the exact ones') differ by
 # far less than this share of the total: a screened answer keeps this margin to the usable bytes.
-_SCREEN_MARGIN = 1e-9
+SCREEN_MARGIN = 1e-9
 
 
 def with_sharding(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: float,
@@ -43,7 +43,7 @@ def with_sharding(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: flo
         weights = rank_weights(plan, by_stage)
         per_stage = (stage_shard_elems(plan, rank_shards(plan, weights)) if reference()
                      else stage_elems_of(plan, by_stage))
-    held = _zero23_held(plan)
+    held = zero23_held(plan)
     # Stages of one unsharded memory and slice (replicas) share their sharded memory (a shortcut: memo.py).
     made: dict[tuple, StageMemory] = {}
     out = {}
@@ -72,7 +72,8 @@ def sharded_stage(plan: Plan, sid: StageId, mem: StageMemory, elems: tuple[int, 
     return out
 
 
-def _zero23_held(plan: Plan) -> dict[StageId, tuple[int, int, int]]:
+def zero23_held(plan: Plan) -> dict[StageId, tuple[int, int, int]]:
+    """Per stage under ZeRO-2/3: its ``zero23_stage_bytes`` (none below ZeRO-2)."""
     if plan.zero_stage < 2:
         return {}
     ids = ((pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages)))  # stage_places' order
@@ -108,7 +109,7 @@ def screened_fits(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: flo
     off the reference path."""
     by_stage = shard_weights(plan, mems, headroom=headroom)  # in stage_places' order
     lo_m, hi_m, lo_ma, hi_ma = stage_elems_bounds(plan, list(by_stage.values()))
-    held = _zero23_held(plan)
+    held = zero23_held(plan)
     starts = list(itertools.accumulate((len(p.stages) for p in plan.pipelines), initial=0))
     out: dict[StageId, bool] = {}
     made: dict[tuple, bool] = {}  # replicas' stages: one memory, weight and slice bounds
@@ -119,7 +120,7 @@ def screened_fits(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: flo
         hit = made.get(key)
         if hit is None:
             cap = usable[kind]
-            slack = abs(cap) * _SCREEN_MARGIN
+            slack = abs(cap) * SCREEN_MARGIN
             if sharded_stage(plan, sid, mem, (hi_m[i], hi_ma[i]), stage_held).total_bytes <= cap - slack:
                 hit = True
             elif sharded_stage(plan, sid, mem, (lo_m[i], lo_ma[i]), stage_held).total_bytes > cap + slack:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import replace
 
-from hethub.memo import Kept
-from hethub.plan import Plan, Recompute
+from hethub.memo import Kept, reference
+from hethub.plan import Plan, Recompute, Stage
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import StageFits, pipeline_floor_s
@@ -20,6 +20,16 @@ from hethub.schedules import get_schedule
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # by falling memory, rising time
 Mode = tuple[Recompute, bool]  # a stage's recomputation and sequence parallelism
 _ORDERS = Kept(100_000)  # stage_modes' answers by stage shape and job: the planner asks the same shapes often
+# A stage in another mode by the stage and mode: the planner's plans share most of their stages, and a copy
+# is a frozen dataclass's whole construction.
+_MODED = Kept(100_000)
+
+
+def in_mode(s: Stage, recompute: Recompute, sp: bool) -> Stage:
+    """``s`` recomputing ``recompute``, sequence-parallel where ``sp`` (``s`` itself where it already is)."""
+    if s.recompute is recompute and s.sequence_parallel == sp:
+        return s
+    return _MODED.get((s, recompute, sp), lambda: replace(s, recompute=recompute, sequence_parallel=sp))
 
 
 def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
@@ -36,8 +46,7 @@ def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: 
             mode = next((m for m in modes[(pi, si)] if fits(m)[(pi, si)]), None)
             if mode is None and strict:
                 return None
-            mode = mode or (s.recompute, s.sequence_parallel)
-            stages.append(replace(s, recompute=mode[0], sequence_parallel=mode[1]))
+            stages.append(in_mode(s, *(mode or (s.recompute, s.sequence_parallel))))
         pipes.append(replace(p, stages=tuple(stages)))
     return replace(plan, pipelines=tuple(pipes))
 
@@ -51,6 +60,8 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
     # The modes holding the fewest activations first (full recomputation): they usually settle it; SP's
     # last, as its plan's memory is found anew.
     order = sorted({m for ms in modes.values() for m in ms}, key=lambda m: (m[1], -RECOMPUTE_ORDER.index(m[0])))
+    if fits.hopeless(modes, modes):
+        return False
     left = set(modes)
     for m in order:
         asked = [sid for sid in left if m in modes[sid]]
@@ -140,6 +151,19 @@ class ModeFits:
                 self._under[mode] = hit
         return hit
 
+    def hopeless(self, stages: Collection[tuple[int, int]], modes: dict[tuple[int, int], list[Mode]]) -> bool:
+        """Whether one of ``stages`` is over its memory under each of its ``modes`` by a floor
+        (``StageFits.over``, which no other stage's mode changes), so no mode fits it: a proven screen
+        that spares the exact checks of every mode (off on the reference path: memo.py)."""
+        left = set() if reference() else set(stages)  # those over under every mode asked so far
+        for m in sorted({m for sid in left for m in modes[sid]}):
+            asked = [sid for sid in left if m in modes[sid]]
+            over = self._stage_fits(m[1], bound=True).over(m[0], asked=asked) if asked else set()
+            left.difference_update(sid for sid in asked if sid not in over)
+            if not left:
+                return False
+        return bool(left)
+
     def _stage_fits(self, sp: bool, *, bound: bool) -> StageFits:
         if (sp, bound) not in self._fits:
             plan = self.plan
@@ -148,7 +172,7 @@ class ModeFits:
             if any(s.sequence_parallel != f for p, fs in zip(plan.pipelines, flags, strict=True)
                    for s, f in zip(p.stages, fs, strict=True)):
                 plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                    s if s.sequence_parallel == f else replace(s, sequence_parallel=f)
+                    in_mode(s, s.recompute, f)
                     for s, f in zip(p.stages, fs, strict=True))) for p, fs in zip(plan.pipelines, flags, strict=True)))
             # The bound's and the exact buffers' checks of one plan share its costs.
             other = self._fits.get((sp, not bound))
