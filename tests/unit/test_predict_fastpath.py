@@ -19,7 +19,8 @@ from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
 from hethub.predict.host import HostModel
-from hethub.predict.predictor import StageFits, predict
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import StageFits, may_fit_below, predict, step_floor_s
 from hethub.spec.cluster import EmulationHost
 
 NONE, SELECTIVE, FULL = Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL
@@ -103,6 +104,24 @@ def _same(plan: Plan, *, host: HostModel | None = None) -> None:
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_shortcuts_give_the_plain_rules_prediction(name: str) -> None:
     _same(PLANS[name])
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_memory_screen_answers_as_the_prediction(name: str) -> None:
+    # may_fit_below's memory half is StageFits: each stage fits exactly where predict() says it does, at the
+    # default headroom (all fit) and at one that leaves the stage of the largest peak share just out (the
+    # optimizer split moves with the headroom: a sharded plan's peaks then differ).
+    plan = PLANS[name]
+    top = max(s.peak_mem_bytes / s.device_mem_bytes for s in predict(plan).stages)
+    for headroom in (0.1, 1 - top * (1 - 1e-6)):
+        pred = predict(plan, mem_headroom=headroom)
+        fits = {(s.pipeline, s.stage): s.fits for s in pred.stages}
+        assert StageFits(plan, mem_headroom=headroom).under() == fits
+        assert may_fit_below(plan, mem_headroom=headroom) == pred.fits_memory
+        assert pred.fits_memory == (headroom == 0.1) or plan.sharded_optimizer
+        costs = PlanCosts(plan, None)
+        assert not may_fit_below(plan, mem_headroom=headroom, bar_s=step_floor_s(plan), costs=costs)
+        assert may_fit_below(plan, mem_headroom=headroom, bar_s=pred.step_time_s * 2, costs=costs) == pred.fits_memory
 
 
 @pytest.mark.parametrize("name", ["interleaved-three-stages", "zero1-replicas", "zb-h1-three-stages"])

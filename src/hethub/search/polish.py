@@ -15,7 +15,7 @@ from hethub.plan_parts import chunk_choices, with_chunks
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, pipeline_floor_s, predict
+from hethub.predict.predictor import floor_reaches, may_fit_below, pipeline_floor_s, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_modes import choose_recompute
@@ -184,9 +184,9 @@ def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], 
 def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, host: HostModel | None,
                     mem_headroom: float) -> tuple[Plan, Prediction]:
     """``plan`` (made for 1F1B) under the interleaved schedule with the best v per group of identical
-    pipelines (greedy, one group after another), and its prediction."""
-    best = replace(plan, schedule="interleaved")
-    best_pred = pred
+    pipelines (greedy, one group after another), and its prediction; a trial that provably does not fit or
+    cannot beat the best so far (``may_fit_below``) is not predicted."""
+    best, best_pred, costs = replace(plan, schedule="interleaved"), pred, PlanCosts(plan, profiles)
     groups: dict[tuple, list[int]] = {}
     for pi, p in enumerate(plan.pipelines):
         groups.setdefault((p.num_micro_batches, _signature(p), *(s.recompute for s in p.stages)), []).append(pi)
@@ -196,6 +196,8 @@ def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None
             for pi in members:
                 pipes[pi] = with_chunks(plan.pipelines[pi], v)
             trial = replace(best, pipelines=tuple(pipes)).validate()
+            if not may_fit_below(trial, mem_headroom=mem_headroom, bar_s=best_pred.step_time_s, costs=costs, host=host):
+                continue
             tp = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
             if tp.fits_memory and tp.step_time_s < best_pred.step_time_s:
                 best, best_pred = trial, tp
@@ -205,14 +207,14 @@ def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None
 def chunked_candidates(scored: Sequence[tuple[Plan, Prediction]], v: int, *, profiles: ProfileSet | None,
                        host: HostModel | None, mem_headroom: float) -> list[tuple[Plan, Prediction]]:
     """Plans searched with stages sized for v chunks (``PlannerConfig.virtual_stages``), each pipeline
-    laid out in v chunks where it can take them, kept where every device fits."""
+    laid out in v chunks where it can take them, kept where every device fits (checked before predicting)."""
     out = []
     for plan, _ in scored:
         pipes = tuple(with_chunks(p, v) if v in chunk_choices(p) else p for p in plan.pipelines)
         if all(p.virtual_stages == 1 for p in pipes):
             continue  # a 1F1B plan: the 1F1B search's to offer, not interleaving's
         trial = replace(plan, schedule="interleaved", pipelines=pipes).validate()
-        pred = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
-        if pred.fits_memory:
+        if may_fit_below(trial, mem_headroom=mem_headroom) and (
+                pred := predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)).fits_memory:
             out.append((trial, pred))
     return out
