@@ -195,7 +195,7 @@ def test_fits_and_modes_answer_as_the_plain_rules(name: str) -> None:
     assert len({a for a in want if isinstance(a, bool)}) == 2
 
 
-@pytest.mark.parametrize("name", sorted(set(PLANS) - {"interleaved"}))  # chunked stages get no floor
+@pytest.mark.parametrize("name", sorted(PLANS))
 def test_the_memory_floor_is_under_the_memory_and_screens_hopeless_plans(name: str) -> None:
     # StageFits.over names only stages under() says do not fit (a floor too high, e.g. with the optimizer
     # slice or the point-to-point buffers in it, names one at the edge that does fit); it names some; and

@@ -164,7 +164,8 @@ class PlanCosts:
                 p2p_bytes=p2p_bytes)
         return mem
 
-    def stage_shape(self, pi: int, si: int, *, in_flight: float, p2p_bound: bool = False) -> tuple:
+    def stage_shape(self, pi: int, si: int, *, in_flight: float, p2p_bound: bool = False,
+                    without_p2p: bool = False) -> tuple:
         """What stage ``si`` of pipeline ``pi``'s memory depends on, its gradient sync as the runtime does
         it: (kind, layers, embedding, head, tp, micro-batch size, recompute, in_flight, synced, mixed
         sync, pipeline neighbours, sync bucket parameters, sequence parallel, CP degree, point-to-point
@@ -173,7 +174,8 @@ class PlanCosts:
         point-to-point buffers as the memory model's closed-form upper bound (None: in-flight + 1
         whole messages, ``schedules.messages.max_live_messages``) where every stage's messages have
         one dtype, as that bound assumes, instead of replaying the stage's order: a screen, since
-        a stage that fits with it fits with the exact bytes."""
+        a stage that fits with it fits with the exact bytes. ``without_p2p``: no such buffers, a floor
+        (the memory grows with them)."""
         p = self.plan.pipelines[pi]
         s, n = p.stages[si], len(p.stages)
         synced, mixed, bucket = self.sync_shape[(pi, si)]
@@ -181,7 +183,7 @@ class PlanCosts:
             synced, bucket = True, None
         return (s.kind, s.num_layers, s.embedding, s.head, s.tp, p.micro_batch_size, s.recompute, in_flight, synced,
                 mixed, (si > 0) + (si < n - 1), bucket, s.sequence_parallel, s.cp,
-                None if p2p_bound and self.one_message_dtype else self.p2p_bytes(pi, si))
+                0.0 if without_p2p else None if p2p_bound and self.one_message_dtype else self.p2p_bytes(pi, si))
 
     @functools.cached_property
     def one_message_dtype(self) -> bool:
@@ -212,10 +214,10 @@ class PlanCosts:
                                 chunks=p.virtual_stages)
 
     def plan_stage_memory(self, pi: int, si: int, *, in_flight: float, recompute: Recompute | None = None,
-                          ) -> StageMemory:
-        """Memory of stage ``si`` of pipeline ``pi`` of the plan (`stage_shape`), recomputing ``recompute``
-        where given (the sync shape keeps), else its own mode."""
-        return self.memory_of(self.stage_shape(pi, si, in_flight=in_flight), recompute)
+                          without_p2p: bool = False) -> StageMemory:
+        """Memory of stage ``si`` of pipeline ``pi`` of the plan (`stage_shape`, ``without_p2p`` as there),
+        recomputing ``recompute`` where given (the sync shape keeps), else its own mode."""
+        return self.memory_of(self.stage_shape(pi, si, in_flight=in_flight, without_p2p=without_p2p), recompute)
 
     def simulate(self, sig: tuple, *, fwd: list[float], bwd: list[float], p2p: list[float], m: int,
                  ops: bool, chunks: int = 1) -> list[float]:

@@ -146,28 +146,28 @@ class StageFits:
                     for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
         return {(pi, si): mems[(pi, si)].total_bytes <= usable[plan.pipelines[pi].stages[si].kind] for pi, si in asked}
 
-
     def over(self, recompute: Recompute | None = None, *, asked: Collection[tuple[int, int]]) -> set[tuple[int, int]]:
         """Those of the ``asked`` stages for which a floor under their memory (``under``'s, every stage
         recomputing ``recompute``) is already over the usable bytes, so ``under`` says they do not fit
-        whatever the other stages hold: the shape's memory without point-to-point buffers and, under a
-        sharded optimizer, without an optimizer slice (every part grows with both, as ``screened_fits``
-        relies on). A chunked pipeline's stages get no floor (their memory is found per mode)."""
+        whatever the other stages hold: the memory without point-to-point buffers and, under a sharded
+        optimizer, without an optimizer slice (every part grows with both, as ``screened_fits`` relies on)."""
         plan, costs = self.plan, self.costs
         held = zero23_held(plan)
         shape_of = {(pi, si): k for pi, si, k in self.own}
         made: dict[tuple, bool] = {}
         out = set()
         for pi, si in asked:
-            k = shape_of[(self.twins[pi], si)]
-            key = (k, held.get((pi, si)))
-            if k is not None and key not in made:
-                mem = costs.memory_of((*self.shapes[k][:-1], 0.0), recompute)
+            twin = self.twins[pi]
+            k = shape_of[(twin, si)]
+            key = ((twin, si) if k is None else k, held.get((pi, si)))
+            if key not in made:
+                mem = (costs.memory_of((*self.shapes[k][:-1], 0.0), recompute) if k is not None else
+                       _stage_mem(costs, self.schedule, twin, si, recompute=recompute, without_p2p=True)[1])
                 if plan.sharded_optimizer:
                     mem = sharded_stage(plan, (pi, si), mem, (0, 0), held.get((pi, si)))
                 cap = self.usable[plan.pipelines[pi].stages[si].kind]
                 made[key] = mem.total_bytes > cap + abs(cap) * SCREEN_MARGIN
-            if k is not None and made[key]:
+            if made[key]:
                 out.add((pi, si))
         return out
 
@@ -360,19 +360,21 @@ def may_fit_below(plan: Plan, *, mem_headroom: float, bar_s: float | None = None
     timing, which a stage's memory does not read: equal answers, ``tests/unit/test_predict_fastpath.py``)."""
     if bar_s is not None and host is None and costs is not None and floor_reaches(plan, bar_s, costs=costs):
         return False
-    return all(StageFits(plan, mem_headroom=mem_headroom).under().values())
+    fits = StageFits(plan, mem_headroom=mem_headroom)
+    everyone = [(pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))]
+    return not (not reference() and fits.over(asked=everyone)) and all(fits.under().values())
 
 
 def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int,
-               recompute: Recompute | None = None) -> tuple[int, StageMemory]:
+               recompute: Recompute | None = None, *, without_p2p: bool = False) -> tuple[int, StageMemory]:
     """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``
-    (recomputing ``recompute`` where given, else the stage's own mode)."""
+    (recomputing ``recompute`` where given, else the stage's own mode; ``without_p2p``: PlanCosts.stage_shape's)."""
     p = costs.plan.pipelines[pi]
     if p.virtual_stages > 1:  # in_flight counts (micro-batch, chunk) activations; memory weighs each chunk's
         schedule = get_schedule(costs.plan.schedule, chunks=p.virtual_stages)
     in_flight = schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)
     held = in_flight if p.virtual_stages == 1 else costs.chunk_in_flight(p, si, schedule=schedule)
-    return in_flight, costs.plan_stage_memory(pi, si, in_flight=held, recompute=recompute)
+    return in_flight, costs.plan_stage_memory(pi, si, in_flight=held, recompute=recompute, without_p2p=without_p2p)
 
 
 def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[int, float]:
