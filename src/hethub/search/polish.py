@@ -183,19 +183,17 @@ def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], 
 # ---- Choosing virtual stages: the interleaved schedule's v per pipeline, where it pays, under memory.
 def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, host: HostModel | None,
                     mem_headroom: float) -> tuple[Plan, Prediction]:
-    """``plan`` (made for 1F1B) under the interleaved schedule with the best v per group of identical
-    pipelines (greedy, one group after another), and its prediction; a trial that provably does not fit or
-    cannot beat the best so far (``may_fit_below``) is not predicted."""
+    """``plan`` (made for 1F1B) under the interleaved schedule with the best v per group of identical pipelines
+    (greedy, one group after another; trials ``may_fit_below`` refuses are not predicted), and its prediction."""
     best, best_pred, costs = replace(plan, schedule="interleaved"), pred, PlanCosts(plan, profiles)
     groups: dict[tuple, list[int]] = {}
     for pi, p in enumerate(plan.pipelines):
         groups.setdefault((p.num_micro_batches, _signature(p), *(s.recompute for s in p.stages)), []).append(pi)
     for members in groups.values():
         for v in chunk_choices(plan.pipelines[members[0]]):
-            pipes = list(best.pipelines)
-            for pi in members:
-                pipes[pi] = with_chunks(plan.pipelines[pi], v)
-            trial = replace(best, pipelines=tuple(pipes)).validate()
+            pipes = tuple(with_chunks(q, v) if pi in members else b
+                          for pi, (q, b) in enumerate(zip(plan.pipelines, best.pipelines, strict=True)))
+            trial = replace(best, pipelines=pipes).validate()
             if not may_fit_below(trial, mem_headroom=mem_headroom, bar_s=best_pred.step_time_s, costs=costs, host=host):
                 continue
             tp = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
