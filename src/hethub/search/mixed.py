@@ -20,6 +20,7 @@ import math
 import weakref
 from typing import Protocol
 
+from hethub.memo import reference
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, Runs, pipe_floor, smallest_holding, stage_modes
@@ -29,7 +30,6 @@ from hethub.search.combine import (
     bisect_time,
     finished_mb,
     lines_level_beside,
-    water_level,
     water_level_with,
 )
 from hethub.search.split import Cache, Slot
@@ -53,12 +53,12 @@ def _box_core(s: Searcher, fam: Family, box: tuple, *, refine: bool) -> tuple | 
     pipeline, the in-flight counts and the bottleneck floor (None: the box holds no candidate)."""
     clo, _, lo, hi = box
     n_layers = s.model.num_layers
-    top = [min(h, n // clo) for h, n in zip(hi, fam.slots, strict=True)]
+    top = tuple(min(h, n // clo) for h, n in zip(hi, fam.slots, strict=True))
     if any(a > b for a, b in zip(lo, top, strict=True)) or sum(lo) > n_layers + 2:
         return None
     devices = sum(t * n for t, n in zip(fam.tps, lo, strict=True))
     flights = fam.flights(sum(lo), devices)
-    bottleneck = fam.bottleneck(top, n_layers, flights if refine else flights[:1])
+    bottleneck = fam.bottleneck(top, flights if refine else flights[:1])
     return None if bottleneck is None else (top, devices, flights, bottleneck)
 
 
@@ -93,7 +93,7 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
     # c n_k <= slots_k: a box's pipelines together cannot beat its devices' rate, however many there are.
     rate = sum(min(n, chi * t) / w for n, t, w in zip(fam.slots, top, fam.w, strict=True)) / n_layers
     if bottleneck > 0 and rate * bottleneck < chi:
-        level = max(level, _capped_level(ctx.pure, floor, chi, rate, total))
+        level = max(level, _capped_level(ctx, floor, chi, rate, total, level))
     segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
     return level + max(ctx.sync_floor(fam.pairs, clo, devices), ctx.tail_floor(segs, clo, devices))
 
@@ -138,11 +138,19 @@ def _boxes_level(ctx: SyncFloors, fam: Family, cores: list[tuple[tuple, tuple | 
     return _rate_level(ctx, fam, total, min(fam.rate_terms[4], max(box[1] / core[3] for box, core in held)))
 
 
-def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, total: int) -> float:
+def _capped_level(ctx: SyncFloors, floor: PipeFloor, count: int, rate: float, total: int, lo: float) -> float:
     """A floor under the makespan (combine.water_level) when `count` pipelines above `floor` also run
     at most `rate` micro-batches per second together after floor.base_s: the largest T found where
-    the pure groups and those pipelines finish fewer than `total` micro-batches (bisection)."""
-    a, b = floor.base_s, floor.per_mb_s
+    the pure groups and those pipelines finish fewer than `total` micro-batches (bisection from ``lo``,
+    the water level of ctx's pure groups beside the `count` pipelines).
+
+    The pipelines finish min(count F(t), R(t)) by t (F: one's, R: the rate's), so the count done(t)
+    reaches `total` at about T* = max(T1, T2), the water levels with count F and with R (a stream of
+    one finish every 1 / rate) in its place. done is monotone in t (correctly rounded operations
+    are), so once done(T* (1 - 1e-9)) < total <= done(T* (1 + 1e-9)) the bisection needs to ask it
+    only between the two and compares elsewhere: the same answers as asking everywhere (what the
+    reference path does, as where that check fails; tests/unit/test_mixed_box_floors.py)."""
+    a, b, pure = floor.base_s, floor.per_mb_s, ctx.pure
 
     def done(t: float) -> float:
         n = finished_mb(pure, t)
@@ -150,13 +158,21 @@ def _capped_level(pure: list[Group], floor: PipeFloor, count: int, rate: float, 
             n += min(count * max(0, math.floor((t - a) / b)), math.floor(rate * (t - a)))
         return n
 
-    lo = water_level([*pure, Group(floor, count)], total)
     hi = a + max(-(-total // count) * b, total / rate) * (1 + 1e-9) + 1e-12
     if pure:
-        hi = min(hi, water_level(pure, total) * (1 + 1e-9) + 1e-12)
-    if done(lo) >= total:
+        hi = min(hi, ctx.pure_level(total) * (1 + 1e-9) + 1e-12)
+    near, far = -math.inf, math.inf  # done asked between these
+    if not reference():
+        star = max(lo, water_level_with(ctx.lines, total, base_s=a, per_mb_s=1 / rate, count=1))
+        if 0 < star < math.inf and done(star * (1 - 1e-9)) < total <= done(star * (1 + 1e-9)):
+            near, far = star * (1 - 1e-9), star * (1 + 1e-9)
+
+    def ok(t: float) -> bool:
+        return t >= far or (t > near and done(t) >= total)
+
+    if ok(lo):
         return lo
-    lo, _ = bisect_time(lambda t: done(t) >= total, lo_s=lo, hi_s=hi, rel_tol=1e-7, max_iter=40)
+    lo, _ = bisect_time(ok, lo_s=lo, hi_s=hi, rel_tol=1e-7, max_iter=40)
     return lo
 
 
@@ -300,6 +316,7 @@ class Family:
         self._held: dict[tuple[int, int], tuple] = {}
         self._runs: dict[int, Runs] = {}  # `_held_modes` by in-flight count, per kind (_held_runs)
         self._orders: dict[int, tuple[int, ...]] = {}  # _saturation_order's, by in-flight count
+        self._bottlenecks: dict[tuple, float | None] = {}  # by (top, flights): sibling boxes share them
         self.cap, self.cap_plain = self.caps(1)
         self.feasible = min(self.cap) >= 0 and min(self.w) > 0
         e, h = min(c[1] for c in cs), min(c[2] for c in cs)
@@ -370,7 +387,18 @@ class Family:
                 for i in range(stages)))
         return hit
 
-    def bottleneck(self, top: list[int], n_layers: int, flights: tuple[int, ...]) -> float | None:
+    def bottleneck(self, top: tuple[int, ...], flights: tuple[int, ...]) -> float | None:
+        """`_bottleneck`, kept by what it reads (a box and the half a split leaves its fewest replicas
+        and stages to share their most stages and in-flight counts)."""
+        if reference():
+            return self._bottleneck(top, flights)
+        key = (top, flights)
+        hit = self._bottlenecks.get(key, ())
+        if hit == ():
+            hit = self._bottlenecks[key] = self._bottleneck(top, flights)
+        return hit
+
+    def _bottleneck(self, top: tuple[int, ...], flights: tuple[int, ...]) -> float | None:
         """A floor under the slowest stage with at most top[k] stages per kind; None: no fit.
 
         Time: L <= sum_s (B - base_s) / w_s, bases at their smallest. Memory: stage s holds at most
@@ -379,7 +407,7 @@ class Family:
         `flights` list's property), so at most what the best mode holds within B there (each mode's own
         capacity and cost, as split._options prices it; bases >= 0 left out), and they hold L.
         """
-        cap = self.caps(flights[0])[0]
+        cap, n_layers = self.caps(flights[0])[0], self.n_layers
         if min(cap) < 0 or sum(t * c for t, c in zip(top, cap, strict=True)) < n_layers:
             return None
         w = self.w

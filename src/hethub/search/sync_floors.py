@@ -8,7 +8,7 @@ import itertools
 import math
 
 from hethub.layout import block_starts
-from hethub.search.combine import Group, finish_lines
+from hethub.search.combine import Group, finish_lines, water_level_with
 from hethub.search.split import Cache, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
@@ -27,6 +27,7 @@ class SyncFloors:
         self.devices = sum(g.count * g.pipe.num_devices for g in pure)
         self._sync: dict[tuple, float] = {}
         self.rate_levels: dict[tuple, float] = {}  # mixed._rate_level's, per family beside these groups
+        self._pure_levels: dict[int, float] = {}
         self.replicas = sum(g.count for g in pure)
         # The embedding's holders among the pure groups (LinkBook.embedding_sync_floor_s's first stages and,
         # with tied embeddings, last ones): their kinds and smallest TP degree.
@@ -45,6 +46,14 @@ class SyncFloors:
         # A ring's link depends on its devices only through `devices <= node size` (LinkBook.replicas),
         # so device counts above every node size are one cache key: exact, and the caches hit across boxes.
         self._dev_cap = max(s.links.node_size.values(), default=0) + 1
+
+    def pure_level(self, total_mb: int) -> float:
+        """combine.water_level of the pure groups alone (inf: they finish none)."""
+        hit = self._pure_levels.get(total_mb)
+        if hit is None:
+            hit = self._pure_levels[total_mb] = water_level_with(self.lines, total_mb, base_s=0.0, per_mb_s=1.0,
+                                                                 count=0)
+        return hit
 
     def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int,
               pure: tuple[tuple[str, int], ...] | None = None, rest: str = "") -> float:
