@@ -1,15 +1,14 @@
 """Identical mixed-kind pipelines over a pool of devices: a branch-and-bound over their shapes.
 
-A mixed candidate is a set of two or more kinds, a TP degree per kind, a replica count c, a stage
-count n_k per kind (each kind one contiguous segment) and an order of the segments; the pool must
-hold it (c n_k tp_k <= pool_k; devices may stay idle) and a pipeline has at most L + 2 stages. That
-space is large (hundreds of thousands of shapes on a 512-device pool), so it is searched best-first
-over *boxes*: per (kinds, TP degrees), ranges of c and of each n_k. A box's floor (`_box_level`) is
-below the step of every candidate in it; the lowest box is split along its widest range until it is
-one shape, whose orders then get the per-member floors of `bounds.pipe_floor` (with memory) and are
-split and priced only while those could still enter the finalists. Nothing is pruned without a
-proven floor, so this finds every mixed candidate of the reference search (tests/unit/_reference_search.py)
-whose closed form could be a finalist.
+A mixed candidate is two or more kinds, a TP degree per kind, a replica count c, a stage count n_k
+per kind (each kind one contiguous segment) and an order of the segments; the pool holds it (c n_k
+tp_k <= pool_k) and a pipeline has at most L + 2 stages. That space is large, so it is searched
+best-first over *boxes*: per (kinds, TP degrees), ranges of c and of each n_k. A box's floor
+(`_box_level`) is below the step of every candidate in it; the lowest box is split along its widest
+range until it is one shape, whose orders get the member floors of `bounds.pipe_floor` (with memory)
+and are split and priced only while those could still enter the finalists. Nothing is pruned without
+a proven floor, so this finds every mixed candidate of the reference search whose closed form could
+be a finalist (tests/unit/_reference_search.py).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ _KIND_CONSTANTS: Cache[tuple[float, float, float, float, float]] = Cache("mixed-
 
 class Sink(Protocol):
     def may_enter(self, step_lower_bound: float) -> bool: ...
-
     def add(self, est: Estimate | None) -> None: ...
 
 
@@ -52,9 +50,8 @@ def _box_core(s: Searcher, fam: Family, box: tuple, *, refine: bool) -> tuple | 
     """What `_box_level` builds its floor on: each kind's most stages, the fewest devices of a
     pipeline, the in-flight counts and the bottleneck floor (None: the box holds no candidate)."""
     clo, _, lo, hi = box
-    n_layers = s.model.num_layers
     top = tuple(min(h, n // clo) for h, n in zip(hi, fam.slots, strict=True))
-    if any(a > b for a, b in zip(lo, top, strict=True)) or sum(lo) > n_layers + 2:
+    if any(a > b for a, b in zip(lo, top, strict=True)) or sum(lo) > fam.n_layers + 2:
         return None
     devices = sum(t * n for t, n in zip(fam.tps, lo, strict=True))
     flights = fam.flights(sum(lo), devices)
@@ -66,14 +63,12 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
                refine: bool = True, core: tuple | None = None) -> float | None:
     """A floor under the step of every candidate in the box (None: the box holds none).
 
-    Each kind has at most H_k = min(hi_k, slots_k // c_lo) stages (Family.bottleneck gives the
-    bottleneck floor). One micro-batch's work is at least that and at least L min w + min e + min h,
-    plus the recomputation memory forces; hops at least the box's fewest stages' within-kind hops plus
-    (kinds - 1) of the cheapest cross-kind hop. T(m) >= the schedule's fill floor + 2 hops + (m - 1) B,
-    with c_hi such pipelines, then the embedding sync. ``refine=False``: every stage at the fewest
-    in-flight micro-batches (a looser floor in O(kinds) for the whole-layer bound, not O(stages)).
-    ``core``: the box's `_box_core`, where already made.
-    """
+    Each kind has at most H_k = min(hi_k, slots_k // c_lo) stages (Family.bottleneck: the bottleneck
+    floor B). One micro-batch's work is at least B and L min w + min e + min h plus the recomputation
+    memory forces; hops at least the fewest stages' within-kind hops plus (kinds - 1) cheapest
+    cross-kind ones. T(m) >= the fill floor + 2 hops + (m - 1) B, c_hi such pipelines, then the syncs.
+    ``refine=False``: every stage at the fewest in-flight micro-batches (looser, O(kinds) not
+    O(stages)). ``core``: the box's `_box_core`, where made."""
     if core is None:
         core = _box_core(s, fam, box, refine=refine)
         if core is None:
@@ -100,16 +95,13 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
 
 def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = None) -> float:
     """A floor under the makespan of every candidate in the family's `boxes` beside ctx's pure
-    groups, whatever its replica and stage counts. A mixed pipeline j finishes its m-th micro-batch
-    no earlier than F + (m - 1) B_j (its fill floor and bottleneck, as in `_box_level`), and its fill
-    is at least F0, the schedule's fill floor for one micro-batch's least work through all layers
-    with the bottleneck left out (the floor only grows with it). A stage of kind k takes w_k or more
-    per layer, so B_j >= L / sum over j's stages of 1 / w_k, and over the family's stages (fam.slots
-    of each kind) sum_j 1 / B_j <= R = sum_k slots_k / w_k / L (``rate``: a tighter one, as
-    `_boxes_level` knows). So by time T >= F0 the c <= c_max pipelines finish at most
-    c_max + R (T - F0) micro-batches, none before F0, and the candidates' makespan T has
-    finished_mb(pure, T) plus that >= total. After the makespan, `_box_level`'s sync floors, which
-    only grow with the replicas, the devices and fewer stages, at the boxes' fewest replicas and
+    groups. A mixed pipeline j finishes its m-th micro-batch no earlier than F + (m - 1) B_j (as in
+    `_box_level`), its fill F at least F0, the fill floor of one micro-batch's least work with the
+    bottleneck left out. A kind-k stage takes w_k or more per layer, so B_j >= L / sum over j's stages
+    of 1 / w_k and sum_j 1 / B_j <= R = sum_k slots_k / w_k / L (``rate``: a tighter one,
+    `_boxes_level`'s). By T >= F0 the c <= c_max pipelines finish at most c_max + R (T - F0), none
+    before F0; the makespan T has finished_mb(pure, T) plus that >= total. Then `_box_level`'s sync
+    floors (growing with replicas, devices and fewer stages) at the boxes' fewest replicas and
     devices and most stages per kind."""
     rate = fam.rate_terms[4] if rate is None else rate
     key = (id(fam), total, rate)
@@ -139,17 +131,12 @@ def _boxes_level(ctx: SyncFloors, fam: Family, cores: list[tuple[tuple, tuple | 
 
 
 def _capped_level(ctx: SyncFloors, floor: PipeFloor, count: int, rate: float, total: int, lo: float) -> float:
-    """A floor under the makespan (combine.water_level) when `count` pipelines above `floor` also run
-    at most `rate` micro-batches per second together after floor.base_s: the largest T found where
-    the pure groups and those pipelines finish fewer than `total` micro-batches (bisection from ``lo``,
-    the water level of ctx's pure groups beside the `count` pipelines).
-
-    The pipelines finish min(count F(t), R(t)) by t (F: one's, R: the rate's), so the count done(t)
-    reaches `total` at about T* = max(T1, T2), the water levels with count F and with R (a stream of
-    one finish every 1 / rate) in its place. done is monotone in t (correctly rounded operations
-    are), so once done(T* (1 - 1e-9)) < total <= done(T* (1 + 1e-9)) the bisection needs to ask it
-    only between the two and compares elsewhere: the same answers as asking everywhere (what the
-    reference path does, as where that check fails; tests/unit/test_mixed_box_floors.py)."""
+    """A floor under the makespan when `count` pipelines above `floor` also run at most `rate`
+    micro-batches per second together after floor.base_s: bisected from ``lo`` (the water level of
+    ctx's pure groups beside them). done(t), monotone, reaches `total` at about T* = max(that level,
+    the one with a stream of one finish every 1 / rate in the pipelines' place); once done brackets
+    T* within 1e-9 the bisection asks done only there (the same answers; the reference path asks
+    everywhere: tests/unit/test_mixed_box_floors.py)."""
     a, b, pure = floor.base_s, floor.per_mb_s, ctx.pure
 
     def done(t: float) -> float:
@@ -160,7 +147,7 @@ def _capped_level(ctx: SyncFloors, floor: PipeFloor, count: int, rate: float, to
 
     hi = a + max(-(-total // count) * b, total / rate) * (1 + 1e-9) + 1e-12
     if pure:
-        hi = min(hi, ctx.pure_level(total) * (1 + 1e-9) + 1e-12)
+        hi = min(hi, water_level_with(ctx.lines, total, base_s=a, per_mb_s=b, count=0) * (1 + 1e-9) + 1e-12)
     near, far = -math.inf, math.inf  # done asked between these
     if not reference():
         star = max(lo, water_level_with(ctx.lines, total, base_s=a, per_mb_s=1 / rate, count=1))
@@ -200,12 +187,10 @@ def _split(fam: Family, box: tuple) -> list[tuple]:
 def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[str, int]]], mbs: int) -> None:
     """Mixed candidates beside each (pure groups, pool of devices) in `todo`, best floor first.
 
-    Heap entries, each floor under the next: a family under its devices' rate, then under its boxes'
-    bottlenecks; a box of shapes (one shape: under its loose floor, then its tight one; a wider box
-    only under the loose one); one shape's orders under their member floors (with memory); then the
-    member's layer splits are priced. Once the lowest floor cannot enter the finalists, nothing left
-    can.
-    """
+    Heap entries, each floor under the next: a family under its devices' rate, then its boxes'
+    bottlenecks; a box (one shape: under its loose floor, then its tight one; a wider box the loose
+    one); one shape's orders under their member floors; then the members' splits are priced. Once
+    the lowest floor cannot enter the finalists, nothing left can."""
     total = s.total_mb(mbs)
     heap: list[tuple] = []
     tie = itertools.count()
@@ -236,16 +221,13 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                     heapq.heappush(heap, (max(first, lv), next(tie), -1 if _is_shape(fam, box) else 0, ctx, fam, box))
             continue
         if stage == -1:  # one shape under its loose floor: the tight one only now that it could matter
-            lv = _box_level(s, ctx, fam, item, mbs)
-            if lv is not None:
+            if (lv := _box_level(s, ctx, fam, item, mbs)) is not None:
                 heapq.heappush(heap, (max(level, lv), next(tie), 0, ctx, fam, item))
             continue
         if stage == 0:
-            halves = _split(fam, item)
-            if halves:
+            if halves := _split(fam, item):
                 for half in halves:
-                    lv = _box_level(s, ctx, fam, half, mbs, refine=False)
-                    if lv is not None:
+                    if (lv := _box_level(s, ctx, fam, half, mbs, refine=False)) is not None:
                         heapq.heappush(heap, (max(level, lv), next(tie), -1 if _is_shape(fam, half) else 0, ctx,
                                               fam, half))
                 continue
@@ -254,8 +236,7 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
             hint = s.in_flight_hint(devices, mbs)
             for order in itertools.permutations(range(len(ns))):
                 segs = tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
-                floor = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)
-                if floor is None:
+                if (floor := pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)) is None:
                     continue
                 sync = ctx.order_floor(segs, c, devices)
                 lv = max(level, water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s,
@@ -317,8 +298,7 @@ class Family:
         self._runs: dict[int, Runs] = {}  # `_held_modes` by in-flight count, per kind (_held_runs)
         self._orders: dict[int, tuple[int, ...]] = {}  # _saturation_order's, by in-flight count
         self._bottlenecks: dict[tuple, float | None] = {}  # by (top, flights): sibling boxes share them
-        self.cap, self.cap_plain = self.caps(1)
-        self.feasible = min(self.cap) >= 0 and min(self.w) > 0
+        self.feasible = min(self.caps(1)[0]) >= 0 and min(self.w) > 0
         e, h = min(c[1] for c in cs), min(c[2] for c in cs)
         self.base_over_w = min(c[1] / c[0] for c in cs) + min(c[2] / c[0] for c in cs) if self.feasible else 0.0
         self.work_min = n_layers * min(self.w) + e + h
@@ -334,9 +314,8 @@ class Family:
         return s
 
     def over(self, pool: dict[str, int]) -> Family:
-        """This family over a pool of devices: a shallow copy, so the families of every pool of a search
-        share one set of stage constants and capacity caches (they depend on the kinds, TP degrees and
-        micro-batch size only)."""
+        """This family over a pool: a shallow copy, so every pool's families share one set of stage
+        constants and caches (they depend on the kinds, TP degrees and micro-batch size only)."""
         fam = Family.__new__(Family)
         fam.__dict__.update(self.__dict__)
         fam.slots = tuple(pool[k] // t for k, t in zip(self.subset, self.tps, strict=True))
@@ -371,13 +350,11 @@ class Family:
         return hit
 
     def flights(self, stages: int, devices: int) -> tuple[int, ...]:
-        """The in-flight counts split.split_layers sizes the stages of a `stages`-stage pipeline of
-        `devices` devices for (planning_in_flight), smallest first. In the registry's schedules the j-th
-        smallest never falls as a pipeline gains stages or devices (1F1B: j + 1; ZB-H1: p; GPipe: the
-        hint, which grows with the devices; interleaved: (v - 1) p + 1 + 2 j chunks over v), so any
+        """The in-flight counts split.split_layers sizes a `stages`-stage pipeline of `devices` devices
+        for (planning_in_flight), smallest first. In the registry's schedules the j-th smallest never
+        falls as a pipeline gains stages or devices (1F1B: j + 1; ZB-H1: p; GPipe: the hint, growing with
+        the devices, which matter only there; interleaved: (v - 1) p + 1 + 2 j chunks over v), so any
         member's j-th smallest is at least this list's (its last, past the list's end)."""
-        # the devices matter only through the hint, and only where the schedule has no in-flight bound
-        # (GPipe); shared by every family of the search
         hint = 1 if self.bounded else self.s.in_flight_hint(devices, self.mbs)
         key = (self.sched.name, stages, hint)
         hit = self.book.cache(_SORTED_IN_FLIGHTS).get(key)
@@ -388,25 +365,19 @@ class Family:
         return hit
 
     def bottleneck(self, top: tuple[int, ...], flights: tuple[int, ...]) -> float | None:
-        """`_bottleneck`, kept by what it reads (a box and the half a split leaves its fewest replicas
-        and stages to share their most stages and in-flight counts)."""
-        if reference():
-            return self._bottleneck(top, flights)
-        key = (top, flights)
-        hit = self._bottlenecks.get(key, ())
+        """`_bottleneck`, kept by what it reads (sibling boxes share most stages and in-flight counts)."""
+        hit = () if reference() else self._bottlenecks.get((top, flights), ())
         if hit == ():
-            hit = self._bottlenecks[key] = self._bottleneck(top, flights)
+            hit = self._bottlenecks[top, flights] = self._bottleneck(top, flights)
         return hit
 
     def _bottleneck(self, top: tuple[int, ...], flights: tuple[int, ...]) -> float | None:
         """A floor under the slowest stage with at most top[k] stages per kind; None: no fit.
 
         Time: L <= sum_s (B - base_s) / w_s, bases at their smallest. Memory: stage s holds at most
-        min(cap_k, B / w_k) layers (every stage holds at least flights[0] micro-batches), and they hold
-        L. In whole layers: a kind's i-th stage (by in-flight count) holds at least flights[i] (the
-        `flights` list's property), so at most what the best mode holds within B there (each mode's own
-        capacity and cost, as split._options prices it; bases >= 0 left out), and they hold L.
-        """
+        min(cap_k, B / w_k) layers (each holds >= flights[0] micro-batches), and they hold L. In whole
+        layers: a kind's i-th stage (by in-flight count) holds >= flights[i] (`flights`), so at most what
+        the best mode holds within B there (split._options's capacities and costs; bases >= 0 left out)."""
         cap, n_layers = self.caps(flights[0])[0], self.n_layers
         if min(cap) < 0 or sum(t * c for t, c in zip(top, cap, strict=True)) < n_layers:
             return None

@@ -8,7 +8,7 @@ import itertools
 import math
 
 from hethub.layout import block_starts
-from hethub.search.combine import Group, finish_lines, water_level_with
+from hethub.search.combine import Group, finish_lines
 from hethub.search.split import Cache, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
@@ -27,7 +27,6 @@ class SyncFloors:
         self.devices = sum(g.count * g.pipe.num_devices for g in pure)
         self._sync: dict[tuple, float] = {}
         self.rate_levels: dict[tuple, float] = {}  # mixed._rate_level's, per family beside these groups
-        self._pure_levels: dict[int, float] = {}
         self.replicas = sum(g.count for g in pure)
         # The embedding's holders among the pure groups (LinkBook.embedding_sync_floor_s's first stages and,
         # with tied embeddings, last ones): their kinds and smallest TP degree.
@@ -46,14 +45,6 @@ class SyncFloors:
         # A ring's link depends on its devices only through `devices <= node size` (LinkBook.replicas),
         # so device counts above every node size are one cache key: exact, and the caches hit across boxes.
         self._dev_cap = max(s.links.node_size.values(), default=0) + 1
-
-    def pure_level(self, total_mb: int) -> float:
-        """combine.water_level of the pure groups alone (inf: they finish none)."""
-        hit = self._pure_levels.get(total_mb)
-        if hit is None:
-            hit = self._pure_levels[total_mb] = water_level_with(self.lines, total_mb, base_s=0.0, per_mb_s=1.0,
-                                                                 count=0)
-        return hit
 
     def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int,
               pure: tuple[tuple[str, int], ...] | None = None, rest: str = "") -> float:
@@ -127,19 +118,18 @@ class SyncFloors:
         return hit
 
     def order_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
-        """`sync_floor` and `tail_floor` of c mixed pipelines of these segments in this order: their floor."""
+        """`sync_floor` and `tail_floor` of c mixed pipelines of these segments in this order."""
         return max(self.sync_floor([(Slot(*segs[0][:2]), Slot(*segs[-1][:2]))], c, devices),
                    self.tail_floor(segs, c, devices))
 
     def tail_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
         """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of
         these segments (at most n stages of each; at least `devices` devices each) beside the pure
-        groups: after the loss barrier every stage syncs its layers block by block, so the step is at
-        least the barrier plus the pure groups' longest chain of syncs (`_chains`), and plus one mixed
-        stage's layer rings: the mixed stages hold all L layers, so one holds k_s layers with
-        k_s r_s >= L / sum_s 1 / r_s (r_s its ring per layer, among holders of its kind and every
-        kind-pure group's: more kinds only slow a ring). Fewer replicas or devices only make rings
-        faster, so c and `devices` may be a box's smallest."""
+        groups: after the loss barrier every stage syncs its layers block by block, so at least the
+        pure groups' longest chain of syncs (`_chains`), and one mixed stage's layer rings: the mixed
+        stages hold all L layers, so one holds k_s layers with k_s r_s >= L / sum_s 1 / r_s (r_s its
+        ring per layer among holders of its kind and every kind-pure group's). Fewer replicas or
+        devices only make rings faster, so c and `devices` may be a box's smallest."""
         replicas = self.replicas + c
         if replicas <= 1:
             return 0.0
