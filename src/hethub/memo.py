@@ -11,14 +11,18 @@ plain rule where it says so: that is how ``tests/unit/test_predict_fastpath.py``
 predictions and how ``bench/predict_speed.py`` times both in one process (docs/predictor.md, "Cost
 at scale"). A lazy order (``Ranked``: the planner's variants check each shape's memory only where
 the finalists read that far, `search/variants.repriced`) is of the second sort, proved by
-``tests/unit/test_lazy_reprice.py``. A top-level module so that the memory model, below the
+``tests/unit/test_lazy_reprice.py``; so are the enumeration's fit checks, run only where a decision
+reads them (``Later``, ``Places``: `search/hetero.Results`), proved by
+``tests/unit/test_enumeration_fastpath.py``. A top-level module so that the memory model, below the
 predictor's package, can use it.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +64,69 @@ class Kept:
             self.pins.update((id(o), o) for o in pin)
             hit = self.entries[key] = make()
         return hit
+
+
+class Later:
+    """A pure check run when its answer is first read (``value``), so that a search never runs the
+    checks no decision of its reads; on the reference path at once, where it was made."""
+
+    __slots__ = ("_check", "_value")
+
+    def __init__(self, check: Callable[[], bool]) -> None:
+        self._check: Callable[[], bool] | None = check
+        self._value: bool | None = None
+        if _REFERENCE[0]:
+            self.value  # noqa: B018 (run now)
+
+    def peek(self) -> bool | None:
+        """The answer if it was read already, else None (nothing is run)."""
+        return self._value
+
+    @property
+    def value(self) -> bool:
+        if self._value is None:
+            self._value, self._check = bool(self._check()), None
+        return self._value
+
+
+class Places:
+    """The best ``n`` (value, key) entries, lowest value first, of those whose checks (``Later``; None:
+    passed) pass, as a list kept sorted and cut after n sure ones would hold them: a check runs only
+    where an answer (`enters`, `holds`) depends on it, and one that fails leaves its entry's place
+    to the next. On the reference path every check ran when its entry came: the plain top-n list."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.entries: list[tuple[float, Any, Later | None]] = []  # sorted by value, ties in arrival order
+
+    def enters(self, value: float, *, margin: float = 1.0) -> bool:
+        """Whether ``value`` would enter: fewer than n passing entries have value x margin at most it."""
+        sure, unsure = 0, []
+        for v, _, check in self.entries:
+            if v * margin > value:
+                break
+            seen = True if check is None else check.peek()
+            sure += seen is True
+            if seen is None:
+                unsure.append(check)
+        for i, check in enumerate(unsure):  # best first, until they settle the answer
+            if sure >= self.n or sure + len(unsure) - i < self.n:
+                break
+            sure += check.value
+        return sure < self.n
+
+    def holds(self, key: Any) -> bool:
+        """Whether ``key`` is among the best n passing entries."""
+        if all(k != key for _, k, _ in self.entries):
+            return False
+        passing = (k for _, k, check in self.entries if check is None or check.value)
+        return key in itertools.islice(passing, self.n)
+
+    def insert(self, value: float, key: Any, check: Later | None) -> None:
+        bisect.insort(self.entries, (value, key, check), key=lambda e: e[0])
+        self.entries = [e for e in self.entries if e[2] is None or e[2].peek() is not False]
+        sure = list(itertools.accumulate(e[2] is None or e[2].peek() is True for e in self.entries))
+        del self.entries[bisect.bisect_left(sure, self.n) + 1:]  # after the n-th sure entry none can return
 
 
 _REFERENCE = [False]  # one flag for the process; only tests and benchmarks set it

@@ -157,7 +157,7 @@ def _seed(s: Searcher, results: Results, pure: list[list[Group]], total: int, mb
 def _bound(results: Results) -> float:
     """A step time no candidate reaching it can enter the kept ones with (inf while they are too few).
     The kept set only improves, so a combination with too few finishes below it never could."""
-    best = results._best  # the planner's kept (step, key) pairs, best first
+    best = results._best.entries  # the planner's kept (step, key, fit) entries, best first
     return best[-1][0] * (1 + 1e-6) if len(best) >= results.keep else math.inf
 
 

@@ -62,7 +62,7 @@ def test_results_keep_each_sizes_best_besides_the_overall_best():
     for step, mbs in ((1.0, 2), (1.1, 2), (1.2, 2), (1.5, 1), (1.4, 1)):
         results.add(_est(step, mbs))
     # Overall: 1.0 and 1.1 (size 2); size 1's best (1.4) keeps its place, size 1's 1.5 does not.
-    assert [s for s, _ in results._best] == [1.0, 1.1]
-    assert [s for s, _ in results._by_size[(1,)]] == [1.4]
+    assert [s for s, *_ in results._best.entries] == [1.0, 1.1]
+    assert [s for s, *_ in results._by_size[(1,)].entries] == [1.4]
     # Pruning reads the overall places only (the per-size ones keep what was priced anyway).
     assert results.may_enter(1.05) and not results.may_enter(1.3)

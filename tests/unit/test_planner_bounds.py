@@ -130,7 +130,7 @@ def test_results_track_the_best_distinct_candidates():
     for est in ests + ests:  # duplicates take one place
         results.add(est)
     best = sorted({e.step_time_s for e in ests if e is not None})[:5]
-    assert [step for step, _ in results._best] == best
+    assert [step for step, *_ in results._best.entries] == best
     assert not results.may_enter(best[-1] * 1.001) and results.may_enter(best[-1] * 0.999)
 
 

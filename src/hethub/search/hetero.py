@@ -12,12 +12,13 @@ the current finalists is neither split nor synced: it could not become one.
 
 from __future__ import annotations
 
-import bisect
+import functools
 import heapq
 import itertools
 import math
 from collections.abc import Callable
 
+from hethub.memo import Later, Places
 from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples
 from hethub.search.mixed import price_mixed
 from hethub.search.split import PipeCost
@@ -73,8 +74,9 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
     return list(groups), left
 
 
-def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
-    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans."""
+def search(s: Searcher, *, kinds_alone: bool = False, first: int | None = None) -> list[Estimate]:
+    """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans; first: only
+    as far as the first ``first`` distinct plans (all of them with kinds_alone)."""
     kinds = list(s.counts)
     solo: dict[str, Estimate] = {}
     results = Results(s.config.finalists + s.config.top_k, fits=s.fits, per_size=s.config.per_size_finalists)
@@ -85,10 +87,9 @@ def search(s: Searcher, *, kinds_alone: bool = False) -> list[Estimate]:
     for mbs in sizes:
         _search_size(s, results, mbs)
     _per_replica_sizes(s, results, sizes)
-    results.items.sort(key=lambda e: e.step_time_s)
     # The best single-group plan of each kind is always a finalist: its closed form is the predictor's
     # (identical pipelines), whereas a candidate with leftover fill can be rated a few % high.
-    items = results.items
+    items = results.ranked(None if kinds_alone else first)
     for est in sorted(solo.values(), key=lambda e: e.step_time_s):
         if est in items[: results.keep]:
             continue
@@ -337,48 +338,49 @@ class Results:
 
     def __init__(self, keep: int, fits: Callable[[Estimate], bool] | None = None, *, per_size: int = 0) -> None:
         self.items: list[Estimate] = []
+        self.checks: list[Later | None] = []  # per item: whether it fits, where it was kept when priced
         self.keep = keep
         self.per_size = per_size
         self.fits = fits  # whether a candidate that would be kept fits memory laid out (Searcher.fits)
-        self._best: list[tuple[float, tuple]] = []  # (step, key) of the best distinct so far, sorted
-        self._by_size: dict[tuple[int, ...], list[tuple[float, tuple]]] = {}  # the same per size_key
+        self._best = Places(keep)  # (step, plan_key) of the best distinct so far
+        self._by_size: dict[tuple[int, ...], Places] = {}  # the same per size_key
 
     def may_enter(self, step_lower_bound: float) -> bool:
         """Whether a candidate whose step is at least this could still be among the overall kept ones.
         The per-size places do not widen the pruning: a size's search runs to the overall bar only."""
-        return _enters(self._best, self.keep, step_lower_bound, margin=1 + 1e-9)  # it covers allocate's bisection
+        return self._best.enters(step_lower_bound, margin=1 + 1e-9)  # it covers allocate's bisection
 
     def add(self, est: Estimate | None) -> None:
         if est is None or est.step_time_s == math.inf:
             return
-        step = est.step_time_s
-        sizes = size_key(est) if self.per_size else ()
-        bucket = self._by_size.setdefault(sizes, []) if self.per_size else []
-        overall = _enters(self._best, self.keep, step)
-        own = bool(self.per_size) and _enters(bucket, self.per_size, step)
-        if not overall and not own:
-            self.items.append(est)
-            return
+        step, fit = est.step_time_s, None
+        bucket = self._by_size.setdefault(size_key(est), Places(self.per_size)) if self.per_size else Places(0)
+        overall, own = self._best.enters(step), bucket.enters(step)
         # finalists.finalist_plans's identity of a plan: identical candidates take one finalist place.
-        key = plan_key(est)
-        if any(k == key for _, k in self._best) or any(k == key for _, k in bucket):
-            self.items.append(est)
-            return
-        # Neither kept nor built: the pruning bar is the overall kept candidates', which fit. A candidate
-        # entering its size's places only sets no bar, so it is not laid out here: the predictor drops
-        # it if it does not fit (while the smallest size is searched, its places are the overall ones).
-        if overall and self.fits is not None and not self.fits(est):
-            return
+        if (overall or own) and not self._best.holds(key := plan_key(est)) and not bucket.holds(key):
+            # Neither kept nor built: the pruning bar is the overall kept candidates', which fit (one
+            # that does not is dropped). A candidate entering its size's places only sets no bar, so it
+            # is not laid out here: the predictor drops it if it does not fit (while the smallest size
+            # is searched, its places are the overall ones). The check runs when a decision reads it.
+            fit = Later(functools.partial(self.fits, est)) if overall and self.fits is not None else None
+            for places, enters in ((self._best, overall), (bucket, own)):
+                if enters:
+                    places.insert(step, key, fit)
         self.items.append(est)
-        for kept, n, enters in ((self._best, self.keep, overall), (bucket, self.per_size, own)):
-            if enters:
-                bisect.insort(kept, (step, key), key=lambda x: x[0])
-                del kept[n:]
+        self.checks.append(fit)
 
-
-def _enters(kept: list[tuple[float, tuple]], n: int, step_s: float, *, margin: float = 1.0) -> bool:
-    """Whether a step of `step_s` enters the best `n` (step, key) pairs `kept` (its margin over theirs)."""
-    return len(kept) < n or step_s < kept[-1][0] * margin
+    def ranked(self, first: int | None = None) -> list[Estimate]:
+        """The priced candidates but those kept that do not fit, best first; with ``first``, only as
+        far as the first ``first`` distinct plans (`plan_key`), whose checks alone are run."""
+        out, seen = [], set()
+        for est, fit in sorted(zip(self.items, self.checks, strict=True), key=lambda x: x[0].step_time_s):
+            if fit is None or fit.value:
+                if first is not None and (key := plan_key(est)) not in seen:
+                    if len(seen) == first:
+                        break
+                    seen.add(key)
+                out.append(est)
+        return out
 
 
 def size_key(est: Estimate) -> tuple[int, ...]:

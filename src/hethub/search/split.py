@@ -258,6 +258,7 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
 
 
 _TERMS = Kept(1 << 16, shortcut=True)
+_STAGES = Kept(1 << 14, shortcut=True)  # CostBook.stage's models of equal jobs, shared between books
 
 
 # ---- The search's stage costs: caches over the predictor's stage cost model (predict/stage_cost.py).
@@ -315,6 +316,8 @@ class CostBook:
         self.job, self.kinds = job, cluster.kinds
         self.stage_job = StageJob.planned(model=job.model, cluster=cluster, seq_len=job.seq_len,
                                           precision=job.precision, profiles=job.profiles, runtime=job.runtime)
+        self._pins = (job.model, cluster, job.profiles)  # what StageJob.planned reads, by id in _STAGES' keys
+        self._job_key = (*map(id, self._pins), job.seq_len, job.precision, job.runtime)
         self._cache: dict[tuple[str, int, int, Recompute, bool], StageModel] = {}
         self.splits: dict[tuple, list[PipeCost]] = {}  # by (slots, micro-batch size[, recompute])
         self.fixed: dict[tuple, PipeCost | None] = {}  # given layer counts, by (slots, micro-batch size, counts)
@@ -357,7 +360,11 @@ class CostBook:
         if sm is None:
             k, j = self.kinds[kind], self.job
             cap = float("inf") if j.relax_memory else usable_bytes(k, headroom=j.mem_headroom)
-            sm = self._cache[key] = StageModel(self.stage_job, k, tp=tp, mbs=mbs, recompute=recompute,
-                                               capacity_bytes=cap, shard_holders=j.optimizer_shard_holders, sp=sp,
-                                               zero_stage=j.zero_stage)
+            # Books of other schedules (the enumeration's, the variants') ask the same shapes: one model
+            # each, with its solved layer counts and step times.
+            sm = self._cache[key] = _STAGES.get(
+                (*self._job_key, *key, cap, j.optimizer_shard_holders, j.zero_stage),
+                lambda: StageModel(self.stage_job, k, tp=tp, mbs=mbs, recompute=recompute, capacity_bytes=cap,
+                                   shard_holders=j.optimizer_shard_holders, sp=sp, zero_stage=j.zero_stage),
+                pin=self._pins)
         return sm

@@ -116,7 +116,7 @@ def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
 def enumerate_shapes(searchers: list[Searcher]) -> list[Estimate]:
     """The enumeration: each searcher's best distinct candidates under its variant, best closed form
     first, pooled in turns (each one's first ``SHAPES_POOL`` kept)."""
-    return _in_turns([distinct(search(s), SHAPES_POOL) for s in searchers])
+    return _in_turns([distinct(search(s, first=SHAPES_POOL), SHAPES_POOL) for s in searchers])
 
 
 def _in_turns(found: list[list[Estimate]]) -> list[Estimate]:
