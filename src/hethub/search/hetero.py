@@ -77,12 +77,8 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
 def search(s: Searcher, *, kinds_alone: bool = False, first: int | None = None) -> list[Estimate]:
     """Closed-form-ranked candidate plans, best first. kinds_alone: only single-kind plans; first: only
     as far as the first ``first`` distinct plans (all of them with kinds_alone)."""
-    kinds = list(s.counts)
-    solo: dict[str, Estimate] = {}
     results = Results(s.config.finalists + s.config.top_k, fits=s.fits, per_size=s.config.per_size_finalists)
-    for k in kinds if kinds_alone else []:
-        if (solo_k := _alone_all_sizes(s, results, k)) is not None:
-            solo[k] = solo_k
+    solo = {k: e for k in (s.counts if kinds_alone else []) if (e := _alone_all_sizes(s, results, k)) is not None}
     sizes = [] if kinds_alone else _promising_mbs(s)
     for mbs in sizes:
         _search_size(s, results, mbs)
@@ -91,10 +87,9 @@ def search(s: Searcher, *, kinds_alone: bool = False, first: int | None = None) 
     # (identical pipelines), whereas a candidate with leftover fill can be rated a few % high.
     items = results.ranked(None if kinds_alone else first)
     for est in sorted(solo.values(), key=lambda e: e.step_time_s):
-        if est in items[: results.keep]:
-            continue
-        items.remove(est)
-        items.insert(max(0, min(len(items), results.keep) - 1), est)
+        if est not in items[: results.keep]:
+            items.remove(est)
+            items.insert(max(0, min(len(items), results.keep) - 1), est)
     return items
 
 
@@ -250,9 +245,8 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
         if fill:  # the template alone too: leaving the leftovers idle can predict better than filling
             alone = s.estimate([Group(r.pipe, c)], mbs)
             results.add(alone)
-            est = alone if alone is not None else est
             if alone is not None:
-                best = max(best, total / alone.step_time_s)
+                est, best = alone, max(best, total / alone.step_time_s)
         if est is not None and len(est.groups) == 1 and (exact is None or est.step_time_s < exact.step_time_s):
             exact = est
     return exact, best
@@ -339,8 +333,7 @@ class Results:
     def __init__(self, keep: int, fits: Callable[[Estimate], bool] | None = None, *, per_size: int = 0) -> None:
         self.items: list[Estimate] = []
         self.checks: list[Later | None] = []  # per item: whether it fits, where it was kept when priced
-        self.keep = keep
-        self.per_size = per_size
+        self.keep, self.per_size = keep, per_size
         self.fits = fits  # whether a candidate that would be kept fits memory laid out (Searcher.fits)
         self._best = Places(keep)  # (step, plan_key) of the best distinct so far
         self._by_size: dict[tuple[int, ...], Places] = {}  # the same per size_key
@@ -363,9 +356,8 @@ class Results:
             # is not laid out here: the predictor drops it if it does not fit (while the smallest size
             # is searched, its places are the overall ones). The check runs when a decision reads it.
             fit = Later(functools.partial(self.fits, est)) if overall and self.fits is not None else None
-            for places, enters in ((self._best, overall), (bucket, own)):
-                if enters:
-                    places.insert(step, key, fit)
+            for places in [p for p, enters in ((self._best, overall), (bucket, own)) if enters]:
+                places.insert(step, key, fit)
         self.items.append(est)
         self.checks.append(fit)
 

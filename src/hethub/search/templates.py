@@ -68,8 +68,7 @@ class Searcher:
                        optimizer_shard_holders=config.shard_holders if config.optimizer_sharding != "none" else 1,
                        zero_stage=max(1, zero_stage_of(config.optimizer_sharding)),
                        sequence_parallel=config.sequence_parallel)
-        books = Books() if books is None else books
-        self.books = books
+        self.books = books = Books() if books is None else books
         if relax_memory not in books.costs:
             books.costs[relax_memory] = CostBook(self.job, cluster)
         self.book = books.costs[relax_memory]
