@@ -84,11 +84,11 @@ def score_plans(plans: list[Plan], profiles: ProfileSet | None, *, headroom: flo
     so the first ``keep`` over all those calls are exactly the unscreened ones."""
     scored: list[tuple[Plan, Prediction]] = []
     steps = [] if steps is None else steps  # the fastest `keep` predicted steps so far, sorted
-    costs = None
+    costs, bar = None, score_bar(steps, keep=keep, host=host)  # finalist_plans screens its layouts by it too
     for plan in plans:
-        if keep and host is None and len(steps) >= keep:
+        if (bar_s := bar()) < math.inf:
             costs = PlanCosts(plan, profiles) if costs is None else costs  # one job: stage costs are shared
-            if floor_reaches(plan, steps[keep - 1], costs=costs):
+            if floor_reaches(plan, bar_s, costs=costs):
                 continue
         pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
         if pred.fits_memory or not require_fit:
