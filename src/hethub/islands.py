@@ -7,7 +7,7 @@ is staged through host memory over gloo (``comm/bridge.py``), a slow path.
 A sharded gradient sync (ZeRO, ``runtime/zero.py``) reduce-scatters a buffer of ``len(members)``
 equal (padded) chunks, member i owning the i-th, then all-gathers the updated chunks. Across islands
 that runs in two levels, so that only each owner's chunk crosses the bridge (this module is the one
-home of the schedule: ``comm/hierarchical.py`` runs it, ``predict/sync.py`` prices it):
+home of the schedule: ``comm/hierarchical.py`` runs it, ``predict/sync_rules.py`` prices it):
 
 * every member of an island is the island's *proxy* for some foreign owners (owners in other
   islands): the island's foreign owners, in rank order, dealt round-robin to its members. A member's

@@ -11,7 +11,7 @@ Properties:
   "blocking" (the sender waits for delivery), "lockstep" (DeepSpeed's rendezvous order). A plan's
   ``training.p2p`` overrides it (e.g. Megatron without ``overlap_p2p_comm``).
 * ``dp_overlap``: the data-parallel gradient reduction starts in buckets during the last backward
-  (:func:`hethub.predict.sync.exposed_sync_groups`); False: it starts after the whole schedule.
+  (:func:`hethub.predict.sync_overlap.exposed_sync_groups`); False: it starts after the whole schedule.
 * ``tp_wgrad_overlap``: the all-reduce of a column-parallel layer's input gradient runs while the
   layer's weight-gradient GEMM computes (so only the part longer than that GEMM is exposed).
 * ``attentions``: the attention kernels the runtime runs ("flash", "math", "fused": a fused

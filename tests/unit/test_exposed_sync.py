@@ -1,5 +1,5 @@
 """The predictor prices only the gradient reduction left after the last backward
-(predict.sync.exposed_sync_groups): buckets ready through the backward in reverse layer order, run
+(predict.sync_overlap.exposed_sync_groups): buckets ready through the backward in reverse layer order, run
 back to back, the part after the backward's end counted."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from conftest import small_cluster, tiny_model
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.predictor import predict
-from hethub.predict.sync import exposed_sync_groups, sync_groups
+from hethub.predict.sync import sync_groups
+from hethub.predict.sync_overlap import exposed_sync_groups
 from hethub.spec.model import ModelSpec
 
 

@@ -11,7 +11,8 @@ import pytest
 from hethub.islands import exchange, island_of_kind
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.comm import allreduce_time_s, p2p_time_s, ring_pass_time_s
-from hethub.predict.sync import holder_exchange, sync_groups
+from hethub.predict.sync import sync_groups
+from hethub.predict.sync_rules import holder_exchange
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 

@@ -35,10 +35,10 @@ def test_a_member_carries_its_shard_over_the_bridge(numel: int, sizes: list[int]
 
 
 def test_predictor_prices_the_runtime_algorithm() -> None:
-    """predict/sync.py's two-level price: two island ring passes of the padded shard plus each
+    """predict/sync_rules.py's two-level price: two island ring passes of the padded shard plus each
     member's segments all-reduced over the bridge, from the same segments the runtime sends."""
     from hethub.predict.comm import allreduce_time_s, ring_pass_time_s
-    from hethub.predict.sync import two_level_allreduce_time_s
+    from hethub.predict.sync_rules import two_level_allreduce_time_s
     from hethub.spec.cluster import Link
 
     fast, slow = Link(100e9, 5e-6), Link(1e9, 100e-6)

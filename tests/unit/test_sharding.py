@@ -15,7 +15,8 @@ from hethub.plan import Plan
 from hethub.predict.comm import allreduce_time_s
 from hethub.predict.predictor import optimizer_shard_weights, predict, with_shard_weights
 from hethub.predict.sharding import buckets, rank_shards, unit_elems
-from hethub.predict.sync import gather_bytes_per_param, sync_groups
+from hethub.predict.sync import sync_groups
+from hethub.predict.sync_sharded import gather_bytes_per_param
 from hethub.search import PlannerConfig, make_plan
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model

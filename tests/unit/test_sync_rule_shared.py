@@ -1,6 +1,6 @@
 """One home for the gradient-sync rule: the planner's closed form (search/combine.py, through
 LinkBook.sync_allreduce_s on representative links) and the predictor (predict/sync.py) price a sync
-group with the same function, predict.sync.islands_allreduce_s: a ring inside a vendor island, the
+group with the same function, predict.sync_rules.islands_allreduce_s: a ring inside a vendor island, the
 bridge's two-level all-reduce across islands."""
 
 import ast
@@ -11,7 +11,8 @@ from test_reference_search import instance
 
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.stage_links import LinkBook
-from hethub.predict.sync import sync_groups, unoverlapped_sync_s
+from hethub.predict.sync import sync_groups
+from hethub.predict.sync_overlap import unoverlapped_sync_s
 from hethub.spec.model import ModelSpec
 
 SEARCH = Path(__file__).resolve().parents[2] / "src" / "hethub" / "search"

@@ -279,7 +279,7 @@ class BridgedCommunicator(Communicator):
                        sizes: Sequence[int] | None = None) -> torch.Tensor:
         """As :meth:`Communicator.reduce_scatter`. Inside one island: the native reduce-scatter. Across
         islands: native inside each island, then only each owner's chunk over the bridge
-        (:func:`hierarchical_reduce_scatter`, priced the same way by ``predict/sync.py``)."""
+        (:func:`hierarchical_reduce_scatter`, priced the same way by ``predict/sync_sharded.py``)."""
         route = self._route(group)
         k = len(route.members)
         if k == 1:

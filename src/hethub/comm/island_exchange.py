@@ -174,7 +174,7 @@ def hierarchical_reduce_scatter(tensor: torch.Tensor, *, route: Route, rank: int
              for part, i in zip(partials, (i for i in range(len(ex.islands)) if i != me), strict=True)]
     island = local.ranks
     if len(island) > 1:
-        # The island's blocks in member order, a permuted copy of the buffer (predict/sync.py counts it).
+        # The island's blocks in member order, a permuted copy of the buffer (predict/sync_sharded.py counts it).
         buf = chunks.new_zeros(len(island) * slots, chunks.shape[1])
         for j, m in enumerate(island):
             for t, owner in enumerate(ex.blocks[m]):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from hethub.emulation.stragglers import SpeedDraws
 from hethub.predict.host import ReplayEvent, StageId
-from hethub.predict.sync import SyncGroup
+from hethub.predict.sync_records import SyncGroup
 from hethub.schedules import get_schedule
 from hethub.schedules.simulate import link_arrival_s
 from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE

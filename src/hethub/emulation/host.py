@@ -33,7 +33,7 @@ from hethub.plan import Plan
 from hethub.predict.host import HostStep, ReplayEvent, StageId, StageStep
 from hethub.predict.profiles import KindProfile, ProfileSet
 from hethub.predict.stage_cost import usable_profile
-from hethub.predict.sync import SyncGroup
+from hethub.predict.sync_records import SyncGroup
 from hethub.spec.cluster import Cluster, Link
 
 

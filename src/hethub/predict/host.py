@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from hethub.plan import Plan
     from hethub.predict.profiles import ProfileSet
-    from hethub.predict.sync import SyncGroup
+    from hethub.predict.sync_records import SyncGroup
 
 StageId = tuple[int, int]  # (pipeline index, stage index)
 

@@ -52,14 +52,9 @@ from hethub.predict.shard_memory import (
     zero23_held,
 )
 from hethub.predict.sharding import rank_weights
-from hethub.predict.sync import (
-    SyncResult,
-    exposed_sync_groups,
-    simulate_sync,
-    sync_groups,
-    unoverlapped_sync_s,
-    world_collectives,
-)
+from hethub.predict.sync import simulate_sync, sync_groups, world_collectives
+from hethub.predict.sync_overlap import exposed_sync_groups, unoverlapped_sync_s
+from hethub.predict.sync_records import SyncResult
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.runtimes import runtime_profile
 from hethub.schedules import DEFAULT_P2P, Schedule, get_schedule

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from hethub.predict.comm import allreduce_floor_s, boundary_time_s, p2p_time_s, rings_link
 from hethub.predict.stage_cost import tp_link
-from hethub.predict.sync import bucket_count, islands_allreduce_s, kind_island_labels
+from hethub.predict.sync_overlap import bucket_count
+from hethub.predict.sync_rules import islands_allreduce_s, kind_island_labels
 from hethub.runtimes import DEFAULT_RUNTIME, runtime_profile
 from hethub.spec.cluster import Cluster, Link
 from hethub.spec.model import ModelSpec
@@ -144,11 +145,11 @@ class LinkBook:
     def sync_allreduce_s(self, kinds: dict[str, int], *, tp: int, nbytes: float, elem_bytes: float,
                          devices: int) -> float:
         """One gradient-sync group's all-reduce among holders of these kinds (holder count per kind),
-        their smallest TP degree `tp`, by the predictor's rule (``predict.sync.islands_allreduce_s``) on
+        their smallest TP degree `tp`, by the predictor's rule (``predict.sync_rules.islands_allreduce_s``) on
         representative links (`replicas`): one ring over the holders' slowest link inside a vendor
         island; across islands each island's ring over its own kinds' link, and the slowest
         cross-island pair of kinds (`between`) as the bridge. Where the runtime reduces in buckets,
-        each bucket is its own all-reduce (``predict.sync.bucket_count``; their overlap with the
+        each bucket is its own all-reduce (``predict.sync_overlap.bucket_count``; their overlap with the
         backward is the predictor's alone)."""
         n = bucket_count(nbytes, elem_bytes=elem_bytes) if self.buckets else 1
         return n * self._group_allreduce_s(kinds, tp=tp, nbytes=nbytes / n, elem_bytes=elem_bytes, devices=devices)
@@ -204,7 +205,7 @@ class LinkBook:
     def islands_floor_s(self, kinds: dict[str, int], *, nbytes: float, devices: int, rings: int) -> float:
         """A floor under `sync_allreduce_s` of ``nbytes`` among exactly these holders (count per kind)
         spanning several vendor islands, their smallest TP degree ``rings``. The two-level exchange
-        (predict.sync.two_level_allreduce_time_s) runs a reduce-scatter and an all-gather of the whole
+        (predict.sync_rules.two_level_allreduce_time_s) runs a reduce-scatter and an all-gather of the whole
         buffer in each island, at least that island's ring all-reduce at the line rate; and each
         island's members together own the whole buffer on the bridge, so one member of the smallest
         island all-reduces at least nbytes / its size over it. Elements round to whole ones per

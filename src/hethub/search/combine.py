@@ -182,7 +182,7 @@ def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, m
     """End of the step: each pipeline's backward, the world all-reduce of the loss, the per-layer
     gradient all-reduces (`_synced_s`: on one representative per group, by the predictor's rule on
     representative links, ``LinkBook.sync_allreduce_s``), the world all-reduce of the gradient norm,
-    then the updates. The predictor (predict/sync.py) also overlaps buckets with the backward; it
+    then the updates. The predictor (predict/sync_overlap.py) also overlaps buckets with the backward; it
     decides between finalists. ``sync_floor_s``: a floor under the syncs' span in their place (a
     floor of the step)."""
     replicas = sum(g.count for g in groups)

@@ -1,0 +1,136 @@
+"""What of the gradient sync the backward leaves exposed, and the buckets the runtime reduces in.
+
+The runtime reduces gradients in buckets of ~40M elements (``runtime/grad_buffer.py``), each started as
+soon as its parameters' gradients are final in the last micro-batch's backward, in reverse layer order,
+one after another per rank. Only what is left after the backward counts: a group's buckets become
+ready through its holders' last backward (the backward taken as proportional to the parameters it has
+passed, units in reverse forward order), run back to back on each holder from then, and the group is
+priced by the part of its buckets' time after the backward's end (every holder's end taken as the same
+instant, as the loss barrier makes it). Each bucket is its own all-reduce (its latency counts). ZeRO-1
+groups are priced whole: their all-gather follows the update; ZeRO-2/3 reduce once per micro-batch
+(:func:`_exposed_rounds`). An estimate: a backward is not uniform over its parameters, and the
+collective shares the device with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from hethub.layout import DEFAULT_BUCKET_ELEMS, stage_places, stage_units, unit_holders, unit_position
+from hethub.plan import Plan
+from hethub.predict.sharding import unit_elems
+from hethub.predict.sync_records import StageId, SyncGroup
+from hethub.predict.sync_rules import group_allreduce_s
+from hethub.runtimes import runtime_profile
+from hethub.spec.model import ModelSpec
+
+
+def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
+                        bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> list[SyncGroup]:
+    """``groups`` (:func:`sync_groups`, unsharded) with each one's time cut to the part of its bucketed
+    reduction left after its holders' last backward (module doc). ``backward_s``: each
+    stage's backward of one micro-batch (its last one overlaps the buckets). A runtime that reduces
+    after the schedule (hethub.runtimes: dp_overlap False, DeepSpeed's pipeline engine) overlaps
+    nothing: ``groups`` as they are."""
+    model = plan.model
+    if plan.zero_stage >= 2:
+        return _exposed_rounds(plan, groups, backward_s=backward_s)
+    if plan.sharded_optimizer or not runtime_profile(plan.runtime).dp_overlap:
+        return list(groups)
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
+    units_of: dict[tuple[StageId, ...], list[str]] = {}
+    for u, hs in unit_holders(plan, tuple(places.values())).items():
+        units_of.setdefault(tuple((st.pipeline, st.stage) for st in hs), []).append(u)
+    spans: dict[StageId, dict[str, tuple[float, float]]] = {}
+
+    def span(x: StageId) -> dict[str, tuple[float, float]]:
+        """Each unit of stage x: the fractions of its backward done when the unit starts and ends."""
+        if x not in spans:
+            st = places[x]
+            us = sorted(stage_units(st, tied=model.tied_embeddings, learned_pos=model.arch == "gpt"),
+                        key=lambda u: -unit_position(u, num_layers=model.num_layers))
+            sizes = [unit_elems(model, u, tp=st.tp) for u in us]
+            total, acc, out = float(sum(sizes)) or 1.0, 0.0, {}
+            for u, n in zip(us, sizes, strict=True):
+                out[u] = (acc / total, (acc + n) / total)
+                acc += n
+            spans[x] = out
+        return spans[x]
+
+    buckets = []  # (order key, group, holders, ready time per holder relative to the backward's end, duration)
+    for gi, g in enumerate(groups):
+        us = units_of.get(g.holders)
+        if g.time_s <= 0 or g.participants <= 1 or not us:
+            continue
+        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
+        first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
+        ends = {x: (min(sp[u][0] for u in us), max(sp[u][1] for u in us)) for x in g.holders for sp in (span(x),)}
+        for k in range(n):
+            ready = {x: -backward_s[x] * (1.0 - (a + (c - a) * (k + 1) / n)) for x, (a, c) in ends.items()}
+            buckets.append(((first, g.name, k), gi, g.holders, ready, d))
+    buckets.sort(key=lambda b: b[0])
+    cursor: dict[StageId, float] = {}
+    exposed = dict.fromkeys({b[1] for b in buckets}, 0.0)
+    for _, gi, hs, ready, d in buckets:
+        start = max(max(ready[x], cursor.get(x, -math.inf)) for x in hs)
+        for x in hs:
+            cursor[x] = start + d
+        exposed[gi] += max(0.0, start + d) - max(0.0, start)
+    return [replace(g, time_s=exposed[gi]) if gi in exposed else g for gi, g in enumerate(groups)]
+
+
+def _exposed_rounds(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
+                    ) -> list[SyncGroup]:
+    """ZeRO-2/3 groups (an estimate): each micro-batch's reduction runs beside the next micro-batch's
+    work, so the earlier rounds show only where one outlasts a backward of the slowest-to-hide holder
+    (the shortest backward); the last round is priced whole, after the backward. ZeRO-3's per-use
+    gathers are prefetched one unit ahead: per op the first unit's gather shows, and the rest only
+    where the step's gathers outlast the compute they hide behind (a forward taken as half a
+    backward)."""
+    out = []
+    for g in groups:
+        if g.participants <= 1 or g.round_s <= 0:
+            out.append(g)
+            continue
+        m = plan.pipelines[g.holders[0][0]].num_micro_batches
+        bwd = min(backward_s[x] for x in g.holders)
+        extra = (m - 1) * max(0.0, g.round_s - bwd)
+        if g.gather_s > 0:
+            first = g.gather_s / max(1, g.gather_units)  # one unit's gather per op, 2m ops
+            extra += first + max(0.0, g.gather_s - first - m * 1.5 * bwd)
+        out.append(replace(g, time_s=g.time_s + extra))
+    return out
+
+
+def bucket_count(nbytes: float, *, elem_bytes: float, bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> int:
+    """How many buckets a runtime that overlaps its reduction (runtimes: dp_overlap) reduces ``nbytes``
+    of gradients in (runtime/grad_buffer.py), each its own all-reduce."""
+    return max(1, math.ceil(nbytes / elem_bytes / bucket_elems))
+
+
+def _buckets_of(plan: Plan, g: SyncGroup, *, grad_bytes: float, bucket_elems: int) -> tuple[int, float]:
+    """How many buckets the runtime reduces group ``g`` in, and each one's all-reduce time (across
+    vendor islands the bridge's two-level all-reduce, :func:`group_allreduce_s`)."""
+    n = bucket_count(g.nbytes, elem_bytes=grad_bytes, bucket_elems=bucket_elems)
+    return n, group_allreduce_s(plan, g.holders, nbytes=g.nbytes / n, link=g.link, participants=g.participants,
+                                elem_bytes=grad_bytes)
+
+
+def unoverlapped_sync_s(plan: Plan, groups: Sequence[SyncGroup], *,
+                        bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> dict[StageId, float]:
+    """Each holder stage's gradient-sync time as its runtime reduces it, before any overlap: in
+    buckets where :func:`exposed_sync_groups` overlaps them (each bucket its own all-reduce, at its own
+    size's achievable bandwidth), else the groups as they are."""
+    bucketed = not plan.sharded_optimizer and runtime_profile(plan.runtime).dp_overlap
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    out: dict[StageId, float] = {}
+    for g in groups:
+        if g.participants <= 1 or g.time_s <= 0:
+            continue
+        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems) if bucketed else (1, g.time_s)
+        for x in g.holders:
+            out[x] = out.get(x, 0.0) + n * d
+    return out
