@@ -34,9 +34,9 @@ from hethub.predict.sharding import (
     stage_elems_bounds,
     stage_elems_of,
     stage_shard_elems,
-    zero23_stage_bytes,
 )
 from hethub.predict.stage_modes import ModeFits, choose_recompute, fits_some_mode, stage_modes
+from hethub.predict.zero23_bytes import zero23_stage_bytes
 from hethub.spec.model import ModelSpec
 
 

@@ -12,9 +12,10 @@ from hethub.errors import PlanError
 from hethub.layout import gathers_params
 from hethub.plan import Pipeline, Plan, Stage, interleave
 from hethub.predict.predictor import predict, with_shard_weights
-from hethub.predict.sharding import rank_shards, zero23_rank_bytes
+from hethub.predict.sharding import rank_shards
 from hethub.predict.sync import sync_groups
 from hethub.predict.sync_overlap import exposed_sync_groups
+from hethub.predict.zero23_bytes import zero23_rank_bytes
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
 

@@ -18,8 +18,8 @@ from hethub.predict.sharding import (
     stage_elems_of,
     stage_shard_elems,
     stage_weights,
-    zero23_stage_bytes,
 )
+from hethub.predict.zero23_bytes import zero23_stage_bytes
 
 StageId = tuple[int, int]
 # Float sums of one memory's parts in another order (a bound's parts against the exact ones') differ by

@@ -198,7 +198,7 @@ def stage_memory_of(job: StageJob, kind: DeviceKind, *, layers: int, embedding: 
 def planned_zero23(mem: StageMemory, model: ModelSpec, *, zero_stage: int, elems: float, holders: int, tp: int,
                    emb: bool, head: bool, precision: str) -> StageMemory:
     """``mem`` (sharded as ZeRO-1) under ZeRO-2 or 3 before a plan exists (``memory.zero23_memory`` with
-    the parts ``sharding.zero23_rank_bytes`` gives a plan, estimated): an equal 1/holders slice of the
+    the parts ``zero23_bytes.zero23_rank_bytes`` gives a plan, estimated): an equal 1/holders slice of the
     stage's ``elems`` parameters, every unit gathered under ZeRO-3 (its holders at one position), the
     largest unit or bucket as the reduction round, two units gathered at once (the one in use and the
     prefetched next)."""

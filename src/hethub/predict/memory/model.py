@@ -303,7 +303,7 @@ def sharded_memory(mem: StageMemory, *, moment_elems: float, master_elems: float
 def zero23_memory(mem: StageMemory, *, stage: int, moment_elems: float, grad_bytes: float, whole_weight_bytes: float,
                   gathered_bytes: float, round_bytes: float) -> StageMemory:
     """``mem`` (under ZeRO-1, :func:`sharded_memory`) under ZeRO-2 or 3 (``runtime/zero_grads.py``; the
-    bytes from ``predict/sharding.zero23_rank_bytes``): the gradients are the fp32 shard of the owned
+    bytes from ``predict/zero23_bytes.zero23_rank_bytes``): the gradients are the fp32 shard of the owned
     elements; the rounds of per-micro-batch reductions in flight (a bound: buckets at their largest)
     live while the backward runs and at the sync. ZeRO-3 keeps only the parameters of groups it does
     not gather, gathers the others per use (``gathered_bytes``, at their peak) and keeps an fp32 master

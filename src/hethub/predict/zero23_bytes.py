@@ -1,0 +1,150 @@
+"""What a rank holds under ZeRO-2/3 beyond ZeRO-1's optimizer shard (``runtime/zero_grads.py``,
+``zero_params.py``): its fp32 gradient shard, the parameters it keeps whole, the peak of the units it has
+gathered at once (ZeRO-3) and a bound on its in-flight reduction rounds.
+
+Built on :mod:`hethub.predict.sharding`'s buckets and owned elements (the one home of who owns what);
+apart from the gradient shard every part depends on the stage's layout, TP degree and precision only,
+not on the split, so the memory model asks it once per layout (``zero23_stage_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hethub.layout import (
+    DEFAULT_BUCKET_ELEMS,
+    ZERO_IN_FLIGHT_ROUNDS,
+    StagePlace,
+    bucket_ranges,
+    gathers_params,
+    stage_places,
+    unit_position,
+)
+from hethub.memo import Kept
+from hethub.plan import Plan
+from hethub.predict.sharding import bucket_lines, layout_key, rank_shards, unit_elems
+from hethub.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Zero23Bytes:
+    """One rank's memory under ZeRO-2/3 beyond ZeRO-1's (``runtime/zero_grads.py``, ``zero_params.py``):
+    its persistent fp32 gradient shard, the parameters it keeps whole, the peak of the units it has
+    gathered at once (ZeRO-3) and a bound on its in-flight reduction rounds."""
+
+    grad_bytes: int
+    whole_weight_bytes: int
+    gathered_bytes: int
+    round_bytes: int
+
+
+def zero23_rank_bytes(plan: Plan, weights: Mapping[int, float], *,
+                      bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> dict[int, Zero23Bytes]:
+    """Every rank's :class:`Zero23Bytes` (a ZeRO-2 plan's ranks gather nothing and keep every parameter):
+    its gradient shard from its owned elements, the rest its stage's (``zero23_stage_bytes``)."""
+    moments = rank_shards(plan, weights).moment_elems
+    stage_of = {r: i for i, st in enumerate(stage_places(plan)) for r in st.ranks}
+    held = zero23_stage_bytes(plan, bucket_elems=bucket_elems)
+    return {r: Zero23Bytes(4 * moments[r], *held[stage_of[r]]) for r in range(plan.world_size)}
+
+
+# zero23_stage_bytes by what it reads: the layout (layout_key; the model pinned), the ZeRO stage, the bucket
+# size and each stage's TP degree and precision. The predictor asks it under several split weights per
+# plan (each recomputation mode), and the planner's candidates, SP modes and ZeRO stages repeat layouts.
+_HELD = Kept(64, shortcut=True)
+
+
+def zero23_stage_bytes(plan: Plan, *, bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> tuple[tuple[int, int, int], ...]:
+    """Per stage (``stage_places`` order): (whole weight, gathered, round) bytes of :class:`Zero23Bytes`,
+    which do not depend on the split. Each rank of a stage is a member of one line of every bucket its
+    stage holds (its TP rank's, or the mixed bucket's one line) and of no other, with the stage's TP
+    degree and precision: those bytes are its stage's."""
+    key = (layout_key(plan), plan.zero_stage, bucket_elems,
+           tuple((s.tp, plan.precision_of(s.kind)) for p in plan.pipelines for s in p.stages))
+    return _HELD.get(key, lambda: _zero23_stage_bytes(plan, bucket_elems), pin=(plan.model,))
+
+
+def _zero23_stage_bytes(plan: Plan, bucket_elems: int) -> tuple[tuple[int, int, int], ...]:
+    model, stage3 = plan.model, plan.zero_stage == 3
+    places = stage_places(plan)
+    index = {(st.pipeline, st.stage): i for i, st in enumerate(places)}
+    wbytes = [ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for st in places]
+    whole = [0] * len(places)
+    sizes: list[dict[str, tuple[int, int]]] = [{} for _ in places]  # unit -> (bytes, staging)
+    largest = [(0, 0)] * len(places)  # (layout elems, local elems) of the largest bucket
+    mixed_any = [False] * len(places)
+    for b, _ in bucket_lines(plan):
+        precisions = {plan.precision_of(s.kind) for s in b.holders}
+        gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
+        gathered = stage3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
+        for st in b.holders:
+            i = index[(st.pipeline, st.stage)]
+            mixed_any[i] = mixed_any[i] or b.mixed
+            layout = [unit_elems(model, u, tp=1 if b.mixed else st.tp) for u in b.units]
+            local = [unit_elems(model, u, tp=st.tp) for u in b.units]
+            spans = bucket_ranges(layout, cap_elems=bucket_elems)  # units are not split here: a bound
+            big = max(((sum(layout[lo:hi]), sum(local[lo:hi])) for lo, hi in spans), default=(0, 0))
+            largest[i] = max(largest[i], big)
+            for u, n_layout, n in zip(b.units, layout, local, strict=True):
+                if not gathered:
+                    whole[i] += n * wbytes[i]
+                    continue
+                direct = not b.mixed and gather_bytes == wbytes[i]
+                sizes[i][u] = (n * wbytes[i], 0 if direct else n_layout * gather_bytes)
+    out = []
+    for i, st in enumerate(places):
+        layout_elems, local_elems = largest[i]
+        rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if mixed_any[i] else 0)
+        out.append((whole[i], _gather_peak(st, sizes[i], tied=model.tied_embeddings, num_layers=model.num_layers),
+                    rounds))
+    return tuple(out)
+
+
+def _gather_peak(st: StagePlace, sizes: Mapping[str, tuple[int, int]], *, tied: bool, num_layers: int) -> int:
+    """Most bytes of gathered units a rank holds at once: its forward and backward ops replayed as
+    ``runtime/zero_params.py`` runs them (groups gathered in data-flow order, the next one prefetched,
+    a layer released after its use; a staging tensor lives from a gather's start to its wait)."""
+    order = sorted(sizes, key=lambda u: unit_position(u, num_layers=num_layers))
+    layers = [u for u in order if u.startswith("layer.")]
+    front = [u for u in order if u in ("embed", "pos") and st.embedding]
+    tail = [u for u in order if u in ("final_norm", "head") or (u == "embed" and not st.embedding)]
+    back = [u for u in order if u in ("final_norm", "head") or (u == "embed" and tied)]
+    replay = _Replay(sizes)
+    for seq in ([g for g in (front, *([u] for u in layers), tail) if g],
+                [g for g in (back, *([u] for u in reversed(layers))) if g]):
+        replay.op(seq)
+    return replay.peak
+
+
+class _Replay:
+    """The live bytes of one rank's gathers over its ops (``_gather_peak``)."""
+
+    def __init__(self, sizes: Mapping[str, tuple[int, int]]) -> None:
+        self.sizes, self.peak = sizes, 0
+
+    def op(self, seq: list[list[str]]) -> None:
+        self.live, self.started, self.waited = 0, set(), set()
+        for k, g in enumerate(seq):
+            layer = g[0].startswith("layer.")
+            if k == 0 and layer:
+                self._start(g)
+            self._run(seq, k)
+            if layer:
+                self.live -= self.sizes[g[0]][0]  # released after its use
+
+    def _start(self, g: list[str]) -> None:
+        for u in g:
+            if u not in self.started:
+                self.started.add(u)
+                self.live += sum(self.sizes[u])
+                self.peak = max(self.peak, self.live)
+
+    def _run(self, seq: list[list[str]], k: int) -> None:
+        self._start(seq[k])
+        for u in seq[k]:
+            if u not in self.waited:
+                self.waited.add(u)
+                self.live -= self.sizes[u][1]
+        if k + 1 < len(seq):
+            self._start(seq[k + 1])
