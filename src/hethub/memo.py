@@ -13,14 +13,16 @@ at scale"). A lazy order (``Ranked``: the planner's variants check each shape's 
 the finalists read that far, `search/variants.repriced`) is of the second sort, proved by
 ``tests/unit/test_lazy_reprice.py``; so are the enumeration's fit checks, run only where a decision
 reads them (``Later``, ``Places``: `search/hetero.Results`), proved by
-``tests/unit/test_enumeration_fastpath.py``. A top-level module so that the memory model, below the
-predictor's package, can use it.
+``tests/unit/test_enumeration_fastpath.py``. Memos live for one search (``search_scope``, which
+``make_plan`` opens). A top-level module so that the memory model, below the predictor's package,
+can use it.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import heapq
 import itertools
 import weakref
@@ -166,6 +168,31 @@ def clear_caches() -> None:
     clear_all()
     for clear in _LRU:
         clear()
+
+
+_SCOPES = [0]  # how many search scopes are open
+
+
+@contextmanager
+def search_scope() -> Iterator[None]:
+    """One search's lifetime for every memo: the outermost scope empties them all as it ends (nested
+    scopes keep them), so a process that plans job after job holds at most one search's entries,
+    however large the last search was, and no job's entries outlive it (entries keyed by an object's
+    id pin it: none is ever served to an object that reuses the id). Python's cyclic garbage
+    collector is paused inside (restored after): a search's memos live until it returns, so the
+    collector's passes over them free nothing, and a search leaves no reference cycles
+    (mixed.Family holds its searcher weakly) for reference counting to miss."""
+    outermost, collecting = _SCOPES[0] == 0, gc.isenabled()
+    _SCOPES[0] += 1
+    gc.disable()
+    try:
+        yield
+    finally:
+        _SCOPES[0] -= 1
+        if outermost:
+            clear_caches()
+        if collecting:
+            gc.enable()
 
 
 T = TypeVar("T")

@@ -181,21 +181,21 @@ def test_the_default_path_shows_one_progress_bar(monkeypatch):
                             where="test")
     result = planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
                                config=PlannerConfig(global_batch=32, seq_len=1024, schedule="auto",
-                                                    optimizer_sharding="auto"))
+                                                    optimizer_sharding="auto", micro_batch_sizes=(1, 2)))
     assert bars == ["plan two"]
     assert any(n.startswith("schedule ") for n in result.notes)
     assert any(n.startswith("optimizer sharding: ") for n in result.notes)
 
 
 def test_a_search_pauses_the_collector_and_leaves_no_reference_cycles():
-    # planner._collector_paused: the collector is off during the search and as it was after; a
+    # memo.search_scope, which make_plan opens: the collector is off during the search and as it was after; a
     # search's caches hold no reference cycles, so they are freed when it returns, not by the collector.
     import gc
 
     import hethub.search.planner as planner
 
-    cluster = parse_cluster({"name": "two", "group": [{"kind": "a100-80gb", "nodes": 2, "devices_per_node": 8},
-                                                      {"kind": "v100-16gb", "nodes": 2, "devices_per_node": 8}]},
+    cluster = parse_cluster({"name": "two", "group": [{"kind": "a100-80gb", "nodes": 1, "devices_per_node": 8},
+                                                      {"kind": "v100-16gb", "nodes": 1, "devices_per_node": 8}]},
                             where="test")
     seen = []
     search = planner._make_plan
@@ -210,11 +210,11 @@ def test_a_search_pauses_the_collector_and_leaves_no_reference_cycles():
         gc.collect()
         planner._make_plan = spy
         planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
-                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False))
+                          config=PlannerConfig(global_batch=32, seq_len=1024, polish=False, micro_batch_sizes=(1, 2)))
         assert seen == [False] and gc.isenabled()
         gc.disable()
         planner.make_plan(cluster=cluster, model=get_model("llama-2-7b"),
-                          config=PlannerConfig(global_batch=64, seq_len=1024, polish=False))
+                          config=PlannerConfig(global_batch=32, seq_len=1024, polish=False, micro_batch_sizes=(1, 2)))
         assert not gc.isenabled()  # a caller's paused collector stays paused
         assert gc.collect() == 0
     finally:

@@ -10,7 +10,6 @@ cross-kind path at a kind boundary. Final scoring uses the real devices.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -46,6 +45,7 @@ class LinkBook:
         self._hops: dict[tuple, float] = {}
         self._pipes: dict[tuple, tuple[float, ...]] = {}
         self._rings: dict[tuple, Link] = {}
+        self._between: dict[tuple[str, str], Link] = {}
         self._nodes: dict[str, list[list[int]]] = {}  # device ids of each node, by kind
         for d in cluster.devices:
             nodes = self._nodes.setdefault(d.kind, [])
@@ -58,12 +58,13 @@ class LinkBook:
     def intra(self, kind: str) -> Link:
         return tp_link(self.cluster.kinds[kind])
 
-    @functools.cache  # noqa: B019 - one LinkBook per search, a handful of kinds
     def between(self, a: str, b: str) -> Link:
         """The link from a device of kind a to one of kind b on another node (``Cluster.link``)."""
-        na, nb = self._nodes[a], self._nodes[b]
-        other = [n for n in nb if n is not na[0]]
-        return self.cluster.link(na[0][0], other[0][0]) if other else self.intra(a)
+        if (a, b) not in self._between:  # the book's own (a method cache would keep every book alive)
+            na, nb = self._nodes[a], self._nodes[b]
+            other = [n for n in nb if n is not na[0]]
+            self._between[a, b] = self.cluster.link(na[0][0], other[0][0]) if other else self.intra(a)
+        return self._between[a, b]
 
     def p2p(self, a: Slot, b: Slot) -> Link:
         """The link between consecutive stages where no representative devices place them."""

@@ -11,12 +11,12 @@ is made by the full predictor, so `hethub plan` and `hethub predict` agree exact
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import time
 from dataclasses import dataclass, replace
 
 from hethub.errors import InfeasibleError
+from hethub.memo import search_scope
 from hethub.plan import Plan, Recompute
 from hethub.predict.context_plans import cp_candidates, cp_note
 from hethub.predict.host import HostModel
@@ -113,7 +113,8 @@ def reused_searches():
     global _REUSED
     outer, _REUSED = _REUSED, ({} if _REUSED is None else _REUSED)
     try:
-        yield
+        with search_scope():  # the rows' memos too
+            yield
     finally:
         _REUSED = outer
 
@@ -123,27 +124,12 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     """Best memory-feasible plan under `config.strategy` over every schedule and optimizer sharding the
     config leaves open (`_make_plan`), scored by the predictor (with `host`, the local emulation host
     every rank runs on, if any: ``hethub.emulation.host_model``), read against the proven bound."""
-    with _collector_paused():
+    with search_scope():
         result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    result = reported(result, job_bound(cluster=cluster, model=model, config=config, profiles=profiles))
+        result = reported(result, job_bound(cluster=cluster, model=model, config=config, profiles=profiles))
     if (z := config.optimizer_sharding) not in ("none", "auto") and not result.plan.sharded_optimizer:
         result = replace(result, notes=(ONE_REPLICA.format(z), *result.notes))
     return result
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector paused for a search (process-wide, restored after; nested
-    calls keep it paused): a search's many cached values live until it returns, so the collector's
-    passes over them free nothing. A search leaves no reference cycles (mixed.Family holds its
-    searcher weakly), so reference counting frees its caches as it returns."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()
 
 
 def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
