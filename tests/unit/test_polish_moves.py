@@ -103,8 +103,8 @@ def test_every_move_gives_a_valid_plan_at_the_fastest_modes_that_fit():
     model = ModelSpec(name="m8x4k", num_layers=8, hidden_size=4096, num_heads=32, num_kv_heads=32,
                       ffn_hidden_size=11008, vocab_size=32000, max_seq_len=4096)
     cfg = PlannerConfig(global_batch=64, seq_len=1024, schedule="1f1b", top_k=2, polish=False)
-    made = set()
-    for plan, _ in make_plan(cluster=cluster, model=model, config=cfg).alternatives:
+    made, result = set(), make_plan(cluster=cluster, model=model, config=cfg)
+    for plan, _ in result.alternatives:
         for mv in _moves(plan):
             cand = _apply(plan, mv, allow_recompute=True, headroom=0.1)
             if cand is None:
@@ -121,7 +121,7 @@ def test_every_move_gives_a_valid_plan_at_the_fastest_modes_that_fit():
     assert {"modes", "layer", "split", "merge"} <= made
     # Splits and merges keep to the config's TP degrees: with only the plan's largest degree allowed no
     # stage may split, and merges are offered only into an allowed degree.
-    plan = make_plan(cluster=cluster, model=model, config=cfg).plan
+    plan = result.plan
     top = max(s.tp for p in plan.pipelines for s in p.stages)
     assert not [mv for mv in _moves(plan, tp_degrees=(top,)) if mv[0] == "split"]
     stages_of = {_signature(p): p.stages for p in plan.pipelines}

@@ -8,6 +8,7 @@ keep the same fastest few.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -29,6 +30,7 @@ CLUSTER = parse_cluster({"name": "floor-24", "network": NETWORK, "group": [
     {"kind": "v100-16gb", "nodes": 2, "devices_per_node": 8}]}, where="test")
 
 
+@functools.cache  # one search per schedule for the whole module (plans are frozen)
 def _plans(schedule: str) -> list:
     """Every plan the planner predicts around its best few: the alternatives and all their polish moves."""
     # Six alternatives: with links at their achievable rates the best plans are shallow pipelines
