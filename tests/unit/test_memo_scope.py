@@ -16,7 +16,7 @@ from hethub.spec.model import get_model
 
 
 def _cluster(name: str, kinds: tuple[str, str]):
-    return parse_cluster({"name": name, "group": [{"kind": k, "nodes": 1, "devices_per_node": 8} for k in kinds]},
+    return parse_cluster({"name": name, "group": [{"kind": k, "nodes": 1, "devices_per_node": 4} for k in kinds]},
                          where="test")
 
 
@@ -27,7 +27,7 @@ def _filled() -> dict[int, int]:
 
 def _plan(cluster):
     r = make_plan(cluster=cluster, model=get_model("llama-2-7b"),
-                  config=PlannerConfig(global_batch=32, seq_len=1024, polish=False, micro_batch_sizes=(1, 2)))
+                  config=PlannerConfig(global_batch=16, seq_len=1024, polish=False, micro_batch_sizes=(1, 2)))
     return r.plan.to_dict() | {"meta": None}, r.prediction.tokens_per_s
 
 
