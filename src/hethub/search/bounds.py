@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from hethub.memo import reference
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
@@ -127,23 +128,29 @@ def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
 
 
 def rate_bound(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int, p: int, kind_devices: int,
-               global_batch: int, share: float) -> float:
-    """Upper bound on `Searcher.rate` of every split of p stages (kind, tp), 0 when none can fit."""
+               global_batch: int, share: float, loose: bool = False) -> float:
+    """Upper bound on `Searcher.rate` of every split of p stages (kind, tp), 0 when none can fit.
+    ``loose``: one at least that bound, for a fraction of its cost (memory ignored: no capacity terms;
+    1e-9 above, as `smallest_holding` may end 1e-12 below the bottleneck it starts from); the bound
+    itself on the reference path (hethub.memo), so a caller's lazy order is the plain one there."""
+    loose = loose and not reference()
     c = kind_devices // (p * tp)
-    key = (kind, tp, mbs, p)
+    key = (kind, tp, mbs, p, loose)
     floor = book.cache(_TEMPLATE_FLOORS).get(key, ())
     if floor == ():
-        floor = book.cache(_TEMPLATE_FLOORS)[key] = _template_floor(book, links, kind=kind, tp=tp, mbs=mbs, p=p)
+        floor = book.cache(_TEMPLATE_FLOORS)[key] = _template_floor(book, links, kind=kind, tp=tp, mbs=mbs, p=p,
+                                                                    memory=not loose)
     if c < 1 or floor is None:
         return 0.0
     fill, bottleneck = floor
     mb = max(c, round(global_batch // mbs * share))
-    return mb * mbs / ((fill + (-(-mb // c) - 1) * bottleneck) * c * p * tp)
+    return mb * mbs / ((fill + (-(-mb // c) - 1) * bottleneck) * c * p * tp) * (1 + 1e-9 if loose else 1)
 
 
 def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int,
-                    p: int) -> tuple[float, float] | None:
-    """(work + 2 (p - 1) p2p, bottleneck) below every split of p stages (kind, tp); None: none fits."""
+                    p: int, memory: bool = True) -> tuple[float, float] | None:
+    """(work + 2 (p - 1) p2p, bottleneck) below every split of p stages (kind, tp); None: none fits.
+    Without ``memory``, the capacity terms left out: a floor below this one."""
     job = book.job
     n_layers = job.model.num_layers
     if p > n_layers + 2:
@@ -158,7 +165,7 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     work = n_layers * w + e + h
     caps = None
     # A schedule whose in-flight count grows with the batch share (GPipe) has no bound here: skip this term.
-    if get_schedule(job.schedule, chunks=job.chunks).max_in_flight(stage=0, num_stages=p) is not None:
+    if memory and get_schedule(job.schedule, chunks=job.chunks).max_in_flight(stage=0, num_stages=p) is not None:
         caps = capacity(book, kind, tp=tp, mbs=mbs)
         cap = caps.total(p, variant=0)
         if cap < n_layers:

@@ -18,7 +18,7 @@ import itertools
 import math
 from collections.abc import Callable
 
-from hethub.memo import Later, Places
+from hethub.memo import Later, Places, reference
 from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples
 from hethub.search.mixed import price_mixed
 from hethub.search.split import PipeCost
@@ -177,12 +177,22 @@ def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | Non
         return max([r.rate for r in s.pure(kind, b, share=1.0)] + [x for _, _, x in s.skipped(kind, b, share=1.0)]
                    + [0.0])
 
+    # Sizes in that order: a heap keyed first by an upper bound of top (the best rate bound,
+    # `Searcher.seeds`), then by top itself when its turn comes (the same order), so that a size the
+    # bound rules out is never scanned; on the reference path by top alone.
+    heap = [((-top(b), i, True) if reference() else (-max([x for x, _, _ in s.seeds(kind, b, share=1.0)] + [0.0])
+                                                       * (1 + 1e-9), i, False)) for i, b in enumerate(sizes)]
+    heapq.heapify(heap)
     exact: Estimate | None = None
     best = 0.0
-    for b in sorted(sizes, key=lambda b: -top(b)):
-        if top(b) * s.counts[kind] < best * (1 - 1e-9):
+    while heap:
+        key, i, known = heapq.heappop(heap)
+        if -key * s.counts[kind] < best * (1 - 1e-9):
             continue
-        found, best_b = _alone(s, results, kind, b)
+        if not known:
+            heapq.heappush(heap, (-top(sizes[i]), i, True))
+            continue
+        found, best_b = _alone(s, results, kind, sizes[i])
         best = max(best, best_b)
         if found is not None and (exact is None or found.step_time_s < exact.step_time_s):
             exact = found
@@ -254,14 +264,20 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
 
 def _promising_mbs(s: Searcher) -> list[int]:
     """Micro-batch sizes worth combining: on large clusters, those within MBS_KEEP of some kind's best
-    pure-template rate (the combination search costs far more than the template scan)."""
+    pure-template rate (the combination search costs far more than the template scan). A size where
+    every kind's rate bound (`Searcher.seeds`) is below MBS_KEEP of a rate found at a size scanned
+    before is not scanned (off the reference path): none of its templates could keep it."""
     sizes = list(s.config.usable_micro_batch_sizes)
     if sum(s.counts.values()) <= SMALL_POOL:
         return sizes
-    best = {(k, b): max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0)
-            for k in s.counts for b in sizes}
-    top = {k: max(best[(k, b)] for b in sizes) for k in s.counts}
-    return [b for b in sizes if any(top[k] > 0 and best[(k, b)] >= MBS_KEEP * top[k] for k in s.counts)]
+    best: dict[tuple[str, int], float] = {}
+    for b in sizes:
+        if reference() or any(max([x for x, _, _ in s.seeds(k, b, share=s.share[k])] + [0.0]) * (1 + 1e-9)
+                              >= MBS_KEEP * max([best[k, a] for a in sizes if (k, a) in best] + [0.0])
+                              for k in s.counts):
+            best.update({(k, b): max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0) for k in s.counts})
+    top = {k: max(best.get((k, b), 0.0) for b in sizes) for k in s.counts}
+    return [b for b in sizes if any(top[k] > 0 and best.get((k, b), 0.0) >= MBS_KEEP * top[k] for k in s.counts)]
 
 
 def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]]) -> list[tuple[list[Group], dict[str, int]]]:

@@ -83,6 +83,7 @@ class Searcher:
         self._pure: dict[tuple[str, int, float], list[Ranked]] = {}
         self._skipped: dict[tuple[str, int, float], list[tuple[int, int, float]]] = {}  # (tp, stages, bound)
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
+        self._seeds: dict[tuple[str, int, float], list[tuple[float, int, int]]] = {}
         self._fits: dict[tuple, bool] = {}
         # mixed.families': (kinds, TP degrees, micro-batch size) -> its Family (a module above this one);
         # (pool as sorted (kind, devices), micro-batch size) -> the pool's families with their boxes.
@@ -217,7 +218,7 @@ class Searcher:
 
         # Seeds: stage shapes split first, so the bar starts near its final height (seeds only raise it
         # earlier: any template's rate is a valid bar, and the scan below takes their templates as split).
-        for tp, p in self._seeds(kind, mbs, share) if prune else ():
+        for _, tp, p in self.seeds(kind, mbs, share=share) if prune else ():
             keep(tp, p, ranked(tp, p))
         # Largest TP first: on the models that need pruning it is usually best, which raises the bar early.
         # Every stage count is considered (the rate is not unimodal in it: a deeper pipeline may win
@@ -239,27 +240,37 @@ class Searcher:
         self._skipped[key] = skipped
         return out
 
-    def _seeds(self, kind: str, mbs: int, share: float) -> list[tuple[int, int]]:
-        """(tp, stages) of the TOP_PER_KIND stage shapes of highest rate bound. The bound is within a
-        few % of the rate (bounds.rate_bound), so these are near the top, and splitting them first
-        puts the scan's bar near its final height before the other stage counts are reached."""
+    def seeds(self, kind: str, mbs: int, *, share: float) -> list[tuple[float, int, int]]:
+        """(rate bound, tp, stages) of the TOP_PER_KIND stage shapes of highest rate bound, best first
+        (cached). The bound is within a few % of the rate (bounds.rate_bound), so these are near the top,
+        and splitting them first puts the scan's bar near its final height before the other stage
+        counts are reached; the first bound is above every template's rate (hetero._promising_mbs)."""
+        if (kind, mbs, share) in self._seeds:
+            return self._seeds[kind, mbs, share]
         n = self.counts[kind]
-        cands = [(self._bound(kind, tp, mbs, p, share), tp, p) for tp in self.tps[kind]
-                 for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
-        cands.sort(key=lambda x: -x[0])
-        return [(tp, p) for b, tp, p in cands[:TOP_PER_KIND] if b > 0]
+        cands = [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
+        # Exact bounds in the order of their loose ones (each at least its exact one), until the
+        # TOP_PER_KIND-th best exact (ties: in cands' order) is above every loose one left.
+        loose = sorted((-self._bound(kind, tp, mbs, p, share, loose=True), i) for i, (tp, p) in enumerate(cands))
+        best: list[tuple[float, int]] = []
+        for neg, i in loose:
+            if len(best) >= TOP_PER_KIND and best[TOP_PER_KIND - 1][0] < neg:
+                break
+            best = sorted([*best, (-self._bound(kind, cands[i][0], mbs, cands[i][1], share), i)])
+        out = self._seeds[kind, mbs, share] = [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0]
+        return out
 
     def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
         """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""
         self.pure(kind, mbs, share=share)
         return list(self._skipped[(kind, mbs, share)])
 
-    def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float) -> float:
-        """bounds.rate_bound of p stages of (kind, tp) over all the kind's devices."""
+    def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float, *, loose: bool = False) -> float:
+        """bounds.rate_bound of p stages of (kind, tp) over all the kind's devices (``loose``: its)."""
         if p > self.model.num_layers + 2:
             return 0.0
         return rate_bound(self.book, self.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=self.counts[kind],
-                          global_batch=self.config.global_batch, share=share)
+                          global_batch=self.config.global_batch, share=share, loose=loose)
 
     def complete(self, kind: str, mbs: int, *, share: float, want: Callable[[int, int, float], bool]) -> bool:
         """Split and rate the templates `pure` skipped for which want(tp, stages, rate bound) holds,

@@ -1,0 +1,85 @@
+"""The template scan's lazy rate bounds give the plain scan's answers: the loose bound
+(`bounds.rate_bound(loose=True)`, memory ignored) is above the exact one, so the seeds computed in
+its order (`Searcher.seeds`) are the top of every exact bound, and the micro-batch sizes the bound
+rules out unscanned (`hetero._promising_mbs`, `hetero._alone_all_sizes`) are those the full scan
+drops; on the reference path (hethub.memo) every bound is exact and every size scanned."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import hethub.search.bounds as bounds
+from hethub.memo import reference_path
+from hethub.search import PlannerConfig
+from hethub.search.hetero import Results, _alone_all_sizes, _promising_mbs, plan_key
+from hethub.search.templates import TOP_PER_KIND, Searcher
+from hethub.spec.cluster import parse_cluster
+from hethub.spec.model import get_model
+
+KINDS = ("h100-sxm", "a100-80gb", "v100-16gb")
+CASES = [("llama-2-70b", "1f1b"), ("llama-2-13b", "zb-h1")]
+
+
+def _searcher(model: str, schedule: str, *, kinds: tuple[str, ...] | None = None) -> Searcher:
+    cluster = parse_cluster({"name": "three", "group": [{"kind": k, "nodes": 4, "devices_per_node": 8}
+                                                        for k in KINDS]}, where="test")  # 96: pruned scans
+    return Searcher(cluster=cluster, model=get_model(model), profiles=None, kinds=kinds,
+                    config=PlannerConfig(global_batch=256, seq_len=4096, schedule=schedule))
+
+
+def _stage_counts(s: Searcher, kind: str) -> list[tuple[int, int]]:
+    return [(tp, p) for tp in s.tps[kind] for p in range(1, min(s.counts[kind] // tp, s.model.num_layers + 2) + 1)]
+
+
+@pytest.mark.parametrize(("model", "schedule"), CASES)
+def test_loose_bound_is_above_the_bound_and_seeds_are_the_top_bounds(model, schedule):
+    s = _searcher(model, schedule)
+    for kind, mbs in itertools.product(s.counts, s.config.usable_micro_batch_sizes):
+        share = s.share[kind]
+        exact = [(s._bound(kind, tp, mbs, p, share), tp, p) for tp, p in _stage_counts(s, kind)]
+        for b, tp, p in exact:
+            assert s._bound(kind, tp, mbs, p, share, loose=True) >= b
+        plain = sorted(exact, key=lambda x: -x[0])[:TOP_PER_KIND]  # the plain rule: every bound, sorted
+        assert s.seeds(kind, mbs, share=share) == [x for x in plain if x[0] > 0]
+
+
+def _sizes_and_alone(model: str, schedule: str) -> tuple:
+    s = _searcher(model, schedule)
+    promising = _promising_mbs(s)
+    alone = []
+    for kind in s.counts:
+        k = _searcher(model, schedule, kinds=(kind,))
+        results = Results(4, fits=k.fits)
+        best = _alone_all_sizes(k, results, kind)
+        alone.append((plan_key(best) if best else None, [plan_key(e) for e in results.ranked()],
+                      len({key[1] for key in k._pure})))
+    return promising, len({key[1] for key in s._pure}), alone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "schedule"), CASES)
+def test_sizes_the_bound_rules_out_are_those_the_full_scan_drops(model, schedule):
+    with reference_path():
+        want, want_scanned, want_alone = _sizes_and_alone(model, schedule)
+    got, scanned, alone = _sizes_and_alone(model, schedule)
+    assert got == want
+    assert [a[:2] for a in alone] == [a[:2] for a in want_alone]
+    assert scanned <= want_scanned and all(a[2] <= b[2] for a, b in zip(alone, want_alone, strict=True))
+
+
+def test_a_loose_bound_below_the_bound_would_change_the_seeds(monkeypatch):
+    # The comparison above can fail: a "loose" bound that is not above the exact one reorders the seeds.
+    s = _searcher(*CASES[0])
+    kind, mbs = "h100-sxm", 1
+    want = s.seeds(kind, mbs, share=1.0)
+    rate_bound = bounds.rate_bound
+
+    def low(*args, loose: bool = False, **kw) -> float:
+        b = rate_bound(*args, **kw)
+        return b * (0.5 if loose and kw["p"] == want[0][2] else 1.0)
+
+    monkeypatch.setattr("hethub.search.templates.rate_bound", low)
+    t = _searcher(*CASES[0])
+    assert t.seeds(kind, mbs, share=1.0) != want
