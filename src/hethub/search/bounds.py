@@ -39,11 +39,11 @@ from hethub.search.split import Cache, CostBook, Slot
 
 # The floors' caches in each job's CostBook.
 _PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
-_STAGE_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("stage-modes")
-_SEGMENT_TERMS: Cache[tuple[float, float, float, float, float, float]] = Cache("segment-terms")
-_SEGMENT_MEMORY: Cache[tuple | None] = Cache("segment-memory")
-_MIDDLE_RUNS: Cache[_MiddleRuns] = Cache("middle-runs")
-_SEGMENT_HOPS: Cache[tuple[float, float]] = Cache("segment-hops")
+_STAGE_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("stage-modes", shared=True)
+_SEGMENT_TERMS: Cache[tuple[float, float, float, float, float, float]] = Cache("segment-terms", shared=True)
+_SEGMENT_MEMORY: Cache[tuple | None] = Cache("segment-memory", shared=True)
+_MIDDLE_RUNS: Cache[_MiddleRuns] = Cache("middle-runs", shared=True)
+_SEGMENT_HOPS: Cache[tuple[float, float]] = Cache("segment-hops", shared=True)
 _IN_FLIGHT_BOUNDS: Cache[dict[int, tuple[int, ...]]] = Cache("in-flight bounds")
 _CAPACITY: Cache[Capacity] = Cache("capacity")
 _TEMPLATE_FLOORS: Cache[tuple[float, float] | None] = Cache("template floors")

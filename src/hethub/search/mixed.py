@@ -36,7 +36,7 @@ from hethub.search.sync_floors import SyncFloors
 from hethub.search.templates import Searcher
 
 # The mixed search's caches in each job's CostBook.
-_FAMILY_MODES: Cache[tuple[tuple[int, float], ...]] = Cache("family-modes")
+_FAMILY_MODES: Cache[tuple[tuple[int, float], ...]] = Cache("family-modes", shared=True)
 _SORTED_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights-sorted")
 _KIND_CONSTANTS: Cache[tuple[float, float, float, float, float]] = Cache("mixed-consts")
 

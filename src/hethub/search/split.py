@@ -298,15 +298,22 @@ V = TypeVar("V")
 
 class Cache(Generic[V]):
     """One named, typed cache of a CostBook, declared once by the module that fills it
-    (``CAPACITY: Cache[Capacity] = Cache("capacity")``, read as ``book.cache(CAPACITY)``)."""
+    (``CAPACITY: Cache[Capacity] = Cache("capacity")``, read as ``book.cache(CAPACITY)``). ``shared``: its
+    entries depend on the stage models alone (`CostBook.modes`, the links), not the schedule, so books of
+    equal stage models (the enumerations' ZB-H1 and 1F1B) share one (off the reference path, hethub.memo)."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "shared")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, *, shared: bool = False) -> None:
+        self.name, self.shared = name, shared
 
     def __repr__(self) -> str:
         return f"Cache({self.name!r})"
+
+
+_SHARED = Kept(1 << 10, shortcut=True)  # the shared Caches (Cache.shared) of equal stage models
+_OPTIONS: Cache[list[_Option]] = Cache("options", shared=True)
+_RECOMPUTE_FLOORS: Cache[RecomputeFloor] = Cache("recompute floors", shared=True)
 
 
 class CostBook:
@@ -321,16 +328,19 @@ class CostBook:
         self._cache: dict[tuple[str, int, int, Recompute, bool], StageModel] = {}
         self.splits: dict[tuple, list[PipeCost]] = {}  # by (slots, micro-batch size[, recompute])
         self.fixed: dict[tuple, PipeCost | None] = {}  # given layer counts, by (slots, micro-batch size, counts)
-        self.options: dict[tuple, list[_Option]] = {}  # split._options
-        self.recompute_floors: dict[tuple[str, int, int], RecomputeFloor] = {}
         self.solo: dict[tuple[int, int], tuple[PipeCost, float]] = {}  # (id(pipe), replicas) -> (pipe, sync tail)
         self._caches: dict[Cache[Any], dict[Any, Any]] = {}  # the floors' (bounds.py, mixed.py, sync_floors.py)
+        self._models_key = (*self._job_key, job.relax_memory, job.mem_headroom, job.optimizer_shard_holders,
+                            job.zero_stage, job.sequence_parallel)  # all CostBook.modes reads
+        self.options: dict[tuple, list[_Option]] = self.cache(_OPTIONS)  # split._options
+        self.recompute_floors: dict[tuple[str, int, int], RecomputeFloor] = self.cache(_RECOMPUTE_FLOORS)
 
     def cache(self, which: Cache[V]) -> dict[Any, V]:
         """The cache ``which`` of this book (empty at first)."""
         hit = self._caches.get(which)
         if hit is None:
-            hit = self._caches[which] = {}
+            hit = self._caches[which] = _SHARED.get((*self._models_key, which.name), dict, pin=self._pins) \
+                if which.shared else {}
         return hit
 
     def recompute_floor(self, kind: str, *, tp: int, mbs: int) -> RecomputeFloor:

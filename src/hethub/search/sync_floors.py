@@ -13,8 +13,8 @@ from hethub.search.split import Cache, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
 
-_LAYER_RINGS: Cache[float] = Cache("layer-sync-floors")  # by SyncFloors._ring's arguments
-_EMBEDDING_RINGS: Cache[float] = Cache("embedding-sync-floors")  # by (kinds, smallest TP, replicas, devices)
+_LAYER_RINGS: Cache[float] = Cache("layer-sync-floors", shared=True)  # by SyncFloors._ring's arguments
+_EMBEDDING_RINGS: Cache[float] = Cache("embedding-sync-floors", shared=True)  # (kinds, least TP, replicas, devices)
 
 
 class SyncFloors:
