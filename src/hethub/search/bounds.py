@@ -70,8 +70,7 @@ class Capacity:
     def _at(self, variant: int, *, emb: bool, head: bool, in_flight: int) -> int:
         """Best layer count of one stage: 0 = without recomputation, 1 = the better of both."""
         key = (variant, emb, head, in_flight)
-        hit = self._ats.get(key)
-        if hit is None:  # totals for every p ask the same few stage shapes again (O(p^2) calls)
+        if (hit := self._ats.get(key)) is None:  # totals for every p ask the same few stage shapes again (O(p^2) calls)
             n = self.models[0].max_layers(emb=emb, head=head, in_flight=in_flight, limit=self.limit)
             if variant:
                 n = max(n, self.models[1].max_layers(emb=emb, head=head, in_flight=in_flight, limit=self.limit))
@@ -129,10 +128,9 @@ def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
 
 def rate_bound(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int, p: int, kind_devices: int,
                global_batch: int, share: float, loose: bool = False) -> float:
-    """Upper bound on `Searcher.rate` of every split of p stages (kind, tp), 0 when none can fit.
-    ``loose``: one at least that bound, for a fraction of its cost (memory ignored: no capacity terms;
-    1e-9 above, as `smallest_holding` may end 1e-12 below the bottleneck it starts from); the bound
-    itself on the reference path (hethub.memo), so a caller's lazy order is the plain one there."""
+    """Upper bound on `Searcher.rate` of every split of p stages (kind, tp), 0 when none can fit. ``loose``: one
+    above it at a fraction of its cost (no memory terms; 1e-9 up: `smallest_holding` may end 1e-12 below its
+    start), the bound itself on the reference path (hethub.memo), where lazy orders by it are the plain ones."""
     loose = loose and not reference()
     c = kind_devices // (p * tp)
     key = (kind, tp, mbs, p, loose)
@@ -149,8 +147,8 @@ def rate_bound(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int,
 
 def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int,
                     p: int, memory: bool = True) -> tuple[float, float] | None:
-    """(work + 2 (p - 1) p2p, bottleneck) below every split of p stages (kind, tp); None: none fits.
-    Without ``memory``, the capacity terms left out: a floor below this one."""
+    """(work + 2 (p - 1) p2p, bottleneck) below every split of p stages (kind, tp), without ``memory`` below
+    that (no capacity terms); None: none fits."""
     job = book.job
     n_layers = job.model.num_layers
     if p > n_layers + 2:
@@ -443,8 +441,7 @@ class Runs:
 def in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int, ...]:
     """Each stage's planning_in_flight (what split.split_layers sizes it for) of a p-stage pipeline."""
     key = (sched.name, p, hint)
-    hit = book.cache(_PLANNING_IN_FLIGHTS).get(key)
-    if hit is None:
+    if (hit := book.cache(_PLANNING_IN_FLIGHTS).get(key)) is None:
         hit = book.cache(_PLANNING_IN_FLIGHTS)[key] = tuple(sched.planning_in_flight(stage=s, num_stages=p,
                                                                       expected_micro_batches=hint) for s in range(p))
     return hit
@@ -455,8 +452,7 @@ def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: b
     """(capacity in layers, -1 if not even none fit; cost per layer; base) of one stage position in each
     mode (none first), as split._options prices it; cached (every floor asks the same positions)."""
     key = (kind, tp, mbs, emb, head, in_flight)
-    hit = book.cache(_STAGE_MODES).get(key)
-    if hit is None:
+    if (hit := book.cache(_STAGE_MODES).get(key)) is None:
         n_layers, out = book.job.model.num_layers, []
         for v in book.modes(kind, tp=tp, mbs=mbs):
             cap = v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
@@ -472,8 +468,7 @@ def segment_terms(book: CostBook, kind: str, tp: int, n: int, mbs: int, first: b
     neither): sum 1 / w_s, sum base_s / w_s, sum base_s, the least w, a middle stage's least one-layer
     work and the least extra recomputation costs per layer (inf: none); cached per segment shape."""
     key = (kind, tp, n, mbs, first, last, n_modes)
-    hit = book.cache(_SEGMENT_TERMS).get(key)
-    if hit is None:
+    if (hit := book.cache(_SEGMENT_TERMS).get(key)) is None:
         variants = book.modes(kind, tp=tp, mbs=mbs)[:n_modes]
         mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in variants)
         # The segment's stages by what they hold besides layers: the embedding (first stage of the
@@ -554,11 +549,8 @@ def segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple[
 
 
 def _middle_runs(book: CostBook, kind: str, tp: int, mbs: int, n_modes: int) -> _MiddleRuns:
-    key = (kind, tp, mbs, n_modes)
-    hit = book.cache(_MIDDLE_RUNS).get(key)
-    if hit is None:
-        hit = book.cache(_MIDDLE_RUNS)[key] = _MiddleRuns(kind, tp, mbs, n_modes)
-    return hit
+    runs, key = book.cache(_MIDDLE_RUNS), (kind, tp, mbs, n_modes)
+    return runs.get(key) or runs.setdefault(key, _MiddleRuns(kind, tp, mbs, n_modes))
 
 
 class _MiddleRuns:

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from hethub.memo import Later, Places, reference
 from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples
 from hethub.search.mixed import price_mixed
-from hethub.search.split import PipeCost
 from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
 
 TOP_FOR_MIXED = 4
@@ -59,17 +58,15 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
         # The skipped stage count of highest rate bound that fits and could beat it, split one at a time:
         # its templates may raise the bar above the others' bounds.
         floor = best.rate if best else 0.0
-        fits = [(bound, tp, p) for tp, p, bound in s.skipped(kind, mbs, share=share)
-                if tp * p <= left and bound > floor]
+        fits = [(b, tp, p) for tp, p, b in s.skipped(kind, mbs, share=share) if tp * p <= left and b > floor]
         if fits:
             _, tp, p = max(fits)
             s.complete(kind, mbs, share=share, want=lambda tp_, p_, _b, tp=tp, p=p: (tp_, p_) == (tp, p))
             continue
         if best is None:
             break
-        d = best.pipe.num_devices
-        groups.append(Group(best.pipe, left // d))
-        left -= (left // d) * d
+        groups.append(Group(best.pipe, left // best.pipe.num_devices))
+        left %= best.pipe.num_devices
     s.fills[key] = (groups, left)
     return list(groups), left
 
@@ -177,14 +174,12 @@ def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | Non
         return max([r.rate for r in s.pure(kind, b, share=1.0)] + [x for _, _, x in s.skipped(kind, b, share=1.0)]
                    + [0.0])
 
-    # Sizes in that order: a heap keyed first by an upper bound of top (the best rate bound,
-    # `Searcher.seeds`), then by top itself when its turn comes (the same order), so that a size the
-    # bound rules out is never scanned; on the reference path by top alone.
+    # Sizes in that order, a heap keyed by an upper bound of top (the best rate bound, `Searcher.seeds`) until
+    # their turn, then by top (the same order): a size the bound rules out is never scanned (reference: top).
     heap = [((-top(b), i, True) if reference() else (-max([x for x, _, _ in s.seeds(kind, b, share=1.0)] + [0.0])
                                                        * (1 + 1e-9), i, False)) for i, b in enumerate(sizes)]
     heapq.heapify(heap)
-    exact: Estimate | None = None
-    best = 0.0
+    exact, best = None, 0.0
     while heap:
         key, i, known = heapq.heappop(heap)
         if -key * s.counts[kind] < best * (1 - 1e-9):
@@ -264,9 +259,8 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
 
 def _promising_mbs(s: Searcher) -> list[int]:
     """Micro-batch sizes worth combining: on large clusters, those within MBS_KEEP of some kind's best
-    pure-template rate (the combination search costs far more than the template scan). A size where
-    every kind's rate bound (`Searcher.seeds`) is below MBS_KEEP of a rate found at a size scanned
-    before is not scanned (off the reference path): none of its templates could keep it."""
+    pure-template rate (the combination search costs far more than the template scan). A size whose every
+    kind's best rate bound (`Searcher.seeds`) is below MBS_KEEP of a rate found before is not scanned."""
     sizes = list(s.config.usable_micro_batch_sizes)
     if sum(s.counts.values()) <= SMALL_POOL:
         return sizes
@@ -290,10 +284,9 @@ def _mixed_around(s: Searcher, choice: list[tuple[str, Ranked | None]]) -> list[
         pure: list[Group] = []
         pool: dict[str, int] = {k: s.counts[k] for k, r in choice if r is None}
         for k, r in used:
-            pipe: PipeCost = r.pipe
-            c = max(0, s.counts[k] // pipe.num_devices - release)
-            pure.append(Group(pipe, c))
-            pool[k] = s.counts[k] - c * pipe.num_devices
+            c = max(0, s.counts[k] // r.pipe.num_devices - release)
+            pure.append(Group(r.pipe, c))
+            pool[k] = s.counts[k] - c * r.pipe.num_devices
         out.append(([g for g in pure if g.count > 0], pool))
     return out
 

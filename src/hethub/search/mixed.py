@@ -23,14 +23,7 @@ from hethub.memo import reference
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
 from hethub.search.bounds import PipeFloor, Runs, pipe_floor, smallest_holding, stage_modes
-from hethub.search.combine import (
-    Estimate,
-    Group,
-    bisect_time,
-    finished_mb,
-    lines_level_beside,
-    water_level_with,
-)
+from hethub.search.combine import Estimate, Group, bisect_time, finished_mb, lines_level_beside, water_level_with
 from hethub.search.split import Cache, Slot
 from hethub.search.sync_floors import SyncFloors
 from hethub.search.templates import Searcher
@@ -105,8 +98,7 @@ def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = N
     devices and most stages per kind."""
     rate = fam.rate_terms[4] if rate is None else rate
     key = (id(fam), total, rate)
-    hit = ctx.rate_levels.get(key)
-    if hit is None:
+    if (hit := ctx.rate_levels.get(key)) is None:
         c_min, c_max, devices, top, _ = fam.rate_terms
         f0 = fam.sched.fill_work_floor_s(work_s=fam.work_min, bottleneck_s=0.0)
         # by T the stream of the family's pipelines finishes c_max at F0 and one more every 1 / R after
@@ -331,11 +323,9 @@ class Family:
     def caps(self, in_flight: int) -> tuple[list[int], list[int]]:
         """Most layers a middle stage of each kind holds with `in_flight` micro-batches (any mode;
         -1: not even none), and the same without recomputation."""
-        hit = self._caps.get(in_flight)
-        if hit is None:
+        if (hit := self._caps.get(in_flight)) is None:
             modes = [self.modes(i, in_flight) for i in range(len(self.subset))]
-            hit = self._caps[in_flight] = ([max(c for c, _ in m) for m in modes],
-                                           [max(m[0][0], 0) for m in modes])
+            hit = self._caps[in_flight] = ([max(c for c, _ in m) for m in modes], [max(m[0][0], 0) for m in modes])
         return hit
 
     def modes(self, i: int, in_flight: int) -> tuple[tuple[int, float], ...]:
@@ -357,8 +347,7 @@ class Family:
         member's j-th smallest is at least this list's (its last, past the list's end)."""
         hint = 1 if self.bounded else self.s.in_flight_hint(devices, self.mbs)
         key = (self.sched.name, stages, hint)
-        hit = self.book.cache(_SORTED_IN_FLIGHTS).get(key)
-        if hit is None:
+        if (hit := self.book.cache(_SORTED_IN_FLIGHTS).get(key)) is None:
             hit = self.book.cache(_SORTED_IN_FLIGHTS)[key] = tuple(sorted(
                 self.sched.planning_in_flight(stage=i, num_stages=stages, expected_micro_batches=hint)
                 for i in range(stages)))
@@ -426,8 +415,7 @@ class Family:
 
     def _saturation_order(self, in_flight: int) -> tuple[int, ...]:
         """The kinds by the time a middle stage of each takes to fill its capacity (cap_k w_k)."""
-        hit = self._orders.get(in_flight)
-        if hit is None:
+        if (hit := self._orders.get(in_flight)) is None:
             cap = self.caps(in_flight)[0]
             hit = self._orders[in_flight] = tuple(sorted(range(len(cap)), key=lambda j: cap[j] * self.w[j]))
         return hit
@@ -435,10 +423,8 @@ class Family:
     def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
         """`modes` as holding.smallest_holding takes them, bases 0 and capacities at least 0."""
         key = (i, in_flight)
-        hit = self._held.get(key)
-        if hit is None:
-            hit = self._held[key] = tuple((max(c, 0), w, 0.0) for c, w in self.modes(i, in_flight))
-        return hit
+        return self._held.get(key) or self._held.setdefault(key, tuple((max(c, 0), w, 0.0) for c, w in
+                                                                        self.modes(i, in_flight)))
 
 
 def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, list[tuple]]]:
@@ -484,8 +470,7 @@ def _consts(s: Searcher, kind: str, tp: int, mbs: int) -> tuple:
     recomputation, the embedding's and the head's extra cost, a hop between two such stages, and
     recomputation's extra per layer."""
     key = (kind, tp, mbs)
-    hit = s.book.cache(_KIND_CONSTANTS).get(key)
-    if hit is None:
+    if (hit := s.book.cache(_KIND_CONSTANTS).get(key)) is None:
         variants = [s.book.stage(kind, tp=tp, mbs=mbs, recompute=False), s.book.recompute_floor(kind, tp=tp, mbs=mbs)]
         if not s.config.allow_recompute:
             variants = variants[:1]

@@ -100,8 +100,7 @@ class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
 
 
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
-                 hops: PipeHops, in_flight_hint: int = 1,
-                 slacks: tuple[float, ...] = (1.0,)) -> list[PipeCost]:
+                 hops: PipeHops, in_flight_hint: int = 1, slacks: tuple[float, ...] = (1.0,)) -> list[PipeCost]:
     """Good layer splits for these stages (one per bottleneck slack), or [] when the model cannot fit."""
     job = book.job
     model: ModelSpec = job.model
@@ -176,8 +175,7 @@ def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float,
 
 
 def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...], *, mbs: int,
-                allow_recompute: bool, hops: PipeHops,
-                in_flight_hint: int = 1) -> PipeCost | None:
+                allow_recompute: bool, hops: PipeHops, in_flight_hint: int = 1) -> PipeCost | None:
     """Price these stages with a given layer split (recomputing where needed), or None if it cannot fit."""
     job, p = book.job, len(slots)
     sched = get_schedule(job.schedule, chunks=job.chunks)
@@ -337,8 +335,7 @@ class CostBook:
 
     def cache(self, which: Cache[V]) -> dict[Any, V]:
         """The cache ``which`` of this book (empty at first)."""
-        hit = self._caches.get(which)
-        if hit is None:
+        if (hit := self._caches.get(which)) is None:
             hit = self._caches[which] = _SHARED.get((*self._models_key, which.name), dict, pin=self._pins) \
                 if which.shared else {}
         return hit
@@ -346,10 +343,8 @@ class CostBook:
     def recompute_floor(self, kind: str, *, tp: int, mbs: int) -> RecomputeFloor:
         """The floors' stand-in for every recomputing mode of one stage shape (see RecomputeFloor)."""
         key = (kind, tp, mbs)
-        hit = self.recompute_floors.get(key)
-        if hit is None:
-            hit = self.recompute_floors[key] = RecomputeFloor(*self.modes(kind, tp=tp, mbs=mbs)[1:])
-        return hit
+        return self.recompute_floors.get(key) or self.recompute_floors.setdefault(
+            key, RecomputeFloor(*self.modes(kind, tp=tp, mbs=mbs)[1:]))
 
     def modes(self, kind: str, *, tp: int, mbs: int, allow_recompute: bool = True) -> list[StageCost]:
         """Every mode a split may give a stage of this shape, plain ``none`` first: each recomputation
@@ -372,8 +367,7 @@ class CostBook:
             cap = float("inf") if j.relax_memory else usable_bytes(k, headroom=j.mem_headroom)
             # Books of other schedules (the enumeration's, the variants') ask the same shapes: one model
             # each, with its solved layer counts and step times.
-            sm = self._cache[key] = _STAGES.get(
-                (*self._job_key, *key, cap, j.optimizer_shard_holders, j.zero_stage),
+            sm = self._cache[key] = _STAGES.get((*self._job_key, *key, cap, j.optimizer_shard_holders, j.zero_stage),
                 lambda: StageModel(self.stage_job, k, tp=tp, mbs=mbs, recompute=recompute, capacity_bytes=cap,
                                    shard_holders=j.optimizer_shard_holders, sp=sp, zero_stage=j.zero_stage),
                 pin=self._pins)

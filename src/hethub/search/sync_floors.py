@@ -54,8 +54,7 @@ class SyncFloors:
         synced fused, which achieves more than one by one."""
         devices = min(devices, self._dev_cap)
         key = (kinds, tp, replicas, devices, pure, rest)
-        hit = self._layer_rings.get(key)
-        if hit is None:
+        if (hit := self._layer_rings.get(key)) is None:
             m, counts = self.s.model, None if pure is None else dict(pure)
             if counts is not None:
                 counts[rest] = counts.get(rest, 0) + replicas - sum(counts.values())
@@ -74,8 +73,7 @@ class SyncFloors:
         holders and any one mixed stage of the kinds `mixed` (a floor: the least of those rings)."""
         devices = min(devices, self._dev_cap)
         key = (replicas, devices, mixed)
-        hit = self._pure_tail.get(key)
-        if hit is None:
+        if (hit := self._pure_tail.get(key)) is None:
             n_layers = self.s.model.num_layers
             bounds = [set(block_starts(g.pipe.layers)) | {n_layers} for g in self.pure]
             common = set.intersection(*bounds) | {0, n_layers}
@@ -102,8 +100,7 @@ class SyncFloors:
         of at least `devices` devices whose (first, last) stages are one of `pairs`; more replicas and
         more devices only slow a ring down, so a box's smallest are a floor for all of it."""
         key = (tuple(pairs), c, devices)
-        hit = self._sync.get(key)
-        if hit is None:
+        if (hit := self._sync.get(key)) is None:
             replicas, total = self.replicas + c, min(self.devices + c * devices, self._dev_cap)
             hit = math.inf if replicas > 1 else 0.0
             s, tied = self.s, self.s.model.tied_embeddings
@@ -135,8 +132,7 @@ class SyncFloors:
             return 0.0
         total = min(self.devices + c * devices, self._dev_cap)
         key = (segs, replicas, total)
-        hit = self._tails.get(key)
-        if hit is None:
+        if (hit := self._tails.get(key)) is None:
             pure = self._chains(replicas, total, frozenset(k for k, _, _ in segs)) if self.pure else 0.0
             inv = sum(n / r for k, tp, n in segs if (r := self._ring(self._kind_sets[k], tp, replicas, total,
                                                                       self._counts, k)) > 0)

@@ -91,11 +91,9 @@ class Searcher:
         self.pool_families: dict[tuple[tuple[tuple[str, int], ...], int], list[tuple[Any, list[tuple]]]] = {}
 
     def splits(self, slots: tuple[Slot, ...], mbs: int) -> list[PipeCost]:
-        """The min-max split, plus the best split without recomputation when that one recomputes.
-
-        Min-max is right for many micro-batches; with few, the fill/drain (the sum over stages)
-        weighs as much, and avoiding recomputation can beat a slightly lower bottleneck.
-        """
+        """The min-max split, plus the best split without recomputation when that one recomputes. Min-max
+        is right for many micro-batches; with few, the fill/drain (the sum over stages) weighs as much,
+        and avoiding recomputation can beat a slightly lower bottleneck."""
         key = (slots, mbs)
         if key not in self.book.splits:
             first = self.split_part(slots, mbs, recompute=self.config.allow_recompute)
@@ -108,15 +106,13 @@ class Searcher:
         """One half of `splits`: the splits with recomputation allowed, or those without any (cached);
         the mixed search asks for the second only where its floor could still enter the finalists."""
         key = (slots, mbs, recompute)
-        hit = self.book.splits.get(key)
-        if hit is None:
+        if (hit := self.book.splits.get(key)) is None:
             hint = self.in_flight_hint(sum(sl.tp for sl in slots), mbs)
             # Small clusters run few micro-batches per pipeline, where trading bottleneck for fill
             # and drain pays; large ones do not, and the variants would cost search time.
             slacks = (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
             hit = self.book.splits[key] = split_layers(self.book, slots, mbs=mbs, allow_recompute=recompute,
-                                                       hops=self.links.pipe_hops, in_flight_hint=hint,
-                                                       slacks=slacks)
+                                                       hops=self.links.pipe_hops, in_flight_hint=hint, slacks=slacks)
         return hit
 
     def in_flight_hint(self, devices: int, mbs: int) -> int:
@@ -146,8 +142,7 @@ class Searcher:
         if self.job.relax_memory or len({sl.tp for g in est.groups for sl in g.pipe.slots}) == 1:
             return True
         key = (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
-        hit = self._fits.get(key)
-        if hit is None:
+        if (hit := self._fits.get(key)) is None:
             cfg = self.config
             if cfg.optimizer_sharding == "none":
                 # Two replicas per group have the same sync shape as all of them (whether a stage is
@@ -168,7 +163,6 @@ class Searcher:
 
     def rate(self, pipe: PipeCost, *, kind_devices: int, share: float) -> float:
         """Samples/s per device of `pipe` replicated over its kind, running that kind's share of the batch.
-
         With one group of c identical pipelines (each holding >= 1 micro-batch), the step is the
         slowest pipeline's T(ceil(mb / c)) plus a sync tail that does not depend on T (combine.step_time_s
         only shifts by it). The tail is cached per (pipe, c) in the CostBook, so the kind-alone searches
@@ -179,22 +173,17 @@ class Searcher:
             return 0.0
         mb = max(c, round(self.config.global_batch // pipe.mbs * share))
         key = (id(pipe), c)
-        hit = self.book.solo.get(key)
-        if hit is None:  # keep the pipe alive with its tail so the id cannot be reused
-            tail = step_time_s([Group(pipe, c)], [0.0], links=self.links, model=self.model,
-                               precision=self.config.precision)
-            hit = self.book.solo[key] = (pipe, tail)
+        if (hit := self.book.solo.get(key)) is None:  # keep the pipe alive with its tail so the id cannot be reused
+            hit = self.book.solo[key] = (pipe, step_time_s([Group(pipe, c)], [0.0], links=self.links, model=self.model,
+                                                           precision=self.config.precision))
         return mb * pipe.mbs / (pipe.time_s(-(-mb // c)) + hit[1]) / (c * pipe.num_devices)
 
     def pure(self, kind: str, mbs: int, *, share: float) -> list[Ranked]:
-        """Scanned kind-pure templates of `kind`, best rate first.
-
-        On clusters over SMALL_CLUSTER devices, a stage count whose closed-form rate bound
-        (bounds.py) is below the TOP_PER_KIND-th best distinct template found so far is not split
-        yet: it cannot enter the kind's top templates. Such a count still extends the scan as if it
-        had been the best so far whenever its bound allows that, so every stage count the full
-        scan reaches is still reached; `complete` splits skipped ones when another use needs them.
-        """
+        """Scanned kind-pure templates of `kind`, best rate first. On clusters over SMALL_CLUSTER devices,
+        a stage count whose closed-form rate bound (bounds.py) is below the TOP_PER_KIND-th best distinct
+        template found so far is not split yet: it cannot enter the kind's top templates. Such a count
+        still extends the scan as if it had been the best so far whenever its bound allows that, so every
+        stage count the full scan reaches is still reached; `complete` splits skipped ones when needed."""
         key = (kind, mbs, share)
         if key in self._pure:
             return self._pure[key]
@@ -244,21 +233,18 @@ class Searcher:
         """(rate bound, tp, stages) of the TOP_PER_KIND stage shapes of highest rate bound, best first
         (cached). The bound is within a few % of the rate (bounds.rate_bound), so these are near the top,
         and splitting them first puts the scan's bar near its final height before the other stage
-        counts are reached; the first bound is above every template's rate (hetero._promising_mbs)."""
-        if (kind, mbs, share) in self._seeds:
-            return self._seeds[kind, mbs, share]
-        n = self.counts[kind]
+        counts are reached; the first bound is above every template's rate (hetero._promising_mbs). Exact
+        bounds are computed in the order of their loose ones (each at least its exact one), until the
+        TOP_PER_KIND-th best exact (ties: in stage-shape order) is above every loose one left."""
+        key, n = (kind, mbs, share), self.counts[kind]
         cands = [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
-        # Exact bounds in the order of their loose ones (each at least its exact one), until the
-        # TOP_PER_KIND-th best exact (ties: in cands' order) is above every loose one left.
-        loose = sorted((-self._bound(kind, tp, mbs, p, share, loose=True), i) for i, (tp, p) in enumerate(cands))
         best: list[tuple[float, int]] = []
-        for neg, i in loose:
+        for neg, i in [] if key in self._seeds else sorted(
+                (-self._bound(kind, tp, mbs, p, share, loose=True), i) for i, (tp, p) in enumerate(cands)):
             if len(best) >= TOP_PER_KIND and best[TOP_PER_KIND - 1][0] < neg:
                 break
             best = sorted([*best, (-self._bound(kind, cands[i][0], mbs, cands[i][1], share), i)])
-        out = self._seeds[kind, mbs, share] = [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0]
-        return out
+        return self._seeds.setdefault(key, [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0])
 
     def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
         """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""
