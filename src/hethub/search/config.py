@@ -85,7 +85,8 @@ class PlannerConfig:
         for name in ("micro_batch_sizes", "tp_degrees"):
             vals = getattr(self, name)
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
-                raise bad(name, f"must be a non-empty tuple of positive integers, got {vals!r}", "give e.g. (1, 2, 4)")
+                raise bad(name, f"must be a non-empty tuple of positive integers, got {vals!r}",
+                          "give e.g. (1, 2, 4)")
         if self.optimizer_sharding not in (*PLANNED_SHARDINGS, "auto"):
             raise bad("optimizer_sharding", f"is {self.optimizer_sharding!r}",
                       f"use one of {', '.join(PLANNED_SHARDINGS)} or auto")
