@@ -26,7 +26,8 @@ from pathlib import Path
 from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.plan_parts import interleave
-from hethub.predict.predictor import predict, stage_memory_fits
+from hethub.predict.predictor import predict
+from hethub.predict.stage_fits import stage_memory_fits
 from hethub.spec.model import get_model
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -11,7 +11,7 @@ import pytest
 
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.memory.p2p import MessageBytes, p2p_buffer_bytes
-from hethub.predict.predictor import StageFits
+from hethub.predict.stage_fits import StageFits
 from hethub.predict.stage_modes import choose_recompute, fits_some_mode
 from hethub.schedules import get_schedule
 from hethub.schedules.messages import max_live_messages

@@ -20,7 +20,8 @@ from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
 from hethub.predict.host import HostModel
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import StageFits, may_fit_below, predict, step_floor_s
+from hethub.predict.predictor import may_fit_below, predict, step_floor_s
+from hethub.predict.stage_fits import StageFits
 from hethub.spec.cluster import EmulationHost
 
 NONE, SELECTIVE, FULL = Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL

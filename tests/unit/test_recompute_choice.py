@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from hethub.plan import Plan, Recompute
-from hethub.predict.predictor import predict, stage_memory_fits
+from hethub.predict.predictor import predict
+from hethub.predict.stage_fits import stage_memory_fits
 from hethub.predict.stage_modes import choose_recompute
 from hethub.search.config import PlannerConfig
 from hethub.search.planner import make_plan

@@ -24,7 +24,7 @@ from hethub.plan_parts import interleave
 from hethub.predict import shard_memory
 from hethub.predict.memory import StageMemory
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import StageFits, predict
+from hethub.predict.predictor import predict
 from hethub.predict.sharding import (
     bucket_sums,
     buckets,
@@ -35,6 +35,7 @@ from hethub.predict.sharding import (
     stage_elems_of,
     stage_shard_elems,
 )
+from hethub.predict.stage_fits import StageFits
 from hethub.predict.stage_modes import ModeFits, choose_recompute, fits_some_mode, stage_modes
 from hethub.predict.zero23_bytes import zero23_stage_bytes
 from hethub.spec.model import ModelSpec
@@ -265,7 +266,7 @@ def test_the_screen_decides_away_from_the_edge_and_defers_at_it(monkeypatch: pyt
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr("hethub.predict.predictor.screened_fits", counted)
+    monkeypatch.setattr("hethub.predict.stage_fits.screened_fits", counted)
     plan = PLANS["zero1-proportional"]
     with reference_path():
         headrooms = _tight(plan)

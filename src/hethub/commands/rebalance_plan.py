@@ -22,7 +22,8 @@ from hethub.errors import HethubError
 from hethub.layout import block_starts
 from hethub.plan import Plan
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
-from hethub.predict.predictor import predict, stage_memory_fits
+from hethub.predict.predictor import predict
+from hethub.predict.stage_fits import stage_memory_fits
 from hethub.rebalance import rebalanced_of
 from hethub.rebalance.policy import META_KEY
 

@@ -43,128 +43,16 @@ from hethub.predict.memory import (
 from hethub.predict.plan_costs import PlanCosts, StageStepCost
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
-from hethub.predict.shard_memory import (
-    SCREEN_MARGIN,
-    screened_fits,
-    shard_weights,
-    sharded_stage,
-    with_sharding,
-    zero23_held,
-)
+from hethub.predict.shard_memory import shard_weights, with_sharding
 from hethub.predict.sharding import rank_weights
+from hethub.predict.stage_fits import StageFits, stage_mem
 from hethub.predict.sync import simulate_sync, sync_groups, world_collectives
 from hethub.predict.sync_overlap import exposed_sync_groups, unoverlapped_sync_s
 from hethub.predict.sync_records import SyncResult
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.runtimes import runtime_profile
-from hethub.schedules import DEFAULT_P2P, Schedule, get_schedule
+from hethub.schedules import DEFAULT_P2P, get_schedule
 from hethub.schedules.simulate import StageSchedule
-
-
-def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM,
-                      recompute: Recompute | None = None) -> dict[tuple[int, int], bool]:
-    """Per (pipeline, stage): whether its predicted peak is within its usable memory, as ``predict``'s
-    ``StagePrediction.fits`` says, without the timing (cheap: the planner asks it per candidate).
-    ``recompute``: every stage's mode taken as this instead of its own, which is what the plan with
-    that mode everywhere gives (a stage's memory depends on its own mode only; the sync shape on
-    none), without building that plan (the planner asks this per mode of every candidate)."""
-    return StageFits(plan, mem_headroom=mem_headroom).under(recompute)
-
-
-class StageFits:
-    """`stage_memory_fits` of one plan under several recomputation modes: the plan's costs, which
-    pipelines repeat an earlier one and each stage's memory shape but for its mode are found once,
-    for every mode asked."""
-
-    def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM, p2p_bound: bool = False,
-                 costs: PlanCosts | None = None) -> None:
-        """``p2p_bound``: point-to-point buffers at their closed-form upper bound (``PlanCosts.stage_shape``).
-        ``costs``: the ``PlanCosts(plan, None)`` of this plan to share, if any."""
-        self.plan, self.costs = plan, PlanCosts(plan, None) if costs is None else costs
-        self.schedule = schedule = get_schedule(plan.schedule)
-        self.mem_headroom = check_headroom(mem_headroom)
-        costs = self.costs
-        # A pipeline equal to an earlier one in all that its stages' unsharded memory depends on
-        # (PlanCosts.stage_shape's fields but the in-flight count and the buffers, which its place in
-        # the schedule and its shape give) has their memory: replicas.
-        seen: dict[tuple, int] = {}
-        self.twins: list[int] = []
-        # Each stage of a pipeline that is no earlier one's twin: its place and its memory's shape's
-        # index in ``shapes`` (PlanCosts.stage_shape), or, for chunked pipelines, None (asked per mode
-        # through _stage_mem).
-        self.own: list[tuple[int, int, int | None]] = []
-        index: dict[tuple, int] = {}
-        for pi, p in enumerate(plan.pipelines):
-            sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
-                   tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute, s.sequence_parallel, s.cp)
-                         for s in p.stages),
-                   tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
-            twin = pi if reference() else seen.setdefault(sig, pi)  # a shortcut (memo.py)
-            self.twins.append(twin)
-            if twin != pi:
-                continue
-            n = len(p.stages)
-            for si in range(n):
-                k = None
-                if p.virtual_stages == 1:
-                    held = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=p.num_micro_batches)
-                    k = index.setdefault(costs.stage_shape(pi, si, in_flight=held, p2p_bound=p2p_bound), len(index))
-                self.own.append((pi, si, k))
-        self.shapes = tuple(index)  # each distinct shape once
-        # per kind, not per stage
-        self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
-                       for kind in {s.kind for p in plan.pipelines for s in p.stages}}
-
-    def under(self, recompute: Recompute | None = None, *, asked: Collection[tuple[int, int]] | None = None,
-              ) -> dict[tuple[int, int], bool]:
-        """Per (pipeline, stage): whether it fits, every stage recomputing ``recompute`` (None: its own mode).
-        ``asked``: the stages to answer for (None: all); every stage's memory is still found, as a sharded
-        optimizer's split weighs them all."""
-        plan, costs = self.plan, self.costs
-        by_shape = [costs.memory_of(shape, recompute) for shape in self.shapes]
-        mems: dict[tuple[int, int], StageMemory] = {}
-        for pi, si, k in self.own:
-            mems[(pi, si)] = (_stage_mem(costs, self.schedule, pi, si, recompute=recompute)[1] if k is None
-                              else by_shape[k])
-        for pi, twin in enumerate(self.twins):
-            if twin != pi:
-                for si in range(len(plan.pipelines[pi].stages)):
-                    mems[(pi, si)] = mems[(twin, si)]
-        usable = self.usable
-        if plan.sharded_optimizer and plan.shard_weights is None and not reference():  # a shortcut (memo.py)
-            hit = screened_fits(plan, mems, headroom=self.mem_headroom, usable=usable, asked=asked)
-            if hit is not None:
-                return hit
-        mems, _ = with_sharding(plan, mems, headroom=self.mem_headroom)
-        if asked is None:
-            return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
-                    for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
-        return {(pi, si): mems[(pi, si)].total_bytes <= usable[plan.pipelines[pi].stages[si].kind] for pi, si in asked}
-
-    def over(self, recompute: Recompute | None = None, *, asked: Collection[tuple[int, int]]) -> set[tuple[int, int]]:
-        """Those of the ``asked`` stages for which a floor under their memory (``under``'s, every stage
-        recomputing ``recompute``) is already over the usable bytes, so ``under`` says they do not fit
-        whatever the other stages hold: the memory without point-to-point buffers and, under a sharded
-        optimizer, without an optimizer slice (every part grows with both, as ``screened_fits`` relies on)."""
-        plan, costs = self.plan, self.costs
-        held = zero23_held(plan)
-        shape_of = {(pi, si): k for pi, si, k in self.own}
-        made: dict[tuple, bool] = {}
-        out = set()
-        for pi, si in asked:
-            twin = self.twins[pi]
-            k = shape_of[(twin, si)]
-            key = ((twin, si) if k is None else k, held.get((pi, si)))
-            if key not in made:
-                mem = (costs.memory_of((*self.shapes[k][:-1], 0.0), recompute) if k is not None else
-                       _stage_mem(costs, self.schedule, twin, si, recompute=recompute, without_p2p=True)[1])
-                if plan.sharded_optimizer:
-                    mem = sharded_stage(plan, (pi, si), mem, (0, 0), held.get((pi, si)))
-                cap = self.usable[plan.pipelines[pi].stages[si].kind]
-                made[key] = mem.total_bytes > cap + abs(cap) * SCREEN_MARGIN
-            if made[key]:
-                out.add((pi, si))
-        return out
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
@@ -200,7 +88,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         fwd, bwd, p2p, upd = [], [], [], []
         for si, s in enumerate(p.stages):
             cost = costs.of_stage(s, mbs=mbs)
-            in_flight, mem = _stage_mem(costs, schedule, pi, si)
+            in_flight, mem = stage_mem(costs, schedule, pi, si)
             send = costs.boundary_s(s, p.stages[si + 1], mbs=mbs) if si < n - 1 else 0.0
             fwd.append(cost.fwd_s)
             bwd.append(cost.bwd_s)
@@ -360,24 +248,12 @@ def may_fit_below(plan: Plan, *, mem_headroom: float, bar_s: float | None = None
     return not (not reference() and fits.over(asked=everyone)) and all(fits.under().values())
 
 
-def _stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int,
-               recompute: Recompute | None = None, *, without_p2p: bool = False) -> tuple[int, StageMemory]:
-    """The schedule's in-flight micro-batches and the (unsharded) memory of stage ``si`` of pipeline ``pi``
-    (recomputing ``recompute`` where given, else the stage's own mode; ``without_p2p``: PlanCosts.stage_shape's)."""
-    p = costs.plan.pipelines[pi]
-    if p.virtual_stages > 1:  # in_flight counts (micro-batch, chunk) activations; memory weighs each chunk's
-        schedule = get_schedule(costs.plan.schedule, chunks=p.virtual_stages)
-    in_flight = schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)
-    held = in_flight if p.virtual_stages == 1 else costs.chunk_in_flight(p, si, schedule=schedule)
-    return in_flight, costs.plan_stage_memory(pi, si, in_flight=held, recompute=recompute, without_p2p=without_p2p)
-
-
 def optimizer_shard_weights(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM) -> dict[int, float]:
     """Each rank's weight in the ZeRO-1 split at ``mem_headroom``, computed from the memory model (what
     the prediction uses when the plan carries none)."""
     costs = PlanCosts(plan, None)
     schedule = get_schedule(plan.schedule)
-    mems = {(pi, si): _stage_mem(costs, schedule, pi, si)[1]
+    mems = {(pi, si): stage_mem(costs, schedule, pi, si)[1]
             for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))}
     return rank_weights(plan, shard_weights(plan, mems, headroom=check_headroom(mem_headroom)))
 

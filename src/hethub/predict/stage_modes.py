@@ -12,9 +12,10 @@ from hethub.memo import Kept, reference
 from hethub.plan import Plan, Recompute, Stage
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import StageFits, pipeline_floor_s
+from hethub.predict.predictor import pipeline_floor_s
 from hethub.predict.seq_parallel import sp_applies
 from hethub.predict.stage_cost import StageJob, stage_step
+from hethub.predict.stage_fits import StageFits
 from hethub.schedules import get_schedule
 
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # by falling memory, rising time
