@@ -2,7 +2,7 @@
 optimizer slice found per stage (``sharding.stage_elems_of``) equals the largest over its ranks of the
 per-rank split (``rank_shards``) on random layouts (mixed and equal TP degrees in one sync group, CP,
 ranks in any order, ties and zero weights); ``split_elems`` is the largest-remainder rule; and
-``StageFits.under``, ``fits_some_mode`` and ``choose_recompute`` answer as on the reference path
+``StageFits.under``, ``ModeFits.fits``, ``fits_some_mode`` and ``choose_recompute`` answer as on the reference path
 (hethub/memo.py) for plans covering ZeRO 0-3, equal and proportional shares, SP, CP, interleaving
 and replicas that differ only in their sequence parallelism, for all stages or some; the screen's
 bounds on each stage's slice (``stage_elems_bounds``) hold the exact slice; and the layout caches
@@ -177,6 +177,8 @@ def _answers(plan: Plan, headrooms: list[float]) -> tuple:
         bound = StageFits(plan, mem_headroom=headroom, p2p_bound=True)
         out += [fits.under(mode) for mode in (None, *Recompute)] + [bound.under(mode) for mode in (None, *Recompute)]
         out += [fits.under(mode, asked=some) for mode in Recompute]  # some stages asked: their answers
+        modes = ModeFits(plan, headroom)  # each stage's answer alone, as choose_recompute reads it
+        out.append([modes.fits(m, sid) for sid, ms in stage_modes(plan).items() for m in ms])
         for kw in ({}, {"allow_sp": False}, {"allow_recompute": False}):
             out.append(fits_some_mode(plan, mem_headroom=headroom, **kw))
             out.append(choose_recompute(plan, mem_headroom=headroom, **kw))
@@ -192,6 +194,11 @@ def test_fits_and_modes_answer_as_the_plain_rules(name: str) -> None:
     clear_caches()
     assert _answers(plan, headrooms) == want
     assert _answers(plan, headrooms) == want  # again, from the memos the first call filled
+    for headroom in headrooms:  # a sibling with the other buffers (shared twins, shapes anew) is a fresh one's
+        for bound in (False, True):
+            sibling = StageFits(plan, mem_headroom=headroom, p2p_bound=not bound).with_bound(bound)
+            fresh = StageFits(plan, mem_headroom=headroom, p2p_bound=bound)
+            assert [sibling.under(m) for m in Recompute] == [fresh.under(m) for m in Recompute]
     # At the edge the answers differ between headrooms: the comparison could fail.
     assert len({a for a in want if isinstance(a, bool)}) == 2
 
@@ -214,12 +221,12 @@ def test_the_memory_floor_is_under_the_memory_and_screens_hopeless_plans(name: s
                 assert not any(ok[sid] for sid in over), (headroom, bound, mode)
                 named += len(over)
         modes = stage_modes(plan)
-        if ModeFits(plan, headroom).hopeless(modes, modes):
+        if ModeFits(plan, headroom).hopeless(modes):
             hopeless.append(headroom)
     assert named and hopeless
     with reference_path():
         assert not any(fits_some_mode(plan, mem_headroom=h) for h in hopeless)
-        assert not any(ModeFits(plan, h).hopeless(stage_modes(plan), stage_modes(plan)) for h in hopeless)  # off
+        assert not any(ModeFits(plan, h).hopeless(stage_modes(plan)) for h in hopeless)  # off
 
 
 @pytest.mark.slow
@@ -242,6 +249,11 @@ def test_a_real_searchs_candidates_answer_as_the_plain_rules(monkeypatch: pytest
         def __call__(self, mode: stage_modes.Mode, asked: list | None = None) -> dict[tuple[int, int], bool]:
             out = super().__call__(mode, asked)
             self.calls.append((mode, asked, out))
+            return out
+
+        def fits(self, mode: stage_modes.Mode, sid: tuple[int, int]) -> bool:  # choose_recompute's per stage
+            out = super().fits(mode, sid)
+            self.calls.append((mode, (sid,), {sid: out}))
             return out
 
     monkeypatch.setattr(stage_modes, "ModeFits", Recorded)

@@ -5,6 +5,7 @@ is the one rule for a stage's unsharded memory that these checks and ``predict``
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Collection
 
 from hethub.memo import reference
@@ -35,19 +36,15 @@ class StageFits:
         """``p2p_bound``: point-to-point buffers at their closed-form upper bound (``PlanCosts.stage_shape``).
         ``costs``: the ``PlanCosts(plan, None)`` of this plan to share, if any."""
         self.plan, self.costs = plan, PlanCosts(plan, None) if costs is None else costs
-        self.schedule = schedule = get_schedule(plan.schedule)
-        self.mem_headroom = check_headroom(mem_headroom)
+        self.schedule = get_schedule(plan.schedule)
+        self.mem_headroom, self.p2p_bound = check_headroom(mem_headroom), p2p_bound
         costs = self.costs
         # A pipeline equal to an earlier one in all that its stages' unsharded memory depends on
         # (PlanCosts.stage_shape's fields but the in-flight count and the buffers, which its place in
         # the schedule and its shape give) has their memory: replicas.
         seen: dict[tuple, int] = {}
         self.twins: list[int] = []
-        # Each stage of a pipeline that is no earlier one's twin: its place and its memory's shape's
-        # index in ``shapes`` (PlanCosts.stage_shape), or, for chunked pipelines, None (asked per mode
-        # through stage_mem).
-        self.own: list[tuple[int, int, int | None]] = []
-        index: dict[tuple, int] = {}
+        self.own: list[tuple[int, int]] = []  # each stage of a pipeline that is no earlier one's twin
         for pi, p in enumerate(plan.pipelines):
             sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
                    tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute, s.sequence_parallel, s.cp)
@@ -55,36 +52,66 @@ class StageFits:
                    tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
             twin = pi if reference() else seen.setdefault(sig, pi)  # a shortcut (memo.py)
             self.twins.append(twin)
-            if twin != pi:
-                continue
-            n = len(p.stages)
-            for si in range(n):
-                k = None
-                if p.virtual_stages == 1:
-                    held = schedule.in_flight(stage=si, num_stages=n, num_micro_batches=p.num_micro_batches)
-                    k = index.setdefault(costs.stage_shape(pi, si, in_flight=held, p2p_bound=p2p_bound), len(index))
-                self.own.append((pi, si, k))
-        self.shapes = tuple(index)  # each distinct shape once
+            if twin == pi:
+                self.own += [(pi, si) for si in range(len(p.stages))]
+        # An own stage's memory shape's index in ``shapes`` (PlanCosts.stage_shape; each distinct shape
+        # once) or, for chunked pipelines, None (asked per mode through stage_mem): found where first read.
+        self.shapes: list[tuple] = []
+        self._index: dict[tuple, int] = {}
+        self._shape_of: dict[tuple[int, int], int | None] = {}
         # per kind, not per stage
         self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
                        for kind in {s.kind for p in plan.pipelines for s in p.stages}}
 
+    def with_bound(self, p2p_bound: bool) -> StageFits:
+        """This plan's checks with the point-to-point buffers at their bound or exact: its twins and
+        costs shared, its shapes found anew."""
+        other = copy.copy(self)
+        other.p2p_bound, other.shapes, other._index, other._shape_of = p2p_bound, [], {}, {}
+        return other
+
+    def shape_index(self, pi: int, si: int) -> int | None:
+        """Own stage ``(pi, si)``'s index in ``shapes`` (None for a chunked pipeline's)."""
+        k = self._shape_of.get((pi, si), -1)
+        if k == -1:
+            p = self.plan.pipelines[pi]
+            k = None
+            if p.virtual_stages == 1:
+                held = self.schedule.in_flight(stage=si, num_stages=len(p.stages),
+                                               num_micro_batches=p.num_micro_batches)
+                shape = self.costs.stage_shape(pi, si, in_flight=held, p2p_bound=self.p2p_bound)
+                k = self._index.get(shape)
+                if k is None:
+                    k = self._index[shape] = len(self.shapes)
+                    self.shapes.append(shape)
+            self._shape_of[(pi, si)] = k
+        return k
+
     def under(self, recompute: Recompute | None = None, *, asked: Collection[tuple[int, int]] | None = None,
               ) -> dict[tuple[int, int], bool]:
         """Per (pipeline, stage): whether it fits, every stage recomputing ``recompute`` (None: its own mode).
-        ``asked``: the stages to answer for (None: all); every stage's memory is still found, as a sharded
-        optimizer's split weighs them all."""
-        plan, costs = self.plan, self.costs
-        by_shape = [costs.memory_of(shape, recompute) for shape in self.shapes]
-        mems: dict[tuple[int, int], StageMemory] = {}
-        for pi, si, k in self.own:
-            mems[(pi, si)] = (stage_mem(costs, self.schedule, pi, si, recompute=recompute)[1] if k is None
-                              else by_shape[k])
+        ``asked``: the stages to answer for (None: all); under a sharded optimizer every stage's memory is
+        still found, as its split weighs them all; without one only the asked stages' (off the reference
+        path: a stage's memory is then its own)."""
+        plan, costs, usable = self.plan, self.costs, self.usable
+        by_shape: dict[int, StageMemory] = {}
+
+        def mem_of(pi: int, si: int) -> StageMemory:
+            k = self.shape_index(pi, si)
+            if k is None:
+                return stage_mem(costs, self.schedule, pi, si, recompute=recompute)[1]
+            if k not in by_shape:
+                by_shape[k] = costs.memory_of(self.shapes[k], recompute)
+            return by_shape[k]
+
+        if asked is not None and not plan.sharded_optimizer and not reference():  # a shortcut (memo.py)
+            return {(pi, si): mem_of(self.twins[pi], si).total_bytes <= usable[plan.pipelines[pi].stages[si].kind]
+                    for pi, si in asked}
+        mems: dict[tuple[int, int], StageMemory] = {(pi, si): mem_of(pi, si) for pi, si in self.own}
         for pi, twin in enumerate(self.twins):
             if twin != pi:
                 for si in range(len(plan.pipelines[pi].stages)):
                     mems[(pi, si)] = mems[(twin, si)]
-        usable = self.usable
         if plan.sharded_optimizer and plan.shard_weights is None and not reference():  # a shortcut (memo.py)
             hit = screened_fits(plan, mems, headroom=self.mem_headroom, usable=usable, asked=asked)
             if hit is not None:
@@ -102,20 +129,28 @@ class StageFits:
         optimizer, without an optimizer slice (every part grows with both, as ``screened_fits`` relies on)."""
         plan, costs = self.plan, self.costs
         held = zero23_held(plan)
-        shape_of = {(pi, si): k for pi, si, k in self.own}
         made: dict[tuple, bool] = {}
+        by_place: dict[tuple, bool] = {}  # replicas' stages: one answer
         out = set()
         for pi, si in asked:
             twin = self.twins[pi]
-            k = shape_of[(twin, si)]
-            key = ((twin, si) if k is None else k, held.get((pi, si)))
+            place = (twin, si, held.get((pi, si)))
+            if place in by_place:
+                if by_place[place]:
+                    out.add((pi, si))
+                continue
+            p = plan.pipelines[twin]
+            shape = None if p.virtual_stages > 1 else costs.stage_shape(twin, si, without_p2p=True, in_flight=(
+                self.schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)))
+            key = ((twin, si) if shape is None else shape, place[2])
             if key not in made:
-                mem = (costs.memory_of((*self.shapes[k][:-1], 0.0), recompute) if k is not None else
+                mem = (costs.memory_of(shape, recompute) if shape is not None else
                        stage_mem(costs, self.schedule, twin, si, recompute=recompute, without_p2p=True)[1])
                 if plan.sharded_optimizer:
                     mem = sharded_stage(plan, (pi, si), mem, (0, 0), held.get((pi, si)))
                 cap = self.usable[plan.pipelines[pi].stages[si].kind]
                 made[key] = mem.total_bytes > cap + abs(cap) * SCREEN_MARGIN
+            by_place[place] = made[key]
             if made[key]:
                 out.add((pi, si))
         return out

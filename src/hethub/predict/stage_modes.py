@@ -44,7 +44,7 @@ def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: 
     for pi, p in enumerate(plan.pipelines):
         stages = []
         for si, s in enumerate(p.stages):
-            mode = next((m for m in modes[(pi, si)] if fits(m)[(pi, si)]), None)
+            mode = next((m for m in modes[(pi, si)] if fits.fits(m, (pi, si))), None)
             if mode is None and strict:
                 return None
             stages.append(in_mode(s, *(mode or (s.recompute, s.sequence_parallel))))
@@ -61,7 +61,7 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
     # The modes holding the fewest activations first (full recomputation): they usually settle it; SP's
     # last, as its plan's memory is found anew.
     order = sorted({m for ms in modes.values() for m in ms}, key=lambda m: (m[1], -RECOMPUTE_ORDER.index(m[0])))
-    if fits.hopeless(modes, modes):
+    if fits.hopeless(modes):
         return False
     left = set(modes)
     for m in order:
@@ -138,6 +138,7 @@ class ModeFits:
         self.plan, self.mem_headroom = plan, mem_headroom
         self._fits: dict[tuple[bool, bool], StageFits] = {}
         self._under: dict[Mode, dict[tuple[int, int], bool]] = {}
+        self._refused: dict[Mode, set[tuple[int, int]]] = {}
 
     def __call__(self, mode: Mode, asked: Collection[tuple[int, int]] | None = None) -> dict[tuple[int, int], bool]:
         """Per stage (of ``asked``; None: all, kept per mode): whether it fits with every stage in ``mode``."""
@@ -152,11 +153,36 @@ class ModeFits:
                 self._under[mode] = hit
         return hit
 
-    def hopeless(self, stages: Collection[tuple[int, int]], modes: dict[tuple[int, int], list[Mode]]) -> bool:
-        """Whether one of ``stages`` is over its memory under each of its ``modes`` by a floor
-        (``StageFits.over``, which no other stage's mode changes), so no mode fits it: a proven screen
-        that spares the exact checks of every mode (off on the reference path: memo.py)."""
-        left = set() if reference() else set(stages)  # those over under every mode asked so far
+    def fits(self, mode: Mode, sid: tuple[int, int]) -> bool:
+        """``self(mode)[sid]``, found only as far as it is read (off the reference path): a stage a floor
+        ``refused`` does not fit; without a sharded optimizer a stage's memory is its own, so only its
+        exact buffers are replayed, where their bound does not fit (a stage that fits with the bound fits
+        with the exact bytes, as ``__call__`` relies on)."""
+        if reference():
+            return self(mode)[sid]
+        if sid in self.refused(mode):
+            return False
+        if self.plan.sharded_optimizer:
+            return self(mode)[sid]
+        return (self._stage_fits(mode[1], bound=True).under(mode[0], asked=(sid,))[sid]
+                or self._stage_fits(mode[1], bound=False).under(mode[0], asked=(sid,))[sid])
+
+    def refused(self, mode: Mode) -> set[tuple[int, int]]:
+        """The stages a floor under their memory with every stage in ``mode`` (``StageFits.over``, which no
+        other stage's mode changes) proves over it, so ``self(mode)`` says they do not fit: a proven
+        refusal that spares the exact check where it settles every stage asking ``mode`` (found once
+        per mode; none on the reference path: memo.py)."""
+        hit = self._refused.get(mode)
+        if hit is None:
+            everyone = [(pi, si) for pi, p in enumerate(self.plan.pipelines) for si in range(len(p.stages))]
+            hit = self._refused[mode] = (set() if reference() else
+                                         self._stage_fits(mode[1], bound=True).over(mode[0], asked=everyone))
+        return hit
+
+    def hopeless(self, modes: dict[tuple[int, int], list[Mode]]) -> bool:
+        """Whether a stage (a key of ``modes``) is ``refused`` under each of its ``modes``, so no mode
+        fits it: a proven screen that spares the exact checks of every mode (off on the reference path)."""
+        left = set() if reference() else set(modes)  # those over under every mode asked so far
         for m in sorted({m for sid in left for m in modes[sid]}):
             asked = [sid for sid in left if m in modes[sid]]
             over = self._stage_fits(m[1], bound=True).over(m[0], asked=asked) if asked else set()
@@ -166,17 +192,20 @@ class ModeFits:
         return bool(left)
 
     def _stage_fits(self, sp: bool, *, bound: bool) -> StageFits:
-        if (sp, bound) not in self._fits:
-            plan = self.plan
-            flags = [[sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp, runtime=plan.runtime) for s in p.stages]
-                     for p in plan.pipelines]
-            if any(s.sequence_parallel != f for p, fs in zip(plan.pipelines, flags, strict=True)
-                   for s, f in zip(p.stages, fs, strict=True)):
-                plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
-                    in_mode(s, s.recompute, f)
-                    for s, f in zip(p.stages, fs, strict=True))) for p, fs in zip(plan.pipelines, flags, strict=True)))
-            # The bound's and the exact buffers' checks of one plan share its costs.
-            other = self._fits.get((sp, not bound))
-            self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound,
-                                                costs=other.costs if other is not None else None)
-        return self._fits[(sp, bound)]
+        hit = self._fits.get((sp, bound))
+        if hit is not None:
+            return hit
+        other = self._fits.get((sp, not bound))
+        if other is not None:  # the bound's and the exact buffers' checks of one plan share its costs and twins
+            hit = self._fits[(sp, bound)] = other.with_bound(bound)
+            return hit
+        plan = self.plan
+        flags = [[sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp, runtime=plan.runtime) for s in p.stages]
+                 for p in plan.pipelines]
+        if any(s.sequence_parallel != f for p, fs in zip(plan.pipelines, flags, strict=True)
+               for s, f in zip(p.stages, fs, strict=True)):
+            plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
+                in_mode(s, s.recompute, f)
+                for s, f in zip(p.stages, fs, strict=True))) for p, fs in zip(plan.pipelines, flags, strict=True)))
+        hit = self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound)
+        return hit
