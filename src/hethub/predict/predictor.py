@@ -45,7 +45,7 @@ from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Event, Prediction, StagePrediction
 from hethub.predict.shard_memory import shard_weights, with_sharding
 from hethub.predict.sharding import rank_weights
-from hethub.predict.stage_fits import StageFits, stage_mem
+from hethub.predict.stage_fits import StageFits, memory_twins, stage_mem
 from hethub.predict.sync import simulate_sync, sync_groups, world_collectives
 from hethub.predict.sync_overlap import exposed_sync_groups, unoverlapped_sync_s
 from hethub.predict.sync_records import SyncResult
@@ -82,13 +82,16 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     # Blocking and lock-step sends: the records give each stage's time held by its transfers (exposed
     # communication, StageSchedule.exposed_p2p_s).
     held = plan.p2p != DEFAULT_P2P and host is None
+    twins, mem_of = memory_twins(costs), {}  # replicas' stages share one memory
     for pi, p in enumerate(plan.pipelines):
         mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
         schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
         fwd, bwd, p2p, upd = [], [], [], []
         for si, s in enumerate(p.stages):
             cost = costs.of_stage(s, mbs=mbs)
-            in_flight, mem = stage_mem(costs, schedule, pi, si)
+            if (twins[pi], si) not in mem_of:
+                mem_of[(pi, si)] = stage_mem(costs, schedule, pi, si)
+            in_flight, mem = mem_of[(twins[pi], si)]
             send = costs.boundary_s(s, p.stages[si + 1], mbs=mbs) if si < n - 1 else 0.0
             fwd.append(cost.fwd_s)
             bwd.append(cost.bwd_s)

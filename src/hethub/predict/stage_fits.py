@@ -39,21 +39,9 @@ class StageFits:
         self.schedule = get_schedule(plan.schedule)
         self.mem_headroom, self.p2p_bound = check_headroom(mem_headroom), p2p_bound
         costs = self.costs
-        # A pipeline equal to an earlier one in all that its stages' unsharded memory depends on
-        # (PlanCosts.stage_shape's fields but the in-flight count and the buffers, which its place in
-        # the schedule and its shape give) has their memory: replicas.
-        seen: dict[tuple, int] = {}
-        self.twins: list[int] = []
-        self.own: list[tuple[int, int]] = []  # each stage of a pipeline that is no earlier one's twin
-        for pi, p in enumerate(plan.pipelines):
-            sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
-                   tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute, s.sequence_parallel, s.cp)
-                         for s in p.stages),
-                   tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
-            twin = pi if reference() else seen.setdefault(sig, pi)  # a shortcut (memo.py)
-            self.twins.append(twin)
-            if twin == pi:
-                self.own += [(pi, si) for si in range(len(p.stages))]
+        self.twins = twins = memory_twins(costs)
+        # each stage of a pipeline that is no earlier one's twin
+        self.own = [(pi, si) for pi, p in enumerate(plan.pipelines) if twins[pi] == pi for si in range(len(p.stages))]
         # An own stage's memory shape's index in ``shapes`` (PlanCosts.stage_shape; each distinct shape
         # once) or, for chunked pipelines, None (asked per mode through stage_mem): found where first read.
         self.shapes: list[tuple] = []
@@ -154,6 +142,21 @@ class StageFits:
             if made[key]:
                 out.add((pi, si))
         return out
+
+
+def memory_twins(costs: PlanCosts) -> list[int]:
+    """Per pipeline of ``costs.plan``, the first pipeline equal to it in all that its stages' unsharded
+    memory (``stage_mem``) depends on: PlanCosts.stage_shape's fields but the in-flight count and the
+    buffers, which its place in the schedule and its shape give. Replicas share their memory (each
+    its own on the reference path: a shortcut, memo.py)."""
+    plan, seen, out = costs.plan, {}, []
+    for pi, p in enumerate(plan.pipelines):
+        sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
+               tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute, s.sequence_parallel, s.cp)
+                     for s in p.stages),
+               tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
+        out.append(pi if reference() else seen.setdefault(sig, pi))
+    return out
 
 
 def stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int,
