@@ -203,6 +203,41 @@ def test_fits_and_modes_answer_as_the_plain_rules(name: str) -> None:
     assert len({a for a in want if isinstance(a, bool)}) == 2
 
 
+def _near_twin(field: str) -> list[Pipeline]:
+    """Two replicas but for one input of a stage's memory (``memory_twins``' key) in the second."""
+    a, b = _replicas()
+    first = b.stages[0]
+    if field == "recompute":
+        b = replace(b, stages=(replace(first, recompute=FULL), *b.stages[1:]))
+    elif field == "layers":
+        b = replace(b, stages=(replace(first, layers=(0, 2)), replace(b.stages[1], layers=(2, 6))))
+    elif field == "micro_batch_size":
+        b = replace(b, micro_batch_size=2)
+    else:
+        b = replace(b, num_micro_batches=1)
+    return [a, b]
+
+
+@pytest.mark.parametrize("field", ["recompute", "layers", "micro_batch_size", "num_micro_batches"])
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+def test_replicas_share_memory_only_where_every_input_is_equal(field: str, sharding: str) -> None:
+    # Pipelines differing in one input of their stages' memory each get their own (predict and StageFits
+    # share a replica's), as on the reference path, which shares nothing; their memories differ, so a
+    # key without that input would fail here (the layer ranges' change shows in the sync shape too).
+    plan = _plan(_near_twin(field), sharding=sharding)
+
+    def answers() -> tuple:
+        stages = predict(plan).stages
+        return (tuple((sp.peak_mem_bytes, sp.activations_bytes) for sp in stages),
+                tuple(StageFits(plan, mem_headroom=h).under() for h in _tight(plan)))
+
+    with reference_path():
+        want = answers()
+    assert want[0][0] != want[0][2]  # the first stages of the two pipelines
+    clear_caches()
+    assert answers() == want
+
+
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_the_memory_floor_is_under_the_memory_and_screens_hopeless_plans(name: str) -> None:
     # StageFits.over names only stages under() says do not fit (a floor too high, e.g. with the optimizer
