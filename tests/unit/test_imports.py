@@ -28,7 +28,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PURE = ("hethub.errors", "hethub.spec", "hethub.plan", "hethub.plan_parts", "hethub.plan_check", "hethub.plan_fields",
         "hethub.predict", "hethub.search", "hethub.report", "hethub.profile", "hethub.interop", "hethub.schedules",
         "hethub.layout", "hethub.layout_parts", "hethub.layout_units", "hethub.emulation", "hethub.tables",
-        "hethub.progress", "hethub.rebalance", "hethub.runtimes")
+        "hethub.progress", "hethub.rebalance", "hethub.runtimes", "hethub.fanout")
 # ... except these, which measure with torch.
 NOT_PURE = ("hethub.emulation.measure",)
 HEAVY = ("torch",)

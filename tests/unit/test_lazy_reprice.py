@@ -147,7 +147,7 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
     """The variants' pricing alone (the fast tier's check): one enumeration's shapes and each kind's
     alone shapes priced under unsharded, ZeRO-1 and ZeRO-2 variants, the first shapes moved up."""
     from hethub.predict.stage_links import LinkBook
-    from hethub.search.variants import Variant, alone_plans, alone_shapes, enumerate_shapes, priced_plans
+    from hethub.search.variants import Variant, alone_plans, enumerate_shapes, priced_plans
 
     cluster, model = load_cluster(EXAMPLES / "nvidia-amd-32.toml"), get_model("llama-2-7b")
     cfg = PlannerConfig(global_batch=64, seq_len=2048, micro_batch_sizes=(1, 2), schedule="auto",
@@ -155,7 +155,7 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
     links = LinkBook(cluster)
     enum = [Variant("zb-h1", "zero1").searcher(cfg, cluster=cluster, model=model, profiles=None, links=links,
                                                holders=64)]
-    shapes, alone = enumerate_shapes(enum), alone_shapes(enum)
+    shapes, alone = enumerate_shapes(enum)
     calls, laid = [], []
     plain, choose = templates.fits_some_mode, finalists.choose_recompute
     monkeypatch.setattr(templates, "fits_some_mode", lambda *a, **k: calls.append(1) or plain(*a, **k))

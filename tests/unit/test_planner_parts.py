@@ -111,16 +111,18 @@ def test_reused_searches_enumerate_a_job_once(monkeypatch):
 
     cluster, model = small_cluster(), tiny_model()
     config = PlannerConfig(global_batch=8, seq_len=32, micro_batch_sizes=(1, 2), polish=False)
-    made = []
-    for name in ("enumerate_shapes", "alone_shapes"):
-        real = getattr(planner, name)
-        monkeypatch.setattr(planner, name, lambda enums, real=real, name=name: made.append(name) or real(enums))
+    made, real = [], planner.enumerate_shapes
+    monkeypatch.setattr(planner, "enumerate_shapes", lambda enums, **kw: made.append(kw) or real(enums, **kw))
     with planner.reused_searches():
         first = planner.make_plan(cluster=cluster, model=model, config=config)
         again = planner.make_plan(cluster=cluster, model=model, config=PlannerConfig(**vars(config)))
         planner.make_plan(cluster=cluster, model=model, config=replace(config, strategy="homogeneous"))
-    assert sorted(made) == ["alone_shapes", "enumerate_shapes"]
+    assert made == [{"mixed": True, "alone": True}]
     assert again.plan.pipelines == first.plan.pipelines
+    with planner.reused_searches():  # the kind-alone shapes first, the mixed ones when a row asks them
+        planner.make_plan(cluster=cluster, model=model, config=replace(config, strategy="homogeneous"))
+        assert planner.make_plan(cluster=cluster, model=model, config=config).plan.pipelines == first.plan.pipelines
+    assert made[1:] == [{"mixed": False, "alone": True}, {"mixed": True, "alone": False}]
     alone = planner.make_plan(cluster=cluster, model=model, config=config)  # outside: enumerated again
     assert len(made) == 4 and alone.plan.pipelines == first.plan.pipelines
 

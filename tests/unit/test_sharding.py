@@ -186,8 +186,8 @@ def test_the_sharded_variant_prices_the_unsharded_enumerations_shapes() -> None:
     cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-3-8b")
     cfg = PlannerConfig(global_batch=512, seq_len=2048, polish=False)
     links = LinkBook(cluster)
-    unsharded = enumerate_shapes([Variant("1f1b", "none").searcher(cfg, cluster=cluster, model=model, profiles=None,
-                                                                   links=links)])
+    unsharded, _ = enumerate_shapes([Variant("1f1b", "none").searcher(cfg, cluster=cluster, model=model, profiles=None,
+                                                                      links=links)], alone=False)
     sharded = Variant("1f1b", "zero1").searcher(cfg, cluster=cluster, model=model, profiles=None, links=links,
                                                 holders=16)
     got = priced_plans(sharded, config=cfg, host=None, shapes=unsharded, keep=3)

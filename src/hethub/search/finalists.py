@@ -112,41 +112,38 @@ class BoundParts:
     alone: list[tuple[Plan, Prediction]]
     relaxed: frozenset[str]
 
+    @staticmethod
+    def merged(each: list[BoundParts]) -> BoundParts:
+        return BoundParts({k: v for b in each for k, v in b.parts.items()}, tuple(n for b in each for n in b.notes),
+                          [x for b in each for x in b.alone], frozenset().union(*(b.relaxed for b in each)))
 
-def bound_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
-                profiles: ProfileSet | None, books: Books | None = None, host: HostModel | None = None,
-                candidates: Callable[[str, Callable[[], float]], Iterable[Plan]] | None = None) -> BoundParts:
-    """Each kind's part of the upper bound, its notes, each kind's best feasible single-kind
-    candidates, scored, and the kinds whose part is a relaxed-memory plan. ``candidates``: a kind's
-    candidate plans where the caller has them (the default path's, priced under every variant), laid
-    out as the scoring reaches them (its `score_bar`); otherwise searched under ``config``."""
-    parts: dict[str, float] = {}
-    relaxed_kinds: set[str] = set()
-    notes, feasible = [], []
-    for kind in cluster.kind_names:
+
+def kind_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
+               books: Books | None = None, host: HostModel | None = None,
+               candidates: Callable[[str, Callable[[], float]], Iterable[Plan]] | None = None,
+               ) -> list[Callable[[], BoundParts]]:
+    """A task per kind (independent: each screens by its own bar) giving its part of the upper bound, notes,
+    best feasible single-kind candidates, scored, and whether its part is a relaxed-memory plan.
+    ``candidates``: a kind's candidate plans where the caller has them (the default path's, priced under
+    every variant), laid out as the scoring reaches them (its `score_bar`); otherwise searched under ``config``."""
+    def part(kind: str) -> BoundParts:
         steps: list[float] = []
         plans = (candidates(kind, score_bar(steps, keep=2, host=host)) if candidates is not None else
                  _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                              books=books))
-        # The part is the best, and the combined search takes the best two (`feasible`).
-        scored = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=2, steps=steps)
-        if scored:
-            feasible.extend(scored[:2])
-            parts[kind] = scored[0][1].tokens_per_s
-            continue
+        # The part is the best, and the combined search takes the best two.
+        if scored := score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=2, steps=steps):
+            return BoundParts({kind: scored[0][1].tokens_per_s}, (), scored[:2], frozenset())
         relaxed = score_plans(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
                                      relax=True, books=books), profiles, require_fit=False, host=host,
                          headroom=config.mem_headroom, keep=1)
-        n = cluster.count_by_kind()[kind]
-        parts[kind] = relaxed[0][1].tokens_per_s if relaxed else 0.0
-        if relaxed:
-            relaxed_kinds.add(kind)
-            notes.append(f"kind {kind} alone ({n} devices) cannot hold {model.name} at seq_len {config.seq_len}; "
-                         "the upper bound uses its best plan with the memory limit relaxed")
-        else:
-            notes.append(f"kind {kind} alone ({n} devices) has no plan for {model.name} even with memory relaxed "
-                         "(no usable TP degree or too few devices); it adds nothing to the upper bound")
-    return BoundParts(parts, tuple(notes), feasible, frozenset(relaxed_kinds))
+        alone = f"kind {kind} alone ({cluster.count_by_kind()[kind]} devices)"
+        return BoundParts({kind: relaxed[0][1].tokens_per_s if relaxed else 0.0}, (
+            f"{alone} cannot hold {model.name} at seq_len {config.seq_len}; the upper bound uses its best plan with "
+            "the memory limit relaxed" if relaxed else f"{alone} has no plan for {model.name} even with memory "
+            "relaxed (no usable TP degree or too few devices); it adds nothing to the upper bound",), [],
+            frozenset([kind] if relaxed else []))
+    return [lambda kind=kind: part(kind) for kind in cluster.kind_names]
 
 
 def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,

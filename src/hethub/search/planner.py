@@ -14,8 +14,10 @@ import contextlib
 import io
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 from hethub.errors import InfeasibleError
+from hethub.fanout import fan_out, sharing
 from hethub.memo import search_scope
 from hethub.plan import Plan, Recompute
 from hethub.predict.context_plans import cp_candidates, cp_note
@@ -33,13 +35,12 @@ from hethub.schedules import AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import bound_parts, score_bar, score_plans
+from hethub.search.finalists import BoundParts, kind_parts, score_bar, score_plans
 from hethub.search.polish import chunked_candidates, interleave_plan, polish
 from hethub.search.templates import Searcher, tp_options
 from hethub.search.variants import (
     Variant,
     alone_plans,
-    alone_shapes,
     enumerate_shapes,
     enumeration_variants,
     priced_plans,
@@ -124,7 +125,7 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     """Best memory-feasible plan under `config.strategy` over every schedule and optimizer sharding the
     config leaves open (`_make_plan`), scored by the predictor (with `host`, the local emulation host
     every rank runs on, if any: ``hethub.emulation.host_model``), read against the proven bound."""
-    with search_scope():
+    with search_scope(), sharing(cluster, model, profiles, host):
         result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
         result = reported(result, job_bound(cluster=cluster, model=model, config=config, profiles=profiles))
     if (z := config.optimizer_sharding) not in ("none", "auto") and not result.plan.sharded_optimizer:
@@ -135,10 +136,10 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
 def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
               host: HostModel | None) -> list[tuple[Plan, Prediction]]:
     """``scored`` (fastest first) with its first plans polished (`polish_budget`), fastest first."""
-    polished = [polish(*cand, profiles=profiles, budget=polish_budget(i, cand[0]), host=host,
-                       allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel,
-                       mem_headroom=config.mem_headroom, tp_degrees=config.tp_degrees)
-                for i, cand in enumerate(scored[:len(POLISH_BUDGETS)])]
+    polished = fan_out([partial(polish, *cand, profiles=profiles, budget=polish_budget(i, cand[0]), host=host,
+                                allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel,
+                                mem_headroom=config.mem_headroom, tp_degrees=config.tp_degrees)
+                        for i, cand in enumerate(scored[:len(POLISH_BUDGETS)])])
     polished = [p if not runtime_refusals(p[0]) else c for p, c in zip(polished, scored, strict=False)]
     return sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
 
@@ -167,13 +168,12 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     names = list(runtime_profile(config.runtime).auto_schedules) if config.schedule == AUTO_SCHEDULE \
         else [config.schedule]  # the schedules open (the baselines' interleaving has no variant)
     links = LinkBook(cluster, runtime=config.runtime)  # one per job: hops and rings depend on the cluster
-    bar = progress(len(variants) + 3, desc=f"plan {cluster.name}", unit="steps",
+    bar = progress(len(variants) + len(cluster.kind_names) + 2, desc=f"plan {cluster.name}", unit="steps",
                    stream=None if cluster.num_devices >= PROGRESS_MIN_DEVICES else io.StringIO())
     # As many holders as devices: the loosest memory any sharded plan could have.
     enums = [v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
                         holders=SHARD_HOLDERS_OPTIMISM * cluster.num_devices)
              for v in enumeration_variants(variants, shardings)]
-    s0 = enums[0]
     shapes, alone = _enumeration(enums, host=host, mixed=config.strategy == "hethub")
     bar.update()
     # Sharded stages assume SHARD_HOLDERS_OPTIMISM times the best shape's replicas as holders (the
@@ -183,38 +183,40 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     searchers = {v: v.searcher(config, cluster=cluster, model=model, profiles=profiles, links=links,
                                holders=SHARD_HOLDERS_OPTIMISM * holders) for v in variants}
     keep = max(config.top_k, len(POLISH_BUDGETS) if config.polish else 0)
-    by_variant: dict[Variant, list[tuple[Plan, Prediction]]] = {}
-    # A schedule's variants screen their plans against each other's predictions (finalists.score_plans),
-    # so every schedule keeps its own best plans (the interleaving starts from 1F1B's).
-    steps: dict[str, list[float]] = {v.schedule: [] for v in variants}
     firsts = frozenset(range(min(len(shapes), FIRST_SHAPES * len(enums))))
-    for v in variants:
-        # A sharding the config asks for prices the whole pool; one priced beside them, its part.
-        pool, first = (shapes, firsts) if v.sharding in shardings else v.pool(shapes, firsts)
-        own = len(enums) == 1 and searchers[v].config == enums[0].config  # the pool's one enumeration is v's
-        got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
-                           steps=steps[v.schedule], own=own) if pool else []
-        if config.strategy in BASELINES:
-            plans = [p.with_runtime(config.runtime) for p in baseline_plans(searchers[v], strategy=config.strategy)]
-            got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
-                              headroom=config.mem_headroom, keep=keep)
-        elif config.strategy == "homogeneous" and v.sharding in shardings:  # each kind alone under the variant
-            screen = score_bar(steps[v.schedule], keep=keep, host=host)  # laid out as the scoring reads them
-            plans = (p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config,
-                                                                        bar=screen))
-            got = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=keep,
-                              steps=steps[v.schedule])
-        if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
-            got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
-                                     mem_headroom=config.mem_headroom)
-        by_variant[v] = got
-        bar.update()
+
+    def schedule_plans(group: list[Variant]) -> list[list[tuple[Plan, Prediction]]]:
+        steps, out = [], []  # its variants, in order, screen by each other's predictions (finalists.score_plans)
+        for v in group:  # a sharding the config asks for prices the whole pool; one priced beside them, its part
+            pool, first = (shapes, firsts) if v.sharding in shardings else v.pool(shapes, firsts)
+            own = len(enums) == 1 and searchers[v].config == enums[0].config  # the pool's one enumeration is v's
+            got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
+                               steps=steps, own=own) if pool else []
+            if config.strategy in BASELINES:
+                plans = [p.with_runtime(config.runtime) for p in baseline_plans(searchers[v], strategy=config.strategy)]
+                got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
+                                  headroom=config.mem_headroom, keep=keep)
+            elif config.strategy == "homogeneous" and v.sharding in shardings:  # each kind alone under the variant
+                screen = score_bar(steps, keep=keep, host=host)  # laid out as the scoring reads them
+                plans = (p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config,
+                                                                            bar=screen))
+                got = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=keep, steps=steps)
+            if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
+                got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
+                                         mem_headroom=config.mem_headroom)
+            out.append(got)
+        return out
+
     # Each kind alone is part of the space (hethub >= homogeneous) and the bound's parts.
     plain = [searchers[v] for v in variants if v.schedule != INTERLEAVED and v.sharding in shardings]
-    b = bound_parts(cluster=cluster, model=model, config=s0.config, profiles=profiles, books=s0.books, host=host,
-                    candidates=lambda kind, bar: alone_plans(plain, alone[kind], config=config, bar=bar))
-    bar.update()
-    own = [x for got in by_variant.values() for x in got]
+    parts = kind_parts(cluster=cluster, model=model, config=enums[0].config, profiles=profiles, books=enums[0].books,
+                       host=host, candidates=lambda kind, bar: alone_plans(plain, alone[kind], config=config, bar=bar))
+    # Side by side (hethub.fanout): each schedule's variants, then each kind's part of the bound.
+    groups = [[v for v in variants if v.schedule == n] for n in dict.fromkeys(v.schedule for v in variants)]
+    got = fan_out([partial(schedule_plans, g) for g in groups] + parts,
+                  done=lambda i, _: bar.update(len(groups[i]) if i < len(groups) else 1))
+    by_variant = {v: x for g, xs in zip(groups, got, strict=False) for v, x in zip(g, xs, strict=True)}
+    own, b = [x for v in variants for x in by_variant[v]], BoundParts.merged(got[len(groups):])
     hethub = config.strategy == "hethub"
     scored = sorted([*own, *b.alone] if hethub else own, key=lambda x: x[1].step_time_s)
     # offered context parallelism (predict/context_plans.py)
@@ -248,15 +250,16 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
 
 def _enumeration(enums: list[Searcher], *, host: HostModel | None, mixed: bool,
                  ) -> tuple[list[Estimate], dict[str, list[Estimate]]]:
-    """`variants.enumerate_shapes` (``mixed``; none otherwise) and `variants.alone_shapes`, kept
-    within `reused_searches` (``--compare``'s rows ask the same ones; the strategy changes neither)."""
+    """`variants.enumerate_shapes` (mixed shapes only if ``mixed``), kept within `reused_searches`
+    (``--compare``'s rows ask the same ones; the strategy changes neither)."""
     if _REUSED is None:
-        return enumerate_shapes(enums) if mixed else [], alone_shapes(enums)
+        return enumerate_shapes(enums, mixed=mixed)
     held = (enums[0].cluster, enums[0].model, enums[0].job.profiles, host)
     key = EnumerationKey(tuple(map(id, held)), tuple(replace(e.config, top_k=1, strategy="hethub") for e in enums))
-    got = _REUSED.get(key) or _REUSED.setdefault(key, Enumerated(alone=alone_shapes(enums), held=held))
-    if mixed and got.mixed is None:
-        got.mixed = enumerate_shapes(enums)
+    if (got := _REUSED.get(key)) is None or (mixed and got.mixed is None):
+        shapes, alone = enumerate_shapes(enums, mixed=mixed, alone=got is None)
+        got = got or _REUSED.setdefault(key, Enumerated(alone=alone, held=held))
+        got.mixed = shapes if mixed else got.mixed
     return (got.mixed or []) if mixed else [], got.alone
 
 
@@ -274,7 +277,8 @@ def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConf
             starts.append((plan, pred))
         if len(starts) == INTERLEAVE_STARTS:
             break
-    tried = [interleave_plan(*x, profiles=profiles, host=host, mem_headroom=config.mem_headroom) for x in starts]
+    tried = fan_out([partial(interleave_plan, *x, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
+                     for x in starts])
     return [(p, r) for p, r in tried if any(q.virtual_stages > 1 for q in p.pipelines)]
 
 
@@ -308,7 +312,8 @@ def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 profiles: ProfileSet | None = None, host: HostModel | None = None) -> tuple[float, tuple[str, ...]]:
     """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
     _check_job(model, config)
-    b = bound_parts(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
+    b = BoundParts.merged(fan_out(kind_parts(cluster=cluster, model=model, config=config, profiles=profiles,
+                                             host=host)))
     return sum(b.parts.values()), b.notes
 
 

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from hethub.fanout import fan_out
 from hethub.memo import Ranked
 from hethub.plan import PLANNED_SHARDINGS, Plan, zero_stage_of
 from hethub.predict.host import HostModel
@@ -113,26 +114,27 @@ def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
     return list(out.values())[:n]
 
 
-def enumerate_shapes(searchers: list[Searcher]) -> list[Estimate]:
-    """The enumeration: each searcher's best distinct candidates under its variant, best closed form
-    first, pooled in turns (each one's first ``SHAPES_POOL`` kept)."""
-    return _in_turns([distinct(search(s, first=SHAPES_POOL), SHAPES_POOL) for s in searchers])
+def enumerate_shapes(searchers: list[Searcher], *, mixed: bool = True, alone: bool = True,
+                     ) -> tuple[list[Estimate], dict[str, list[Estimate]]]:
+    """The enumeration under each searcher's variant: its best distinct candidates (``mixed``) and each
+    kind's single-kind ones (``alone``: the upper bound's parts, repriced per variant like the pool),
+    each pooled over the searchers in turns (each one's first ``SHAPES_POOL`` kept), best closed form
+    first. A task per searcher (`hethub.fanout`): its kinds alone reuse its cost books."""
+    found = fan_out([lambda s=s: _enumerated(s, mixed=mixed, alone=alone) for s in searchers])
+    return (_in_turns([f[0] for f in found]) if mixed else [],
+            {kind: _in_turns([f[1][i] for f in found]) for i, kind in enumerate(searchers[0].counts if alone else ())})
+
+
+def _enumerated(s: Searcher, *, mixed: bool, alone: bool) -> tuple[list[Estimate], list[list[Estimate]]]:
+    return (distinct(search(s, first=SHAPES_POOL), SHAPES_POOL) if mixed else [],
+            [distinct(search(Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles,
+                                      kinds=(kind,), books=s.books), kinds_alone=True), SHAPES_POOL)
+             for kind in (s.counts if alone else ())])
 
 
 def _in_turns(found: list[list[Estimate]]) -> list[Estimate]:
     """The searchers' distinct candidate lists merged in turns (first of each, then second...), distinct."""
     return distinct([e for t in itertools.zip_longest(*found) for e in t if e is not None], SHAPES_POOL * len(found))
-
-
-def alone_shapes(searchers: list[Searcher]) -> dict[str, list[Estimate]]:
-    """Each kind's single-kind candidates under the searchers' variants (on their cost books), pooled
-    as `enumerate_shapes` pools: the upper bound's parts, repriced per variant like the pool."""
-    out = {}
-    for kind in searchers[0].counts:
-        alone = [Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles, kinds=(kind,),
-                          books=s.books) for s in searchers]
-        out[kind] = _in_turns([distinct(search(k, kinds_alone=True), SHAPES_POOL) for k in alone])
-    return out
 
 
 def reprice(s: Searcher, est: Estimate) -> list[Estimate]:

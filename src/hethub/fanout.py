@@ -1,0 +1,225 @@
+"""The one seam through which a search uses more than one core: independent tasks run in forked
+worker processes, their results handed back in task order, exactly as a serial run returns them.
+
+``fan_out(tasks)`` runs ``tasks`` (callables taking no argument) on up to `workers()` processes: this
+one and forked children, each claiming the next task from a shared queue (dynamic dispatch, so three
+tasks on two workers balance; ``order`` puts the longest first). A child pickles its results and
+exceptions back; the parent re-raises the exception of the lowest-numbered failed task (a serial run's
+first), its type kept, the child's traceback added as a note. Children are killed and reaped
+whatever happens in the parent (an exception, KeyboardInterrupt), so none outlives a call; a parent
+killed outright leaves children that exit when their results find the pipe closed.
+
+Why a result cannot depend on the worker count or the machine's load: a task is a pure function of
+what existed at the fork (the search's inputs and its pure memos, `hethub.memo`), so it computes the
+same value in any process, and the values come back in task order. What a child adds to the memos
+dies with it: the parent recomputes what it later asks of them (the same values, for time only).
+Objects named by ``sharing`` (the job's cluster, model, profiles) cross as references, not copies, so
+a result's plans hold the parent's own objects.
+
+Serial, in this process and in task order (the plain path, `reference_path` or not): with one
+worker (``HETHUB_PLAN_WORKERS=1``), one task, no ``os.fork``, inside a worker (no nested forks) and
+whenever another thread is alive (forking beside a live thread, gloo's or a test runner's, can
+deadlock the child on a lock that thread held). ``done(i, result)`` is called in the parent only,
+in completion order (progress bars).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import signal
+import struct
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from hethub.errors import field_error
+
+T = TypeVar("T")
+ENV = "HETHUB_PLAN_WORKERS"
+_IN_WORKER = [False]  # set in a forked child: its own fan-outs run serially
+_SHARED: list[object] = []  # `sharing`'s objects
+_INDEX = struct.Struct("<i")
+_QUEUE_BYTES = 65536  # a Linux pipe's default capacity
+
+
+def workers() -> int:
+    """Processes a fan-out may use: ``HETHUB_PLAN_WORKERS`` where set, else the CPUs this process may run on."""
+    raw = os.environ.get(ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise field_error("environment", ENV, f"must be a positive integer, got {raw!r}",
+                              f"set {ENV}=1 for a serial search, or unset it to use every CPU")
+        return int(raw)
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def forks(n_tasks: int) -> int:
+    """How many children `fan_out` would fork for ``n_tasks`` tasks now (0: it runs them serially)."""
+    if _IN_WORKER[0] or not hasattr(os, "fork") or threading.active_count() > 1:
+        return 0
+    return max(0, min(workers(), n_tasks) - 1)
+
+
+@contextlib.contextmanager
+def sharing(*objects: object) -> Iterator[None]:
+    """Within it, a fan-out's results that hold ``objects`` (a job's cluster, model, profiles) hold this
+    process's own, not copies: they cross as references (nested blocks add theirs)."""
+    n = len(_SHARED)
+    _SHARED.extend(objects)
+    try:
+        yield
+    finally:
+        del _SHARED[n:]
+
+
+def fan_out(tasks: Sequence[Callable[[], T]], *, order: Sequence[int] | None = None,
+            done: Callable[[int, T], None] | None = None) -> list[T]:
+    """``[task() for task in tasks]``, the tasks spread over forked workers (module doc). ``order``:
+    the task numbers in the order to start them (longest first balances best; default: as given);
+    ``done``: called in this process as each result arrives."""
+    order = list(range(len(tasks))) if order is None else list(order)
+    if sorted(order) != list(range(len(tasks))):
+        raise ValueError(f"fan_out: order {order} is not a permutation of the {len(tasks)} task numbers")
+    children = forks(len(tasks))
+    if children == 0:
+        out = []
+        for i, task in enumerate(tasks):
+            out.append(task())
+            if done is not None:
+                done(i, out[-1])
+        return out
+    return _Pool(tasks, order=order, done=done, shared=list(_SHARED)).run(children)
+
+
+class _Pool:
+    """One parallel `fan_out`: a queue of task numbers, this process and ``children`` forked workers."""
+
+    def __init__(self, tasks: Sequence[Callable[[], Any]], *, order: list[int],
+                 done: Callable[[int, Any], None] | None, shared: list[object]) -> None:
+        self.tasks, self.done, self.shared = tasks, done, shared
+        self.results: dict[int, tuple[bool, Any]] = {}  # task -> (ok, value or exception)
+        if len(order) * _INDEX.size > _QUEUE_BYTES:  # written whole before the first fork, never blocking
+            raise ValueError(f"fan_out: {len(order)} tasks exceed the queue's {_QUEUE_BYTES // _INDEX.size}")
+        self.queue_r, queue_w = os.pipe()
+        with os.fdopen(queue_w, "wb") as w:  # closed before any fork: an empty queue reads as its end
+            w.write(b"".join(_INDEX.pack(i) for i in order))
+
+    def _claim(self) -> int | None:
+        got = os.read(self.queue_r, _INDEX.size)  # one read of 4 bytes from a pipe is atomic
+        return _INDEX.unpack(got)[0] if got else None
+
+    def _work(self, record: Callable[[int, bool, Any], None], *, child: bool = False) -> None:
+        while (i := self._claim()) is not None:
+            try:
+                value, ok = self.tasks[i](), True
+            except Exception as e:  # re-raised by `run` once every task has run
+                if child:  # the parent's traceback would end at its re-raise
+                    e.add_note(f"in fan_out worker pid {os.getpid()}, task {i}:\n{traceback.format_exc()}")
+                value, ok = e, False
+            record(i, ok, value)
+
+    def run(self, children: int) -> list[Any]:
+        sys.stdout.flush()
+        sys.stderr.flush()  # a child flushes its own output only, never the parent's
+        pids: dict[int, int] = {}  # pid -> read end of its result pipe
+        try:
+            for _ in range(children):
+                r, w = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover (a child; tests see its results)
+                    os.close(r)
+                    self._child(w)
+                os.close(w)
+                pids[pid] = r
+            self._work(self._record)
+            while pids:
+                self._collect(*pids.popitem())
+        finally:
+            for pid, r in pids.items():  # only on an error here: stop and reap the rest
+                os.close(r)
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.waitpid(pid, 0)
+            os.close(self.queue_r)
+        failed = sorted(i for i, (ok, _) in self.results.items() if not ok)
+        if failed:
+            raise self.results[failed[0]][1]
+        return [self.results[i][1] for i in range(len(self.tasks))]
+
+    def _record(self, i: int, ok: bool, value: Any) -> None:
+        self.results[i] = (ok, value)
+        if ok and self.done is not None:
+            self.done(i, value)
+
+    def _child(self, w: int) -> None:
+        """A worker's life: claim tasks until the queue is empty, send every result, exit."""
+        code = 1
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it kills its workers
+            _IN_WORKER[0] = True
+            got: list[tuple[int, bool, Any]] = []
+            self._work(lambda i, ok, value: got.append((i, ok, value)), child=True)
+            try:  # one pickle: what results share stays shared
+                data = self._dumps(got)
+            except Exception:  # some result or exception does not pickle: say which
+                data = self._dumps([x if self._sendable(x) else (x[0], False, RuntimeError(
+                    f"fan_out task {x[0]}: its {'result' if x[1] else 'error'} {x[2]!r:.200} does not pickle"))
+                    for x in got])
+            with os.fdopen(w, "wb") as out:
+                out.write(data)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            code = 0
+        finally:
+            os._exit(code)  # no exit handlers, no flush of buffers inherited from the parent
+
+    def _dumps(self, got: list[tuple[int, bool, Any]]) -> bytes:
+        buf = io.BytesIO()
+        _Pickler(buf, {id(o): n for n, o in enumerate(self.shared)}).dump(got)
+        return buf.getvalue()
+
+    def _sendable(self, item: tuple[int, bool, Any]) -> bool:
+        try:
+            self._dumps([item])
+        except Exception:
+            return False
+        return True
+
+    def _collect(self, pid: int, r: int) -> None:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        for item in _Unpickler(io.BytesIO(data), self.shared).load() if data else ():
+            self._record(*item)
+        if status != 0:
+            raise ChildProcessError(f"fan_out worker pid {pid} ended with status {status} "
+                                    f"({os.waitstatus_to_exitcode(status)}); its tasks' results are lost")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the objects whose ids ``ids`` numbers as those numbers (`fan_out`'s ``shared``)."""
+
+    def __init__(self, file: io.BytesIO, ids: dict[int, int]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.ids = ids
+
+    def persistent_id(self, obj: object) -> int | None:
+        return self.ids.get(id(obj))
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads `_Pickler`'s numbers back as this process's own shared objects."""
+
+    def __init__(self, file: io.BytesIO, shared: list[object]) -> None:
+        super().__init__(file)
+        self.shared = shared
+
+    def persistent_load(self, pid: Any) -> object:
+        return self.shared[pid]
