@@ -41,7 +41,7 @@ from hethub.errors import field_error
 
 T = TypeVar("T")
 ENV = "HETHUB_PLAN_WORKERS"
-_IN_WORKER = [False]  # set in a forked child: its own fan-outs run serially
+_IN_WORKER = [False]  # in a forked child (its own fan-outs run serially) or within `serial`
 _SHARED: list[object] = []  # `sharing`'s objects
 _INDEX = struct.Struct("<i")
 _QUEUE_BYTES = 65536  # a Linux pipe's default capacity
@@ -76,6 +76,18 @@ def sharing(*objects: object) -> Iterator[None]:
         yield
     finally:
         del _SHARED[n:]
+
+
+@contextlib.contextmanager
+def serial() -> Iterator[None]:
+    """Within it, every fan-out runs serially in this process (a training rank's re-planning: torch's
+    native threads are invisible to `threading`)."""
+    before = _IN_WORKER[0]
+    _IN_WORKER[0] = True
+    try:
+        yield
+    finally:
+        _IN_WORKER[0] = before
 
 
 def fan_out(tasks: Sequence[Callable[[], T]], *, order: Sequence[int] | None = None,

@@ -47,7 +47,9 @@ class Progress(Generic[T]):
         if tty:
             from tqdm import tqdm  # imported lazily: log-line mode must not pay for it
 
-            self._bar = tqdm(total=total, desc=desc, unit=f" {unit}", file=stream, dynamic_ncols=True)
+            # Without tqdm's monitor thread: a live thread keeps the planner's fan-out (hethub.fanout) serial.
+            quiet = type("Bar", (tqdm,), {"monitor_interval": 0})
+            self._bar = quiet(total=total, desc=desc, unit=f" {unit}", file=stream, dynamic_ncols=True)
 
     # ---- counting ------------------------------------------------------------------------------------
     def update(self, n: int = 1) -> None:

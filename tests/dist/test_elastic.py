@@ -106,7 +106,13 @@ def test_restrict_cluster_keeps_device_order_and_partial_nodes() -> None:
         restrict_cluster(CLUSTER, [99])
 
 
-def test_replan_uses_every_surviving_device() -> None:
+def test_replan_uses_every_surviving_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a training rank's process the planner forks nothing (hethub.fanout.serial), even where it could.
+    import hethub.fanout as fanout
+
+    monkeypatch.setenv(fanout.ENV, "2")
+    monkeypatch.setattr(fanout.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(fanout._Pool, "run", lambda *_: pytest.fail("re-planning forked"))
     plan = make_plan([(2, 2, [(F, 2, 3), (S, 1, 3)]), (2, 2, [(F, 1, 6)])])  # devices F0 F1 F2 S4
     new = replan(plan, world_size=2)
     assert new.world_size == 2 and new.global_batch == plan.global_batch and new.model == plan.model

@@ -163,6 +163,8 @@ def test_workers_from_the_environment(monkeypatch):
     assert fanout.workers() == 1 and fanout.forks(5) == 0
     monkeypatch.setenv(fanout.ENV, "3")
     assert fanout.workers() == 3
+    with fanout.serial():
+        assert fanout.forks(5) == 0
     monkeypatch.setenv(fanout.ENV, "two")
     with pytest.raises(SpecError, match=f"{fanout.ENV}.*positive integer.*Fix"):
         fanout.workers()

@@ -59,6 +59,21 @@ def test_tty_uses_a_tqdm_bar() -> None:
     assert "train" in out and "5/5" in out and "\r" in out
 
 
+def test_a_tty_bar_starts_no_thread() -> None:
+    # tqdm's monitor thread would keep the planner's fan-out serial (hethub.fanout forks beside no thread).
+    import threading
+
+    from tqdm import tqdm
+
+    if tqdm.monitor is not None:  # one an earlier bar started (it joins the thread)
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    before = threading.active_count()
+    with progress(5, desc="plan", unit="steps", stream=io.StringIO(), tty=True) as bar:
+        bar.update(2)
+        assert threading.active_count() == before
+
+
 def test_iterating_a_total_is_an_error() -> None:
     with pytest.raises(TypeError, match="update"):
         list(progress(3, desc="x", stream=io.StringIO()))

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hethub.errors import HethubError, RuntimeSetupError
+from hethub.fanout import serial
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
@@ -64,7 +65,8 @@ def replan(plan: Plan, *, world_size: int, top_k: int = 16, host: HostModel | No
                         precision=plan.precision, top_k=top_k, optimizer_sharding=plan.optimizer_sharding,
                         optimizer_shares=plan.optimizer_shares, mem_headroom=headroom)
     try:
-        result = make_plan(cluster=cluster, model=plan.model, config=cfg, host=host)
+        with serial():  # in a training rank's process: fork nothing
+            result = make_plan(cluster=cluster, model=plan.model, config=cfg, host=host)
     except HethubError as err:
         raise RuntimeSetupError(f"re-planning for the {world_size} surviving devices failed: {err}") from None
     for cand, _ in result.alternatives:

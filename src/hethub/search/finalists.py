@@ -113,7 +113,7 @@ class BoundParts:
     relaxed: frozenset[str]
 
     @staticmethod
-    def merged(each: list[BoundParts]) -> BoundParts:
+    def of(each: list[BoundParts]) -> BoundParts:
         return BoundParts({k: v for b in each for k, v in b.parts.items()}, tuple(n for b in each for n in b.notes),
                           [x for b in each for x in b.alone], frozenset().union(*(b.relaxed for b in each)))
 
@@ -122,10 +122,9 @@ def kind_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
                books: Books | None = None, host: HostModel | None = None,
                candidates: Callable[[str, Callable[[], float]], Iterable[Plan]] | None = None,
                ) -> list[Callable[[], BoundParts]]:
-    """A task per kind (independent: each screens by its own bar) giving its part of the upper bound, notes,
-    best feasible single-kind candidates, scored, and whether its part is a relaxed-memory plan.
-    ``candidates``: a kind's candidate plans where the caller has them (the default path's, priced under
-    every variant), laid out as the scoring reaches them (its `score_bar`); otherwise searched under ``config``."""
+    """A task per kind (each screens by its own bar): its part of the upper bound, notes, best feasible single-kind
+    candidates, scored, and relaxed-memory flag. ``candidates``: a kind's plans where the caller has them (the
+    default path's, under every variant), laid out as the scoring reaches them (`score_bar`); else searched anew."""
     def part(kind: str) -> BoundParts:
         steps: list[float] = []
         plans = (candidates(kind, score_bar(steps, keep=2, host=host)) if candidates is not None else

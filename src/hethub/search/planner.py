@@ -216,7 +216,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     got = fan_out([partial(schedule_plans, g) for g in groups] + parts,
                   done=lambda i, _: bar.update(len(groups[i]) if i < len(groups) else 1))
     by_variant = {v: x for g, xs in zip(groups, got, strict=False) for v, x in zip(g, xs, strict=True)}
-    own, b = [x for v in variants for x in by_variant[v]], BoundParts.merged(got[len(groups):])
+    own, b = [x for v in variants for x in by_variant[v]], BoundParts.of(got[len(groups):])
     hethub = config.strategy == "hethub"
     scored = sorted([*own, *b.alone] if hethub else own, key=lambda x: x[1].step_time_s)
     # offered context parallelism (predict/context_plans.py)
@@ -258,8 +258,7 @@ def _enumeration(enums: list[Searcher], *, host: HostModel | None, mixed: bool,
     key = EnumerationKey(tuple(map(id, held)), tuple(replace(e.config, top_k=1, strategy="hethub") for e in enums))
     if (got := _REUSED.get(key)) is None or (mixed and got.mixed is None):
         shapes, alone = enumerate_shapes(enums, mixed=mixed, alone=got is None)
-        got = got or _REUSED.setdefault(key, Enumerated(alone=alone, held=held))
-        got.mixed = shapes if mixed else got.mixed
+        got = _REUSED[key] = Enumerated(alone=got.alone if got else alone, held=held, mixed=shapes if mixed else None)
     return (got.mixed or []) if mixed else [], got.alone
 
 
@@ -312,8 +311,7 @@ def upper_bound(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
                 profiles: ProfileSet | None = None, host: HostModel | None = None) -> tuple[float, tuple[str, ...]]:
     """Sum over kinds of the best tokens/s each kind reaches alone on the same job (HETHUB's bound)."""
     _check_job(model, config)
-    b = BoundParts.merged(fan_out(kind_parts(cluster=cluster, model=model, config=config, profiles=profiles,
-                                             host=host)))
+    b = BoundParts.of(fan_out(kind_parts(cluster=cluster, model=model, config=config, profiles=profiles, host=host)))
     return sum(b.parts.values()), b.notes
 
 

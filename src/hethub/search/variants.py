@@ -116,10 +116,9 @@ def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
 
 def enumerate_shapes(searchers: list[Searcher], *, mixed: bool = True, alone: bool = True,
                      ) -> tuple[list[Estimate], dict[str, list[Estimate]]]:
-    """The enumeration under each searcher's variant: its best distinct candidates (``mixed``) and each
-    kind's single-kind ones (``alone``: the upper bound's parts, repriced per variant like the pool),
-    each pooled over the searchers in turns (each one's first ``SHAPES_POOL`` kept), best closed form
-    first. A task per searcher (`hethub.fanout`): its kinds alone reuse its cost books."""
+    """The enumeration under each searcher's variant (a task each, `hethub.fanout`): its best distinct candidates
+    (``mixed``) and each kind's alone (``alone``, on its books: the bound's parts, repriced per variant like the
+    pool), each pooled over the searchers in turns (each one's first ``SHAPES_POOL``), best closed form first."""
     found = fan_out([lambda s=s: _enumerated(s, mixed=mixed, alone=alone) for s in searchers])
     return (_in_turns([f[0] for f in found]) if mixed else [],
             {kind: _in_turns([f[1][i] for f in found]) for i, kind in enumerate(searchers[0].counts if alone else ())})
