@@ -6,8 +6,8 @@ one and forked children, each claiming the next task from a shared queue (dynami
 tasks on two workers balance; ``order`` puts the longest first). A child pickles its results and
 exceptions back; the parent re-raises the exception of the lowest-numbered failed task (a serial run's
 first), its type kept, the child's traceback added as a note. Children are killed and reaped
-whatever happens in the parent (an exception, KeyboardInterrupt), so none outlives a call; a parent
-killed outright leaves children that exit when their results find the pipe closed.
+whatever happens in the parent (an exception, KeyboardInterrupt), so none outlives a call; on Linux
+a child also dies with a parent killed outright (``PR_SET_PDEATHSIG``).
 
 Why a result cannot depend on the worker count or the machine's load: a task is a pure function of
 what existed at the fork (the search's inputs and its pure memos, `hethub.memo`), so it computes the
@@ -26,6 +26,7 @@ in completion order (progress bars).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import pickle
@@ -140,13 +141,14 @@ class _Pool:
         sys.stdout.flush()
         sys.stderr.flush()  # a child flushes its own output only, never the parent's
         pids: dict[int, int] = {}  # pid -> read end of its result pipe
+        parent = os.getpid()
         try:
             for _ in range(children):
                 r, w = os.pipe()
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover (a child; tests see its results)
                     os.close(r)
-                    self._child(w)
+                    self._child(w, parent)
                 os.close(w)
                 pids[pid] = r
             self._work(self._record)
@@ -170,11 +172,12 @@ class _Pool:
         if ok and self.done is not None:
             self.done(i, value)
 
-    def _child(self, w: int) -> None:
+    def _child(self, w: int, parent: int) -> None:
         """A worker's life: claim tasks until the queue is empty, send every result, exit."""
         code = 1
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it kills its workers
+            _die_with(parent)
             _IN_WORKER[0] = True
             got: list[tuple[int, bool, Any]] = []
             self._work(lambda i, ok, value: got.append((i, ok, value)), child=True)
@@ -213,6 +216,16 @@ class _Pool:
         if status != 0:
             raise ChildProcessError(f"fan_out worker pid {pid} ended with status {status} "
                                     f"({os.waitstatus_to_exitcode(status)}); its tasks' results are lost")
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux; elsewhere nothing is done)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        return
+    if os.getppid() != parent:  # the parent died before the call
+        os._exit(1)
 
 
 class _Pickler(pickle.Pickler):

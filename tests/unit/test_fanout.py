@@ -106,6 +106,39 @@ def test_an_interrupt_in_the_parent_kills_and_reaps_its_workers():
     assert got["s"] < 60 and not got["left"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_parent_killed_outright_takes_its_workers_along(tmp_path):
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    code = textwrap.dedent(PRELUDE) + textwrap.dedent(f"""
+        def task():
+            meet.wait()
+            with open({str(pids)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+            time.sleep(120)
+        fanout.fan_out([task, task])
+    """)
+    env = {**os.environ, fanout.ENV: "2", "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while (not pids.exists() or len(pids.read_text().split()) < 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = next(int(p) for p in pids.read_text().split() if int(p) != proc.pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    for _ in range(200):  # the kernel kills it; the init process reaps it
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"worker {child} outlived its killed parent")
+
+
 def test_a_worker_that_dies_or_sends_what_does_not_pickle_is_an_error():
     got = _run("""
         def dies():
