@@ -34,6 +34,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ T = TypeVar("T")
 ENV = "HETHUB_PLAN_WORKERS"
 _IN_WORKER = [False]  # in a forked child (its own fan-outs run serially) or within `serial`
 _SHARED: list[object] = []  # `sharing`'s objects
+_TIMED: list[list[tuple[float, list[float]]]] = []  # `timed`'s records
 _INDEX = struct.Struct("<i")
 _QUEUE_BYTES = 65536  # a Linux pipe's default capacity
 
@@ -89,6 +91,18 @@ def serial() -> Iterator[None]:
         yield
     finally:
         _IN_WORKER[0] = before
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[tuple[float, list[float]]]]:
+    """Within it, each forked fan-out appends (this process's CPU s in it, each child's CPU s), so a
+    benchmark can give the critical path: the serial rest plus each fan-out's busiest worker."""
+    got: list[tuple[float, list[float]]] = []
+    _TIMED.append(got)
+    try:
+        yield got
+    finally:
+        _TIMED.remove(got)
 
 
 def fan_out(tasks: Sequence[Callable[[], T]], *, order: Sequence[int] | None = None,
@@ -140,6 +154,7 @@ class _Pool:
     def run(self, children: int) -> list[Any]:
         sys.stdout.flush()
         sys.stderr.flush()  # a child flushes its own output only, never the parent's
+        start_s, self.child_s = time.process_time(), []
         pids: dict[int, int] = {}  # pid -> read end of its result pipe
         parent = os.getpid()
         try:
@@ -162,6 +177,8 @@ class _Pool:
                 with contextlib.suppress(OSError):
                     os.waitpid(pid, 0)
             os.close(self.queue_r)
+        for record in _TIMED:
+            record.append((time.process_time() - start_s, self.child_s))
         failed = sorted(i for i, (ok, _) in self.results.items() if not ok)
         if failed:
             raise self.results[failed[0]][1]
@@ -210,7 +227,8 @@ class _Pool:
     def _collect(self, pid: int, r: int) -> None:
         with os.fdopen(r, "rb") as f:
             data = f.read()
-        _, status = os.waitpid(pid, 0)
+        _, status, usage = os.wait4(pid, 0)
+        self.child_s.append(usage.ru_utime + usage.ru_stime)
         for item in _Unpickler(io.BytesIO(data), self.shared).load() if data else ():
             self._record(*item)
         if status != 0:

@@ -55,15 +55,18 @@ def test_tasks_run_side_by_side_with_results_in_task_order():
                 meet.wait()  # tasks 0 and 1 run at once, so in two processes
             return i * i, os.getpid()
         done = []
-        out = fanout.fan_out([lambda i=i: task(i) for i in range(5)], order=[1, 0, 4, 3, 2],
-                             done=lambda i, r: done.append((i, os.getpid())))
+        with fanout.timed() as spans:
+            out = fanout.fan_out([lambda i=i: task(i) for i in range(5)], order=[1, 0, 4, 3, 2],
+                                 done=lambda i, r: done.append((i, os.getpid())))
         print(json.dumps({"values": [v for v, _ in out], "pids": [p for _, p in out], "parent": parent,
-                          "done": sorted(done), "left": children_left()}))
+                          "done": sorted(done), "left": children_left(), "spans": spans}))
     """)
     assert got["values"] == [0, 1, 4, 9, 16]
     assert got["pids"][0] != got["pids"][1] and got["parent"] in got["pids"][:2]
     assert got["done"] == [[i, got["parent"]] for i in range(5)]  # every result reported in the parent
     assert not got["left"]  # every child reaped
+    [(own_s, children_s)] = got["spans"]  # one fan-out: this process's CPU s and its one child's
+    assert own_s >= 0 and len(children_s) == 1 and children_s[0] >= 0
 
 
 def test_the_first_failed_task_in_task_order_raises_its_own_type_from_a_child():
