@@ -168,7 +168,10 @@ class _Pool:
                 pids[pid] = r
             self._work(self._record)
             while pids:
-                self._collect(*pids.popitem())
+                pid, r = next(iter(pids.items()))
+                self._collect(pid, r)
+                del pids[pid]
+                os.close(r)
         finally:
             for pid, r in pids.items():  # only on an error here: stop and reap the rest
                 os.close(r)
@@ -197,13 +200,12 @@ class _Pool:
             _die_with(parent)
             _IN_WORKER[0] = True
             got: list[tuple[int, bool, Any]] = []
-            self._work(lambda i, ok, value: got.append((i, ok, value)), child=True)
+            self._work(lambda i, ok, value: got.append((i, ok, value if ok else _portable(value))), child=True)
             try:  # one pickle: what results share stays shared
                 data = self._dumps(got)
-            except Exception:  # some result or exception does not pickle: say which
+            except Exception:  # some result does not pickle: say which
                 data = self._dumps([x if self._sendable(x) else (x[0], False, RuntimeError(
-                    f"fan_out task {x[0]}: its {'result' if x[1] else 'error'} {x[2]!r:.200} does not pickle"))
-                    for x in got])
+                    f"fan_out task {x[0]}: its result {x[2]!r:.200} does not pickle")) for x in got])
             with os.fdopen(w, "wb") as out:
                 out.write(data)
             sys.stdout.flush()
@@ -225,7 +227,7 @@ class _Pool:
         return True
 
     def _collect(self, pid: int, r: int) -> None:
-        with os.fdopen(r, "rb") as f:
+        with os.fdopen(r, "rb", closefd=False) as f:
             data = f.read()
         _, status, usage = os.wait4(pid, 0)
         self.child_s.append(usage.ru_utime + usage.ru_stime)
@@ -234,6 +236,19 @@ class _Pool:
         if status != 0:
             raise ChildProcessError(f"fan_out worker pid {pid} ended with status {status} "
                                     f"({os.waitstatus_to_exitcode(status)}); its tasks' results are lost")
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` if it survives pickling both ways (its type, message and notes cross), else a RuntimeError
+    that names it."""
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:
+        out = RuntimeError(f"{type(e).__name__}: {e}")
+        for note in getattr(e, "__notes__", []):
+            out.add_note(note)
+        return out
+    return e
 
 
 def _die_with(parent: int) -> None:

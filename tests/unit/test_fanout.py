@@ -109,6 +109,35 @@ def test_an_interrupt_in_the_parent_kills_and_reaps_its_workers():
     assert got["s"] < 60 and not got["left"]
 
 
+def test_an_interrupt_while_waiting_for_a_worker_kills_and_reaps_it(tmp_path):
+    import signal
+    import time
+
+    ready = tmp_path / "ready"
+    code = textwrap.dedent(PRELUDE) + textwrap.dedent(f"""
+        import sys
+        def task():
+            meet.wait()
+            if os.getpid() != parent:
+                open({str(ready)!r}, "w").close()
+                time.sleep(120)
+        try:
+            fanout.fan_out([task, task])
+        except KeyboardInterrupt:
+            print(json.dumps({{"left": children_left()}}))
+            sys.exit(0)
+    """)
+    env = {**os.environ, fanout.ENV: "2", "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the parent, its own task done, waits on the worker's pipe
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and json.loads(out) == {"left": False}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_parent_killed_outright_takes_its_workers_along(tmp_path):
     import signal
@@ -151,8 +180,15 @@ def test_a_worker_that_dies_or_sends_what_does_not_pickle_is_an_error():
         def unpicklable():
             meet.wait()
             return (lambda: None) if os.getpid() != parent else None
+        class Odd(Exception):  # its arguments do not rebuild it: unpickling fails
+            def __init__(self, a, b):
+                super().__init__(f"{a}/{b}")
+        def odd():
+            meet.wait()
+            if os.getpid() != parent:
+                raise Odd(1, 2)
         out = []
-        for task, err in ((dies, ChildProcessError), (unpicklable, RuntimeError)):
+        for task, err in ((dies, ChildProcessError), (unpicklable, RuntimeError), (odd, RuntimeError)):
             try:
                 fanout.fan_out([task, task])
                 out.append("none")
@@ -160,8 +196,9 @@ def test_a_worker_that_dies_or_sends_what_does_not_pickle_is_an_error():
                 out.append(str(e))
         print(json.dumps({"out": out, "left": children_left()}))
     """)
-    died, pickled = got["out"]
+    died, pickled, odd = got["out"]
     assert "ended with status" in died and "does not pickle" in pickled and not got["left"]
+    assert odd == "Odd: 1/2"  # named, in a type that crosses
 
 
 def test_nested_fan_out_and_shared_objects():
