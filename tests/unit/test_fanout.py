@@ -113,7 +113,9 @@ def test_an_interrupt_while_waiting_for_a_worker_kills_and_reaps_it(tmp_path):
     import signal
     import time
 
-    ready = tmp_path / "ready"
+    ready, past = tmp_path / "ready", tmp_path / "parent-past-the-barrier"
+    # The interrupt must find the parent past the barrier (waiting on its worker's pipe): one that
+    # lands inside multiprocessing's Barrier can leave its condition waiting for a wake-up forever.
     code = textwrap.dedent(PRELUDE) + textwrap.dedent(f"""
         import sys
         def task():
@@ -121,6 +123,8 @@ def test_an_interrupt_while_waiting_for_a_worker_kills_and_reaps_it(tmp_path):
             if os.getpid() != parent:
                 open({str(ready)!r}, "w").close()
                 time.sleep(120)
+            else:
+                open({str(past)!r}, "w").close()
         try:
             fanout.fan_out([task, task])
         except KeyboardInterrupt:
@@ -130,7 +134,7 @@ def test_an_interrupt_while_waiting_for_a_worker_kills_and_reaps_it(tmp_path):
     env = {**os.environ, fanout.ENV: "2", "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
+    while not (ready.exists() and past.exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)  # the parent, its own task done, waits on the worker's pipe
     proc.send_signal(signal.SIGINT)
