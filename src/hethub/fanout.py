@@ -166,7 +166,8 @@ class _Pool:
                     self._child(w, parent)
                 os.close(w)
                 pids[pid] = r
-            self._work(self._record)
+            with serial():  # this process is a worker too: fan-outs inside its tasks run in it
+                self._work(self._record)
             while pids:
                 pid, r = next(iter(pids.items()))
                 self._collect(pid, r)

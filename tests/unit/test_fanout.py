@@ -208,9 +208,12 @@ def test_a_worker_that_dies_or_sends_what_does_not_pickle_is_an_error():
 def test_nested_fan_out_and_shared_objects():
     got = _run("""
         shared = {"big": list(range(1000))}
+        def slow_pid():
+            time.sleep(0.3)  # long enough for a forked worker, were there one, to claim the other
+            return os.getpid()
         def task():
             meet.wait()
-            inner = fanout.fan_out([os.getpid, os.getpid])  # inside a task: serial, in its process
+            inner = fanout.fan_out([slow_pid, slow_pid])  # inside a task (the parent's too): serial, in its process
             return os.getpid(), inner, shared
         with fanout.sharing(shared):
             out = fanout.fan_out([task, task])
