@@ -9,7 +9,9 @@ README's HETHUB-768 command (examples/clusters/hethub-768.toml, llama-140b, 1536
 shared machine the wall time says little: cpu_s (this process and its children: the planner's
 forked workers, hethub.fanout, so above the wall time when they overlap) and the load average beside
 it say how busy it was; HETHUB_PLAN_WORKERS=1 times the serial search. crit_s estimates an idle
-machine's wall time: the search's serial CPU s plus, per fan-out, its busiest worker's (fanout.timed).
+machine's wall time: the search's serial CPU s plus, per fan-out, its busiest worker's (fanout.timed);
+"crit parts" splits it: the serial rest, then each fan-out's busiest worker in the order they ran
+(the enumeration; the variants beside the bound's parts; the polish; the interleaving).
 Each plan's tokens/s is printed beside main's at the commit named in REFERENCE, with their ratio: the
 plans must not get worse.
 """
@@ -73,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'devices':>8} {'model':>12} {'search_s':>9} {'cpu_s':>7} {'crit_s':>6} {'load':>5} {'efficiency':>10} "
           f"{'vs alone':>8} {'tokens/s':>12} {'main':>12} {'ratio':>7} {'pipelines':>9} {'used':>5}  schedule, "
-          "sharding")
+          "sharding; crit parts")
     for n in (int(x) for x in args.sizes.split(",")):
         cluster, model, gb, seq = case(n)
         cli = build_parser().parse_args(["plan", "--cluster", cluster.name, "--model", model,
@@ -84,11 +86,13 @@ def main() -> None:
         wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
         # The serial rest plus each fan-out's busiest worker: an idle machine's wall time, estimated.
         crit = time.process_time() - own0 + sum(max(own, *kids) - own for own, kids in spans)
+        busiest = [max(own, *kids) for own, kids in spans]
+        parts = " + ".join(f"{x:.1f}" for x in [crit - sum(busiest), *busiest])
         tps, ref = r.prediction.tokens_per_s, REFERENCE.get(n)
         print(f"{n:>8} {model:>12} {wall:>9.2f} {cpu:>7.2f} {crit:>6.2f} {os.getloadavg()[0]:>5.1f} "
               f"{r.efficiency:>10.3f} {r.vs_kinds_alone or 0:>8.3f} "
               f"{tps:>12,.0f} {ref or 0:>12,} {tps / ref if ref else float('nan'):>7.4f} {len(r.plan.pipelines):>9} "
-              f"{r.plan.world_size:>5}  {r.plan.schedule}, {r.plan.optimizer_sharding}")
+              f"{r.plan.world_size:>5}  {r.plan.schedule}, {r.plan.optimizer_sharding}; {parts}")
 
 
 if __name__ == "__main__":
