@@ -237,14 +237,16 @@ class Searcher:
         bounds are computed in the order of their loose ones (each at least its exact one), until the
         TOP_PER_KIND-th best exact (ties: in stage-shape order) is above every loose one left."""
         key, n = (kind, mbs, share), self.counts[kind]
-        cands = [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
-        best: list[tuple[float, int]] = []
-        for neg, i in [] if key in self._seeds else sorted(
-                (-self._bound(kind, tp, mbs, p, share, loose=True), i) for i, (tp, p) in enumerate(cands)):
-            if len(best) >= TOP_PER_KIND and best[TOP_PER_KIND - 1][0] < neg:
-                break
-            best = sorted([*best, (-self._bound(kind, cands[i][0], mbs, cands[i][1], share), i)])
-        return self._seeds.setdefault(key, [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0])
+        if key not in self._seeds:
+            cands = [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
+            loose = sorted((-self._bound(kind, tp, mbs, p, share, loose=True), i) for i, (tp, p) in enumerate(cands))
+            best: list[tuple[float, int]] = []  # (-exact bound, candidate), best first
+            for neg, i in loose:
+                if len(best) >= TOP_PER_KIND and best[TOP_PER_KIND - 1][0] < neg:
+                    break  # the loose bounds left, so their exact ones, are below the TOP_PER_KIND-th best
+                best = sorted([*best, (-self._bound(kind, cands[i][0], mbs, cands[i][1], share), i)])
+            self._seeds[key] = [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0]
+        return self._seeds[key]
 
     def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
         """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""
