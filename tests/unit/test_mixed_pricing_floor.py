@@ -4,11 +4,15 @@
 wherever every pipeline gets micro-batches (the sync floor counts every replica's ring): checked on
 random candidates beside random pure groups."""
 
+import dataclasses
 import random
 
 import pytest
 from test_reference_search import instance
 
+from hethub.memo import reference_path
+from hethub.schedules.zero_bubble import ZeroBubbleH1
+from hethub.search import hetero
 from hethub.search.combine import Group, allocate, step_time_s
 from hethub.search.mixed import families
 from hethub.search.sync_floors import SyncFloors
@@ -73,3 +77,30 @@ def test_makespan_plus_order_floor_is_below_the_step(seed):
     bad = [(f, a, t) for f, a, t in pairs if f > t * (1 + 1e-12)]
     assert not bad, f"{len(bad)} of {len(pairs)} floors above their step, e.g. {bad[0]}"
     assert sum(a > 0 for _, a, _ in pairs) > len(pairs) / 2  # the sync floor is what the pruning gains
+
+
+def _search(cluster, model, config):
+    """hetero.search's candidates as (step, groups, allocation), and how many splits it made."""
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    splits = []
+    split_part = s.split_part
+    s.split_part = lambda *a, **k: splits.append(a) or split_part(*a, **k)
+    return [(e.step_time_s, e.groups, e.micro_batches) for e in hetero.search(s)], len(splits), s.config
+
+
+@pytest.mark.parametrize("seed", [1, 11, 16])
+def test_zero_bubble_fill_floor_keeps_the_plain_rules_best_candidates(seed, monkeypatch):
+    # ZB-H1's fill floor (ZeroBubbleH1.fill_work_floor_s) lifts every floor the search prunes with
+    # (pipe_floor, the mixed boxes', the templates' rate bound). Under the plain rule (the fill at
+    # least one period) and every shortcut off (memo.reference_path()), the search must keep the same
+    # best candidates, ties included, while the floor saves splits. Priced order may differ below them.
+    cluster, model, config = instance(seed)
+    config = dataclasses.replace(config, schedule="zb-h1")
+    got, splits, config = _search(cluster, model, config)
+    monkeypatch.setattr(ZeroBubbleH1, "fill_work_floor_s", lambda self, *, work_s, bottleneck_s: bottleneck_s)
+    with reference_path():
+        plain, plain_splits, _ = _search(cluster, model, config)
+    keys = list(dict.fromkeys((g, m) for _, g, m in plain))
+    bar = next(t for t, g, m in plain if (g, m) == keys[min(len(keys), config.finalists + config.top_k) - 1])
+    assert {c for c in got if c[0] <= bar} == {c for c in plain if c[0] <= bar}
+    assert splits < plain_splits

@@ -150,11 +150,12 @@ def test_merged_bound_takes_each_kinds_best_fitting_part_over_the_variants():
     assert parts == {"a": 9.0, "b": 6.0} and relaxed == frozenset({"b"})
 
 
-def test_pipe_floor_per_recompute_mode_is_below_random_splits():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pipe_floor_per_recompute_mode_is_below_random_splits(schedule):
     # The floors take each recomputation mode with its own capacity and cost (none, selective, full);
     # on random mixed pipelines of a large model, where stages need full recomputation, every split
     # (with and without recomputation) must stay above the floor, and the no-recomputation floor above
-    # nothing but the no-recomputation splits.
+    # nothing but the no-recomputation splits. ZB-H1: its fill floor (a third of the work).
     import random
 
     from hethub.search.split import split_layers
@@ -164,7 +165,7 @@ def test_pipe_floor_per_recompute_mode_is_below_random_splits():
     checked = 0
     for model_name, seq in (("llama-2-70b", 4096), ("llama-2-13b", 4096), ("llama-3-8b", 8192)):
         s = Searcher(cluster=cluster, model=get_model(model_name),
-                     config=PlannerConfig(global_batch=256, seq_len=seq), profiles=None)
+                     config=PlannerConfig(global_batch=256, seq_len=seq, schedule=schedule), profiles=None)
         for _ in range(12):
             kinds = rng.sample(KINDS, rng.choice((2, 3)))
             segs = tuple((k, rng.choice(s.tps[k]), rng.randint(1, 12)) for k in kinds)

@@ -242,3 +242,28 @@ def test_a_slow_link_carries_one_message_at_a_time_and_sets_the_pace(schedule):
     if schedule == "gpipe":
         ops = simulate_pipeline(fwd_s=fwd, bwd_s=bwd, p2p_s=p2p, num_micro_batches=4, schedule=schedule)[0].ops
         assert [o.end_s for o in ops if o.kind == "F"] == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fill_work_floor_is_below_every_closed_form_it_stands_for(schedule):
+    # The planner's floors (search/bounds.pipe_floor, mixed._box_level) take fill_drain + one period,
+    # less the transfers, to be at least fill_work_floor_s(the summed work, the slowest stage): on random
+    # stages, any forward share (0 to all of a stage's work) and interleaving's device totals.
+    sched = get_schedule(schedule, chunks=2 if schedule == "interleaved" else 1)
+    rng = random.Random(7)
+    for _ in range(2000):
+        p = rng.randint(1, 12)
+        work = [rng.choice((1.0, rng.uniform(0.05, 4.0))) for _ in range(p)]
+        share = [rng.choice((0.0, 1.0, 1 / 3, rng.random())) for _ in range(p)]
+        fwd = [w * a for w, a in zip(work, share, strict=True)]
+        bwd = [w - f for w, f in zip(work, fwd, strict=True)]
+        per = sched.per_micro_batch_s(fwd_s=fwd, bwd_s=bwd)
+        exact = sched.fill_drain_s(fwd_s=fwd, bwd_s=bwd, p2p_s=[0.0] * p, per_micro_batch_s=per) + per
+        # the floor's arguments may themselves be floors, below the exact work and slowest stage
+        low = rng.choice((1.0, rng.uniform(0.5, 1.0)))
+        assert sched.fill_work_floor_s(work_s=sum(work) * low, bottleneck_s=max(work) * low) <= exact * (1 + 1e-12)
+    # ZB-H1's is exact on equal stages whose W is the backward's assumed share (F = B - W = W).
+    if schedule == "zb-h1":
+        for p in range(1, 9):
+            exact = sched.step_time_s(fwd_s=[1.0] * p, bwd_s=[2.0] * p, p2p_s=[0.0] * (p - 1), num_micro_batches=1)
+            assert sched.fill_work_floor_s(work_s=3.0 * p, bottleneck_s=3.0) == pytest.approx(exact, rel=1e-12)

@@ -72,8 +72,13 @@ class ZeroBubbleH1(Schedule):
         return max(sum(fwd_s[1:]), sum(b * (1.0 - share) for b in bwd_s[1:])) + 2 * sum(p2p_s[:len(fwd_s) - 1])
 
     def fill_work_floor_s(self, *, work_s: float, bottleneck_s: float) -> float:
-        # The fill is the later stages' F + B - W, whose share of the work is unknown here.
-        return bottleneck_s
+        # With q = 1 - share: max(sum F, q sum B) over the later stages is at least their mix
+        # (q sum F + q sum B) / (1 + q) = lam x (their work), lam = q / (1 + q), whatever F's share of
+        # each stage's F + B; their work is the whole less stage 0's (at most the period), so
+        # fill_drain + per >= lam work + (1 - lam) per, which grows with per >= the bottleneck.
+        q = 1.0 - DEFAULT_WEIGHT_GRAD_SHARE
+        lam = q / (1.0 + q)
+        return lam * work_s + (1.0 - lam) * bottleneck_s
 
     def stage_finish_s(self, *, step_s: float, bwd_s: Sequence[float], p2p_s: Sequence[float]) -> list[float]:
         # The later stages fill their tails with deferred W's; they finish at most when the first does.
