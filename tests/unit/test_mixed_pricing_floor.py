@@ -88,12 +88,13 @@ def _search(cluster, model, config):
     return [(e.step_time_s, e.groups, e.micro_batches) for e in hetero.search(s)], len(splits), s.config
 
 
-@pytest.mark.parametrize("seed", [1, 11, 16])
+# 11: 1F1B's fill floor (the whole work) for ZB-H1 loses a best candidate here; 16: ties in the best.
+@pytest.mark.parametrize("seed", [11, 16])
 def test_zero_bubble_fill_floor_keeps_the_plain_rules_best_candidates(seed, monkeypatch):
     # ZB-H1's fill floor (ZeroBubbleH1.fill_work_floor_s) lifts every floor the search prunes with
     # (pipe_floor, the mixed boxes', the templates' rate bound). Under the plain rule (the fill at
     # least one period) and every shortcut off (memo.reference_path()), the search must keep the same
-    # best candidates, ties included, while the floor saves splits. Priced order may differ below them.
+    # best candidates (ties in any order), while the floor saves splits; below them what is priced may differ.
     cluster, model, config = instance(seed)
     config = dataclasses.replace(config, schedule="zb-h1")
     got, splits, config = _search(cluster, model, config)
