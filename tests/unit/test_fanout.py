@@ -117,7 +117,10 @@ def test_an_interrupt_while_waiting_for_a_worker_kills_and_reaps_it(tmp_path):
     # The interrupt must find the parent past the barrier (waiting on its worker's pipe): one that
     # lands inside multiprocessing's Barrier can leave its condition waiting for a wake-up forever.
     code = textwrap.dedent(PRELUDE) + textwrap.dedent(f"""
-        import sys
+        import signal, sys
+        # Ctrl-C raises KeyboardInterrupt even where this interpreter was started with SIGINT
+        # ignored (a shell's background job, as some CI runners launch the suite).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         def task():
             meet.wait()
             if os.getpid() != parent:
