@@ -426,3 +426,17 @@ def test_the_bucket_sums_by_layer_runs_are_the_buckets() -> None:
         got = sorted((n, m, tuple(sorted(zip(st, c, strict=True))))
                      for n, m, st, c in zip(sums.elems, sums.mixed, sums.stages, sums.counts, strict=True))
         assert got == _sums_by_rule(plan)
+
+
+def test_the_total_is_the_sum_of_the_parts_bit_for_bit() -> None:
+    # StageMemory.total_bytes adds the parts without building them; on values with ties between the
+    # phases (the peak's choice), zeros and magnitudes whose sums round, it equals their plain sum.
+    rng = random.Random(11)
+    pool = [0.0, 1.0, 3.0, 0.1, 0.2, 0.3, 2.0**53, 1e9 + 0.5, 7e10 / 3]
+    for _ in range(20_000):
+        values = [rng.choice(pool) if rng.random() < 0.7 else rng.uniform(0, 1e11) for _ in range(12)]
+        mem = StageMemory(*values[:8], fragmentation_ratio=rng.choice([0.0, 0.05, 1 / 3]),
+                          framework_context_bytes=values[8], comm_buffers_bytes=values[9], gathered_bytes=values[10],
+                          p2p_buffers_bytes=values[11])
+        twin = mem.with_parts()  # nothing cached
+        assert mem.total_bytes == sum(twin.parts.values()), values

@@ -28,9 +28,10 @@ SCREEN_MARGIN = 1e-9
 
 
 def with_sharding(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: float,
+                  held: dict[StageId, tuple[int, int, int]] | None = None,
                   ) -> tuple[dict[StageId, StageMemory], dict[int, float] | None]:
     """Each stage's memory under the plan's optimizer sharding, and the ranks' slice weights (None
-    when unsharded: ``mems`` as they are)."""
+    when unsharded: ``mems`` as they are); ``held``: the plan's ``zero23_held`` where the caller has it."""
     if not plan.sharded_optimizer:
         return mems, None
     # The split the plan carries is the one the runtime makes; the headroom only computes a missing one,
@@ -43,7 +44,7 @@ def with_sharding(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: flo
         weights = rank_weights(plan, by_stage)
         per_stage = (stage_shard_elems(plan, rank_shards(plan, weights)) if reference()
                      else stage_elems_of(plan, by_stage))
-    held = zero23_held(plan)
+    held = zero23_held(plan) if held is None else held
     # Stages of one unsharded memory and slice (replicas) share their sharded memory (a shortcut: memo.py).
     made: dict[tuple, StageMemory] = {}
     out = {}
@@ -100,16 +101,17 @@ def shard_weights(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: flo
 
 
 def screened_fits(plan: Plan, mems: dict[StageId, StageMemory], *, headroom: float, usable: dict[str, float],
-                  asked: Collection[StageId] | None = None) -> dict[StageId, bool] | None:
+                  asked: Collection[StageId] | None = None, held: dict[StageId, tuple[int, int, int]] | None = None,
+                  ) -> dict[StageId, bool] | None:
     """Per stage (of ``asked``; None: all), whether its memory under the plan's sharding (``with_sharding``)
     is within ``usable`` bytes of its kind, found from ``stage_elems_bounds``' slices instead of the exact
     ones where both bounds agree, else None (then ask ``with_sharding``). Sound: a stage's total grows
     with its slices part by part (``sharded_memory``, ``zero23_memory``), so the exact total lies
     between the bounds'. Only for a plan whose split is found from its memory (no ``shard_weights``),
-    off the reference path."""
+    off the reference path. ``held``: as for ``with_sharding``."""
     by_stage = shard_weights(plan, mems, headroom=headroom)  # in stage_places' order
     lo_m, hi_m, lo_ma, hi_ma = stage_elems_bounds(plan, list(by_stage.values()))
-    held = zero23_held(plan)
+    held = zero23_held(plan) if held is None else held
     starts = list(itertools.accumulate((len(p.stages) for p in plan.pipelines), initial=0))
     out: dict[StageId, bool] = {}
     made: dict[tuple, bool] = {}  # replicas' stages: one memory, weight and slice bounds

@@ -32,14 +32,17 @@ class StageFits:
     for every mode asked."""
 
     def __init__(self, plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM, p2p_bound: bool = False,
-                 costs: PlanCosts | None = None) -> None:
+                 costs: PlanCosts | None = None, twins: list[int] | None = None,
+                 held: dict[tuple[int, int], tuple[int, int, int]] | None = None) -> None:
         """``p2p_bound``: point-to-point buffers at their closed-form upper bound (``PlanCosts.stage_shape``).
-        ``costs``: the ``PlanCosts(plan, None)`` of this plan to share, if any."""
+        ``costs``: the ``PlanCosts(plan, None)`` of this plan to share, if any. ``twins``, ``held``: this
+        plan's ``memory_twins`` and ``zero23_held`` where the caller has them (a plan differing from
+        this one only in its stages' modes has the same: ``ModeFits``)."""
         self.plan, self.costs = plan, PlanCosts(plan, None) if costs is None else costs
         self.schedule = get_schedule(plan.schedule)
         self.mem_headroom, self.p2p_bound = check_headroom(mem_headroom), p2p_bound
-        costs = self.costs
-        self.twins = twins = memory_twins(costs)
+        self._held = held
+        self.twins = twins = memory_twins(self.costs) if twins is None else twins
         # each stage of a pipeline that is no earlier one's twin
         self.own = [(pi, si) for pi, p in enumerate(plan.pipelines) if twins[pi] == pi for si in range(len(p.stages))]
         # An own stage's memory shape's index in ``shapes`` (PlanCosts.stage_shape; each distinct shape
@@ -50,6 +53,13 @@ class StageFits:
         # per kind, not per stage
         self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
                        for kind in {s.kind for p in plan.pipelines for s in p.stages}}
+
+    @property
+    def held(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """``zero23_held`` of the plan, found once (every mode's floor reads it)."""
+        if self._held is None:
+            self._held = zero23_held(self.plan)
+        return self._held
 
     def with_bound(self, p2p_bound: bool) -> StageFits:
         """This plan's checks with the point-to-point buffers at their bound or exact: its twins and
@@ -101,10 +111,10 @@ class StageFits:
                 for si in range(len(plan.pipelines[pi].stages)):
                     mems[(pi, si)] = mems[(twin, si)]
         if plan.sharded_optimizer and plan.shard_weights is None and not reference():  # a shortcut (memo.py)
-            hit = screened_fits(plan, mems, headroom=self.mem_headroom, usable=usable, asked=asked)
+            hit = screened_fits(plan, mems, headroom=self.mem_headroom, usable=usable, asked=asked, held=self.held)
             if hit is not None:
                 return hit
-        mems, _ = with_sharding(plan, mems, headroom=self.mem_headroom)
+        mems, _ = with_sharding(plan, mems, headroom=self.mem_headroom, held=self.held)
         if asked is None:
             return {(pi, si): mems[(pi, si)].total_bytes <= usable[s.kind]
                     for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
@@ -115,8 +125,7 @@ class StageFits:
         recomputing ``recompute``) is already over the usable bytes, so ``under`` says they do not fit
         whatever the other stages hold: the memory without point-to-point buffers and, under a sharded
         optimizer, without an optimizer slice (every part grows with both, as ``screened_fits`` relies on)."""
-        plan, costs = self.plan, self.costs
-        held = zero23_held(plan)
+        plan, costs, held = self.plan, self.costs, self.held
         made: dict[tuple, bool] = {}
         by_place: dict[tuple, bool] = {}  # replicas' stages: one answer
         out = set()

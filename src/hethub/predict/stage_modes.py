@@ -14,6 +14,7 @@ from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import pipeline_floor_s
 from hethub.predict.seq_parallel import sp_applies
+from hethub.predict.shard_memory import zero23_held
 from hethub.predict.stage_cost import StageJob, stage_step
 from hethub.predict.stage_fits import StageFits
 from hethub.schedules import get_schedule
@@ -139,6 +140,7 @@ class ModeFits:
         self._fits: dict[tuple[bool, bool], StageFits] = {}
         self._under: dict[Mode, dict[tuple[int, int], bool]] = {}
         self._refused: dict[Mode, set[tuple[int, int]]] = {}
+        self._alone: dict[tuple[Mode, int, int], bool] = {}  # `fits`' answers by mode, twin pipeline and stage
 
     def __call__(self, mode: Mode, asked: Collection[tuple[int, int]] | None = None) -> dict[tuple[int, int], bool]:
         """Per stage (of ``asked``; None: all, kept per mode): whether it fits with every stage in ``mode``."""
@@ -164,8 +166,13 @@ class ModeFits:
             return False
         if self.plan.sharded_optimizer:
             return self(mode)[sid]
-        return (self._stage_fits(mode[1], bound=True).under(mode[0], asked=(sid,))[sid]
-                or self._stage_fits(mode[1], bound=False).under(mode[0], asked=(sid,))[sid])
+        bound = self._stage_fits(mode[1], bound=True)
+        key = (mode, bound.twins[sid[0]], sid[1])  # a stage's memory is its twin's (StageFits.under)
+        hit = self._alone.get(key)
+        if hit is None:
+            hit = self._alone[key] = (bound.under(mode[0], asked=(sid,))[sid]
+                                      or self._stage_fits(mode[1], bound=False).under(mode[0], asked=(sid,))[sid])
+        return hit
 
     def refused(self, mode: Mode) -> set[tuple[int, int]]:
         """The stages a floor under their memory with every stage in ``mode`` (``StageFits.over``, which no
@@ -207,5 +214,10 @@ class ModeFits:
             plan = replace(plan, pipelines=tuple(replace(p, stages=tuple(
                 in_mode(s, s.recompute, f)
                 for s, f in zip(p.stages, fs, strict=True))) for p, fs in zip(plan.pipelines, flags, strict=True)))
-        hit = self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound)
+        # Both SP modes' plans set a stage's SP by its own TP and CP degrees, so their twins are one another's,
+        # and ZeRO-2/3's held bytes do not read SP: the second plan's checks take the first's.
+        first = next(iter(self._fits.values()), None)
+        hit = self._fits[(sp, bound)] = StageFits(plan, mem_headroom=self.mem_headroom, p2p_bound=bound,
+                                                  twins=first and first.twins,
+                                                  held=first.held if first else zero23_held(plan))
         return hit

@@ -174,8 +174,19 @@ class StageMemory:
 
     @_cached
     def total_bytes(self) -> float:
-        """The device's predicted peak: allocator reserve at the peak plus what lives outside it."""
-        return sum(self.parts.values())
+        """The device's predicted peak: allocator reserve at the peak plus what lives outside it. The sum
+        of ``parts`` in their order, term for term (so bit for bit), without building the dicts: the
+        planner reads it of ~10^5 memories."""
+        fb = self.activations_bytes + self.fb_temporaries_bytes + self.gathered_bytes + self.p2p_buffers_bytes
+        sync, step = self.grad_sync_buffer_bytes, self.optimizer_temporaries_bytes
+        at_fb = fb >= sync and fb >= step  # peak_phase: ties go to the first phase
+        at_sync = not at_fb and sync >= step
+        allocated = self.persistent_bytes + (fb if at_fb else sync if at_sync else step)
+        return sum((self.weights_bytes, self.master_weights_bytes, self.grads_bytes, self.optimizer_bytes,
+                    self.activations_bytes if at_fb else 0.0, self.fb_temporaries_bytes if at_fb else 0.0,
+                    self.gathered_bytes if at_fb else 0.0, self.p2p_buffers_bytes if at_fb else 0.0,
+                    sync if at_sync else 0.0, step if not (at_fb or at_sync) else 0.0,
+                    allocated * self.fragmentation_ratio, self.framework_context_bytes, self.comm_buffers_bytes))
 
     def binding_part(self) -> str:
         parts = self.parts
