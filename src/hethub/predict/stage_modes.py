@@ -111,8 +111,16 @@ def stage_modes(plan: Plan, *, allow_recompute: bool = True, allow_sp: bool = Tr
     job = StageJob.of_plan(plan, None)
     rcs = RECOMPUTE_ORDER if allow_recompute else (Recompute.NONE,)
     out: dict[tuple[int, int], list[Mode]] = {}
+    # Replicas' stages differ only in their devices: one answer per stage shape (its fields, read as they
+    # are; TP is the device count over CP), off the reference path.
+    seen: dict[tuple, list[Mode]] = {}
     for pi, p in enumerate(plan.pipelines):
         for si, s in enumerate(p.stages):
+            shape = (s.kind, len(s.devices), s.cp, s.layers, s.chunks, s.embedding, s.head, s.sequence_parallel,
+                     p.micro_batch_size)
+            if (hit := seen.get(shape)) is not None and not reference():
+                out[(pi, si)] = hit
+                continue
             offered = allow_recompute and allow_sp and sp_applies(tp=s.tp, seq_len=plan.seq_len, cp=s.cp,
                                                                   runtime=plan.runtime)
             sps = (False, True) if offered else (s.sequence_parallel,)
@@ -126,7 +134,7 @@ def stage_modes(plan: Plan, *, allow_recompute: bool = True, allow_sp: bool = Tr
                                     mbs=mbs, recompute=rc, sp=sp, cp=s.cp) for rc, sp in cands]
                 return [m for _, _, m in sorted((t.fwd_s + t.bwd_s, i, m) for i, (t, m) in
                                                 enumerate(zip(times, cands, strict=True)))]
-            out[(pi, si)] = _ORDERS.get(key, order, pin=(plan.model, kind))
+            out[(pi, si)] = seen[shape] = _ORDERS.get(key, order, pin=(plan.model, kind))
     return out
 
 
