@@ -440,3 +440,21 @@ def test_the_total_is_the_sum_of_the_parts_bit_for_bit() -> None:
                           p2p_buffers_bytes=values[11])
         twin = mem.with_parts()  # nothing cached
         assert mem.total_bytes == sum(twin.parts.values()), values
+
+
+def test_the_memory_lines_total_is_each_parts_line() -> None:
+    # _MemoryLines.total writes each part's _Line.at out; on random lines it gives their sums bit for bit.
+    from hethub.predict.stage_cost import _Line, _MemoryLines
+
+    rng = random.Random(5)
+
+    def line() -> _Line:
+        return _Line(*(rng.choice([0.0, 1 / 3, 2.0**40, rng.uniform(0, 1e10)]) for _ in range(3)))
+
+    for _ in range(5_000):
+        lines = _MemoryLines(line(), line(), line(), line(), rng.uniform(0, 1e9), rng.uniform(0, 1e9),
+                             rng.choice([0.0, 0.05]), rng.uniform(0, 1e9))
+        n, f = rng.choice([0, 1, 2, 7, 80]), rng.choice([1, 2, 3.5, 17])
+        fb = f * lines.acts.at(n) + (lines.work0 if n == 0 else lines.work1)
+        top = max(fb, lines.sync.at(n), lines.step.at(n))
+        assert lines.total(n, f) == (lines.persistent.at(n) + top) * (1 + lines.frag) + lines.outside

@@ -324,9 +324,15 @@ class StageModel:
 
     def _solve_max_layers(self, emb: bool, head: bool, in_flight: float, limit: int) -> int:
         cap = self.capacity_bytes
+        lines = self._lines.get((emb, head))
+        if lines is not None:  # what memory_bytes reads, without its dispatch (~10^5 evaluations a search)
+            total = lines.total
 
-        def over(n: int) -> bool:
-            return self.memory_bytes(n, emb=emb, head=head, in_flight=in_flight) > cap
+            def over(n: int) -> bool:
+                return total(n, in_flight) > cap
+        else:
+            def over(n: int) -> bool:
+                return self.memory_bytes(n, emb=emb, head=head, in_flight=in_flight) > cap
 
         if over(0):
             return -1
@@ -397,9 +403,13 @@ class _MemoryLines:
         return lines
 
     def total(self, n: int, f: float) -> float:
-        fb = f * self.acts.at(n) + (self.work0 if n == 0 else self.work1)
-        top = max(fb, self.sync.at(n), self.step.at(n))
-        return (self.persistent.at(n) + top) * (1 + self.frag) + self.outside
+        """Each part's ``_Line.at(n)``, written out (the same sums: max_layers asks ~10^5 of them)."""
+        if n == 0:
+            top = max(f * self.acts.at0 + self.work0, self.sync.at0, self.step.at0)
+            return (self.persistent.at0 + top) * (1 + self.frag) + self.outside
+        a, sync, step, p = self.acts, self.sync, self.step, self.persistent
+        top = max(f * (a.base + a.slope * n) + self.work1, sync.base + sync.slope * n, step.base + step.slope * n)
+        return (p.base + p.slope * n + top) * (1 + self.frag) + self.outside
 
     def most_layers(self, cap: float, f: float, limit: int) -> int:
         """The largest n >= 1 whose forward/backward peak fits in ``cap`` by the lines (a starting
