@@ -458,3 +458,27 @@ def test_the_memory_lines_total_is_each_parts_line() -> None:
         fb = f * lines.acts.at(n) + (lines.work0 if n == 0 else lines.work1)
         top = max(fb, lines.sync.at(n), lines.step.at(n))
         assert lines.total(n, f) == (lines.persistent.at(n) + top) * (1 + lines.frag) + lines.outside
+
+
+def test_the_sync_shape_from_two_pipelines_of_each_layout_is_the_rules() -> None:
+    # plan_costs.sync_shape finds the shape on two pipelines of each layout (each stage's TP degree and
+    # layer ranges) and copies it to the others; on random layouts (mixed TP degrees, CP) with each
+    # pipeline repeated zero to three times, in any order, it equals the rule run on every pipeline.
+    from hethub.predict.plan_costs import sync_shape
+
+    rng = random.Random(13)
+    checked = reduced = 0
+    while checked < 80:
+        plan = _random_plan(rng, "none")
+        if plan is None:
+            continue
+        pipes = [p for p in plan.pipelines for _ in range(rng.choice([1, 1, 2, 3, 4]))]
+        rng.shuffle(pipes)
+        plan = replace(plan, pipelines=tuple(pipes))  # devices repeat: the shape does not read them
+        with reference_path():
+            want = sync_shape(plan)
+        clear_caches()
+        assert sync_shape(plan) == want
+        reduced += len(pipes) > len(set(pipes)) + 1
+        checked += 1
+    assert reduced

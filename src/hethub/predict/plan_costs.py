@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import replace
 
 from hethub.memo import Kept, reference
@@ -301,23 +302,46 @@ def sync_shape(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
     degree and layer ranges, and the planner asks it again for the same layout under each
     recomputation mode and each move of the local search (0.1 s on a 768-stage plan). Read-only."""
     key = (id(plan.model), tuple(tuple((s.tp, s.layer_ranges) for s in p.stages) for p in plan.pipelines))
-    return _SYNC_SHAPES.get(key, lambda: _sync_shape_of(plan), pin=(plan.model,))
+    return _SYNC_SHAPES.get(key, lambda: _sync_shape_of(plan, key[1]), pin=(plan.model,))
 
 
-def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]]:
-    """Per stage: whether other replicas hold its parameters, whether any of its sync groups (units
-    with the same holders, runtime/data_parallel.py) mixes TP degrees, and the parameters on one
-    device of those mixed groups (their full-size buckets are built for the reduction, all in flight
-    at once; other groups are reduced in place in the gradient buffer)."""
-    model = plan.model
+def _sync_shape_of(plan: Plan, layouts: tuple[tuple[tuple[int, tuple], ...], ...],
+                   ) -> dict[tuple[int, int], tuple[bool, bool, float]]:
+    """`_sync_shape_rule` of the plan (``layouts``: each pipeline's stages' TP degree and layer ranges)
+    found on two pipelines of each layout (off the reference path: a shortcut, memo.py). Every group
+    holds every pipeline, each at the stage holding its layers, so pipelines of one layout are in the
+    same groups with the same parameters: equal shapes; and two of each keep the groups, their units,
+    TP degrees and whether a stage is synced (more than one pipeline)."""
+    kept: dict[tuple, list[int]] = {}
+    for pi, layout in enumerate(layouts):
+        kept.setdefault(layout, []).append(pi)
+    some = sorted(pi for pis in kept.values() for pi in pis[:2])
+    if reference() or len(some) == len(layouts):
+        return _sync_shape_rule(plan, range(len(layouts)))
+    got = _sync_shape_rule(plan, some)
+    at = {pi: i for i, pi in enumerate(some)}
+    out = {}
+    for pi, layout in enumerate(layouts):
+        rep = at.get(pi, at[kept[layout][0]])
+        out.update(((pi, si), got[(rep, si)]) for si in range(len(layout)) if (rep, si) in got)
+    return out
+
+
+def _sync_shape_rule(plan: Plan, pipes: Sequence[int]) -> dict[tuple[int, int], tuple[bool, bool, float]]:
+    """Per stage of the plan's pipelines ``pipes`` (numbered in that order) taken alone: whether other
+    replicas hold its parameters, whether any of its sync groups (units with the same holders,
+    runtime/data_parallel.py) mixes TP degrees, and the parameters on one device of those mixed groups
+    (their full-size buckets are built for the reduction, all in flight at once; other groups are
+    reduced in place in the gradient buffer)."""
+    model, pipelines = plan.model, [plan.pipelines[pi] for pi in pipes]
     # Layers between consecutive stage boundaries (of any pipeline) have the same holders: one
     # "segment" per such run, so the work is segments x pipelines, not layers x pipelines.
-    bounds = sorted({0, model.num_layers, *(x for p in plan.pipelines for s in p.stages for r in s.layer_ranges
+    bounds = sorted({0, model.num_layers, *(x for p in pipelines for s in p.stages for r in s.layer_ranges
                                              for x in r)})
     # Each pipeline's non-empty layer ranges (a stage's chunks, with virtual stages) by start, and the
     # stage holding each: bisect finds the one holding a segment's first layer.
     held = [sorted((a, si) for si, s in enumerate(p.stages) for a, b in s.layer_ranges if b > a)
-            for p in plan.pipelines]
+            for p in pipelines]
     starts = [[a for a, _ in h] for h in held]
     groups: dict[tuple, dict[str, int]] = {}
 
@@ -325,7 +349,7 @@ def _sync_shape_of(plan: Plan) -> dict[tuple[int, int], tuple[bool, bool, float]
         counts = groups.setdefault(key, {})
         counts[unit] = counts.get(unit, 0) + count
 
-    tps = [[s.tp for s in p.stages] for p in plan.pipelines]
+    tps = [[s.tp for s in p.stages] for p in pipelines]
     for a, b in itertools.pairwise(bounds):
         if b > a:
             key = tuple((pi, si, tps[pi][si]) for pi in range(len(tps))
