@@ -474,11 +474,12 @@ def test_the_sync_shape_from_two_pipelines_of_each_layout_is_the_rules() -> None
             continue
         pipes = [p for p in plan.pipelines for _ in range(rng.choice([1, 1, 2, 3, 4]))]
         rng.shuffle(pipes)
-        plan = replace(plan, pipelines=tuple(pipes))  # devices repeat: the shape does not read them
-        with reference_path():
-            want = sync_shape(plan)
-        clear_caches()
-        assert sync_shape(plan) == want
-        reduced += len(pipes) > len(set(pipes)) + 1
+        # devices repeat: the shape does not read them; one layout alone too
+        for case in (replace(plan, pipelines=tuple(pipes)), replace(plan, pipelines=(pipes[0],) * len(pipes))):
+            with reference_path():
+                want = sync_shape(case)
+            clear_caches()
+            assert sync_shape(case) == want
+            reduced += len(case.pipelines) > len(set(case.pipelines)) + 1
         checked += 1
     assert reduced

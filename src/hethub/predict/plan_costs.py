@@ -318,6 +318,11 @@ def _sync_shape_of(plan: Plan, layouts: tuple[tuple[tuple[int, tuple], ...], ...
     some = sorted(pi for pis in kept.values() for pi in pis[:2])
     if reference() or len(some) == len(layouts):
         return _sync_shape_rule(plan, range(len(layouts)))
+    if len(kept) == 1:  # one layout: every group's holders share its TP degree, so none is mixed
+        (layout,) = kept
+        held = [si for si, (_, ranges) in enumerate(layout)
+                if si in (0, len(layout) - 1) or any(b > a for a, b in ranges)]
+        return {(pi, si): (True, False, 0.0) for pi in range(len(layouts)) for si in held}
     got = _sync_shape_rule(plan, some)
     at = {pi: i for i, pi in enumerate(some)}
     out = {}
