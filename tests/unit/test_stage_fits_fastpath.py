@@ -10,6 +10,7 @@ tell plans apart by everything their values depend on."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import replace
 
@@ -478,6 +479,10 @@ def test_the_sync_shape_from_two_pipelines_of_each_layout_is_the_rules() -> None
         for case in (replace(plan, pipelines=tuple(pipes)), replace(plan, pipelines=(pipes[0],) * len(pipes))):
             with reference_path():
                 want = sync_shape(case)
+            # Pipelines of one layout have one shape (memory_twins relies on it).
+            for (a, sa), (b, sb) in itertools.combinations(enumerate(case.pipelines), 2):
+                if [(s.tp, s.layer_ranges) for s in sa.stages] == [(s.tp, s.layer_ranges) for s in sb.stages]:
+                    assert all(want[(a, si)] == want[(b, si)] for si in range(len(sa.stages)))
             clear_caches()
             assert sync_shape(case) == want
             reduced += len(case.pipelines) > len(set(case.pipelines)) + 1

@@ -156,16 +156,16 @@ class StageFits:
 def memory_twins(costs: PlanCosts) -> list[int]:
     """Per pipeline of ``costs.plan``, the first pipeline equal to it in all that its stages' unsharded
     memory (``stage_mem``) depends on: PlanCosts.stage_shape's fields but the in-flight count and the
-    buffers, which its place in the schedule and its shape give. Replicas share their memory (each
-    its own on the reference path: a shortcut, memo.py)."""
-    plan, seen, out = costs.plan, {}, []
-    for pi, p in enumerate(plan.pipelines):
-        sig = (p.micro_batch_size, p.num_micro_batches, p.virtual_stages,
-               tuple((s.kind, s.tp, s.layer_ranges, s.embedding, s.head, s.recompute, s.sequence_parallel, s.cp)
-                     for s in p.stages),
-               tuple(costs.sync_shape[(pi, si)] for si in range(len(p.stages))))
-        out.append(pi if reference() else seen.setdefault(sig, pi))
-    return out
+    buffers, which its place in the schedule and its shape give, and the gradient-sync shape, which
+    pipelines of one layout (each stage's TP degree and layer ranges, read here as the stage's fields)
+    share (``plan_costs._sync_shape_of``). Replicas share their memory (each its own on the reference
+    path: a shortcut, memo.py)."""
+    if reference():
+        return list(range(len(costs.plan.pipelines)))
+    seen: dict[tuple, int] = {}
+    return [seen.setdefault((p.micro_batch_size, p.num_micro_batches, tuple(
+        (s.kind, len(s.devices), s.layers, s.chunks, s.embedding, s.head, s.recompute, s.sequence_parallel, s.cp)
+        for s in p.stages)), pi) for pi, p in enumerate(costs.plan.pipelines)]
 
 
 def stage_mem(costs: PlanCosts, schedule: Schedule, pi: int, si: int,
