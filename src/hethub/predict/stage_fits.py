@@ -50,6 +50,7 @@ class StageFits:
         self.shapes: list[tuple] = []
         self._index: dict[tuple, int] = {}
         self._shape_of: dict[tuple[int, int], int | None] = {}
+        self._floors: dict[tuple[int, int], tuple | None] = {}  # `over`'s shapes (None: chunked), by own stage
         # per kind, not per stage
         self.usable = {kind: usable_bytes(plan.cluster.kinds[kind], headroom=self.mem_headroom)
                        for kind in {s.kind for p in plan.pipelines for s in p.stages}}
@@ -136,9 +137,12 @@ class StageFits:
                 if by_place[place]:
                     out.add((pi, si))
                 continue
-            p = plan.pipelines[twin]
-            shape = None if p.virtual_stages > 1 else costs.stage_shape(twin, si, without_p2p=True, in_flight=(
-                self.schedule.in_flight(stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches)))
+            if (twin, si) not in self._floors:  # the same for every mode: kept for the next one's floor
+                p = plan.pipelines[twin]
+                self._floors[(twin, si)] = None if p.virtual_stages > 1 else costs.stage_shape(
+                    twin, si, without_p2p=True, in_flight=self.schedule.in_flight(
+                        stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches))
+            shape = self._floors[(twin, si)]
             key = ((twin, si) if shape is None else shape, place[2])
             if key not in made:
                 mem = (costs.memory_of(shape, recompute) if shape is not None else
