@@ -1,5 +1,6 @@
-"""The template scan's lazy rate bounds give the plain scan's answers: the loose bound
-(`bounds.rate_bound(loose=True)`, memory ignored) is above the exact one, so the seeds computed in
+"""The template scan's lazy rate bounds give the plain scan's answers: the loose bounds
+(`bounds.rate_bound(loose=GRID)`, capacities at fewer in-flight counts; BLIND, memory ignored) are
+above the exact one, so the seeds computed in
 its order (`Searcher.seeds`) are the top of every exact bound, and the micro-batch sizes the bound
 rules out unscanned (`hetero._promising_mbs`, `hetero._alone_all_sizes`) are those the full scan
 drops; on the reference path (hethub.memo) every bound is exact and every size scanned."""
@@ -48,7 +49,8 @@ def test_loose_bound_is_above_the_bound_and_seeds_are_the_top_bounds(model, sche
         share = s.share[kind]
         exact = [(s._bound(kind, tp, mbs, p, share), tp, p) for tp, p in _stage_counts(s, kind)]
         for b, tp, p in exact:
-            assert s._bound(kind, tp, mbs, p, share, loose=True) >= b
+            assert s._bound(kind, tp, mbs, p, share, loose=bounds.GRID) >= b
+            assert s._bound(kind, tp, mbs, p, share, loose=bounds.BLIND) >= b
         plain = sorted(exact, key=lambda x: -x[0])[:TOP_PER_KIND]  # the plain rule: every bound, sorted
         assert s.seeds(kind, mbs, share=share) == [x for x in plain if x[0] > 0]
 
@@ -77,16 +79,18 @@ def test_sizes_the_bound_rules_out_are_those_the_full_scan_drops(model, schedule
     assert scanned <= want_scanned and all(a[2] <= b[2] for a, b in zip(alone, want_alone, strict=True))
 
 
-def test_a_loose_bound_below_the_bound_would_change_the_seeds(monkeypatch):
-    # The comparison above can fail: a "loose" bound that is not above the exact one reorders the seeds.
+@pytest.mark.parametrize("tier", [bounds.BLIND, bounds.GRID])
+def test_a_loose_bound_below_the_bound_would_change_the_seeds(monkeypatch, tier):
+    # The comparison above can fail: a "loose" bound that is not above the exact one reorders the seeds
+    # (BLIND, their order) or drops one (GRID, which passes over a candidate below the third best).
     s = _searcher(*CASES[0])
     kind, mbs = "h100-sxm", 1
     want = s.seeds(kind, mbs, share=1.0)
     rate_bound = bounds.rate_bound
 
-    def low(*args, loose: bool = False, **kw) -> float:
-        b = rate_bound(*args, **kw)
-        return b * (0.5 if loose and kw["p"] == want[0][2] else 1.0)
+    def low(*args, loose: int = bounds.EXACT, **kw) -> float:
+        b = rate_bound(*args, loose=loose, **kw)
+        return b * (0.5 if loose == tier and (tier == bounds.GRID or kw["p"] == want[0][2]) else 1.0)
 
     monkeypatch.setattr("hethub.search.templates.rate_bound", low)
     t = _searcher(*CASES[0])
@@ -115,3 +119,24 @@ def test_books_of_equal_stage_models_share_schedule_free_caches(monkeypatch, sha
     got, shared = _bounds_after_the_other_schedule("llama-2-70b")
     assert shared
     assert (got == want) != shared_capacity
+
+
+@pytest.mark.parametrize(("model", "schedule"), CASES)
+def test_skipped_bounds_read_lazily_are_the_plain_ones(model, schedule):
+    # `Searcher.skipped(above=...)` and `top_skipped` compute a skipped stage count's bound only where
+    # its loose one is above the threshold; the answers are the plain rule's over every exact bound.
+    for kind in KINDS:
+        s = _searcher(model, schedule)
+        mbs, share = 2, s.share[kind]
+        s.pure(kind, mbs, share=share)
+        with reference_path():
+            t = _searcher(model, schedule)
+            plain = t.skipped(kind, mbs, share=share)
+        assert s.skipped(kind, mbs, share=share) == plain
+        for above in sorted({0.0, *(b for _, _, b in plain)})[::3]:
+            def want(tp, p):
+                return (tp * p) % 3 != 1
+            fits = [(b, tp, p) for tp, p, b in plain if b > above and want(tp, p)]
+            s = _searcher(model, schedule)
+            assert s.top_skipped(kind, mbs, share=share, above=above, want=want) == (max(fits) if fits else None)
+            assert s.skipped(kind, mbs, share=share, above=above, want=want) == [(tp, p, b) for b, tp, p in fits]

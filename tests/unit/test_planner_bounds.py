@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hethub.search.bounds as bounds
 import hethub.search.templates as templates
 from hethub.search import PlannerConfig
 from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound, smallest_holding
@@ -74,6 +75,65 @@ def test_rate_bound_is_above_every_split_of_the_template(model_name, mbs, schedu
                     assert not pipes
                 for pipe in pipes:
                     assert s.rate(pipe, kind_devices=n, share=share) <= bound * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(("llama-2-13b", "llama-2-70b")), st.sampled_from(("1f1b", "zb-h1", "gpipe")),
+       st.sampled_from(KINDS), st.sampled_from((1, 2, 4, 8)), st.sampled_from((1, 2, 4)), st.integers(1, 82))
+def test_loose_rate_bounds_are_above_the_bound_and_every_split(model_name, schedule, kind, tp, mbs, p):
+    # GRID reads each stage's capacity at a smaller in-flight count (`bounds._grid`), so it holds only
+    # because a stage holding more micro-batches holds no more layers (the test below).
+    s = Searcher(cluster=_cluster(), model=get_model(model_name),
+                 config=PlannerConfig(global_batch=256, seq_len=4096, schedule=schedule), profiles=None)
+    n = s.counts[kind]
+    if tp not in s.tps[kind] or p * tp > n:
+        return
+    exact, grid, blind = (rate_bound(s.book, s.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=n, global_batch=256,
+                                     share=0.5, loose=tier) for tier in (bounds.EXACT, bounds.GRID, bounds.BLIND))
+    assert blind >= exact and grid >= exact
+    for pipe in s.splits((Slot(kind, tp),) * p, mbs):
+        assert s.rate(pipe, kind_devices=n, share=0.5) <= exact * (1 + 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(KINDS), st.sampled_from((1, 8)), st.sampled_from((1, 4)), st.integers(0, 5),
+       st.booleans(), st.booleans(), st.integers(1, 90))
+def test_a_stage_holding_more_micro_batches_holds_no_more_layers(kind, tp, mbs, mode, emb, head, in_flight):
+    model = get_model("llama-2-70b")
+    book = CostBook(Job(model=model, seq_len=4096, precision="bf16-mixed", schedule="1f1b"), _cluster(1))
+    modes = book.modes(kind, tp=tp, mbs=mbs)
+    sm = modes[mode % len(modes)]
+    caps = [sm.max_layers(emb=emb, head=head, in_flight=f, limit=model.num_layers) for f in (in_flight, in_flight + 1)]
+    assert caps[0] >= caps[1]
+    assert in_flight >= bounds._grid(in_flight) >= in_flight * 4 / 5
+
+
+def test_the_grid_bound_is_tighter_where_memory_binds_and_spares_exact_bounds(monkeypatch):
+    # llama-2-70b on single H100s: most stage counts recompute or do not fit, which the memory-blind
+    # bound cannot see; the seeds then compute fewer exact bounds (and the same seeds) than with it alone.
+    def searcher() -> Searcher:
+        return Searcher(cluster=_cluster(), model=get_model("llama-2-70b"), profiles=None,
+                        config=PlannerConfig(global_batch=256, seq_len=4096, schedule="zb-h1"))
+
+    s, kind = searcher(), "h100-sxm"
+    tighter = 0
+    for p in range(1, 33):
+        args = dict(kind=kind, tp=1, mbs=2, p=p, kind_devices=32, global_batch=256, share=1.0)
+        grid, blind = (rate_bound(s.book, s.links, **args, loose=t) for t in (bounds.GRID, bounds.BLIND))
+        tighter += grid < blind * 0.95
+    assert tighter >= 10
+    real, counted = bounds.rate_bound, []
+
+    def counting(*args, loose: int = bounds.EXACT, blind: bool = False, **kw) -> float:
+        counted.append(loose == bounds.EXACT)
+        return real(*args, loose=bounds.BLIND if blind and loose == bounds.GRID else loose, **kw)
+
+    seen = []
+    for blind in (False, True):
+        monkeypatch.setattr(templates, "rate_bound", lambda *a, blind=blind, **kw: counting(*a, blind=blind, **kw))
+        counted.clear()
+        seen.append((searcher().seeds(kind, 2, share=1.0), sum(counted)))
+    assert seen[0][0] == seen[1][0] and seen[0][1] < seen[1][1]
 
 
 def test_pipe_floor_is_below_every_split_of_a_mixed_pipeline():

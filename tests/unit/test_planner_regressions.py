@@ -34,7 +34,7 @@ def test_768_bound_part_is_above_every_evenly_dividing_template_of_the_kind():
     s = Searcher(cluster=cluster, model=model, config=cfg, profiles=None, kinds=("gpu-b",))
     n, tried = s.counts["gpu-b"], 0
     for tp, p, _ in s.skipped("gpu-b", 1, share=1.0):  # also the stage counts the rate bound skipped
-        s.complete("gpu-b", 1, share=1.0, want=lambda tp_, p_, b_, tp=tp, p=p: (tp_, p_) == (tp, p))
+        s.complete("gpu-b", 1, share=1.0, want=lambda tp_, p_, tp=tp, p=p: (tp_, p_) == (tp, p))
     best_by_shape = {}
     for t in s.pure("gpu-b", 1, share=1.0):
         d = t.pipe.num_devices

@@ -35,11 +35,12 @@ from hethub.memo import reference
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
-from hethub.search.split import Cache, CostBook, Slot
+from hethub.search.split import Cache, CostBook, Slot, StageCost
 
 # The floors' caches in each job's CostBook.
 _PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
 _STAGE_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("stage-modes", shared=True)
+_MODE_WORKS: Cache[tuple[tuple[StageCost, float, float], ...]] = Cache("mode-works", shared=True)
 _SEGMENT_TERMS: Cache[tuple[float, float, float, float, float, float]] = Cache("segment-terms", shared=True)
 _SEGMENT_MEMORY: Cache[tuple | None] = Cache("segment-memory", shared=True)
 _MIDDLE_RUNS: Cache[_MiddleRuns] = Cache("middle-runs", shared=True)
@@ -49,6 +50,7 @@ _CAPACITY: Cache[Capacity] = Cache("capacity")
 _TEMPLATE_FLOORS: Cache[tuple[float, float] | None] = Cache("template floors")
 _PIPE_FLOORS: Cache[PipeFloor | None] = Cache("pipe floors")
 ALL_MODES = 6  # n_modes for every mode of split._options (at most 3 recomputations x with/without SP)
+EXACT, GRID, BLIND = 0, 1, 2  # rate_bound's bounds: the loose ones above the exact one, cheaper in this order
 
 
 class Capacity:
@@ -63,7 +65,7 @@ class Capacity:
         self._in_flights: dict[int, tuple[int, ...]] = book.cache(_IN_FLIGHT_BOUNDS).setdefault(schedule.name, {})
         self.limit = book.job.model.num_layers
         self.schedule = schedule
-        self._totals: dict[tuple[int, int], int] = {}
+        self._totals: dict[tuple[int, int, bool], int] = {}
         self._ats: dict[tuple[int, bool, bool, int], int] = {}
         self._mid: dict[int, dict[int, int]] = {}
 
@@ -77,8 +79,11 @@ class Capacity:
             hit = self._ats[key] = max(0, n)
         return hit
 
-    def total(self, p: int, *, variant: int) -> int:
-        key = (p, variant)
+    def total(self, p: int, *, variant: int, grid: bool = False) -> int:
+        """The layers p stages hold; ``grid``: at least that, each stage at the in-flight count `_grid`
+        rounds its own down to (a stage holding more micro-batches holds no more layers), so the loose
+        bound solves a few counts per doubling (`StageModel.max_layers`), not every count up to p."""
+        key = (p, variant, grid)
         if key not in self._totals:
             # O(p) per p: each stage's count is cached in its StageCost (max_layers).
             bounds = self._in_flights.get(p)
@@ -86,6 +91,8 @@ class Capacity:
                 # capacity() gives every Capacity a schedule with an in-flight bound
                 bounds = self._in_flights[p] = tuple(self.schedule.max_in_flight(stage=s, num_stages=p)
                                                      for s in range(p))
+            if grid:
+                bounds = tuple(map(_grid, bounds))
             if p == 1:
                 self._totals[key] = self._at(variant, emb=True, head=True, in_flight=bounds[0])
             else:  # the middle stages' counts by in-flight count, filled once (a dict lookup each after)
@@ -98,16 +105,18 @@ class Capacity:
                                      + sum(map(mid.__getitem__, bounds[1:-1])))
         return self._totals[key]
 
-    def mode_bottleneck(self, book: CostBook, p: int, *, lo: float) -> float | None:
+    def mode_bottleneck(self, book: CostBook, p: int, *, lo: float, grid: bool = False) -> float | None:
         """The smallest bottleneck B >= lo at which p stages hold the model's L layers, each stage in
         the recomputation mode (none, selective, full: `stage_modes`) that holds the most layers
         within B at the stage's in-flight count (this capacity's schedule), the first and the last
         stage with the embedding's and the head's memory and time (`segment_memory`'s stages,
         `smallest_holding`: exact per stage): tight where every stage must recompute, which the
-        other floors price at the cheapest mode. None: the stages cannot hold L layers in any mode."""
+        other floors price at the cheapest mode. None: the stages cannot hold L layers in any mode.
+        ``grid``: at most that, each stage at `_grid`'s count (as `total`)."""
         self.total(p, variant=0)  # fills the in-flight bounds of p stages
         mid = segment_terms(book, self.kind, self.tp, p, self.mbs, True, True, ALL_MODES)[4]
-        seg = segment_memory(book, self.kind, self.tp, self.mbs, self._in_flights[p], True, True, ALL_MODES, mid)
+        flights = tuple(map(_grid, self._in_flights[p])) if grid else self._in_flights[p]
+        seg = segment_memory(book, self.kind, self.tp, self.mbs, flights, True, True, ALL_MODES, mid)
         return None if seg is None else smallest_holding(seg[0], self.limit, lo)
 
 
@@ -127,17 +136,18 @@ def capacity(book: CostBook, kind: str, *, tp: int, mbs: int) -> Capacity:
 
 
 def rate_bound(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int, p: int, kind_devices: int,
-               global_batch: int, share: float, loose: bool = False) -> float:
-    """Upper bound on `Searcher.rate` of every split of p stages (kind, tp), 0 when none can fit. ``loose``: one
-    above it at a fraction of its cost (no memory terms; 1e-9 up: `smallest_holding` may end 1e-12 below its
-    start), the bound itself on the reference path (hethub.memo), where lazy orders by it are the plain ones."""
-    loose = loose and not reference()
+               global_batch: int, share: float, loose: int = EXACT) -> float:
+    """Upper bound on `Searcher.rate` of every split of p stages (kind, tp), 0 when none can fit. ``loose``:
+    one above it at a fraction of its cost: GRID (each stage's capacity at `_grid`'s in-flight count) or,
+    cheaper, BLIND (no memory terms); 1e-9 up: `smallest_holding` may end 1e-12 below its
+    start. The bound itself on the reference path (hethub.memo), where lazy orders by it are the plain ones."""
+    loose = EXACT if reference() else loose
     c = kind_devices // (p * tp)
     key = (kind, tp, mbs, p, loose)
     floor = book.cache(_TEMPLATE_FLOORS).get(key, ())
     if floor == ():
         floor = book.cache(_TEMPLATE_FLOORS)[key] = _template_floor(book, links, kind=kind, tp=tp, mbs=mbs, p=p,
-                                                                    memory=not loose)
+                                                                    loose=loose)
     if c < 1 or floor is None:
         return 0.0
     fill, bottleneck = floor
@@ -146,9 +156,9 @@ def rate_bound(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int,
 
 
 def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs: int,
-                    p: int, memory: bool = True) -> tuple[float, float] | None:
-    """(work + 2 (p - 1) p2p, bottleneck) below every split of p stages (kind, tp), without ``memory`` below
-    that (no capacity terms); None: none fits."""
+                    p: int, loose: int = EXACT) -> tuple[float, float] | None:
+    """(work + 2 (p - 1) p2p, bottleneck) below every split of p stages (kind, tp), ``loose`` below that
+    (`rate_bound`'s); None: none fits."""
     job = book.job
     n_layers = job.model.num_layers
     if p > n_layers + 2:
@@ -163,23 +173,24 @@ def _template_floor(book: CostBook, links: LinkBook, *, kind: str, tp: int, mbs:
     work = n_layers * w + e + h
     caps = None
     # A schedule whose in-flight count grows with the batch share (GPipe) has no bound here: skip this term.
-    if memory and get_schedule(job.schedule, chunks=job.chunks).max_in_flight(stage=0, num_stages=p) is not None:
+    sched = get_schedule(job.schedule, chunks=job.chunks)
+    if loose != BLIND and sched.max_in_flight(stage=0, num_stages=p) is not None:
         caps = capacity(book, kind, tp=tp, mbs=mbs)
-        cap = caps.total(p, variant=0)
+        cap = caps.total(p, variant=0, grid=loose == GRID)
         if cap < n_layers:
-            if caps.total(p, variant=1) < n_layers:
+            if caps.total(p, variant=1, grid=loose == GRID) < n_layers:
                 return None  # split.split_layers finds no split either
             work += (n_layers - cap) * (w_rc - w)
     bottleneck = max(work / p, _balanced(n_layers, p, w, e, h))
     if caps is not None:
-        held = caps.mode_bottleneck(book, p, lo=bottleneck)
+        held = caps.mode_bottleneck(book, p, lo=bottleneck, grid=loose == GRID)
         if held is None:
             return None
         bottleneck = held
         work = max(work, bottleneck)
     numel = mbs * job.seq_len * job.model.hidden_size
     hop = links.hop_s(Slot(kind, tp), Slot(kind, tp), numel=numel, nbytes=numel * act_bytes_for(job.precision))
-    fill = get_schedule(job.schedule, chunks=job.chunks).fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
+    fill = sched.fill_work_floor_s(work_s=work, bottleneck_s=bottleneck)
     return fill + 2 * (p - 1) * hop, bottleneck
 
 
@@ -197,6 +208,12 @@ def _balanced(n_layers: int, p: int, w: float, e: float, h: float) -> float:
         if p * k - ke - kh - (r < re) - (r < rh) >= n_layers:
             return max(k * w + r, e, h)
     return max(k * w + max(re, rh), e, h)
+
+
+def _grid(f: int) -> int:
+    """f with all but its three leading bits cleared: four counts per doubling, at most f."""
+    drop = max(0, f.bit_length() - 3)
+    return f >> drop << drop
 
 
 @dataclass(frozen=True)
@@ -453,12 +470,22 @@ def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: b
     mode (none first), as split._options prices it; cached (every floor asks the same positions)."""
     key = (kind, tp, mbs, emb, head, in_flight)
     if (hit := book.cache(_STAGE_MODES).get(key)) is None:
-        n_layers, out = book.job.model.num_layers, []
-        for v in book.modes(kind, tp=tp, mbs=mbs):
-            cap = v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers)
-            w = v.work(emb=emb, head=head)
-            out.append((max(cap, -1), w.per_layer, w.base if emb or head else 0.0))
-        hit = book.cache(_STAGE_MODES)[key] = tuple(out)
+        n_layers = book.job.model.num_layers
+        hit = book.cache(_STAGE_MODES)[key] = tuple(
+            (max(v.max_layers(emb=emb, head=head, in_flight=in_flight, limit=n_layers), -1), w, base)
+            for v, w, base in mode_works(book, kind, tp, mbs, emb, head))
+    return hit
+
+
+def mode_works(book: CostBook, kind: str, tp: int, mbs: int, emb: bool,
+               head: bool) -> tuple[tuple[StageCost, float, float], ...]:
+    """(stage model, cost per layer, base) of one stage position in each mode (none first), whatever
+    its in-flight count (`stage_modes`' time terms: the floors read each position at many counts)."""
+    key = (kind, tp, mbs, emb, head)
+    if (hit := book.cache(_MODE_WORKS).get(key)) is None:
+        works = [(v, v.work(emb=emb, head=head)) for v in book.modes(kind, tp=tp, mbs=mbs)]
+        hit = book.cache(_MODE_WORKS)[key] = tuple((v, w.per_layer, w.base if emb or head else 0.0)
+                                                   for v, w in works)
     return hit
 
 
@@ -594,7 +621,11 @@ class _MiddleRuns:
 
     def terms_of(self, book: CostBook, flights: tuple[int, ...], mid: float) -> tuple | None:
         """`terms` of stages holding these counts, in this order (first's and last's one-layer work)."""
-        self._fill(book, max(flights))
+        self._fill(book, hi := max(flights))
+        if flights[0] == hi == min(flights):  # all alike (ZB-H1: every stage holds p)
+            modes, top, one = self.runs.value(f := flights[0])
+            one, n = mid if one is None else one, len(flights)
+            return None if top < 0 else ([(modes, n)], n * (self.plain[f] - self.plain[f - 1]), n * top, one, one, one)
         groups, plain, held, ones = {}, 0, 0, []
         for f in flights:
             modes, top, one = self.runs.value(f)

@@ -58,10 +58,10 @@ def _fill(s: Searcher, kind: str, mbs: int, share: float, left: int) -> tuple[li
         # The skipped stage count of highest rate bound that fits and could beat it, split one at a time:
         # its templates may raise the bar above the others' bounds.
         floor = best.rate if best else 0.0
-        fits = [(b, tp, p) for tp, p, b in s.skipped(kind, mbs, share=share) if tp * p <= left and b > floor]
-        if fits:
-            _, tp, p = max(fits)
-            s.complete(kind, mbs, share=share, want=lambda tp_, p_, _b, tp=tp, p=p: (tp_, p_) == (tp, p))
+        top = s.top_skipped(kind, mbs, share=share, above=floor, want=lambda tp, p, left=left: tp * p <= left)
+        if top is not None:
+            _, tp, p = top
+            s.complete(kind, mbs, share=share, want=lambda tp_, p_, tp=tp, p=p: (tp_, p_) == (tp, p))
             continue
         if best is None:
             break
@@ -171,8 +171,8 @@ def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | Non
     sizes = list(s.config.usable_micro_batch_sizes)
 
     def top(b: int) -> float:
-        return max([r.rate for r in s.pure(kind, b, share=1.0)] + [x for _, _, x in s.skipped(kind, b, share=1.0)]
-                   + [0.0])
+        rate = max([r.rate for r in s.pure(kind, b, share=1.0)] + [0.0])
+        return max(rate, *s.top_skipped(kind, b, share=1.0, above=rate, want=lambda tp, p: True) or [0.0])
 
     # Sizes in that order, a heap keyed by an upper bound of top (the best rate bound, `Searcher.seeds`) until
     # their turn, then by top (the same order): a size the bound rules out is never scanned (reference: top).
@@ -230,7 +230,7 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
             break
         if isinstance(item, tuple):  # a skipped stage count: split it now and queue its templates
             before = {id(r.pipe) for r in s.pure(kind, mbs, share=1.0)}
-            s.complete(kind, mbs, share=1.0, want=lambda tp_, p_, b_, item=item: (tp_, p_) == item)
+            s.complete(kind, mbs, share=1.0, want=lambda tp_, p_, item=item: (tp_, p_) == item)
             for r in s.pure(kind, mbs, share=1.0):
                 if id(r.pipe) not in before and r.rate > 0:
                     heapq.heappush(heap, (-optimistic(r.rate, r.pipe.num_devices), tie, r))
@@ -307,7 +307,7 @@ def _aligned_groups(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> l
         for k in kinds:  # the scan may have skipped templates of p stages that would be among the top 2
             rates = [r.rate for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
             bar = rates[1] if len(rates) == 2 else 0.0
-            s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, bound, p=p, bar=bar: p_ == p and bound > bar)
+            s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, p=p: p_ == p, above=bar)
         per_kind = {k: [r for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2] for k in kinds}
         for choice in itertools.product(*[[None, *per_kind[k]] for k in kinds]):
             used = [(k, r) for k, r in zip(kinds, choice, strict=True) if r is not None]

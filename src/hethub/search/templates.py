@@ -18,7 +18,7 @@ from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.stage_modes import fits_some_mode
 from hethub.search.assemble import build_plan
-from hethub.search.bounds import rate_bound
+from hethub.search.bounds import BLIND, EXACT, GRID, rate_bound
 from hethub.search.combine import Estimate, Group, estimate, step_time_s
 from hethub.search.config import PlannerConfig
 from hethub.search.split import CostBook, Job, PipeCost, Slot, fixed_split, split_layers
@@ -81,7 +81,8 @@ class Searcher:
         flops = {k: n * cluster.kinds[k].effective_flops for k, n in self.counts.items()}
         self.share = {k: f / sum(flops.values()) for k, f in flops.items()}
         self._pure: dict[tuple[str, int, float], list[Ranked]] = {}
-        self._skipped: dict[tuple[str, int, float], list[tuple[int, int, float]]] = {}  # (tp, stages, bound)
+        # [tp, stages, rate bound (None until read), loose bound]: `skipped` reads a bound only where it must
+        self._skipped: dict[tuple[str, int, float], list[list]] = {}
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._seeds: dict[tuple[str, int, float], list[tuple[float, int, int]]] = {}
         self._fits: dict[tuple, bool] = {}
@@ -218,10 +219,14 @@ class Searcher:
             for p in range(1, min(n // tp, self.model.num_layers + 2) + 1):
                 bar = top[-1][0] if prune and len(top) == TOP_PER_KIND else 0.0
                 if bar and (tp, p) not in split:
-                    bound = self._bound(kind, tp, mbs, p, share)
+                    # Each loose bound is above the bound (`seeds`): one below the bar leaves the bound unread.
+                    bound = 0.0
+                    for tier in (BLIND, GRID, EXACT):
+                        bound = self._bound(kind, tp, mbs, p, share, loose=tier)
+                        if bound * (1 + 1e-9) < bar:
+                            break
                     if bound * (1 + 1e-9) < bar:
-                        if bound > 0:
-                            skipped.append((tp, p, bound))
+                        skipped.append([tp, p, None if tier else bound, bound])
                         continue
                 keep(tp, p, ranked(tp, p))
         out.sort(key=lambda x: -x.rate)
@@ -239,37 +244,64 @@ class Searcher:
         key, n = (kind, mbs, share), self.counts[kind]
         if key not in self._seeds:
             cands = [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
-            loose = sorted((-self._bound(kind, tp, mbs, p, share, loose=True), i) for i, (tp, p) in enumerate(cands))
+            loose = sorted((-self._bound(kind, tp, mbs, p, share, loose=BLIND), i) for i, (tp, p) in enumerate(cands))
             best: list[tuple[float, int]] = []  # (-exact bound, candidate), best first
             for neg, i in loose:
                 if len(best) >= TOP_PER_KIND and best[TOP_PER_KIND - 1][0] < neg:
                     break  # the loose bounds left, so their exact ones, are below the TOP_PER_KIND-th best
+                if len(best) >= TOP_PER_KIND and best[TOP_PER_KIND - 1][0] < -self._bound(
+                        kind, cands[i][0], mbs, cands[i][1], share, loose=GRID):
+                    continue  # so is this one's (GRID: a tighter loose bound)
                 best = sorted([*best, (-self._bound(kind, cands[i][0], mbs, cands[i][1], share), i)])
             self._seeds[key] = [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0]
         return self._seeds[key]
 
-    def skipped(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float]]:
-        """(tp, stages, rate bound) of the stage counts `pure` has not split (yet)."""
+    def skipped(self, kind: str, mbs: int, *, share: float, above: float = 0.0,
+                want: Callable[[int, int], bool] | None = None) -> list[tuple[int, int, float]]:
+        """(tp, stages, rate bound) of the stage counts `pure` has not split (yet) whose bound is above
+        ``above`` (and want(tp, stages)); a bound is computed only where its loose one is above ``above``."""
         self.pure(kind, mbs, share=share)
-        return list(self._skipped[(kind, mbs, share)])
+        return [(x[0], x[1], b) for x in self._skipped[(kind, mbs, share)]
+                if x[3] > above and (want is None or want(x[0], x[1]))
+                and (b := self._read(x, kind, mbs, share)) > above]
 
-    def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float, *, loose: bool = False) -> float:
+    def top_skipped(self, kind: str, mbs: int, *, share: float, above: float,
+                    want: Callable[[int, int], bool]) -> tuple[float, int, int] | None:
+        """The largest (rate bound, tp, stages) of `skipped`'s, its bounds computed in the order of
+        their loose ones until the loose ones left are below the largest found."""
+        self.pure(kind, mbs, share=share)
+        best = None
+        for x in sorted(self._skipped[(kind, mbs, share)], key=lambda x: -x[3]):
+            if x[3] <= above or (best is not None and x[3] < best[0]):
+                break
+            if want(x[0], x[1]) and (b := self._read(x, kind, mbs, share)) > above:
+                best = max(best or (b, x[0], x[1]), (b, x[0], x[1]))
+        return best
+
+    def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float, *, loose: int = EXACT) -> float:
         """bounds.rate_bound of p stages of (kind, tp) over all the kind's devices (``loose``: its)."""
         if p > self.model.num_layers + 2:
             return 0.0
         return rate_bound(self.book, self.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=self.counts[kind],
                           global_batch=self.config.global_batch, share=share, loose=loose)
 
-    def complete(self, kind: str, mbs: int, *, share: float, want: Callable[[int, int, float], bool]) -> bool:
-        """Split and rate the templates `pure` skipped for which want(tp, stages, rate bound) holds,
-        adding them to its list in place (it stays sorted); whether there were any."""
+    def _read(self, x: list, kind: str, mbs: int, share: float) -> float:
+        """The rate bound of a `skipped` entry, computed the first time."""
+        if x[2] is None:
+            x[2] = x[3] = self._bound(kind, x[0], mbs, x[1], share)
+        return x[2]
+
+    def complete(self, kind: str, mbs: int, *, share: float, want: Callable[[int, int], bool],
+                 above: float = 0.0) -> bool:
+        """Split and rate the templates `pure` skipped for which want(tp, stages) holds and whose rate
+        bound is above ``above``, adding them to its list in place (it stays sorted); whether there were any."""
         ranked = self.pure(kind, mbs, share=share)
         key = (kind, mbs, share)
-        take = [x for x in self._skipped[key] if want(*x)]
+        take = [(tp, p) for tp, p, _ in self.skipped(kind, mbs, share=share, above=above, want=want)]
         if not take:
             return False
-        self._skipped[key] = [x for x in self._skipped[key] if x not in take]
-        for tp, p, _ in take:
+        self._skipped[key] = [x for x in self._skipped[key] if (x[0], x[1]) not in take]
+        for tp, p in take:
             for pipe in self.splits((Slot(kind, tp),) * p, mbs):
                 ranked.append(Ranked(pipe, self.rate(pipe, kind_devices=self.counts[kind], share=share)))
         ranked.sort(key=lambda x: -x.rate)
