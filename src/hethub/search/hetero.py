@@ -208,29 +208,34 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
     n, total = s.counts[kind], s.config.global_batch
     exact: Estimate | None = None
     ranked = s.pure(kind, mbs, share=1.0)
-    skipped = s.skipped(kind, mbs, share=1.0)
-    r_max = max([r.rate for r in ranked] + [b for _, _, b in skipped] + [0.0])
+    r_max = max([r.rate for r in ranked] + [0.0])
+    r_max = max(r_max, *s.top_skipped(kind, mbs, share=1.0, above=r_max, want=lambda tp, p: True) or [0.0])
 
     def optimistic(rate: float, d: int) -> float:
         used = n // d * d
         return rate * used + r_max * (n - used)
 
-    # A max-heap of (optimistic value, tie, template or skipped (tp, stages)).
+    # A max-heap of (optimistic value, tie, template or skipped (tp, stages, whether its bound is read)),
+    # a skipped count keyed by its loose bound until its turn, then by its bound (Searcher.skipped_upper).
     heap: list[tuple[float, int, object]] = []
     for i, r in enumerate(ranked):
         if r.rate > 0:
             heap.append((-optimistic(r.rate, r.pipe.num_devices), i, r))
-    for j, (tp, p, bound) in enumerate(skipped):
-        heap.append((-optimistic(bound, tp * p), len(ranked) + j, (tp, p)))
+    for j, (tp, p, bound, known) in enumerate(s.skipped_upper(kind, mbs, share=1.0)):
+        heap.append((-optimistic(bound, tp * p), len(ranked) + j, (tp, p, known)))
     heapq.heapify(heap)
     tie, best, seen = len(heap), 0.0, set()
     while heap:
-        opt, _, item = heapq.heappop(heap)
+        opt, i, item = heapq.heappop(heap)
         if -opt < best * (1 - 1e-9):
             break
+        if isinstance(item, tuple) and not item[2]:
+            for tp, p, bound in s.skipped(kind, mbs, share=1.0, want=lambda tp, p, item=item: (tp, p) == item[:2]):
+                heapq.heappush(heap, (-optimistic(bound, tp * p), i, (tp, p, True)))
+            continue
         if isinstance(item, tuple):  # a skipped stage count: split it now and queue its templates
             before = {id(r.pipe) for r in s.pure(kind, mbs, share=1.0)}
-            s.complete(kind, mbs, share=1.0, want=lambda tp_, p_, item=item: (tp_, p_) == item)
+            s.complete(kind, mbs, share=1.0, want=lambda tp_, p_, item=item: (tp_, p_) == item[:2])
             for r in s.pure(kind, mbs, share=1.0):
                 if id(r.pipe) not in before and r.rate > 0:
                     heapq.heappush(heap, (-optimistic(r.rate, r.pipe.num_devices), tie, r))

@@ -265,6 +265,12 @@ class Searcher:
                 if x[3] > above and (want is None or want(x[0], x[1]))
                 and (b := self._read(x, kind, mbs, share)) > above]
 
+    def skipped_upper(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float, bool]]:
+        """`skipped`'s stage counts, none's bound computed: (tp, stages, at least its rate bound, whether
+        that is the bound itself)."""
+        self.pure(kind, mbs, share=share)
+        return [(x[0], x[1], x[3], x[2] is not None) for x in self._skipped[(kind, mbs, share)] if x[3] > 0]
+
     def top_skipped(self, kind: str, mbs: int, *, share: float, above: float,
                     want: Callable[[int, int], bool]) -> tuple[float, int, int] | None:
         """The largest (rate bound, tp, stages) of `skipped`'s, its bounds computed in the order of
