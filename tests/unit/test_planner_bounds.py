@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import hethub.search.bounds as bounds
 import hethub.search.templates as templates
+from hethub.predict.holding import smallest_holding
 from hethub.search import PlannerConfig
-from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound, smallest_holding
+from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
 from hethub.search.combine import Group, allocate, finish_lines, lines_level_beside, water_level
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
 from hethub.search.split import CostBook, Job, Slot, StageCost
@@ -336,7 +337,7 @@ def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
 
 def test_runs_count_each_value_of_a_range_of_counts():
     # holding.Runs: the floors read a range of in-flight counts' modes by runs of equal values.
-    from hethub.search.bounds import Runs
+    from hethub.predict.holding import Runs
     rng = random.Random(5)
     values = [rng.choice("aab") for _ in range(60)]
     runs = Runs()

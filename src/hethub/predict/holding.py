@@ -1,0 +1,148 @@
+"""Stages holding a model's whole layers, each in one of its recomputation modes: the floors the
+planner prunes with (search/bounds.py, search/mixed.py) read a stage as its modes, each a
+(capacity in layers, cost per layer, base) triple, and ask when a group of stages first holds L
+layers within a bottleneck, and the least work those layers can cost."""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from typing import Any
+
+
+def balanced_bottleneck(n_layers: int, p: int, w: float, e: float, h: float) -> float:
+    """Smallest B with sum_s floor((B - base_s) / w) >= n_layers over p stages, the first based at e
+    (embedding), the last at h (head), the others at 0: the bottleneck when layers are whole and
+    memory is ignored. With B = k w + r (0 <= r < w), the count is p k - ke - kh - [r < re] - [r < rh]
+    where e = ke w + re and h = kh w + rh, so B is k w plus one of 0, re, rh."""
+    if p == 1 or w <= 0:
+        return n_layers * w + e + h
+    ke, re = divmod(e, w)
+    kh, rh = divmod(h, w)
+    k = math.ceil((n_layers + ke + kh) / p)  # the first k whose count reaches n_layers for r near w
+    for r in sorted((0.0, re, rh)):
+        if p * k - ke - kh - (r < re) - (r < rh) >= n_layers:
+            return max(k * w + r, e, h)
+    return max(k * w + max(re, rh), e, h)
+
+
+def least_layer_work(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int) -> float:
+    """A floor under the layers' share of one micro-batch's work over all stages (bases apart): each
+    stage's cost is above its lower convex hull (`_hull`); the hulls' cheapest slopes first (over all
+    stages) then give the least total for L layers."""
+    pieces: list[tuple[float, int]] = []  # (cost per layer, layers) over all stages
+    for k, modes in caps:
+        pieces += [(slope, k * n) for slope, n in _hull(modes)]
+    pieces.sort()
+    total, left = 0.0, n_layers
+    for cost, n in pieces:
+        take = min(n, left)
+        total += take * cost
+        left -= take
+        if left <= 0:
+            break
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _hull(modes: tuple[tuple[int, float, float], ...]) -> tuple[tuple[float, int], ...]:
+    """(slope, layers) pieces of the lower convex hull of a stage's layer work (bases apart). Holding k
+    layers costs k w_m in the cheapest mode m whose capacity cap_m >= k; between two consecutive
+    capacities that is a line through the origin above the chord of its end points, so the cost is
+    at least the lower convex hull of (0, 0) and each (cap_m, cost at cap_m)."""
+    points = sorted({(c, min(w for cm, w, _ in modes if cm >= c) * c) for c, _, _ in modes if c > 0})
+    hull = [(0, 0.0)]
+    for pt in points:  # lower hull, left to right (slopes increase)
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (pt[0] - hull[-2][0])
+                                  >= (pt[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append(pt)
+    return tuple(((y1 - y0) / (x1 - x0), x1 - x0) for (x0, y0), (x1, y1) in itertools.pairwise(hull))
+
+
+def smallest_holding(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int,
+                     lo: float) -> float | None:
+    """The smallest B >= lo at which the stages hold L whole layers with every stage's time <= B (just
+    below it: a floor). A stage holds j layers within B iff some mode with capacity >= j has
+    base + j w <= B, so t(j) = min over those modes of base + j w, nondecreasing in j, is when it
+    can first hold j (j = 0: its base; before that it counts -1, as it cannot run at all); walk those
+    times in order from lo until the stages hold L. Exact. None: they never hold L. (Every floor of
+    the search calls this, thousands of times: `_time_to_hold` is inlined and min/max are comparisons.)"""
+    heap, total, floor, inf = [], 0, math.floor, math.inf
+    for g, (k, modes) in enumerate(caps):
+        x = -1
+        for cap, w, base in modes:
+            if cap >= 0 and lo >= base:
+                y = floor((lo - base) / w)
+                if y > cap:
+                    y = cap
+                if y > x:
+                    x = y
+        total += k * x
+        j, t = x + 1, inf
+        for cap, w, base in modes:  # _time_to_hold(modes, j)
+            if cap >= j:
+                c = base + j * w
+                if c < t:
+                    t = c
+        if t < inf:
+            heap.append((t, g, j))
+    if total >= n_layers:
+        return lo
+    heapq.heapify(heap)
+    b = lo
+    pop, replace = heapq.heappop, heapq.heapreplace
+    while heap:
+        t, g, j = heap[0]
+        k, modes = caps[g]
+        total += k
+        if t > b:
+            b = t
+        if total >= n_layers:
+            return b * (1 - 1e-12)
+        j += 1
+        t = inf
+        for cap, w, base in modes:
+            if cap >= j:
+                c = base + j * w
+                if c < t:
+                    t = c
+        if t < inf:
+            replace(heap, (t, g, j))
+        else:
+            pop(heap)
+    return None
+
+
+class Runs:
+    """Values at the counts f = 1, 2, ... (added in order) kept as runs of equal consecutive values, so
+    that how many counts of a range have each value is read in O(runs). A stage's modes by its
+    in-flight count change only where a capacity steps down, and under 1F1B a segment's stages hold
+    consecutive counts: the floors read their stages this way rather than one by one."""
+
+    def __init__(self) -> None:
+        self.runs: list[list] = []  # [first f, last f, value]
+        self.run_of = [0]  # run index by f (f = 0 unused)
+
+    @property
+    def last(self) -> int:
+        """The largest count added (0: none)."""
+        return len(self.run_of) - 1
+
+    def add(self, value: Any) -> None:
+        """The value at the next count."""
+        f = len(self.run_of)
+        if self.runs and self.runs[-1][2] == value:
+            self.runs[-1][1] = f
+        else:
+            self.runs.append([f, f, value])
+        self.run_of.append(len(self.runs) - 1)
+
+    def value(self, f: int) -> Any:
+        return self.runs[self.run_of[f]][2]
+
+    def counts(self, lo: int, hi: int) -> list[tuple[Any, int]]:
+        """(value, how many of the counts lo .. hi have it) by run, in count order."""
+        return [(v, min(hi, b) - max(lo, a) + 1) for a, b, v in self.runs[self.run_of[lo]:self.run_of[hi] + 1]]
