@@ -12,7 +12,7 @@ from test_reference_search import instance
 
 from hethub.memo import reference_path
 from hethub.schedules.zero_bubble import ZeroBubbleH1
-from hethub.search import hetero
+from hethub.search import combine, hetero
 from hethub.search.combine import Group, allocate, step_time_s
 from hethub.search.mixed import families
 from hethub.search.sync_floors import SyncFloors
@@ -34,7 +34,8 @@ def _pure_groups(s: Searcher, mbs: int, rng: random.Random) -> list[Group]:
 
 
 def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random, *, tries: int):
-    """(step floor, sync floor, step) of random mixed candidates beside `pure` whose allocation keeps every pipeline."""
+    """(step floor, sync floor, step, split's sync floor, exact sync span) of random mixed candidates beside
+    `pure` whose allocation keeps every pipeline (the step floor with the order's sync floor)."""
     ctx, total = SyncFloors(s, pure), s.total_mb(mbs)
     pool = {k: n - sum(g.count * g.pipe.devices_by_kind().get(k, 0) for g in pure) for k, n in s.counts.items()}
     out = []
@@ -56,7 +57,10 @@ def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random
                         times = [g.pipe.time_s(max(m)) for g, m in zip(groups, alloc[0], strict=True)]
                         floor = step_time_s(groups, times, links=s.links, model=s.model, precision=s.config.precision,
                                             sync_floor_s=after)
-                        out.append((floor, after, est.step_time_s))
+                        synced = step_time_s(groups, times, links=s.links, model=s.model,
+                                             precision=s.config.precision, sync_floor_s=0.0)
+                        out.append((floor, after, est.step_time_s, ctx.split_floor(pipe, c),
+                                    est.step_time_s - synced))
                         # The pruned estimate is the plain one wherever it is let in, and None where not.
                         assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: True) == est
                         assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: False) is None
@@ -74,9 +78,14 @@ def test_makespan_plus_order_floor_is_below_the_step(seed):
         for _ in range(3):
             pairs += floor_and_steps(s, _pure_groups(s, mbs, rng), mbs, rng, tries=3)
     assert len(pairs) > 20
-    bad = [(f, a, t) for f, a, t in pairs if f > t * (1 + 1e-12)]
+    bad = [(f, a, t) for f, a, t, _, _ in pairs if f > t * (1 + 1e-12)]
     assert not bad, f"{len(bad)} of {len(pairs)} floors above their step, e.g. {bad[0]}"
-    assert sum(a > 0 for _, a, _ in pairs) > len(pairs) / 2  # the sync floor is what the pruning gains
+    assert sum(a > 0 for _, a, _, _, _ in pairs) > len(pairs) / 2  # the sync floor is what the pruning gains
+    # The split's floor (its boundaries known) is under the exact syncs too, and tighter than the order's
+    # wherever pure groups chain the syncs through the mixed stages.
+    bad = [(x, span) for _, _, _, x, span in pairs if x > span * (1 + 1e-9) + 1e-12]
+    assert not bad, f"{len(bad)} of {len(pairs)} split floors above their syncs, e.g. {bad[0]}"
+    assert sum(x > a * 1.5 for _, a, _, x, _ in pairs) > len(pairs) / 4
 
 
 def _search(cluster, model, config):
@@ -105,3 +114,27 @@ def test_zero_bubble_fill_floor_keeps_the_plain_rules_best_candidates(seed, monk
     bar = next(t for t, g, m in plain if (g, m) == keys[min(len(keys), config.finalists + config.top_k) - 1])
     assert {c for c in got if c[0] <= bar} == {c for c in plain if c[0] <= bar}
     assert splits < plain_splits
+
+
+def _best(found: list[tuple], keep: int) -> set[tuple]:
+    """The candidates at or above the `keep`-th distinct one's step: the kept ones, ties included."""
+    keys = list(dict.fromkeys((g, m) for _, g, m in found))
+    bar = next(t for t, g, m in found if (g, m) == keys[min(len(keys), keep) - 1])
+    return {c for c in found if c[0] <= bar}
+
+
+# 1, 10: two vendor islands; 16: ties in the best.
+@pytest.mark.parametrize("seed", [1, 10, 16])
+def test_split_sync_floor_keeps_the_plain_rules_best_candidates(seed, monkeypatch):
+    # A mixed split is priced only where its step with its own sync floor (SyncFloors.split_floor) could
+    # enter; the reference path (memo.reference_path(), every shortcut off) takes the order's floor
+    # alone. The same best candidates, for fewer exact syncs (combine._synced_s).
+    cluster, model, config = instance(seed)
+    synced, exact = [], combine._synced_s
+    monkeypatch.setattr(combine, "_synced_s", lambda *a, **k: synced.append(1) or exact(*a, **k))
+    got, _, config = _search(cluster, model, config)
+    fast = len(synced)
+    with reference_path():
+        plain, _, _ = _search(cluster, model, config)
+    assert _best(got, config.finalists + config.top_k) == _best(plain, config.finalists + config.top_k)
+    assert fast < len(synced) - fast

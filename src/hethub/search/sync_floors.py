@@ -9,7 +9,7 @@ import math
 
 from hethub.layout import block_starts
 from hethub.search.combine import Group, finish_lines
-from hethub.search.split import Cache, Slot
+from hethub.search.split import Cache, PipeCost, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
 
@@ -35,6 +35,8 @@ class SyncFloors:
         # The ring floors depend on their keys and the job only: shared by every SyncFloors of the book.
         self._layer_rings, self._embedding_rings = s.book.cache(_LAYER_RINGS), s.book.cache(_EMBEDDING_RINGS)
         self._pure_tail: dict[tuple, float] = {}
+        self._blocks: tuple | None = None  # _pure_blocks'
+        self._prefixes: dict[tuple, list[float]] = {}  # _layer_floors'
         self._tails: dict[tuple, float] = {}
         # A mixed stage's layers are also held by a stage of every kind-pure group (each holds all
         # layers), so its layer rings span those kinds too (tail_floor).
@@ -64,6 +66,25 @@ class SyncFloors:
                 elem_bytes=ModelSpec.state_bytes_per_param(self.s.config.precision)["grads"])
         return hit
 
+    def _pure_blocks(self) -> tuple[set[int], list[tuple[int, int, frozenset[str], int, tuple]]]:
+        """The cuts where every pure replica has a stage boundary, and each block of layers between
+        any pure replica's boundaries: (start, end, its holders' kinds, their least TP, holders per kind)."""
+        if self._blocks is None:
+            n_layers = self.s.model.num_layers
+            bounds = [set(block_starts(g.pipe.layers)) | {n_layers} for g in self.pure]
+            stages = [[sl for sl, k in zip(g.pipe.slots, g.pipe.layers, strict=True) if k] for g in self.pure]
+            starts = [[a for a, k in zip(block_starts(g.pipe.layers), g.pipe.layers, strict=True) if k]
+                      for g in self.pure]
+            blocks = []
+            for a, b in itertools.pairwise(sorted(set.union(*bounds) | {0})):
+                holders = [st[bisect.bisect_right(sa, a) - 1] for st, sa in zip(stages, starts, strict=True)]
+                kinds = frozenset(h.kind for h in holders)
+                have = tuple((k, sum(g.count for g, h in zip(self.pure, holders, strict=True) if h.kind == k))
+                             for k in sorted(kinds))  # the pure holders per kind
+                blocks.append((a, b, kinds, min(h.tp for h in holders), have))
+            self._blocks = (set.intersection(*bounds) | {0, n_layers}, blocks)
+        return self._blocks
+
     def _chains(self, replicas: int, devices: int, mixed: frozenset[str]) -> float:
         """The longest chain of layer syncs the pure groups force, whatever the mixed pipelines' split:
         two consecutive blocks of layers (between any replica's stage boundaries) run one after the
@@ -74,25 +95,47 @@ class SyncFloors:
         devices = min(devices, self._dev_cap)
         key = (replicas, devices, mixed)
         if (hit := self._pure_tail.get(key)) is None:
-            n_layers = self.s.model.num_layers
-            bounds = [set(block_starts(g.pipe.layers)) | {n_layers} for g in self.pure]
-            common = set.intersection(*bounds) | {0, n_layers}
-            cuts = sorted(set.union(*bounds) | {0})
-            stages = [[sl for sl, k in zip(g.pipe.slots, g.pipe.layers, strict=True) if k] for g in self.pure]
-            starts = [[a for a, k in zip(block_starts(g.pipe.layers), g.pipe.layers, strict=True) if k]
-                      for g in self.pure]
+            common, blocks = self._pure_blocks()
             hit = chain = 0.0
-            for a, b in itertools.pairwise(cuts):
+            for a, b, kinds, tp, have in blocks:
                 if a in common:
                     chain = 0.0
-                holders = [st[bisect.bisect_right(sa, a) - 1] for st, sa in zip(stages, starts, strict=True)]
-                kinds, tp = frozenset(h.kind for h in holders), min(h.tp for h in holders)
-                have = tuple((k, sum(g.count for g, h in zip(self.pure, holders, strict=True) if h.kind == k))
-                             for k in sorted(kinds))  # the pure holders per kind
                 chain += (b - a) * min(self._ring(kinds | {m}, tp, replicas, devices, have, m)
                                        for m in {*mixed, *kinds})
                 hit = max(hit, chain)
             self._pure_tail[key] = hit
+        return hit
+
+    def split_floor(self, pipe: PipeCost, c: int) -> float:
+        """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of this
+        split beside the pure groups, its boundaries known: `_chains` with the mixed stages in place. A
+        chain breaks only at a mixed boundary where every pure replica has one too, so each chain is
+        whole mixed stages, its blocks priced with the pure holders and that stage's (`_layer_floors`)."""
+        replicas = self.replicas + c
+        if replicas <= 1:
+            return 0.0
+        devices = min(self.devices + c * pipe.num_devices, self._dev_cap)
+        common = self._pure_blocks()[0] if self.pure else None  # None: every mixed boundary is common
+        hit = chain = 0.0
+        for a, k, sl in zip(block_starts(pipe.layers), pipe.layers, pipe.slots, strict=True):
+            if k:
+                if common is None or a in common:
+                    chain = 0.0
+                floors = self._layer_floors(sl, replicas, devices)
+                chain += floors[a + k] - floors[a]
+                hit = max(hit, chain)
+        return hit
+
+    def _layer_floors(self, sl: Slot, replicas: int, devices: int) -> list[float]:
+        """Prefix sums over the layers of `_ring` for each layer's holders: the pure groups' and c
+        stages of sl's kind and TP degree (the rest of the replicas)."""
+        key = (sl, replicas, devices)
+        if (hit := self._prefixes.get(key)) is None:
+            m, per = sl.kind, []
+            for a, b, kinds, tp, have in self._pure_blocks()[1] if self.pure else [(0, self.s.model.num_layers,
+                                                                                     frozenset(), sl.tp, ())]:
+                per += [self._ring(kinds | {m}, min(tp, sl.tp), replicas, devices, have, m)] * (b - a)
+            hit = self._prefixes[key] = [0.0, *itertools.accumulate(per)]
         return hit
 
     def sync_floor(self, pairs: list[tuple[Slot, Slot]], c: int, devices: int) -> float:
