@@ -85,3 +85,31 @@ def test_the_bridge_floor_is_below_the_rule_for_any_holder_counts(nbytes):
                     continue
                 exact = links.sync_allreduce_s(count, tp=1, nbytes=nbytes, elem_bytes=4, devices=cluster.num_devices)
                 assert links.bridge_floor_s(frozenset(count), nbytes=nbytes, replicas=replicas) <= exact
+
+
+@pytest.mark.parametrize("runtime", ["deepspeed", "hethub"])
+@pytest.mark.parametrize("seed", [1, 10, 27])
+def test_the_layer_floor_times_a_blocks_layers_is_below_the_blocks_fused_sync(runtime, seed):
+    """The search's sync floors price a block of k layers, synced fused, at k x LinkBook.layer_sync_floor_s:
+    the latencies a fused block pays once per bucket (hethub) or once (DeepSpeed) must not be counted per
+    layer. Small models' layers (a fraction of a bucket) at many replicas, where latency dominates, and
+    large ones."""
+    cluster = instance(seed)[0]
+    links = LinkBook(cluster, runtime=runtime)
+    kinds = sorted(cluster.kinds)
+    worst = 0.0
+    for layer_params in (2e5, 5e6, 3e7, 2e8, 9e8):
+        matrix, extra = layer_params * 0.99, layer_params * 0.01
+        for kind_set in [[k] for k in kinds] + [kinds]:
+            for tp in (1, 2, 8):
+                for per_kind in (1, 4, 64):
+                    count = {k: per_kind for k in kind_set}
+                    floor = links.layer_sync_floor_s(frozenset(kind_set), tp=tp, replicas=sum(count.values()),
+                                                     devices=cluster.num_devices, matrix=matrix, extra=extra,
+                                                     elem_bytes=4, counts=count)
+                    for k in (1, 2, 7, 40):
+                        exact = links.sync_allreduce_s(count, tp=tp, nbytes=k * (matrix / tp + extra) * 4,
+                                                       elem_bytes=4, devices=cluster.num_devices)
+                        if exact > 0:
+                            worst = max(worst, k * floor / exact)
+    assert 0.5 < worst <= 1.0

@@ -14,6 +14,7 @@ import itertools
 import math
 from typing import NamedTuple
 
+from hethub.layout import DEFAULT_BUCKET_ELEMS
 from hethub.predict.comm import allreduce_floor_s, boundary_time_s, p2p_time_s, rings_link
 from hethub.predict.stage_cost import tp_link
 from hethub.predict.sync_overlap import bucket_count
@@ -174,7 +175,7 @@ class LinkBook:
 
     def embedding_sync_floor_s(self, kinds: frozenset[str], tp: int, replicas: int, *, devices: int,
                                model: ModelSpec, precision: str) -> float:
-        """A floor under what the search's closed form (search/combine.step_time_s) adds after the
+        """A floor under what the search's closed form (predict/closed_step.step_time_s) adds after the
         makespan: the last pipeline to finish ends with its first stage, whose embedding gradients are
         then all-reduced among `replicas` holders of these kinds (first stages; with tied embeddings,
         last ones too), smallest TP degree `tp`, before it can update."""
@@ -191,26 +192,34 @@ class LinkBook:
         the NIC (the extra counts t times), so the floor is the smaller of the two. Each at the line
         rate (``allreduce_floor_s``), and more kinds only slow a ring; across vendor islands the
         two-level exchange may beat the slowest link's ring: `islands_floor_s` where ``counts`` (the
-        holders per kind) are known, else `bridge_floor_s`."""
+        holders per kind) are known, else `bridge_floor_s`.
+
+        A floor per layer of what is synced fused: a block of k layers is k x this or more. Its
+        all-reduce runs in n >= k E / bucket_elems buckets where the runtime reduces in buckets (E: a
+        layer's elements at the holders' least degree, at least at tp), once per block where not, and
+        each pays the latencies; so a layer counts min(1, E / bucket_elems) of them, none without buckets."""
         across = counts is not None and len(set(kind_island_labels(self.cluster, kinds).values())) > 1
+        share = min(1.0, (matrix / tp + extra) / DEFAULT_BUCKET_ELEMS) if self.buckets else 0.0
 
         def one(t: int) -> float:
             nb = (matrix / t + extra) * elem_bytes
             if across:
-                return self.islands_floor_s(counts, nbytes=nb, devices=devices, rings=t)
-            return min(allreduce_floor_s(nbytes=nb, participants=replicas, link=self.replicas(kinds, devices=devices,
-                                                                                              rings=t)),
-                       self.bridge_floor_s(kinds, nbytes=nb, replicas=replicas))
+                return self.islands_floor_s(counts, nbytes=nb, devices=devices, rings=t, latency_share=share)
+            link = self.replicas(kinds, devices=devices, rings=t)
+            return min(allreduce_floor_s(nbytes=nb, participants=replicas, link=_latency_share(link, share)),
+                       self.bridge_floor_s(kinds, nbytes=nb, replicas=replicas, latency_share=share))
         return min(one(t) for t in {1, tp})
 
-    def islands_floor_s(self, kinds: dict[str, int], *, nbytes: float, devices: int, rings: int) -> float:
+    def islands_floor_s(self, kinds: dict[str, int], *, nbytes: float, devices: int, rings: int,
+                        latency_share: float = 1.0) -> float:
         """A floor under `sync_allreduce_s` of ``nbytes`` among exactly these holders (count per kind)
         spanning several vendor islands, their smallest TP degree ``rings``. The two-level exchange
         (predict.sync_rules.two_level_allreduce_time_s) runs a reduce-scatter and an all-gather of the whole
         buffer in each island, at least that island's ring all-reduce at the line rate; and each
         island's members together own the whole buffer on the bridge, so one member of the smallest
         island all-reduces at least nbytes / its size over it. Elements round to whole ones per
-        bucket: the bytes are taken a hair low. Buckets only add latencies."""
+        bucket: the bytes are taken a hair low. Buckets only add latencies (``latency_share``: the share
+        of each latency counted, `layer_sync_floor_s`)."""
         labels = kind_island_labels(self.cluster, kinds)
         islands: dict[str, list[str]] = {}
         for k in kinds:
@@ -218,15 +227,16 @@ class LinkBook:
         pairs = [self.between(a, b) for a in kinds for b in kinds if labels[a] != labels[b]]
         if not pairs:
             return 0.0
-        bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+        bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs) * latency_share)
         sizes = [sum(kinds[k] for k in ks) for ks in islands.values()]
         nbytes = nbytes * (1 - 1e-6) - 4.0
-        return max(allreduce_floor_s(nbytes=nbytes, participants=n, link=self.replicas(frozenset(ks), devices=devices,
-                                                                                      rings=rings))
+        return max(allreduce_floor_s(nbytes=nbytes, participants=n, link=_latency_share(
+            self.replicas(frozenset(ks), devices=devices, rings=rings), latency_share))
                    for n, ks in zip(sizes, islands.values(), strict=True)) \
             + allreduce_floor_s(nbytes=nbytes / min(sizes), participants=len(sizes), link=bridge)
 
-    def bridge_floor_s(self, kinds: frozenset[str], *, nbytes: float, replicas: int) -> float:
+    def bridge_floor_s(self, kinds: frozenset[str], *, nbytes: float, replicas: int,
+                       latency_share: float = 1.0) -> float:
         """A floor under `sync_allreduce_s` of ``nbytes`` among ``replicas`` holders of these kinds,
         however many each kind has, where they span several vendor islands (inf inside one: the ring
         is the floor there): the two-level exchange moves at least one member's segments, at least
@@ -235,5 +245,10 @@ class LinkBook:
         pairs = [self.between(a, b) for a in kinds for b in kinds if labels[a] != labels[b]]
         if not pairs or replicas < 2:
             return math.inf
-        bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
+        bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs) * latency_share)
         return allreduce_floor_s(nbytes=nbytes / (replicas - 1), participants=2, link=bridge)
+
+
+def _latency_share(link: Link, share: float) -> Link:
+    """The link with only ``share`` of its latency (a floor's count of the latencies it may take)."""
+    return link if share == 1.0 else Link(link.bw_bytes_per_s, link.latency_s * share, link.fabric)
