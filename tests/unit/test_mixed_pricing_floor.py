@@ -11,8 +11,9 @@ import pytest
 from test_reference_search import instance
 
 from hethub.memo import reference_path
+from hethub.predict import closed_step
 from hethub.schedules.zero_bubble import ZeroBubbleH1
-from hethub.search import combine, hetero
+from hethub.search import hetero
 from hethub.search.combine import Group, allocate, step_time_s
 from hethub.search.mixed import families
 from hethub.search.sync_floors import SyncFloors
@@ -127,13 +128,14 @@ def _best(found: list[tuple], keep: int) -> set[tuple]:
 @pytest.mark.parametrize("seed", [1, 10, 16])
 def test_split_sync_floor_keeps_the_plain_rules_best_candidates(seed, monkeypatch):
     # A mixed split is priced only where its step with its own sync floor (SyncFloors.split_floor) could
-    # enter; the reference path (memo.reference_path(), every shortcut off) takes the order's floor
-    # alone. The same best candidates, for fewer exact syncs (combine._synced_s).
+    # enter. Under the plain rule (the order's floor alone) and every shortcut off (memo.reference_path()),
+    # the search must keep the same best candidates (ties in any order), for fewer exact syncs.
     cluster, model, config = instance(seed)
-    synced, exact = [], combine._synced_s
-    monkeypatch.setattr(combine, "_synced_s", lambda *a, **k: synced.append(1) or exact(*a, **k))
+    synced, exact = [], closed_step._synced_s
+    monkeypatch.setattr(closed_step, "_synced_s", lambda *a, **k: synced.append(1) or exact(*a, **k))
     got, _, config = _search(cluster, model, config)
     fast = len(synced)
+    monkeypatch.setattr(SyncFloors, "split_floor", lambda self, pipe, c: 0.0)
     with reference_path():
         plain, _, _ = _search(cluster, model, config)
     assert _best(got, config.finalists + config.top_k) == _best(plain, config.finalists + config.top_k)

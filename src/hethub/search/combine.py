@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hethub.layout import block_starts
-from hethub.predict.comm import small_allreduce_time_s
+from hethub.predict.closed_step import step_time_s
 from hethub.predict.stage_links import LinkBook
 from hethub.search.split import PipeCost
 from hethub.spec.model import ModelSpec
@@ -175,87 +173,6 @@ def _filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
         if have >= total:
             return t
         heapq.heappush(heap, (gs[i][0] + (k + 1) * gs[i][1], i, k + 1))
-
-
-def step_time_s(groups: list[Group], times_s: list[float], *, links: LinkBook, model: ModelSpec,
-                precision: str, sync_floor_s: float | None = None) -> float:
-    """End of the step: each pipeline's backward, the world all-reduce of the loss, the per-layer
-    gradient all-reduces (`_synced_s`: on one representative per group, by the predictor's rule on
-    representative links, ``LinkBook.sync_allreduce_s``), the world all-reduce of the gradient norm,
-    then the updates. The predictor (predict/sync_overlap.py) also overlaps buckets with the backward; it
-    decides between finalists. ``sync_floor_s``: a floor under the syncs' span in their place (a
-    floor of the step)."""
-    replicas = sum(g.count for g in groups)
-    devices = sum(g.count * g.pipe.num_devices for g in groups)
-    world_s = small_allreduce_time_s(nbytes=8.0, participants=sum(g.count * len(g.pipe.layers) for g in groups),
-                                     link=links.replicas(frozenset().union(*(g.pipe.kinds for g in groups)),
-                                                         devices=devices))
-    # When each stage finishes relative to stage 0 is the schedule's (its last ops ripple up); all wait for the loss.
-    end = max(max(g.pipe.stage_finish_s(t)) for g, t in zip(groups, times_s, strict=True)) + world_s
-    if replicas > 1:
-        end = end + sync_floor_s if sync_floor_s is not None else _synced_s(
-            groups, end, links=links, model=model, precision=precision, replicas=replicas, devices=devices)
-    return end + world_s + max(u for g in groups for u in g.pipe.update_s)  # the gradient norm, then the updates
-
-
-def _synced_s(groups: list[Group], start_s: float, *, links: LinkBook, model: ModelSpec, precision: str,
-              replicas: int, devices: int) -> float:
-    """When the last parameter group's gradient all-reduce ends, every stage free at start_s: the
-    embedding, the layers between any replica's boundaries, the head (fused where holders match,
-    sync._buckets), in that order, each sized by its holders' smallest TP once all of them (a stage
-    of each replica; the embedding's also the last ones with tied embeddings) are free, so replicas
-    whose boundaries differ chain their syncs. Walked over the boundaries: a replica's holder changes
-    only at its own, and every layer group is held by every replica, so all are free when it ends."""
-    gb = ModelSpec.state_bytes_per_param(precision)["grads"]
-    rings = links.ring_cache.setdefault((replicas, devices, gb), {})  # all-reduce times; the rest of the key
-    tied = model.tied_embeddings
-    matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
-    norm = model.layer_params - matmul
-    n, lasts = len(groups), [len(g.pipe.layers) - 1 for g in groups]
-
-    def ring_s(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
-        count: dict[str, int] = {}  # holders per kind, in holder order (the all-reduce's islands)
-        for gi, si in holders:
-            kind = groups[gi].pipe.slots[si].kind
-            count[kind] = count.get(kind, 0) + groups[gi].count
-        tp = min(groups[gi].pipe.slots[si].tp for gi, si in holders)
-        key = (matrix, extra, tuple(sorted(count.items())), tp)
-        if (t := rings.get(key)) is None:
-            t = rings[key] = links.sync_allreduce_s(count, tp=tp, nbytes=(matrix / tp + extra) * gb,
-                                                    elem_bytes=gb, devices=devices)
-        return t
-
-    at: dict[int, list[tuple[int, int]]] = {}  # layer -> the replicas' stages holding layers from it on
-    for gi, g in enumerate(groups):
-        for si, (a, k) in enumerate(zip(block_starts(g.pipe.layers), g.pipe.layers, strict=True)):
-            if k:
-                at.setdefault(a, []).append((gi, si))
-    cuts = [*sorted(at), model.num_layers]
-    emb = [(gi, 0) for gi in range(n)] + [(gi, lasts[gi]) for gi in range(n) if lasts[gi] > 0 and tied]
-    head = (0 if tied else model.head_params, model.final_norm_params)
-    # The embedding's holders are the first layers' (the head's the last layers'): one group.
-    first_too = len(emb) == n and all(g.pipe.layers[0] for g in groups)
-    last_too = all(g.pipe.layers[-1] for g in groups)
-    parts: list[list] = [list(model.embedding_parts)]
-    for a, b in itertools.pairwise(cuts):
-        if a or not first_too:
-            parts.append([0.0, 0.0])
-        parts[-1][:] = parts[-1][0] + (b - a) * matmul, parts[-1][1] + (b - a) * norm
-    if last_too:
-        parts[-1][:] = parts[-1][0] + head[0], parts[-1][1] + head[1]
-    ends = e_emb = start_s + ring_s(*parts[0], emb)
-    cur, free = [0] * n, [e_emb] * n  # each replica's holder now, and when it is free
-    for (a, _), (matrix, extra) in zip(itertools.pairwise(cuts[first_too:]), parts[1:], strict=True):
-        for gi, si in at[a]:  # a stage the embedding's group left at start_s, or one it waited for
-            cur[gi], free[gi] = si, e_emb if si == 0 or (tied and si == lasts[gi]) else start_s
-        e = max(free) + ring_s(matrix, extra, list(enumerate(cur)))
-        free = [e] * n
-        ends = max(ends, e)
-    if not last_too:  # a last stage without layers: free when the embedding's group ended (tied) or at start_s
-        e = max(free[gi] if cur[gi] == lasts[gi] else e_emb if tied else start_s for gi in range(n)) \
-            + ring_s(0.0 + head[0], 0.0 + head[1], [(gi, lasts[gi]) for gi in range(n)])
-        ends = max(ends, e)
-    return ends
 
 
 def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec, precision: str,

@@ -249,9 +249,9 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
         for pipe in pipes:
             if results.may_enter(water_level_with(ctx.lines, total, base_s=pipe.base_s, per_mb_s=pipe.per_mb_s,
                                                   count=c)):
-                # Priced only where its step with its split's sync floor could still enter (the reference path: the order's).
-                after = sync if reference() else max(sync, ctx.split_floor(pipe, c))
-                results.add(s.estimate([*ctx.pure, Group(pipe, c)], mbs, after_s=after, may_enter=results.may_enter))
+                # Priced only where its step with its split's sync floor (at least the order's) could still enter.
+                results.add(s.estimate([*ctx.pure, Group(pipe, c)], mbs, after_s=max(sync, ctx.split_floor(pipe, c)),
+                                       may_enter=results.may_enter))
 
 
 # ---- The families of the mixed search: each set of kinds and TP degree per kind over a pool.

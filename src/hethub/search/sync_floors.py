@@ -1,5 +1,5 @@
 """Floors under what a step adds after the makespan (the embedding's and the layers' gradient syncs,
-combine.step_time_s's tail) for mixed pipelines placed beside a set of pure groups (search/mixed.py)."""
+closed_step.step_time_s's tail) for mixed pipelines placed beside a set of pure groups (search/mixed.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class SyncFloors:
 
     def _ring(self, kinds: frozenset[str], tp: int, replicas: int, devices: int,
               pure: tuple[tuple[str, int], ...] | None = None, rest: str = "") -> float:
-        """A floor under one layer's gradient all-reduce (combine.step_time_s's ring) among `replicas`
+        """A floor under one layer's gradient all-reduce (closed_step.step_time_s's ring) among `replicas`
         holders of `kinds` with TP degrees down to tp (``LinkBook.layer_sync_floor_s``; ``pure``, where
         known: how many of each kind the pure groups hold, the rest being of kind ``rest``). Layers are
         synced fused, which achieves more than one by one."""
@@ -107,7 +107,7 @@ class SyncFloors:
         return hit
 
     def split_floor(self, pipe: PipeCost, c: int) -> float:
-        """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of this
+        """A floor under what closed_step.step_time_s adds after the makespan for c mixed pipelines of this
         split beside the pure groups, its boundaries known: `_chains` with the mixed stages in place. A
         chain breaks only at a mixed boundary where every pure replica has one too, so each chain is
         whole mixed stages, its blocks priced with the pure holders and that stage's (`_layer_floors`)."""
@@ -163,7 +163,7 @@ class SyncFloors:
                    self.tail_floor(segs, c, devices))
 
     def tail_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, devices: int) -> float:
-        """A floor under what combine.step_time_s adds after the makespan for c mixed pipelines of
+        """A floor under what closed_step.step_time_s adds after the makespan for c mixed pipelines of
         these segments (at most n stages of each; at least `devices` devices each) beside the pure
         groups: after the loss barrier every stage syncs its layers block by block, so at least the
         pure groups' longest chain of syncs (`_chains`), and one mixed stage's layer rings: the mixed
