@@ -5,6 +5,7 @@ wherever every pipeline gets micro-batches (the sync floor counts every replica'
 random candidates beside random pure groups."""
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -62,9 +63,11 @@ def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random
                                              precision=s.config.precision, sync_floor_s=0.0)
                         out.append((floor, after, est.step_time_s, ctx.split_floor(pipe, c),
                                     est.step_time_s - synced))
-                        # The pruned estimate is the plain one wherever it is let in, and None where not.
-                        assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: True) == est
-                        assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t: False) is None
+                        # The pruned estimate is the plain one wherever it is let in, and None where not,
+                        # whatever the bar (asked of the makespan plus `after` first, then of this floor).
+                        for bar in (math.inf, 0.0, floor * (1 - 1e-9), floor * (1 + 1e-9), alloc[1] + after):
+                            assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t, bar=bar: t < bar) == (
+                                est if floor < bar else None)
     return out
 
 
