@@ -25,6 +25,7 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
@@ -51,7 +52,7 @@ from hethub.predict.sync_overlap import exposed_sync_groups, unoverlapped_sync_s
 from hethub.predict.sync_records import SyncResult
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.runtimes import runtime_profile
-from hethub.schedules import DEFAULT_P2P, get_schedule
+from hethub.schedules import DEFAULT_P2P, LOCKSTEP, get_schedule
 from hethub.schedules.simulate import StageSchedule
 
 
@@ -171,7 +172,8 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     )
 
 
-def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCosts | None = None) -> float:
+def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCosts | None = None,
+                 tight: bool = False) -> float:
     """A floor under ``predict(plan).step_time_s`` (without a host) from the stage costs alone, with
     no event simulation and no sync, so a caller comparing many plans (the planner's local search,
     its scoring of finalists) can skip those that cannot beat a step. In the simulation a stage's
@@ -180,7 +182,11 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     (1F1B, GPipe) its last op is a backward, which that micro-batch's backward on every earlier
     stage waits for; and the loss all-reduce waits for every stage's last op. Transfers are left
     out (they only add, and so do sends that hold their stage), and so are pipelines with virtual
-    stages (chunks costed one by one).
+    stages (chunks costed one by one). ``tight``: each op with its point-to-point posts, as the
+    simulation runs it (``PlanCosts.posts_s``), and each hop of the fill and the drain with its
+    transfer (a message arrives no sooner than its op's end plus its transfer; lock-step, simulated
+    apart, without them): the scoring's floor; the polish keeps the looser one, as its budget counts
+    predictions and a floor that screens more would change the moves it reaches.
     ``costs``: a PlanCosts to share stage costs through, of a plan with the same model, cluster,
     sequence length, per-kind settings and ``profiles`` (the local search's moves keep them)."""
     costs = PlanCosts(plan, profiles) if costs is None else costs
@@ -189,24 +195,34 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     for p in plan.pipelines:
         if p.virtual_stages == 1:
             fb = [costs.of_stage(s, mbs=p.micro_batch_size) for s in p.stages]
-            best = max(best, pipeline_floor_s([c.fwd_s for c in fb], [c.bwd_s for c in fb],
-                                              num_micro_batches=p.num_micro_batches, drain=drain))
+            fwd, bwd, hops = [c.fwd_s for c in fb], [c.bwd_s for c in fb], None
+            if tight:
+                posts = costs.posts_s(p)
+                fwd, bwd = [f + x for f, x in zip(fwd, posts, strict=True)], [b + x for b, x in zip(bwd, posts,
+                                                                                                 strict=True)]
+                hops = None if plan.p2p == LOCKSTEP else [costs.boundary_s(a, b, mbs=p.micro_batch_size)
+                                                          for a, b in itertools.pairwise(p.stages)]
+            best = max(best, pipeline_floor_s(fwd, bwd, num_micro_batches=p.num_micro_batches, drain=drain,
+                                              hops_s=hops))
     return best
 
 
-def pipeline_floor_s(fwd_s: Sequence[float], bwd_s: Sequence[float], *, num_micro_batches: int, drain: bool) -> float:
+def pipeline_floor_s(fwd_s: Sequence[float], bwd_s: Sequence[float], *, num_micro_batches: int, drain: bool,
+                     hops_s: Sequence[float] | None = None) -> float:
     """`step_floor_s` of one pipeline without chunks from its stages' forward and backward times
-    (``drain``: the schedule does not split the backward)."""
+    (``drain``: the schedule does not split the backward; ``hops_s``: each boundary's transfer, or none)."""
     best, fill, back = 0.0, 0.0, 0.0
-    for f, b in zip(fwd_s, bwd_s, strict=True):
+    for i, (f, b) in enumerate(zip(fwd_s, bwd_s, strict=True)):
         best = max(best, fill + num_micro_batches * (f + b) + back)
-        fill += f
+        hop = hops_s[i] if hops_s is not None and i < len(hops_s) else 0.0
+        fill += f + hop
         if drain:
-            back += b
+            back += b + hop
     return best * (1 - 1e-12)  # the simulation adds the same times in another order (rounding)
 
 
-def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCosts | None = None) -> float:
+def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCosts | None = None,
+                tight: bool = False) -> float:
     """What ``predict(plan).step_time_s`` (without a host) adds after its pipelines' last finish: the
     loss all-reduce is a barrier of every stage, so the gradient sync, the gradient-norm barrier and
     the updates that follow start from that one instant whatever each stage's own finish, and the
@@ -214,27 +230,33 @@ def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCo
     step too, and a tighter one where syncs are slow (a 70B model across kinds: ~10 % of the step);
     it costs the plan's sync groups (~2 ms on 512 devices), so callers add it only where the cheaper
     floor alone has not settled the question. With a sharded optimizer the slices (from the stages'
-    memory) would be needed: 0.0 there, still a floor. ``costs``: as for ``step_floor_s``."""
-    if plan.sharded_optimizer:
+    memory) would be needed: 0.0 there, still a floor; ``tight``: the sync at slices no split has
+    smaller (``sync_groups``' floor) and no update (each stage's owned slice is not known), a floor
+    below the step's tail (the sync only grows with its groups' times and the updates). ``costs``:
+    as for ``step_floor_s``."""
+    if plan.sharded_optimizer and not tight:
         return 0.0
     costs = PlanCosts(plan, profiles) if costs is None else costs
-    updates = [[costs.of_stage(s, mbs=p.micro_batch_size).times.update_s for s in p.stages] for p in plan.pipelines]
+    sharded = plan.sharded_optimizer
+    updates = [[0.0 if sharded else costs.of_stage(s, mbs=p.micro_batch_size).times.update_s for s in p.stages]
+               for p in plan.pipelines]
     zeros = [[0.0] * len(p.stages) for p in plan.pipelines]
     backward = {(pi, si): costs.of_stage(s, mbs=p.micro_batch_size).bwd_s
                 for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)}
     tail = simulate_sync(plan, finish_s=zeros, update_s=updates,
-                         groups=exposed_sync_groups(plan, sync_groups(plan), backward_s=backward),
+                         groups=exposed_sync_groups(plan, sync_groups(plan, floor=True), backward_s=backward),
                          world=list(world_collectives(plan))).step_time_s
     return tail * (1 - 1e-12)  # the sync adds the same times to the finish in another order (rounding)
 
 
-def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts) -> bool:
+def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts, tight: bool = False) -> bool:
     """Whether a floor under ``predict(plan).step_time_s`` (without a host) is already >= ``bar_s``, so
     a caller looking for a step below ``bar_s`` need not predict the plan: ``step_floor_s``, and
     where that is below, it plus ``sync_tail_s`` (which prices the plan's sync groups, ~1/5 of a
-    prediction on 512 devices). ``costs``: as for ``step_floor_s``."""
-    floor = step_floor_s(plan, costs=costs)
-    return floor >= bar_s or floor + sync_tail_s(plan, costs=costs) >= bar_s
+    prediction on 512 devices). ``costs``: as for ``step_floor_s``; ``tight``: as there and for
+    ``sync_tail_s``."""
+    floor = step_floor_s(plan, costs=costs, tight=tight)
+    return floor >= bar_s or floor + sync_tail_s(plan, costs=costs, tight=tight) >= bar_s
 
 
 def may_fit_below(plan: Plan, *, mem_headroom: float, bar_s: float | None = None, costs: PlanCosts | None = None,

@@ -67,10 +67,11 @@ _GROUPS = Kept(256)
 _WORLD = Kept(1024)
 
 
-def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) -> list[SyncGroup]:
+def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None, floor: bool = False) -> list[SyncGroup]:
     """The plan's all-reduces: parameter groups fused by holders, in the runtime's order, with their cost.
     ``shard_weights`` (per rank, ``predict/sharding.py``): a sharded optimizer's split; each group is then
-    priced as reduce-scatter + all-gather (:mod:`hethub.predict.sync_sharded`)."""
+    priced as reduce-scatter + all-gather (:mod:`hethub.predict.sync_sharded`). ``floor``: a sharded
+    optimizer's groups at times no split exceeds below (equal slices, ``sharded_group``'s floor)."""
     key = (id(plan.model), id(plan.cluster), plan.precision,
            tuple(tuple((s.devices, s.layers, s.chunks, s.embedding, s.head, s.cp) for s in p.stages)
                  for p in plan.pipelines))
@@ -79,10 +80,10 @@ def sync_groups(plan: Plan, *, shard_weights: dict[int, float] | None = None) ->
         return list(fused)
     # The split depends on the ranks' weights: each fused group priced as its reduce-scatter + all-gather.
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
-    weights = shard_weights if shard_weights is not None else dict.fromkeys(range(plan.world_size), 1.0)
+    weights = shard_weights if shard_weights is not None and not floor else dict.fromkeys(range(plan.world_size), 1.0)
     weight = {(pi, si): weights[plan.rank_of(s.devices[0])] for pi, p in enumerate(plan.pipelines)
               for si, s in enumerate(p.stages)}
-    return [sharded_group(g, plan=plan, weight=weight, grad_bytes=grad_bytes) for g in fused]
+    return [sharded_group(g, plan=plan, weight=weight, grad_bytes=grad_bytes, floor=floor) for g in fused]
 
 
 def _fused_groups(plan: Plan) -> list[SyncGroup]:

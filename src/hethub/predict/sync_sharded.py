@@ -39,9 +39,11 @@ def gather_bytes_per_param(plan: Plan, holders: Sequence[StageId]) -> int:
     return ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
 
 
-def sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], grad_bytes: float) -> SyncGroup:
+def sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], grad_bytes: float,
+                  floor: bool = False) -> SyncGroup:
     """A fused group under ZeRO-1: reduce-scatter + all-gather of padded slices (module doc); ZeRO-2/3 keep
-    a micro-batch's reduction and ZeRO-3 its per-use gathers beside it."""
+    a micro-batch's reduction and ZeRO-3 its per-use gathers beside it. ``floor`` (with equal ``weight``):
+    times no split of the group exceeds below, for a step floor that knows no split (`_hierarchical_pass_s`)."""
     p = g.participants
     if p <= 1:
         return g
@@ -57,7 +59,7 @@ def sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], gra
         rs, ag = (ring_pass_time_s(chunk_bytes=chunk_elems * b, participants=p, link=g.link)
                   for b in (grad_bytes, param_bytes))
     else:
-        rs, ag = (_hierarchical_pass_s(plan, g.holders, ex, slices=slices, elem_bytes=b)
+        rs, ag = (_hierarchical_pass_s(plan, g.holders, ex, slices=slices, elem_bytes=b, floor=floor)
                   for b in (grad_bytes, param_bytes))
     # nbytes: the volume of an all-reduce of equal cost (what a measured host all-reduce is priced on).
     nbytes = chunk_elems * (grad_bytes + param_bytes) / 2 * p
@@ -75,10 +77,13 @@ def sharded_group(g: SyncGroup, *, plan: Plan, weight: dict[StageId, float], gra
 
 
 def _hierarchical_pass_s(plan: Plan, holders: Sequence[StageId], ex: Exchange, *, slices: Sequence[int],
-                         elem_bytes: float) -> float:
+                         elem_bytes: float, floor: bool = False) -> float:
     """One pass of the bridged two-level exchange (``hethub.islands``): each island's ring pass of
     its padded blocks over its own slowest link, and each owner's real slice over the slowest bridge
-    pair used."""
+    pair used. ``floor`` (``slices`` equal): only the terms of ``Exchange.pass_time_s`` that read the
+    largest slice alone, which no split has smaller than the equal one's, and each term grows with it
+    (every fabric's curve has a shape below 1, fabrics.py); the terms summing several owners' slices
+    could shrink with an unequal split."""
     first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in holders]
     pad_bytes = max(slices) * elem_bytes
     island_s = [ring_pass_time_s(chunk_bytes=ex.slots[isl[0]] * pad_bytes, participants=len(isl),
@@ -86,5 +91,7 @@ def _hierarchical_pass_s(plan: Plan, holders: Sequence[StageId], ex: Exchange, *
     pairs = [plan.cluster.link(first[m], first[o]) for m in ex.members for o in ex.blocks[m][1:]]
     bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs),
                   min(pairs, key=lambda lk: lk.bw_bytes_per_s).fabric)
-    return ex.pass_time_s(island_s=island_s,
-                          message_s={m: p2p_time_s(bridge, slices[m] * elem_bytes) for m in ex.members})
+    message_s = {m: p2p_time_s(bridge, slices[m] * elem_bytes) for m in ex.members}
+    if floor:
+        return max(max(island_s), max(message_s.values()) * (len(ex.islands) - 1))
+    return ex.pass_time_s(island_s=island_s, message_s=message_s)
