@@ -146,6 +146,7 @@ def test_lazy_checks_give_the_reference_plans(name, monkeypatch):
 def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
     """The variants' pricing alone (the fast tier's check): one enumeration's shapes and each kind's
     alone shapes priced under unsharded, ZeRO-1 and ZeRO-2 variants, the first shapes moved up."""
+    from hethub.predict.scoring import Screen
     from hethub.predict.stage_links import LinkBook
     from hethub.search.variants import Variant, alone_plans, enumerate_shapes, priced_plans
 
@@ -165,7 +166,7 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
         out = []
         for v in (Variant("zb-h1", "none"), Variant("1f1b", "zero1"), Variant("zb-h1", "zero2")):
             s = v.searcher(cfg, cluster=cluster, model=model, profiles=None, links=links, holders=4)
-            got = priced_plans(s, config=cfg, host=None, shapes=shapes, keep=3, firsts=3)
+            got = priced_plans(s, config=cfg, shapes=shapes, screen=Screen(3), firsts=3)
             got += [(p, None) for ests in alone.values() for p in alone_plans([s], ests, config=cfg)]
             out += [(p.to_dict(), r and r.step_time_s) for p, r in got]
         return out

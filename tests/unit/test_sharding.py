@@ -180,6 +180,7 @@ def test_the_sharded_variant_prices_the_unsharded_enumerations_shapes() -> None:
     # Every variant splits and prices the one enumeration's shapes (each stage's recomputation chosen
     # again: the freed memory may let it recompute less); here an unsharded enumeration's shapes priced
     # sharded are sharded candidates, predicted with their real holders.
+    from hethub.predict.scoring import Screen
     from hethub.predict.stage_links import LinkBook
     from hethub.search.variants import Variant, enumerate_shapes, priced_plans
 
@@ -190,7 +191,7 @@ def test_the_sharded_variant_prices_the_unsharded_enumerations_shapes() -> None:
                                                                       links=links)], alone=False)
     sharded = Variant("1f1b", "zero1").searcher(cfg, cluster=cluster, model=model, profiles=None, links=links,
                                                 holders=16)
-    got = priced_plans(sharded, config=cfg, host=None, shapes=unsharded, keep=3)
+    got = priced_plans(sharded, config=cfg, shapes=unsharded, screen=Screen(3))
     # (512 sequences: the calibrated catalog gives 64 only single-replica shapes, with nothing to shard.)
     # A plan of one replica has nothing to shard across and stays unsharded (layout.single_holder_units).
     assert got and any(p.optimizer_sharding == "zero1" for p, _ in got)

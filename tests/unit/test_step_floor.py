@@ -15,8 +15,8 @@ import pytest
 
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, predict, step_floor_s, sync_tail_s
+from hethub.predict.scoring import Firsts, Screen, score_plans
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.finalists import score_plans
 from hethub.search.polish import _apply, _moves
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec
@@ -66,6 +66,39 @@ def test_screened_scoring_keeps_the_same_fastest_plans():
         assert len(screened) < len(full)  # some were screened out
         assert [(id(p), pr.step_time_s) for p, pr in screened[:keep]] == [(id(p), pr.step_time_s)
                                                                           for p, pr in full[:keep]]
+
+
+def _shape(plan) -> int:
+    return len(plan.pipelines)
+
+
+def _shape_firsts(scored: list, n: int) -> list[float]:
+    """The best step of each of the first ``n`` distinct shapes."""
+    out: dict[int, float] = {}
+    for p, pr in sorted(scored, key=lambda x: x[1].step_time_s):
+        out.setdefault(_shape(p), pr.step_time_s)
+    return sorted(out.values())[:n]
+
+
+def test_screened_scoring_keeps_each_readers_firsts():
+    """Calls sharing their fastest (``steps``) each keep their own firsts too (``Firsts``): their best
+    plan, and the best plan of each of the first two distinct shapes (here: pipeline counts) over both
+    calls, are those of the unscreened scoring, even where the fastest shape's plans come first and
+    set a low bar."""
+    order = [p for p, _ in score_plans(_plans("1f1b"), None)]
+    assert len({_shape(p) for p in order}) > 2
+    fastest = [p for p in order if _shape(p) == _shape(order[0])]
+    rest = [p for p in order if _shape(p) != _shape(order[0])]
+    calls = [fastest + rest[::2], rest[1::2]]
+    steps, shapes, got = [], Firsts(2, _shape), []
+    for call in calls:
+        got.append(score_plans(call, None, screen=Screen(1, None, steps, (Firsts(1), shapes))))
+    full = [score_plans(call, None) for call in calls]
+    assert sum(map(len, full)) > sum(map(len, got))  # some were screened out
+    for screened, whole in zip(got, full, strict=True):
+        assert screened[0][1].step_time_s == whole[0][1].step_time_s  # each call's best
+    assert _shape_firsts([x for g in got for x in g], 2) == _shape_firsts([x for w in full for x in w], 2)
+    assert min(pr.step_time_s for g in got for _, pr in g) == min(pr.step_time_s for w in full for _, pr in w)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

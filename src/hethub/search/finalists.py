@@ -4,7 +4,6 @@ alone, the upper bound's parts. Used by the planner's searches and the reference
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -14,11 +13,10 @@ from hethub.layout import single_holder_units
 from hethub.memo import Ranked, reference
 from hethub.plan import Plan, zero23_refusal
 from hethub.predict.host import HostModel
-from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.predict.scoring import Screen, score_plans
 from hethub.predict.stage_modes import choose_recompute, modes_floor_s
 from hethub.runtimes import runtime_profile, runtime_refusals
 from hethub.search.assemble import build_plan
@@ -31,11 +29,11 @@ from hethub.spec.model import ModelSpec
 
 
 def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfig, strategy: str, per_size: int = 0,
-                   bar: Callable[[], float] | None = None) -> Iterator[Plan]:
+                   bar: Callable[[Plan], float] | None = None) -> Iterator[Plan]:
     """The plans of the best `finalists + top_k` distinct candidates of `ests` (best first) and, with
     `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why), laid out as
     read. A `Ranked` order is read only as far as that, shapes of filled sizes skipped unchecked.
-    ``bar``: the reader's (`score_bar`): a plan whose floor under every mode (`modes_floor_s`) reaches
+    ``bar``: the reader's (`scoring.Screen.bar`): a plan whose floor under every mode (`modes_floor_s`) reaches
     it takes its place unread, its modes not chosen (where the runtime's refusals do not depend on
     them; never on the reference path)."""
     seen, taken, costs, keep = set(), Counter(), None, config.finalists + config.top_k
@@ -57,7 +55,7 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
         seen.add(plan_key(est))
         costs = costs or (PlanCosts(plan, s.job.profiles) if bar else None)  # one job: stage costs are shared
-        unread = bar is not None and (b := bar()) < math.inf and modes_floor_s(plan, costs=costs, **modes) >= b
+        unread = bar is not None and (b := bar(plan)) < math.inf and modes_floor_s(plan, costs=costs, **modes) >= b
         plan = plan if unread else choose_recompute(plan, mem_headroom=config.mem_headroom, **modes)
         if runtime_refusals(plan):  # what the runtime cannot run (Megatron: replicas or TP degrees that differ)
             continue
@@ -66,38 +64,6 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
             yield plan
         if taken.total() >= keep and not per_size:
             break
-
-
-def score_bar(steps: list[float], *, keep: int, host: HostModel | None) -> Callable[[], float]:
-    """The step a plan's floor must be below for ``score_plans(keep=keep, steps=steps, host=host)`` to predict it."""
-    return lambda: steps[keep - 1] if keep and host is None and len(steps) >= keep else math.inf
-
-
-def score_plans(plans: list[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
-                require_fit: bool = True, host: HostModel | None = None, keep: int = 0,
-                steps: list[float] | None = None) -> list[tuple[Plan, Prediction]]:
-    """`plans` predicted, those that fit (all with ``require_fit=False``), fastest first. With ``keep``,
-    a plan whose step floor (predictor.floor_reaches) is not below the keep-th fastest so far is not
-    predicted: it could not be among the first ``keep`` (on a tie the earlier plan sorts first), so
-    those are exactly the unscreened ones; the rest of the list may then lack such plans. ``steps``:
-    the fastest predicted steps of earlier calls whose plans compete with these (updated in place),
-    so the first ``keep`` over all those calls are exactly the unscreened ones."""
-    scored: list[tuple[Plan, Prediction]] = []
-    steps = [] if steps is None else steps  # the fastest `keep` predicted steps so far, sorted
-    costs, bar = None, score_bar(steps, keep=keep, host=host)  # finalist_plans screens its layouts by it too
-    for plan in plans:
-        if (bar_s := bar()) < math.inf:
-            costs = PlanCosts(plan, profiles) if costs is None else costs  # one job: stage costs are shared
-            if floor_reaches(plan, bar_s, costs=costs):
-                continue
-        pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
-        if pred.fits_memory or not require_fit:
-            scored.append((plan, pred))
-            if keep:
-                bisect.insort(steps, pred.step_time_s)
-                del steps[keep:]
-    scored.sort(key=lambda x: x[1].step_time_s)
-    return scored
 
 
 # ---- Each kind alone: the upper bound's parts and each kind's best single-kind plans.
@@ -120,18 +86,18 @@ class BoundParts:
 
 def kind_parts(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, profiles: ProfileSet | None,
                books: Books | None = None, host: HostModel | None = None,
-               candidates: Callable[[str, Callable[[], float]], Iterable[Plan]] | None = None,
+               candidates: Callable[[str, Callable[[Plan], float]], Iterable[Plan]] | None = None,
                ) -> list[Callable[[], BoundParts]]:
     """A task per kind (each screens by its own bar): its part of the upper bound, notes, best feasible single-kind
     candidates, scored, and relaxed-memory flag. ``candidates``: a kind's plans where the caller has them (the
-    default path's, under every variant), laid out as the scoring reaches them (`score_bar`); else searched anew."""
+    default path's, under every variant), laid out as the scoring reaches them (`Screen.bar`); else searched anew."""
     def part(kind: str) -> BoundParts:
-        steps: list[float] = []
-        plans = (candidates(kind, score_bar(steps, keep=2, host=host)) if candidates is not None else
+        screen = Screen(keep=2, host=host)
+        plans = (candidates(kind, screen.bar) if candidates is not None else
                  _kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind, relax=False,
                              books=books))
         # The part is the best, and the combined search takes the best two.
-        if scored := score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=2, steps=steps):
+        if scored := score_plans(plans, profiles, host=host, headroom=config.mem_headroom, screen=screen):
             return BoundParts({kind: scored[0][1].tokens_per_s}, (), scored[:2], frozenset())
         relaxed = score_plans(_kind_alone(cluster=cluster, model=model, config=config, profiles=profiles, kind=kind,
                                      relax=True, books=books), profiles, require_fit=False, host=host,

@@ -19,13 +19,14 @@ from functools import partial
 from hethub.errors import InfeasibleError
 from hethub.fanout import fan_out, sharing
 from hethub.memo import search_scope
-from hethub.plan import Plan, Recompute
+from hethub.plan import Plan, Recompute, zero_stage_of
 from hethub.predict.context_plans import cp_candidates, cp_note
 from hethub.predict.host import HostModel
 from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_bytes
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.proven_bound import ProvenBound, proven_bound
 from hethub.predict.result import Prediction
+from hethub.predict.scoring import Firsts, Screen, score_plans
 from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.utilisation import cluster_mfu
@@ -35,7 +36,7 @@ from hethub.schedules import AUTO_SCHEDULE, SCHEDULES, get_schedule
 from hethub.search.baselines import baseline_plans
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import BoundParts, kind_parts, score_bar, score_plans
+from hethub.search.finalists import BoundParts, kind_parts
 from hethub.search.polish import chunked_candidates, interleave_plan, polish
 from hethub.search.templates import Searcher, tp_options
 from hethub.search.variants import (
@@ -186,21 +187,22 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     firsts = frozenset(range(min(len(shapes), FIRST_SHAPES * len(enums))))
 
     def schedule_plans(group: list[Variant]) -> list[list[tuple[Plan, Prediction]]]:
-        steps, out = [], []  # its variants, in order, screen by each other's predictions (finalists.score_plans)
+        steps, out = [], []  # its variants, in order, screen by each other's predictions (scoring.Screen)
+        starts = Firsts(INTERLEAVE_STARTS, start_shape)  # 1F1B's, of distinct shapes, over the group
         for v in group:  # a sharding the config asks for prices the whole pool; one priced beside them, its part
             pool, first = (shapes, firsts) if v.sharding in shardings else v.pool(shapes, firsts)
             own = len(enums) == 1 and searchers[v].config == enums[0].config  # the pool's one enumeration is v's
-            got = priced_plans(searchers[v], config=config, host=host, shapes=pool, keep=keep, firsts=len(first),
-                               steps=steps, own=own) if pool else []
+            screen = Screen(keep, host, steps, _kept_firsts(v, names, starts))
+            got = priced_plans(searchers[v], config=config, shapes=pool, screen=screen, firsts=len(first),
+                               own=own) if pool else []
             if config.strategy in BASELINES:
                 plans = [p.with_runtime(config.runtime) for p in baseline_plans(searchers[v], strategy=config.strategy)]
                 got = score_plans(plans[:config.finalists + config.top_k], profiles, host=host,
                                   headroom=config.mem_headroom, keep=keep)
             elif config.strategy == "homogeneous" and v.sharding in shardings:  # each kind alone under the variant
-                screen = score_bar(steps, keep=keep, host=host)  # laid out as the scoring reads them
                 plans = (p for ests in alone.values() for p in alone_plans([searchers[v]], ests, config=config,
-                                                                            bar=screen))
-                got = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, keep=keep, steps=steps)
+                                                                            bar=screen.bar))
+                got = score_plans(plans, profiles, host=host, headroom=config.mem_headroom, screen=screen)
             if v.schedule == INTERLEAVED:  # its best plans laid out in v chunks where each fits
                 got = chunked_candidates(got[:INTERLEAVE_STARTS], v.chunks, profiles=profiles, host=host,
                                          mem_headroom=config.mem_headroom)
@@ -270,8 +272,7 @@ def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConf
     for plan, pred in scored:
         if plan.schedule != ONE_F_ONE_B or plan.zero_stage == 3:  # ZeRO-3 runs no virtual stages
             continue
-        shape = tuple(sorted(tuple((st.kind, len(st.devices)) for st in p.stages) for p in plan.pipelines))
-        if shape not in shapes:
+        if (shape := start_shape(plan)) not in shapes:
             shapes.add(shape)
             starts.append((plan, pred))
         if len(starts) == INTERLEAVE_STARTS:
@@ -279,6 +280,22 @@ def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConf
     tried = fan_out([partial(interleave_plan, *x, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
                      for x in starts])
     return [(p, r) for p, r in tried if any(q.virtual_stages > 1 for q in p.pipelines)]
+
+
+def start_shape(plan: Plan) -> tuple:
+    """What `_interleavings` tells its starts apart by: each pipeline's stages' kinds and device counts."""
+    return tuple(sorted(tuple((st.kind, len(st.devices)) for st in p.stages) for p in plan.pipelines))
+
+
+def _kept_firsts(v: Variant, names: list[str], starts: Firsts) -> tuple[Firsts, ...]:
+    """What a variant's scoring keeps exact besides its schedule's first few (`scoring.Screen`): its best
+    (`_variant_notes`), and the plans read past those: an interleaved variant's first `INTERLEAVE_STARTS`
+    (`chunked_candidates`) and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleavings`)."""
+    if v.schedule == INTERLEAVED:
+        return (Firsts(INTERLEAVE_STARTS),)
+    if v.schedule == ONE_F_ONE_B and INTERLEAVED in names and zero_stage_of(v.sharding) < 3:
+        return Firsts(1), starts
+    return (Firsts(1),)
 
 
 def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], shardings: list[str]) -> list[str]:

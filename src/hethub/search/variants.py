@@ -22,15 +22,15 @@ from dataclasses import dataclass, replace
 from hethub.fanout import fan_out
 from hethub.memo import Ranked
 from hethub.plan import PLANNED_SHARDINGS, Plan, zero_stage_of
-from hethub.predict.host import HostModel
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.predict.scoring import Screen
 from hethub.predict.stage_links import LinkBook
 from hethub.runtimes import runtime_profile
 from hethub.schedules import AUTO_SCHEDULE
 from hethub.search.combine import Estimate, Group, estimate_samples
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import finalist_plans, score_bar, score_plans
+from hethub.search.finalists import finalist_plans, score_plans
 from hethub.search.hetero import plan_key, search
 from hethub.search.templates import Books, Searcher
 from hethub.spec.cluster import Cluster
@@ -164,11 +164,11 @@ def repriced(s: Searcher, shapes: list[Estimate]) -> Ranked[Estimate]:
     return Ranked([reprice(s, est) for est in shapes], key=lambda e: e.step_time_s, check=s.fits)
 
 
-def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, shapes: list[Estimate], keep: int,
-                 firsts: int = 0, steps: list[float] | None = None, own: bool = False) -> list[tuple[Plan, Prediction]]:
+def priced_plans(s: Searcher, *, config: PlannerConfig, shapes: list[Estimate], screen: Screen, firsts: int = 0,
+                 own: bool = False) -> list[tuple[Plan, Prediction]]:
     """The shapes priced under the variant of ``s`` (its searcher: sharded stages assume its holders),
     the best distinct laid out and predicted, with those of the first ``firsts`` shapes; fastest
-    first. ``config``: the user's (finalists, top_k); ``keep``, ``steps``: `finalists.score_plans`'s;
+    first. ``config``: the user's (finalists, top_k); ``screen``: `scoring.score_plans`'s (its host's);
     ``own``: the shapes were enumerated by ``s`` itself, so priced as they are (a reprice keeps only
     the min-max split or one like the shape's, not the split the search chose)."""
     got = Ranked([[e] for e in shapes], key=lambda e: e.step_time_s) if own else repriced(s, shapes)
@@ -176,14 +176,12 @@ def priced_plans(s: Searcher, *, config: PlannerConfig, host: HostModel | None, 
     # half), so the shapes the enumeration ranked first are laid out too and the predictor decides.
     n = config.finalists + config.top_k
     cfg = replace(s.config, top_k=config.top_k, finalists=config.finalists + got.promote(n, range(firsts)))
-    steps = [] if steps is None else steps
-    plans = finalist_plans(s, got, config=cfg, strategy="hethub", per_size=config.per_size_finalists,
-                           bar=score_bar(steps, keep=keep, host=host))
-    return score_plans(plans, s.job.profiles, host=host, headroom=config.mem_headroom, keep=keep, steps=steps)
+    plans = finalist_plans(s, got, config=cfg, strategy="hethub", per_size=config.per_size_finalists, bar=screen.bar)
+    return score_plans(plans, s.job.profiles, host=screen.host, headroom=config.mem_headroom, screen=screen)
 
 
 def alone_plans(searchers: list[Searcher], shapes: list[Estimate], *, config: PlannerConfig,
-                bar: Callable[[], float] | None = None) -> Iterator[Plan]:
+                bar: Callable[[Plan], float] | None = None) -> Iterator[Plan]:
     """One kind's single-kind ``shapes`` priced under every variant's searcher, each variant's best laid out
     as its own search of the kind alone would (``config``'s finalists, top_k and per-size places): the
     candidates of the kind's part of the bound, which `finalists.bound_parts` scores (``bar``: its)."""
