@@ -53,7 +53,7 @@ from hethub.predict.sync_records import SyncResult
 from hethub.predict.utilisation import mfu_by_kind
 from hethub.runtimes import runtime_profile
 from hethub.schedules import DEFAULT_P2P, LOCKSTEP, get_schedule
-from hethub.schedules.simulate import StageSchedule
+from hethub.schedules.simulate import StageSchedule, finish_floor_s
 
 
 def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | Collection[int] = False,
@@ -183,10 +183,10 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     stage waits for; and the loss all-reduce waits for every stage's last op. Transfers are left
     out (they only add, and so do sends that hold their stage), and so are pipelines with virtual
     stages (chunks costed one by one). ``tight``: each op with its point-to-point posts, as the
-    simulation runs it (``PlanCosts.posts_s``), and each hop of the fill and the drain with its
-    transfer (a message arrives no sooner than its op's end plus its transfer; lock-step, simulated
-    apart, without them): the scoring's floor; the polish keeps the looser one, as its budget counts
-    predictions and a floor that screens more would change the moves it reaches.
+    simulation runs it (``PlanCosts.posts_s``), and, but under lock-step (simulated apart), the
+    schedule's own floor with the hops and each stage's first backward's round trip
+    (``schedules.simulate.finish_floor_s``): the scoring's floor; the polish keeps the looser one, as
+    its budget counts predictions and a floor that screens more would change the moves it reaches.
     ``costs``: a PlanCosts to share stage costs through, of a plan with the same model, cluster,
     sequence length, per-kind settings and ``profiles`` (the local search's moves keep them)."""
     costs = PlanCosts(plan, profiles) if costs is None else costs
@@ -195,29 +195,29 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     for p in plan.pipelines:
         if p.virtual_stages == 1:
             fb = [costs.of_stage(s, mbs=p.micro_batch_size) for s in p.stages]
-            fwd, bwd, hops = [c.fwd_s for c in fb], [c.bwd_s for c in fb], None
+            fwd, bwd = [c.fwd_s for c in fb], [c.bwd_s for c in fb]
             if tight:
                 posts = costs.posts_s(p)
                 fwd, bwd = [f + x for f, x in zip(fwd, posts, strict=True)], [b + x for b, x in zip(bwd, posts,
                                                                                                  strict=True)]
-                hops = None if plan.p2p == LOCKSTEP else [costs.boundary_s(a, b, mbs=p.micro_batch_size)
-                                                          for a, b in itertools.pairwise(p.stages)]
-            best = max(best, pipeline_floor_s(fwd, bwd, num_micro_batches=p.num_micro_batches, drain=drain,
-                                              hops_s=hops))
+            if tight and plan.p2p != LOCKSTEP:
+                hops = [costs.boundary_s(a, b, mbs=p.micro_batch_size) for a, b in itertools.pairwise(p.stages)]
+                best = max(best, finish_floor_s(fwd_s=fwd, bwd_s=bwd, p2p_s=hops, num_micro_batches=p.num_micro_batches,
+                                                schedule=plan.schedule))
+            else:
+                best = max(best, pipeline_floor_s(fwd, bwd, num_micro_batches=p.num_micro_batches, drain=drain))
     return best
 
 
-def pipeline_floor_s(fwd_s: Sequence[float], bwd_s: Sequence[float], *, num_micro_batches: int, drain: bool,
-                     hops_s: Sequence[float] | None = None) -> float:
+def pipeline_floor_s(fwd_s: Sequence[float], bwd_s: Sequence[float], *, num_micro_batches: int, drain: bool) -> float:
     """`step_floor_s` of one pipeline without chunks from its stages' forward and backward times
-    (``drain``: the schedule does not split the backward; ``hops_s``: each boundary's transfer, or none)."""
+    (``drain``: the schedule does not split the backward)."""
     best, fill, back = 0.0, 0.0, 0.0
-    for i, (f, b) in enumerate(zip(fwd_s, bwd_s, strict=True)):
+    for f, b in zip(fwd_s, bwd_s, strict=True):
         best = max(best, fill + num_micro_batches * (f + b) + back)
-        hop = hops_s[i] if hops_s is not None and i < len(hops_s) else 0.0
-        fill += f + hop
+        fill += f
         if drain:
-            back += b + hop
+            back += b
     return best * (1 - 1e-12)  # the simulation adds the same times in another order (rounding)
 
 

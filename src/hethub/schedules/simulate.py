@@ -78,7 +78,8 @@ from hethub.schedules.zero_bubble import DEFAULT_WEIGHT_GRAD_SHARE
 
 # The records live in hethub.schedules.records (shared with the lockstep simulation) and the link
 # rule in hethub.schedules.event_sim; importers take them from here as well.
-__all__ = ["StageSchedule", "TimedOp", "link_arrival_s", "simulate_pipeline", "simulate_pipeline_time"]
+__all__ = ["StageSchedule", "TimedOp", "finish_floor_s", "link_arrival_s", "simulate_pipeline",
+           "simulate_pipeline_time"]
 
 
 def simulate_pipeline_time(
@@ -131,6 +132,33 @@ def simulate_pipeline(
             ops.append(TimedOp(kind, i, a, end, send_done_s=b) if sends else TimedOp(kind, i, a, b))
         out.append(StageSchedule(ops=tuple(ops), finish_s=f))
     return out
+
+
+def finish_floor_s(*, fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], num_micro_batches: int,
+                   schedule: str = DEFAULT_SCHEDULE, wgrad_share: float = DEFAULT_WEIGHT_GRAD_SHARE) -> float:
+    """A floor under the last finish of ``simulate_pipeline_time`` (async or blocking sends, no chunks),
+    from the timing rules alone. Stage k's first forward waits for every earlier stage's first forward
+    and hop (the fill); it then runs all its m forwards and m backwards; its first backward waits for
+    its first forward and that micro-batch's round trip through the later stages (their forwards, their
+    backwards' B part, each hop both ways), and before it the stage ran at most its peak in-flight
+    forwards (each is held until its backward), so at least m minus those run after; where the backward
+    is not split, the stage's last op is a backward that every earlier stage's backward of the same
+    micro-batch waits for, hop by hop (the drain). Transfers held by a busy link only add."""
+    check_inputs(fwd_s, bwd_s, p2p_s, num_micro_batches)
+    sch, m, n = get_schedule(schedule), num_micro_batches, len(fwd_s)
+    share = wgrad_share if sch.split_backward else 0.0
+    trips = [0.0] * n  # the round trip past stage k: later stages' forwards and B parts, hops both ways
+    for k in range(n - 2, -1, -1):
+        trips[k] = trips[k + 1] + fwd_s[k + 1] + bwd_s[k + 1] * (1.0 - share) + 2 * p2p_s[k]
+    best, fill, back = 0.0, 0.0, 0.0
+    for k, (f, b) in enumerate(zip(fwd_s, bwd_s, strict=True)):
+        ahead = min(m, sch.in_flight(stage=k, num_stages=n, num_micro_batches=m))
+        best = max(best, fill + max(m * (f + b), f + trips[k] + (m - ahead) * f + m * b) + back)
+        hop = p2p_s[k] if k < n - 1 else 0.0
+        fill += f + hop
+        if not sch.split_backward:
+            back += b + hop
+    return best * (1 - 1e-12)  # the simulation adds the same times in another order (rounding)
 
 
 def _blocking(p2p: str) -> bool:
