@@ -16,7 +16,14 @@ from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import with_chunks
 from hethub.predict.fabrics import FABRICS, NVLS
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, pipeline_floor_s, predict, step_floor_s, sync_tail_s
+from hethub.predict.predictor import (
+    floor_reaches,
+    last_finish_s,
+    pipeline_floor_s,
+    predict,
+    step_floor_s,
+    sync_tail_s,
+)
 from hethub.predict.sync import sync_groups
 from hethub.predict.sync_rules import holder_exchange
 from hethub.schedules.simulate import finish_floor_s, simulate_pipeline_time
@@ -82,6 +89,11 @@ def test_the_tight_floor_is_below_every_predicted_step() -> None:
         loose = step_floor_s(plan, costs=costs) + sync_tail_s(plan, costs=costs)
         assert loose <= tight <= step, (plan.schedule, plan.optimizer_sharding, plan.p2p, loose, tight, step)
         assert not floor_reaches(plan, step * (1 + 1e-9), costs=costs, tight=True)
+        # The pipelines as the prediction simulates them: with the tail, the step itself where unsharded.
+        finish = last_finish_s(plan, costs=costs)
+        assert finish + sync_tail_s(plan, costs=costs, tight=True) <= step * (1 + 1e-12)
+        if not plan.sharded_optimizer:
+            assert floor_reaches(plan, step * (1 - 1e-9), costs=costs, tight=True)
         tighter += tight > loose * (1 + 1e-9)
         seen.add((plan.schedule, plan.zero_stage, plan.p2p, any(p.virtual_stages > 1 for p in plan.pipelines),
                   _bridged(plan)))

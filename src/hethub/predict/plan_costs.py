@@ -65,6 +65,7 @@ class PlanCosts:
         self.schedules: dict[tuple, list[StageSchedule]] = {}
         self.pipe_shape: dict[int, tuple] = {}  # per pipeline: its key in _P2P
         self.closed: dict[tuple, tuple] = {}  # pipeline_times and closed_form_of, by stage, hop and pipeline
+        self.posts: dict[tuple, list[float]] = {}  # posts_s by chunks and stage kinds
 
     @functools.cached_property
     def sync_shape(self) -> dict[tuple[int, int], tuple[bool, bool, float]]:
@@ -242,6 +243,19 @@ class PlanCosts:
             self.finish[sig] = list(hit)
         return self.finish[sig]
 
+    def op_times(self, p: Pipeline) -> tuple[list[float], list[float], list[float], list[float]]:
+        """What the pipeline's simulation runs (the prediction's inputs): per (virtual) stage each op's
+        forward and backward with its point-to-point posts (``posts_s``), and each hop; and the posts."""
+        mbs, n = p.micro_batch_size, len(p.stages)
+        costs = [self.of_stage(s, mbs=mbs) for s in p.stages]
+        fwd, bwd = [c.fwd_s for c in costs], [c.bwd_s for c in costs]
+        p2p = [self.boundary_s(s, p.stages[si + 1], mbs=mbs) if si < n - 1 else 0.0 for si, s in enumerate(p.stages)]
+        if p.virtual_stages > 1:
+            fwd, bwd, p2p = self.chunk_times(p, p2p=p2p)
+        posts = self.posts_s(p)
+        return ([t + x for t, x in zip(fwd, posts, strict=True)], [t + x for t, x in zip(bwd, posts, strict=True)],
+                p2p, posts)
+
     def chunk_times(self, p: Pipeline, *, p2p: list[float]) -> tuple[list[float], list[float], list[float]]:
         """Forward, backward and hop times per virtual stage (k = c x n + s) of an interleaved pipeline:
         each chunk costed with its own layers (the embedding on chunk 0 of the first stage, the head on
@@ -268,12 +282,12 @@ class PlanCosts:
         besides its layers and its link time, so v chunks pay it v times per micro-batch. A fan-out
         to several receivers of another TP degree counts as one post."""
         n, v = len(p.stages), p.virtual_stages
-        out = []
-        for k in range(n * v):
-            s = p.stages[k % n]
-            posts = op_posts(Op("F", 0, k // n), stage=k % n, num_stages=n, chunks=v)
-            out.append(posts * p2p_post_s(self.plan.cluster.kinds[s.kind], self.plan.precision_of(s.kind)))
-        return out
+        key = (v, tuple(s.kind for s in p.stages))  # all they read: replicas and the plans of one job repeat it
+        if key not in self.posts:
+            self.posts[key] = [op_posts(Op("F", 0, k // n), stage=k % n, num_stages=n, chunks=v)
+                               * p2p_post_s(self.plan.cluster.kinds[s.kind], self.plan.precision_of(s.kind))
+                               for k in range(n * v) for s in (p.stages[k % n],)]
+        return list(self.posts[key])
 
     def chunk_in_flight(self, p: Pipeline, si: int, *, schedule: Schedule) -> float:
         """The activations an interleaved stage holds at its peak, in units of one micro-batch of the

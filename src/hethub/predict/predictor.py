@@ -25,7 +25,6 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
@@ -79,7 +78,7 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     sigs: list[tuple] = []
     # Per virtual stage where v > 1: forward, backward, hop times, and the pipeline's stages.
     chunked: dict[int, tuple[list[float], list[float], list[float], int]] = {}
-    posts: dict[int, list[float]] = {}  # per pipeline and virtual stage: one op's p2p posts (PlanCosts.posts_s)
+    posts: dict[int, list[float]] = {}  # per pipeline and virtual stage: one op's p2p posts (PlanCosts.op_times)
     # Blocking and lock-step sends: the records give each stage's time held by its transfers (exposed
     # communication, StageSchedule.exposed_p2p_s).
     held = plan.p2p != DEFAULT_P2P and host is None
@@ -87,23 +86,16 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
     for pi, p in enumerate(plan.pipelines):
         mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
         schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
-        fwd, bwd, p2p, upd = [], [], [], []
+        upd = []
         for si, s in enumerate(p.stages):
             cost = costs.of_stage(s, mbs=mbs)
             if (twins[pi], si) not in mem_of:
                 mem_of[(pi, si)] = stage_mem(costs, schedule, pi, si)
             in_flight, mem = mem_of[(twins[pi], si)]
             send = costs.boundary_s(s, p.stages[si + 1], mbs=mbs) if si < n - 1 else 0.0
-            fwd.append(cost.fwd_s)
-            bwd.append(cost.bwd_s)
-            p2p.append(send)
             upd.append(cost.times.update_s)
             partial.append((pi, si, cost, mem, send, in_flight))
-        if v > 1:
-            fwd, bwd, p2p = costs.chunk_times(p, p2p=p2p)
-        posts[pi] = costs.posts_s(p)  # each op's point-to-point posts, per virtual stage
-        fwd = [t + x for t, x in zip(fwd, posts[pi], strict=True)]
-        bwd = [t + x for t, x in zip(bwd, posts[pi], strict=True)]
+        fwd, bwd, p2p, posts[pi] = costs.op_times(p)
         if v > 1:
             chunked[pi] = (fwd, bwd, p2p, n)
         sig = (m, v, tuple(fwd), tuple(bwd), tuple(p2p))
@@ -183,7 +175,7 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     stage waits for; and the loss all-reduce waits for every stage's last op. Transfers are left
     out (they only add, and so do sends that hold their stage), and so are pipelines with virtual
     stages (chunks costed one by one). ``tight``: each op with its point-to-point posts, as the
-    simulation runs it (``PlanCosts.posts_s``), and, but under lock-step (simulated apart), the
+    simulation runs it (``PlanCosts.op_times``), and, but under lock-step (simulated apart), the
     schedule's own floor with the hops and each stage's first backward's round trip
     (``schedules.simulate.finish_floor_s``): the scoring's floor; the polish keeps the looser one, as
     its budget counts predictions and a floor that screens more would change the moves it reaches.
@@ -194,14 +186,12 @@ def step_floor_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanC
     best = 0.0
     for p in plan.pipelines:
         if p.virtual_stages == 1:
-            fb = [costs.of_stage(s, mbs=p.micro_batch_size) for s in p.stages]
-            fwd, bwd = [c.fwd_s for c in fb], [c.bwd_s for c in fb]
             if tight:
-                posts = costs.posts_s(p)
-                fwd, bwd = [f + x for f, x in zip(fwd, posts, strict=True)], [b + x for b, x in zip(bwd, posts,
-                                                                                                 strict=True)]
+                fwd, bwd, hops, _ = costs.op_times(p)
+            else:
+                fb = [costs.of_stage(s, mbs=p.micro_batch_size) for s in p.stages]
+                fwd, bwd = [c.fwd_s for c in fb], [c.bwd_s for c in fb]
             if tight and plan.p2p != LOCKSTEP:
-                hops = [costs.boundary_s(a, b, mbs=p.micro_batch_size) for a, b in itertools.pairwise(p.stages)]
                 best = max(best, finish_floor_s(fwd_s=fwd, bwd_s=bwd, p2p_s=hops, num_micro_batches=p.num_micro_batches,
                                                 schedule=plan.schedule))
             else:
@@ -249,14 +239,35 @@ def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCo
     return tail * (1 - 1e-12)  # the sync adds the same times to the finish in another order (rounding)
 
 
+def last_finish_s(plan: Plan, *, costs: PlanCosts) -> float:
+    """The last finish of ``predict(plan)``'s pipelines (without a host or timeline), simulated as it
+    simulates them (`PlanCosts.op_times`; finish-only simulations are kept between predictions, so a
+    prediction that follows does not simulate again): with ``sync_tail_s`` the step itself, where the
+    optimizer is not sharded, without the prediction's memory, sharding and stage records."""
+    if (costs.plan.schedule, costs.plan.p2p) != (plan.schedule, plan.p2p):  # its simulations read them
+        costs = PlanCosts(plan, costs.profiles)
+    held = plan.p2p != DEFAULT_P2P  # blocking and lock-step: the records' simulation, as predict's
+    last = 0.0
+    for p in plan.pipelines:
+        fwd, bwd, p2p, _ = costs.op_times(p)
+        sig = (p.num_micro_batches, p.virtual_stages, tuple(fwd), tuple(bwd), tuple(p2p))
+        last = max(last, *costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=p.num_micro_batches, ops=held,
+                                         chunks=p.virtual_stages))
+    return last
+
+
 def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts, tight: bool = False) -> bool:
     """Whether a floor under ``predict(plan).step_time_s`` (without a host) is already >= ``bar_s``, so
     a caller looking for a step below ``bar_s`` need not predict the plan: ``step_floor_s``, and
     where that is below, it plus ``sync_tail_s`` (which prices the plan's sync groups, ~1/5 of a
     prediction on 512 devices). ``costs``: as for ``step_floor_s``; ``tight``: as there and for
-    ``sync_tail_s``."""
+    ``sync_tail_s``, and where those are below, ``last_finish_s`` plus the tail (the pipelines
+    simulated: about half a prediction, which reuses them)."""
     floor = step_floor_s(plan, costs=costs, tight=tight)
-    return floor >= bar_s or floor + sync_tail_s(plan, costs=costs, tight=tight) >= bar_s
+    if floor >= bar_s:
+        return True
+    tail = sync_tail_s(plan, costs=costs, tight=tight)
+    return floor + tail >= bar_s or (tight and (last_finish_s(plan, costs=costs) + tail) * (1 - 1e-12) >= bar_s)
 
 
 def may_fit_below(plan: Plan, *, mem_headroom: float, bar_s: float | None = None, costs: PlanCosts | None = None,
