@@ -86,7 +86,7 @@ def test_screened_scoring_keeps_each_readers_firsts():
     calls, are those of the unscreened scoring, even where the fastest shape's plans come first and
     set a low bar."""
     order = [p for p, _ in score_plans(_plans("1f1b"), None)]
-    assert len({_shape(p) for p in order}) > 2
+    assert len({_shape(p) for p in order}) >= 2
     fastest = [p for p in order if _shape(p) == _shape(order[0])]
     rest = [p for p in order if _shape(p) != _shape(order[0])]
     calls = [fastest + rest[::2], rest[1::2]]
