@@ -41,10 +41,11 @@ from hethub.plan import Plan
 from hethub.predict.comm import allreduce_floor_s, small_allreduce_time_s
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.predict.scoring import score_plans
 from hethub.search.bounds import PipeFloor, pipe_floor
 from hethub.search.combine import Group, water_level
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import finalist_plans, score_plans
+from hethub.search.finalists import finalist_plans
 from hethub.search.hetero import Results
 from hethub.search.split import PipeCost, Slot
 from hethub.search.templates import Searcher

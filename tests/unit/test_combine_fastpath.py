@@ -19,10 +19,11 @@ from test_reference_search import instance
 
 from hethub.layout import block_starts
 from hethub.memo import reference_path
+from hethub.predict.closed_step import step_time_s
 from hethub.predict.comm import small_allreduce_time_s
 from hethub.predict.stage_links import LinkBook, Slot
 from hethub.schedules import get_schedule
-from hethub.search.combine import Group, estimate, step_time_s
+from hethub.search.combine import Group, estimate
 from hethub.search.split import PipeCost
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec

@@ -13,9 +13,10 @@ from test_reference_search import instance
 
 from hethub.memo import reference_path
 from hethub.predict import closed_step
+from hethub.predict.closed_step import step_time_s
 from hethub.schedules.zero_bubble import ZeroBubbleH1
 from hethub.search import hetero
-from hethub.search.combine import Group, allocate, step_time_s
+from hethub.search.combine import Group, allocate
 from hethub.search.mixed import families
 from hethub.search.sync_floors import SyncFloors
 from hethub.search.templates import Searcher

@@ -12,10 +12,11 @@ from hethub.errors import SpecError
 from hethub.plan import Pipeline, Plan, Recompute, Stage, zero23_refusal
 from hethub.predict.context_plans import cp_degrees, fuse_replicas
 from hethub.predict.predictor import predict
+from hethub.predict.scoring import score_plans
 from hethub.predict.stage_modes import choose_recompute, stage_modes
 from hethub.runtimes import runtime_runs
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.finalists import finalist_plans, score_plans
+from hethub.search.finalists import finalist_plans
 from hethub.search.hetero import search
 from hethub.search.split import CostBook, Job
 from hethub.search.templates import Searcher

@@ -15,8 +15,9 @@ the planner re-scores the best few with the predictor.
 from __future__ import annotations
 
 from hethub.plan import Pipeline, Plan, Stage
+from hethub.predict.closed_step import step_time_s
 from hethub.schedules import get_schedule
-from hethub.search.combine import Group, step_time_s
+from hethub.search.combine import Group
 from hethub.search.split import Slot, price, recompute_options
 from hethub.search.templates import Searcher, tp_options
 

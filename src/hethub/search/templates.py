@@ -14,12 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hethub.plan import zero_stage_of
+from hethub.predict.closed_step import step_time_s
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.stage_modes import fits_some_mode
 from hethub.search.assemble import build_plan
 from hethub.search.bounds import BLIND, EXACT, GRID, rate_bound
-from hethub.search.combine import Estimate, Group, estimate, step_time_s
+from hethub.search.combine import Estimate, Group, estimate
 from hethub.search.config import PlannerConfig
 from hethub.search.split import CostBook, Job, PipeCost, Slot, fixed_split, split_layers
 from hethub.spec.cluster import Cluster

@@ -24,13 +24,13 @@ from hethub.memo import Ranked
 from hethub.plan import PLANNED_SHARDINGS, Plan, zero_stage_of
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
-from hethub.predict.scoring import Screen
+from hethub.predict.scoring import Screen, score_plans
 from hethub.predict.stage_links import LinkBook
 from hethub.runtimes import runtime_profile
 from hethub.schedules import AUTO_SCHEDULE
 from hethub.search.combine import Estimate, Group, estimate_samples
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import finalist_plans, score_plans
+from hethub.search.finalists import finalist_plans
 from hethub.search.hetero import plan_key, search
 from hethub.search.templates import Books, Searcher
 from hethub.spec.cluster import Cluster
