@@ -42,8 +42,14 @@ def tp_options(cluster: Cluster, model: ModelSpec, kind: str, degrees: tuple[int
                  and model.num_heads % t == 0 and model.num_kv_heads % t == 0 and model.ffn_hidden_size % t == 0)
 
 
-# A template scan: the scanned templates, best rate first, and the (tp, stages, rate bound) skipped.
-Scan = tuple[list[Ranked], list[tuple[int, int, float]]]
+@dataclass
+class Skipped:
+    """A stage count (tp, stages) the scan did not split: its rate bound once read (None before), and
+    an upper bound on it (a loose bound until the bound is read, then the bound)."""
+    tp: int
+    stages: int
+    bound: float | None
+    upper: float
 
 
 @dataclass
@@ -82,8 +88,7 @@ class Searcher:
         flops = {k: n * cluster.kinds[k].effective_flops for k, n in self.counts.items()}
         self.share = {k: f / sum(flops.values()) for k, f in flops.items()}
         self._pure: dict[tuple[str, int, float], list[Ranked]] = {}
-        # [tp, stages, rate bound (None until read), loose bound]: `skipped` reads a bound only where it must
-        self._skipped: dict[tuple[str, int, float], list[list]] = {}
+        self._skipped: dict[tuple[str, int, float], list[Skipped]] = {}  # `skipped` reads a bound only where it must
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._seeds: dict[tuple[str, int, float], list[tuple[float, int, int]]] = {}
         self._fits: dict[tuple, bool] = {}
@@ -227,7 +232,7 @@ class Searcher:
                         if bound * (1 + 1e-9) < bar:
                             break
                     if bound * (1 + 1e-9) < bar:
-                        skipped.append([tp, p, None if tier else bound, bound])
+                        skipped.append(Skipped(tp, p, bound if tier == EXACT else None, bound))
                         continue
                 keep(tp, p, ranked(tp, p))
         out.sort(key=lambda x: -x.rate)
@@ -262,15 +267,16 @@ class Searcher:
         """(tp, stages, rate bound) of the stage counts `pure` has not split (yet) whose bound is above
         ``above`` (and want(tp, stages)); a bound is computed only where its loose one is above ``above``."""
         self.pure(kind, mbs, share=share)
-        return [(x[0], x[1], b) for x in self._skipped[(kind, mbs, share)]
-                if x[3] > above and (want is None or want(x[0], x[1]))
+        return [(x.tp, x.stages, b) for x in self._skipped[(kind, mbs, share)]
+                if x.upper > above and (want is None or want(x.tp, x.stages))
                 and (b := self._read(x, kind, mbs, share)) > above]
 
     def skipped_upper(self, kind: str, mbs: int, *, share: float) -> list[tuple[int, int, float, bool]]:
         """`skipped`'s stage counts, none's bound computed: (tp, stages, at least its rate bound, whether
         that is the bound itself)."""
         self.pure(kind, mbs, share=share)
-        return [(x[0], x[1], x[3], x[2] is not None) for x in self._skipped[(kind, mbs, share)] if x[3] > 0]
+        return [(x.tp, x.stages, x.upper, x.bound is not None) for x in self._skipped[(kind, mbs, share)]
+                if x.upper > 0]
 
     def top_skipped(self, kind: str, mbs: int, *, share: float, above: float,
                     want: Callable[[int, int], bool]) -> tuple[float, int, int] | None:
@@ -278,11 +284,11 @@ class Searcher:
         their loose ones until the loose ones left are below the largest found."""
         self.pure(kind, mbs, share=share)
         best = None
-        for x in sorted(self._skipped[(kind, mbs, share)], key=lambda x: -x[3]):
-            if x[3] <= above or (best is not None and x[3] < best[0]):
+        for x in sorted(self._skipped[(kind, mbs, share)], key=lambda x: -x.upper):
+            if x.upper <= above or (best is not None and x.upper < best[0]):
                 break
-            if want(x[0], x[1]) and (b := self._read(x, kind, mbs, share)) > above:
-                best = max(best or (b, x[0], x[1]), (b, x[0], x[1]))
+            if want(x.tp, x.stages) and (b := self._read(x, kind, mbs, share)) > above:
+                best = max(best or (b, x.tp, x.stages), (b, x.tp, x.stages))
         return best
 
     def _bound(self, kind: str, tp: int, mbs: int, p: int, share: float, *, loose: int = EXACT) -> float:
@@ -292,11 +298,11 @@ class Searcher:
         return rate_bound(self.book, self.links, kind=kind, tp=tp, mbs=mbs, p=p, kind_devices=self.counts[kind],
                           global_batch=self.config.global_batch, share=share, loose=loose)
 
-    def _read(self, x: list, kind: str, mbs: int, share: float) -> float:
+    def _read(self, x: Skipped, kind: str, mbs: int, share: float) -> float:
         """The rate bound of a `skipped` entry, computed the first time."""
-        if x[2] is None:
-            x[2] = x[3] = self._bound(kind, x[0], mbs, x[1], share)
-        return x[2]
+        if x.bound is None:
+            x.bound = x.upper = self._bound(kind, x.tp, mbs, x.stages, share)
+        return x.bound
 
     def complete(self, kind: str, mbs: int, *, share: float, want: Callable[[int, int], bool],
                  above: float = 0.0) -> bool:
@@ -307,7 +313,7 @@ class Searcher:
         take = [(tp, p) for tp, p, _ in self.skipped(kind, mbs, share=share, above=above, want=want)]
         if not take:
             return False
-        self._skipped[key] = [x for x in self._skipped[key] if (x[0], x[1]) not in take]
+        self._skipped[key] = [x for x in self._skipped[key] if (x.tp, x.stages) not in take]
         for tp, p in take:
             for pipe in self.splits((Slot(kind, tp),) * p, mbs):
                 ranked.append(Ranked(pipe, self.rate(pipe, kind_devices=self.counts[kind], share=share)))
