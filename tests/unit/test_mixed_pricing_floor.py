@@ -62,7 +62,7 @@ def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random
                                             sync_floor_s=after)
                         synced = step_time_s(groups, times, links=s.links, model=s.model,
                                              precision=s.config.precision, sync_floor_s=0.0)
-                        out.append((floor, after, est.step_time_s, ctx.split_floor(pipe, c),
+                        out.append((floor, after, est.step_time_s, ctx.split_floor(pipe.slots, pipe.layers, c),
                                     est.step_time_s - synced))
                         # The pruned estimate is the plain one wherever it is let in, and None where not,
                         # whatever the bar (asked of the makespan plus `after` first, then of this floor).
@@ -140,7 +140,7 @@ def test_split_sync_floor_keeps_the_plain_rules_best_candidates(seed, monkeypatc
     monkeypatch.setattr(closed_step, "_synced_s", lambda *a, **k: synced.append(1) or exact(*a, **k))
     got, _, config = _search(cluster, model, config)
     fast = len(synced)
-    monkeypatch.setattr(SyncFloors, "split_floor", lambda self, pipe, c: 0.0)
+    monkeypatch.setattr(SyncFloors, "split_floor", lambda self, slots, layers, c: 0.0)
     with reference_path():
         plain, _, _ = _search(cluster, model, config)
     assert _best(got, config.finalists + config.top_k) == _best(plain, config.finalists + config.top_k)

@@ -232,27 +232,42 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                 if (floor := pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint)) is None:
                     continue
                 sync = ctx.order_floor(segs, c, devices)
-                lv = max(level, water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s,
-                                                 count=c) + sync)
-                heapq.heappush(heap, (lv, next(tie), 2, ctx, fam, (segs, c, sync)))
+                made = water_level_with(ctx.lines, total, base_s=floor.base_s, per_mb_s=floor.per_mb_s, count=c)
+                heapq.heappush(heap, (max(level, made + sync), next(tie), 2, ctx, fam, (segs, c, sync, made)))
             continue
-        segs, c, sync = item
+        segs, c, sync, made = item
         slots = s.mixed_slots(segs)
-        pipes = s.split_part(slots, mbs, recompute=s.config.allow_recompute)
-        if s.config.allow_recompute and any(any(pc.recompute) for pc in pipes):
+        laid = [s.layer_splits(slots, mbs, recompute=s.config.allow_recompute)]
+        if s.config.allow_recompute and laid[0].recomputes():
             # Searcher.splits' second half, the splits without recomputation, only where their own floor
             # (none's mode alone: every stage of such a split runs it) could still enter the finalists.
             hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
             plain = pipe_floor(s.book, s.links, segs, mbs, in_flight_hint=hint, recompute=False)
             if plain is not None and results.may_enter(
                     water_level_with(ctx.lines, total, base_s=plain.base_s, per_mb_s=plain.per_mb_s, count=c) + sync):
-                pipes = pipes + s.split_part(slots, mbs, recompute=False)
-        for pipe in pipes:
-            if results.may_enter(water_level_with(ctx.lines, total, base_s=pipe.base_s, per_mb_s=pipe.per_mb_s,
-                                                  count=c)):
-                # Priced only where its step with its split's sync floor (at least the order's) could still enter.
-                results.add(s.estimate([*ctx.pure, Group(pipe, c)], mbs, after_s=max(sync, ctx.split_floor(pipe, c)),
-                                       may_enter=results.may_enter))
+                laid.append(s.layer_splits(slots, mbs, recompute=False))
+        for half, recompute in zip(laid, (s.config.allow_recompute, False), strict=False):
+            # A half is priced only where one of its splits, at the order's makespan floor (`made`) plus its own
+            # sync floor (boundaries known before pricing), could enter: `estimate` rejects the others unpriced.
+            if reference() or any(results.may_enter(made + max(sync, ctx.split_floor(slots, counts, c)))
+                                  for counts in half.counts):
+                for pipe in s.split_part(slots, mbs, recompute=recompute):
+                    _price_beside(s, results, ctx, Group(pipe, c), mbs, sync=sync)
+
+
+def _price_beside(s: Searcher, results: Sink, ctx: SyncFloors, mixed: Group, mbs: int, *, sync: float) -> None:
+    """c mixed pipelines of one split beside ctx's pure groups into `results`, priced only where their step
+    with the split's sync floor (at least the order's) could still enter. A candidate that leaves a
+    pipeline without micro-batches is not one of this search's: it is the plan of fewer pipelines."""
+    pipe, c = mixed.pipe, mixed.count
+    if results.may_enter(water_level_with(ctx.lines, s.total_mb(mbs), base_s=pipe.base_s, per_mb_s=pipe.per_mb_s,
+                                          count=c)):
+        groups = [*ctx.pure, mixed]
+        est = s.estimate(groups, mbs, after_s=max(sync, ctx.split_floor(pipe.slots, pipe.layers, c)),
+                         may_enter=results.may_enter)
+        if est is not None and est.micro_batches and len(est.groups) == len(groups) and all(
+                len(m) == g.count for g, m in zip(groups, est.micro_batches, strict=True)):
+            results.add(est)
 
 
 # ---- The families of the mixed search: each set of kinds and TP degree per kind over a pool.

@@ -99,14 +99,53 @@ class _Option(NamedTuple):  # a tuple: the greedy unpacks it in its inner loop
     sm: StageCost
 
 
+@dataclass(frozen=True)
+class LayerSplits:
+    """A pipeline's layer splits before they are priced: each stage's options and each split's layer
+    counts (`split_layers` prices them all). A split's boundaries are known here, so a search can floor
+    its step by them (search/sync_floors.SyncFloors.split_floor) and price only the splits it needs."""
+
+    slots: tuple[Slot, ...]
+    opts: tuple[list[_Option], ...]
+    counts: tuple[tuple[int, ...], ...]  # one per split, in split_layers' order (none: the model cannot fit)
+
+    def recomputes(self) -> bool:
+        """Whether some split recomputes on some stage (its cheapest option holding its layers)."""
+        return any(_cheapest(ops, k).sm.recompute for c in self.counts for ops, k in zip(self.opts, c, strict=True))
+
+
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
                  hops: PipeHops, in_flight_hint: int = 1, slacks: tuple[float, ...] = (1.0,)) -> list[PipeCost]:
     """Good layer splits for these stages (one per bottleneck slack), or [] when the model cannot fit."""
+    return price_splits(book, layer_splits(book, slots, mbs=mbs, allow_recompute=allow_recompute,
+                                           in_flight_hint=in_flight_hint, slacks=slacks), mbs=mbs, hops=hops)
+
+
+def price_splits(book: CostBook, splits: LayerSplits, *, mbs: int, hops: PipeHops) -> list[PipeCost]:
+    """Each split of `layer_splits`, priced."""
+    job = book.job
+    return [_price(job_model=job.model, slots=splits.slots, opts=list(splits.opts), counts=list(c), mbs=mbs,
+                   hops=hops, schedule=job.schedule, chunks=job.chunks) for c in splits.counts]
+
+
+def layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
+                 in_flight_hint: int = 1, slacks: tuple[float, ...] = (1.0,)) -> LayerSplits:
+    """`split_layers`' layer counts, unpriced (kept per book): per slack the least sum of stage costs
+    within it of the least bottleneck, then (slack 1, where it differs) the min-max split itself."""
+    key = (slots, mbs, allow_recompute, in_flight_hint, slacks)
+    if (hit := book.cache(_LAYER_SPLITS).get(key)) is None:
+        hit = book.cache(_LAYER_SPLITS)[key] = _layer_splits(book, slots, mbs=mbs, allow_recompute=allow_recompute,
+                                                             in_flight_hint=in_flight_hint, slacks=slacks)
+    return hit
+
+
+def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool, in_flight_hint: int,
+                  slacks: tuple[float, ...]) -> LayerSplits:
     job = book.job
     model: ModelSpec = job.model
     n_layers, p = model.num_layers, len(slots)
     if p > n_layers + 2:
-        return []
+        return LayerSplits(slots, (), ())
     opts: list[list[_Option]] = []
     lows: list[int] = []
     sched = get_schedule(job.schedule, chunks=job.chunks)
@@ -119,29 +158,28 @@ def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_rec
         here = _options(book, slot, mbs=mbs, emb=emb, head=head, in_flight=in_flight, low=low,
                         allow_recompute=allow_recompute)
         if not here:
-            return []
+            return LayerSplits(slots, (), ())
         opts.append(here)
         lows.append(low)
     if sum(max(o.max_layers for o in ops) for ops in opts) < n_layers:
-        return []
+        return LayerSplits(slots, (), ())
 
     # Give layers one at a time to the stage whose cost grows least: each stage's cost (cheapest option
     # that still fits) is nondecreasing in its layer count, so this greedy minimises the bottleneck.
     first = [(_cost(ops, k), _cost(ops, k + 1)) for ops, k in zip(opts, lows, strict=True)]
     counts, bottleneck = _greedy(opts, lows, first, n_layers, marginal=False, cap=math.inf)
     if counts is None:
-        return []
+        return LayerSplits(slots, tuple(opts), ())
     # Among splits within (a slack on) that bottleneck, minimise the sum of stage times: it is the
     # pipeline's fill and drain, which weighs as much as the bottleneck when micro-batches are few.
-    out: list[PipeCost] = []
+    # Equal counts are one split (the same options, so the same recomputation).
+    out: list[tuple[int, ...]] = []
     for slack in slacks:
         cand = _greedy(opts, lows, first, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))[0]
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
-            pipe = _price(job_model=model, slots=slots, opts=opts, counts=c, mbs=mbs, hops=hops,
-                          schedule=job.schedule, chunks=job.chunks)
-            if all(pipe.layers != o.layers or pipe.recompute != o.recompute for o in out):
-                out.append(pipe)
-    return out
+            if tuple(c) not in out:
+                out.append(tuple(c))
+    return LayerSplits(slots, tuple(opts), tuple(out))
 
 
 def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float, float]], n_layers: int, *,
@@ -227,8 +265,13 @@ def _cost(ops: list[_Option], k: int) -> float:
 
 
 def _cheapest(ops: list[_Option], k: int) -> _Option:
-    """The first option of least cost holding k layers."""
-    return min((o for o in ops if o.max_layers >= k), key=lambda o: o.base + k * o.per_layer)
+    """The first option of least cost holding k layers (a plain loop, as `_cost`: once per stage priced)."""
+    best, got = math.inf, None
+    for o in ops:
+        if o.max_layers >= k and (c := o.base + k * o.per_layer) < best:
+            best, got = c, o
+    assert got is not None, "no option holds the layers"
+    return got
 
 
 def _price(*, job_model: ModelSpec, slots: tuple[Slot, ...], opts: list[list[_Option]], counts: list[int],
@@ -312,6 +355,7 @@ class Cache(Generic[V]):
 _SHARED = Kept(1 << 10, shortcut=True)  # the shared Caches (Cache.shared) of equal stage models
 _OPTIONS: Cache[list[_Option]] = Cache("options", shared=True)
 _RECOMPUTE_FLOORS: Cache[RecomputeFloor] = Cache("recompute floors", shared=True)
+_LAYER_SPLITS: Cache[LayerSplits] = Cache("layer-splits")  # layer_splits', by its arguments
 
 
 class CostBook:

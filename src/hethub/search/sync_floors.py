@@ -9,7 +9,7 @@ import math
 
 from hethub.layout import block_starts
 from hethub.search.combine import Group, finish_lines
-from hethub.search.split import Cache, PipeCost, Slot
+from hethub.search.split import Cache, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
 
@@ -106,18 +106,19 @@ class SyncFloors:
             self._pure_tail[key] = hit
         return hit
 
-    def split_floor(self, pipe: PipeCost, c: int) -> float:
+    def split_floor(self, slots: tuple[Slot, ...], layers: tuple[int, ...], c: int) -> float:
         """A floor under what closed_step.step_time_s adds after the makespan for c mixed pipelines of this
-        split beside the pure groups, its boundaries known: `_chains` with the mixed stages in place. A
-        chain breaks only at a mixed boundary where every pure replica has one too, so each chain is
-        whole mixed stages, its blocks priced with the pure holders and that stage's (`_layer_floors`)."""
+        split (stages `slots` holding `layers`) beside the pure groups, its boundaries known (priced or not):
+        `_chains` with the mixed stages in place. A chain breaks only at a mixed boundary where every pure
+        replica has one too, so each chain is whole mixed stages, its blocks priced with the pure holders
+        and that stage's (`_layer_floors`)."""
         replicas = self.replicas + c
         if replicas <= 1:
             return 0.0
-        devices = min(self.devices + c * pipe.num_devices, self._dev_cap)
+        devices = min(self.devices + c * sum(sl.tp for sl in slots), self._dev_cap)
         common = self._pure_blocks()[0] if self.pure else None  # None: every mixed boundary is common
         hit = chain = 0.0
-        for a, k, sl in zip(block_starts(pipe.layers), pipe.layers, pipe.slots, strict=True):
+        for a, k, sl in zip(block_starts(layers), layers, slots, strict=True):
             if k:
                 if common is None or a in common:
                     chain = 0.0

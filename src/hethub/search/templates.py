@@ -22,7 +22,7 @@ from hethub.search.assemble import build_plan
 from hethub.search.bounds import BLIND, EXACT, GRID, rate_bound
 from hethub.search.combine import Estimate, Group, estimate
 from hethub.search.config import PlannerConfig
-from hethub.search.split import CostBook, Job, PipeCost, Slot, fixed_split, split_layers
+from hethub.search.split import CostBook, Job, LayerSplits, PipeCost, Slot, fixed_split, layer_splits, split_layers
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
@@ -114,13 +114,24 @@ class Searcher:
         the mixed search asks for the second only where its floor could still enter the finalists."""
         key = (slots, mbs, recompute)
         if (hit := self.book.splits.get(key)) is None:
-            hint = self.in_flight_hint(sum(sl.tp for sl in slots), mbs)
-            # Small clusters run few micro-batches per pipeline, where trading bottleneck for fill
-            # and drain pays; large ones do not, and the variants would cost search time.
-            slacks = (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
             hit = self.book.splits[key] = split_layers(self.book, slots, mbs=mbs, allow_recompute=recompute,
-                                                       hops=self.links.pipe_hops, in_flight_hint=hint, slacks=slacks)
+                                                       hops=self.links.pipe_hops, in_flight_hint=self._hint(slots, mbs),
+                                                       slacks=self._slacks())
         return hit
+
+    def layer_splits(self, slots: tuple[Slot, ...], mbs: int, *, recompute: bool) -> LayerSplits:
+        """`split_part`'s layer counts, unpriced (kept: `split_part` prices these): the mixed search floors
+        a split by its boundaries and prices only those that could still enter the finalists."""
+        return layer_splits(self.book, slots, mbs=mbs, allow_recompute=recompute, in_flight_hint=self._hint(slots, mbs),
+                            slacks=self._slacks())
+
+    def _hint(self, slots: tuple[Slot, ...], mbs: int) -> int:
+        return self.in_flight_hint(sum(sl.tp for sl in slots), mbs)
+
+    def _slacks(self) -> tuple[float, ...]:
+        """Small clusters run few micro-batches per pipeline, where trading bottleneck for fill and drain
+        pays; large ones do not, and the variants would cost search time."""
+        return (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
 
     def in_flight_hint(self, devices: int, mbs: int) -> int:
         """Micro-batches a pipeline of `devices` devices is sized for where the schedule holds all of

@@ -1,0 +1,48 @@
+"""The mixed search finds a split's layer counts before pricing it (`split.layer_splits`) and prices
+a split only where one of its counts, at its order's makespan floor plus the sync floor its boundaries
+give (`SyncFloors.split_floor`), could still enter the finalists: `combine.estimate` rejects every
+other one unpriced, so the search's candidates are the plain path's (every split priced,
+`memo.reference_path`), in the same order, for fewer priced splits."""
+
+import dataclasses
+
+import pytest
+from test_mixed_pricing_floor import _search
+from test_reference_search import instance
+
+from hethub.memo import reference_path
+from hethub.search import split
+from hethub.search.split import layer_splits, split_layers
+from hethub.search.templates import Searcher
+
+
+# Mixed candidates on each: two or three kinds, 1F1B and GPipe, complete pools.
+@pytest.mark.parametrize("seed", [3, 16, 40])
+def test_splits_floored_before_pricing_keep_the_plain_candidates(seed):
+    cluster, model, config = instance(seed)
+    got, priced, _ = _search(cluster, model, config)
+    with reference_path():
+        plain, plain_priced, _ = _search(cluster, model, config)
+    assert got == plain
+    assert priced < plain_priced
+
+
+@pytest.mark.parametrize("seed", [1, 10, 16])
+def test_layer_splits_priced_are_split_layers(seed):
+    # The counts found first are the priced splits' layers, in order, and whether one recomputes (read off
+    # the cheapest option holding each stage's layers) is whether a priced one does: the search decides
+    # on the second half (without recomputation) before pricing the first.
+    cluster, model, config = instance(seed)
+    s = Searcher(cluster=cluster, model=model, config=dataclasses.replace(config, schedule="1f1b")
+                 if seed == 1 else config, profiles=None)
+    kinds = list(s.counts)
+    for mbs in (1, 2):
+        for p in range(1, model.num_layers + 3, 5):
+            slots = tuple(split.Slot(kinds[i % len(kinds)], s.tps[kinds[i % len(kinds)]][0]) for i in range(p))
+            for recompute in (True, False):
+                for slacks in ((1.0,), (1.0, 1.5, float("inf"))):
+                    laid = layer_splits(s.book, slots, mbs=mbs, allow_recompute=recompute, slacks=slacks)
+                    pipes = split_layers(s.book, slots, mbs=mbs, allow_recompute=recompute, slacks=slacks,
+                                         hops=s.links.pipe_hops)
+                    assert [p.layers for p in pipes] == list(laid.counts)
+                    assert laid.recomputes() == any(any(p.recompute) for p in pipes)
