@@ -32,10 +32,9 @@ from hethub.predict.holding import Runs, balanced_bottleneck, least_layer_work, 
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
-from hethub.search.split import Cache, CostBook, Slot, StageCost
+from hethub.search.split import Cache, CostBook, Slot, StageCost, in_flights
 
 # The floors' caches in each job's CostBook.
-_PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
 _STAGE_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("stage-modes", shared=True)
 _MODE_WORKS: Cache[tuple[tuple[StageCost, float, float], ...]] = Cache("mode-works", shared=True)
 _SEGMENT_TERMS: Cache[tuple[float, float, float, float, float, float]] = Cache("segment-terms", shared=True)
@@ -315,15 +314,6 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
 
 
 # ---- A pipeline segment's stages as the floors read them.
-def in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int, ...]:
-    """Each stage's planning_in_flight (what split.split_layers sizes it for) of a p-stage pipeline."""
-    key = (sched.name, p, hint)
-    if (hit := book.cache(_PLANNING_IN_FLIGHTS).get(key)) is None:
-        hit = book.cache(_PLANNING_IN_FLIGHTS)[key] = tuple(sched.planning_in_flight(stage=s, num_stages=p,
-                                                                      expected_micro_batches=hint) for s in range(p))
-    return hit
-
-
 def stage_modes(book: CostBook, kind: str, tp: int, mbs: int, emb: bool, head: bool,
                  in_flight: int) -> tuple[tuple[int, float, float], ...]:
     """(capacity in layers, -1 if not even none fit; cost per layer; base) of one stage position in each

@@ -148,10 +148,9 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
         return LayerSplits(slots, (), ())
     opts: list[list[_Option]] = []
     lows: list[int] = []
-    sched = get_schedule(job.schedule, chunks=job.chunks)
-    for s, slot in enumerate(slots):
+    flights = in_flights(book, get_schedule(job.schedule, chunks=job.chunks), p, in_flight_hint)
+    for s, (slot, in_flight) in enumerate(zip(slots, flights, strict=True)):
         emb, head = s == 0, s == p - 1
-        in_flight = sched.planning_in_flight(stage=s, num_stages=p, expected_micro_batches=in_flight_hint)
         low = 0 if p > 1 and (emb or head) else 1
         if p == 1:
             low = n_layers
@@ -210,6 +209,15 @@ def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float,
         if nxt <= cap:
             push(heap, (nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
     return counts, max(costs)
+
+
+def in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int, ...]:
+    """Each stage's planning_in_flight (what `split_layers` sizes it for) of a p-stage pipeline."""
+    key = (sched.name, p, hint)
+    if (hit := book.cache(_PLANNING_IN_FLIGHTS).get(key)) is None:
+        hit = book.cache(_PLANNING_IN_FLIGHTS)[key] = tuple(sched.planning_in_flight(stage=s, num_stages=p,
+                                                                      expected_micro_batches=hint) for s in range(p))
+    return hit
 
 
 def fixed_split(book: CostBook, slots: tuple[Slot, ...], counts: tuple[int, ...], *, mbs: int,
@@ -356,6 +364,7 @@ _SHARED = Kept(1 << 10, shortcut=True)  # the shared Caches (Cache.shared) of eq
 _OPTIONS: Cache[list[_Option]] = Cache("options", shared=True)
 _RECOMPUTE_FLOORS: Cache[RecomputeFloor] = Cache("recompute floors", shared=True)
 _LAYER_SPLITS: Cache[LayerSplits] = Cache("layer-splits")  # layer_splits', by its arguments
+_PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
 
 
 class CostBook:
