@@ -148,24 +148,31 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
         return LayerSplits(slots, (), ())
     opts: list[list[_Option]] = []
     lows: list[int] = []
+    first: list[tuple[float, float]] = []
     flights = in_flights(book, get_schedule(job.schedule, chunks=job.chunks), p, in_flight_hint)
+    positions, most = book.cache(_POSITIONS), 0
     for s, (slot, in_flight) in enumerate(zip(slots, flights, strict=True)):
         emb, head = s == 0, s == p - 1
         low = 0 if p > 1 and (emb or head) else 1
         if p == 1:
             low = n_layers
-        here = _options(book, slot, mbs=mbs, emb=emb, head=head, in_flight=in_flight, low=low,
-                        allow_recompute=allow_recompute)
-        if not here:
+        key = (slot, mbs, emb, head, in_flight, low, allow_recompute)
+        if (at := positions.get(key)) is None:
+            here = _options(book, slot, mbs=mbs, emb=emb, head=head, in_flight=in_flight, low=low,
+                            allow_recompute=allow_recompute)
+            at = positions[key] = _Position(here, max((o.max_layers for o in here), default=-1),
+                                            (_cost(here, low), _cost(here, low + 1)))
+        if not at.opts:
             return LayerSplits(slots, (), ())
-        opts.append(here)
+        opts.append(at.opts)
         lows.append(low)
-    if sum(max(o.max_layers for o in ops) for ops in opts) < n_layers:
+        first.append(at.first)
+        most += at.most
+    if most < n_layers:
         return LayerSplits(slots, (), ())
 
     # Give layers one at a time to the stage whose cost grows least: each stage's cost (cheapest option
     # that still fits) is nondecreasing in its layer count, so this greedy minimises the bottleneck.
-    first = [(_cost(ops, k), _cost(ops, k + 1)) for ops, k in zip(opts, lows, strict=True)]
     counts, bottleneck = _greedy(opts, lows, first, n_layers, marginal=False, cap=math.inf)
     if counts is None:
         return LayerSplits(slots, tuple(opts), ())
@@ -179,6 +186,16 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
             if tuple(c) not in out:
                 out.append(tuple(c))
     return LayerSplits(slots, tuple(opts), tuple(out))
+
+
+@dataclass(frozen=True)
+class _Position:
+    """One stage position's options (`_options`) with what `layer_splits` reads of them first: the most
+    layers any holds, and the costs at its lowest count and one more (kept: templates share positions)."""
+
+    opts: list[_Option]
+    most: int
+    first: tuple[float, float]
 
 
 def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float, float]], n_layers: int, *,
@@ -365,6 +382,7 @@ _OPTIONS: Cache[list[_Option]] = Cache("options", shared=True)
 _RECOMPUTE_FLOORS: Cache[RecomputeFloor] = Cache("recompute floors", shared=True)
 _LAYER_SPLITS: Cache[LayerSplits] = Cache("layer-splits")  # layer_splits', by its arguments
 _PLANNING_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights")
+_POSITIONS: Cache[_Position] = Cache("positions", shared=True)  # layer_splits', by stage position
 
 
 class CostBook:
