@@ -118,13 +118,16 @@ class SyncFloors:
         devices = min(self.devices + c * sum(sl.tp for sl in slots), self._dev_cap)
         common = self._pure_blocks()[0] if self.pure else None  # None: every mixed boundary is common
         hit = chain = 0.0
+        floors_of: dict[Slot, list[float]] = {}  # a mixed pipeline has few distinct stage shapes
         for a, k, sl in zip(block_starts(layers), layers, slots, strict=True):
             if k:
                 if common is None or a in common:
                     chain = 0.0
-                floors = self._layer_floors(sl, replicas, devices)
+                if (floors := floors_of.get(sl)) is None:
+                    floors = floors_of[sl] = self._layer_floors(sl, replicas, devices)
                 chain += floors[a + k] - floors[a]
-                hit = max(hit, chain)
+                if chain > hit:
+                    hit = chain
         return hit
 
     def _layer_floors(self, sl: Slot, replicas: int, devices: int) -> list[float]:
