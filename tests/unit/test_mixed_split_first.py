@@ -5,6 +5,7 @@ other one unpriced, so the search's candidates are the plain path's (every split
 `memo.reference_path`), in the same order, for fewer priced splits."""
 
 import dataclasses
+import random
 
 import pytest
 from test_mixed_pricing_floor import _search
@@ -12,7 +13,7 @@ from test_reference_search import instance
 
 from hethub.memo import reference_path
 from hethub.search import split
-from hethub.search.split import layer_splits, split_layers
+from hethub.search.split import CostBook, layer_splits, split_layers
 from hethub.search.templates import Searcher
 
 
@@ -46,3 +47,28 @@ def test_layer_splits_priced_are_split_layers(seed):
                                          hops=s.links.pipe_hops)
                     assert [p.layers for p in pipes] == list(laid.counts)
                     assert laid.recomputes() == any(any(p.recompute) for p in pipes)
+
+
+@pytest.mark.parametrize("seed", [3, 10, 16])
+def test_kept_positions_and_splits_equal_cold_ones(seed):
+    # layer_splits keeps each stage position's options with their first costs (shared between books of
+    # equal stage models) and each split's counts: on random mixed stages, asked after many others, they
+    # equal those of a fresh book with nothing kept or shared (the reference path).
+    cluster, model, config = instance(seed)
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    rng = random.Random(seed)
+    kinds = [k for k in s.counts if s.tps[k]]
+    asked = []
+    for _ in range(40):
+        p = rng.randint(1, model.num_layers + 2)
+        picks = [rng.choice(kinds) for _ in range(rng.randint(1, 3))]
+        slots = tuple(split.Slot(k, rng.choice(s.tps[k])) for k in picks for _ in range(max(1, p // len(picks))))
+        args = dict(mbs=rng.choice((1, 2)), allow_recompute=rng.random() < 0.7, in_flight_hint=rng.randint(1, 6),
+                    slacks=rng.choice(((1.0,), (1.0, 1.5, float("inf")))))
+        asked.append((slots, args, layer_splits(s.book, slots, **args)))
+    with reference_path():
+        cold = [layer_splits(CostBook(s.job, cluster), slots, **args) for slots, args, _ in asked]
+    assert sum(bool(w.counts) for _, _, w in asked) > 10
+    for (_, _, warm), plain in zip(asked, cold, strict=True):
+        assert warm.counts == plain.counts
+        assert [[o[:3] for o in ops] for ops in warm.opts] == [[o[:3] for o in ops] for ops in plain.opts]
