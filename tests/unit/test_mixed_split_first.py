@@ -49,23 +49,25 @@ def test_layer_splits_priced_are_split_layers(seed):
                     assert laid.recomputes() == any(any(p.recompute) for p in pipes)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])  # GPipe sizes stages by the in-flight hint
 @pytest.mark.parametrize("seed", [3, 10, 16])
-def test_kept_positions_and_splits_equal_cold_ones(seed):
+def test_kept_positions_and_splits_equal_cold_ones(seed, schedule):
     # layer_splits keeps each stage position's options with their first costs (shared between books of
     # equal stage models) and each split's counts: on random mixed stages, asked after many others, they
     # equal those of a fresh book with nothing kept or shared (the reference path).
     cluster, model, config = instance(seed)
-    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    s = Searcher(cluster=cluster, model=model, config=dataclasses.replace(config, schedule=schedule), profiles=None)
     rng = random.Random(seed)
     kinds = [k for k in s.counts if s.tps[k]]
     asked = []
-    for _ in range(40):
+    for _ in range(15):
         p = rng.randint(1, model.num_layers + 2)
         picks = [rng.choice(kinds) for _ in range(rng.randint(1, 3))]
         slots = tuple(split.Slot(k, rng.choice(s.tps[k])) for k in picks for _ in range(max(1, p // len(picks))))
-        args = dict(mbs=rng.choice((1, 2)), allow_recompute=rng.random() < 0.7, in_flight_hint=rng.randint(1, 6),
-                    slacks=rng.choice(((1.0,), (1.0, 1.5, float("inf")))))
-        asked.append((slots, args, layer_splits(s.book, slots, **args)))
+        for _ in range(4):  # the same stages asked again with other arguments
+            args = dict(mbs=rng.choice((1, 2)), allow_recompute=rng.random() < 0.7, in_flight_hint=rng.randint(1, 64),
+                        slacks=rng.choice(((1.0,), (1.0, 1.5, float("inf")))))
+            asked.append((slots, args, layer_splits(s.book, slots, **args)))
     with reference_path():
         cold = [layer_splits(CostBook(s.job, cluster), slots, **args) for slots, args, _ in asked]
     assert sum(bool(w.counts) for _, _, w in asked) > 10
