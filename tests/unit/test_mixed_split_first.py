@@ -13,6 +13,7 @@ from test_reference_search import instance
 
 from hethub.memo import reference_path
 from hethub.search import split
+from hethub.search.combine import Group
 from hethub.search.split import CostBook, layer_splits, split_layers
 from hethub.search.templates import Searcher
 
@@ -74,3 +75,18 @@ def test_kept_positions_and_splits_equal_cold_ones(seed, schedule):
     for (_, _, warm), plain in zip(asked, cold, strict=True):
         assert warm.counts == plain.counts
         assert [[o[:3] for o in ops] for ops in warm.opts] == [[o[:3] for o in ops] for ops in plain.opts]
+
+
+def test_whole_estimates_keep_every_pipeline():
+    # The mixed search adds only candidates whose every pipeline gets micro-batches (estimate's ``whole``):
+    # where a much slower pipeline beside another gets none, it is None, and where both get some, the
+    # plain estimate.
+    cluster, model, config = instance(16)
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    pipe = next(r.pipe for k in s.counts for r in s.pure(k, 1, share=s.share[k]) if r.rate > 0)
+    slow = dataclasses.replace(pipe, fwd_s=tuple(1e3 * x for x in pipe.fwd_s))
+    for other, idle in ((slow, True), (pipe, False)):
+        groups = [Group(pipe, 1), Group(other, 1)]
+        plain = s.estimate(groups, 1)
+        assert plain is not None and (len(plain.groups) == 1) == idle
+        assert s.estimate(groups, 1, whole=True) == (None if idle else plain)

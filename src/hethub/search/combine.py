@@ -176,13 +176,16 @@ def _filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
 
 
 def estimate(groups: list[Group], *, total_mb: int, links: LinkBook, model: ModelSpec, precision: str,
-             equal: bool = False, after_s: float = 0.0, may_enter: Callable[[float], bool] | None = None
-             ) -> Estimate | None:
+             equal: bool = False, after_s: float = 0.0, may_enter: Callable[[float], bool] | None = None,
+             whole: bool = False) -> Estimate | None:
     """The groups' best allocation, priced. With `may_enter`: None, unpriced, where every pipeline has
     a share and it rejects the step with `after_s`, a floor under the syncs' span, in their place (asked
-    first of the makespan plus `after_s`, below that step: the same answers, mostly without its ends)."""
+    first of the makespan plus `after_s`, below that step: the same answers, mostly without its ends).
+    ``whole``: None where a pipeline gets no share (the plan of fewer pipelines)."""
     groups = [g for g in groups if g.count > 0]
     alloc = allocate(groups, total_mb, equal=equal)
+    if alloc is not None and whole and any(len(c) != g.count for g, c in zip(groups, alloc[0], strict=True)):
+        return None
     if alloc is None or (may_enter is not None and all(len(c) == g.count for g, c in zip(groups, alloc[0], strict=True))
                          and not (may_enter(alloc[1] + after_s) and may_enter(step_time_s(groups, [
                              g.pipe.time_s(max(c)) for g, c in zip(

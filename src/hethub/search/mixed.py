@@ -252,22 +252,13 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
             if reference() or any(results.may_enter(made + max(sync, ctx.split_floor(slots, counts, c)))
                                   for counts in half.counts):
                 for pipe in s.split_part(slots, mbs, recompute=recompute):
-                    _price_beside(s, results, ctx, Group(pipe, c), mbs, sync=sync)
-
-
-def _price_beside(s: Searcher, results: Sink, ctx: SyncFloors, mixed: Group, mbs: int, *, sync: float) -> None:
-    """c mixed pipelines of one split beside ctx's pure groups into `results`, priced only where their step
-    with the split's sync floor (at least the order's) could still enter. A candidate that leaves a
-    pipeline without micro-batches is not one of this search's: it is the plan of fewer pipelines."""
-    pipe, c = mixed.pipe, mixed.count
-    if results.may_enter(water_level_with(ctx.lines, s.total_mb(mbs), base_s=pipe.base_s, per_mb_s=pipe.per_mb_s,
-                                          count=c)):
-        groups = [*ctx.pure, mixed]
-        est = s.estimate(groups, mbs, after_s=max(sync, ctx.split_floor(pipe.slots, pipe.layers, c)),
-                         may_enter=results.may_enter)
-        if est is not None and est.micro_batches and len(est.groups) == len(groups) and all(
-                len(m) == g.count for g, m in zip(groups, est.micro_batches, strict=True)):
-            results.add(est)
+                    if results.may_enter(water_level_with(ctx.lines, total, base_s=pipe.base_s,
+                                                          per_mb_s=pipe.per_mb_s, count=c)):
+                        # Priced only where its step with its split's sync floor (at least the order's) could enter;
+                        # one leaving a pipeline idle is the plan of fewer pipelines, not a candidate of this search.
+                        results.add(s.estimate([*ctx.pure, Group(pipe, c)], mbs, whole=True,
+                                               after_s=max(sync, ctx.split_floor(pipe.slots, pipe.layers, c)),
+                                               may_enter=results.may_enter))
 
 
 # ---- The families of the mixed search: each set of kinds and TP degree per kind over a pool.
