@@ -107,21 +107,27 @@ def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True,
     a stage over memory in (``ModeFits.refused``), which ``choose_recompute`` never picks (it tries
     the rest, then keeps the stage's own), at the cost of those proofs (a memory floor per mode)."""
     modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
-    drain, best, least = not get_schedule(plan.schedule).split_backward, 0.0, {}
+    drain, best, costed, least = not get_schedule(plan.schedule).split_backward, 0.0, {}, {}
     for pi, p in enumerate(plan.pipelines):
         if p.virtual_stages > 1:
             continue
         times = []
         for si, s in enumerate(p.stages):
-            tried = [m for m in modes[(pi, si)] if fits is None or (pi, si) not in fits.refused(m)]
             key = (s.kind, s.tp, s.cp, s.layers, s.embedding, s.head, s.recompute, s.sequence_parallel,
-                   p.micro_batch_size, *tried)  # a replica's stages share it: its costs depend on nothing else
-            if key not in least:
-                cs = [costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                       mbs=p.micro_batch_size, recompute=rc, sp=sp, cp=s.cp)
-                      for rc, sp in {*tried, (s.recompute, s.sequence_parallel)}]
-                least[key] = replace(cs[0], fwd_s=min(c.fwd_s for c in cs), bwd_s=min(c.bwd_s for c in cs))
-            times.append(costs.with_ring(s, least[key], mbs=p.micro_batch_size, layers=s.num_layers))
+                   p.micro_batch_size)  # a replica's stages share it: its modes and costs depend on nothing else
+            own = (s.recompute, s.sequence_parallel)
+            if key not in costed:
+                costed[key] = {m: costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head,
+                                                   tp=s.tp, mbs=p.micro_batch_size, recompute=m[0], sp=m[1], cp=s.cp)
+                               for m in {*modes[(pi, si)], own}}
+            by_mode, mine = costed[key], costed[key][own]
+            # Only a mode faster than the stage's own, forward or backward, lowers the floor: only its refusal is asked.
+            kept = (own, *(m for m, c in by_mode.items() if (c.fwd_s < mine.fwd_s or c.bwd_s < mine.bwd_s)
+                           and (fits is None or (pi, si) not in fits.refused(m))))
+            if (key, kept) not in least:
+                least[key, kept] = replace(by_mode[own], fwd_s=min(by_mode[m].fwd_s for m in kept),
+                                           bwd_s=min(by_mode[m].bwd_s for m in kept))
+            times.append(costs.with_ring(s, least[key, kept], mbs=p.micro_batch_size, layers=s.num_layers))
         best = max(best, pipeline_floor_s([t.fwd_s for t in times], [t.bwd_s for t in times],
                                           num_micro_batches=p.num_micro_batches, drain=drain))
     return best
