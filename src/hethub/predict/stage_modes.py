@@ -120,11 +120,13 @@ def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True,
                 costed[key] = {m: costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head,
                                                    tp=s.tp, mbs=p.micro_batch_size, recompute=m[0], sp=m[1], cp=s.cp)
                                for m in {*modes[(pi, si)], own}}
-            by_mode, mine = costed[key], costed[key][own]
-            # Only a mode faster than the stage's own, forward or backward, lowers the floor: only its refusal is asked.
-            kept = (own, *(m for m, c in by_mode.items() if (c.fwd_s < mine.fwd_s or c.bwd_s < mine.bwd_s)
-                           and (fits is None or (pi, si) not in fits.refused(m))))
+            # Only the modes `choose_recompute` tries before the stage's own are asked whether refused (it asks
+            # them too, where it reaches them); the rest stay in.
+            order = modes[(pi, si)]
+            ahead = order[:order.index(own)] if own in order else order
+            kept = (own, *(m for m in order if m not in ahead or fits is None or (pi, si) not in fits.refused(m)))
             if (key, kept) not in least:
+                by_mode = costed[key]
                 least[key, kept] = replace(by_mode[own], fwd_s=min(by_mode[m].fwd_s for m in kept),
                                            bwd_s=min(by_mode[m].bwd_s for m in kept))
             times.append(costs.with_ring(s, least[key, kept], mbs=p.micro_batch_size, layers=s.num_layers))
