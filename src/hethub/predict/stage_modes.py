@@ -52,13 +52,13 @@ def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: 
     so that what it found is not found again."""
     chosen = choose_modes(plan, allow_recompute=allow_recompute, mem_headroom=mem_headroom, allow_sp=allow_sp,
                           strict=strict, fits=fits)
-    return None if chosen is None else chosen.plan
+    return chosen.plan if chosen.every_stage_fits or not strict else None
 
 
 def choose_modes(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
-                 allow_sp: bool = True, strict: bool = False, fits: ModeFits | None = None) -> Chosen | None:
-    """`choose_recompute`'s plan, saying whether every stage found a mode that fits (None: ``strict`` and
-    one did not, found at the first such stage)."""
+                 allow_sp: bool = True, strict: bool = False, fits: ModeFits | None = None) -> Chosen:
+    """`choose_recompute`'s plan, saying whether every stage found a mode that fits; ``strict``: the search
+    stops at the first stage that found none (the plan then given back as it came)."""
     modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
     fits = ModeFits(plan, mem_headroom) if fits is None else fits
     pipes, every = [], True
@@ -67,11 +67,11 @@ def choose_modes(plan: Plan, *, allow_recompute: bool = True, mem_headroom: floa
         for si, s in enumerate(p.stages):
             mode = next((m for m in modes[(pi, si)] if fits.fits(m, (pi, si))), None)
             if mode is None and strict:
-                return None
+                return Chosen(plan, every_stage_fits=False)
             every = every and mode is not None
             stages.append(in_mode(s, *(mode or (s.recompute, s.sequence_parallel))))
         pipes.append(replace(p, stages=tuple(stages)))
-    return Chosen(replace(plan, pipelines=tuple(pipes)), every)
+    return Chosen(replace(plan, pipelines=tuple(pipes)), every_stage_fits=every)
 
 
 def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
