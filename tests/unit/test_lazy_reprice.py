@@ -18,7 +18,7 @@ from hethub.memo import Ranked, reference_path
 from hethub.plan import Recompute
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import predict, step_floor_s
-from hethub.predict.stage_modes import choose_recompute, modes_floor_s
+from hethub.predict.stage_modes import ModeFits, choose_recompute, modes_floor_s
 from hethub.search import PlannerConfig, finalists, make_plan, templates
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
@@ -158,9 +158,10 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
                                                holders=64)]
     shapes, alone = enumerate_shapes(enum)
     calls, laid = [], []
-    plain, choose = templates.fits_some_mode, finalists.choose_recompute
+    plain, choose = templates.fits_some_mode, finalists.choose_modes
     monkeypatch.setattr(templates, "fits_some_mode", lambda *a, **k: calls.append(1) or plain(*a, **k))
-    monkeypatch.setattr(finalists, "choose_recompute", lambda p, **k: laid.append((p, k)) or choose(p, **k))
+    monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
+        (p, {n: v for n, v in k.items() if n != "fits"})) or choose(p, **k))
 
     def priced() -> list:
         out = []
@@ -179,11 +180,14 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
     _floors_hold(laid[:layouts], rng=random.Random(5))
 
 
-def _floors_hold(laid: list, *, rng: random.Random) -> None:
+def _floors_hold(laid: list, *, rng: random.Random) -> int:
     """`modes_floor_s`, which lets `finalist_plans` skip a layout, is below the step floor the
     scoring screens with (`step_floor_s` of the laid-out plan) and the predicted step, on the
-    planner's candidates as laid out and with their stages' own modes drawn at random."""
+    planner's candidates as laid out and with their stages' own modes drawn at random; so is its
+    tighter form, which leaves out the modes `ModeFits` proves over memory, and it is no looser.
+    Returns how many floors the tighter form raised."""
     assert laid
+    tighter = 0
     for n, (plan, k) in enumerate(laid):
         modes = dict(allow_recompute=k["allow_recompute"], allow_sp=k["allow_sp"])
         drawn = replace(plan, pipelines=tuple(replace(p, stages=tuple(
@@ -192,5 +196,48 @@ def _floors_hold(laid: list, *, rng: random.Random) -> None:
         for pre in (plan, drawn):
             post = choose_recompute(pre, **k)
             floor = modes_floor_s(pre, costs=PlanCosts(pre, None), **modes)
-            assert floor <= step_floor_s(post)
-            assert n % 8 or floor <= predict(post).step_time_s
+            fits = ModeFits(pre, k["mem_headroom"])
+            tight = modes_floor_s(pre, costs=PlanCosts(pre, None), fits=fits, **modes)
+            assert choose_recompute(pre, fits=fits, **k) == post  # the floor's proofs serve the choice as they are
+            assert floor <= tight <= step_floor_s(post)
+            assert n % 8 or tight <= predict(post).step_time_s
+            tighter += floor < tight
+    return tighter
+
+
+def test_the_tighter_modes_floor_holds_where_memory_binds(monkeypatch):
+    """`_floors_hold` on the candidates a search lays out where memory binds (V100s' stages recompute),
+    so that `ModeFits` refuses some stages' faster modes and the tighter floor rises above the plain one."""
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-2-7b")
+    cfg = PlannerConfig(global_batch=64, seq_len=2048, micro_batch_sizes=(1, 2), schedule="auto",
+                        optimizer_sharding="auto")
+    laid = []
+    choose = finalists.choose_modes
+    monkeypatch.setenv("HETHUB_PLAN_WORKERS", "1")  # the layouts recorded in this process
+    monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
+        (p, {n: v for n, v in k.items() if n != "fits"})) or choose(p, **k))
+    make_plan(cluster=cluster, model=model, config=cfg)
+    assert _floors_hold(laid[::4], rng=random.Random(7)) > 0
+
+
+
+def test_plans_over_memory_are_screened_as_the_scoring_drops_them(monkeypatch):
+    """`finalist_plans` leaves out a plan with a stage no mode fits where `may_fit_below` proves it over
+    memory (the scoring would predict it and drop it): the plan, its alternatives, the notes and the
+    bound's parts are the reference path's, which predicts every such plan, and some were left out."""
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-2-7b")
+    cfg = PlannerConfig(global_batch=64, seq_len=2048, micro_batch_sizes=(1, 2), schedule="auto",
+                        optimizer_sharding="auto", top_k=3)
+    refused = []
+    plain = finalists.may_fit_below
+    monkeypatch.setenv("HETHUB_PLAN_WORKERS", "1")  # the checks counted in this process
+    monkeypatch.setattr(finalists, "may_fit_below", lambda p, **k: plain(p, **k) or refused.append(p))
+
+    def planned() -> tuple:
+        r = make_plan(cluster=cluster, model=model, config=cfg)
+        return [(p, x.step_time_s) for p, x in r.alternatives], r.notes, r.upper_bound_by_kind  # meta aside
+    with reference_path():
+        want = planned()
+    assert not refused
+    assert planned() == want
+    assert refused and not any(predict(p, mem_headroom=cfg.mem_headroom).fits_memory for p in refused)

@@ -6,7 +6,7 @@ first by the stage cost model, and which fit, for the planner's laid-out plans
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hethub.memo import Kept, reference
 from hethub.plan import Plan, Recompute, Stage
@@ -34,23 +34,44 @@ def in_mode(s: Stage, recompute: Recompute, sp: bool) -> Stage:
     return _MODED.get((s, recompute, sp), lambda: replace(s, recompute=recompute, sequence_parallel=sp))
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """`choose_modes`' answer: the plan in its chosen modes, and whether every stage found one that fits
+    (where not, a stage keeps its own mode, and ``predict`` may find the plan over memory)."""
+
+    plan: Plan
+    every_stage_fits: bool
+
+
 def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
-                     allow_sp: bool = True, strict: bool = False) -> Plan | None:
+                     allow_sp: bool = True, strict: bool = False, fits: ModeFits | None = None) -> Plan | None:
     """Each stage's fastest mode that fits its memory (``stage_modes``: recomputation, and sequence
     parallelism where offered and ``allow_sp``); without ``allow_recompute`` only plain ``none`` is
-    tried. A stage that fits under no mode tried keeps its own, or, ``strict``, the answer is None."""
+    tried. A stage that fits under no mode tried keeps its own, or, ``strict``, the answer is None.
+    ``fits``: this plan's ``ModeFits`` at ``mem_headroom`` where the caller made one (`modes_floor_s`'s),
+    so that what it found is not found again."""
+    chosen = choose_modes(plan, allow_recompute=allow_recompute, mem_headroom=mem_headroom, allow_sp=allow_sp,
+                          strict=strict, fits=fits)
+    return chosen.plan if chosen.every_stage_fits or not strict else None
+
+
+def choose_modes(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
+                 allow_sp: bool = True, strict: bool = False, fits: ModeFits | None = None) -> Chosen:
+    """`choose_recompute`'s plan, saying whether every stage found a mode that fits; ``strict``: the search
+    stops at the first stage that found none (the plan then given back as it came)."""
     modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
-    fits = ModeFits(plan, mem_headroom)
-    pipes = []
+    fits = ModeFits(plan, mem_headroom) if fits is None else fits
+    pipes, every = [], True
     for pi, p in enumerate(plan.pipelines):
         stages = []
         for si, s in enumerate(p.stages):
             mode = next((m for m in modes[(pi, si)] if fits.fits(m, (pi, si))), None)
             if mode is None and strict:
-                return None
+                return Chosen(plan, every_stage_fits=False)
+            every = every and mode is not None
             stages.append(in_mode(s, *(mode or (s.recompute, s.sequence_parallel))))
         pipes.append(replace(p, stages=tuple(stages)))
-    return replace(plan, pipelines=tuple(pipes))
+    return Chosen(replace(plan, pipelines=tuple(pipes)), every_stage_fits=every)
 
 
 def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
@@ -75,14 +96,18 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
     return False
 
 
-def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True, allow_sp: bool = True) -> float:
+def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True, allow_sp: bool = True,
+                  fits: ModeFits | None = None) -> float:
     """A floor under ``predictor.step_floor_s`` of ``choose_recompute(plan, ...)`` (the same flags),
     whatever modes it picks, before they are chosen: each stage at the least forward and the least
     backward time over its modes and its own (``pipeline_floor_s`` only grows with each; float
     rounding is monotone too; a CP ring's passes, added by ``PlanCosts.with_ring``, do not depend on
-    the mode). ``costs``: as for ``step_floor_s``."""
+    the mode). ``costs``: as for ``step_floor_s``. ``fits``: the plan's ``ModeFits`` at the headroom
+    ``choose_recompute`` is given (to pass on to it): a tighter floor, leaving out the modes it proves
+    a stage over memory in (``ModeFits.refused``), which ``choose_recompute`` never picks (it tries
+    the rest, then keeps the stage's own), at the cost of those proofs (a memory floor per mode)."""
     modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
-    drain, best, least = not get_schedule(plan.schedule).split_backward, 0.0, {}
+    drain, best, costed, least = not get_schedule(plan.schedule).split_backward, 0.0, {}, {}
     for pi, p in enumerate(plan.pipelines):
         if p.virtual_stages > 1:
             continue
@@ -90,12 +115,21 @@ def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True,
         for si, s in enumerate(p.stages):
             key = (s.kind, s.tp, s.cp, s.layers, s.embedding, s.head, s.recompute, s.sequence_parallel,
                    p.micro_batch_size)  # a replica's stages share it: its modes and costs depend on nothing else
-            if key not in least:
-                cs = [costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head, tp=s.tp,
-                                       mbs=p.micro_batch_size, recompute=rc, sp=sp, cp=s.cp)
-                      for rc, sp in {*modes[(pi, si)], (s.recompute, s.sequence_parallel)}]
-                least[key] = replace(cs[0], fwd_s=min(c.fwd_s for c in cs), bwd_s=min(c.bwd_s for c in cs))
-            times.append(costs.with_ring(s, least[key], mbs=p.micro_batch_size, layers=s.num_layers))
+            own = (s.recompute, s.sequence_parallel)
+            if key not in costed:
+                costed[key] = {m: costs.stage_cost(kind=s.kind, layers=s.num_layers, embedding=s.embedding, head=s.head,
+                                                   tp=s.tp, mbs=p.micro_batch_size, recompute=m[0], sp=m[1], cp=s.cp)
+                               for m in {*modes[(pi, si)], own}}
+            # Only the modes `choose_recompute` tries before the stage's own are asked whether refused (it asks
+            # them too, where it reaches them); the rest stay in.
+            order = modes[(pi, si)]
+            ahead = order[:order.index(own)] if own in order else order
+            kept = (own, *(m for m in order if m not in ahead or fits is None or (pi, si) not in fits.refused(m)))
+            if (key, kept) not in least:
+                by_mode = costed[key]
+                least[key, kept] = replace(by_mode[own], fwd_s=min(by_mode[m].fwd_s for m in kept),
+                                           bwd_s=min(by_mode[m].bwd_s for m in kept))
+            times.append(costs.with_ring(s, least[key, kept], mbs=p.micro_batch_size, layers=s.num_layers))
         best = max(best, pipeline_floor_s([t.fwd_s for t in times], [t.bwd_s for t in times],
                                           num_micro_batches=p.num_micro_batches, drain=drain))
     return best

@@ -14,10 +14,11 @@ from hethub.memo import Ranked, reference
 from hethub.plan import Plan, zero23_refusal
 from hethub.predict.host import HostModel
 from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import may_fit_below
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.scoring import Screen, score_plans
-from hethub.predict.stage_modes import choose_recompute, modes_floor_s
+from hethub.predict.stage_modes import ModeFits, choose_modes, modes_floor_s
 from hethub.runtimes import runtime_profile, runtime_refusals
 from hethub.search.assemble import build_plan
 from hethub.search.combine import Estimate
@@ -29,13 +30,15 @@ from hethub.spec.model import ModelSpec
 
 
 def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfig, strategy: str, per_size: int = 0,
-                   bar: Callable[[Plan], float] | None = None) -> Iterator[Plan]:
+                   bar: Callable[[Plan], float] | None = None, require_fit: bool = True) -> Iterator[Plan]:
     """The plans of the best `finalists + top_k` distinct candidates of `ests` (best first) and, with
     `per_size`, of the best `per_size` of each micro-batch size (hetero.Results says why), laid out as
     read. A `Ranked` order is read only as far as that, shapes of filled sizes skipped unchecked.
     ``bar``: the reader's (`scoring.Screen.bar`): a plan whose floor under every mode (`modes_floor_s`) reaches
     it takes its place unread, its modes not chosen (where the runtime's refusals do not depend on
-    them; never on the reference path)."""
+    them; never on the reference path). ``require_fit``: the reader drops plans over memory
+    (`score_plans`'s), so one with a stage no mode fits takes its place unread where the exact memory
+    check (`may_fit_below`) proves it over (not on the reference path)."""
     seen, taken, costs, keep = set(), Counter(), None, config.finalists + config.top_k
     bar = bar if runtime_profile(config.runtime).runs_stage_modes and not reference() else None
     modes = dict(allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel)
@@ -55,8 +58,16 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
         seen.add(plan_key(est))
         costs = costs or (PlanCosts(plan, s.job.profiles) if bar else None)  # one job: stage costs are shared
-        unread = bar is not None and (b := bar(plan)) < math.inf and modes_floor_s(plan, costs=costs, **modes) >= b
-        plan = plan if unread else choose_recompute(plan, mem_headroom=config.mem_headroom, **modes)
+        fits = ModeFits(plan, config.mem_headroom)
+        # The floor over every mode first; where it is below the bar, the floor over the modes not
+        # proven over memory (their proofs then serve the choice).
+        unread = bar is not None and (b := bar(plan)) < math.inf and (
+            modes_floor_s(plan, costs=costs, **modes) >= b or modes_floor_s(plan, costs=costs, fits=fits, **modes) >= b)
+        if not unread:
+            chosen = choose_modes(plan, mem_headroom=config.mem_headroom, fits=fits, **modes)
+            plan = chosen.plan
+            unread = (require_fit and not chosen.every_stage_fits and not reference()
+                      and not may_fit_below(plan, mem_headroom=config.mem_headroom))
         if runtime_refusals(plan):  # what the runtime cannot run (Megatron: replicas or TP degrees that differ)
             continue
         taken[size_key(est) if per_size else ()] += 1
@@ -116,4 +127,4 @@ def _kind_alone(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pr
     s = Searcher(cluster=cluster, model=model, config=config, profiles=profiles, relax_memory=relax, kinds=(kind,),
                  books=books)
     return finalist_plans(s, search(s, kinds_alone=True), config=config, strategy="homogeneous",
-                          per_size=config.per_size_finalists)
+                          per_size=config.per_size_finalists, require_fit=not relax)
