@@ -44,21 +44,22 @@ RECOMPUTE_MODES = tuple(m.value for m in Recompute)
 class LayerChunks:
     """A stage's decoder layers as chunk ranges, for any class with ``layers`` (the first chunk's
     [start, end)) and ``chunks`` (every chunk's range; empty for one chunk): the plan's Stage and the
-    rank layout's StagePlace."""
+    rank layout's StagePlace. Both are frozen, so what is derived here is kept on the instance when
+    first read (``cached_property``): the predictor reads it per stage of every replica many times."""
 
     layers: tuple[int, int]
     chunks: tuple[tuple[int, int], ...]
 
-    @property
+    @functools.cached_property
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
         """Each chunk's decoder layers [start, end), in chunk order (one range without chunks)."""
         return self.chunks or (self.layers,)
 
-    @property
+    @functools.cached_property
     def num_chunks(self) -> int:
         return len(self.layer_ranges)
 
-    @property
+    @functools.cached_property
     def num_layers(self) -> int:
         return sum(b - a for a, b in self.layer_ranges)
 
@@ -73,8 +74,9 @@ class SeqGrid:
     def _members(self) -> tuple[int, ...]:
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def tp(self) -> int:
+        """Members per CP rank (kept when first read, as ``LayerChunks``' derived fields)."""
         return len(self._members()) // max(1, self.cp)  # an invalid cp is refused by Plan.validate
 
     def tp_group(self, cp_rank: int) -> tuple[int, ...]:

@@ -87,15 +87,16 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
         schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
         upd = []
+        # The hops to the next stage are the first n - 1 of the simulation's (chunks or not: op_times).
+        fwd, bwd, p2p, posts[pi] = costs.op_times(p)
         for si, s in enumerate(p.stages):
             cost = costs.of_stage(s, mbs=mbs)
             if (twins[pi], si) not in mem_of:
                 mem_of[(pi, si)] = stage_mem(costs, schedule, pi, si)
             in_flight, mem = mem_of[(twins[pi], si)]
-            send = costs.boundary_s(s, p.stages[si + 1], mbs=mbs) if si < n - 1 else 0.0
+            send = p2p[si] if si < n - 1 else 0.0
             upd.append(cost.times.update_s)
             partial.append((pi, si, cost, mem, send, in_flight))
-        fwd, bwd, p2p, posts[pi] = costs.op_times(p)
         if v > 1:
             chunked[pi] = (fwd, bwd, p2p, n)
         sig = (m, v, tuple(fwd), tuple(bwd), tuple(p2p))
