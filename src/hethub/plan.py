@@ -243,6 +243,9 @@ class Plan:
                 sw = f"{where}.stages[{si}]"
                 check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1)
                 check_seq_split(s, sw, seq_len=self.seq_len, cp0=p.stages[0].cp)
+                if used.keys().isdisjoint(s.devices) and len(set(s.devices)) == len(s.devices):
+                    used.update(dict.fromkeys(s.devices, sw))  # no device reused: the loop below passes
+                    continue
                 for d in s.devices:
                     if d in used:
                         fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",

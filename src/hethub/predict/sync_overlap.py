@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from hethub.layout import DEFAULT_BUCKET_ELEMS, stage_places, stage_units, unit_holders, unit_position
+from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.sharding import unit_elems
 from hethub.predict.sync_records import StageId, SyncGroup
@@ -34,11 +35,26 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
     stage's backward of one micro-batch (its last one overlaps the buckets). A runtime that reduces
     after the schedule (hethub.runtimes: dp_overlap False, DeepSpeed's pipeline engine) overlaps
     nothing: ``groups`` as they are."""
-    model = plan.model
     if plan.zero_stage >= 2:
         return _exposed_rounds(plan, groups, backward_s=backward_s)
     if plan.sharded_optimizer or not runtime_profile(plan.runtime).dp_overlap:
         return list(groups)
+    key = (id(plan), tuple(map(id, groups)), tuple(backward_s.items()), bucket_elems)
+    return list(_EXPOSED.get(key, lambda: tuple(_exposed_buckets(plan, groups, backward_s=backward_s,
+                                                                   bucket_elems=bucket_elems)),
+                             pin=(plan, *groups)))
+
+
+# _exposed_buckets by plan and groups (the objects: ids, pinned; plans are frozen, and sync_groups keeps
+# a layout's groups), every stage's backward and the bucket size: the scoring's floor
+# (predictor.sync_tail_s) and the prediction that follows ask it of the same plan with the same.
+_EXPOSED = Kept(64, shortcut=True)
+
+
+def _exposed_buckets(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
+                     bucket_elems: int) -> list[SyncGroup]:
+    """``exposed_sync_groups`` of an unsharded plan whose runtime overlaps its reduction."""
+    model = plan.model
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
     places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
     units_of: dict[tuple[StageId, ...], list[str]] = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from hethub.islands import Exchange, exchange, island_of_kind, padded_numel, segment_bytes
+from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.comm import allreduce_time_s, ring_pass_time_s, slowest_link
 from hethub.predict.sync_records import StageId
@@ -82,12 +83,24 @@ def kind_island_labels(cluster: Cluster, kinds: Iterable[str]) -> dict[str, str]
     return out
 
 
+# two_level_allreduce_time_s by its arguments (pure numbers and frozen links): a plan's groups, their
+# buckets and the plans of one search repeat the same island sizes, links and sizes.
+_TWO_LEVEL = Kept(100_000, shortcut=True)
+
+
 def two_level_allreduce_time_s(*, elems: int, elem_bytes: float, island_links: Sequence[Link],
                                island_sizes: Sequence[int], bridge: Link) -> float:
     """The bridge's all-reduce across islands as ``comm/hierarchical.py`` runs it (``hethub.islands``:
     shard_segments): each island's ring reduce-scatter of the padded buffer over its own link, every
     member's segments all-reduced among one owner per island over the bridge (a member's one after
     another, members in parallel), then each island's ring all-gather."""
+    links, sizes = tuple(island_links), tuple(island_sizes)
+    return _TWO_LEVEL.get((elems, elem_bytes, links, sizes, bridge), lambda: _two_level_allreduce_time_s(
+        elems=elems, elem_bytes=elem_bytes, island_links=links, island_sizes=sizes, bridge=bridge))
+
+
+def _two_level_allreduce_time_s(*, elems: int, elem_bytes: float, island_links: Sequence[Link],
+                                island_sizes: Sequence[int], bridge: Link) -> float:
     padded = padded_numel(elems, island_sizes)
     island_s = max(ring_pass_time_s(chunk_bytes=padded // k * elem_bytes, participants=k, link=lk)
                    for k, lk in zip(island_sizes, island_links, strict=True))
