@@ -1,0 +1,250 @@
+"""The shortcuts a prediction and the scoring's floors take on plans of many replicas give exactly
+the plain path's results (``hethub.memo.reference_path``), on random plans of replicas: a stage's
+derived fields kept on the frozen record (``plan_parts.kept_field``), ``PlanCosts.op_times`` kept
+per pipeline, ``boundary_s`` kept by the hop's devices, ``exposed_sync_groups`` kept by plan, groups
+and backward, the two-level all-reduce kept by its arguments, the search's free nodes kept by
+cluster, and ``Plan.validate``'s device checks kept per (kind, devices, CP degree)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import pickle
+import random
+
+import pytest
+
+from conftest import small_cluster, tiny_model
+from hethub.errors import PlanError
+from hethub.memo import clear_caches, reference_path
+from hethub.plan import Pipeline, Plan, Recompute, Stage
+from hethub.plan_parts import interleave
+from hethub.predict.plan_costs import PlanCosts
+from hethub.predict.predictor import floor_reaches, last_finish_s, predict, step_floor_s, sync_tail_s
+from hethub.predict.sync import sync_groups
+from hethub.predict.sync_overlap import exposed_sync_groups
+from hethub.predict.sync_rules import two_level_allreduce_time_s
+from hethub.search.assemble import allocate_devices
+from hethub.search.split import PipeCost, Slot
+from hethub.spec.cluster import Link
+
+CLUSTER = small_cluster(fast=8, slow=8, per_node=2)
+
+
+def _random_plan(rng: random.Random, *, seq_len: int = 32) -> Plan:
+    """Two to four pipelines of one to three stages on random nodes of CLUSTER, TP 1 or 2 (a node),
+    sometimes SP or CP 2, a random layer split, micro-batch size and count, schedule and sharding."""
+    model = tiny_model()
+    nodes = {k: [list(range(i, i + 2)) for i in range(0 if k == "fast" else 8, 8 if k == "fast" else 16, 2)]
+             for k in ("fast", "slow")}
+    for ns in nodes.values():
+        rng.shuffle(ns)
+    cp = 2 if rng.random() < 0.2 else 1
+    schedule = rng.choice(["1f1b", "zb-h1", "gpipe", "interleaved"])
+    pipes = []
+    for _ in range(rng.randint(2, 4)):
+        n = rng.randint(2 if schedule == "interleaved" else 1, 3)
+        cuts = sorted(rng.sample(range(1, model.num_layers), n - 1))
+        bounds = [0, *cuts, model.num_layers]
+        stages = []
+        for si in range(n):
+            kind = rng.choice([k for k in nodes if len(nodes[k]) >= cp] or ["none"])
+            if kind == "none":
+                break
+            node = nodes[kind].pop()
+            tp = 1 if cp == 2 else rng.choice([1, 2])
+            devices = tuple(node[:tp]) if cp == 1 else (node[0], nodes[kind].pop()[0])
+            sp = tp == 2 and rng.random() < 0.3
+            stages.append(Stage(kind, devices, (bounds[si], bounds[si + 1]), embedding=si == 0, head=si == n - 1,
+                                recompute=rng.choice(list(Recompute)), cp=cp, sequence_parallel=sp))
+        if len(stages) < n:
+            break
+        p = Pipeline(rng.choice([1, 2]), rng.randint(n, 6), tuple(stages))
+        if schedule == "interleaved":
+            p = interleave(p, [[1, 1] if s.num_layers == 2 else [s.num_layers - 1, 1] if s.num_layers > 1
+                                else [1, 0] for s in p.stages]) if all(s.num_layers >= 1 for s in p.stages) else p
+        pipes.append(p)
+    if schedule == "interleaved" and not all(p.virtual_stages > 1 for p in pipes):
+        schedule = "1f1b"
+        pipes = [dataclasses.replace(p, stages=tuple(dataclasses.replace(s, layers=s.layer_ranges[0], chunks=())
+                                                     for s in p.stages)) if p.virtual_stages > 1 else p
+                 for p in pipes]
+    sharding = rng.choice(["none", "none", "zero1"]) if len(pipes) > 1 else "none"
+    plan = Plan(model=model, cluster=CLUSTER, global_batch=sum(p.num_samples for p in pipes), seq_len=seq_len,
+                pipelines=tuple(pipes), schedule=schedule, optimizer_sharding=sharding)
+    try:
+        return plan.validate()
+    except PlanError:  # a split the interleaving could not keep contiguous: plain stages instead
+        return _random_plan(rng, seq_len=seq_len)
+
+
+def _plans(seed: int, n: int) -> list[Plan]:
+    rng = random.Random(seed)
+    return [_random_plan(rng, seq_len=rng.choice([32, 64])) for _ in range(n)]
+
+
+def _floors(plans: list[Plan]) -> list[tuple]:
+    """The scoring's floors (one PlanCosts shared by plans of one job, as score_plans shares it), then
+    each plan's prediction, op_times asked twice with the first answer changed in between."""
+    out, costs = [], {}
+    for plan in plans:
+        c = costs.setdefault(plan.seq_len, PlanCosts(plan, None))
+        ops = [c.op_times(p) for p in plan.pipelines]
+        for lists in ops:
+            for x in lists:
+                x.append(-1.0)  # a caller's change must not reach the next reader
+        out.append((step_floor_s(plan, costs=c, tight=True), sync_tail_s(plan, costs=c, tight=True),
+                    last_finish_s(plan, costs=c), floor_reaches(plan, 1e-9, costs=c, tight=True),
+                    [c.op_times(p) for p in plan.pipelines], predict(plan)))
+    return out
+
+
+def _equal(got: list[tuple], ref: list[tuple]) -> None:
+    for g, r in zip(got, ref, strict=True):
+        assert g[:5] == r[:5]
+        for f in dataclasses.fields(r[5]):
+            assert getattr(g[5], f.name) == getattr(r[5], f.name), f.name
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_floors_and_predictions_equal_the_plain_path_on_random_replicas(seed: int) -> None:
+    plans = _plans(seed, 6)
+    with reference_path():
+        ref = _floors(plans)
+    clear_caches()
+    _equal(_floors(plans), ref)
+    _equal(_floors(plans), ref)  # from the memos the first pass filled
+
+
+def test_boundaries_equal_the_plain_path_for_every_pair_size_and_piece() -> None:
+    # Every ordered pair of stages of several plans (other sequence lengths, precisions and grids share
+    # devices), at two micro-batch sizes, flat or not: one memo serves them all, in this mixed order.
+    plans = _plans(7, 8)
+    plans += [dataclasses.replace(p, precision="fp32").validate() for p in plans[:3]]
+
+    def prices() -> list[float]:
+        out = []
+        for plan in plans:
+            costs = PlanCosts(plan, None)
+            stages = [s for p in plan.pipelines for s in p.stages]
+            for a, b in itertools.permutations(stages, 2):
+                out += [costs.boundary_s(a, b, mbs=mbs, flat=flat) for mbs in (1, 2) for flat in (True, False)]
+        return out
+
+    with reference_path():
+        ref = prices()
+    clear_caches()
+    assert prices() == ref
+    assert prices() == ref
+
+
+def test_exposed_sync_memo_reads_the_backward_and_the_groups() -> None:
+    plans = [p for p in _plans(11, 12) if not p.sharded_optimizer and p.zero_stage < 2][:4]
+    assert plans
+
+    def exposed() -> list[list]:
+        out = []
+        for plan in plans:
+            groups = sync_groups(plan)
+            stages = [(pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))]
+            for scale in (1e-3, 2e-3, 1e-3):
+                backward = {x: scale * (1 + i % 3) for i, x in enumerate(stages)}
+                out.append(exposed_sync_groups(plan, groups, backward_s=backward))
+                out.append(exposed_sync_groups(plan, groups[:-1], backward_s=backward))
+        return out
+
+    with reference_path():
+        ref = exposed()
+    clear_caches()
+    assert exposed() == ref
+
+
+def test_two_level_allreduce_memo_reads_every_argument() -> None:
+    rng = random.Random(3)
+    links = [Link(rng.choice([10e9, 25e9]), rng.choice([1e-5, 3e-5])) for _ in range(4)]
+    calls = [dict(elems=rng.choice([1000, 4096, 10**6]), elem_bytes=rng.choice([2.0, 4.0]),
+                  island_links=rng.sample(links, 2), island_sizes=[rng.randint(1, 4), rng.randint(1, 4)],
+                  bridge=rng.choice(links)) for _ in range(60)]
+    with reference_path():
+        ref = [two_level_allreduce_time_s(**kw) for kw in calls]
+    clear_caches()
+    assert [two_level_allreduce_time_s(**kw) for kw in calls] == ref
+
+
+def test_free_nodes_are_handed_out_afresh_each_time() -> None:
+    rng = random.Random(5)
+    layouts = []
+    for _ in range(20):
+        pipes = []
+        for _ in range(rng.randint(1, 3)):
+            slots = tuple(Slot(rng.choice(["fast", "slow"]), rng.choice([1, 2])) for _ in range(rng.randint(1, 2)))
+            n = len(slots)
+            pipes.append(PipeCost(slots=slots, mbs=1, layers=(1,) * n, recompute=(False,) * n, fwd_s=(1.0,) * n,
+                                  bwd_s=(1.0,) * n, update_s=(0.0,) * n, p2p_s=(0.0,) * (n - 1), params=(1.0,) * n,
+                                  schedule="1f1b"))
+        layouts.append(pipes)
+    with reference_path():
+        ref = [allocate_devices(CLUSTER, pipes) for pipes in layouts]
+    clear_caches()
+    assert [allocate_devices(CLUSTER, pipes) for pipes in layouts] == ref
+
+
+def _broken(plan: Plan, rng: random.Random) -> Plan:
+    """``plan`` with one stage's devices made wrong: another kind's, a TP group over two nodes, a
+    device twice (in the stage or in another), or one past the cluster."""
+    pi = rng.randrange(len(plan.pipelines))
+    p = plan.pipelines[pi]
+    si = rng.randrange(len(p.stages))
+    s = p.stages[si]
+    other = "slow" if s.kind == "fast" else "fast"
+    wrong = rng.choice([
+        (next(d.id for d in CLUSTER.devices if d.kind == other),) * len(s.devices),
+        (s.devices[0], s.devices[0] + 2 if s.devices[0] % 8 < 6 else s.devices[0] - 2) if len(s.devices) == 2
+        else (CLUSTER.num_devices,),
+        (s.devices[0],) * len(s.devices),
+        plan.pipelines[(pi + 1) % len(plan.pipelines)].stages[0].devices[:1] * len(s.devices),
+    ])
+    stages = tuple(dataclasses.replace(x, devices=wrong) if i == si else x for i, x in enumerate(p.stages))
+    pipes = tuple(dataclasses.replace(q, stages=stages) if i == pi else q for i, q in enumerate(plan.pipelines))
+    return dataclasses.replace(plan, pipelines=pipes)
+
+
+def test_validation_refuses_as_the_plain_checks_do() -> None:
+    rng = random.Random(9)
+    plans = _plans(13, 10)
+    cases = [*plans, *(_broken(p, rng) for p in plans for _ in range(3))]
+
+    def answers() -> list[str]:
+        out = []
+        for plan in cases:
+            try:
+                plan.validate()
+                out.append("ok")
+            except PlanError as e:
+                out.append(str(e))
+        return out
+
+    with reference_path():
+        ref = answers()
+    assert ref[:len(plans)] == ["ok"] * len(plans) and ref.count("ok") < len(cases) - len(plans)
+    clear_caches()
+    assert answers() == ref
+    assert answers() == ref
+
+
+def test_a_stages_kept_fields_are_its_own() -> None:
+    # Derived once per record, from its own fields: fresh records (replace, pickling) derive their own.
+    rng = random.Random(1)
+    for plan in _plans(17, 6):
+        for p in plan.pipelines:
+            for s in p.stages:
+                seen = (s.tp, s.layer_ranges, s.num_layers, s.num_chunks)
+                assert seen == (len(s.devices) // s.cp, s.chunks or (s.layers,),
+                                sum(b - a for a, b in (s.chunks or (s.layers,))), len(s.chunks or (s.layers,)))
+                a = rng.randrange(0, 4)
+                moved = dataclasses.replace(s, devices=s.devices + s.devices, layers=(a, a + 2), chunks=())
+                want = (2 * len(s.devices) // s.cp, ((a, a + 2),), 2)
+                assert (moved.tp, moved.layer_ranges, moved.num_layers) == want
+                assert pickle.loads(pickle.dumps(s)) == s
+                assert pickle.loads(pickle.dumps(s)).tp == s.tp
+            assert p.virtual_stages == p.stages[0].num_chunks
