@@ -147,7 +147,7 @@ def test_exposed_sync_memo_reads_the_backward_and_the_groups() -> None:
         for plan in plans:
             groups = sync_groups(plan)
             stages = [(pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))]
-            for scale in (1e-3, 2e-3, 1e-3):
+            for scale in (1e-3, 1e-9, 2e-3, 1e-3):  # the buckets hidden, exposed, hidden
                 backward = {x: scale * (1 + i % 3) for i, x in enumerate(stages)}
                 out.append(exposed_sync_groups(plan, groups, backward_s=backward))
                 out.append(exposed_sync_groups(plan, groups[:-1], backward_s=backward))
@@ -213,6 +213,14 @@ def test_validation_refuses_as_the_plain_checks_do() -> None:
     rng = random.Random(9)
     plans = _plans(13, 10)
     cases = [*plans, *(_broken(p, rng) for p in plans for _ in range(3))]
+    for plan in plans:  # a device twice in one stage (the stage's own checks pass)
+        for pi, p in enumerate(plan.pipelines):
+            for si, s in enumerate(p.stages):
+                if len(s.devices) == 2 and s.cp == 1:
+                    twice = dataclasses.replace(s, devices=(s.devices[0],) * 2)
+                    stages = tuple(twice if i == si else x for i, x in enumerate(p.stages))
+                    cases.append(dataclasses.replace(plan, pipelines=tuple(
+                        dataclasses.replace(q, stages=stages) if i == pi else q for i, q in enumerate(plan.pipelines))))
 
     def answers() -> list[str]:
         out = []
@@ -227,6 +235,7 @@ def test_validation_refuses_as_the_plain_checks_do() -> None:
     with reference_path():
         ref = answers()
     assert ref[:len(plans)] == ["ok"] * len(plans) and ref.count("ok") < len(cases) - len(plans)
+    assert sum("reuses device" in r for r in ref) > len(plans)
     clear_caches()
     assert answers() == ref
     assert answers() == ref
@@ -235,16 +244,20 @@ def test_validation_refuses_as_the_plain_checks_do() -> None:
 def test_a_stages_kept_fields_are_its_own() -> None:
     # Derived once per record, from its own fields: fresh records (replace, pickling) derive their own.
     rng = random.Random(1)
-    for plan in _plans(17, 6):
-        for p in plan.pipelines:
-            for s in p.stages:
-                seen = (s.tp, s.layer_ranges, s.num_layers, s.num_chunks)
-                assert seen == (len(s.devices) // s.cp, s.chunks or (s.layers,),
-                                sum(b - a for a, b in (s.chunks or (s.layers,))), len(s.chunks or (s.layers,)))
-                a = rng.randrange(0, 4)
-                moved = dataclasses.replace(s, devices=s.devices + s.devices, layers=(a, a + 2), chunks=())
-                want = (2 * len(s.devices) // s.cp, ((a, a + 2),), 2)
-                assert (moved.tp, moved.layer_ranges, moved.num_layers) == want
-                assert pickle.loads(pickle.dumps(s)) == s
-                assert pickle.loads(pickle.dumps(s)).tp == s.tp
-            assert p.virtual_stages == p.stages[0].num_chunks
+    for _ in range(200):
+        cp = rng.choice([1, 2])
+        devices = tuple(rng.sample(range(16), cp * rng.choice([1, 2, 4])))
+        a = rng.randrange(0, 6)
+        chunks = rng.choice([(), ((a, a + 1), (a + 3, a + 5)), ((a, a), (a + 2, a + 3), (a + 4, a + 8))])
+        s = Stage("fast", devices, chunks[0] if chunks else (a, a + rng.randrange(0, 4)), chunks=chunks, cp=cp)
+        ranges = chunks or (s.layers,)
+        assert (s.tp, s.layer_ranges, s.num_layers, s.num_chunks) == (
+            len(devices) // cp, ranges, sum(b - a for a, b in ranges), len(ranges))
+        moved = dataclasses.replace(s, devices=devices + devices, layers=(a, a + 2), chunks=())
+        assert (moved.tp, moved.layer_ranges, moved.num_layers, moved.num_chunks) == (
+            2 * len(devices) // cp, ((a, a + 2),), 2, 1)
+        assert (s.tp, s.layer_ranges) == (len(devices) // cp, ranges)
+        again = pickle.loads(pickle.dumps(s))
+        assert again == s and (again.tp, again.num_layers) == (s.tp, s.num_layers)
+        p = Pipeline(1, 4, (s,))
+        assert p.virtual_stages == len(ranges)
