@@ -151,6 +151,8 @@ def test_exposed_sync_memo_reads_the_backward_and_the_groups() -> None:
                 backward = {x: scale * (1 + i % 3) for i, x in enumerate(stages)}
                 out.append(exposed_sync_groups(plan, groups, backward_s=backward))
                 out.append(exposed_sync_groups(plan, groups[:-1], backward_s=backward))
+                for elems in (2000, 7000):  # several buckets per group, one after another
+                    out.append(exposed_sync_groups(plan, groups, backward_s=backward, bucket_elems=elems))
         return out
 
     with reference_path():
