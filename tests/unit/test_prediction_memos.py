@@ -109,6 +109,9 @@ def _equal(got: list[tuple], ref: list[tuple]) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_floors_and_predictions_equal_the_plain_path_on_random_replicas(seed: int) -> None:
     plans = _plans(seed, 6)
+    # The same pipelines (objects) in plans of another precision or sequence length.
+    plans += [dataclasses.replace(plans[0], precision="fp32").validate(),
+              dataclasses.replace(plans[1], seq_len=96 - plans[1].seq_len).validate()]
     with reference_path():
         ref = _floors(plans)
     clear_caches()

@@ -40,6 +40,8 @@ _SYNC_SHAPES = Kept(256)
 # off the reference path), size and flat (and where sequences are split, each side's grid): the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
 _HOPS = Kept(100_000)
+# op_times by PlanCosts.job_key and pipeline (id, pinned).
+_OPS = Kept(4096, shortcut=True)
 # boundary_s by the hop's devices themselves (and all else _HOPS keys by: the cluster's id, pinned, each
 # side's grid, the micro-batch size, sequence length, hidden size, element size and flat), in front of
 # _HOPS, which serves every replica's equal places.
@@ -70,8 +72,6 @@ class PlanCosts:
         self.pipe_shape: dict[int, tuple] = {}  # per pipeline: its key in _P2P
         self.closed: dict[tuple, tuple] = {}  # pipeline_times and closed_form_of, by stage, hop and pipeline
         self.posts: dict[tuple, list[float]] = {}  # posts_s by chunks and stage kinds
-        # op_times by pipeline (its id; the entry holds the pipeline)
-        self.ops: dict[int, tuple[Pipeline, tuple[list[float], list[float], list[float], list[float]]]] = {}
 
     @functools.cached_property
     def sync_shape(self) -> dict[tuple[int, int], tuple[bool, bool, float]]:
@@ -265,16 +265,23 @@ class PlanCosts:
     def op_times(self, p: Pipeline) -> tuple[list[float], list[float], list[float], list[float]]:
         """What the pipeline's simulation runs (the prediction's inputs): per (virtual) stage each op's
         forward and backward with its point-to-point posts (``posts_s``), and each hop; and the posts.
-        Kept per pipeline (the object: plans are frozen, and the entry holds it, so its id is not
-        reused): the scoring's floors and the prediction that follows read them for the same
+        Kept per pipeline (the object, pinned: plans are frozen) and job (``job_key``) between
+        PlanCosts: the scoring's floors and the prediction that follows read them for the same
         pipelines; each call returns new lists."""
         if reference():
             return self._op_times(p)
-        kept = self.ops.get(id(p))
-        if kept is None or kept[0] is not p:
-            kept = self.ops[id(p)] = (p, self._op_times(p))
-        fwd, bwd, hops, posts = kept[1]
+        fwd, bwd, hops, posts = _OPS.get((self.job_key, id(p)), lambda: self._op_times(p),
+                                         pin=(p, self.plan.cluster, self.plan.model, self.profiles))
         return list(fwd), list(bwd), list(hops), list(posts)
+
+    @functools.cached_property
+    def job_key(self) -> tuple:
+        """All a pipeline's ``op_times`` read besides the pipeline: the cluster, model and profiles (ids;
+        pin them), the sequence length, the plan's precision (its messages' element size), each
+        kind's precision and attention and the runtime (``StageJob``)."""
+        job = self.job
+        return (id(self.plan.cluster), id(job.model), id(self.profiles), job.seq_len, job.precision,
+                tuple(sorted(job.precisions.items())), tuple(sorted(job.attentions.items())), job.runtime)
 
     def _op_times(self, p: Pipeline) -> tuple[list[float], list[float], list[float], list[float]]:
         mbs, n = p.micro_batch_size, len(p.stages)
