@@ -93,8 +93,10 @@ def _floors(plans: list[Plan]) -> list[tuple]:
         for lists in ops:
             for x in lists:
                 x.append(-1.0)  # a caller's change must not reach the next reader
-        out.append((step_floor_s(plan, costs=c, tight=True), sync_tail_s(plan, costs=c, tight=True),
-                    last_finish_s(plan, costs=c), floor_reaches(plan, 1e-9, costs=c, tight=True),
+        tail, last = sync_tail_s(plan, costs=c, tight=True), last_finish_s(plan, costs=c)
+        bar = (last + tail) * (1 - 1e-12)  # the last finish's screen, at its edge and about it
+        reached = [floor_reaches(plan, b, costs=c, tight=True) for b in (bar * 0.999, bar, bar * 1.001, 1e-9)]
+        out.append((step_floor_s(plan, costs=c, tight=True), tail, last, reached,
                     [c.op_times(p) for p in plan.pipelines], predict(plan)))
     return out
 
