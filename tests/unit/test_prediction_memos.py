@@ -83,6 +83,27 @@ def _plans(seed: int, n: int) -> list[Plan]:
     return [_random_plan(rng, seq_len=rng.choice([32, 64])) for _ in range(n)]
 
 
+def _recomputed(plan: Plan) -> Plan:
+    """``plan`` with every stage recomputing in full."""
+    return dataclasses.replace(plan, pipelines=tuple(dataclasses.replace(p, stages=tuple(
+        dataclasses.replace(s, recompute=Recompute.FULL) for s in p.stages)) for p in plan.pipelines)).validate()
+
+
+def _swapped(plan: Plan) -> Plan:
+    """``plan`` with the devices of its first two stages of one kind and grid swapped (else as it is)."""
+    at = [(pi, si) for pi, p in enumerate(plan.pipelines) for si in range(len(p.stages))]
+    stage = {x: plan.pipelines[x[0]].stages[x[1]] for x in at}
+    pairs = [(a, b) for a, b in itertools.combinations(at, 2) if (stage[a].kind, len(stage[a].devices), stage[a].cp)
+             == (stage[b].kind, len(stage[b].devices), stage[b].cp)]
+    if not pairs:
+        return plan
+    a, b = pairs[0]
+    devices = {a: stage[b].devices, b: stage[a].devices}
+    return dataclasses.replace(plan, pipelines=tuple(dataclasses.replace(p, stages=tuple(
+        dataclasses.replace(s, devices=devices.get((pi, si), s.devices)) for si, s in enumerate(p.stages)))
+        for pi, p in enumerate(plan.pipelines))).validate()
+
+
 def _floors(plans: list[Plan]) -> list[tuple]:
     """The scoring's floors (one PlanCosts shared by plans of one job, as score_plans shares it), then
     each plan's prediction, op_times asked twice with the first answer changed in between."""
@@ -111,9 +132,12 @@ def _equal(got: list[tuple], ref: list[tuple]) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_floors_and_predictions_equal_the_plain_path_on_random_replicas(seed: int) -> None:
     plans = _plans(seed, 6)
-    # The same pipelines (objects) in plans of another precision or sequence length.
+    # The same pipelines (objects) in plans of another precision or sequence length; ZeRO-1 layouts
+    # again with other recomputation, and with two stages' devices swapped.
     plans += [dataclasses.replace(plans[0], precision="fp32").validate(),
               dataclasses.replace(plans[1], seq_len=96 - plans[1].seq_len).validate()]
+    for plan in [dataclasses.replace(p, optimizer_sharding="zero1") for p in plans[:4] if len(p.pipelines) > 1]:
+        plans += [plan.validate(), _recomputed(plan), _swapped(plan)]
     with reference_path():
         ref = _floors(plans)
     clear_caches()
