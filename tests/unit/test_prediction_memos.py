@@ -21,6 +21,7 @@ from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, last_finish_s, predict, step_floor_s, sync_tail_s
+from hethub.predict.sharding import stage_elems_of
 from hethub.predict.sync import sync_groups
 from hethub.predict.sync_overlap import exposed_sync_groups
 from hethub.predict.sync_rules import two_level_allreduce_time_s
@@ -102,6 +103,18 @@ def _swapped(plan: Plan) -> Plan:
     return dataclasses.replace(plan, pipelines=tuple(dataclasses.replace(p, stages=tuple(
         dataclasses.replace(s, devices=devices.get((pi, si), s.devices)) for si, s in enumerate(p.stages)))
         for pi, p in enumerate(plan.pipelines))).validate()
+
+
+def _moved(plan: Plan) -> Plan:
+    """``plan`` with the first layer of the first pipeline's second stage moved to its first (plain
+    stages with a layer to spare; else as it is)."""
+    p = plan.pipelines[0]
+    if len(p.stages) < 2 or p.virtual_stages > 1 or p.stages[1].num_layers < 2:
+        return plan
+    (a, b), (c, d) = p.stages[0].layers, p.stages[1].layers
+    stages = (dataclasses.replace(p.stages[0], layers=(a, b + 1)), dataclasses.replace(p.stages[1], layers=(c + 1, d)),
+              *p.stages[2:])
+    return dataclasses.replace(plan, pipelines=(dataclasses.replace(p, stages=stages), *plan.pipelines[1:])).validate()
 
 
 def _floors(plans: list[Plan]) -> list[tuple]:
@@ -292,3 +305,22 @@ def test_a_stages_kept_fields_are_its_own() -> None:
         assert again == s and (again.tp, again.num_layers) == (s.tp, s.num_layers)
         p = Pipeline(1, 4, (s,))
         assert p.virtual_stages == len(ranges)
+
+
+def test_shard_split_by_layout_equals_the_plain_path() -> None:
+    # The ZeRO-1 split per stage (its ranks' largest slices) under stage weights with ties (the remainder
+    # then goes by rank order), of layouts asked again with other recomputation, with stages' devices
+    # swapped (another rank order) and with a layer moved.
+    rng = random.Random(21)
+    plans = []
+    for plan in _plans(23, 10):
+        if len(plan.pipelines) > 1:
+            plan = dataclasses.replace(plan, optimizer_sharding="zero1").validate()
+            plans += [plan, _recomputed(plan), _swapped(plan), _recomputed(_swapped(plan))]
+            plans.append(_moved(plan))
+    weights = [{(pi, si): float(rng.choice([1, 1, 2])) for pi, p in enumerate(plan.pipelines)
+                for si in range(len(p.stages))} for plan in plans]
+    with reference_path():
+        ref = [stage_elems_of(plan, w) for plan, w in zip(plans, weights, strict=True)]
+    clear_caches()
+    assert [stage_elems_of(plan, w) for plan, w in zip(plans, weights, strict=True)] == ref
