@@ -27,12 +27,16 @@ from hethub.predict.sync_overlap import exposed_sync_groups
 from hethub.predict.sync_rules import two_level_allreduce_time_s
 from hethub.search.assemble import allocate_devices
 from hethub.search.split import PipeCost, Slot
-from hethub.spec.cluster import Link
+from hethub.spec.cluster import Cluster, Link
 
 CLUSTER = small_cluster(fast=8, slow=8, per_node=2)
+# The kinds in two vendor islands: syncs across them take the bridge's two-level all-reduce.
+BRIDGED = dataclasses.replace(CLUSTER, kinds={
+    "fast": dataclasses.replace(CLUSTER.kinds["fast"], backend="nccl"),
+    "slow": dataclasses.replace(CLUSTER.kinds["slow"], vendor="other", backend="nccl")})
 
 
-def _random_plan(rng: random.Random, *, seq_len: int = 32) -> Plan:
+def _random_plan(rng: random.Random, *, seq_len: int = 32, cluster: Cluster = CLUSTER) -> Plan:
     """Two to four pipelines of one to three stages on random nodes of CLUSTER, TP 1 or 2 (a node),
     sometimes SP or CP 2, a random layer split, micro-batch size and count, schedule and sharding."""
     model = tiny_model()
@@ -71,17 +75,17 @@ def _random_plan(rng: random.Random, *, seq_len: int = 32) -> Plan:
                                                      for s in p.stages)) if p.virtual_stages > 1 else p
                  for p in pipes]
     sharding = rng.choice(["none", "none", "zero1"]) if len(pipes) > 1 else "none"
-    plan = Plan(model=model, cluster=CLUSTER, global_batch=sum(p.num_samples for p in pipes), seq_len=seq_len,
+    plan = Plan(model=model, cluster=cluster, global_batch=sum(p.num_samples for p in pipes), seq_len=seq_len,
                 pipelines=tuple(pipes), schedule=schedule, optimizer_sharding=sharding)
     try:
         return plan.validate()
     except PlanError:  # a split the interleaving could not keep contiguous: plain stages instead
-        return _random_plan(rng, seq_len=seq_len)
+        return _random_plan(rng, seq_len=seq_len, cluster=cluster)
 
 
-def _plans(seed: int, n: int) -> list[Plan]:
+def _plans(seed: int, n: int, *, cluster: Cluster = CLUSTER) -> list[Plan]:
     rng = random.Random(seed)
-    return [_random_plan(rng, seq_len=rng.choice([32, 64])) for _ in range(n)]
+    return [_random_plan(rng, seq_len=rng.choice([32, 64]), cluster=cluster) for _ in range(n)]
 
 
 def _recomputed(plan: Plan) -> Plan:
@@ -144,7 +148,7 @@ def _equal(got: list[tuple], ref: list[tuple]) -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_floors_and_predictions_equal_the_plain_path_on_random_replicas(seed: int) -> None:
-    plans = _plans(seed, 6)
+    plans = _plans(seed, 6) + _plans(seed + 100, 3, cluster=BRIDGED)
     # The same pipelines (objects) in plans of another precision or sequence length; ZeRO-1 layouts
     # again with other recomputation, and with two stages' devices swapped.
     plans += [dataclasses.replace(plans[0], precision="fp32").validate(),
