@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
+from hethub.memo import reference
 from hethub.plan_check import check_layer_ranges, check_seq_split, check_shard_weights, check_stage, fail
 from hethub.plan_fields import kind_settings_of, pipeline_from_dict, shard_weights_of, typed_field
 from hethub.plan_parts import RECOMPUTE_MODES, Pipeline, Recompute, ShardWeights, Stage, interleave, split_evenly
@@ -243,6 +244,9 @@ class Plan:
                 sw = f"{where}.stages[{si}]"
                 check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1)
                 check_seq_split(s, sw, seq_len=self.seq_len, cp0=p.stages[0].cp)
+                if not reference() and used.keys().isdisjoint(s.devices) and len(set(s.devices)) == len(s.devices):
+                    used.update(dict.fromkeys(s.devices, sw))  # no device reused: the loop below would pass
+                    continue
                 for d in s.devices:
                     if d in used:
                         fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from hethub.errors import PlanError
+from hethub.memo import Kept
 from hethub.plan_parts import Pipeline, ShardWeights, Stage
 from hethub.schedules import get_schedule
 from hethub.spec.cluster import Cluster
@@ -91,6 +92,26 @@ def check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first:
              f"use one of {', '.join(cluster.kind_names)}")
     if not s.devices:
         fail(f"{sw}.devices", "is empty", "give the stage at least one device")
+    _DEVICES_PASSED.get((id(cluster), s.kind, s.devices, s.cp), lambda: _check_devices(s, sw, cluster=cluster),
+                        pin=(cluster,))
+    tp = s.tp
+    if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
+        fail(f"{sw}.tp", f"is {tp}, which does not divide the model's heads ({model.num_heads}), KV heads "
+             f"({model.num_kv_heads}) and FFN size ({model.ffn_hidden_size})", "use a TP degree that divides them")
+    if s.embedding != first:
+        fail(f"{sw}.embedding", f"is {s.embedding}", "put the embedding on the first stage of each pipeline only")
+    if s.head != last:
+        fail(f"{sw}.head", f"is {s.head}", "put the head on the last stage of each pipeline only")
+
+
+# The stages whose devices passed _check_devices, by cluster (id, pinned), kind, devices and CP degree:
+# the planner validates every layout it builds, and its layouts reuse the same TP groups.
+_DEVICES_PASSED = Kept(100_000, shortcut=True)
+
+
+def _check_devices(s: Stage, sw: str, *, cluster: Cluster) -> bool:
+    """The stage's devices are the cluster's, of its kind, each TP group inside one node (True, else
+    PlanError): all it reads of the stage are its kind, devices and CP degree."""
     for d in s.devices:
         if not 0 <= d < cluster.num_devices:
             fail(f"{sw}.devices", f"names device {d}, but the cluster has devices 0..{cluster.num_devices - 1}",
@@ -103,14 +124,7 @@ def check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first:
             where = f" (CP rank {c}'s TP group {list(s.tp_group(c))})" if s.cp > 1 else ""
             fail(f"{sw}.devices", f"span several nodes{where}", "keep a tensor-parallel group inside one node"
                  + (" (devices are CP-major: CP rank c's TP group is devices[c*tp:(c+1)*tp])" if s.cp > 1 else ""))
-    tp = s.tp
-    if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
-        fail(f"{sw}.tp", f"is {tp}, which does not divide the model's heads ({model.num_heads}), KV heads "
-             f"({model.num_kv_heads}) and FFN size ({model.ffn_hidden_size})", "use a TP degree that divides them")
-    if s.embedding != first:
-        fail(f"{sw}.embedding", f"is {s.embedding}", "put the embedding on the first stage of each pipeline only")
-    if s.head != last:
-        fail(f"{sw}.head", f"is {s.head}", "put the head on the last stage of each pipeline only")
+    return True
 
 
 def check_shard_weights(w: ShardWeights, *, world_size: int) -> None:

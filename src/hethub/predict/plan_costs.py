@@ -40,6 +40,12 @@ _SYNC_SHAPES = Kept(256)
 # off the reference path), size and flat (and where sequences are split, each side's grid): the local
 # search's moves keep every plan's devices, and the planner predicts the same hops in many plans.
 _HOPS = Kept(100_000)
+# op_times by PlanCosts.job_key and pipeline (id, pinned).
+_OPS = Kept(4096, shortcut=True)
+# boundary_s by the hop's devices themselves (and all else _HOPS keys by: the cluster's id, pinned, each
+# side's grid, the micro-batch size, sequence length, hidden size, element size and flat), in front of
+# _HOPS, which serves every replica's equal places.
+_BOUNDARIES = Kept(100_000, shortcut=True)
 # A stage's point-to-point buffer bytes by its pipeline's shape (the model (id, pinned), sequence
 # length, schedule, micro-batch size, the count's class (peak_micro_batches), chunks, each stage's kind,
 # TP, SP, CP and precision: what message_bytes and the buffer peak read) and its index: replicas and the
@@ -138,8 +144,21 @@ class PlanCosts:
         of the two: the plain TP rule (``comm.boundary_time_s``) or, where either splits sequences,
         seq_parallel's."""
         plan = self.plan
+        if reference():
+            return self._boundary_s(src, dst, mbs=mbs, flat=flat, where=(src.devices, dst.devices))
         cluster = plan.cluster
-        where = (src.devices, dst.devices) if reference() else hop_places(cluster, src.devices, dst.devices)
+        # By the devices themselves first: each boundary of a search's plans is priced again and again
+        # (every floor, prediction and plan sharing the layout), and its places cost a walk of them.
+        grids = (src.tp, src.cp, src.sequence_parallel, dst.tp, dst.cp, dst.sequence_parallel)
+        return _BOUNDARIES.get(
+            (id(cluster), src.devices, dst.devices, grids, mbs, plan.seq_len, plan.model.hidden_size, self.act_bytes,
+             flat), lambda: self._boundary_s(src, dst, mbs=mbs, flat=flat,
+                                             where=hop_places(cluster, src.devices, dst.devices)), pin=(cluster,))
+
+    def _boundary_s(self, src: Stage, dst: Stage, *, mbs: int, flat: bool, where: tuple) -> float:
+        """``boundary_s`` with the hop's devices as ``where`` (their places, or the devices themselves)."""
+        plan = self.plan
+        cluster = plan.cluster
         if splits_sequence((src, dst)):  # the devices' places and each side's TP x CP grid and SP
             grids = (src.tp, src.cp, src.sequence_parallel, dst.tp, dst.cp, dst.sequence_parallel)
             return _HOPS.get((id(cluster), where, grids, mbs, plan.seq_len, plan.model.hidden_size, self.act_bytes,
@@ -245,7 +264,26 @@ class PlanCosts:
 
     def op_times(self, p: Pipeline) -> tuple[list[float], list[float], list[float], list[float]]:
         """What the pipeline's simulation runs (the prediction's inputs): per (virtual) stage each op's
-        forward and backward with its point-to-point posts (``posts_s``), and each hop; and the posts."""
+        forward and backward with its point-to-point posts (``posts_s``), and each hop; and the posts.
+        Kept per pipeline (the object, pinned: plans are frozen) and job (``job_key``) between
+        PlanCosts: the scoring's floors and the prediction that follows read them for the same
+        pipelines; each call returns new lists."""
+        if reference():
+            return self._op_times(p)
+        fwd, bwd, hops, posts = _OPS.get((self.job_key, id(p)), lambda: self._op_times(p),
+                                         pin=(p, self.plan.cluster, self.plan.model, self.profiles))
+        return list(fwd), list(bwd), list(hops), list(posts)
+
+    @functools.cached_property
+    def job_key(self) -> tuple:
+        """All a pipeline's ``op_times`` read besides the pipeline: the cluster, model and profiles (ids;
+        pin them), the sequence length, the plan's precision (its messages' element size), each
+        kind's precision and attention and the runtime (``StageJob``)."""
+        job = self.job
+        return (id(self.plan.cluster), id(job.model), id(self.profiles), job.seq_len, job.precision,
+                tuple(sorted(job.precisions.items())), tuple(sorted(job.attentions.items())), job.runtime)
+
+    def _op_times(self, p: Pipeline) -> tuple[list[float], list[float], list[float], list[float]]:
         mbs, n = p.micro_batch_size, len(p.stages)
         costs = [self.of_stage(s, mbs=mbs) for s in p.stages]
         fwd, bwd = [c.fwd_s for c in costs], [c.bwd_s for c in costs]

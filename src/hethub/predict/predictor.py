@@ -25,7 +25,7 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
 from hethub.memo import reference
@@ -87,15 +87,15 @@ def predict(plan: Plan, *, profiles: ProfileSet | None = None, timeline: bool | 
         mbs, m, n = p.micro_batch_size, p.num_micro_batches, len(p.stages)
         schedule, v = get_schedule(plan.schedule, chunks=p.virtual_stages), p.virtual_stages
         upd = []
+        fwd, bwd, p2p, posts[pi] = costs.op_times(p)  # hops to the next stage: p2p's first n - 1
         for si, s in enumerate(p.stages):
             cost = costs.of_stage(s, mbs=mbs)
             if (twins[pi], si) not in mem_of:
                 mem_of[(pi, si)] = stage_mem(costs, schedule, pi, si)
             in_flight, mem = mem_of[(twins[pi], si)]
-            send = costs.boundary_s(s, p.stages[si + 1], mbs=mbs) if si < n - 1 else 0.0
+            send = p2p[si] if si < n - 1 else 0.0
             upd.append(cost.times.update_s)
             partial.append((pi, si, cost, mem, send, in_flight))
-        fwd, bwd, p2p, posts[pi] = costs.op_times(p)
         if v > 1:
             chunked[pi] = (fwd, bwd, p2p, n)
         sig = (m, v, tuple(fwd), tuple(bwd), tuple(p2p))
@@ -239,11 +239,12 @@ def sync_tail_s(plan: Plan, *, profiles: ProfileSet | None = None, costs: PlanCo
     return tail * (1 - 1e-12)  # the sync adds the same times to the finish in another order (rounding)
 
 
-def last_finish_s(plan: Plan, *, costs: PlanCosts) -> float:
+def last_finish_s(plan: Plan, *, costs: PlanCosts, enough: Callable[[float], bool] | None = None) -> float:
     """The last finish of ``predict(plan)``'s pipelines (without a host or timeline), simulated as it
     simulates them (`PlanCosts.op_times`; finish-only simulations are kept between predictions, so a
     prediction that follows does not simulate again): with ``sync_tail_s`` the step itself, where the
-    optimizer is not sharded, without the prediction's memory, sharding and stage records."""
+    optimizer is not sharded, without the prediction's memory, sharding and stage records. ``enough``:
+    a monotone test ending the walk once the finish so far passes it (off the reference path)."""
     if (costs.plan.schedule, costs.plan.p2p) != (plan.schedule, plan.p2p):  # its simulations read them
         costs = PlanCosts(plan, costs.profiles)
     held = plan.p2p != DEFAULT_P2P  # blocking and lock-step: the records' simulation, as predict's
@@ -253,6 +254,8 @@ def last_finish_s(plan: Plan, *, costs: PlanCosts) -> float:
         sig = (p.num_micro_batches, p.virtual_stages, tuple(fwd), tuple(bwd), tuple(p2p))
         last = max(last, *costs.simulate(sig, fwd=fwd, bwd=bwd, p2p=p2p, m=p.num_micro_batches, ops=held,
                                          chunks=p.virtual_stages))
+        if enough is not None and not reference() and enough(last):
+            return last
     return last
 
 
@@ -267,7 +270,9 @@ def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts, tight: bool = F
     if floor >= bar_s:
         return True
     tail = sync_tail_s(plan, costs=costs, tight=tight)
-    return floor + tail >= bar_s or (tight and (last_finish_s(plan, costs=costs) + tail) * (1 - 1e-12) >= bar_s)
+    def reaches(last_s: float) -> bool:  # monotone: the sum and product round monotonically
+        return (last_s + tail) * (1 - 1e-12) >= bar_s
+    return floor + tail >= bar_s or (tight and reaches(last_finish_s(plan, costs=costs, enough=reaches)))
 
 
 def may_fit_below(plan: Plan, *, mem_headroom: float, bar_s: float | None = None, costs: PlanCosts | None = None,

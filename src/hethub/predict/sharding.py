@@ -346,7 +346,10 @@ def _more_than(counts: list[int], size: int) -> list[int]:
     return out
 
 
-# _stage_lines by plan (id, pinned): which stages' members sit where in each line does not depend on the weights.
+# _stage_lines by layout: which stages' members sit where in each line depends on neither the weights nor
+# a stage's recomputation, SP or micro-batches, so the planner's variants of one layout share it. The key:
+# the model (id, pinned), the pipelines' lengths and each stage's layer ranges, embedding, head, devices
+# and CP degree (its units, TP degree and ranks).
 _STAGE_LINES = Kept(64, shortcut=True)
 
 
@@ -378,4 +381,6 @@ def _stage_lines(plan: Plan) -> _Lines:
             own_at = {r: j for q in range(tp) for j, r in enumerate(sorted(st.cp_group(q)))}  # in its CP group
             coords[i] = tuple((k % tp, mixed_at[r], own_at[r]) for k, r in enumerate(ranks))
         return places, tuple(lines), coords
-    return _STAGE_LINES.get((id(plan),), make, pin=(plan,))
+    key = (id(plan.model), tuple(len(p.stages) for p in plan.pipelines),
+           tuple((s.layer_ranges, s.embedding, s.head, s.devices, s.cp) for p in plan.pipelines for s in p.stages))
+    return _STAGE_LINES.get(key, make, pin=(plan.model,))

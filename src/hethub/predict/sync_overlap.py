@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from hethub.layout import DEFAULT_BUCKET_ELEMS, stage_places, stage_units, unit_holders, unit_position
+from hethub.memo import Kept, reference
 from hethub.plan import Plan
 from hethub.predict.sharding import unit_elems
 from hethub.predict.sync_records import StageId, SyncGroup
@@ -34,11 +35,96 @@ def exposed_sync_groups(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: 
     stage's backward of one micro-batch (its last one overlaps the buckets). A runtime that reduces
     after the schedule (hethub.runtimes: dp_overlap False, DeepSpeed's pipeline engine) overlaps
     nothing: ``groups`` as they are."""
-    model = plan.model
     if plan.zero_stage >= 2:
         return _exposed_rounds(plan, groups, backward_s=backward_s)
     if plan.sharded_optimizer or not runtime_profile(plan.runtime).dp_overlap:
         return list(groups)
+    key = (id(plan), tuple(map(id, groups)), tuple(backward_s.items()), bucket_elems)
+    return list(_EXPOSED.get(key, lambda: tuple(_exposed_buckets(plan, groups, backward_s=backward_s,
+                                                                   bucket_elems=bucket_elems)),
+                             pin=(plan, *groups)))
+
+
+# _exposed_buckets by plan and groups (the objects: ids, pinned; plans are frozen, and sync_groups keeps
+# a layout's groups), every stage's backward and the bucket size: the scoring's floor
+# (predictor.sync_tail_s) and the prediction that follows ask it of the same plan with the same.
+_EXPOSED = Kept(64, shortcut=True)
+
+
+def _exposed_buckets(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
+                     bucket_elems: int) -> list[SyncGroup]:
+    """``exposed_sync_groups`` of an unsharded plan whose runtime overlaps its reduction. Replicas
+    are most of a large plan's holders, so what is equal among holders is found once: a unit's span
+    per stage shape (its layers, embedding, head and TP degree), the buckets' ready times per class
+    of holders with the same backward and span of the group's units. A group's buckets run one
+    after another (their order keys are adjacent), each leaving every holder's cursor at its end,
+    so only a group's first bucket reads the holders' cursors one by one."""
+    if reference():
+        return _plain_exposed_buckets(plan, groups, backward_s=backward_s, bucket_elems=bucket_elems)
+    model = plan.model
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
+    units_of: dict[tuple[StageId, ...], list[str]] = {}
+    for u, hs in unit_holders(plan, tuple(places.values())).items():
+        units_of.setdefault(tuple((st.pipeline, st.stage) for st in hs), []).append(u)
+    spans: dict[tuple, dict[str, tuple[float, float]]] = {}
+
+    def span(x: StageId) -> tuple[tuple, dict[str, tuple[float, float]]]:
+        """Each unit of stage x: the fractions of its backward done when the unit starts and ends
+        (with what it depends on: the stage's shape)."""
+        st = places[x]
+        shape = (st.layer_ranges, st.embedding, st.head, st.tp)
+        if shape not in spans:
+            us = sorted(stage_units(st, tied=model.tied_embeddings, learned_pos=model.arch == "gpt"),
+                        key=lambda u: -unit_position(u, num_layers=model.num_layers))
+            sizes = [unit_elems(model, u, tp=st.tp) for u in us]
+            total, acc, out = float(sum(sizes)) or 1.0, 0.0, {}
+            for u, n in zip(us, sizes, strict=True):
+                out[u] = (acc / total, (acc + n) / total)
+                acc += n
+            spans[shape] = out
+        return shape, spans[shape]
+
+    # (order key, group, holders, per class of holders its ready time relative to the backward's end
+    # and its holders, duration)
+    buckets: list[tuple[tuple, int, tuple[StageId, ...], list[tuple[float, list[StageId]]], float]] = []
+    for gi, g in enumerate(groups):
+        us = units_of.get(g.holders)
+        if g.time_s <= 0 or g.participants <= 1 or not us:
+            continue
+        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
+        first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
+        ends: dict[tuple, tuple[float, float]] = {}  # by stage shape
+        classes: dict[tuple[float, float, float], list[StageId]] = {}
+        for x in g.holders:
+            shape, sp = span(x)
+            if shape not in ends:
+                ends[shape] = (min(sp[u][0] for u in us), max(sp[u][1] for u in us))
+            a, c = ends[shape]
+            classes.setdefault((backward_s[x], a, c), []).append(x)
+        for k in range(n):
+            ready = [(-b * (1.0 - (a + (c - a) * (k + 1) / n)), xs) for (b, a, c), xs in classes.items()]
+            buckets.append(((first, g.name, k), gi, g.holders, ready, d))
+    buckets.sort(key=lambda b: b[0])
+    cursor: dict[StageId, float] = {}
+    exposed = dict.fromkeys({b[1] for b in buckets}, 0.0)
+    run, end, held = -1, 0.0, ()  # the group whose bucket ran last, that bucket's end and its holders
+    for _, gi, hs, ready, d in buckets:
+        if gi == run:  # every holder's cursor is the last bucket's end
+            start = max(end, max(r for r, _ in ready))
+        else:
+            cursor.update(dict.fromkeys(held, end))
+            start = max(max(r, cursor.get(x, -math.inf)) for r, xs in ready for x in xs)
+        run, end, held = gi, start + d, hs
+        exposed[gi] += max(0.0, start + d) - max(0.0, start)
+    return [replace(g, time_s=exposed[gi]) if gi in exposed else g for gi, g in enumerate(groups)]
+
+
+def _plain_exposed_buckets(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
+                     bucket_elems: int) -> list[SyncGroup]:
+    """The plain rule of ``_exposed_buckets``: every holder's ready time per bucket and every bucket's
+    start over its holders' cursors (the reference path's, memo.py)."""
+    model = plan.model
     grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
     places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
     units_of: dict[tuple[StageId, ...], list[str]] = {}

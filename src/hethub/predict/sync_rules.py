@@ -14,8 +14,10 @@ with, so the two cannot drift apart.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from hethub.islands import Exchange, exchange, island_of_kind, padded_numel, segment_bytes
+from hethub.memo import Kept
 from hethub.plan import Plan
 from hethub.predict.comm import allreduce_time_s, ring_pass_time_s, slowest_link
 from hethub.predict.sync_records import StageId
@@ -47,16 +49,35 @@ def group_allreduce_s(plan: Plan, holders: Sequence[StageId], *, nbytes: float, 
     (``participants`` above the holder count) are priced as the ring."""
     if participants != len(holders):
         return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link)
+    where = _ISLANDS.get((id(plan), tuple(holders)), lambda: holder_islands(plan, holders), pin=(plan,))
+    return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link,
+                               islands=where.islands, bridge=where.bridge)
+
+
+@dataclass(frozen=True)
+class HolderIslands:
+    """A group's holders by vendor island (``holder_exchange``): each island's holder count and slowest
+    ring link among their first devices, and the slowest cross-island pair of them (one island: none)."""
+
+    islands: tuple[tuple[int, Link], ...] = ()
+    bridge: Link | None = None
+
+
+# holder_islands by plan (id, pinned; plans are frozen) and holders: a group is priced at its size, at
+# its buckets' and unoverlapped, in the scoring's floor and again in the prediction.
+_ISLANDS = Kept(100_000, shortcut=True)
+
+
+def holder_islands(plan: Plan, holders: Sequence[StageId]) -> HolderIslands:
+    """What ``group_allreduce_s`` reads of the plan beside the group's size and ring link."""
     ex = holder_exchange(plan, holders)
     if len(ex.islands) == 1:
-        return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link)
+        return HolderIslands()
     first = [plan.pipelines[pi].stages[si].devices[0] for pi, si in holders]
-    islands = [(len(isl), slowest_link(plan.cluster, [first[m] for m in isl])) for isl in ex.islands]
+    islands = tuple((len(isl), slowest_link(plan.cluster, [first[m] for m in isl])) for isl in ex.islands)
     pairs = [plan.cluster.link(first[a], first[b]) for i, isl in enumerate(ex.islands) for a in isl
              for other in ex.islands[i + 1:] for b in other]
-    bridge = Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs))
-    return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link,
-                               islands=islands, bridge=bridge)
+    return HolderIslands(islands, Link(min(lk.bw_bytes_per_s for lk in pairs), max(lk.latency_s for lk in pairs)))
 
 
 def islands_allreduce_s(*, nbytes: float, elem_bytes: float, participants: int, link: Link,
@@ -82,12 +103,24 @@ def kind_island_labels(cluster: Cluster, kinds: Iterable[str]) -> dict[str, str]
     return out
 
 
+# two_level_allreduce_time_s by its arguments (pure numbers and frozen links): a plan's groups, their
+# buckets and the plans of one search repeat the same island sizes, links and sizes.
+_TWO_LEVEL = Kept(100_000, shortcut=True)
+
+
 def two_level_allreduce_time_s(*, elems: int, elem_bytes: float, island_links: Sequence[Link],
                                island_sizes: Sequence[int], bridge: Link) -> float:
     """The bridge's all-reduce across islands as ``comm/hierarchical.py`` runs it (``hethub.islands``:
     shard_segments): each island's ring reduce-scatter of the padded buffer over its own link, every
     member's segments all-reduced among one owner per island over the bridge (a member's one after
     another, members in parallel), then each island's ring all-gather."""
+    links, sizes = tuple(island_links), tuple(island_sizes)
+    return _TWO_LEVEL.get((elems, elem_bytes, links, sizes, bridge), lambda: _two_level_allreduce_time_s(
+        elems=elems, elem_bytes=elem_bytes, island_links=links, island_sizes=sizes, bridge=bridge))
+
+
+def _two_level_allreduce_time_s(*, elems: int, elem_bytes: float, island_links: Sequence[Link],
+                                island_sizes: Sequence[int], bridge: Link) -> float:
     padded = padded_numel(elems, island_sizes)
     island_s = max(ring_pass_time_s(chunk_bytes=padded // k * elem_bytes, participants=k, link=lk)
                    for k, lk in zip(island_sizes, island_links, strict=True))

@@ -4,6 +4,7 @@ mode is then the fastest that fits, `predict/stage_modes.choose_recompute`)."""
 from __future__ import annotations
 
 from hethub.errors import InfeasibleError
+from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.search.combine import Estimate
 from hethub.search.split import PipeCost
@@ -19,12 +20,7 @@ def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple
     devices is enough to know a set of pipelines fits (the search relies on this). Within one TP
     degree, a pipeline's stages are consecutive, so neighbours share a node where they can.
     """
-    free: dict[str, list[list[int]]] = {}
-    for d in cluster.devices:
-        nodes = free.setdefault(d.kind, [])
-        if not nodes or cluster.devices[nodes[-1][0]].node != d.node:
-            nodes.append([])
-        nodes[-1].append(d.id)
+    free = {kind: [list(n) for n in nodes] for kind, nodes in kind_nodes(cluster).items()}
     requests = [(pi, si, st.kind, st.tp) for pi, pc in enumerate(pipes) for si, st in enumerate(pc.slots)]
     requests.sort(key=lambda r: -r[3])  # stable: pipeline then stage order within one degree
     out: list[list[tuple[int, ...]]] = [[() for _ in pc.slots] for pc in pipes]
@@ -39,6 +35,26 @@ def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple
         del nodes[c][:tp]
         cursor[kind] = c
     return out
+
+
+# kind_nodes by cluster (id, pinned): every layout the search builds starts from the same free nodes.
+_NODES = Kept(16, shortcut=True)
+
+
+def kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Per kind, its devices' ids node by node (a run of consecutive devices on one node), in
+    cluster order: what ``allocate_devices`` hands out, each call from a fresh copy."""
+    return _NODES.get((id(cluster),), lambda: _kind_nodes(cluster), pin=(cluster,))
+
+
+def _kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
+    free: dict[str, list[list[int]]] = {}
+    for d in cluster.devices:
+        nodes = free.setdefault(d.kind, [])
+        if not nodes or cluster.devices[nodes[-1][0]].node != d.node:
+            nodes.append([])
+        nodes[-1].append(d.id)
+    return {kind: tuple(map(tuple, nodes)) for kind, nodes in free.items()}
 
 
 def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
