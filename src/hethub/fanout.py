@@ -39,7 +39,6 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from hethub import memo
 from hethub.errors import field_error
 
 T = TypeVar("T")
@@ -47,9 +46,7 @@ ENV = "HETHUB_PLAN_WORKERS"
 _IN_WORKER = [False]  # in a forked child (its own fan-outs run serially) or within `serial`
 _SHARED: list[object] = []  # `sharing`'s objects
 _TIMED: list[list[tuple[float, list[float]]]] = []  # `timed`'s records
-_HAND_BACK = [True]  # `handing_back`'s
 _INDEX = struct.Struct("<i")
-_SIZE = struct.Struct("<q")  # the results' pickle's length, before the memos' in a child's answer
 _QUEUE_BYTES = 65536  # a Linux pipe's default capacity
 
 
@@ -97,18 +94,6 @@ def serial() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def handing_back(enabled: bool) -> Iterator[None]:
-    """Within it, forked workers hand their memos' new entries back (``enabled``, the default) or let
-    them die (the plain path, which the twin tests compare)."""
-    before = _HAND_BACK[0]
-    _HAND_BACK[0] = enabled
-    try:
-        yield
-    finally:
-        _HAND_BACK[0] = before
-
-
-@contextlib.contextmanager
 def timed() -> Iterator[list[tuple[float, list[float]]]]:
     """Within it, each forked fan-out appends (this process's CPU s in it, each child's CPU s), so a
     benchmark can give the critical path: the serial rest plus each fan-out's busiest worker."""
@@ -145,7 +130,6 @@ class _Pool:
     def __init__(self, tasks: Sequence[Callable[[], Any]], *, order: list[int],
                  done: Callable[[int, Any], None] | None, shared: list[object]) -> None:
         self.tasks, self.done, self.shared = tasks, done, shared
-        self.memos = memo.memos() if _HAND_BACK[0] else {}  # held, so their ids stay theirs while children run
         self.results: dict[int, tuple[bool, Any]] = {}  # task -> (ok, value or exception)
         if len(order) * _INDEX.size > _QUEUE_BYTES:  # written whole before the first fork, never blocking
             raise ValueError(f"fan_out: {len(order)} tasks exceed the queue's {_QUEUE_BYTES // _INDEX.size}")
@@ -216,8 +200,6 @@ class _Pool:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it kills its workers
             _die_with(parent)
             _IN_WORKER[0] = True
-            if self.memos:
-                memo.start_handing_back()
             got: list[tuple[int, bool, Any]] = []
             self._work(lambda i, ok, value: got.append((i, ok, value if ok else _portable(value))), child=True)
             try:  # one pickle: what results share stays shared
@@ -226,28 +208,17 @@ class _Pool:
                 data = self._dumps([x if self._sendable(x) else (x[0], False, RuntimeError(
                     f"fan_out task {x[0]}: its result {x[2]!r:.200} does not pickle")) for x in got])
             with os.fdopen(w, "wb") as out:
-                out.write(_SIZE.pack(len(data)) + data + (self._memo_bytes() if self.memos else b""))
+                out.write(data)
             sys.stdout.flush()
             sys.stderr.flush()
             code = 0
         finally:
             os._exit(code)  # no exit handlers, no flush of buffers inherited from the parent
 
-    def _dumps(self, got: object) -> bytes:
+    def _dumps(self, got: list[tuple[int, bool, Any]]) -> bytes:
         buf = io.BytesIO()
         _Pickler(buf, {id(o): n for n, o in enumerate(self.shared)}).dump(got)
         return buf.getvalue()
-
-    def _memo_bytes(self) -> bytes:
-        """The memos' entries this worker added that mean the same in the parent (`memo.handed_back`:
-        those pinning only shared objects, which cross as references), a pickle per memo, so that one
-        whose entries do not pickle is left out alone."""
-        shared = {id(o) for o in self.shared}
-        out = []
-        for handed in memo.handed_back(lambda o: id(o) in shared):
-            with contextlib.suppress(Exception):
-                out.append(self._dumps(handed))
-        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _sendable(self, item: tuple[int, bool, Any]) -> bool:
         try:
@@ -261,16 +232,11 @@ class _Pool:
             data = f.read()
         _, status, usage = os.wait4(pid, 0)
         self.child_s.append(usage.ru_utime + usage.ru_stime)
-        size = _SIZE.unpack_from(data)[0] if data else 0
-        for item in _Unpickler(io.BytesIO(data[_SIZE.size:_SIZE.size + size]), self.shared).load() if data else ():
+        for item in _Unpickler(io.BytesIO(data), self.shared).load() if data else ():
             self._record(*item)
         if status != 0:
             raise ChildProcessError(f"fan_out worker pid {pid} ended with status {status} "
                                     f"({os.waitstatus_to_exitcode(status)}); its tasks' results are lost")
-        for part in pickle.loads(data[_SIZE.size + size:]) if len(data) > _SIZE.size + size else ():
-            handed = _Unpickler(io.BytesIO(part), self.shared).load()
-            if (kept := self.memos.get(handed.memo_id)) is not None:
-                memo.take_back(handed, kept)
 
 
 def _portable(e: Exception) -> Exception:

@@ -28,7 +28,6 @@ import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 # Every memo, so that a caller comparing cold costs (bench/predict_speed.py) can empty them all.
@@ -41,45 +40,21 @@ def clear_all() -> None:
         kept.clear()
 
 
-@dataclass(frozen=True)
-class Added:
-    """One entry a forked worker added to a memo (`Kept.added`): its key, value and pinned objects."""
-
-    key: tuple
-    value: Any
-    pin: tuple[object, ...]
-
-
-@dataclass(frozen=True)
-class Handed:
-    """What a forked worker hands back of one memo (`handed_back`): the memo, by its id at the fork
-    (the same in the parent, which holds every memo of the fork), and the entries it added."""
-
-    memo_id: int
-    entries: list[Added]
-
-
 class Kept:
     """A memo emptied whole when it reaches ``limit`` entries: bounded memory without
     LRU bookkeeping. Keys may hold ids of objects passed as ``pin``: they are kept alive until the
     memo is emptied, so no id is reused while an entry names it. ``shortcut``: a memo the plain
-    rules did without, bypassed on the reference path (module doc). ``portable``: its keys and values
-    mean the same in another process once pickled (plain values; ids only of pinned objects), so a
-    forked worker hands its new entries back (`handed_back`); False for values that are this process's
-    working objects (the search's stage models), whose copies would stand for nothing in another."""
+    rules did without, bypassed on the reference path (module doc)."""
 
-    def __init__(self, limit: int, *, shortcut: bool = False, portable: bool = True) -> None:
-        self.limit, self.shortcut, self.portable = limit, shortcut, portable
+    def __init__(self, limit: int, *, shortcut: bool = False) -> None:
+        self.limit, self.shortcut = limit, shortcut
         self.entries: dict[tuple, Any] = {}
         self.pins: dict[int, object] = {}
-        self.added: list[Added] | None = None  # in a forked worker: the entries it added (`added_since_fork`)
         _ALL.add(self)
 
     def clear(self) -> None:
         self.entries.clear()
         self.pins.clear()
-        if self.added is not None:
-            self.added.clear()
 
     def get(self, key: tuple, make: Callable[[], Any], *, pin: tuple[object, ...] = ()) -> Any:
         if self.shortcut and _REFERENCE[0]:
@@ -90,45 +65,7 @@ class Kept:
                 self.clear()
             self.pins.update((id(o), o) for o in pin)
             hit = self.entries[key] = make()
-            if self.added is not None:
-                self.added.append(Added(key, hit, pin))
         return hit
-
-
-def memos() -> dict[int, Kept]:
-    """Every memo by its id (what `take_back` reads `Handed.memo_id` against)."""
-    return {id(kept): kept for kept in list(_ALL)}
-
-
-def start_handing_back() -> None:
-    """In a forked worker: from now on every portable memo records the entries it adds (`handed_back`)."""
-    for kept in list(_ALL):
-        kept.added = [] if kept.portable else None
-
-
-def handed_back(stable: Callable[[object], bool]) -> list[Handed]:
-    """The entries each memo added since `start_handing_back` whose pinned objects are all ``stable``
-    (the same objects, at the same ids, in the parent: the search's shared job objects), so that the
-    parent can keep them (`take_back`); an entry pinning an object of this process (a plan it made)
-    names an id that means nothing there."""
-    out = []
-    for kept in list(_ALL):
-        got = [a for a in kept.added or () if all(stable(o) for o in a.pin)]
-        if got:
-            out.append(Handed(id(kept), got))
-    return out
-
-
-def take_back(handed: Handed, kept: Kept) -> None:
-    """Adds a worker's entries of ``kept`` (`handed_back`) that it lacks, up to its limit: each is the
-    value this process would compute for its key (a memo holds pure results), so it computes less later
-    and answers the same."""
-    for a in handed.entries:
-        if len(kept.entries) >= kept.limit:
-            break
-        if a.key not in kept.entries:
-            kept.pins.update((id(o), o) for o in a.pin)
-            kept.entries[a.key] = a.value
 
 
 class Later:

@@ -126,7 +126,7 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     """Best memory-feasible plan under `config.strategy` over every schedule and optimizer sharding the
     config leaves open (`_make_plan`), scored by the predictor (with `host`, the local emulation host
     every rank runs on, if any: ``hethub.emulation.host_model``), read against the proven bound."""
-    with search_scope(), sharing(cluster, *cluster.kinds.values(), model, profiles, host):
+    with search_scope(), sharing(cluster, model, profiles, host):
         result = _make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
         result = reported(result, job_bound(cluster=cluster, model=model, config=config, profiles=profiles))
     if (z := config.optimizer_sharding) not in ("none", "auto") and not result.plan.sharded_optimizer:

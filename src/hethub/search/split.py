@@ -255,8 +255,8 @@ def price(models: list[StageCost], counts: list[int], *, model: ModelSpec, slots
                     sp=sp if any(sp) else ())
 
 
-_TERMS = Kept(1 << 16, shortcut=True, portable=False)
-_STAGES = Kept(1 << 14, shortcut=True, portable=False)  # CostBook.stage's models of equal jobs, shared between books
+_TERMS = Kept(1 << 16, shortcut=True)
+_STAGES = Kept(1 << 14, shortcut=True)  # CostBook.stage's models of equal jobs, shared between books
 
 
 # ---- The search's stage costs: caches over the predictor's stage cost model (predict/stage_cost.py).
@@ -309,7 +309,7 @@ class Cache(Generic[V]):
         return f"Cache({self.name!r})"
 
 
-_SHARED = Kept(1 << 10, shortcut=True, portable=False)  # the shared Caches (Cache.shared) of equal stage models
+_SHARED = Kept(1 << 10, shortcut=True)  # the shared Caches (Cache.shared) of equal stage models
 _OPTIONS: Cache[list[_Option]] = Cache("options", shared=True)
 _RECOMPUTE_FLOORS: Cache[RecomputeFloor] = Cache("recompute floors", shared=True)
 
