@@ -12,7 +12,9 @@ a child also dies with a parent killed outright (``PR_SET_PDEATHSIG``).
 Why a result cannot depend on the worker count or the machine's load: a task is a pure function of
 what existed at the fork (the search's inputs and its pure memos, `hethub.memo`), so it computes the
 same value in any process, and the values come back in task order. What a child adds to the memos
-dies with it: the parent recomputes what it later asks of them (the same values, for time only).
+dies with it: the parent recomputes what it later asks of them (the same values, for time only). They
+are not handed back because few are asked again: what two workers redo is mostly what tasks side by
+side each build (the stage models and their solves that a serial run shares), not a later fan-out's.
 Objects named by ``sharing`` (the job's cluster, model, profiles) cross as references, not copies, so
 a result's plans hold the parent's own objects.
 

@@ -259,7 +259,8 @@ def test_workers_from_the_environment(monkeypatch):
 
 def test_make_plan_forked_gives_the_serial_plan():
     # The default path (schedules and shardings auto) on a small two-kind cluster: with two workers
-    # (children recorded as they claim tasks) and with one, from cold memos; the plans' JSON equal.
+    # (children recorded as they claim tasks) and with one, from cold memos; the plans (every
+    # alternative, with its predicted step), notes and the bound's parts equal.
     got = _run("""
         import json, os
         from hethub import fanout
@@ -284,9 +285,12 @@ def test_make_plan_forked_gives_the_serial_plan():
             os.environ[fanout.ENV] = workers
             clear_caches()
             r = make_plan(cluster=small_cluster(), model=tiny_model(), config=config)
-            d = r.plan.to_dict()
-            d.pop("meta")
-            plans.append(json.dumps(d, sort_keys=True, default=str))
+            alternatives = []
+            for plan, pred in r.alternatives:
+                d = plan.to_dict()
+                d.pop("meta")
+                alternatives.append([d, pred.step_time_s])
+            plans.append(json.dumps([alternatives, r.notes, r.upper_bound_by_kind], sort_keys=True, default=str))
             children = len(open(log).read().split()) if os.path.exists(log) else 0
             os.path.exists(log) and os.remove(log)
             plans.append(children)
