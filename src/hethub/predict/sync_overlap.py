@@ -15,10 +15,10 @@ collective shares the device with it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
-from hethub.layout import DEFAULT_BUCKET_ELEMS, stage_places, stage_units, unit_holders, unit_position
+from hethub.layout import DEFAULT_BUCKET_ELEMS, StagePlace, stage_places, stage_units, unit_holders, unit_position
 from hethub.memo import Kept, reference
 from hethub.plan import Plan
 from hethub.predict.sharding import unit_elems
@@ -62,38 +62,21 @@ def _exposed_buckets(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Map
     if reference():
         return _plain_exposed_buckets(plan, groups, backward_s=backward_s, bucket_elems=bucket_elems)
     model = plan.model
-    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
-    places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
-    units_of: dict[tuple[StageId, ...], list[str]] = {}
-    for u, hs in unit_holders(plan, tuple(places.values())).items():
-        units_of.setdefault(tuple((st.pipeline, st.stage) for st in hs), []).append(u)
+    places, units_of = _units_by_holders(plan)
     spans: dict[tuple, dict[str, tuple[float, float]]] = {}
 
     def span(x: StageId) -> tuple[tuple, dict[str, tuple[float, float]]]:
-        """Each unit of stage x: the fractions of its backward done when the unit starts and ends
-        (with what it depends on: the stage's shape)."""
+        """Each unit of stage x: its span (`_unit_spans`), with what it depends on: the stage's shape."""
         st = places[x]
         shape = (st.layer_ranges, st.embedding, st.head, st.tp)
         if shape not in spans:
-            us = sorted(stage_units(st, tied=model.tied_embeddings, learned_pos=model.arch == "gpt"),
-                        key=lambda u: -unit_position(u, num_layers=model.num_layers))
-            sizes = [unit_elems(model, u, tp=st.tp) for u in us]
-            total, acc, out = float(sum(sizes)) or 1.0, 0.0, {}
-            for u, n in zip(us, sizes, strict=True):
-                out[u] = (acc / total, (acc + n) / total)
-                acc += n
-            spans[shape] = out
+            spans[shape] = _unit_spans(st, model)
         return shape, spans[shape]
 
     # (order key, group, holders, per class of holders its ready time relative to the backward's end
     # and its holders, duration)
     buckets: list[tuple[tuple, int, tuple[StageId, ...], list[tuple[float, list[StageId]]], float]] = []
-    for gi, g in enumerate(groups):
-        us = units_of.get(g.holders)
-        if g.time_s <= 0 or g.participants <= 1 or not us:
-            continue
-        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
-        first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
+    for gi, g, us, n, d, first in _bucketed(plan, groups, units_of=units_of, bucket_elems=bucket_elems):
         ends: dict[tuple, tuple[float, float]] = {}  # by stage shape
         classes: dict[tuple[float, float, float], list[StageId]] = {}
         for x in g.holders:
@@ -125,34 +108,17 @@ def _plain_exposed_buckets(plan: Plan, groups: Sequence[SyncGroup], *, backward_
     """The plain rule of ``_exposed_buckets``: every holder's ready time per bucket and every bucket's
     start over its holders' cursors (the reference path's, memo.py)."""
     model = plan.model
-    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
-    places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
-    units_of: dict[tuple[StageId, ...], list[str]] = {}
-    for u, hs in unit_holders(plan, tuple(places.values())).items():
-        units_of.setdefault(tuple((st.pipeline, st.stage) for st in hs), []).append(u)
+    places, units_of = _units_by_holders(plan)
     spans: dict[StageId, dict[str, tuple[float, float]]] = {}
 
     def span(x: StageId) -> dict[str, tuple[float, float]]:
-        """Each unit of stage x: the fractions of its backward done when the unit starts and ends."""
+        """Each unit of stage x: its span (`_unit_spans`)."""
         if x not in spans:
-            st = places[x]
-            us = sorted(stage_units(st, tied=model.tied_embeddings, learned_pos=model.arch == "gpt"),
-                        key=lambda u: -unit_position(u, num_layers=model.num_layers))
-            sizes = [unit_elems(model, u, tp=st.tp) for u in us]
-            total, acc, out = float(sum(sizes)) or 1.0, 0.0, {}
-            for u, n in zip(us, sizes, strict=True):
-                out[u] = (acc / total, (acc + n) / total)
-                acc += n
-            spans[x] = out
+            spans[x] = _unit_spans(places[x], model)
         return spans[x]
 
     buckets = []  # (order key, group, holders, ready time per holder relative to the backward's end, duration)
-    for gi, g in enumerate(groups):
-        us = units_of.get(g.holders)
-        if g.time_s <= 0 or g.participants <= 1 or not us:
-            continue
-        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
-        first = -max(unit_position(u, num_layers=model.num_layers) for u in us)
+    for gi, g, us, n, d, first in _bucketed(plan, groups, units_of=units_of, bucket_elems=bucket_elems):
         ends = {x: (min(sp[u][0] for u in us), max(sp[u][1] for u in us)) for x in g.holders for sp in (span(x),)}
         for k in range(n):
             ready = {x: -backward_s[x] * (1.0 - (a + (c - a) * (k + 1) / n)) for x, (a, c) in ends.items()}
@@ -166,6 +132,42 @@ def _plain_exposed_buckets(plan: Plan, groups: Sequence[SyncGroup], *, backward_
             cursor[x] = start + d
         exposed[gi] += max(0.0, start + d) - max(0.0, start)
     return [replace(g, time_s=exposed[gi]) if gi in exposed else g for gi, g in enumerate(groups)]
+
+
+def _units_by_holders(plan: Plan) -> tuple[dict[StageId, StagePlace], dict[tuple[StageId, ...], list[str]]]:
+    """The plan's stage places by (pipeline, stage), and its sync units by the stages holding them."""
+    places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
+    units_of: dict[tuple[StageId, ...], list[str]] = {}
+    for u, hs in unit_holders(plan, tuple(places.values())).items():
+        units_of.setdefault(tuple((st.pipeline, st.stage) for st in hs), []).append(u)
+    return places, units_of
+
+
+def _bucketed(plan: Plan, groups: Sequence[SyncGroup], *, units_of: Mapping[tuple[StageId, ...], list[str]],
+              bucket_elems: int) -> Iterator[tuple[int, SyncGroup, list[str], int, float, int]]:
+    """Each group that reduces in buckets (it takes time, has more than one participant and holds
+    units): its index, itself, its units, its bucket count and each bucket's time, and its order
+    key (the negated position of its last unit: groups reduce in backward order)."""
+    grad_bytes = ModelSpec.state_bytes_per_param(plan.precision)["grads"]
+    for gi, g in enumerate(groups):
+        us = units_of.get(g.holders)
+        if g.time_s <= 0 or g.participants <= 1 or not us:
+            continue
+        n, d = _buckets_of(plan, g, grad_bytes=grad_bytes, bucket_elems=bucket_elems)
+        yield gi, g, us, n, d, -max(unit_position(u, num_layers=plan.model.num_layers) for u in us)
+
+
+def _unit_spans(st: StagePlace, model: ModelSpec) -> dict[str, tuple[float, float]]:
+    """Each unit of stage place ``st``: the fractions of its backward done when the unit's gradients
+    start and finish (units in backward order, each in proportion to its elements)."""
+    us = sorted(stage_units(st, tied=model.tied_embeddings, learned_pos=model.arch == "gpt"),
+                key=lambda u: -unit_position(u, num_layers=model.num_layers))
+    sizes = [unit_elems(model, u, tp=st.tp) for u in us]
+    total, acc, out = float(sum(sizes)) or 1.0, 0.0, {}
+    for u, n in zip(us, sizes, strict=True):
+        out[u] = (acc / total, (acc + n) / total)
+        acc += n
+    return out
 
 
 def _exposed_rounds(plan: Plan, groups: Sequence[SyncGroup], *, backward_s: Mapping[StageId, float],
