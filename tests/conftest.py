@@ -1,5 +1,6 @@
 import functools
 import pathlib
+from dataclasses import replace
 
 import pytest
 from hypothesis import settings
@@ -89,6 +90,13 @@ def small_cluster(*, fast: int = 4, slow: int = 4, per_node: int = 2) -> Cluster
         groups.append(NodeGroup("slow", slow // per_node, per_node))
     return Cluster(name="small", kinds={"fast": kind("fast", 100e12, 40), "slow": kind("slow", 40e12, 16)},
                    groups=tuple(groups), inter_node=Link(12.5e9, 1e-5), cross_kind=Link(5e9, 5e-5))
+
+
+def two_islands(cluster: Cluster) -> Cluster:
+    """``small_cluster``'s kinds in two vendor islands, both on NCCL: syncs across kinds then take the
+    bridge's two-level all-reduce (``hethub.islands``)."""
+    return replace(cluster, kinds={**cluster.kinds, "fast": replace(cluster.kinds["fast"], backend="nccl"),
+                                   "slow": replace(cluster.kinds["slow"], vendor="other", backend="nccl")})
 
 
 def tiny_model(layers: int = 6) -> ModelSpec:

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from conftest import small_cluster, tiny_model
+from conftest import small_cluster, tiny_model, two_islands
 from hethub.errors import PlanError
 from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Recompute, Stage
@@ -31,9 +31,7 @@ from hethub.spec.cluster import Cluster, Link
 
 CLUSTER = small_cluster(fast=8, slow=8, per_node=2)
 # The kinds in two vendor islands: syncs across them take the bridge's two-level all-reduce.
-BRIDGED = dataclasses.replace(CLUSTER, kinds={
-    "fast": dataclasses.replace(CLUSTER.kinds["fast"], backend="nccl"),
-    "slow": dataclasses.replace(CLUSTER.kinds["slow"], vendor="other", backend="nccl")})
+BRIDGED = two_islands(CLUSTER)
 
 
 def _random_plan(rng: random.Random, *, seq_len: int = 32, cluster: Cluster = CLUSTER) -> Plan:

@@ -8,9 +8,8 @@ polish's floor where it has something to add."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
-from conftest import small_cluster
+from conftest import small_cluster, two_islands
 from hethub.errors import PlanError
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import with_chunks
@@ -35,10 +34,7 @@ MODEL = ModelSpec(name="f", num_layers=8, hidden_size=256, num_heads=8, num_kv_h
 
 def _cluster(islands: int):
     c = small_cluster(fast=16, slow=16, per_node=8)
-    if islands == 1:
-        return c
-    return replace(c, kinds={**c.kinds, "slow": replace(c.kinds["slow"], vendor="other", backend="nccl"),
-                             "fast": replace(c.kinds["fast"], backend="nccl")})
+    return c if islands == 1 else two_islands(c)
 
 
 def _random_plan(rng: random.Random, islands: int) -> Plan | None:

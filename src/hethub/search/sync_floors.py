@@ -136,8 +136,9 @@ class SyncFloors:
         key = (sl, replicas, devices)
         if (hit := self._prefixes.get(key)) is None:
             m, per = sl.kind, []
-            for a, b, kinds, tp, have in self._pure_blocks()[1] if self.pure else [(0, self.s.model.num_layers,
-                                                                                     frozenset(), sl.tp, ())]:
+            # Without pure groups every layer's holders are the mixed stages alone: one block.
+            blocks = self._pure_blocks()[1] if self.pure else [(0, self.s.model.num_layers, frozenset(), sl.tp, ())]
+            for a, b, kinds, tp, have in blocks:
                 per += [self._ring(kinds | {m}, min(tp, sl.tp), replicas, devices, have, m)] * (b - a)
             hit = self._prefixes[key] = [0.0, *itertools.accumulate(per)]
         return hit
