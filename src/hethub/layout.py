@@ -44,7 +44,7 @@ from hethub.layout_units import (
     unit_param_prefix,
     unit_position,
 )
-from hethub.memo import Kept
+from hethub.memo import Kept, reference
 from hethub.plan import Plan
 
 # Re-exported: the stage records and activation routing (layout_parts.py) and the parameter units
@@ -197,14 +197,18 @@ class Topology:
         return rank in self.unit_holders[unit][0].tp_group(0)
 
 
-# stage_places by plan (id, pinned; plans are frozen): the predictor's sync and sharding rules ask
-# it several times per prediction, O(devices) each.
+# stage_places by the plan's pipelines (id, pinned; frozen), all it reads (the ranks are their devices in
+# order): the predictor's sync and sharding rules ask it several times per prediction, O(devices) each, and
+# the planner's plans that differ only in their training settings (runtime, optimizer sharding) share them.
 _PLACES = Kept(64, shortcut=True)
+# unit_holders by stage places (the tuple: id, pinned) and the model's unit rules: the sync groups, their
+# buckets, the optimizer's split and the planner's sharding check each ask it of the same places.
+_HOLDERS = Kept(64, shortcut=True)
 
 
 def stage_places(plan: Plan) -> tuple[StagePlace, ...]:
     """Every stage of every pipeline, in pipeline then stage order, with its torch ranks."""
-    return _PLACES.get((id(plan),), lambda: _stage_places(plan), pin=(plan,))
+    return _PLACES.get((id(plan.pipelines),), lambda: _stage_places(plan), pin=(plan.pipelines,))
 
 
 def _stage_places(plan: Plan) -> tuple[StagePlace, ...]:
@@ -220,6 +224,12 @@ def unit_holders(plan: Plan, stages: tuple[StagePlace, ...] | None = None) -> di
     """Each unit's holder stages (see the module doc for their order), units in first-met order."""
     stages = stage_places(plan) if stages is None else stages
     tied, learned_pos = plan.model.tied_embeddings, plan.model.arch == "gpt"
+    return dict(_HOLDERS.get((id(stages), tied, learned_pos),
+                             lambda: _unit_holders(stages, tied=tied, learned_pos=learned_pos), pin=(stages,)))
+
+
+def _unit_holders(stages: tuple[StagePlace, ...], *, tied: bool, learned_pos: bool,
+                  ) -> dict[str, tuple[StagePlace, ...]]:
     holders: dict[str, list[StagePlace]] = {}
     for st in stages:
         for u in stage_units(st, tied=tied, learned_pos=learned_pos):
@@ -232,7 +242,11 @@ def unit_holders(plan: Plan, stages: tuple[StagePlace, ...] | None = None) -> di
 def single_holder_units(plan: Plan) -> list[str]:
     """Parameter units held by one stage only (a plan of one replica): a sharded optimizer has nothing
     to split them across, so the runtime refuses such a plan sharded and the planner writes it
-    unsharded."""
+    unsharded. Of a valid plan (``Plan.validate``): each pipeline's stages hold every unit (its layers
+    once, the embedding first, the head last), so with two pipelines or more none is alone (a shortcut
+    off the reference path: memo.py), and the holders are walked only for one."""
+    if len(plan.pipelines) > 1 and not reference():
+        return []
     return [u for u, holders in unit_holders(plan).items() if len(holders) == 1]
 
 

@@ -136,9 +136,10 @@ def _plain_exposed_buckets(plan: Plan, groups: Sequence[SyncGroup], *, backward_
 
 def _units_by_holders(plan: Plan) -> tuple[dict[StageId, StagePlace], dict[tuple[StageId, ...], list[str]]]:
     """The plan's stage places by (pipeline, stage), and its sync units by the stages holding them."""
-    places = {(st.pipeline, st.stage): st for st in stage_places(plan)}
+    stages = stage_places(plan)
+    places = {(st.pipeline, st.stage): st for st in stages}
     units_of: dict[tuple[StageId, ...], list[str]] = {}
-    for u, hs in unit_holders(plan, tuple(places.values())).items():
+    for u, hs in unit_holders(plan, stages).items():
         units_of.setdefault(tuple((st.pipeline, st.stage) for st in hs), []).append(u)
     return places, units_of
 
