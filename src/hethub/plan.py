@@ -22,7 +22,15 @@ from typing import Any
 
 from hethub.errors import PlanError, SpecError, load_json
 from hethub.memo import reference
-from hethub.plan_check import check_layer_ranges, check_seq_split, check_shard_weights, check_stage, fail
+from hethub.plan_check import (
+    check_layer_ranges,
+    check_seq_split,
+    check_shard_weights,
+    check_stage,
+    check_stage_devices,
+    fail,
+    stage_shape,
+)
 from hethub.plan_fields import kind_settings_of, pipeline_from_dict, shard_weights_of, typed_field
 from hethub.plan_parts import RECOMPUTE_MODES, Pipeline, Recompute, ShardWeights, Stage, interleave, split_evenly
 from hethub.runtimes import ATTENTION_KINDS, DEFAULT_RUNTIME, RUNTIMES, runtime_profile
@@ -232,7 +240,12 @@ class Plan:
                  "use a sequence length the model supports")
         if not self.pipelines:
             fail("pipelines", "is empty", "add at least one pipeline")
-        used: dict[int, str] = {}
+        used: dict[int, int] = {}  # each device's pipeline
+        # Stage shapes (plan_check.stage_shape) that passed their checks here: replicas repeat a few, so
+        # a stage of one is checked only for its device ids; and a pipeline that reuses no device is
+        # checked for it at once (shortcuts: memo.py).
+        passed: set[tuple] = set()
+        fresh = reference()
         for pi, p in enumerate(self.pipelines):
             where = f"pipelines[{pi}]"
             if p.micro_batch_size < 1 or p.num_micro_batches < 1:
@@ -240,18 +253,29 @@ class Plan:
                      f"are {p.micro_batch_size}/{p.num_micro_batches}", "both must be >= 1")
             if not p.stages:
                 fail(f"{where}.stages", "is empty", "give each pipeline at least one stage")
+            # No stage of it reuses a device: the stages' own checks alone can fail, in the same order.
+            apart = not fresh and used.keys().isdisjoint(p.devices) and len(set(p.devices)) == len(p.devices)
+            n, cp0 = len(p.stages), p.stages[0].cp
             for si, s in enumerate(p.stages):
-                sw = f"{where}.stages[{si}]"
-                check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == len(p.stages) - 1)
-                check_seq_split(s, sw, seq_len=self.seq_len, cp0=p.stages[0].cp)
-                if not reference() and used.keys().isdisjoint(s.devices) and len(set(s.devices)) == len(s.devices):
-                    used.update(dict.fromkeys(s.devices, sw))  # no device reused: the loop below would pass
+                shape = None if fresh else stage_shape(s, first=si == 0, last=si == n - 1, cp0=cp0)
+                if shape is not None and shape in passed:
+                    check_stage_devices(s, cluster=c, where=where, index=si)
+                else:
+                    sw = f"{where}.stages[{si}]"
+                    check_stage(s, sw, model=m, cluster=c, first=si == 0, last=si == n - 1)
+                    check_seq_split(s, sw, seq_len=self.seq_len, cp0=cp0)
+                    if shape is not None:
+                        passed.add(shape)
+                if apart:
                     continue
                 for d in s.devices:
-                    if d in used:
-                        fail(f"{sw}.devices", f"reuses device {d}, already used by {used[d]}",
-                             "give every device to exactly one stage")
-                    used[d] = sw
+                    if d in used:  # its first holder: the first stage of that pipeline holding it
+                        at = next(i for i, x in enumerate(self.pipelines[used[d]].stages) if d in x.devices)
+                        fail(f"{where}.stages[{si}].devices", f"reuses device {d}, already used by "
+                             f"pipelines[{used[d]}].stages[{at}]", "give every device to exactly one stage")
+                    used[d] = pi
+            if apart:
+                used.update(dict.fromkeys(p.devices, pi))
             check_layer_ranges(p, where, model=m, schedule=self.schedule)
         total = sum(p.num_samples for p in self.pipelines)
         if total != self.global_batch:

@@ -41,11 +41,11 @@ def check_layer_ranges(p: Pipeline, where: str, *, model: ModelSpec, schedule: s
     for k in range(v * n):
         c, si = divmod(k, n)
         start, end = p.stages[si].layer_ranges[c]
-        fieldname = f"{where}.stages[{si}]." + (f"chunks[{c}]" if v > 1 else "layers")
         if start != expect or end < start or end > model.num_layers:
             order = " (virtual stage order: chunk 0 of every stage, then chunk 1, ...)" if v > 1 else ""
-            fail(fieldname, f"is [{start}, {end}), expected to start at {expect} and end by {model.num_layers}",
-                  f"give contiguous layer ranges covering every layer once{order}")
+            fail(f"{where}.stages[{si}]." + (f"chunks[{c}]" if v > 1 else "layers"),
+                 f"is [{start}, {end}), expected to start at {expect} and end by {model.num_layers}",
+                 f"give contiguous layer ranges covering every layer once{order}")
         expect = end
     for si, s in enumerate(p.stages):
         # An empty chunk of a stage with other layers passes its input on (one more hop, no work).
@@ -86,6 +86,17 @@ def check_seq_split(s: Stage, sw: str, *, seq_len: int, cp0: int) -> None:
              "use a sequence length (per CP rank) divisible by the TP degree, or set it false")
 
 
+def stage_shape(s: Stage, *, first: bool, last: bool, cp0: int) -> tuple | None:
+    """All of stage ``s`` that ``check_stage`` and ``check_seq_split`` read but its device ids (the plan's
+    model, cluster and sequence length aside), so that stages of one shape pass them alike and a plan
+    checks each shape once (its device ids always: ``check_stage_devices``); None where a field is not
+    of its plain type (a str kind, int CP degrees, bool flags), whose checks then run as they are."""
+    plain = (type(s.kind), type(s.cp), type(cp0), type(s.sequence_parallel), type(s.embedding), type(s.head))
+    if plain != (str, int, int, bool, bool, bool):
+        return None
+    return (s.kind, len(s.devices), s.cp, s.sequence_parallel, s.embedding, s.head, first, last, cp0)
+
+
 def check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first: bool, last: bool) -> None:
     if s.kind not in cluster.kinds:
         fail(f"{sw}.kind", f"is {s.kind!r}, not a kind of cluster {cluster.name!r}",
@@ -107,6 +118,13 @@ def check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first:
 # The stages whose devices passed _check_devices, by cluster (id, pinned), kind, devices and CP degree:
 # the planner validates every layout it builds, and its layouts reuse the same TP groups.
 _DEVICES_PASSED = Kept(100_000, shortcut=True)
+
+
+def check_stage_devices(s: Stage, *, cluster: Cluster, where: str, index: int) -> None:
+    """``check_stage``'s checks of the device ids of stage ``index`` of pipeline ``where`` (a stage
+    whose kind is the cluster's and whose devices are not empty)."""
+    _DEVICES_PASSED.get((id(cluster), s.kind, s.devices, s.cp),
+                        lambda: _check_devices(s, f"{where}.stages[{index}]", cluster=cluster), pin=(cluster,))
 
 
 def _check_devices(s: Stage, sw: str, *, cluster: Cluster) -> bool:
