@@ -57,12 +57,29 @@ def _kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
     return {kind: tuple(map(tuple, nodes)) for kind, nodes in free.items()}
 
 
+# build_plan's plans by all they are built from: the cluster and model (ids, pinned), the candidate's
+# groups and micro-batch counts (hetero.plan_key's), the job's batch, sequence length, schedule,
+# precision and strategy, and whether placed and validated. The planner lays out and checks the same
+# candidates under each optimizer sharding of a schedule; plans are frozen, so one serves them all.
+_PLANS = Kept(256, shortcut=True)
+
+
 def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
                schedule: str, precision: str, strategy: str, validate: bool = True, place: bool = True) -> Plan:
     """The candidate laid out on devices. ``validate=False`` only for a layout the search checks and
     drops (templates.Searcher.fits's memory check): a plan made from it is validated when built.
     ``place=False``: every stage on placeholder devices 0 .. tp - 1, for that check where nothing it
     asks depends on device ids (an unsharded plan's memory: TP degrees and layer ranges)."""
+    key = (id(cluster), id(model), tuple((g.pipe, g.count) for g in est.groups), est.micro_batches, global_batch,
+           seq_len, schedule, precision, strategy, validate, place)
+    return _PLANS.get(key, lambda: _build_plan(cluster=cluster, model=model, est=est, global_batch=global_batch,
+                                               seq_len=seq_len, schedule=schedule, precision=precision,
+                                               strategy=strategy, validate=validate, place=place),
+                      pin=(cluster, model))
+
+
+def _build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
+                schedule: str, precision: str, strategy: str, validate: bool, place: bool) -> Plan:
     pipes, counts = [], []
     for g, ms in zip(est.groups, est.micro_batches, strict=True):
         for m in ms:
