@@ -21,7 +21,7 @@ from hethub.layout import (
     stage_places,
     unit_position,
 )
-from hethub.memo import Kept
+from hethub.memo import Kept, reference
 from hethub.plan import Plan
 from hethub.predict.sharding import bucket_lines, layout_key, rank_shards, unit_elems
 from hethub.spec.model import ModelSpec
@@ -66,6 +66,75 @@ def zero23_stage_bytes(plan: Plan, *, bucket_elems: int = DEFAULT_BUCKET_ELEMS) 
 
 
 def _zero23_stage_bytes(plan: Plan, bucket_elems: int) -> tuple[tuple[int, int, int], ...]:
+    """Per bucket, what a holder adds (its units' bytes, largest sub-bucket) depends only on its TP
+    degree and weight bytes, and a stage's gather peak only on its gathered units' sizes and whether
+    it holds the embedding: each is found once per such shape (replicas repeat a few), in integers,
+    so the sums are the per-holder walk's whatever their order (a shortcut: memo.py)."""
+    if reference():
+        return _plain_zero23_stage_bytes(plan, bucket_elems)
+    model, stage3 = plan.model, plan.zero_stage == 3
+    places = stage_places(plan)
+    index = {(st.pipeline, st.stage): i for i, st in enumerate(places)}
+    wbytes = [ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for st in places]
+    whole = [0] * len(places)
+    sizes: list[dict[str, tuple[int, int]]] = [{} for _ in places]  # unit -> (bytes, staging)
+    largest = [(0, 0)] * len(places)  # (layout elems, local elems) of the largest bucket
+    mixed_any = [False] * len(places)
+    for b, _ in bucket_lines(plan):
+        precisions = {plan.precision_of(s.kind) for s in b.holders}
+        gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
+        gathered = stage3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
+        adds: dict[tuple[int, int], _HolderBytes] = {}  # by the holder's (TP degree, weight bytes)
+        for st in b.holders:
+            i = index[(st.pipeline, st.stage)]
+            mixed_any[i] = mixed_any[i] or b.mixed
+            add = adds.get((st.tp, wbytes[i]))
+            if add is None:
+                add = adds[(st.tp, wbytes[i])] = _holder_bytes(model, b.units, tp=st.tp, mixed=b.mixed,
+                                                              wbytes=wbytes[i], gather_bytes=gather_bytes,
+                                                              gathered=gathered, bucket_elems=bucket_elems)
+            largest[i] = max(largest[i], add.largest)
+            whole[i] += add.whole_bytes
+            sizes[i].update(add.gathered)
+    out = []
+    peaks: dict[tuple, int] = {}
+    for i, st in enumerate(places):
+        layout_elems, local_elems = largest[i]
+        rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if mixed_any[i] else 0)
+        key = (st.embedding, tuple(sizes[i].items()))
+        if key not in peaks:
+            peaks[key] = _gather_peak(st, sizes[i], tied=model.tied_embeddings, num_layers=model.num_layers)
+        out.append((whole[i], peaks[key], rounds))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _HolderBytes:
+    """What one holder of a bucket adds: its largest sub-bucket (layout elems, local elems), the bytes
+    of the units it keeps whole, and each gathered unit's (bytes, staging bytes)."""
+
+    largest: tuple[int, int]
+    whole_bytes: int
+    gathered: tuple[tuple[str, tuple[int, int]], ...]
+
+
+def _holder_bytes(model: ModelSpec, units: tuple[str, ...], *, tp: int, mixed: bool, wbytes: int, gather_bytes: int,
+                  gathered: bool, bucket_elems: int) -> _HolderBytes:
+    """``_HolderBytes`` of a holder of TP degree ``tp`` and ``wbytes`` per weight of a bucket of ``units``."""
+    layout = [unit_elems(model, u, tp=1 if mixed else tp) for u in units]
+    local = [unit_elems(model, u, tp=tp) for u in units]
+    spans = bucket_ranges(layout, cap_elems=bucket_elems)  # units are not split here: a bound
+    big = max(((sum(layout[lo:hi]), sum(local[lo:hi])) for lo, hi in spans), default=(0, 0))
+    if not gathered:
+        return _HolderBytes(big, sum(n * wbytes for n in local), ())
+    direct = not mixed and gather_bytes == wbytes
+    return _HolderBytes(big, 0, tuple((u, (n * wbytes, 0 if direct else n_layout * gather_bytes))
+                                      for u, n_layout, n in zip(units, layout, local, strict=True)))
+
+
+def _plain_zero23_stage_bytes(plan: Plan, bucket_elems: int) -> tuple[tuple[int, int, int], ...]:
+    """The plain rule of ``_zero23_stage_bytes``: every holder of every bucket walked, every stage's
+    gathers replayed (the reference path's, memo.py)."""
     model, stage3 = plan.model, plan.zero_stage == 3
     places = stage_places(plan)
     index = {(st.pipeline, st.stage): i for i, st in enumerate(places)}
