@@ -103,18 +103,26 @@ def _fused_groups(plan: Plan) -> list[SyncGroup]:
     # shortcut: memo.py).
     priced: dict[tuple, SyncGroup] = {}
     fresh = reference()
+    # A group's bytes by holders and part (every layer's sizes are the same), and whether no stage has CP
+    # ranks (each TP rank's ring then its holders' devices at that rank): shortcuts too.
+    largest: dict[tuple, float] = {}
+    one_cp = not fresh and all(s.cp == 1 for s in stage_of.values())
 
-    def group(name: str, stages: Sequence[StageId], params_at_tp: dict[int, float]) -> SyncGroup:
+    def group(name: str, stages: Sequence[StageId], params_at_tp: dict[int, float], *, part: str) -> SyncGroup:
         hs = tuple(stages)
-        nbytes = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
+        nbytes = None if fresh else largest.get((hs, part))
+        if nbytes is None:
+            nbytes = largest[(hs, part)] = max(params_at_tp[tp_of[x]] for x in hs) * grad_bytes
         got = None if fresh else priced.get((hs, nbytes))
         if got is not None:
             return replace(got, name=name)
         link = links.get(hs)
         if link is None:  # one ring per TP rank of the smallest degree, all at once (lined up)
-            # Every CP rank of a holder is in the ring (layout.Topology.sync_group).
-            rings = tuple(tuple(d for x in hs for d in stage_of[x].cp_group(q))
-                          for q in range(min(tp_of[x] for x in hs)))
+            # Every CP rank of a holder is in the ring (layout.Topology.sync_group); without CP, TP rank q's
+            # ring is each holder's q-th device.
+            k = min(tp_of[x] for x in hs)
+            rings = (tuple(zip(*(stage_of[x].devices[:k] for x in hs), strict=True)) if one_cp else
+                     tuple(tuple(d for x in hs for d in stage_of[x].cp_group(q)) for q in range(k)))
             link = links[hs] = _RINGS.get((id(cluster), rings), lambda: rings_link(cluster, rings), pin=(cluster,))
         members = sum(stage_of[x].cp for x in hs)
         got = priced[(hs, nbytes)] = SyncGroup(
@@ -126,13 +134,15 @@ def _fused_groups(plan: Plan) -> list[SyncGroup]:
     tps = set(tp_of.values())
     # Tied holders on the head side hold the vocab matrix without position embeddings: costing all
     # holders at the embedding stage's count keeps the max-over-holders rule simple and safe.
-    groups = [group("embedding", holders["embed"], {t: model.embedding_elems(model.vocab_tp(t)) for t in tps})]
+    groups = [group("embedding", holders["embed"], {t: model.embedding_elems(model.vocab_tp(t)) for t in tps},
+                    part="embedding")]
     layer_params = {t: model.layer_matmul_params / t + norm_layer for t in tps}
-    groups.extend(group(f"layer {layer}", holders[f"layer.{layer}"], layer_params) for layer in range(model.num_layers))
+    groups.extend(group(f"layer {layer}", holders[f"layer.{layer}"], layer_params, part="layer")
+                  for layer in range(model.num_layers))
     # A tied head's matrix is synced with the embedding; only the final norm is left here.
     head_matrix = 0 if model.tied_embeddings else model.head_params
     head_params = {t: head_matrix / model.vocab_tp(t) + model.final_norm_params for t in tps}
-    groups.append(group("head", holders["final_norm"], head_params))
+    groups.append(group("head", holders["final_norm"], head_params, part="head"))
     # Where the runtime meets each group's parameters: its units' name prefixes, the first of them.
     head_units = ("final_norm",) if model.tied_embeddings else ("head", "final_norm")
     units = [("embed",), *((f"layer.{layer}",) for layer in range(model.num_layers)), head_units]
