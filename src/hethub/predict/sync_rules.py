@@ -49,7 +49,11 @@ def group_allreduce_s(plan: Plan, holders: Sequence[StageId], *, nbytes: float, 
     (``participants`` above the holder count) are priced as the ring."""
     if participants != len(holders):
         return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link)
-    where = _ISLANDS.get((id(plan), tuple(holders)), lambda: holder_islands(plan, holders), pin=(plan,))
+    def islands() -> HolderIslands:  # by all holder_islands reads of the plan, behind the plan's own memo
+        stages = [plan.pipelines[pi].stages[si] for pi, si in holders]
+        return _ISLANDS_AT.get((id(plan.cluster), tuple((s.devices[0], s.kind) for s in stages)),
+                               lambda: holder_islands(plan, holders), pin=(plan.cluster,))
+    where = _ISLANDS.get((id(plan), tuple(holders)), islands, pin=(plan,))
     return islands_allreduce_s(nbytes=nbytes, elem_bytes=elem_bytes, participants=participants, link=link,
                                islands=where.islands, bridge=where.bridge)
 
@@ -66,6 +70,10 @@ class HolderIslands:
 # holder_islands by plan (id, pinned; plans are frozen) and holders: a group is priced at its size, at
 # its buckets' and unoverlapped, in the scoring's floor and again in the prediction.
 _ISLANDS = Kept(100_000, shortcut=True)
+# holder_islands by all it reads of the plan behind that: the cluster (id, pinned) and each holder's first
+# device and kind, in order (the exchange orders holders by rank, and a plan's ranks follow its device
+# ids): plans of other modes, shardings and layouts sharing those devices share it.
+_ISLANDS_AT = Kept(100_000, shortcut=True)
 
 
 def holder_islands(plan: Plan, holders: Sequence[StageId]) -> HolderIslands:
