@@ -214,7 +214,7 @@ def stage_places(plan: Plan) -> tuple[StagePlace, ...]:
 def _stage_places(plan: Plan) -> tuple[StagePlace, ...]:
     rank_of = plan.rank_of_device()
     return tuple(StagePlace(pipeline=pi, stage=si, num_stages=len(p.stages), kind=s.kind,
-                            ranks=tuple(rank_of[d] for d in s.devices), layers=s.layers, embedding=s.embedding,
+                            ranks=tuple(map(rank_of.__getitem__, s.devices)), layers=s.layers, embedding=s.embedding,
                             head=s.head, recompute=s.recompute, chunks=s.chunks, cp=s.cp,
                             sequence_parallel=s.sequence_parallel)
                  for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages))

@@ -33,7 +33,7 @@ from hethub.layout import (
     stage_places,
     unit_holders,
 )
-from hethub.memo import Kept
+from hethub.memo import Kept, reference
 from hethub.plan import Plan
 from hethub.predict.memory.model import layer_elems
 from hethub.spec.model import ModelSpec
@@ -166,34 +166,22 @@ def stage_elems_of(plan: Plan, stage_weights: Mapping[StageId, float]) -> dict[S
     plus_mixed: list[list[int]] = [[] for _ in places]
     base_own: list[dict[int, int]] = [{} for _ in places]  # non-mixed lines, by the TP rank they hold
     plus_own: list[dict[int, list[int]]] = [{} for _ in places]
+    # A line's split by its size and members (the TP ranks' lines of a bucket mostly repeat them): each
+    # holder stage's whole part and extra elements, found once (a shortcut: memo.py).
+    split: dict[tuple, tuple[dict[int, int], dict[int, int]]] = {}
+    fresh = reference()
     for n, mixed, q, members, holders in lines:
-        total = sum(map(w.__getitem__, members))
-        x = w if total > 0 else ones
-        total = total if total > 0 else float(len(members))
-        plus, behind, left = {}, {}, n
-        for i, positions in holders.items():
-            e = n * x[i] / total
-            whole = int(e)
-            behind.setdefault(-(e - whole), []).append(i)
-            left -= whole * len(positions)
-            plus[i] = 0
+        got = None if fresh else split.get((n, members))
+        if got is None:
+            got = _line_split(n, members, holders, w=w, ones=ones)
+            if not fresh:
+                split[(n, members)] = got
+        wholes, plus = got
+        for i, whole in wholes.items():
             if mixed:
                 base_mixed[i] += whole
             else:
                 base_own[i][q] = base_own[i].get(q, 0) + whole
-        for f in sorted(behind) if left else ():  # largest remainder first, ties to the earlier member
-            group = behind[f]
-            count = sum(len(holders[i]) for i in group)
-            if left >= count:
-                for i in group:
-                    plus[i] = len(holders[i])
-                left -= count
-            else:
-                for i in map(members.__getitem__, sorted(itertools.chain(*(holders[i] for i in group)))[:left]):
-                    plus[i] += 1
-                left = 0
-            if not left:
-                break
         for i, c in plus.items():
             (plus_mixed[i] if mixed else plus_own[i].setdefault(q, [])).append(c)
     out: dict[StageId, tuple[int, int]] = {}
@@ -210,6 +198,38 @@ def stage_elems_of(plan: Plan, stage_weights: Mapping[StageId, float]) -> dict[S
             moment = max(moment, mine + base_own[i].get(q, 0) + (over_own[q][j_own] if q in over_own else 0))
         out[(st.pipeline, st.stage)] = (moment, master)
     return out
+
+
+def _line_split(n: int, members: tuple[int, ...], holders: Mapping[int, list[int]], *, w: list[float],
+                ones: list[float]) -> tuple[dict[int, int], dict[int, int]]:
+    """``split_elems`` of a line of ``n`` elements among ``members`` (each its stage's index; weights
+    ``w``), per holder stage (its members' positions in ``holders``): each member's whole part, and how
+    many of the stage's members get one of the remainder's extra elements."""
+    total = sum(map(w.__getitem__, members))
+    x = w if total > 0 else ones
+    total = total if total > 0 else float(len(members))
+    wholes, plus, behind, left = {}, {}, {}, n
+    for i, positions in holders.items():
+        e = n * x[i] / total
+        whole = int(e)
+        behind.setdefault(-(e - whole), []).append(i)
+        left -= whole * len(positions)
+        plus[i] = 0
+        wholes[i] = whole
+    for f in sorted(behind) if left else ():  # largest remainder first, ties to the earlier member
+        group = behind[f]
+        count = sum(len(holders[i]) for i in group)
+        if left >= count:
+            for i in group:
+                plus[i] = len(holders[i])
+            left -= count
+        else:
+            for i in map(members.__getitem__, sorted(itertools.chain(*(holders[i] for i in group)))[:left]):
+                plus[i] += 1
+            left = 0
+        if not left:
+            break
+    return wholes, plus
 
 
 def layout_key(plan: Plan) -> tuple:
