@@ -46,6 +46,7 @@ from hethub.layout_units import (
 )
 from hethub.memo import Kept, reference
 from hethub.plan import Plan
+from hethub.spec.cluster import Cluster
 
 # Re-exported: the stage records and activation routing (layout_parts.py) and the parameter units
 # (layout_units.py) are part of this module's interface, which the runtime and the predictor import.
@@ -67,6 +68,7 @@ __all__ = [
     "fwd_targets",
     "gathers_params",
     "hop",
+    "kind_nodes",
     "reduction_key",
     "seq_positions",
     "single_holder_units",
@@ -248,6 +250,26 @@ def single_holder_units(plan: Plan) -> list[str]:
     if len(plan.pipelines) > 1 and not reference():
         return []
     return [u for u, holders in unit_holders(plan).items() if len(holders) == 1]
+
+
+# kind_nodes by cluster (id, pinned): every layout the search builds starts from the same free nodes.
+_NODES = Kept(16, shortcut=True)
+
+
+def kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Per kind, its devices' ids node by node (a run of consecutive devices on one node), in
+    cluster order: what the planner's ``search.assemble.allocate_devices`` hands out, each call from a fresh copy."""
+    return _NODES.get((id(cluster),), lambda: _kind_nodes(cluster), pin=(cluster,))
+
+
+def _kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
+    free: dict[str, list[list[int]]] = {}
+    for d in cluster.devices:
+        nodes = free.setdefault(d.kind, [])
+        if not nodes or cluster.devices[nodes[-1][0]].node != d.node:
+            nodes.append([])
+        nodes[-1].append(d.id)
+    return {kind: tuple(map(tuple, nodes)) for kind, nodes in free.items()}
 
 
 def build_topology(plan: Plan) -> Topology:

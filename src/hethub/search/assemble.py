@@ -4,6 +4,7 @@ mode is then the fastest that fits, `predict/stage_modes.choose_recompute`)."""
 from __future__ import annotations
 
 from hethub.errors import InfeasibleError
+from hethub.layout import kind_nodes
 from hethub.memo import Kept
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.search.combine import Estimate
@@ -35,26 +36,6 @@ def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple
         del nodes[c][:tp]
         cursor[kind] = c
     return out
-
-
-# kind_nodes by cluster (id, pinned): every layout the search builds starts from the same free nodes.
-_NODES = Kept(16, shortcut=True)
-
-
-def kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Per kind, its devices' ids node by node (a run of consecutive devices on one node), in
-    cluster order: what ``allocate_devices`` hands out, each call from a fresh copy."""
-    return _NODES.get((id(cluster),), lambda: _kind_nodes(cluster), pin=(cluster,))
-
-
-def _kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
-    free: dict[str, list[list[int]]] = {}
-    for d in cluster.devices:
-        nodes = free.setdefault(d.kind, [])
-        if not nodes or cluster.devices[nodes[-1][0]].node != d.node:
-            nodes.append([])
-        nodes[-1].append(d.id)
-    return {kind: tuple(map(tuple, nodes)) for kind, nodes in free.items()}
 
 
 # build_plan's plans by all they are built from: the cluster and model (ids, pinned), the candidate's
