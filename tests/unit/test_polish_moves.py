@@ -15,10 +15,11 @@ from dataclasses import replace
 import pytest
 
 from hethub.plan import Pipeline, Plan, Recompute, Stage
+from hethub.predict.interleave import pipeline_signature
 from hethub.predict.predictor import predict
 from hethub.predict.stage_modes import ModeFits, choose_recompute, stage_modes
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.polish import _apply, _moves, _signature, polish
+from hethub.search.polish import _apply, _moves, polish
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec, get_model
 
@@ -124,7 +125,7 @@ def test_every_move_gives_a_valid_plan_at_the_fastest_modes_that_fit():
     plan = result.plan
     top = max(s.tp for p in plan.pipelines for s in p.stages)
     assert not [mv for mv in _moves(plan, tp_degrees=(top,)) if mv[0] == "split"]
-    stages_of = {_signature(p): p.stages for p in plan.pipelines}
+    stages_of = {pipeline_signature(p): p.stages for p in plan.pipelines}
     assert all(2 * stages_of[mv[1]][mv[2]].tp == top for mv in _moves(plan, tp_degrees=(top,)) if mv[0] == "merge")
 
 

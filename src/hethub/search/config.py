@@ -56,7 +56,7 @@ class PlannerConfig:
     # (its replicas are not chosen yet); the predictor re-scores each finalist with its real ones.
     shard_holders: int = 1
     # Model chunks per stage the search sizes stages and prices pipelines for (the interleaved
-    # schedule's v; the planner sets it while choosing v, search/polish.py).
+    # schedule's v; the planner sets it while choosing v, predict/interleave.py).
     virtual_stages: int = 1
     runtime: str = DEFAULT_RUNTIME  # hethub.runtimes: the search keeps to what it runs, priced by its rules
 

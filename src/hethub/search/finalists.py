@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from hethub.layout import single_holder_units
 from hethub.memo import Ranked, reference
-from hethub.plan import Plan, zero23_refusal
+from hethub.plan import Plan, zero23_refusal, zero_stage_of
 from hethub.predict.host import HostModel
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import may_fit_below
@@ -45,14 +45,14 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
     def full(est: Estimate) -> bool:  # stays so: `taken` only grows; one size for a shape's splits
         return taken.total() >= keep and taken[size_key(est) if per_size else ()] >= per_size
     for est in ests.read(lambda e: not full(e)) if isinstance(ests, Ranked) else ests:
-        if plan_key(est) in seen or full(est):
-            continue
+        if plan_key(est) in seen or full(est) or (unequal_refused(est, config.optimizer_sharding) and not reference()):
+            continue  # the last: refused below, read off the estimate before it is laid out
         plan = build_plan(cluster=s.cluster, model=s.model, est=est, global_batch=config.global_batch,
                           seq_len=config.seq_len, schedule=config.schedule, precision=config.precision,
                           strategy=strategy).with_runtime(config.runtime)
         # Before the recomputation choice, which it frees memory for; a plan of one replica has nothing
         # to shard across and stays unsharded (the runtime refuses it sharded, planner.make_plan notes it).
-        if config.optimizer_sharding != "none" and not single_holder_units(plan):
+        if config.optimizer_sharding != "none" and replicated(est, plan):
             plan = replace(plan, optimizer_sharding=config.optimizer_sharding, optimizer_shares=config.optimizer_shares)
             if plan.zero_stage >= 2 and zero23_refusal(plan) is not None:
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
@@ -75,6 +75,20 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
             yield plan
         if taken.total() >= keep and not per_size:
             break
+
+
+def replicated(est: Estimate, plan: Plan) -> bool:
+    """Whether ``plan``, laid out from ``est``, has a unit of two holders or more (`layout.single_holder_units`, a
+    walk of every stage): where ``est`` has two pipelines or more, each holding every unit, as one holds its final
+    norm once. Read off the estimate (the plain walk on the reference path)."""
+    return not single_holder_units(plan) if reference() else sum(map(len, est.micro_batches)) > 1
+
+
+def unequal_refused(est: Estimate, sharding: str) -> bool:
+    """Whether ``est`` laid out under ``sharding`` is a plan `plan.zero23_refusal` refuses for unequal micro-batch
+    counts: ZeRO-2/3 and two counts, so two or more pipelines, each holding every layer: no unit has one holder
+    and `finalist_plans` shards it. Read off the estimate, as a layout of thousands of devices costs."""
+    return zero_stage_of(sharding) >= 2 and len({m for ms in est.micro_batches for m in ms}) > 1
 
 
 # ---- Each kind alone: the upper bound's parts and each kind's best single-kind plans.

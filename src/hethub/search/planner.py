@@ -22,6 +22,7 @@ from hethub.memo import search_scope
 from hethub.plan import Plan, Recompute, zero_stage_of
 from hethub.predict.context_plans import cp_candidates, cp_note
 from hethub.predict.host import HostModel
+from hethub.predict.interleave import chunked_candidates, interleave_plan
 from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_bytes
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.proven_bound import ProvenBound, proven_bound
@@ -37,7 +38,7 @@ from hethub.search.baselines import baseline_plans
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
 from hethub.search.finalists import BoundParts, kind_parts
-from hethub.search.polish import chunked_candidates, interleave_plan, polish
+from hethub.search.polish import polish
 from hethub.search.templates import Searcher, tp_options
 from hethub.search.variants import (
     Variant,
@@ -267,7 +268,7 @@ def _enumeration(enums: list[Searcher], *, host: HostModel | None, mixed: bool,
 def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
                    host: HostModel | None) -> list[tuple[Plan, Prediction]]:
     """The best 1F1B plans of distinct shapes with the interleaved schedule's v chosen per group of
-    identical pipelines where it pays (search/polish.py)."""
+    identical pipelines where it pays (predict/interleave.py)."""
     starts, shapes = [], set()
     for plan, pred in scored:
         if plan.schedule != ONE_F_ONE_B or plan.zero_stage == 3:  # ZeRO-3 runs no virtual stages

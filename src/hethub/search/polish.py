@@ -1,7 +1,7 @@
 """The final local search with the full predictor around the best plans (docs/planner.md,
 "Refinement": best improvement over layer, split, merge and micro-batch moves, every stage at the
 fastest recomputation mode the predictor's exact memory allows, moves screened by the schedule's
-closed form and confirmed by ``predict()``), and the interleaved schedule's chunks per pipeline.
+closed form and confirmed by ``predict()``). The interleaved schedule's chunks: predict/interleave.py.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from hethub.plan import Pipeline, Plan, Recompute, Stage
-from hethub.plan_parts import chunk_choices, with_chunks
 from hethub.predict.host import HostModel
+from hethub.predict.interleave import pipeline_signature
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, may_fit_below, pipeline_floor_s, predict
+from hethub.predict.predictor import floor_reaches, pipeline_floor_s, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_modes import choose_recompute
@@ -38,7 +38,7 @@ def polish(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, budget:
     seen: set[tuple] = {_key(plan)}
     while budget > 0:
         bar, found, tried = pred.step_time_s * (1 - 1e-9), [], 0
-        sigs, times = [_signature(p) for p in plan.pipelines], [costs.closed_form_of(p) for p in plan.pipelines]
+        sigs, times = [pipeline_signature(p) for p in plan.pipelines], [costs.closed_form_of(p) for p in plan.pipelines]
         lists = {sig: costs.pipeline_times(plan.pipelines[sigs.index(sig)]) for sig in set(sigs)}
         scored = ((_score(plan, sigs, times, move, costs, bar if host is None else float("inf"), lists), n, move, None)
                   for n, move in enumerate(_moves(plan, sigs, tp_degrees=tp_degrees)))
@@ -69,17 +69,13 @@ def _key(plan: Plan) -> tuple:
     return tuple((p.num_micro_batches, p.micro_batch_size, p.stages) for p in plan.pipelines)
 
 
-def _signature(p: Pipeline) -> tuple:
-    return (p.micro_batch_size, tuple((s.kind, s.tp, s.layers, s.chunks) for s in p.stages))
-
-
 def _moves(plan: Plan, sigs: Sequence[tuple] | None = None, *, tp_degrees: tuple[int, ...] = TP_DEGREES
            ) -> list[tuple]:
     """Per kind of pipeline (identical ones at once): a layer from any stage to any other, a stage split,
     two adjacent stages of one kind and TP merged (chunked or CP pipelines: none of these); a
-    micro-batch from one kind of pipeline to another. ``sigs``: each pipeline's ``_signature``."""
+    micro-batch from one kind of pipeline to another. ``sigs``: each pipeline's ``pipeline_signature``."""
     firsts: dict[tuple, int] = {}
-    for i, sig in enumerate(sigs or [_signature(p) for p in plan.pipelines]):
+    for i, sig in enumerate(sigs or [pipeline_signature(p) for p in plan.pipelines]):
         firsts.setdefault(sig, i)
     out: list[tuple] = [("modes",)]  # the plan as it is, each stage at the exact memory's fastest mode
     for sig, i in firsts.items():
@@ -136,7 +132,7 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float, a
         for i, d in ((a, -1), (b, 1)):
             pipes[i] = replace(plan.pipelines[i], num_micro_batches=plan.pipelines[i].num_micro_batches + d)
     elif move[0] != "modes":
-        pipes = [_reshaped(plan, p, move) if _signature(p) == move[1] else p for p in plan.pipelines]
+        pipes = [_reshaped(plan, p, move) if pipeline_signature(p) == move[1] else p for p in plan.pipelines]
     if None in pipes:
         return None
     return choose_recompute(replace(plan, pipelines=tuple(pipes)), allow_recompute=allow_recompute,
@@ -147,7 +143,7 @@ def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], 
            costs: PlanCosts, bar_s: float = float("inf"), lists: dict | None = None) -> tuple | None:
     """The closed form's (slowest pipeline, sum) of ``plan`` with ``move`` made, the moved pipelines
     priced as their first with the moved stages not recomputing (``sigs``: the pipelines'
-    ``_signature``; ``lists``: ``PlanCosts.pipeline_times`` of the first of each). None where the move
+    ``pipeline_signature``; ``lists``: ``PlanCosts.pipeline_times`` of the first of each). None where the move
     cannot be made or the changed pipelines' step floor (without recomputation: below the floor with
     any mode) reaches ``bar_s``."""
     ts = [b + p.num_micro_batches * per for p, (b, per) in zip(plan.pipelines, times, strict=True)]
@@ -178,41 +174,3 @@ def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], 
         most = max(p.num_micro_batches for p, sig in zip(plan.pipelines, sigs, strict=True) if sig == move[1])
     drain = not get_schedule(plan.schedule).split_backward
     return None if pipeline_floor_s(fwd, bwd, num_micro_batches=most, drain=drain) >= bar_s else (max(ts), sum(ts))
-
-
-# ---- Choosing virtual stages: the interleaved schedule's v per pipeline, where it pays, under memory.
-def interleave_plan(plan: Plan, pred: Prediction, *, profiles: ProfileSet | None, host: HostModel | None,
-                    mem_headroom: float) -> tuple[Plan, Prediction]:
-    """``plan`` (made for 1F1B) under the interleaved schedule with the best v per group of identical pipelines
-    (greedy, one group after another; trials ``may_fit_below`` refuses are not predicted), and its prediction."""
-    best, best_pred, costs = replace(plan, schedule="interleaved"), pred, PlanCosts(plan, profiles)
-    groups: dict[tuple, list[int]] = {}
-    for pi, p in enumerate(plan.pipelines):
-        groups.setdefault((p.num_micro_batches, _signature(p), *(s.recompute for s in p.stages)), []).append(pi)
-    for members in groups.values():
-        for v in chunk_choices(plan.pipelines[members[0]]):
-            pipes = tuple(with_chunks(q, v) if pi in members else b
-                          for pi, (q, b) in enumerate(zip(plan.pipelines, best.pipelines, strict=True)))
-            trial = replace(best, pipelines=pipes).validate()
-            if not may_fit_below(trial, mem_headroom=mem_headroom, bar_s=best_pred.step_time_s, costs=costs, host=host):
-                continue
-            tp = predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)
-            if tp.fits_memory and tp.step_time_s < best_pred.step_time_s:
-                best, best_pred = trial, tp
-    return best, best_pred
-
-
-def chunked_candidates(scored: Sequence[tuple[Plan, Prediction]], v: int, *, profiles: ProfileSet | None,
-                       host: HostModel | None, mem_headroom: float) -> list[tuple[Plan, Prediction]]:
-    """Plans searched with stages sized for v chunks (``PlannerConfig.virtual_stages``), each pipeline
-    laid out in v chunks where it can take them, kept where every device fits (checked before predicting)."""
-    out = []
-    for plan, _ in scored:
-        pipes = tuple(with_chunks(p, v) if v in chunk_choices(p) else p for p in plan.pipelines)
-        if all(p.virtual_stages == 1 for p in pipes):
-            continue  # a 1F1B plan: the 1F1B search's to offer, not interleaving's
-        trial = replace(plan, schedule="interleaved", pipelines=pipes).validate()
-        if may_fit_below(trial, mem_headroom=mem_headroom) and (
-                pred := predict(trial, profiles=profiles, host=host, mem_headroom=mem_headroom)).fits_memory:
-            out.append((trial, pred))
-    return out

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from hethub.fanout import fan_out
-from hethub.memo import Ranked
+from hethub.memo import Ranked, reference
 from hethub.plan import PLANNED_SHARDINGS, Plan, zero_stage_of
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
@@ -30,7 +30,7 @@ from hethub.runtimes import runtime_profile
 from hethub.schedules import AUTO_SCHEDULE
 from hethub.search.combine import Estimate, Group, estimate_samples
 from hethub.search.config import PlannerConfig
-from hethub.search.finalists import finalist_plans
+from hethub.search.finalists import finalist_plans, unequal_refused
 from hethub.search.hetero import plan_key, search
 from hethub.search.templates import Books, Searcher
 from hethub.spec.cluster import Cluster
@@ -172,6 +172,8 @@ def priced_plans(s: Searcher, *, config: PlannerConfig, shapes: list[Estimate], 
     ``own``: the shapes were enumerated by ``s`` itself, so priced as they are (a reprice keeps only
     the min-max split or one like the shape's, not the split the search chose)."""
     got = Ranked([[e] for e in shapes], key=lambda e: e.step_time_s) if own else repriced(s, shapes)
+    if all(unequal_refused(e, s.config.optimizer_sharding) for o in got.options for e in o) and not reference():
+        return []  # nothing to lay out: the reader refuses every split, whichever the order reads
     # The closed form ranks variants with errors of their own (ZB-H1's split backward is an assumed
     # half), so the shapes the enumeration ranked first are laid out too and the predictor decides.
     n = config.finalists + config.top_k
