@@ -15,9 +15,9 @@ from typing import Any
 
 from hethub.plan import zero_stage_of
 from hethub.predict.closed_step import step_time_s
+from hethub.predict.pipeline_floors import fits_some_mode_kept
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_links import LinkBook
-from hethub.predict.stage_modes import fits_some_mode
 from hethub.search.assemble import build_plan
 from hethub.search.bounds import BLIND, EXACT, GRID, rate_bound
 from hethub.search.combine import Estimate, Group, estimate
@@ -92,6 +92,7 @@ class Searcher:
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._seeds: dict[tuple[str, int, float], list[tuple[float, int, int]]] = {}
         self._fits: dict[tuple, bool] = {}
+        self._hopeless: dict[tuple, bool] = {}  # fits_some_mode_kept's, by pipeline
         # mixed.families': (kinds, TP degrees, micro-batch size) -> its Family (a module above this one);
         # (pool as sorted (kind, devices), micro-batch size) -> the pool's families with their boxes.
         self.family_protos: dict[tuple[tuple[str, ...], tuple[int, ...], int], Any] = {}
@@ -175,8 +176,8 @@ class Searcher:
                               validate=False, place=cfg.optimizer_sharding != "none")  # slices follow the ranks
             if cfg.optimizer_sharding != "none":
                 plan = replace(plan, optimizer_sharding=cfg.optimizer_sharding, optimizer_shares=cfg.optimizer_shares)
-            hit = self._fits[key] = fits_some_mode(plan, allow_recompute=cfg.allow_recompute,
-                                                   mem_headroom=cfg.mem_headroom, allow_sp=cfg.sequence_parallel)
+            hit = self._fits[key] = fits_some_mode_kept(plan, self._hopeless, allow_recompute=cfg.allow_recompute,
+                                                        mem_headroom=cfg.mem_headroom, allow_sp=cfg.sequence_parallel)
         return hit
 
     def rate(self, pipe: PipeCost, *, kind_devices: int, share: float) -> float:
