@@ -160,6 +160,14 @@ def stage_step(job: StageJob, kind: DeviceKind, *, layers: int, embedding: bool,
     return StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b, tp_f - tp_b)
 
 
+def tp_options(cluster: Cluster, model: ModelSpec, kind: str, degrees: tuple[int, ...]) -> tuple[int, ...]:
+    """The TP degrees of ``degrees`` a stage of ``kind`` can run ``model`` at: within a node of each of its
+    groups, and dividing the attention heads, the key-value heads and the FFN width it shards."""
+    sizes = [g.devices_per_node for g in cluster.groups if g.kind == kind]
+    return tuple(t for t in sorted(set(degrees)) if all(n % t == 0 for n in sizes)
+                 and model.num_heads % t == 0 and model.num_kv_heads % t == 0 and model.ffn_hidden_size % t == 0)
+
+
 def stage_params_of(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int) -> float:
     """Parameters on one device of a stage, its embedding and head split as the runtime splits them."""
     return stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp,
