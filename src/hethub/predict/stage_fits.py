@@ -148,13 +148,13 @@ class StageFits:
             shape = self._floors[(twin, si)]
             key = ((twin, si) if shape is None else shape, place[2])
             if key not in made:
-                made[key] = self._floor_over((pi, si), twin, shape, recompute, place[2])
+                made[key] = self._floor_over((pi, si), twin=twin, shape=shape, recompute=recompute, held=place[2])
             by_place[place] = made[key]
             if made[key]:
                 out.add((pi, si))
         return out
 
-    def _floor_over(self, sid: tuple[int, int], twin: int, shape: tuple | None, recompute: Recompute | None,
+    def _floor_over(self, sid: tuple[int, int], *, twin: int, shape: tuple | None, recompute: Recompute | None,
                     held: tuple[int, int, int] | None) -> bool:
         """`over`'s answer for stage ``sid`` (its memory that of stage ``twin``, ``sid[1]``; ``shape``: their
         floor's ``stage_shape``, None for a chunked pipeline's). A shaped floor's answer is kept between
