@@ -217,3 +217,23 @@ def test_a_profile_at_another_sequence_length_is_not_used_by_either():
         assert sm.step(2, emb=False, head=False).times.source.startswith(source)
         assert pred.stages[1].compute_source.startswith(source)
         assert sm.step(2, emb=False, head=False).fwd_s == pred.stages[1].fwd_s
+
+
+def test_the_kept_work_lines_are_each_shapes_own():
+    # StageModel.work keeps its line per (emb, head): asked in any order and again, each is what a fresh
+    # model (nothing kept) gives for that shape, over kinds, TP degrees, sizes, modes and SP.
+    plan = _plan(attention=None, kind="a100-80gb", model="llama-2-7b", tp=2, mbs=1, seq_len=2048, layers=(2, 2, 2),
+                 recompute=Recompute.NONE, precision="bf16-mixed")
+    job = StageJob.of_plan(plan, None)
+    shapes = [(e, h) for e in (False, True) for h in (False, True)]
+    for i, (kind, tp, mbs, rc, sp) in enumerate((k, t, b, r, s) for k in ("a100-80gb", "mi300x") for t in (1, 4)
+                                                  for b in (1, 2) for r in Recompute for s in (False, True)):
+        device = CLUSTER.kinds[kind]
+
+        def model(kind=device, tp=tp, mbs=mbs, rc=rc, sp=sp) -> StageModel:
+            return StageModel(job, kind, tp=tp, mbs=mbs, recompute=rc, capacity_bytes=usable_bytes(kind), sp=sp)
+
+        kept = model()
+        order = shapes[i % 4:] + shapes[:i % 4]
+        for emb, head in order + order[::-1]:
+            assert kept.work(emb=emb, head=head) == model().work(emb=emb, head=head), (kind, tp, mbs, rc, sp, emb, head)

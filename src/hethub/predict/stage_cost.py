@@ -160,6 +160,14 @@ def stage_step(job: StageJob, kind: DeviceKind, *, layers: int, embedding: bool,
     return StageStepCost(times, times.fwd_s + tp_f, times.bwd_s + tp_b, tp_f - tp_b)
 
 
+def tp_options(cluster: Cluster, model: ModelSpec, kind: str, degrees: tuple[int, ...]) -> tuple[int, ...]:
+    """The TP degrees of ``degrees`` a stage of ``kind`` can run ``model`` at: within a node of each of its
+    groups, and dividing the attention heads, the key-value heads and the FFN width it shards."""
+    sizes = [g.devices_per_node for g in cluster.groups if g.kind == kind]
+    return tuple(t for t in sorted(set(degrees)) if all(n % t == 0 for n in sizes)
+                 and model.num_heads % t == 0 and model.num_kv_heads % t == 0 and model.ffn_hidden_size % t == 0)
+
+
 def stage_params_of(model: ModelSpec, *, layers: int, embedding: bool, head: bool, tp: int) -> float:
     """Parameters on one device of a stage, its embedding and head split as the runtime splits them."""
     return stage_params(model, layers=layers, embedding=embedding, head=head, tp=tp,
@@ -241,6 +249,7 @@ class StageModel:
         self.capacity_bytes, self.shard_holders, self.sp, self.cp = capacity_bytes, shard_holders, sp, cp
         self.zero_stage = zero_stage
         self._steps: dict[tuple[int, bool, bool], StageStepCost] = {}
+        self._works: dict[tuple[bool, bool], Affine] = {}
         z, one = self.step(0, emb=False, head=False), self.step(1, emb=False, head=False)
         e, h = self.step(0, emb=True, head=False), self.step(0, emb=False, head=True)
         self.fwd_per_layer_s = one.fwd_s - z.fwd_s
@@ -270,10 +279,16 @@ class StageModel:
         return hit
 
     def work(self, *, emb: bool, head: bool) -> Affine:
-        """Forward + backward time of one micro-batch as a line in the layer count."""
-        return Affine(self.fwd_per_layer_s + self.bwd_per_layer_s,
-                      emb * (self.emb_fwd_s + self.emb_bwd_s) + head * (self.head_fwd_s + self.head_bwd_s)
-                      + self.step(0, emb=False, head=False).fwd_s + self.step(0, emb=False, head=False).bwd_s)
+        """Forward + backward time of one micro-batch as a line in the layer count (kept per (emb, head): the
+        search's floors ask it ~10^4 times per search, of a few lines per stage shape)."""
+        hit = self._works.get((emb, head))
+        if hit is None:
+            zero = self.step(0, emb=False, head=False)
+            hit = self._works[(emb, head)] = Affine(
+                self.fwd_per_layer_s + self.bwd_per_layer_s,
+                emb * (self.emb_fwd_s + self.emb_bwd_s) + head * (self.head_fwd_s + self.head_bwd_s) + zero.fwd_s
+                + zero.bwd_s)
+        return hit
 
     # ---- parameters and memory ------------------------------------------------------------------
     def params(self, layers: int, *, emb: bool, head: bool) -> float:

@@ -8,12 +8,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Collection
 
-from hethub.memo import reference
+from hethub.memo import Kept, reference
 from hethub.plan import Plan, Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, StageMemory, check_headroom, usable_bytes
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.shard_memory import SCREEN_MARGIN, screened_fits, sharded_stage, with_sharding, zero23_held
 from hethub.schedules import Schedule, get_schedule
+
+# `StageFits._floor_over`'s answers by everything they depend on, between plans.
+_FLOORS_OVER = Kept(100_000, shortcut=True)
 
 
 def stage_memory_fits(plan: Plan, *, mem_headroom: float = DEFAULT_MEM_HEADROOM,
@@ -126,7 +129,7 @@ class StageFits:
         recomputing ``recompute``) is already over the usable bytes, so ``under`` says they do not fit
         whatever the other stages hold: the memory without point-to-point buffers and, under a sharded
         optimizer, without an optimizer slice (every part grows with both, as ``screened_fits`` relies on)."""
-        plan, costs, held = self.plan, self.costs, self.held
+        plan, held = self.plan, self.held
         made: dict[tuple, bool] = {}
         by_place: dict[tuple, bool] = {}  # replicas' stages: one answer
         out = set()
@@ -139,22 +142,43 @@ class StageFits:
                 continue
             if (twin, si) not in self._floors:  # the same for every mode: kept for the next one's floor
                 p = plan.pipelines[twin]
-                self._floors[(twin, si)] = None if p.virtual_stages > 1 else costs.stage_shape(
+                self._floors[(twin, si)] = None if p.virtual_stages > 1 else self.costs.stage_shape(
                     twin, si, without_p2p=True, in_flight=self.schedule.in_flight(
                         stage=si, num_stages=len(p.stages), num_micro_batches=p.num_micro_batches))
             shape = self._floors[(twin, si)]
             key = ((twin, si) if shape is None else shape, place[2])
             if key not in made:
-                mem = (costs.memory_of(shape, recompute) if shape is not None else
-                       stage_mem(costs, self.schedule, twin, si, recompute=recompute, without_p2p=True)[1])
-                if plan.sharded_optimizer:
-                    mem = sharded_stage(plan, (pi, si), mem, (0, 0), held.get((pi, si)))
-                cap = self.usable[plan.pipelines[pi].stages[si].kind]
-                made[key] = mem.total_bytes > cap + abs(cap) * SCREEN_MARGIN
+                made[key] = self._floor_over((pi, si), twin=twin, shape=shape, recompute=recompute, held=place[2])
             by_place[place] = made[key]
             if made[key]:
                 out.add((pi, si))
         return out
+
+    def _floor_over(self, sid: tuple[int, int], *, twin: int, shape: tuple | None, recompute: Recompute | None,
+                    held: tuple[int, int, int] | None) -> bool:
+        """`over`'s answer for stage ``sid`` (its memory that of stage ``twin``, ``sid[1]``; ``shape``: their
+        floor's ``stage_shape``, None for a chunked pipeline's). A shaped floor's answer is kept between
+        plans (``_FLOORS_OVER``, a shortcut: memo.py): the enumeration checks hundreds of candidates whose
+        stages repeat one another's shapes, and the answer depends on nothing else than its key holds
+        (the memory model's job and kind, as ``stage_memory_of`` keys it; the optimizer's slice rule;
+        the usable bytes)."""
+        plan, costs = self.plan, self.costs
+        kind = plan.pipelines[sid[0]].stages[sid[1]].kind
+        cap = self.usable[kind]
+
+        def over() -> bool:
+            mem = (costs.memory_of(shape, recompute) if shape is not None else
+                   stage_mem(costs, self.schedule, twin, sid[1], recompute=recompute, without_p2p=True)[1])
+            if plan.sharded_optimizer:
+                mem = sharded_stage(plan, sid, mem, (0, 0), held)
+            return mem.total_bytes > cap + abs(cap) * SCREEN_MARGIN
+
+        if shape is None:
+            return over()
+        job, device = costs.job, plan.cluster.kinds[kind]
+        return _FLOORS_OVER.get((id(plan.model), id(device), job.seq_len, job.precisions[kind], job.attentions[kind],
+                                 plan.sharded_optimizer, plan.zero_stage, held, cap, shape, recompute), over,
+                                pin=(plan.model, device))
 
 
 def memory_twins(costs: PlanCosts) -> list[int]:

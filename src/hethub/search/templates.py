@@ -15,10 +15,11 @@ from typing import Any
 
 from hethub.plan import zero_stage_of
 from hethub.predict.closed_step import step_time_s
+from hethub.predict.pipeline_floors import fits_some_mode_kept, floor_keys
 from hethub.predict.profiles import ProfileSet
+from hethub.predict.stage_cost import tp_options
 from hethub.predict.stage_links import LinkBook
-from hethub.predict.stage_modes import fits_some_mode
-from hethub.search.assemble import build_plan
+from hethub.search.assemble import build_plan, to_pipeline
 from hethub.search.bounds import BLIND, EXACT, GRID, rate_bound
 from hethub.search.combine import Estimate, Group, estimate
 from hethub.search.config import PlannerConfig
@@ -34,12 +35,6 @@ SMALL_CLUSTER = 64  # devices up to which layer splits that trade bottleneck for
 class Ranked:
     pipe: PipeCost
     rate: float  # estimated samples/s per device when its kind runs its batch share with it
-
-
-def tp_options(cluster: Cluster, model: ModelSpec, kind: str, degrees: tuple[int, ...]) -> tuple[int, ...]:
-    sizes = [g.devices_per_node for g in cluster.groups if g.kind == kind]
-    return tuple(t for t in sorted(set(degrees)) if all(n % t == 0 for n in sizes)
-                 and model.num_heads % t == 0 and model.num_kv_heads % t == 0 and model.ffn_hidden_size % t == 0)
 
 
 @dataclass
@@ -92,6 +87,7 @@ class Searcher:
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._seeds: dict[tuple[str, int, float], list[tuple[float, int, int]]] = {}
         self._fits: dict[tuple, bool] = {}
+        self._hopeless: dict[tuple, bool] = {}  # fits_some_mode_kept's, by pipeline
         # mixed.families': (kinds, TP degrees, micro-batch size) -> its Family (a module above this one);
         # (pool as sorted (kind, devices), micro-batch size) -> the pool's families with their boxes.
         self.family_protos: dict[tuple[tuple[str, ...], tuple[int, ...], int], Any] = {}
@@ -169,14 +165,20 @@ class Searcher:
                 ms = tuple(tuple(sorted(m, reverse=True)[:2]) for m in est.micro_batches)
                 est = replace(est, groups=tuple(replace(g, count=len(m)) for g, m in zip(est.groups, ms, strict=True)),
                               micro_batches=ms)
+            lone = [to_pipeline(g.pipe, [(0,) * sl.tp for sl in g.pipe.slots], num_micro_batches=m, mbs=g.pipe.mbs)
+                    for g, ms in zip(est.groups, est.micro_batches, strict=True) for m in set(ms)]  # one per shape
+            keys = floor_keys(lone, schedule=cfg.schedule, zero_stage=zero_stage_of(cfg.optimizer_sharding))
+            if keys is not None and any(self._hopeless.get(k) for k in keys):  # a pipeline's kept proof: unbuilt
+                self._fits[key] = False
+                return False
             total = sum(sum(m) * g.pipe.mbs for g, m in zip(est.groups, est.micro_batches, strict=True))
             plan = build_plan(cluster=self.cluster, model=self.model, est=est, global_batch=total,
                               seq_len=cfg.seq_len, schedule=cfg.schedule, precision=cfg.precision, strategy="hethub",
                               validate=False, place=cfg.optimizer_sharding != "none")  # slices follow the ranks
             if cfg.optimizer_sharding != "none":
                 plan = replace(plan, optimizer_sharding=cfg.optimizer_sharding, optimizer_shares=cfg.optimizer_shares)
-            hit = self._fits[key] = fits_some_mode(plan, allow_recompute=cfg.allow_recompute,
-                                                   mem_headroom=cfg.mem_headroom, allow_sp=cfg.sequence_parallel)
+            hit = self._fits[key] = fits_some_mode_kept(plan, self._hopeless, allow_recompute=cfg.allow_recompute,
+                                                        mem_headroom=cfg.mem_headroom, allow_sp=cfg.sequence_parallel)
         return hit
 
     def rate(self, pipe: PipeCost, *, kind_devices: int, share: float) -> float:
