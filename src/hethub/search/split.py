@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from hethub.memo import Kept
+from hethub.memo import Kept, reference
 from hethub.plan import Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.profiles import ProfileSet
@@ -108,10 +108,14 @@ class LayerSplits:
     slots: tuple[Slot, ...]
     opts: tuple[list[_Option], ...]
     counts: tuple[tuple[int, ...], ...]  # one per split, in split_layers' order (none: the model cannot fit)
+    plain_upto: tuple[int, ...] = ()  # per stage, `_Position.plain_upto` (empty: none known)
 
     def recomputes(self) -> bool:
-        """Whether some split recomputes on some stage (its cheapest option holding its layers)."""
-        return any(_cheapest(ops, k).sm.recompute for c in self.counts for ops, k in zip(self.opts, c, strict=True))
+        """Whether some split recomputes on some stage (its cheapest option holding its layers); a stage
+        holding at most its plain_upto layers does not, so its options are not walked (but on the reference path)."""
+        ups = (-1,) * len(self.opts) if reference() or not self.plain_upto else self.plain_upto
+        return any(k > up and _cheapest(ops, k).sm.recompute for c in self.counts
+                   for ops, k, up in zip(self.opts, c, ups, strict=True))
 
 
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
@@ -149,6 +153,7 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
     opts: list[list[_Option]] = []
     lows: list[int] = []
     first: list[tuple[float, float]] = []
+    ups: list[int] = []
     flights = in_flights(book, get_schedule(job.schedule, chunks=job.chunks), p, in_flight_hint)
     positions, most = book.cache(_POSITIONS), 0
     for s, (slot, in_flight) in enumerate(zip(slots, flights, strict=True)):
@@ -161,10 +166,11 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
             here = _options(book, slot, mbs=mbs, emb=emb, head=head, in_flight=in_flight, low=low,
                             allow_recompute=allow_recompute)
             at = positions[key] = _Position(here, max((o.max_layers for o in here), default=-1),
-                                            (_cost(here, low), _cost(here, low + 1)))
+                                            (_cost(here, low), _cost(here, low + 1)), _plain_upto(here))
         if not at.opts:
             return LayerSplits(slots, (), ())
         opts.append(at.opts)
+        ups.append(at.plain_upto)
         lows.append(low)
         first.append(at.first)
         most += at.most
@@ -185,7 +191,7 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
             if tuple(c) not in out:
                 out.append(tuple(c))
-    return LayerSplits(slots, tuple(opts), tuple(out))
+    return LayerSplits(slots, tuple(opts), tuple(out), tuple(ups))
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,16 @@ class _Position:
     opts: list[_Option]
     most: int
     first: tuple[float, float]
+    plain_upto: int  # `_plain_upto`'s
+
+
+def _plain_upto(opts: list[_Option]) -> int:
+    """The most layers a plain option (no recomputation) holds at no more base and cost per layer than
+    any recomputing one (-1: none does): up to that the cheapest option never recomputes, as `_options`
+    puts the plain modes first and `_cheapest` keeps the first of equal costs."""
+    rc = [o for o in opts if o.sm.recompute]
+    return max((o.max_layers for o in opts if not o.sm.recompute and all(
+        o.base <= r.base and o.per_layer <= r.per_layer for r in rc)), default=-1)
 
 
 def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float, float]], n_layers: int, *,
