@@ -1,7 +1,10 @@
-"""The mixed search's exact shortcuts against their plain paths (`memo.reference_path`): whether a
-split recomputes, read past each stage's `plain_upto` only (`split.LayerSplits.recomputes`)."""
+"""The mixed search's exact shortcuts against their plain paths (`memo.reference_path`, or the plain
+rule written out here): whether a split recomputes, read past each stage's `plain_upto` only
+(`split.LayerSplits.recomputes`); the layer greedy on each position's kept cost table (`split._greedy`)."""
 
 import dataclasses
+import heapq
+import math
 import random
 
 import pytest
@@ -42,3 +45,59 @@ def test_recomputes_equals_the_plain_walk(seed, schedule):
             assert got == plain == any(split._cheapest(ops, k).sm.recompute for ops, k in zip(one.opts, c, strict=True))
             skipped += any(k <= up for k, up in zip(c, one.plain_upto, strict=True))
     assert skipped  # the shortcut was taken
+
+
+def _plain_greedy(opts, lows, n_layers, *, marginal, cap):
+    """split._greedy as it was written first: each next cost walked off the stage's options, one pop
+    and one push per layer."""
+    counts, costs = list(lows), [split._cost(ops, k) for ops, k in zip(opts, lows, strict=True)]
+    heap = []
+    for s, (ops, k) in enumerate(zip(opts, lows, strict=True)):
+        cur, nxt = split._cost(ops, k), split._cost(ops, k + 1)
+        if nxt <= cap:
+            heap.append((nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
+    heapq.heapify(heap)
+    for _ in range(n_layers - sum(counts)):
+        if not heap:
+            return None, math.inf
+        _, _, s, cur = heapq.heappop(heap)
+        counts[s] += 1
+        costs[s] = cur
+        nxt = split._cost(opts[s], counts[s] + 1)
+        if nxt <= cap:
+            heapq.heappush(heap, (nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
+    return counts, max(costs)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
+def test_greedy_on_kept_costs_equals_the_options_walk(seed, schedule):
+    # The greedy reads each stage's cost off its position's table (heapreplace for pop and push): on
+    # random mixed stages, random lows and caps, the same counts and bottleneck as the options walked.
+    cluster, model, config = instance(seed)
+    s = Searcher(cluster=cluster, model=model, config=dataclasses.replace(config, schedule=schedule), profiles=None)
+    rng = random.Random(seed)
+    kinds = [k for k in s.counts if s.tps[k]]
+    n_layers, compared = model.num_layers, 0
+    for _ in range(25):
+        p = rng.randint(1, n_layers + 2)
+        picks = [rng.choice(kinds) for _ in range(rng.randint(1, 3))]
+        slots = tuple(split.Slot(k, rng.choice(s.tps[k])) for k in picks for _ in range(max(1, p // len(picks))))
+        laid = layer_splits(s.book, slots, mbs=rng.choice((1, 2)), allow_recompute=rng.random() < 0.7,
+                            in_flight_hint=rng.randint(1, 64))
+        if not laid.opts:
+            continue
+        positions = [pos for pos in s.book.cache(split._POSITIONS).values()]
+        tables = {id(pos.opts): pos.costs for pos in positions}
+        costs = [tables[id(ops)] for ops in laid.opts]
+        for _ in range(4):
+            lows = [rng.randint(0, min(2, max(o.max_layers for o in ops))) for ops in laid.opts]
+            plain = _plain_greedy(laid.opts, lows, n_layers, marginal=False, cap=math.inf)
+            assert split._greedy(costs, lows, n_layers, marginal=False, cap=math.inf) == plain
+            if plain[0] is not None:
+                for slack in (1.0, 1.5, rng.uniform(1.0, 3.0), math.inf):
+                    cap = plain[1] * slack * (1 + 1e-12)
+                    assert split._greedy(costs, lows, n_layers, marginal=True, cap=cap) == \
+                        _plain_greedy(laid.opts, lows, n_layers, marginal=True, cap=cap)
+                    compared += 1
+    assert compared
