@@ -1,7 +1,8 @@
 """Stages holding a model's whole layers, each in one of its recomputation modes: the floors the
 planner prunes with (search/bounds.py, search/mixed.py) read a stage as its modes, each a
 (capacity in layers, cost per layer, base) triple, and ask when a group of stages first holds L
-layers within a bottleneck, and the least work those layers can cost."""
+layers within a bottleneck, and the least work those layers can cost; `PipeFloor` is the pipeline
+time floor they build (search/bounds.pipe_floor)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ import functools
 import heapq
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class PipeFloor:
+    """T_floor(m) = base_s + m per_mb_s <= T(m) of every layer split of some stages; it stands in for
+    a PipeCost in combine.allocate, whose makespan only grows with base_s and per_mb_s."""
+
+    base_s: float
+    per_mb_s: float
+
+    def time_s(self, m: int) -> float:
+        return self.base_s + m * self.per_mb_s
 
 
 def balanced_bottleneck(n_layers: int, p: int, w: float, e: float, h: float) -> float:

@@ -25,10 +25,9 @@ could not become finalists (hetero._mixed_around).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from hethub.memo import reference
-from hethub.predict.holding import Runs, balanced_bottleneck, least_layer_work, smallest_holding
+from hethub.predict.holding import PipeFloor, Runs, balanced_bottleneck, least_layer_work, smallest_holding
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
@@ -194,18 +193,6 @@ def _grid(f: int) -> int:
     """f with all but its three leading bits cleared: four counts per doubling, at most f."""
     drop = max(0, f.bit_length() - 3)
     return f >> drop << drop
-
-
-@dataclass(frozen=True)
-class PipeFloor:
-    """T_floor(m) = base_s + m per_mb_s <= T(m) of every layer split of some stages; it stands in for
-    a PipeCost in combine.allocate, whose makespan only grows with base_s and per_mb_s."""
-
-    base_s: float
-    per_mb_s: float
-
-    def time_s(self, m: int) -> float:
-        return self.base_s + m * self.per_mb_s
 
 
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],

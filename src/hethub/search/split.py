@@ -208,9 +208,8 @@ class _Position:
 
 
 def _plain_upto(opts: list[_Option]) -> int:
-    """The most layers a plain option (no recomputation) holds at no more base and cost per layer than
-    any recomputing one (-1: none does): up to that the cheapest option never recomputes, as `_options`
-    puts the plain modes first and `_cheapest` keeps the first of equal costs."""
+    """The most layers a plain option (no recomputation) holds at no more base and cost per layer than any
+    recomputing one (-1: none): up to that `_cheapest` (first of equal costs; plain modes first) never recomputes."""
     rc = [o for o in opts if o.sm.recompute]
     return max((o.max_layers for o in opts if not o.sm.recompute and all(
         o.base <= r.base and o.per_layer <= r.per_layer for r in rc)), default=-1)
@@ -218,13 +217,12 @@ def _plain_upto(opts: list[_Option]) -> int:
 
 def _greedy(costs: list[tuple[float, ...]], lows: list[int], n_layers: int, *, marginal: bool,
             cap: float) -> tuple[list[int] | None, float]:
-    """Add layers one at a time to the stage with the smallest key whose cost stays within cap; the
-    counts (None where the layers do not fit) and the most costly stage's cost. The key of a stage
-    at k layers is (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal` (cost(k + 1) -
-    cost(k), 0) (the sum); `costs`: each stage's cost by layer count (`_Position.costs`), from its low.
-    The search's hottest loop: heap entries carry cost(k + 1), the next entry's cost(k). A stage is in
-    the heap once, so its key (with the stage's index) never ties: the order popped is the keys' alone,
-    and popping then pushing may be one heapreplace."""
+    """Add layers one at a time to the stage with the smallest key whose cost stays within cap; the counts (None
+    where the layers do not fit) and the most costly stage's cost. The key of a stage at k layers is
+    (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal` (cost(k + 1) - cost(k), 0) (the sum); `costs`:
+    each stage's cost by layer count (`_Position.costs`), from its low. The search's hottest loop: heap entries
+    carry cost(k + 1), the next entry's cost(k). A stage is in the heap once, so its key (with the stage's index)
+    never ties: the order popped is the keys' alone, and popping then pushing may be one heapreplace."""
     counts = list(lows)
     heap = [(cs[k + 1] - cs[k], 0.0, s, cs[k + 1]) if marginal else (cs[k + 1], -cs[k], s, cs[k + 1])
             for s, (cs, k) in enumerate(zip(costs, lows, strict=True)) if cs[k + 1] <= cap]
