@@ -1,6 +1,7 @@
 """The mixed search's exact shortcuts against their plain paths (`memo.reference_path`, or the plain
 rule written out here): whether a split recomputes, read past each stage's `plain_upto` only
-(`split.LayerSplits.recomputes`); the layer greedy on each position's kept cost table (`split._greedy`)."""
+(`split.LayerSplits.recomputes`); the layer greedy on each position's kept cost table (`split._greedy`);
+the least layer work summed from each segment's kept hull pieces (`holding.least_layer_work`)."""
 
 import dataclasses
 import heapq
@@ -11,7 +12,9 @@ import pytest
 from test_reference_search import instance
 
 from hethub.memo import reference_path
+from hethub.predict import holding
 from hethub.search import split
+from hethub.search.bounds import stage_modes
 from hethub.search.split import layer_splits
 from hethub.search.templates import Searcher
 
@@ -101,3 +104,42 @@ def test_greedy_on_kept_costs_equals_the_options_walk(seed, schedule):
                         _plain_greedy(laid.opts, lows, n_layers, marginal=True, cap=cap)
                     compared += 1
     assert compared
+
+
+def _plain_least_layer_work(caps, n_layers):
+    """holding.least_layer_work as it was written first: every group's hull pieces, sorted, per call."""
+    pieces = []
+    for k, modes in caps:
+        pieces += [(slope, k * n) for slope, n in holding._hull(modes)]
+    pieces.sort()
+    total, left = 0.0, n_layers
+    for cost, n in pieces:
+        take = min(n, left)
+        total += take * cost
+        left -= take
+        if left <= 0:
+            break
+    return total
+
+
+@pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
+def test_least_layer_work_of_kept_segment_pieces_equals_the_plain_sum(seed):
+    # pipe_floor keeps each segment's hull pieces (bounds.segment_memory) and sums a pipeline's from
+    # them: on random stage modes in random segments, exactly the sum over all its groups' hulls.
+    cluster, model, config = instance(seed)
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    rng = random.Random(seed)
+    kinds = [k for k in s.counts if s.tps[k]]
+    for _ in range(200):
+        segments = []
+        for _ in range(rng.randint(1, 3)):
+            groups = []
+            for _ in range(rng.randint(1, 6)):
+                modes = stage_modes(s.book, rng.choice(kinds), rng.choice((1, 2, 4, 8)), rng.choice((1, 2)),
+                                    rng.random() < 0.2, rng.random() < 0.2, rng.randint(1, 80))
+                groups.append((rng.randint(1, 9), modes[:rng.choice((1, 6))]))
+            segments.append(groups)
+        n_layers = rng.randint(1, 3 * model.num_layers)
+        kept = [piece for groups in segments for piece in holding.hull_pieces(groups)]
+        assert holding.least_layer_work(kept, n_layers) == _plain_least_layer_work(
+            [g for groups in segments for g in groups], n_layers)

@@ -326,7 +326,7 @@ def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
                         assert got is None
                         infeasible += 1
                         continue
-                    caps, plain, one_first, one_last, one_max, held = got
+                    caps, plain, one_first, one_last, one_max, held, _ = got
                     groups: dict = {}
                     for k, modes in caps:
                         groups[modes] = groups.get(modes, 0) + k

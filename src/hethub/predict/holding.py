@@ -42,16 +42,19 @@ def balanced_bottleneck(n_layers: int, p: int, w: float, e: float, h: float) -> 
     return max(k * w + max(re, rh), e, h)
 
 
-def least_layer_work(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int) -> float:
+def hull_pieces(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]]) -> list[tuple[float, int]]:
+    """`least_layer_work`'s pieces of these stages, sorted: (cost per layer, layers) of each group's
+    lower convex hull (`_hull`), its stages' layers (pipe_floor keeps them per segment)."""
+    return sorted([(slope, k * n) for k, modes in caps for slope, n in _hull(modes)])
+
+
+def least_layer_work(pieces: list[tuple[float, int]], n_layers: int) -> float:
     """A floor under the layers' share of one micro-batch's work over all stages (bases apart): each
     stage's cost is above its lower convex hull (`_hull`); the hulls' cheapest slopes first (over all
-    stages) then give the least total for L layers."""
-    pieces: list[tuple[float, int]] = []  # (cost per layer, layers) over all stages
-    for k, modes in caps:
-        pieces += [(slope, k * n) for slope, n in _hull(modes)]
-    pieces.sort()
+    stages: `pieces`, their `hull_pieces`, any groups' concatenated) then give the least total for L
+    layers, summed in sorted order (so the same whatever the groups' order)."""
     total, left = 0.0, n_layers
-    for cost, n in pieces:
+    for cost, n in sorted(pieces):
         take = min(n, left)
         total += take * cost
         left -= take

@@ -197,9 +197,8 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
 
 @dataclass(frozen=True)
 class _Position:
-    """One stage position's options (`_options`) with what `layer_splits` reads of them: the most layers
-    any holds, and its cost (`_cost`) at each layer count 0 .. L + 1 (inf where none holds them), so that
-    the greedy reads a cost rather than walking the options (kept: templates share positions)."""
+    """One stage position's options (`_options`), the most layers any holds and its cost (`_cost`) at each layer
+    count 0 .. L + 1 (inf where none holds them), which the greedy reads (kept: templates share positions)."""
 
     opts: list[_Option]
     most: int
