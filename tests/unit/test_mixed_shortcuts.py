@@ -143,3 +143,30 @@ def test_least_layer_work_of_kept_segment_pieces_equals_the_plain_sum(seed):
         kept = [piece for groups in segments for piece in holding.hull_pieces(groups)]
         assert holding.least_layer_work(kept, n_layers) == _plain_least_layer_work(
             [g for groups in segments for g in groups], n_layers)
+
+
+@pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
+def test_smallest_holding_of_undominated_modes_equals_all_modes(seed):
+    # The floors keep each group's undominated modes for smallest_holding (bounds.segment_memory,
+    # mixed.Family._held_modes): on random stage modes, counts, layers and starting bottlenecks, exactly
+    # the answer over all the modes.
+    cluster, model, config = instance(seed)
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    rng = random.Random(seed)
+    kinds = [k for k in s.counts if s.tps[k]]
+    dropped = 0
+    for _ in range(300):
+        caps = []
+        for _ in range(rng.randint(1, 12)):
+            modes = stage_modes(s.book, rng.choice(kinds), rng.choice((1, 2, 4, 8)), rng.choice((1, 2)),
+                                rng.random() < 0.3, rng.random() < 0.3, rng.randint(1, 80))
+            if rng.random() < 0.3:  # as Family._held_modes has them: bases 0, capacities at least 0
+                modes = tuple((max(c, 0), w, 0.0) for c, w, _ in modes)
+            caps.append((rng.randint(1, 9), modes[:rng.choice((1, 3, 6))]))
+        kept = [(k, holding.undominated(modes)) for k, modes in caps]
+        dropped += sum(len(m) for _, m in caps) - sum(len(m) for _, m in kept)
+        n_layers = rng.randint(1, 2 * model.num_layers)
+        top = max((b + w * n_layers for _, modes in caps for c, w, b in modes), default=1.0)
+        for lo in (0.0, rng.uniform(0, top), rng.uniform(0, top / 4), top):
+            assert holding.smallest_holding(kept, n_layers, lo) == holding.smallest_holding(caps, n_layers, lo)
+    assert dropped

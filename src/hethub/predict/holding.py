@@ -48,6 +48,12 @@ def hull_pieces(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]]) ->
     return sorted([(slope, k * n) for k, modes in caps for slope, n in _hull(modes)])
 
 
+def floor_terms(groups: list[tuple[int, tuple[tuple[int, float, float], ...]]]) -> tuple[list, list]:
+    """What the floors keep of a segment's stages grouped by modes: each group with its `undominated`
+    modes (`smallest_holding` reads those) and the groups' `hull_pieces` (`least_layer_work` reads those)."""
+    return [(k, undominated(modes)) for k, modes in groups], hull_pieces(groups)
+
+
 def least_layer_work(pieces: list[tuple[float, int]], n_layers: int) -> float:
     """A floor under the layers' share of one micro-batch's work over all stages (bases apart): each
     stage's cost is above its lower convex hull (`_hull`); the hulls' cheapest slopes first (over all
@@ -61,6 +67,15 @@ def least_layer_work(pieces: list[tuple[float, int]], n_layers: int) -> float:
         if left <= 0:
             break
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def undominated(modes: tuple[tuple[int, float, float], ...]) -> tuple[tuple[int, float, float], ...]:
+    """The modes `smallest_holding` reads of a stage: none of negative capacity, none another holds as many
+    layers of at no more cost per layer and base (of equal ones the first): such a mode never holds more
+    layers within a time nor reaches a count sooner (IEEE rounding is monotone), so the answers are equal."""
+    return tuple(m for i, m in enumerate(modes) if m[0] >= 0 and not any(
+        q[0] >= m[0] and q[1] <= m[1] and q[2] <= m[2] and (j < i or q != m) for j, q in enumerate(modes) if j != i))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from hethub.memo import reference
-from hethub.predict.holding import PipeFloor, Runs, balanced_bottleneck, hull_pieces, least_layer_work, smallest_holding
+from hethub.predict.holding import PipeFloor, Runs, balanced_bottleneck, floor_terms, least_layer_work, smallest_holding
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
@@ -408,8 +408,8 @@ def segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple[
             one_first = f_first
         if hi_i == n - 1:
             one_last = f_last
-    groups = [(k, modes) for modes, k in by_cap.items()]
-    out = book.cache(_SEGMENT_MEMORY)[key] = (groups, plain, one_first, one_last, one_max, held, hull_pieces(groups))
+    groups, pieces = floor_terms([(k, modes) for modes, k in by_cap.items()])
+    out = book.cache(_SEGMENT_MEMORY)[key] = (groups, plain, one_first, one_last, one_max, held, pieces)
     return out
 
 
