@@ -1,7 +1,8 @@
 """Stages holding a model's whole layers, each in one of its recomputation modes: the floors the
 planner prunes with (search/bounds.py, search/mixed.py) read a stage as its modes, each a
 (capacity in layers, cost per layer, base) triple, and ask when a group of stages first holds L
-layers within a bottleneck, and the least work those layers can cost."""
+layers within a bottleneck, and the least work those layers can cost; `PipeFloor` is the pipeline
+time floor they build (search/bounds.pipe_floor)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ import functools
 import heapq
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class PipeFloor:
+    """T_floor(m) = base_s + m per_mb_s <= T(m) of every layer split of some stages; it stands in for
+    a PipeCost in combine.allocate, whose makespan only grows with base_s and per_mb_s."""
+
+    base_s: float
+    per_mb_s: float
+
+    def time_s(self, m: int) -> float:
+        return self.base_s + m * self.per_mb_s
 
 
 def balanced_bottleneck(n_layers: int, p: int, w: float, e: float, h: float) -> float:
@@ -28,22 +42,40 @@ def balanced_bottleneck(n_layers: int, p: int, w: float, e: float, h: float) -> 
     return max(k * w + max(re, rh), e, h)
 
 
-def least_layer_work(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]], n_layers: int) -> float:
+def hull_pieces(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]]) -> list[tuple[float, int]]:
+    """`least_layer_work`'s pieces of these stages, sorted: (cost per layer, layers) of each group's
+    lower convex hull (`_hull`), its stages' layers (pipe_floor keeps them per segment)."""
+    return sorted([(slope, k * n) for k, modes in caps for slope, n in _hull(modes)])
+
+
+def floor_terms(groups: list[tuple[int, tuple[tuple[int, float, float], ...]]]) -> tuple[list, list]:
+    """What the floors keep of a segment's stages grouped by modes: each group with its `undominated`
+    modes (`smallest_holding` reads those) and the groups' `hull_pieces` (`least_layer_work` reads those)."""
+    return [(k, undominated(modes)) for k, modes in groups], hull_pieces(groups)
+
+
+def least_layer_work(pieces: list[tuple[float, int]], n_layers: int) -> float:
     """A floor under the layers' share of one micro-batch's work over all stages (bases apart): each
     stage's cost is above its lower convex hull (`_hull`); the hulls' cheapest slopes first (over all
-    stages) then give the least total for L layers."""
-    pieces: list[tuple[float, int]] = []  # (cost per layer, layers) over all stages
-    for k, modes in caps:
-        pieces += [(slope, k * n) for slope, n in _hull(modes)]
-    pieces.sort()
+    stages: `pieces`, their `hull_pieces`, any groups' concatenated) then give the least total for L
+    layers, summed in sorted order (so the same whatever the groups' order)."""
     total, left = 0.0, n_layers
-    for cost, n in pieces:
+    for cost, n in sorted(pieces):
         take = min(n, left)
         total += take * cost
         left -= take
         if left <= 0:
             break
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def undominated(modes: tuple[tuple[int, float, float], ...]) -> tuple[tuple[int, float, float], ...]:
+    """The modes `smallest_holding` reads of a stage: none of negative capacity, none another holds as many
+    layers of at no more cost per layer and base (of equal ones the first): such a mode never holds more
+    layers within a time nor reaches a count sooner (IEEE rounding is monotone), so the answers are equal."""
+    return tuple(m for i, m in enumerate(modes) if m[0] >= 0 and not any(
+        q[0] >= m[0] and q[1] <= m[1] and q[2] <= m[2] and (j < i or q != m) for j, q in enumerate(modes) if j != i))
 
 
 @functools.lru_cache(maxsize=4096)

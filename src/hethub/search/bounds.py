@@ -25,10 +25,9 @@ could not become finalists (hetero._mixed_around).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from hethub.memo import reference
-from hethub.predict.holding import Runs, balanced_bottleneck, least_layer_work, smallest_holding
+from hethub.predict.holding import PipeFloor, Runs, balanced_bottleneck, floor_terms, least_layer_work, smallest_holding
 from hethub.predict.memory import act_bytes_for
 from hethub.predict.stage_links import LinkBook
 from hethub.schedules import Schedule, get_schedule
@@ -196,18 +195,6 @@ def _grid(f: int) -> int:
     return f >> drop << drop
 
 
-@dataclass(frozen=True)
-class PipeFloor:
-    """T_floor(m) = base_s + m per_mb_s <= T(m) of every layer split of some stages; it stands in for
-    a PipeCost in combine.allocate, whose makespan only grows with base_s and per_mb_s."""
-
-    base_s: float
-    per_mb_s: float
-
-    def time_s(self, m: int) -> float:
-        return self.base_s + m * self.per_mb_s
-
-
 def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, int], ...],
                mbs: int, *, in_flight_hint: int = 1, recompute: bool = True) -> PipeFloor | None:
     """A floor under any split of these (mixed) stages, without splitting; None if no split can fit.
@@ -243,6 +230,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     sched = get_schedule(job.schedule, chunks=job.chunks)
     inv_w, base_over_w, base_sum, w_min = 0.0, 0.0, 0.0, math.inf
     caps: list[tuple[int, tuple]] = []  # (stages, their modes: (capacity, w, base) each)
+    pieces: list[tuple[float, int]] = []  # their hull_pieces, segment by segment
     pos, extra_min, plain_total, held = 0, math.inf, 0.0, 0
     # A floor under each stage's work (middle stages hold at least one layer; the embedding's and the
     # head's may hold none): per segment its first and last stage's, and the largest.
@@ -262,8 +250,9 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
         if seg is None:
             book.cache(_PIPE_FLOORS)[key] = None
             return None
-        seg_caps, seg_plain, one_first, one_last, seg_one_max, seg_held = seg
+        seg_caps, seg_plain, one_first, one_last, seg_one_max, seg_held, seg_pieces = seg
         caps += seg_caps
+        pieces += seg_pieces
         plain_total += seg_plain
         held += seg_held
         ends.append((one_first, one_last))
@@ -282,7 +271,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     bottleneck = lo
     forced = max(0.0, n_layers - plain_total)
     work = max(bottleneck, base_sum + n_layers * w_min + (forced * extra_min if forced and extra_min < math.inf
-                                                           else 0.0), base_sum + least_layer_work(caps, n_layers))
+                                                           else 0.0), base_sum + least_layer_work(pieces, n_layers))
     numel = mbs * job.seq_len * job.model.hidden_size
     # The hops as every split of these stages pays them (split.split_layers prices with pipe_hops,
     # which lays each kind's segment out on its own: one segment's hops depend on it alone).
@@ -374,15 +363,14 @@ def segment_terms(book: CostBook, kind: str, tp: int, n: int, mbs: int, first: b
 
 
 def segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple[int, ...], first: bool, last: bool,
-                    n_modes: int, mid: float) -> tuple[list, int, float, float, float, int] | None:
-    """pipe_floor's memory terms of one segment whose stages hold `flights` micro-batches (the
-    pipeline's first and/or last stage among them or not): its stages grouped by their modes
-    (capacity, w, base); the layers they hold without recomputation; its first and last stage's least
-    one-layer work and the largest over its stages (0 for the embedding's and the head's stages,
-    which may hold none); and the most layers its stages hold in any mode. None where some stage fits
-    in no mode. Cached: the orders of one shape, and shapes beside other pure groups, ask the same
-    segments at the same positions again. Middle stages whose in-flight counts run down by one (1F1B)
-    are read off `_MiddleRuns` in O(runs of equal modes) rather than stage by stage."""
+                    n_modes: int, mid: float) -> tuple[list, int, float, float, float, int, list] | None:
+    """pipe_floor's memory terms of one segment whose stages hold `flights` micro-batches (the pipeline's first
+    and/or last stage among them or not): its stages grouped by their modes (capacity, w, base); the layers they
+    hold without recomputation; its first and last stage's least one-layer work and the largest over its stages
+    (0 for the embedding's and the head's stages, which may hold none); the most layers its stages hold in any
+    mode; the groups' hull_pieces. None where some stage fits in no mode. Cached: the orders of one shape, and
+    shapes beside other pure groups, ask the same segments at the same positions again. Middle stages whose
+    in-flight counts run down by one (1F1B) are read off `_MiddleRuns` in O(runs of equal modes)."""
     key = (kind, tp, mbs, flights, first, last, n_modes)
     hit = book.cache(_SEGMENT_MEMORY).get(key, ())
     if hit != ():
@@ -420,8 +408,8 @@ def segment_memory(book: CostBook, kind: str, tp: int, mbs: int, flights: tuple[
             one_first = f_first
         if hi_i == n - 1:
             one_last = f_last
-    out = book.cache(_SEGMENT_MEMORY)[key] = ([(k, modes) for modes, k in by_cap.items()], plain, one_first,
-                                              one_last, one_max, held)
+    groups, pieces = floor_terms([(k, modes) for modes, k in by_cap.items()])
+    out = book.cache(_SEGMENT_MEMORY)[key] = (groups, plain, one_first, one_last, one_max, held, pieces)
     return out
 
 

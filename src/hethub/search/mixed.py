@@ -20,10 +20,10 @@ import weakref
 from typing import Protocol
 
 from hethub.memo import reference
-from hethub.predict.holding import Runs, smallest_holding
+from hethub.predict.holding import PipeFloor, Runs, smallest_holding, undominated
 from hethub.predict.memory import act_bytes_for
 from hethub.schedules import get_schedule
-from hethub.search.bounds import PipeFloor, pipe_floor, stage_modes
+from hethub.search.bounds import pipe_floor, stage_modes
 from hethub.search.combine import Estimate, Group, bisect_time, finished_mb, lines_level_beside, water_level_with
 from hethub.search.split import Cache, Slot
 from hethub.search.sync_floors import SyncFloors
@@ -429,10 +429,10 @@ class Family:
         return hit
 
     def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
-        """`modes` as holding.smallest_holding takes them, bases 0 and capacities at least 0."""
+        """`modes` as holding.smallest_holding takes them, bases 0, capacities at least 0, `undominated`."""
         key = (i, in_flight)
-        return self._held.get(key) or self._held.setdefault(key, tuple((max(c, 0), w, 0.0) for c, w in
-                                                                        self.modes(i, in_flight)))
+        return self._held.get(key) or self._held.setdefault(key, undominated(tuple((max(c, 0), w, 0.0) for c, w in
+                                                                                    self.modes(i, in_flight))))
 
 
 def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, list[tuple]]]:

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from hethub.memo import Kept
+from hethub.memo import Kept, reference
 from hethub.plan import Recompute
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM, usable_bytes
 from hethub.predict.profiles import ProfileSet
@@ -108,10 +108,14 @@ class LayerSplits:
     slots: tuple[Slot, ...]
     opts: tuple[list[_Option], ...]
     counts: tuple[tuple[int, ...], ...]  # one per split, in split_layers' order (none: the model cannot fit)
+    plain_upto: tuple[int, ...] = ()  # per stage, `_Position.plain_upto` (empty: none known)
 
     def recomputes(self) -> bool:
-        """Whether some split recomputes on some stage (its cheapest option holding its layers)."""
-        return any(_cheapest(ops, k).sm.recompute for c in self.counts for ops, k in zip(self.opts, c, strict=True))
+        """Whether some split recomputes on some stage (its cheapest option holding its layers); a stage
+        holding at most its plain_upto layers does not, so its options are not walked (but on the reference path)."""
+        ups = (-1,) * len(self.opts) if reference() or not self.plain_upto else self.plain_upto
+        return any(k > up and _cheapest(ops, k).sm.recompute for c in self.counts
+                   for ops, k, up in zip(self.opts, c, ups, strict=True))
 
 
 def split_layers(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_recompute: bool,
@@ -148,7 +152,8 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
         return LayerSplits(slots, (), ())
     opts: list[list[_Option]] = []
     lows: list[int] = []
-    first: list[tuple[float, float]] = []
+    costs: list[tuple[float, ...]] = []
+    ups: list[int] = []
     flights = in_flights(book, get_schedule(job.schedule, chunks=job.chunks), p, in_flight_hint)
     positions, most = book.cache(_POSITIONS), 0
     for s, (slot, in_flight) in enumerate(zip(slots, flights, strict=True)):
@@ -160,20 +165,22 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
         if (at := positions.get(key)) is None:
             here = _options(book, slot, mbs=mbs, emb=emb, head=head, in_flight=in_flight, low=low,
                             allow_recompute=allow_recompute)
-            at = positions[key] = _Position(here, max((o.max_layers for o in here), default=-1),
-                                            (_cost(here, low), _cost(here, low + 1)))
+            most_here = max((o.max_layers for o in here), default=-1)
+            at = positions[key] = _Position(here, most_here, (*map(functools.partial(_cost, here), range(
+                max(most_here, low) + 2)), *(math.inf,) * (n_layers - most_here)), _plain_upto(here))
         if not at.opts:
             return LayerSplits(slots, (), ())
         opts.append(at.opts)
+        ups.append(at.plain_upto)
         lows.append(low)
-        first.append(at.first)
+        costs.append(at.costs)
         most += at.most
     if most < n_layers:
         return LayerSplits(slots, (), ())
 
     # Give layers one at a time to the stage whose cost grows least: each stage's cost (cheapest option
     # that still fits) is nondecreasing in its layer count, so this greedy minimises the bottleneck.
-    counts, bottleneck = _greedy(opts, lows, first, n_layers, marginal=False, cap=math.inf)
+    counts, bottleneck = _greedy(costs, lows, n_layers, marginal=False, cap=math.inf)
     if counts is None:
         return LayerSplits(slots, tuple(opts), ())
     # Among splits within (a slack on) that bottleneck, minimise the sum of stage times: it is the
@@ -181,51 +188,56 @@ def _layer_splits(book: CostBook, slots: tuple[Slot, ...], *, mbs: int, allow_re
     # Equal counts are one split (the same options, so the same recomputation).
     out: list[tuple[int, ...]] = []
     for slack in slacks:
-        cand = _greedy(opts, lows, first, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))[0]
+        cand = _greedy(costs, lows, n_layers, marginal=True, cap=bottleneck * slack * (1 + 1e-12))[0]
         for c in ([cand] if cand else []) + ([counts] if slack == 1.0 and cand != counts and not out else []):
             if tuple(c) not in out:
                 out.append(tuple(c))
-    return LayerSplits(slots, tuple(opts), tuple(out))
+    return LayerSplits(slots, tuple(opts), tuple(out), tuple(ups))
 
 
 @dataclass(frozen=True)
 class _Position:
-    """One stage position's options (`_options`) with what `layer_splits` reads of them first: the most
-    layers any holds, and the costs at its lowest count and one more (kept: templates share positions)."""
+    """One stage position's options (`_options`), the most layers any holds and its cost (`_cost`) at each layer
+    count 0 .. L + 1 (inf where none holds them), which the greedy reads (kept: templates share positions)."""
 
     opts: list[_Option]
     most: int
-    first: tuple[float, float]
+    costs: tuple[float, ...]
+    plain_upto: int  # `_plain_upto`'s
 
 
-def _greedy(opts: list[list[_Option]], lows: list[int], first: list[tuple[float, float]], n_layers: int, *,
-            marginal: bool, cap: float) -> tuple[list[int] | None, float]:
-    """Add layers one at a time to the stage with the smallest key whose cost stays within cap; the
-    counts (None where the layers do not fit) and the most costly stage's cost. The key of a stage
-    at k layers is (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal` (cost(k + 1) -
-    cost(k), 0) (the sum); `first`: each stage's (cost(k), cost(k + 1)) at its low. The search's
-    hottest loop: heap entries carry cost(k + 1), the next entry's cost(k); the cost is inlined."""
-    counts, costs = list(lows), [cur for cur, _ in first]
-    heap = [(nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt)
-            for s, (cur, nxt) in enumerate(first) if nxt <= cap]
+def _plain_upto(opts: list[_Option]) -> int:
+    """The most layers a plain option (no recomputation) holds at no more base and cost per layer than any
+    recomputing one (-1: none): up to that `_cheapest` (first of equal costs; plain modes first) never recomputes."""
+    rc = [o for o in opts if o.sm.recompute]
+    return max((o.max_layers for o in opts if not o.sm.recompute and all(
+        o.base <= r.base and o.per_layer <= r.per_layer for r in rc)), default=-1)
+
+
+def _greedy(costs: list[tuple[float, ...]], lows: list[int], n_layers: int, *, marginal: bool,
+            cap: float) -> tuple[list[int] | None, float]:
+    """Add layers one at a time to the stage with the smallest key whose cost stays within cap; the counts (None
+    where the layers do not fit) and the most costly stage's cost. The key of a stage at k layers is
+    (cost(k + 1), -cost(k)) (the bottleneck), or with `marginal` (cost(k + 1) - cost(k), 0) (the sum); `costs`:
+    each stage's cost by layer count (`_Position.costs`), from its low. The search's hottest loop: heap entries
+    carry cost(k + 1), the next entry's cost(k). A stage is in the heap once, so its key (with the stage's index)
+    never ties: the order popped is the keys' alone, and popping then pushing may be one heapreplace."""
+    counts = list(lows)
+    heap = [(cs[k + 1] - cs[k], 0.0, s, cs[k + 1]) if marginal else (cs[k + 1], -cs[k], s, cs[k + 1])
+            for s, (cs, k) in enumerate(zip(costs, lows, strict=True)) if cs[k + 1] <= cap]
     heapq.heapify(heap)
-    pop, push, inf = heapq.heappop, heapq.heappush, math.inf
+    pop, replace, inf = heapq.heappop, heapq.heapreplace, math.inf
     for _ in range(n_layers - sum(counts)):
         if not heap:
             return None, inf
-        _, _, s, cur = pop(heap)  # stages are unique in the heap: the 4th field never breaks a tie
+        _, _, s, cur = heap[0]
         k = counts[s] = counts[s] + 1
-        costs[s] = cur
-        k += 1
-        nxt = inf
-        for base, per_layer, most, _sm in opts[s]:  # _cost(opts[s], k), inlined
-            if most >= k:
-                c = base + k * per_layer
-                if c < nxt:
-                    nxt = c
+        nxt = costs[s][k + 1]
         if nxt <= cap:
-            push(heap, (nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
-    return counts, max(costs)
+            replace(heap, (nxt - cur, 0.0, s, nxt) if marginal else (nxt, -cur, s, nxt))
+        else:
+            pop(heap)
+    return counts, max(cs[k] for cs, k in zip(costs, counts, strict=True))
 
 
 def in_flights(book: CostBook, sched: Schedule, p: int, hint: int) -> tuple[int, ...]:

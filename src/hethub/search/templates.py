@@ -340,7 +340,7 @@ class Searcher:
 
     @staticmethod
     def mixed_slots(segments: tuple[tuple[str, int, int], ...]) -> tuple[Slot, ...]:
-        return tuple(Slot(k, t) for k, t, n in segments for _ in range(n))
+        return sum(((Slot(k, t),) * n for k, t, n in segments), ())  # one Slot per segment, repeated
 
     def total_mb(self, mbs: int) -> int:
         return self.config.global_batch // mbs
