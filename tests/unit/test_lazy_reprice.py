@@ -161,7 +161,7 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
     plain, choose = templates.fits_some_mode, finalists.choose_modes
     monkeypatch.setattr(templates, "fits_some_mode", lambda *a, **k: calls.append(1) or plain(*a, **k))
     monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
-        (p, {n: v for n, v in k.items() if n != "fits"})) or choose(p, **k))
+        (p, {n: v for n, v in k.items() if n not in ("fits", "orders")})) or choose(p, **k))
 
     def priced() -> list:
         out = []
@@ -215,7 +215,7 @@ def test_the_tighter_modes_floor_holds_where_memory_binds(monkeypatch):
     choose = finalists.choose_modes
     monkeypatch.setenv("HETHUB_PLAN_WORKERS", "1")  # the layouts recorded in this process
     monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
-        (p, {n: v for n, v in k.items() if n != "fits"})) or choose(p, **k))
+        (p, {n: v for n, v in k.items() if n not in ("fits", "orders")})) or choose(p, **k))
     make_plan(cluster=cluster, model=model, config=cfg)
     assert _floors_hold(laid[::4], rng=random.Random(7)) > 0
 

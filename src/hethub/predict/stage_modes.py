@@ -56,10 +56,12 @@ def choose_recompute(plan: Plan, *, allow_recompute: bool = True, mem_headroom: 
 
 
 def choose_modes(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
-                 allow_sp: bool = True, strict: bool = False, fits: ModeFits | None = None) -> Chosen:
+                 allow_sp: bool = True, strict: bool = False, fits: ModeFits | None = None,
+                 orders: dict[tuple[int, int], list[Mode]] | None = None) -> Chosen:
     """`choose_recompute`'s plan, saying whether every stage found a mode that fits; ``strict``: the search
-    stops at the first stage that found none (the plan then given back as it came)."""
-    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
+    stops at the first stage that found none (the plan then given back as it came). ``orders``: the
+    plan's ``stage_modes`` with the same flags where the caller has them (`modes_floor_s` asks them too)."""
+    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp) if orders is None else orders
     fits = ModeFits(plan, mem_headroom) if fits is None else fits
     pipes, every = [], True
     for pi, p in enumerate(plan.pipelines):
@@ -70,8 +72,12 @@ def choose_modes(plan: Plan, *, allow_recompute: bool = True, mem_headroom: floa
                 return Chosen(plan, every_stage_fits=False)
             every = every and mode is not None
             stages.append(in_mode(s, *(mode or (s.recompute, s.sequence_parallel))))
-        pipes.append(replace(p, stages=tuple(stages)))
-    return Chosen(replace(plan, pipelines=tuple(pipes)), every_stage_fits=every)
+        # A pipeline (a plan) whose stages all keep their modes is itself: a copy is equal and costs a rebuild
+        # (a shortcut: memo.py).
+        kept = all(a is b for a, b in zip(stages, p.stages, strict=True)) and not reference()
+        pipes.append(p if kept else replace(p, stages=tuple(stages)))
+    same = all(a is b for a, b in zip(pipes, plan.pipelines, strict=True))
+    return Chosen(plan if same else replace(plan, pipelines=tuple(pipes)), every_stage_fits=every)
 
 
 def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
@@ -97,7 +103,7 @@ def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: fl
 
 
 def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True, allow_sp: bool = True,
-                  fits: ModeFits | None = None) -> float:
+                  fits: ModeFits | None = None, orders: dict[tuple[int, int], list[Mode]] | None = None) -> float:
     """A floor under ``predictor.step_floor_s`` of ``choose_recompute(plan, ...)`` (the same flags),
     whatever modes it picks, before they are chosen: each stage at the least forward and the least
     backward time over its modes and its own (``pipeline_floor_s`` only grows with each; float
@@ -105,13 +111,18 @@ def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True,
     the mode). ``costs``: as for ``step_floor_s``. ``fits``: the plan's ``ModeFits`` at the headroom
     ``choose_recompute`` is given (to pass on to it): a tighter floor, leaving out the modes it proves
     a stage over memory in (``ModeFits.refused``), which ``choose_recompute`` never picks (it tries
-    the rest, then keeps the stage's own), at the cost of those proofs (a memory floor per mode)."""
-    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
+    the rest, then keeps the stage's own), at the cost of those proofs (a memory floor per mode).
+    ``orders``: as for ``choose_modes``."""
+    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp) if orders is None else orders
     drain, best, costed, least = not get_schedule(plan.schedule).split_backward, 0.0, {}, {}
+    refused: dict[Mode, set[tuple[int, int]]] = {}  # `fits.refused`'s sets, asked once per mode here
+    # Pipelines of equal stage costs and counts (replicas) have one floor, found once (a shortcut: memo.py);
+    # a CP ring's passes read the devices.
+    floors: dict[tuple, float] = {}
     for pi, p in enumerate(plan.pipelines):
         if p.virtual_stages > 1:
             continue
-        times = []
+        kepts = []
         for si, s in enumerate(p.stages):
             key = (s.kind, s.tp, s.cp, s.layers, s.embedding, s.head, s.recompute, s.sequence_parallel,
                    p.micro_batch_size)  # a replica's stages share it: its modes and costs depend on nothing else
@@ -123,15 +134,28 @@ def modes_floor_s(plan: Plan, *, costs: PlanCosts, allow_recompute: bool = True,
             # Only the modes `choose_recompute` tries before the stage's own are asked whether refused (it asks
             # them too, where it reaches them); the rest stay in.
             order = modes[(pi, si)]
+            if fits is None:
+                kepts.append((key, (own, *order)))
+                continue
             ahead = order[:order.index(own)] if own in order else order
-            kept = (own, *(m for m in order if m not in ahead or fits is None or (pi, si) not in fits.refused(m)))
-            if (key, kept) not in least:
-                by_mode = costed[key]
-                least[key, kept] = replace(by_mode[own], fwd_s=min(by_mode[m].fwd_s for m in kept),
-                                           bwd_s=min(by_mode[m].bwd_s for m in kept))
-            times.append(costs.with_ring(s, least[key, kept], mbs=p.micro_batch_size, layers=s.num_layers))
-        best = max(best, pipeline_floor_s([t.fwd_s for t in times], [t.bwd_s for t in times],
-                                          num_micro_batches=p.num_micro_batches, drain=drain))
+            for m in ahead:
+                if m not in refused:
+                    refused[m] = fits.refused(m)
+            kepts.append((key, (own, *(m for m in order if m not in ahead or (pi, si) not in refused[m]))))
+        ring = any(s.cp > 1 for s in p.stages)
+        sig = (p.num_micro_batches, tuple(kepts))
+        floor = None if ring or reference() else floors.get(sig)
+        if floor is None:
+            times = []
+            for s, (key, kept) in zip(p.stages, kepts, strict=True):
+                if (key, kept) not in least:
+                    by_mode = costed[key]
+                    least[key, kept] = replace(by_mode[kept[0]], fwd_s=min(by_mode[m].fwd_s for m in kept),
+                                               bwd_s=min(by_mode[m].bwd_s for m in kept))
+                times.append(costs.with_ring(s, least[key, kept], mbs=p.micro_batch_size, layers=s.num_layers))
+            floor = floors[sig] = pipeline_floor_s([t.fwd_s for t in times], [t.bwd_s for t in times],
+                                                   num_micro_batches=p.num_micro_batches, drain=drain)
+        best = max(best, floor)
     return best
 
 

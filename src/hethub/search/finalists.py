@@ -18,7 +18,7 @@ from hethub.predict.predictor import may_fit_below
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.scoring import Screen, score_plans
-from hethub.predict.stage_modes import ModeFits, choose_modes, modes_floor_s
+from hethub.predict.stage_modes import ModeFits, choose_modes, modes_floor_s, stage_modes
 from hethub.runtimes import runtime_profile, runtime_refusals
 from hethub.search.assemble import build_plan
 from hethub.search.combine import Estimate
@@ -58,13 +58,14 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
         seen.add(plan_key(est))
         costs = costs or (PlanCosts(plan, s.job.profiles) if bar else None)  # one job: stage costs are shared
-        fits = ModeFits(plan, config.mem_headroom)
+        fits, orders = ModeFits(plan, config.mem_headroom), stage_modes(plan, **modes)  # the floors' and choice's
         # The floor over every mode first; where it is below the bar, the floor over the modes not
         # proven over memory (their proofs then serve the choice).
         unread = bar is not None and (b := bar(plan)) < math.inf and (
-            modes_floor_s(plan, costs=costs, **modes) >= b or modes_floor_s(plan, costs=costs, fits=fits, **modes) >= b)
+            modes_floor_s(plan, costs=costs, orders=orders, **modes) >= b
+            or modes_floor_s(plan, costs=costs, fits=fits, orders=orders, **modes) >= b)
         if not unread:
-            chosen = choose_modes(plan, mem_headroom=config.mem_headroom, fits=fits, **modes)
+            chosen = choose_modes(plan, mem_headroom=config.mem_headroom, fits=fits, orders=orders, **modes)
             plan = chosen.plan
             unread = (require_fit and not chosen.every_stage_fits and not reference()
                       and not may_fit_below(plan, mem_headroom=config.mem_headroom))
