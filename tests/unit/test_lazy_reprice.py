@@ -133,8 +133,8 @@ def test_lazy_checks_give_the_reference_plans(name, monkeypatch):
     cluster, model = load_cluster(EXAMPLES / "nvidia-amd-32.toml"), get_model("llama-2-7b")
     cfg = PlannerConfig(global_batch=64, seq_len=2048, micro_batch_sizes=(1, 2), **CONFIGS[name])
     calls = []
-    plain = templates.fits_some_mode
-    monkeypatch.setattr(templates, "fits_some_mode", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    plain = templates.fits_some_mode_kept
+    monkeypatch.setattr(templates, "fits_some_mode_kept", lambda *a, **k: calls.append(1) or plain(*a, **k))
     with reference_path():
         want = _plan(cluster, model, cfg)
     eager = len(calls)
@@ -158,8 +158,8 @@ def test_priced_and_alone_plans_equal_the_reference_ones(monkeypatch):
                                                holders=64)]
     shapes, alone = enumerate_shapes(enum)
     calls, laid = [], []
-    plain, choose = templates.fits_some_mode, finalists.choose_modes
-    monkeypatch.setattr(templates, "fits_some_mode", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    plain, choose = templates.fits_some_mode_kept, finalists.choose_modes
+    monkeypatch.setattr(templates, "fits_some_mode_kept", lambda *a, **k: calls.append(1) or plain(*a, **k))
     monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
         (p, {n: v for n, v in k.items() if n not in ("fits", "orders")})) or choose(p, **k))
 
