@@ -319,7 +319,9 @@ def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
         for top, n in itertools.product((1, 2, 5, 17, 40, 82), (1, 2, 3, 9, 40)):
             if n > top:
                 continue
-            for flights in (tuple(range(top, top - n, -1)), (top,) * n, tuple(range(1, n + 1))):
+            # Counts running down by one (1F1B), alike (ZB-H1), up, the GRID bound's rounded runs, and repeats apart.
+            for flights in (tuple(range(top, top - n, -1)), (top,) * n, tuple(range(1, n + 1)),
+                            tuple(map(bounds._grid, range(top, top - n, -1))), (top, 1) * (n // 2) + (top,) * (n % 2)):
                 for first, last in itertools.product((False, True), repeat=2):
                     got = segment_memory(s.book, kind, tp, mbs, flights, first, last, n_modes, 0.5)
                     want = _segment_memory_stage_by_stage(s.book, kind, tp, mbs, flights, first, last, n_modes, 0.5)
@@ -338,6 +340,33 @@ def test_segment_memory_by_runs_is_the_stage_by_stage_sum():
                     assert (groups, plain, one_first, one_last, one_max, held) == (kept, *rest)
                     checked += 1
     assert checked > 1000 and infeasible > 50
+
+
+def test_mode_bottleneck_is_the_segment_floor_of_its_stages():
+    # Capacity.mode_bottleneck reads a middle stage's least one-layer work off the stage models (no
+    # segment_terms) and the in-flight bounds alone (no capacity totals): the plain segment floor.
+    from hethub.search.bounds import ALL_MODES, capacity, segment_memory, segment_terms
+    def searcher() -> Searcher:  # a model object of its own: books share no floors (segment_memory keeps mid's)
+        return Searcher(cluster=_cluster(4), model=get_model("llama-2-70b"),
+                        config=PlannerConfig(global_batch=256, seq_len=4096), profiles=None)
+
+    s, plain = searcher(), searcher()
+    rng, checked = random.Random(3), 0
+    for kind, tp, mbs, grid in itertools.product(KINDS, (1, 4), (1, 2, 8), (False, True)):
+        caps = capacity(s.book, kind, tp=tp, mbs=mbs)
+        for p in sorted(rng.sample(range(1, 83), 12)):
+            lo = rng.uniform(0.0, 0.05)
+            got = caps.mode_bottleneck(s.book, p, lo=lo, grid=grid)
+            flights = tuple(caps.schedule.max_in_flight(stage=i, num_stages=p) for i in range(p))
+            mid = segment_terms(plain.book, kind, tp, p, mbs, True, True, ALL_MODES)[4]
+            seg = segment_memory(plain.book, kind, tp, mbs, tuple(map(bounds._grid, flights)) if grid else flights,
+                                 True, True, ALL_MODES, mid)
+            assert got == (None if seg is None else smallest_holding(seg[0], s.model.num_layers, lo))
+            # what it left in the floors' cache for pipe_floor (whose mid is segment_terms')
+            assert segment_memory(s.book, kind, tp, mbs, tuple(map(bounds._grid, flights)) if grid else flights,
+                                  True, True, ALL_MODES, math.nan) == seg
+            checked += got is not None
+    assert checked > 50
 
 
 def test_runs_count_each_value_of_a_range_of_counts():

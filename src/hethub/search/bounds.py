@@ -24,6 +24,7 @@ could not become finalists (hetero._mixed_around).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from hethub.memo import reference
@@ -81,11 +82,7 @@ class Capacity:
         key = (p, variant, grid)
         if key not in self._totals:
             # O(p) per p: each stage's count is cached in its StageCost (max_layers).
-            bounds = self._in_flights.get(p)
-            if bounds is None:
-                # capacity() gives every Capacity a schedule with an in-flight bound
-                bounds = self._in_flights[p] = tuple(self.schedule.max_in_flight(stage=s, num_stages=p)
-                                                     for s in range(p))
+            bounds = self.in_flights(p)
             if grid:
                 bounds = tuple(map(_grid, bounds))
             if p == 1:
@@ -100,6 +97,13 @@ class Capacity:
                                      + sum(map(mid.__getitem__, bounds[1:-1])))
         return self._totals[key]
 
+    def in_flights(self, p: int) -> tuple[int, ...]:
+        """Each of p stages' in-flight bound (cached)."""
+        bounds = self._in_flights.get(p)
+        if bounds is None:  # capacity() gives every Capacity a schedule with an in-flight bound
+            bounds = self._in_flights[p] = tuple(self.schedule.max_in_flight(stage=s, num_stages=p) for s in range(p))
+        return bounds
+
     def mode_bottleneck(self, book: CostBook, p: int, *, lo: float, grid: bool = False) -> float | None:
         """The smallest bottleneck B >= lo at which p stages hold the model's L layers, each stage in
         the recomputation mode (none, selective, full: `stage_modes`) that holds the most layers
@@ -108,9 +112,10 @@ class Capacity:
         `smallest_holding`: exact per stage): tight where every stage must recompute, which the
         other floors price at the cheapest mode. None: the stages cannot hold L layers in any mode.
         ``grid``: at most that, each stage at `_grid`'s count (as `total`)."""
-        self.total(p, variant=0)  # fills the in-flight bounds of p stages
-        mid = segment_terms(book, self.kind, self.tp, p, self.mbs, True, True, ALL_MODES)[4]
-        flights = tuple(map(_grid, self._in_flights[p])) if grid else self._in_flights[p]
+        # segment_terms' least one-layer work of a middle stage, which depends on no segment shape
+        modes = book.modes(self.kind, tp=self.tp, mbs=self.mbs)[:ALL_MODES]
+        mid = min(v.fwd_per_layer_s + v.bwd_per_layer_s for v in modes)
+        flights = tuple(map(_grid, self.in_flights(p))) if grid else self.in_flights(p)
         seg = segment_memory(book, self.kind, self.tp, self.mbs, flights, True, True, ALL_MODES, mid)
         return None if seg is None else smallest_holding(seg[0], self.limit, lo)
 
@@ -458,19 +463,20 @@ class _MiddleRuns:
                 mid if at_hi is None else at_hi, mid if at_lo is None else at_lo, one_max)
 
     def terms_of(self, book: CostBook, flights: tuple[int, ...], mid: float) -> tuple | None:
-        """`terms` of stages holding these counts, in this order (first's and last's one-layer work)."""
-        self._fill(book, hi := max(flights))
-        if flights[0] == hi == min(flights):  # all alike (ZB-H1: every stage holds p)
-            modes, top, one = self.runs.value(f := flights[0])
-            one, n = mid if one is None else one, len(flights)
-            return None if top < 0 else ([(modes, n)], n * (self.plain[f] - self.plain[f - 1]), n * top, one, one, one)
+        """`terms` of stages holding these counts, in this order (first's and last's one-layer work), per
+        run of equal counts (ZB-H1: every stage holds p; GRID's rounded counts), each count's modes read
+        alone (`stage_modes`): the counts between, which `terms` fills, are not solved for them."""
+        kind, tp, mbs, n_modes = self.args
         groups, plain, held, ones = {}, 0, 0, []
-        for f in flights:
-            modes, top, one = self.runs.value(f)
+        for f, run in itertools.groupby(flights):
+            k = sum(1 for _ in run)
+            modes = stage_modes(book, kind, tp, mbs, False, False, f)[:n_modes]
+            one = [w for c, w, _ in modes if c >= 1]
+            top = max(c for c, _, _ in modes)
             if top < 0:
                 return None
-            groups[modes] = groups.get(modes, 0) + 1
-            plain += self.plain[f] - self.plain[f - 1]
-            held += top
-            ones.append(mid if one is None else one)
+            groups[modes] = groups.get(modes, 0) + k
+            plain += k * max(modes[0][0], 0)
+            held += k * top
+            ones.append(min(one) if one else mid)
         return list(groups.items()), plain, held, ones[0], ones[-1], max(ones)
