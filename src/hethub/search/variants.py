@@ -130,10 +130,12 @@ def enumerate_shapes(searchers: list[Searcher], *, mixed: bool = True, alone: bo
 
 
 def _mixed(s: Searcher) -> list[Estimate]:
+    """The first `SHAPES_POOL` distinct candidates of ``s``'s enumeration (its variant's mixed shapes)."""
     return distinct(search(s, first=SHAPES_POOL), SHAPES_POOL)
 
 
 def _alone(s: Searcher) -> list[list[Estimate]]:
+    """Each kind's first `SHAPES_POOL` distinct candidates alone under ``s``'s variant, on its books."""
     return [distinct(search(Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles,
                                      kinds=(kind,), books=s.books), kinds_alone=True), SHAPES_POOL)
             for kind in s.counts]
