@@ -3,7 +3,8 @@ worker processes, their results handed back in task order, exactly as a serial r
 
 ``fan_out(tasks)`` runs ``tasks`` (callables taking no argument) on up to `workers()` processes: this
 one and forked children, each claiming the next task from a shared queue (dynamic dispatch, so three
-tasks on two workers balance; ``order`` puts the longest first). A child pickles its results and
+tasks on two workers balance; ``order`` puts the longest first). This process claims ``order``'s first
+task before it forks, so what that task adds to the memos outlives the fan-out. A child pickles its results and
 exceptions back; the parent re-raises the exception of the lowest-numbered failed task (a serial run's
 first), its type kept, the child's traceback added as a note. Children are killed and reaped
 whatever happens in the parent (an exception, KeyboardInterrupt), so none outlives a call; on Linux
@@ -143,8 +144,10 @@ class _Pool:
         got = os.read(self.queue_r, _INDEX.size)  # one read of 4 bytes from a pipe is atomic
         return _INDEX.unpack(got)[0] if got else None
 
-    def _work(self, record: Callable[[int, bool, Any], None], *, child: bool = False) -> None:
-        while (i := self._claim()) is not None:
+    def _work(self, record: Callable[[int, bool, Any], None], *, child: bool = False, first: int | None = None,
+              ) -> None:
+        while (i := first if first is not None else self._claim()) is not None:
+            first = None
             try:
                 value, ok = self.tasks[i](), True
             except Exception as e:  # re-raised by `run` once every task has run
@@ -159,6 +162,7 @@ class _Pool:
         start_s, self.child_s = time.process_time(), []
         pids: dict[int, int] = {}  # pid -> read end of its result pipe
         parent = os.getpid()
+        first = self._claim()  # claimed before any fork: this process runs ``order``'s first task
         try:
             for _ in range(children):
                 r, w = os.pipe()
@@ -169,7 +173,7 @@ class _Pool:
                 os.close(w)
                 pids[pid] = r
             with serial():  # this process is a worker too: fan-outs inside its tasks run in it
-                self._work(self._record)
+                self._work(self._record, first=first)
             while pids:
                 pid, r = next(iter(pids.items()))
                 self._collect(pid, r)

@@ -69,6 +69,22 @@ def test_tasks_run_side_by_side_with_results_in_task_order():
     assert own_s >= 0 and len(children_s) == 1 and children_s[0] >= 0
 
 
+def test_the_first_task_in_order_runs_in_this_process_however_late_it_claims():
+    # The parent sleeps after each fork, so its children could claim every task before it claims one.
+    got = _run("""
+        real_fork = os.fork
+        def slow_fork():
+            pid = real_fork()
+            if pid:
+                time.sleep(0.5)
+            return pid
+        os.fork = slow_fork
+        out = fanout.fan_out([os.getpid] * 4, order=[2, 0, 3, 1])
+        print(json.dumps({"pids": out, "parent": parent}))
+    """)
+    assert got["pids"][2] == got["parent"]
+
+
 def test_the_first_failed_task_in_task_order_raises_its_own_type_from_a_child():
     got = _run("""
         def fail(i):

@@ -223,3 +223,33 @@ def test_a_search_pauses_the_collector_and_leaves_no_reference_cycles():
         planner._make_plan = search
         if was:
             gc.enable()
+
+
+def test_the_second_fan_out_starts_the_groups_then_the_kind_parts_largest_pool_first():
+    from hethub.search.planner import task_order
+
+    assert task_order(3, [65, 12, 76]) == [0, 1, 2, 5, 3, 4]
+    assert task_order(1, [5, 7, 5]) == [0, 2, 1, 3]  # ties in kind order
+    assert task_order(2, []) == [0, 1]
+
+
+def test_the_kind_alone_searches_are_tasks_after_the_mixed_ones(monkeypatch):
+    # Cut apart, the enumeration gives what each searcher's mixed and kind-alone searches give in turn.
+    import hethub.search.variants as variants
+    from conftest import small_cluster, tiny_model
+    from hethub.predict.stage_links import LinkBook
+
+    config = PlannerConfig(global_batch=8, seq_len=32, micro_batch_sizes=(1, 2), schedule="auto")
+    cluster = small_cluster()
+    enums = [v.searcher(config, cluster=cluster, model=tiny_model(), profiles=None, holders=8,
+                        links=LinkBook(cluster, runtime=config.runtime))
+             for v in variants.enumeration_variants(*variants.variants_of(config))]
+    sizes, real = [], variants.fan_out
+    monkeypatch.setattr(variants, "fan_out", lambda tasks, **kw: sizes.append(len(tasks)) or real(tasks, **kw))
+    shapes, alone = variants.enumerate_shapes(enums)
+    assert len(enums) == 2 and sizes == [4]
+    assert shapes == variants._in_turns([variants._mixed(s) for s in enums])
+    each = [variants._alone(s) for s in enums]
+    assert alone == {k: variants._in_turns([e[i] for e in each]) for i, k in enumerate(enums[0].counts)}
+    assert variants.enumerate_shapes(enums, mixed=False) == ([], alone) and sizes[-1] == 2
+    assert variants.enumerate_shapes(enums, alone=False) == (shapes, {}) and sizes[-1] == 2

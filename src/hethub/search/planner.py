@@ -217,6 +217,7 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     # Side by side (hethub.fanout): each schedule's variants, then each kind's part of the bound.
     groups = [[v for v in variants if v.schedule == n] for n in dict.fromkeys(v.schedule for v in variants)]
     got = fan_out([partial(schedule_plans, g) for g in groups] + parts,
+                  order=task_order(len(groups), [len(alone.get(k, ())) for k in cluster.kind_names]),
                   done=lambda i, _: bar.update(len(groups[i]) if i < len(groups) else 1))
     by_variant = {v: x for g, xs in zip(groups, got, strict=False) for v, x in zip(g, xs, strict=True)}
     own, b = [x for v in variants for x in by_variant[v]], BoundParts.of(got[len(groups):])
@@ -249,6 +250,15 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     return PlanResult(plan=top[0][0], prediction=top[0][1], search_time_s=elapsed, upper_bound_tokens_per_s=0.0,
                       efficiency=0.0, alternatives=top, notes=(*(n for n in notes if n), *b.notes),
                       upper_bound_by_kind=b.parts, relaxed_kinds=b.relaxed)
+
+
+def task_order(n_groups: int, pools: list[int]) -> list[int]:
+    """The start order of the fan-out of ``n_groups`` variant groups then a kind part per entry of ``pools``
+    (its kind-alone shapes): the groups as given (the longest tasks), then the parts, the largest pool
+    first (a part's time is mostly its pool repriced under every plain variant), so that the last task
+    to start is a short one and the workers end together; ties in kind order. It changes only which
+    worker runs a task, never a result (hethub.fanout)."""
+    return [*range(n_groups), *sorted(range(n_groups, n_groups + len(pools)), key=lambda i: -pools[i - n_groups])]
 
 
 def _enumeration(enums: list[Searcher], *, host: HostModel | None, mixed: bool,

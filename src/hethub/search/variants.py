@@ -18,6 +18,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 
 from hethub.fanout import fan_out
 from hethub.memo import Ranked, reference
@@ -116,19 +117,28 @@ def distinct(ests: list[Estimate], n: int) -> list[Estimate]:
 
 def enumerate_shapes(searchers: list[Searcher], *, mixed: bool = True, alone: bool = True,
                      ) -> tuple[list[Estimate], dict[str, list[Estimate]]]:
-    """The enumeration under each searcher's variant (a task each, `hethub.fanout`): its best distinct candidates
-    (``mixed``) and each kind's alone (``alone``, on its books: the bound's parts, repriced per variant like the
-    pool), each pooled over the searchers in turns (each one's first ``SHAPES_POOL``), best closed form first."""
-    found = fan_out([lambda s=s: _enumerated(s, mixed=mixed, alone=alone) for s in searchers])
-    return (_in_turns([f[0] for f in found]) if mixed else [],
-            {kind: _in_turns([f[1][i] for f in found]) for i, kind in enumerate(searchers[0].counts if alone else ())})
+    """The enumeration under each searcher's variant (`hethub.fanout`): its best distinct candidates (``mixed``)
+    and each kind's alone (``alone``, on its books: the bound's parts, repriced per variant like the pool), each
+    pooled over the searchers in turns (each one's first ``SHAPES_POOL``), best closed form first. The kind-alone
+    searches are tasks of their own, after the mixed ones, so the worker that ends its mixed search first
+    takes them."""
+    mixes = [partial(_mixed, s) for s in searchers] if mixed else []
+    found = fan_out([*mixes, *(partial(_alone, s) for s in searchers)] if alone else mixes)
+    kinds = searchers[0].counts if alone else ()
+    return (_in_turns(found[:len(mixes)]) if mixed else [],
+            {kind: _in_turns([f[i] for f in found[len(mixes):]]) for i, kind in enumerate(kinds)})
 
 
-def _enumerated(s: Searcher, *, mixed: bool, alone: bool) -> tuple[list[Estimate], list[list[Estimate]]]:
-    return (distinct(search(s, first=SHAPES_POOL), SHAPES_POOL) if mixed else [],
-            [distinct(search(Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles,
-                                      kinds=(kind,), books=s.books), kinds_alone=True), SHAPES_POOL)
-             for kind in (s.counts if alone else ())])
+def _mixed(s: Searcher) -> list[Estimate]:
+    """The first `SHAPES_POOL` distinct candidates of ``s``'s enumeration (its variant's mixed shapes)."""
+    return distinct(search(s, first=SHAPES_POOL), SHAPES_POOL)
+
+
+def _alone(s: Searcher) -> list[list[Estimate]]:
+    """Each kind's first `SHAPES_POOL` distinct candidates alone under ``s``'s variant, on its books."""
+    return [distinct(search(Searcher(cluster=s.cluster, model=s.model, config=s.config, profiles=s.job.profiles,
+                                     kinds=(kind,), books=s.books), kinds_alone=True), SHAPES_POOL)
+            for kind in s.counts]
 
 
 def _in_turns(found: list[list[Estimate]]) -> list[Estimate]:
