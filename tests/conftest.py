@@ -99,6 +99,23 @@ def two_islands(cluster: Cluster) -> Cluster:
                                    "slow": replace(cluster.kinds["slow"], vendor="other", backend="nccl")})
 
 
+def laid_out_layouts(monkeypatch, *, global_batch: int) -> list[tuple[Plan, dict]]:
+    """The layouts (and ``choose_modes``'s memory arguments) a serial default search of llama-2-7b on
+    a100-v100-32 lays out: V100s' stages recompute there, so memory binds."""
+    from hethub.search import PlannerConfig, finalists, make_plan
+    from hethub.spec.cluster import load_cluster
+    from hethub.spec.model import get_model
+    cfg = PlannerConfig(global_batch=global_batch, seq_len=2048, micro_batch_sizes=(1, 2), schedule="auto",
+                        optimizer_sharding="auto")
+    laid: list[tuple[Plan, dict]] = []
+    choose = finalists.choose_modes
+    monkeypatch.setenv("HETHUB_PLAN_WORKERS", "1")  # the layouts recorded in this process
+    monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
+        (p, {n: v for n, v in k.items() if n not in ("fits", "orders")})) or choose(p, **k))
+    make_plan(cluster=load_cluster(EXAMPLES / "a100-v100-32.toml"), model=get_model("llama-2-7b"), config=cfg)
+    return laid
+
+
 def tiny_model(layers: int = 6) -> ModelSpec:
     return ModelSpec(name="t", num_layers=layers, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
                      vocab_size=256, max_seq_len=64)

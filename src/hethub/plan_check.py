@@ -103,6 +103,9 @@ def check_stage(s: Stage, sw: str, *, model: ModelSpec, cluster: Cluster, first:
              f"use one of {', '.join(cluster.kind_names)}")
     if not s.devices:
         fail(f"{sw}.devices", "is empty", "give the stage at least one device")
+    if isinstance(s.cp, int) and not isinstance(s.cp, bool) and s.cp > len(s.devices):  # else no TP group
+        fail(f"{sw}.cp", f"is {s.cp}, more than the stage's {len(s.devices)} devices",
+             "list tp x cp devices (CP-major: CP rank c's TP group first, then the next)")
     _DEVICES_PASSED.get((id(cluster), s.kind, s.devices, s.cp), lambda: _check_devices(s, sw, cluster=cluster),
                         pin=(cluster,))
     tp = s.tp

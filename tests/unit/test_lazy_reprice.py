@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, laid_out_layouts
 from hethub.memo import Ranked, reference_path
 from hethub.plan import Recompute
 from hethub.predict.plan_costs import PlanCosts
@@ -208,15 +208,7 @@ def _floors_hold(laid: list, *, rng: random.Random) -> int:
 def test_the_tighter_modes_floor_holds_where_memory_binds(monkeypatch):
     """`_floors_hold` on the candidates a search lays out where memory binds (V100s' stages recompute),
     so that `ModeFits` refuses some stages' faster modes and the tighter floor rises above the plain one."""
-    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-2-7b")
-    cfg = PlannerConfig(global_batch=64, seq_len=2048, micro_batch_sizes=(1, 2), schedule="auto",
-                        optimizer_sharding="auto")
-    laid = []
-    choose = finalists.choose_modes
-    monkeypatch.setenv("HETHUB_PLAN_WORKERS", "1")  # the layouts recorded in this process
-    monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
-        (p, {n: v for n, v in k.items() if n not in ("fits", "orders")})) or choose(p, **k))
-    make_plan(cluster=cluster, model=model, config=cfg)
+    laid = laid_out_layouts(monkeypatch, global_batch=64)
     assert _floors_hold(laid[::4], rng=random.Random(7)) > 0
 
 

@@ -19,18 +19,24 @@ from hethub.search.split import layer_splits
 from hethub.search.templates import Searcher
 
 
+def _searcher(seed: int, schedule: str | None = None) -> tuple[Searcher, random.Random, list[str]]:
+    """A searcher on random instance ``seed`` (under ``schedule`` if given), a generator seeded alike and
+    the kinds that have a TP degree."""
+    cluster, model, config = instance(seed)
+    config = dataclasses.replace(config, schedule=schedule) if schedule else config
+    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
+    return s, random.Random(seed), [k for k in s.counts if s.tps[k]]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
 @pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
 def test_recomputes_equals_the_plain_walk(seed, schedule):
     # On random mixed stages and layer counts: no stage's cheapest option recomputes at any count up
     # to its plain_upto, and recomputes() is the plain path's (every stage's cheapest option walked).
-    cluster, model, config = instance(seed)
-    s = Searcher(cluster=cluster, model=model, config=dataclasses.replace(config, schedule=schedule), profiles=None)
-    rng = random.Random(seed)
-    kinds = [k for k in s.counts if s.tps[k]]
+    s, rng, kinds = _searcher(seed, schedule)
     skipped = 0
     for _ in range(25):
-        p = rng.randint(1, model.num_layers + 2)
+        p = rng.randint(1, s.model.num_layers + 2)
         picks = [rng.choice(kinds) for _ in range(rng.randint(1, 3))]
         slots = tuple(split.Slot(k, rng.choice(s.tps[k])) for k in picks for _ in range(max(1, p // len(picks))))
         laid = layer_splits(s.book, slots, mbs=rng.choice((1, 2)), allow_recompute=True,
@@ -77,11 +83,8 @@ def _plain_greedy(opts, lows, n_layers, *, marginal, cap):
 def test_greedy_on_kept_costs_equals_the_options_walk(seed, schedule):
     # The greedy reads each stage's cost off its position's table (heapreplace for pop and push): on
     # random mixed stages, random lows and caps, the same counts and bottleneck as the options walked.
-    cluster, model, config = instance(seed)
-    s = Searcher(cluster=cluster, model=model, config=dataclasses.replace(config, schedule=schedule), profiles=None)
-    rng = random.Random(seed)
-    kinds = [k for k in s.counts if s.tps[k]]
-    n_layers, compared = model.num_layers, 0
+    s, rng, kinds = _searcher(seed, schedule)
+    n_layers, compared = s.model.num_layers, 0
     for _ in range(25):
         p = rng.randint(1, n_layers + 2)
         picks = [rng.choice(kinds) for _ in range(rng.randint(1, 3))]
@@ -126,10 +129,7 @@ def _plain_least_layer_work(caps, n_layers):
 def test_least_layer_work_of_kept_segment_pieces_equals_the_plain_sum(seed):
     # pipe_floor keeps each segment's hull pieces (bounds.segment_memory) and sums a pipeline's from
     # them: on random stage modes in random segments, exactly the sum over all its groups' hulls.
-    cluster, model, config = instance(seed)
-    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
-    rng = random.Random(seed)
-    kinds = [k for k in s.counts if s.tps[k]]
+    s, rng, kinds = _searcher(seed)
     for _ in range(200):
         segments = []
         for _ in range(rng.randint(1, 3)):
@@ -139,7 +139,7 @@ def test_least_layer_work_of_kept_segment_pieces_equals_the_plain_sum(seed):
                                     rng.random() < 0.2, rng.random() < 0.2, rng.randint(1, 80))
                 groups.append((rng.randint(1, 9), modes[:rng.choice((1, 6))]))
             segments.append(groups)
-        n_layers = rng.randint(1, 3 * model.num_layers)
+        n_layers = rng.randint(1, 3 * s.model.num_layers)
         kept = [piece for groups in segments for piece in holding.hull_pieces(groups)]
         assert holding.least_layer_work(kept, n_layers) == _plain_least_layer_work(
             [g for groups in segments for g in groups], n_layers)
@@ -150,10 +150,7 @@ def test_smallest_holding_of_undominated_modes_equals_all_modes(seed):
     # The floors keep each group's undominated modes for smallest_holding (bounds.segment_memory,
     # mixed.Family._held_modes): on random stage modes, counts, layers and starting bottlenecks, exactly
     # the answer over all the modes.
-    cluster, model, config = instance(seed)
-    s = Searcher(cluster=cluster, model=model, config=config, profiles=None)
-    rng = random.Random(seed)
-    kinds = [k for k in s.counts if s.tps[k]]
+    s, rng, kinds = _searcher(seed)
     dropped = 0
     for _ in range(300):
         caps = []
@@ -165,7 +162,7 @@ def test_smallest_holding_of_undominated_modes_equals_all_modes(seed):
             caps.append((rng.randint(1, 9), modes[:rng.choice((1, 3, 6))]))
         kept = [(k, holding.undominated(modes)) for k, modes in caps]
         dropped += sum(len(m) for _, m in caps) - sum(len(m) for _, m in kept)
-        n_layers = rng.randint(1, 2 * model.num_layers)
+        n_layers = rng.randint(1, 2 * s.model.num_layers)
         top = max((b + w * n_layers for _, modes in caps for c, w, b in modes), default=1.0)
         for lo in (0.0, rng.uniform(0, top), rng.uniform(0, top / 4), top):
             assert holding.smallest_holding(kept, n_layers, lo) == holding.smallest_holding(caps, n_layers, lo)

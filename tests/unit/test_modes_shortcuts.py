@@ -9,16 +9,13 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from conftest import EXAMPLES
+from conftest import laid_out_layouts
 from hethub.memo import reference_path
 from hethub.plan import Plan, Recompute
 from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import pipeline_floor_s
 from hethub.predict.stage_modes import ModeFits, choose_modes, modes_floor_s, stage_modes
 from hethub.schedules import get_schedule
-from hethub.search import PlannerConfig, finalists, make_plan
-from hethub.spec.cluster import load_cluster
-from hethub.spec.model import get_model
 
 
 def _plain_floor_s(plan: Plan, *, costs: PlanCosts, fits: ModeFits | None, **modes: bool) -> float:
@@ -60,15 +57,7 @@ def _drawn(plan: Plan, rng: random.Random, *, replicas_alike: bool) -> Plan:
 
 
 def test_modes_shortcuts_equal_the_plain_walk(monkeypatch):
-    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.toml"), get_model("llama-2-7b")
-    cfg = PlannerConfig(global_batch=256, seq_len=2048, micro_batch_sizes=(1, 2), schedule="auto",
-                        optimizer_sharding="auto")
-    laid = []
-    choose = finalists.choose_modes
-    monkeypatch.setenv("HETHUB_PLAN_WORKERS", "1")  # the layouts recorded in this process
-    monkeypatch.setattr(finalists, "choose_modes", lambda p, **k: laid.append(
-        (p, {n: v for n, v in k.items() if n not in ("fits", "orders")})) or choose(p, **k))
-    make_plan(cluster=cluster, model=model, config=cfg)
+    laid = laid_out_layouts(monkeypatch, global_batch=256)
     assert laid
     rng, replicated, kept_whole = random.Random(11), 0, 0
     for plan, k in laid[::2]:

@@ -9,7 +9,7 @@ not on the split, so the memory model asks it once per layout (``zero23_stage_by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from hethub.layout import (
@@ -23,7 +23,7 @@ from hethub.layout import (
 )
 from hethub.memo import Kept, reference
 from hethub.plan import Plan
-from hethub.predict.sharding import bucket_lines, layout_key, rank_shards, unit_elems
+from hethub.predict.sharding import Bucket, bucket_lines, layout_key, rank_shards, unit_elems
 from hethub.spec.model import ModelSpec
 
 
@@ -72,40 +72,64 @@ def _zero23_stage_bytes(plan: Plan, bucket_elems: int) -> tuple[tuple[int, int, 
     so the sums are the per-holder walk's whatever their order (a shortcut: memo.py)."""
     if reference():
         return _plain_zero23_stage_bytes(plan, bucket_elems)
-    model, stage3 = plan.model, plan.zero_stage == 3
-    places = stage_places(plan)
-    index = {(st.pipeline, st.stage): i for i, st in enumerate(places)}
-    wbytes = [ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for st in places]
-    whole = [0] * len(places)
-    sizes: list[dict[str, tuple[int, int]]] = [{} for _ in places]  # unit -> (bytes, staging)
-    largest = [(0, 0)] * len(places)  # (layout elems, local elems) of the largest bucket
-    mixed_any = [False] * len(places)
-    for b, _ in bucket_lines(plan):
-        precisions = {plan.precision_of(s.kind) for s in b.holders}
-        gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
-        gathered = stage3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
+    model, t = plan.model, _Tally(plan)
+    for b, gather_bytes, gathered in t.buckets(plan):
         adds: dict[tuple[int, int], _HolderBytes] = {}  # by the holder's (TP degree, weight bytes)
         for st in b.holders:
-            i = index[(st.pipeline, st.stage)]
-            mixed_any[i] = mixed_any[i] or b.mixed
-            add = adds.get((st.tp, wbytes[i]))
+            i = t.holder(st, mixed=b.mixed)
+            add = adds.get((st.tp, t.wbytes[i]))
             if add is None:
-                add = adds[(st.tp, wbytes[i])] = _holder_bytes(model, b.units, tp=st.tp, mixed=b.mixed,
-                                                              wbytes=wbytes[i], gather_bytes=gather_bytes,
-                                                              gathered=gathered, bucket_elems=bucket_elems)
-            largest[i] = max(largest[i], add.largest)
-            whole[i] += add.whole_bytes
-            sizes[i].update(add.gathered)
-    out = []
+                add = adds[(st.tp, t.wbytes[i])] = _holder_bytes(model, b.units, tp=st.tp, mixed=b.mixed,
+                                                                wbytes=t.wbytes[i], gather_bytes=gather_bytes,
+                                                                gathered=gathered, bucket_elems=bucket_elems)
+            t.largest[i] = max(t.largest[i], add.largest)
+            t.whole[i] += add.whole_bytes
+            t.sizes[i].update(add.gathered)
     peaks: dict[tuple, int] = {}
-    for i, st in enumerate(places):
-        layout_elems, local_elems = largest[i]
-        rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if mixed_any[i] else 0)
-        key = (st.embedding, tuple(sizes[i].items()))
+
+    def peak(i: int, st: StagePlace) -> int:
+        key = (st.embedding, tuple(t.sizes[i].items()))
         if key not in peaks:
-            peaks[key] = _gather_peak(st, sizes[i], tied=model.tied_embeddings, num_layers=model.num_layers)
-        out.append((whole[i], peaks[key], rounds))
-    return tuple(out)
+            peaks[key] = _gather_peak(st, t.sizes[i], tied=model.tied_embeddings, num_layers=model.num_layers)
+        return peaks[key]
+    return t.rows(peak)
+
+
+class _Tally:
+    """Per stage of a plan, what its buckets add up to (`_zero23_stage_bytes` and its plain rule): the
+    bytes of units kept whole, each gathered unit's (bytes, staging bytes), the largest bucket's (layout
+    elems, local elems) and whether any of its buckets is mixed."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.places = stage_places(plan)
+        self.index = {(st.pipeline, st.stage): i for i, st in enumerate(self.places)}
+        self.wbytes = [ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for st in self.places]
+        n = len(self.places)
+        self.whole, self.largest, self.mixed_any = [0] * n, [(0, 0)] * n, [False] * n
+        self.sizes: list[dict[str, tuple[int, int]]] = [{} for _ in range(n)]
+
+    @staticmethod
+    def buckets(plan: Plan) -> Iterator[tuple[Bucket, int, bool]]:
+        """Each bucket with the bytes per weight its gathers move and whether ZeRO-3 gathers it."""
+        for b, _ in bucket_lines(plan):
+            precisions = {plan.precision_of(s.kind) for s in b.holders}
+            gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
+            yield b, gather_bytes, plan.zero_stage == 3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
+
+    def holder(self, st: StagePlace, *, mixed: bool) -> int:
+        """The index of holder ``st``'s stage, noting whether a bucket it holds is ``mixed``."""
+        i = self.index[(st.pipeline, st.stage)]
+        self.mixed_any[i] = self.mixed_any[i] or mixed
+        return i
+
+    def rows(self, peak: Callable[[int, StagePlace], int]) -> tuple[tuple[int, int, int], ...]:
+        """(whole bytes, gather peak, bucket rounds' bytes) per stage, ``peak`` giving the gather peak."""
+        out = []
+        for i, st in enumerate(self.places):
+            layout_elems, local_elems = self.largest[i]
+            rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if self.mixed_any[i] else 0)
+            out.append((self.whole[i], peak(i, st), rounds))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -135,39 +159,22 @@ def _holder_bytes(model: ModelSpec, units: tuple[str, ...], *, tp: int, mixed: b
 def _plain_zero23_stage_bytes(plan: Plan, bucket_elems: int) -> tuple[tuple[int, int, int], ...]:
     """The plain rule of ``_zero23_stage_bytes``: every holder of every bucket walked, every stage's
     gathers replayed (the reference path's, memo.py)."""
-    model, stage3 = plan.model, plan.zero_stage == 3
-    places = stage_places(plan)
-    index = {(st.pipeline, st.stage): i for i, st in enumerate(places)}
-    wbytes = [ModelSpec.state_bytes_per_param(plan.precision_of(st.kind))["weights"] for st in places]
-    whole = [0] * len(places)
-    sizes: list[dict[str, tuple[int, int]]] = [{} for _ in places]  # unit -> (bytes, staging)
-    largest = [(0, 0)] * len(places)  # (layout elems, local elems) of the largest bucket
-    mixed_any = [False] * len(places)
-    for b, _ in bucket_lines(plan):
-        precisions = {plan.precision_of(s.kind) for s in b.holders}
-        gather_bytes = ModelSpec.state_bytes_per_param(precisions.pop())["weights"] if len(precisions) == 1 else 4
-        gathered = stage3 and gathers_params([(s.stage, s.num_stages) for s in b.holders])
+    model, t = plan.model, _Tally(plan)
+    for b, gather_bytes, gathered in t.buckets(plan):
         for st in b.holders:
-            i = index[(st.pipeline, st.stage)]
-            mixed_any[i] = mixed_any[i] or b.mixed
+            i = t.holder(st, mixed=b.mixed)
             layout = [unit_elems(model, u, tp=1 if b.mixed else st.tp) for u in b.units]
             local = [unit_elems(model, u, tp=st.tp) for u in b.units]
             spans = bucket_ranges(layout, cap_elems=bucket_elems)  # units are not split here: a bound
             big = max(((sum(layout[lo:hi]), sum(local[lo:hi])) for lo, hi in spans), default=(0, 0))
-            largest[i] = max(largest[i], big)
+            t.largest[i] = max(t.largest[i], big)
             for u, n_layout, n in zip(b.units, layout, local, strict=True):
                 if not gathered:
-                    whole[i] += n * wbytes[i]
+                    t.whole[i] += n * t.wbytes[i]
                     continue
-                direct = not b.mixed and gather_bytes == wbytes[i]
-                sizes[i][u] = (n * wbytes[i], 0 if direct else n_layout * gather_bytes)
-    out = []
-    for i, st in enumerate(places):
-        layout_elems, local_elems = largest[i]
-        rounds = (ZERO_IN_FLIGHT_ROUNDS + 1) * layout_elems * 4 + (local_elems * 4 if mixed_any[i] else 0)
-        out.append((whole[i], _gather_peak(st, sizes[i], tied=model.tied_embeddings, num_layers=model.num_layers),
-                    rounds))
-    return tuple(out)
+                direct = not b.mixed and gather_bytes == t.wbytes[i]
+                t.sizes[i][u] = (n * t.wbytes[i], 0 if direct else n_layout * gather_bytes)
+    return t.rows(lambda i, st: _gather_peak(st, t.sizes[i], tied=model.tied_embeddings, num_layers=model.num_layers))
 
 
 def _gather_peak(st: StagePlace, sizes: Mapping[str, tuple[int, int]], *, tied: bool, num_layers: int) -> int:
