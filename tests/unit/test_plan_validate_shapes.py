@@ -8,10 +8,9 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from test_prediction_memos import CLUSTER, _broken, _plans
+from test_prediction_memos import CLUSTER, _broken, _plans, validate_answers
 
 from conftest import tiny_model
-from hethub.errors import PlanError
 from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Stage
 
@@ -63,25 +62,14 @@ def _twice_broken(plan: Plan, rng: random.Random) -> Plan:
     return dataclasses.replace(base, pipelines=tuple(pipes))
 
 
-def _answers(plans: list[Plan]) -> list[str]:
-    out = []
-    for plan in plans:
-        try:
-            plan.validate()
-            out.append("ok")
-        except PlanError as e:
-            out.append(str(e))
-    return out
-
-
 def test_stage_shapes_refuse_as_the_plain_checks_do() -> None:
     rng = random.Random(3)
     plans = _plans(41, 12) + [_replicas(rng) for _ in range(30)]
     cases = [*plans, *(_twice_broken(p, rng) for p in plans for _ in range(12))]
     with reference_path():
-        ref = _answers(cases)
+        ref = validate_answers(cases)
     assert ref[:len(plans)] == ["ok"] * len(plans) and ref.count("ok") < len(cases) // 2
     assert len({r.split(" is ")[0] for r in ref}) > 10  # many fields refused
     clear_caches()
-    assert _answers(cases) == ref
-    assert _answers(cases) == ref
+    assert validate_answers(cases) == ref
+    assert validate_answers(cases) == ref

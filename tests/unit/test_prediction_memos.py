@@ -268,23 +268,25 @@ def test_validation_refuses_as_the_plain_checks_do() -> None:
                     cases.append(dataclasses.replace(plan, pipelines=tuple(
                         dataclasses.replace(q, stages=stages) if i == pi else q for i, q in enumerate(plan.pipelines))))
 
-    def answers() -> list[str]:
-        out = []
-        for plan in cases:
-            try:
-                plan.validate()
-                out.append("ok")
-            except PlanError as e:
-                out.append(str(e))
-        return out
-
     with reference_path():
-        ref = answers()
+        ref = validate_answers(cases)
     assert ref[:len(plans)] == ["ok"] * len(plans) and ref.count("ok") < len(cases) - len(plans)
     assert sum("reuses device" in r for r in ref) > len(plans)
     clear_caches()
-    assert answers() == ref
-    assert answers() == ref
+    assert validate_answers(cases) == ref
+    assert validate_answers(cases) == ref
+
+
+def validate_answers(plans: list[Plan]) -> list[str]:
+    """Each plan's `Plan.validate` answer: "ok" or its PlanError's message."""
+    out = []
+    for plan in plans:
+        try:
+            plan.validate()
+            out.append("ok")
+        except PlanError as e:
+            out.append(str(e))
+    return out
 
 
 def test_a_stages_kept_fields_are_its_own() -> None:
