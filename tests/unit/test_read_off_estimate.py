@@ -1,6 +1,7 @@
-"""What `finalist_plans` reads off a candidate instead of its layout. `finalists.replicated` (shard it: a unit
-of two holders) answers as `layout.single_holder_units` on the laid-out plan, for models with and without
-tied embeddings, candidates of one pipeline included. `finalists.unequal_refused` says a candidate is
+"""What `finalist_plans` reads off a candidate instead of its layout, or reads of it at once. Whether a laid-out
+candidate is sharded (`layout.single_holder_units`, which answers a plan of several pipelines without walking its
+holders) is the walk's answer, for models with and without tied embeddings, candidates of one pipeline included.
+`finalists.unequal_refused` says a candidate is
 refused exactly where laying it out (as `finalist_plans` does: sharded unless it has one replica) gives a
 plan that `plan.zero23_refusal` refuses, on the planner's own candidates; and `priced_plans`, which skips a
 variant all of whose splits it refuses, and `finalist_plans`, which skips such a candidate before laying it
@@ -20,7 +21,7 @@ from hethub.predict.scoring import Screen
 from hethub.predict.stage_links import LinkBook
 from hethub.search import PlannerConfig, finalists
 from hethub.search.assemble import build_plan
-from hethub.search.finalists import replicated, unequal_refused
+from hethub.search.finalists import unequal_refused
 from hethub.search.variants import Variant, enumerate_shapes, priced_plans, repriced
 from hethub.spec.cluster import load_cluster
 from hethub.spec.model import get_model
@@ -39,7 +40,7 @@ def _job(model_name: str = "llama-2-7b"):
 
 
 @pytest.mark.parametrize("model_name", ["llama-2-7b", "opt-350m"])
-def test_replicated_is_the_laid_out_holders(model_name):
+def test_sharding_a_candidate_reads_the_walks_lone_units(model_name):
     cluster, model, cfg, links, shapes = _job(model_name)
     s = Variant("1f1b", "zero1").searcher(cfg, cluster=cluster, model=model, profiles=None, links=links, holders=4)
     ests = [e for o in repriced(s, shapes[:24]).options for e in o]
@@ -49,11 +50,10 @@ def test_replicated_is_the_laid_out_holders(model_name):
         total = sum(sum(m) * g.pipe.mbs for g, m in zip(est.groups, est.micro_batches, strict=True))
         plan = build_plan(cluster=cluster, model=model, est=est, global_batch=total, seq_len=cfg.seq_len,
                           schedule="1f1b", precision=cfg.precision, strategy="hethub")
-        want = not single_holder_units(plan)
-        assert replicated(est, plan) == want, est.micro_batches
         with reference_path():
-            assert replicated(est, plan) == want
-        seen.add(want)
+            want = single_holder_units(plan)
+        assert single_holder_units(plan) == want, est.micro_batches
+        seen.add(not want)
     assert seen == {True, False}
 
 

@@ -52,7 +52,7 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
                           strategy=strategy).with_runtime(config.runtime)
         # Before the recomputation choice, which it frees memory for; a plan of one replica has nothing
         # to shard across and stays unsharded (the runtime refuses it sharded, planner.make_plan notes it).
-        if config.optimizer_sharding != "none" and replicated(est, plan):
+        if config.optimizer_sharding != "none" and not single_holder_units(plan):
             plan = replace(plan, optimizer_sharding=config.optimizer_sharding, optimizer_shares=config.optimizer_shares)
             if plan.zero_stage >= 2 and zero23_refusal(plan) is not None:
                 continue  # not offered: e.g. pipelines of unequal micro-batch counts
@@ -76,13 +76,6 @@ def finalist_plans(s: Searcher, ests: Iterable | Ranked, *, config: PlannerConfi
             yield plan
         if taken.total() >= keep and not per_size:
             break
-
-
-def replicated(est: Estimate, plan: Plan) -> bool:
-    """Whether ``plan``, laid out from ``est``, has a unit of two holders or more (`layout.single_holder_units`, a
-    walk of every stage): where ``est`` has two pipelines or more, each holding every unit, as one holds its final
-    norm once. Read off the estimate (the plain walk on the reference path)."""
-    return not single_holder_units(plan) if reference() else sum(map(len, est.micro_batches)) > 1
 
 
 def unequal_refused(est: Estimate, sharding: str) -> bool:
