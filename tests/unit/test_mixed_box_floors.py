@@ -16,9 +16,10 @@ from test_reference_search import instance
 
 import hethub.search.mixed as mixed
 from hethub.memo import reference_path
+from hethub.predict.water import bisect_time, finish_lines, finished_mb, water_level
 from hethub.search import hetero
 from hethub.search.bounds import PipeFloor
-from hethub.search.combine import Group, bisect_time, finish_lines, finished_mb, water_level
+from hethub.search.combine import Group
 from hethub.search.templates import Searcher
 
 

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 import hethub.search.bounds as bounds
 import hethub.search.templates as templates
 from hethub.predict.holding import smallest_holding
+from hethub.predict.water import finish_lines, lines_level_beside, water_level
 from hethub.search import PlannerConfig
 from hethub.search.bounds import PipeFloor, pipe_floor, rate_bound
-from hethub.search.combine import Group, allocate, finish_lines, lines_level_beside, water_level
+from hethub.search.combine import Group, allocate
 from hethub.search.hetero import TOP_PER_KIND, Results, _top_distinct
 from hethub.search.split import CostBook, Job, Slot, StageCost
 from hethub.search.templates import Searcher

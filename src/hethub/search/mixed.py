@@ -22,9 +22,10 @@ from typing import Protocol
 from hethub.memo import reference
 from hethub.predict.holding import PipeFloor, Runs, smallest_holding, undominated
 from hethub.predict.memory import act_bytes_for
+from hethub.predict.water import bisect_time, finished_mb, lines_level_beside, water_level_with
 from hethub.schedules import get_schedule
 from hethub.search.bounds import pipe_floor, stage_modes
-from hethub.search.combine import Estimate, Group, bisect_time, finished_mb, lines_level_beside, water_level_with
+from hethub.search.combine import Estimate, Group
 from hethub.search.split import Cache, Slot
 from hethub.search.sync_floors import SyncFloors
 from hethub.search.templates import Searcher

@@ -8,7 +8,8 @@ import itertools
 import math
 
 from hethub.layout import block_starts
-from hethub.search.combine import Group, finish_lines
+from hethub.predict.water import finish_lines
+from hethub.search.combine import Group
 from hethub.search.split import Cache, Slot
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
@@ -23,7 +24,7 @@ class SyncFloors:
 
     def __init__(self, s: Searcher, pure: list[Group]) -> None:
         self.s, self.pure = s, pure
-        self.lines = finish_lines(pure)  # combine.water_level_with's, for floors beside these groups
+        self.lines = finish_lines(pure)  # water.water_level_with's, for floors beside these groups
         self.devices = sum(g.count * g.pipe.num_devices for g in pure)
         self._sync: dict[tuple, float] = {}
         self.rate_levels: dict[tuple, float] = {}  # mixed._rate_level's, per family beside these groups
