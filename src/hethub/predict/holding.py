@@ -21,6 +21,7 @@ class PipeFloor:
 
     base_s: float
     per_mb_s: float
+    bottleneck_s: float = 0.0  # where known, a B at or just below which the stages' modes hold the layers
 
     def time_s(self, m: int) -> float:
         return self.base_s + m * self.per_mb_s
@@ -146,6 +147,31 @@ def smallest_holding(caps: list[tuple[int, tuple[tuple[int, float, float], ...]]
         else:
             pop(heap)
     return None
+
+
+def most_within(*, held: int, stages: int, per_layer_s: float, time_s: float) -> int:
+    """An upper bound on the layers `stages` stages hold with each stage's time <= time_s (inf: their
+    capacities, `held` in all), where a layer costs each of them at least per_layer_s in any mode (and
+    bases are >= 0)."""
+    if time_s == math.inf or per_layer_s <= 0:
+        return held
+    return min(held, stages * max(0, math.floor(time_s / per_layer_s)))
+
+
+def sure_spans(layers: list[tuple[int, int]], n_layers: int) -> list[tuple[int, int]] | None:
+    """Given each segment's fewest and most layers (pipeline order), the layers [a, b) it holds in every
+    split within those bounds (a >= b: none sure); None where no split is within them. Segment i starts
+    at most at min(its predecessors' most, L - the rest's fewest) and ends at least at the symmetric bound."""
+    before_lo = before_hi = 0
+    after_lo, after_hi = sum(lo for lo, _ in layers), sum(hi for _, hi in layers)
+    if after_lo > n_layers or after_hi < n_layers:
+        return None
+    spans = []
+    for lo, hi in layers:
+        start = min(before_hi, n_layers - after_lo)
+        before_lo, before_hi, after_lo, after_hi = before_lo + lo, before_hi + hi, after_lo - lo, after_hi - hi
+        spans.append((start, max(before_lo, n_layers - after_hi)))
+    return spans
 
 
 class Runs:

@@ -302,7 +302,7 @@ def pipe_floor(book: CostBook, links: LinkBook, segments: tuple[tuple[str, int, 
     period = sched.period_floor_s(bottleneck_s=bottleneck, work_s=work, p2p_s=p2p, max_hop_s=hop_max,
                                   max_pair_s=pair, stages=p)
     # T(m) >= work + 2 p2p + (m - 1) period (fill_drain_s + m per_micro_batch_s)
-    out = PipeFloor(base_s=fill + 2 * p2p - period, per_mb_s=period)
+    out = PipeFloor(base_s=fill + 2 * p2p - period, per_mb_s=period, bottleneck_s=bottleneck)
     book.cache(_PIPE_FLOORS)[key] = out
     return out
 

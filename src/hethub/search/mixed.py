@@ -237,6 +237,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
                 heapq.heappush(heap, (max(level, made + sync), next(tie), 2, ctx, fam, (segs, c, sync, made)))
             continue
         segs, c, sync, made = item
+        if not reference() and not results.may_enter(made + max(sync, ctx.held_floor(segs, c, mbs))):
+            continue  # no split of the order could enter: none is made (SyncFloors.held_floor)
         slots = s.mixed_slots(segs)
         laid = [s.layer_splits(slots, mbs, recompute=s.config.allow_recompute)]
         if s.config.allow_recompute and laid[0].recomputes():

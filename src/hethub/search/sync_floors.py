@@ -6,16 +6,32 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from hethub.layout import block_starts
+from hethub.predict.holding import most_within, sure_spans
 from hethub.predict.water import finish_lines
+from hethub.schedules import get_schedule
+from hethub.search.bounds import ALL_MODES, pipe_floor, segment_memory, segment_terms, stage_modes
 from hethub.search.combine import Group
-from hethub.search.split import Cache, Slot
+from hethub.search.split import Cache, Slot, in_flights
 from hethub.search.templates import Searcher
 from hethub.spec.model import ModelSpec
 
 _LAYER_RINGS: Cache[float] = Cache("layer-sync-floors", shared=True)  # by SyncFloors._ring's arguments
+_HELD: Cache[_Held | None] = Cache("segment-held", shared=True)  # held_floor's, by segment position
+_MIDDLE_BASES: Cache[float] = Cache("middle-bases", shared=True)  # by (kind, tp, micro-batch size)
 _EMBEDDING_RINGS: Cache[float] = Cache("embedding-sync-floors", shared=True)  # (kinds, least TP, replicas, devices)
+
+
+class _Held(NamedTuple):
+    """What held_floor reads of a segment's stages at their positions (bounds.segment_memory): the most
+    layers they hold in any mode and without recomputation, and the least cost per layer of any mode."""
+
+    most: int
+    plain: int
+    per_layer_s: float
 
 
 class SyncFloors:
@@ -39,6 +55,9 @@ class SyncFloors:
         self._blocks: tuple | None = None  # _pure_blocks'
         self._prefixes: dict[tuple, list[float]] = {}  # _layer_floors'
         self._tails: dict[tuple, float] = {}
+        self._cut_sums: dict[tuple, list[float]] = {}  # held_floor's, by (slot, replicas, devices)
+        self._cuts: list[int] | None = None  # _pure_blocks' common cuts, sorted (held_floor's)
+        self._segments, self._bases = s.book.cache(_HELD), s.book.cache(_MIDDLE_BASES)
         # A mixed stage's layers are also held by a stage of every kind-pure group (each holds all
         # layers), so its layer rings span those kinds too (tail_floor).
         pure_kinds = {k for g in pure if len(g.pipe.kinds) == 1 for k in g.pipe.kinds}
@@ -129,6 +148,82 @@ class SyncFloors:
                 chain += floors[a + k] - floors[a]
                 if chain > hit:
                     hit = chain
+        return hit
+
+    def held_floor(self, segs: tuple[tuple[str, int, int], ...], c: int, mbs: int) -> float:
+        """A floor under `split_floor` of every split the mixed search may price of c pipelines of these
+        segments (both halves of Searcher.splits), found before splitting: the layers between two adjacent
+        cuts where every pure replica has a boundary are in one chain of syncs whatever the split, and
+        where every split gives them to stages of one segment (`_sure_spans`) their rings are its stages'."""
+        replicas = self.replicas + c
+        if not self.pure or replicas <= 1 or (halves := self._sure_spans(segs, mbs)) is None:
+            return 0.0
+        devices = min(self.devices + c * sum(t * n for _, t, n in segs), self._dev_cap)
+        if self._cuts is None:
+            self._cuts = sorted(self._pure_blocks()[0])
+        cuts, best = self._cuts, math.inf
+        for spans in halves:  # None: no split of that half fits
+            held = 0.0
+            for (kind, tp, _), (a, b) in zip(segs, spans or (), strict=False):
+                i, j = bisect.bisect_left(cuts, a), bisect.bisect_right(cuts, b) - 1
+                if i < j:
+                    held = max(held, max(self._cut_sums_of(Slot(kind, tp), replicas, devices)[i:j]))
+            if spans is not None and (best := min(best, held)) == 0.0:
+                break
+        return best * (1 - 1e-9)  # a chain sums stage differences, which may round below one difference
+
+    def _sure_spans(self, segs: tuple[tuple[str, int, int], ...],
+                    mbs: int) -> Iterator[list[tuple[int, int]] | None] | None:
+        """Layers each segment holds in every split of each half, without recomputation first
+        (holding.sure_spans; None where no split of it fits): middle stages hold at least one, every stage
+        at most its capacity and, with recomputation, what its modes hold within a bound on the bottleneck
+        (the min-max split's B* is at most the floor's B plus the largest base a middle stage pays that the
+        floor leaves out, and at least every stage's base; every split stays within B* times a slack).
+        None: not known."""
+        s = self.s
+        book, p, n_layers = s.book, sum(n for _, _, n in segs), s.model.num_layers
+        hint = s.in_flight_hint(sum(t * n for _, t, n in segs), mbs)
+        flights = in_flights(book, get_schedule(book.job.schedule, chunks=book.job.chunks), p, hint)
+        pos, reach = 0, []
+        for kind, tp, n in segs:
+            key = (kind, tp, mbs, flights[pos:pos + n], pos == 0, pos + n == p)
+            if (hit := self._segments.get(key, ())) == ():
+                terms = segment_terms(book, kind, tp, n, mbs, pos == 0, pos + n == p, ALL_MODES)
+                seg = segment_memory(book, kind, tp, mbs, key[3], pos == 0, pos + n == p, ALL_MODES, terms[4])
+                hit = self._segments[key] = None if seg is None else _Held(seg[5], seg[1], terms[3])
+            if hit is None:
+                return None
+            reach.append((n, n - (pos == 0) - (pos + n == p), hit))
+            pos += n
+        floor = pipe_floor(book, s.links, segs, mbs, in_flight_hint=hint) if s.config.allow_recompute else None
+        if s.config.allow_recompute and floor is None:
+            return None
+
+        def halves() -> Iterator[list[tuple[int, int]] | None]:  # the second only where the first is read
+            yield sure_spans([(low, held.plain) for _, low, held in reach], n_layers)
+            if floor is not None:
+                ends = (stage_modes(book, *segs[0][:2], mbs, True, p == 1, flights[0]),
+                        stage_modes(book, *segs[-1][:2], mbs, p == 1, True, flights[-1]))
+                bound = max(floor.bottleneck_s * (1 + 1e-9) + max(self._middle_base(k, t, mbs) for k, t, _ in segs),
+                            *(min(b for c, _, b in modes if c >= 0) for modes in ends)) * max(s._slacks()) * (1 + 1e-9)
+                yield sure_spans([(low, most_within(held=held.most, stages=n, per_layer_s=held.per_layer_s,
+                                                    time_s=bound)) for n, low, held in reach], n_layers)
+        return halves()
+
+    def _middle_base(self, kind: str, tp: int, mbs: int) -> float:
+        """The largest time a middle stage of this shape takes without layers, over its modes."""
+        key = (kind, tp, mbs)
+        if (hit := self._bases.get(key)) is None:
+            hit = self._bases[key] = max(v.work(emb=False, head=False).base
+                                         for v in self.s.book.modes(kind, tp=tp, mbs=mbs))
+        return hit
+
+    def _cut_sums_of(self, sl: Slot, replicas: int, devices: int) -> list[float]:
+        """`_layer_floors`' sums between each two adjacent cuts where every pure replica has a boundary."""
+        key = (sl, replicas, devices)
+        if (hit := self._cut_sums.get(key)) is None:
+            floors = self._layer_floors(sl, replicas, devices)
+            hit = self._cut_sums[key] = [floors[b] - floors[a] for a, b in itertools.pairwise(self._cuts or ())]
         return hit
 
     def _layer_floors(self, sl: Slot, replicas: int, devices: int) -> list[float]:
