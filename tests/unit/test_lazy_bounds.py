@@ -162,3 +162,44 @@ def test_alone_reads_skipped_bounds_lazily_and_keeps_the_plain_answer():
     with reference_path():
         want = alone()
     assert alone() == want
+
+
+@pytest.mark.parametrize(("model", "schedule"), CASES)
+def test_reaches_is_the_largest_bound_against_the_bar(model, schedule):
+    # `Searcher.reaches` reads a stage shape's GRID and exact bounds only while its looser ones reach the
+    # bar; its answer is the plain rule's: the largest exact bound (the first seed) x (1 + 1e-9) >= bar.
+    for kind, mbs in itertools.product(KINDS, (1, 2, 4)):
+        s = _searcher(model, schedule)
+        share = s.share[kind]
+        bars = [0.0, 1e-12]
+        top = max([s._bound(kind, tp, mbs, p, share) for tp, p in _stage_counts(s, kind)] + [0.0])
+        bars += [top * f for f in (0.3, 0.9, 1.0, 1 + 1e-9, 1 + 3e-9, 1.2)]
+        t = _searcher(model, schedule)  # cold: its seeds are not known, so each bar takes the lazy path
+        assert [t.reaches(kind, mbs, share=share, bar=bar) for bar in bars] == [top * (1 + 1e-9) >= bar
+                                                                                 for bar in bars]
+
+
+PROMISING = [  # (kinds with nodes of 8, model, schedule): sizes whose kinds rule one another in or out
+    ((("a100-80gb", 3), ("v100-16gb", 2), ("h100-sxm", 1)), "llama-2-7b", "zb-h1"),  # V100s unscanned at 2
+    ((("h100-sxm", 2), ("a100-80gb", 2), ("v100-16gb", 4)), "llama-2-7b", "1f1b"),  # A100s alone scanned at 4
+    ((("h100-sxm", 2), ("v100-16gb", 6)), "llama-2-13b", "1f1b"),
+]
+
+
+@pytest.mark.parametrize(("groups", "model", "schedule"), PROMISING)
+def test_promising_sizes_scan_a_kind_only_where_its_bound_reaches(groups, model, schedule):
+    # `_promising_mbs` scans a kind at a size only where its best rate bound reaches MBS_KEEP of its rate
+    # at an earlier size (`Searcher.reaches`); the sizes kept are the full scan's (reference path: all).
+    cluster = parse_cluster({"name": "mix", "group": [{"kind": k, "nodes": n, "devices_per_node": 8}
+                                                      for k, n in groups]}, where="test")
+
+    def sizes() -> tuple[list[int], set]:
+        s = Searcher(cluster=cluster, model=_model(model), profiles=None,
+                     config=PlannerConfig(global_batch=512, seq_len=4096, schedule=schedule))
+        return _promising_mbs(s), set(s._pure)
+
+    with reference_path():
+        want, every = sizes()
+    got, scanned = sizes()
+    assert got == want
+    assert scanned <= every

@@ -264,17 +264,17 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
 
 def _promising_mbs(s: Searcher) -> list[int]:
     """Micro-batch sizes worth combining: on large clusters, those within MBS_KEEP of some kind's best
-    pure-template rate (the combination search costs far more than the template scan). A size whose every
-    kind's best rate bound (`Searcher.seeds`) is below MBS_KEEP of a rate found before is not scanned."""
+    pure-template rate (the combination search costs far more than the template scan). A kind whose best rate
+    bound at a size (`Searcher.reaches`) is below MBS_KEEP of its rate at an earlier size is not scanned there:
+    its rate there could neither keep the size nor raise the kind's best."""
     sizes = list(s.config.usable_micro_batch_sizes)
     if sum(s.counts.values()) <= SMALL_POOL:
         return sizes
     best: dict[tuple[str, int], float] = {}
-    for b in sizes:
-        if reference() or any(max([x for x, _, _ in s.seeds(k, b, share=s.share[k])] + [0.0]) * (1 + 1e-9)
-                              >= MBS_KEEP * max([best[k, a] for a in sizes if (k, a) in best] + [0.0])
-                              for k in s.counts):
-            best.update({(k, b): max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0) for k in s.counts})
+    for b, k in itertools.product(sizes, s.counts):
+        if reference() or s.reaches(k, b, share=s.share[k], bar=MBS_KEEP * max(
+                [best[k, a] for a in sizes if (k, a) in best] + [0.0])):
+            best[k, b] = max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0)
     top = {k: max(best.get((k, b), 0.0) for b in sizes) for k in s.counts}
     return [b for b in sizes if any(top[k] > 0 and best.get((k, b), 0.0) >= MBS_KEEP * top[k] for k in s.counts)]
 

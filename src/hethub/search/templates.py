@@ -8,6 +8,7 @@ below the kind's third best template (they cannot enter the top).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -260,9 +261,9 @@ class Searcher:
         counts are reached; the first bound is above every template's rate (hetero._promising_mbs). Exact
         bounds are computed in the order of their loose ones (each at least its exact one), until the
         TOP_PER_KIND-th best exact (ties: in stage-shape order) is above every loose one left."""
-        key, n = (kind, mbs, share), self.counts[kind]
+        key = (kind, mbs, share)
         if key not in self._seeds:
-            cands = [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
+            cands = self._shapes(kind)
             loose = sorted((-self._bound(kind, tp, mbs, p, share, loose=BLIND), i) for i, (tp, p) in enumerate(cands))
             best: list[tuple[float, int]] = []  # (-exact bound, candidate), best first
             for neg, i in loose:
@@ -274,6 +275,26 @@ class Searcher:
                 best = sorted([*best, (-self._bound(kind, cands[i][0], mbs, cands[i][1], share), i)])
             self._seeds[key] = [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0]
         return self._seeds[key]
+
+    def reaches(self, kind: str, mbs: int, *, share: float, bar: float) -> bool:
+        """Whether the first of `seeds` (the largest rate bound) times 1 + 1e-9 is at least ``bar``. Each loose
+        bound is at least the bound, so a stage shape's GRID and exact bounds are read only while its looser
+        ones reach ``bar``: a micro-batch size no shape reaches is ruled out at little more than BLIND's cost."""
+        if bar <= 0 or (kind, mbs, share) in self._seeds:
+            return bar <= 0 or max([x for x, _, _ in self._seeds[kind, mbs, share]] + [0.0]) * (1 + 1e-9) >= bar
+        blind = sorted(((self._bound(kind, tp, mbs, p, share, loose=BLIND), tp, p) for tp, p in self._shapes(kind)),
+                       reverse=True)
+        for _, tp, p in itertools.takewhile(lambda x: x[0] >= bar, blind):
+            if (self._bound(kind, tp, mbs, p, share, loose=GRID) >= bar
+                    and self._bound(kind, tp, mbs, p, share) * (1 + 1e-9) >= bar):
+                return True
+        return False
+
+    def _shapes(self, kind: str) -> list[tuple[int, int]]:
+        """Every (TP, stages) of `kind` a template may have: up to L + 2 stages (the first and the last may
+        hold only the embedding / the head) over the kind's devices."""
+        n = self.counts[kind]
+        return [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
 
     def skipped(self, kind: str, mbs: int, *, share: float, above: float = 0.0,
                 want: Callable[[int, int], bool] | None = None) -> list[tuple[int, int, float]]:
