@@ -165,18 +165,20 @@ def test_alone_reads_skipped_bounds_lazily_and_keeps_the_plain_answer():
 
 
 @pytest.mark.parametrize(("model", "schedule"), CASES)
-def test_reaches_is_the_largest_bound_against_the_bar(model, schedule):
-    # `Searcher.reaches` reads a stage shape's GRID and exact bounds only while its looser ones reach the
-    # bar; its answer is the plain rule's: the largest exact bound (the first seed) x (1 + 1e-9) >= bar.
+def test_best_rate_is_the_scans_against_the_largest_bound(model, schedule):
+    # `Searcher.best_rate` reads bounds and splits stage shapes best bound first, only while one could reach the
+    # bar or beat the best rate found; its answer is the plain rule's: the scan's best rate where the largest
+    # exact bound (the first seed) x (1 + 1e-9) reaches the bar, else None.
     for kind, mbs in itertools.product(KINDS, (1, 2, 4)):
         s = _searcher(model, schedule)
         share = s.share[kind]
-        bars = [0.0, 1e-12]
         top = max([s._bound(kind, tp, mbs, p, share) for tp, p in _stage_counts(s, kind)] + [0.0])
-        bars += [top * f for f in (0.3, 0.9, 1.0, 1 + 1e-9, 1 + 3e-9, 1.2)]
-        t = _searcher(model, schedule)  # cold: its seeds are not known, so each bar takes the lazy path
-        assert [t.reaches(kind, mbs, share=share, bar=bar) for bar in bars] == [top * (1 + 1e-9) >= bar
-                                                                                 for bar in bars]
+        rate = max((r.rate for r in s.pure(kind, mbs, share=share)), default=0.0)
+        bars = [0.0, 1e-12, *(top * f for f in (0.3, 0.9, 1.0, 1 + 1e-9, 1 + 3e-9, 1.2))]
+        for bar in bars:
+            t = _searcher(model, schedule)  # cold: nothing scanned or bounded before
+            assert t.best_rate(kind, mbs, share=share, bar=bar) == (rate if top * (1 + 1e-9) >= bar else None)
+            assert (kind, mbs, share) not in t._pure
 
 
 PROMISING = [  # (kinds with nodes of 8, model, schedule): sizes whose kinds rule one another in or out
@@ -188,8 +190,9 @@ PROMISING = [  # (kinds with nodes of 8, model, schedule): sizes whose kinds rul
 
 @pytest.mark.parametrize(("groups", "model", "schedule"), PROMISING)
 def test_promising_sizes_scan_a_kind_only_where_its_bound_reaches(groups, model, schedule):
-    # `_promising_mbs` scans a kind at a size only where its best rate bound reaches MBS_KEEP of its rate
-    # at an earlier size (`Searcher.reaches`); the sizes kept are the full scan's (reference path: all).
+    # `_promising_mbs` finds a kind's best rate at a size (`Searcher.best_rate`) only where its best rate bound
+    # reaches MBS_KEEP of its rate at an earlier size; the sizes kept are the full scan's (reference path: every
+    # size scanned), and only the sizes kept are scanned in full (by their search, not here).
     cluster = parse_cluster({"name": "mix", "group": [{"kind": k, "nodes": n, "devices_per_node": 8}
                                                       for k, n in groups]}, where="test")
 
@@ -199,7 +202,7 @@ def test_promising_sizes_scan_a_kind_only_where_its_bound_reaches(groups, model,
         return _promising_mbs(s), set(s._pure)
 
     with reference_path():
-        want, every = sizes()
+        want, _ = sizes()
     got, scanned = sizes()
     assert got == want
-    assert scanned <= every
+    assert not scanned

@@ -265,16 +265,19 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
 def _promising_mbs(s: Searcher) -> list[int]:
     """Micro-batch sizes worth combining: on large clusters, those within MBS_KEEP of some kind's best
     pure-template rate (the combination search costs far more than the template scan). A kind whose best rate
-    bound at a size (`Searcher.reaches`) is below MBS_KEEP of its rate at an earlier size is not scanned there:
-    its rate there could neither keep the size nor raise the kind's best."""
+    bound at a size is below MBS_KEEP of its rate at an earlier size is not scanned there: its rate there could
+    neither keep the size nor raise the kind's best. Elsewhere only its best rate is found (`Searcher.best_rate`):
+    the sizes kept are scanned in full by their search (`_search_size`), the others never."""
     sizes = list(s.config.usable_micro_batch_sizes)
     if sum(s.counts.values()) <= SMALL_POOL:
         return sizes
     best: dict[tuple[str, int], float] = {}
     for b, k in itertools.product(sizes, s.counts):
-        if reference() or s.reaches(k, b, share=s.share[k], bar=MBS_KEEP * max(
-                [best[k, a] for a in sizes if (k, a) in best] + [0.0])):
-            best[k, b] = max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0)
+        bar = MBS_KEEP * max([best[k, a] for a in sizes if (k, a) in best] + [0.0])
+        rate = (max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0) if reference()  # the plain rule
+                else s.best_rate(k, b, share=s.share[k], bar=bar))
+        if rate is not None:
+            best[k, b] = rate
     top = {k: max(best.get((k, b), 0.0) for b in sizes) for k in s.counts}
     return [b for b in sizes if any(top[k] > 0 and best.get((k, b), 0.0) >= MBS_KEEP * top[k] for k in s.counts)]
 

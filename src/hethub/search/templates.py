@@ -8,7 +8,7 @@ below the kind's third best template (they cannot enter the top).
 
 from __future__ import annotations
 
-import itertools
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -276,19 +276,30 @@ class Searcher:
             self._seeds[key] = [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0]
         return self._seeds[key]
 
-    def reaches(self, kind: str, mbs: int, *, share: float, bar: float) -> bool:
-        """Whether the first of `seeds` (the largest rate bound) times 1 + 1e-9 is at least ``bar``. Each loose
-        bound is at least the bound, so a stage shape's GRID and exact bounds are read only while its looser
-        ones reach ``bar``: a micro-batch size no shape reaches is ruled out at little more than BLIND's cost."""
-        if bar <= 0 or (kind, mbs, share) in self._seeds:
-            return bar <= 0 or max([x for x, _, _ in self._seeds[kind, mbs, share]] + [0.0]) * (1 + 1e-9) >= bar
-        blind = sorted(((self._bound(kind, tp, mbs, p, share, loose=BLIND), tp, p) for tp, p in self._shapes(kind)),
-                       reverse=True)
-        for _, tp, p in itertools.takewhile(lambda x: x[0] >= bar, blind):
-            if (self._bound(kind, tp, mbs, p, share, loose=GRID) >= bar
-                    and self._bound(kind, tp, mbs, p, share) * (1 + 1e-9) >= bar):
-                return True
-        return False
+    def best_rate(self, kind: str, mbs: int, *, share: float, bar: float = 0.0) -> float | None:
+        """The best rate of `pure`'s templates (0.0: none), or None where the largest rate bound (the first of
+        `seeds`) times 1 + 1e-9 is below ``bar``. Stage shapes best bound first: a shape's tighter bounds are
+        read, and its templates split, only while its bound is above ``bar`` and the best rate found (each
+        loose bound is at least the bound, the bound times 1 + 1e-9 at least every split's rate, as `pure`
+        prunes), so a size no shape reaches costs about BLIND's bounds, and the best rate the splits of the
+        few shapes of highest bound (`pure` splits those that could be among the kind's top templates)."""
+        heap = [(-self._bound(kind, tp, mbs, p, share, loose=BLIND), i, BLIND, tp, p)
+                for i, (tp, p) in enumerate(self._shapes(kind))]
+        heapq.heapify(heap)
+        best, reached = 0.0, bar <= 0
+        while heap:
+            upper, i, tier, tp, p = heapq.heappop(heap)
+            if (-upper <= best) if reached else (-upper < bar):
+                break
+            if tier != EXACT:
+                tighter = GRID if tier == BLIND else EXACT
+                bound = self._bound(kind, tp, mbs, p, share, loose=tighter)
+                heapq.heappush(heap, (-bound * (1 + 1e-9 if tighter == EXACT else 1), i, tighter, tp, p))
+                continue
+            reached = True
+            for pipe in self.splits((Slot(kind, tp),) * p, mbs):
+                best = max(best, self.rate(pipe, kind_devices=self.counts[kind], share=share))
+        return best if reached else None
 
     def _shapes(self, kind: str) -> list[tuple[int, int]]:
         """Every (TP, stages) of `kind` a template may have: up to L + 2 stages (the first and the last may
