@@ -277,29 +277,26 @@ class Searcher:
         return self._seeds[key]
 
     def best_rate(self, kind: str, mbs: int, *, share: float, bar: float = 0.0) -> float | None:
-        """The best rate of `pure`'s templates (0.0: none), or None where the largest rate bound (the first of
-        `seeds`) times 1 + 1e-9 is below ``bar``. Stage shapes best bound first: a shape's tighter bounds are
-        read, and its templates split, only while its bound is above ``bar`` and the best rate found (each
-        loose bound is at least the bound, the bound times 1 + 1e-9 at least every split's rate, as `pure`
-        prunes), so a size no shape reaches costs about BLIND's bounds, and the best rate the splits of the
-        few shapes of highest bound (`pure` splits those that could be among the kind's top templates)."""
+        """The best rate of `pure`'s templates (0.0: none) where it is at least ``bar``, else None (how far below
+        is not found). Stage shapes best bound first: a shape's tighter bounds are read, and its templates split,
+        only while its bound is at least ``bar`` and above the best rate found (each loose bound is at least the
+        bound, the bound times 1 + 1e-9 at least every split's rate, as `pure` prunes), so a size no shape
+        reaches costs about BLIND's bounds, and the best rate the splits of the few shapes of highest bound
+        (`pure` splits every shape that could hold one of the kind's top templates)."""
         heap = [(-self._bound(kind, tp, mbs, p, share, loose=BLIND), i, BLIND, tp, p)
                 for i, (tp, p) in enumerate(self._shapes(kind))]
         heapq.heapify(heap)
-        best, reached = 0.0, bar <= 0
-        while heap:
-            upper, i, tier, tp, p = heapq.heappop(heap)
-            if (-upper <= best) if reached else (-upper < bar):
-                break
+        best = 0.0
+        while heap and -heap[0][0] >= bar and -heap[0][0] > best:
+            _, i, tier, tp, p = heapq.heappop(heap)
             if tier != EXACT:
                 tighter = GRID if tier == BLIND else EXACT
                 bound = self._bound(kind, tp, mbs, p, share, loose=tighter)
                 heapq.heappush(heap, (-bound * (1 + 1e-9 if tighter == EXACT else 1), i, tighter, tp, p))
                 continue
-            reached = True
             for pipe in self.splits((Slot(kind, tp),) * p, mbs):
                 best = max(best, self.rate(pipe, kind_devices=self.counts[kind], share=share))
-        return best if reached else None
+        return best if best >= bar else None
 
     def _shapes(self, kind: str) -> list[tuple[int, int]]:
         """Every (TP, stages) of `kind` a template may have: up to L + 2 stages (the first and the last may
