@@ -17,7 +17,15 @@ import pytest
 import hethub.search.bounds as bounds
 from hethub.memo import reference_path
 from hethub.search import PlannerConfig
-from hethub.search.hetero import Results, _alone, _alone_all_sizes, _promising_mbs, plan_key
+from hethub.search.hetero import (
+    Results,
+    _aligned_groups,
+    _alone,
+    _alone_all_sizes,
+    _promising_mbs,
+    _top_distinct,
+    plan_key,
+)
 from hethub.search.templates import TOP_PER_KIND, Searcher
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec, get_model
@@ -216,3 +224,35 @@ def test_promising_sizes_scan_a_kind_only_where_its_bound_reaches(groups, model,
     got, scanned = sizes()
     assert got == want
     assert not scanned
+
+
+def _plain_aligned(s: Searcher, ranked: dict, mbs: int) -> list:
+    """`hetero._aligned_groups` after the plain rule's completions: every skipped shape of each stage count the
+    kinds' top templates have whose bound is above its kind's second best rate of that count as scanned."""
+    for p in sorted({len(r.pipe.slots) for k in s.counts for r in _top_distinct(ranked[k], TOP_PER_KIND)}):
+        for k in s.counts:
+            rates = [r.rate for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
+            s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, p=p: p_ == p,
+                       above=rates[1] if len(rates) == 2 else 0.0)
+    return _aligned_groups(s, ranked, mbs)  # no shape left above those bars: it splits nothing more
+
+
+@pytest.mark.parametrize("case", [*CASES, (128, "zb-h1"), (128, "1f1b")])
+def test_aligned_groups_split_best_bound_first_as_the_plain_rule(case):
+    # `_aligned_groups` splits a kind's skipped shapes of a stage count best rate bound first, only while one
+    # could beat the second best template of that count; its groups are those of splitting every shape above
+    # the second best as first scanned.
+    if isinstance(case[0], int):
+        cluster, model, global_batch, seq_len = planner_scale.case(case[0])
+    else:
+        (model, _), cluster, global_batch, seq_len = case, CLUSTER, 256, 4096
+
+    def aligned(mbs: int, rule) -> list:
+        s = Searcher(cluster=cluster, model=_model(model), profiles=None,
+                     config=PlannerConfig(global_batch=global_batch, seq_len=seq_len, schedule=case[1]))
+        ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in s.counts}
+        return [[(g.pipe.slots, g.pipe.layers, g.pipe.recompute, g.count) for g in groups]
+                for groups in rule(s, ranked, mbs)]
+
+    for mbs in (1, 2):
+        assert aligned(mbs, _aligned_groups) == aligned(mbs, _plain_aligned)

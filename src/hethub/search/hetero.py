@@ -312,11 +312,13 @@ def _aligned_groups(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> l
     stage_counts = {len(r.pipe.slots) for k in kinds for r in _top_distinct(ranked[k], TOP_PER_KIND)}
     out = []
     for p in sorted(stage_counts):
-        for k in kinds:  # the scan may have skipped templates of p stages that would be among the top 2
-            rates = [r.rate for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
-            bar = rates[1] if len(rates) == 2 else 0.0
-            s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, p=p: p_ == p, above=bar)
         per_kind = {k: [r for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2] for k in kinds}
+        for k in kinds:  # the scan may have skipped templates of p stages that would be among the top 2: split
+            # best rate bound first, while one left could beat the second (`complete` keeps `ranked` sorted)
+            while (top := s.top_skipped(k, mbs, share=s.share[k], above=per_kind[k][1].rate if len(per_kind[k]) == 2
+                                        else 0.0, want=lambda tp, p_, p=p: p_ == p)) is not None:
+                s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, top=top: (tp, p_) == top[1:])
+                per_kind[k] = [r for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
         for choice in itertools.product(*[[None, *per_kind[k]] for k in kinds]):
             used = [(k, r) for k, r in zip(kinds, choice, strict=True) if r is not None]
             if len(used) < 2:
