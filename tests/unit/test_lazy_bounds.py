@@ -66,6 +66,9 @@ def test_loose_bound_is_above_the_bound_and_seeds_are_the_top_bounds(model, sche
             assert s._bound(kind, tp, mbs, p, share, loose=bounds.BLIND) >= b
         plain = sorted(exact, key=lambda x: -x[0])[:TOP_PER_KIND]  # the plain rule: every bound, sorted
         assert s.seeds(kind, mbs, share=share) == [x for x in plain if x[0] > 0]
+        t = _searcher(model, schedule)  # cold: `top_bound` reads the bounds best first, not every seed's
+        top = max([b for b, _, _ in plain if b > 0] + [0.0]) * (1 + 1e-9)
+        assert t.top_bound(kind, mbs, share=share) == top <= t.top_bound(kind, mbs, share=share, loose=True)
 
 
 def _sizes_and_alone(model: str, schedule: str) -> tuple:

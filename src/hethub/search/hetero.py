@@ -19,6 +19,7 @@ from hethub.memo import reference
 from hethub.predict.finalist_places import Results
 from hethub.predict.finalist_places import plan_key as plan_key  # the enumeration's, where its readers look
 from hethub.predict.finalist_places import size_key as size_key
+from hethub.search.bounds import BLIND, EXACT
 from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples
 from hethub.search.mixed import price_mixed
 from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
@@ -174,18 +175,20 @@ def _alone_all_sizes(s: Searcher, results: Results[Estimate], kind: str) -> Esti
         rate = max([r.rate for r in s.pure(kind, b, share=1.0)] + [0.0])
         return max(rate, *s.top_skipped(kind, b, share=1.0, above=rate, want=lambda tp, p: True) or [0.0])
 
-    # Sizes in that order, a heap keyed by an upper bound of top (the best rate bound, `Searcher.seeds`) until
-    # their turn, then by top (the same order): a size the bound rules out is never scanned (reference: top).
-    heap = [((-top(b), i, True) if reference() else (-max([x for x, _, _ in s.seeds(kind, b, share=1.0)] + [0.0])
-                                                       * (1 + 1e-9), i, False)) for i, b in enumerate(sizes)]
+    # Sizes in that order, a heap keyed by upper bounds of top until their turn (the largest BLIND bound, then the
+    # largest bound: `Searcher.top_bound`), then by top (the same order): a size a bound rules out is never
+    # scanned (reference: top). An entry's tier: the bound its key is (None: top).
+    heap = [(-top(b), i, None) if reference() else (-s.top_bound(kind, b, share=1.0, loose=True), i, BLIND)
+            for i, b in enumerate(sizes)]
     heapq.heapify(heap)
     exact, best = None, 0.0
     while heap:
-        key, i, known = heapq.heappop(heap)
+        key, i, tier = heapq.heappop(heap)
         if -key * s.counts[kind] < best * (1 - 1e-9):
             continue
-        if not known:
-            heapq.heappush(heap, (-top(sizes[i]), i, True))
+        if tier is not None:
+            heapq.heappush(heap, (-s.top_bound(kind, sizes[i], share=1.0), i, EXACT) if tier == BLIND
+                           else (-top(sizes[i]), i, None))
             continue
         found, best_b = _alone(s, results, kind, sizes[i])
         best = max(best, best_b)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -278,25 +278,42 @@ class Searcher:
 
     def best_rate(self, kind: str, mbs: int, *, share: float, bar: float = 0.0) -> float | None:
         """The best rate of `pure`'s templates (0.0: none) where it is at least ``bar``, else None (how far below
-        is not found). Stage shapes best bound first: a shape's tighter bounds are read, and its templates split,
-        only while its bound is at least ``bar`` and above the best rate found (each loose bound is at least the
-        bound, the bound times 1 + 1e-9 at least every split's rate, as `pure` prunes), so a size no shape
-        reaches costs about BLIND's bounds, and the best rate the splits of the few shapes of highest bound
-        (`pure` splits every shape that could hold one of the kind's top templates)."""
-        heap = [(-self._bound(kind, tp, mbs, p, share, loose=BLIND), i, BLIND, tp, p)
-                for i, (tp, p) in enumerate(self._shapes(kind))]
-        heapq.heapify(heap)
-        best = 0.0
-        while heap and -heap[0][0] >= bar and -heap[0][0] > best:
-            _, i, tier, tp, p = heapq.heappop(heap)
-            if tier != EXACT:
-                tighter = GRID if tier == BLIND else EXACT
-                bound = self._bound(kind, tp, mbs, p, share, loose=tighter)
-                heapq.heappush(heap, (-bound * (1 + 1e-9 if tighter == EXACT else 1), i, tighter, tp, p))
-                continue
+        is not found): stage shapes split best bound first (`by_bound`), while a bound left is at least ``bar``
+        and above the best rate found, so a size no shape reaches costs about BLIND's bounds, and the best rate
+        the splits of the few shapes of highest bound (`pure` splits every shape that could hold one of the
+        kind's top templates)."""
+        best = 0.0  # read by the stop as it grows
+        for _, tp, p in self.by_bound(kind, mbs, share=share,
+                                      stop=lambda upper: upper < bar or upper <= best):  # noqa: B023
             for pipe in self.splits((Slot(kind, tp),) * p, mbs):
                 best = max(best, self.rate(pipe, kind_devices=self.counts[kind], share=share))
         return best if best >= bar else None
+
+    def top_bound(self, kind: str, mbs: int, *, share: float, loose: bool = False) -> float:
+        """An upper bound on the rate of every template of `kind` (0.0: none fits): the first of `seeds` times
+        1 + 1e-9, found best bound first (`by_bound`: no other seed's bound is read); ``loose``: the largest BLIND
+        bound, at least that."""
+        if loose:
+            return max([self._bound(kind, tp, mbs, p, share, loose=BLIND) for tp, p in self._shapes(kind)] + [0.0])
+        return next(self.by_bound(kind, mbs, share=share, stop=lambda upper: upper <= 0), (0.0,))[0]
+
+    def by_bound(self, kind: str, mbs: int, *, share: float,
+                 stop: Callable[[float], bool]) -> Iterator[tuple[float, int, int]]:
+        """`kind`'s stage shapes as (rate bound times 1 + 1e-9, tp, stages), largest first, until ``stop`` holds
+        for the largest bound left, loose or not (asked anew after each shape). A shape's GRID and exact bounds
+        are read only when its looser one is the largest left: each loose bound is at least the bound times
+        1 + 1e-9, which is at least the rate of every split of the shape (as `pure` prunes)."""
+        heap = [(-self._bound(kind, tp, mbs, p, share, loose=BLIND), i, BLIND, tp, p)
+                for i, (tp, p) in enumerate(self._shapes(kind))]
+        heapq.heapify(heap)
+        while heap and not stop(-heap[0][0]):
+            upper, i, tier, tp, p = heapq.heappop(heap)
+            if tier == EXACT:
+                yield -upper, tp, p
+                continue
+            tighter = GRID if tier == BLIND else EXACT
+            bound = self._bound(kind, tp, mbs, p, share, loose=tighter)
+            heapq.heappush(heap, (-bound * (1 + 1e-9 if tighter == EXACT else 1), i, tighter, tp, p))
 
     def _shapes(self, kind: str) -> list[tuple[int, int]]:
         """Every (TP, stages) of `kind` a template may have: up to L + 2 stages (the first and the last may
