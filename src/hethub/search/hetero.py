@@ -17,7 +17,7 @@ import itertools
 
 from hethub.memo import reference
 from hethub.predict.finalist_places import Results
-from hethub.predict.finalist_places import plan_key as plan_key  # the enumeration's, where its readers look
+from hethub.predict.finalist_places import plan_key as plan_key  # re-exported: finalists and variants read these
 from hethub.predict.finalist_places import size_key as size_key
 from hethub.search.bounds import BLIND, EXACT
 from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples

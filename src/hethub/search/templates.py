@@ -258,7 +258,7 @@ class Searcher:
         """(rate bound, tp, stages) of the TOP_PER_KIND stage shapes of highest rate bound, best first
         (cached). The bound is within a few % of the rate (bounds.rate_bound), so these are near the top,
         and splitting them first puts the scan's bar near its final height before the other stage
-        counts are reached; the first bound is above every template's rate (hetero._promising_mbs). Exact
+        counts are reached; the first bound is above every template's rate (`top_bound`). Exact
         bounds are computed in the order of their loose ones (each at least its exact one), until the
         TOP_PER_KIND-th best exact (ties: in stage-shape order) is above every loose one left."""
         key = (kind, mbs, share)
