@@ -17,7 +17,15 @@ import pytest
 import hethub.search.bounds as bounds
 from hethub.memo import reference_path
 from hethub.search import PlannerConfig
-from hethub.search.hetero import Results, _alone, _alone_all_sizes, _promising_mbs, plan_key
+from hethub.search.hetero import (
+    Results,
+    _aligned_groups,
+    _alone,
+    _alone_all_sizes,
+    _promising_mbs,
+    _top_distinct,
+    plan_key,
+)
 from hethub.search.templates import TOP_PER_KIND, Searcher
 from hethub.spec.cluster import parse_cluster
 from hethub.spec.model import ModelSpec, get_model
@@ -58,6 +66,9 @@ def test_loose_bound_is_above_the_bound_and_seeds_are_the_top_bounds(model, sche
             assert s._bound(kind, tp, mbs, p, share, loose=bounds.BLIND) >= b
         plain = sorted(exact, key=lambda x: -x[0])[:TOP_PER_KIND]  # the plain rule: every bound, sorted
         assert s.seeds(kind, mbs, share=share) == [x for x in plain if x[0] > 0]
+        t = _searcher(model, schedule)  # cold: `top_bound` reads the bounds best first, not every seed's
+        top = max([b for b, _, _ in plain if b > 0] + [0.0]) * (1 + 1e-9)
+        assert t.top_bound(kind, mbs, share=share) == top <= t.top_bound(kind, mbs, share=share, loose=True)
 
 
 def _sizes_and_alone(model: str, schedule: str) -> tuple:
@@ -162,3 +173,89 @@ def test_alone_reads_skipped_bounds_lazily_and_keeps_the_plain_answer():
     with reference_path():
         want = alone()
     assert alone() == want
+
+
+@pytest.mark.parametrize("case", [*CASES, (128, "zb-h1")])
+def test_best_rate_is_the_scans_where_it_reaches_the_bar(case):
+    # `Searcher.best_rate` reads bounds and splits stage shapes best bound first, only while one could reach the
+    # bar and beat the best rate found; its answer is the plain rule's: the scan's best rate where it is at
+    # least the bar, else None. bench's 128 devices hold kinds whose best template is not of the stage shape
+    # of highest bound (the stop must wait for the best rate to pass every bound left).
+    if isinstance(case[0], int):
+        cluster, model, global_batch, seq_len = planner_scale.case(case[0])
+    else:
+        (model, _), cluster, global_batch, seq_len = case, CLUSTER, 256, 4096
+
+    def searcher() -> Searcher:
+        return Searcher(cluster=cluster, model=_model(model), profiles=None,
+                        config=PlannerConfig(global_batch=global_batch, seq_len=seq_len, schedule=case[1]))
+
+    s = searcher()
+    for kind, mbs in itertools.product(s.counts, (1, 2, 4)):
+        for share in (s.share[kind], 1.0):
+            top = max([s._bound(kind, tp, mbs, p, share) for tp, p in _stage_counts(s, kind)] + [0.0])
+            rate = max((r.rate for r in s.pure(kind, mbs, share=share)), default=0.0)
+            bars = [0.0, *(rate * f for f in (0.5, 1 - 1e-12, 1.0, 1 + 1e-12)), top * 1.2]
+            t = searcher()  # nothing scanned before: each answer from the bounds and the splits it reads
+            assert [t.best_rate(kind, mbs, share=share, bar=bar) for bar in bars] == [
+                rate if rate >= bar else None for bar in bars]
+            assert (kind, mbs, share) not in t._pure
+
+
+PROMISING = [  # (kinds with nodes of 8, model, schedule): sizes whose kinds rule one another in or out
+    ((("a100-80gb", 3), ("v100-16gb", 2), ("h100-sxm", 1)), "llama-2-7b", "zb-h1"),  # V100s unscanned at 2
+    ((("h100-sxm", 2), ("a100-80gb", 2), ("v100-16gb", 4)), "llama-2-7b", "1f1b"),  # A100s alone scanned at 4
+    ((("h100-sxm", 2), ("v100-16gb", 6)), "llama-2-13b", "1f1b"),
+]
+
+
+@pytest.mark.parametrize(("groups", "model", "schedule"), PROMISING)
+def test_promising_sizes_scan_a_kind_only_where_its_bound_reaches(groups, model, schedule):
+    # `_promising_mbs` finds a kind's best rate at a size (`Searcher.best_rate`) only where its best rate bound
+    # reaches MBS_KEEP of its rate at an earlier size; the sizes kept are the full scan's (reference path: every
+    # size scanned), and only the sizes kept are scanned in full (by their search, not here).
+    cluster = parse_cluster({"name": "mix", "group": [{"kind": k, "nodes": n, "devices_per_node": 8}
+                                                      for k, n in groups]}, where="test")
+
+    def sizes() -> tuple[list[int], set]:
+        s = Searcher(cluster=cluster, model=_model(model), profiles=None,
+                     config=PlannerConfig(global_batch=512, seq_len=4096, schedule=schedule))
+        return _promising_mbs(s), set(s._pure)
+
+    with reference_path():
+        want, _ = sizes()
+    got, scanned = sizes()
+    assert got == want
+    assert not scanned
+
+
+def _plain_aligned(s: Searcher, ranked: dict, mbs: int) -> list:
+    """`hetero._aligned_groups` after the plain rule's completions: every skipped shape of each stage count the
+    kinds' top templates have whose bound is above its kind's second best rate of that count as scanned."""
+    for p in sorted({len(r.pipe.slots) for k in s.counts for r in _top_distinct(ranked[k], TOP_PER_KIND)}):
+        for k in s.counts:
+            rates = [r.rate for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
+            s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, p=p: p_ == p,
+                       above=rates[1] if len(rates) == 2 else 0.0)
+    return _aligned_groups(s, ranked, mbs)  # no shape left above those bars: it splits nothing more
+
+
+@pytest.mark.parametrize("case", [*CASES, (128, "zb-h1"), (128, "1f1b")])
+def test_aligned_groups_split_best_bound_first_as_the_plain_rule(case):
+    # `_aligned_groups` splits a kind's skipped shapes of a stage count best rate bound first, only while one
+    # could beat the second best template of that count; its groups are those of splitting every shape above
+    # the second best as first scanned.
+    if isinstance(case[0], int):
+        cluster, model, global_batch, seq_len = planner_scale.case(case[0])
+    else:
+        (model, _), cluster, global_batch, seq_len = case, CLUSTER, 256, 4096
+
+    def aligned(mbs: int, rule) -> list:
+        s = Searcher(cluster=cluster, model=_model(model), profiles=None,
+                     config=PlannerConfig(global_batch=global_batch, seq_len=seq_len, schedule=case[1]))
+        ranked = {k: s.pure(k, mbs, share=s.share[k]) for k in s.counts}
+        return [[(g.pipe.slots, g.pipe.layers, g.pipe.recompute, g.count) for g in groups]
+                for groups in rule(s, ranked, mbs)]
+
+    for mbs in (1, 2):
+        assert aligned(mbs, _aligned_groups) == aligned(mbs, _plain_aligned)

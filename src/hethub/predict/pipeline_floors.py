@@ -38,16 +38,20 @@ def fits_some_mode_kept(plan: Plan, hopeless: dict[tuple, bool], *, allow_recomp
                         allow_sp: bool) -> bool:
     """``fits_some_mode(plan, ...)``. ``hopeless``: by `floor_keys`' key, whether a pipeline has a stage that fits
     no mode (filled here, kept by the caller for plans of one job, headroom and flags): where the plan has
-    keys, one that says so answers it, and a key met first is proven on its pipeline's stages alone."""
+    keys, one that says so answers it, and a key met first is proven on its pipeline's stages alone. Where none
+    says so, no stage of the plan is hopeless (each pipeline's proof is its own), so ``fits_some_mode`` is asked
+    without that screen, on the modes and checks the proofs used."""
     keys = floor_keys(plan.pipelines, schedule=plan.schedule, zero_stage=plan.zero_stage)
-    if keys is not None and any(hopeless.get(k) for k in keys):
+    if keys is None:
+        return fits_some_mode(plan, allow_recompute=allow_recompute, mem_headroom=mem_headroom, allow_sp=allow_sp)
+    if any(hopeless.get(k) for k in keys):
         return False
-    if keys is not None:
-        modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
-        fits = ModeFits(plan, mem_headroom)
-        for pi, k in enumerate(keys):
-            if k not in hopeless:
-                hopeless[k] = fits.hopeless({sid: ms for sid, ms in modes.items() if sid[0] == pi})
-        if any(hopeless[k] for k in keys):
-            return False
-    return fits_some_mode(plan, allow_recompute=allow_recompute, mem_headroom=mem_headroom, allow_sp=allow_sp)
+    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
+    fits = ModeFits(plan, mem_headroom)
+    for pi, k in enumerate(keys):
+        if k not in hopeless:
+            hopeless[k] = fits.hopeless({sid: ms for sid, ms in modes.items() if sid[0] == pi})
+    if any(hopeless[k] for k in keys):
+        return False
+    return fits_some_mode(plan, allow_recompute=allow_recompute, mem_headroom=mem_headroom, allow_sp=allow_sp,
+                          orders=modes, fits=fits, screened=True)

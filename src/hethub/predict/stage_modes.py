@@ -81,15 +81,18 @@ def choose_modes(plan: Plan, *, allow_recompute: bool = True, mem_headroom: floa
 
 
 def fits_some_mode(plan: Plan, *, allow_recompute: bool = True, mem_headroom: float = DEFAULT_MEM_HEADROOM,
-                   allow_sp: bool = True) -> bool:
+                   allow_sp: bool = True, orders: dict[tuple[int, int], list[Mode]] | None = None,
+                   fits: ModeFits | None = None, screened: bool = False) -> bool:
     """Whether every stage of ``plan`` fits its memory under some mode (what ``choose_recompute`` then
-    picks), with the plan's real gradient-sync shape."""
-    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp)
-    fits = ModeFits(plan, mem_headroom)
+    picks), with the plan's real gradient-sync shape. ``orders``, ``fits``: the plan's ``stage_modes`` (the same
+    flags) and ``ModeFits`` (the same headroom) where the caller has them; ``screened``: the caller proved no
+    stage ``ModeFits.hopeless`` (pipeline_floors.fits_some_mode_kept)."""
+    modes = stage_modes(plan, allow_recompute=allow_recompute, allow_sp=allow_sp) if orders is None else orders
+    fits = ModeFits(plan, mem_headroom) if fits is None else fits
     # The modes holding the fewest activations first (full recomputation): they usually settle it; SP's
     # last, as its plan's memory is found anew.
     order = sorted({m for ms in modes.values() for m in ms}, key=lambda m: (m[1], -RECOMPUTE_ORDER.index(m[0])))
-    if fits.hopeless(modes):
+    if not screened and fits.hopeless(modes):
         return False
     left = set(modes)
     for m in order:

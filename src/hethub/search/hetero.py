@@ -12,13 +12,14 @@ the current finalists is neither split nor synced: it could not become one.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
-import math
-from collections.abc import Callable
 
-from hethub.memo import Later, Places, reference
+from hethub.memo import reference
+from hethub.predict.finalist_places import Results
+from hethub.predict.finalist_places import plan_key as plan_key  # re-exported: finalists and variants read these
+from hethub.predict.finalist_places import size_key as size_key
+from hethub.search.bounds import BLIND, EXACT
 from hethub.search.combine import Estimate, Group, estimate_samples, water_level, water_level_samples
 from hethub.search.mixed import price_mixed
 from hethub.search.templates import TOP_PER_KIND, Ranked, Searcher
@@ -90,7 +91,7 @@ def search(s: Searcher, *, kinds_alone: bool = False, first: int | None = None) 
     return items
 
 
-def _search_size(s: Searcher, results: Results, mbs: int) -> None:
+def _search_size(s: Searcher, results: Results[Estimate], mbs: int) -> None:
     """One micro-batch size's candidates into `results`: every choice of a top template (or none) per
     kind, replicated, leftovers filled; aligned kind-pure pipelines; and mixed pipelines around the
     best choices (`search`)."""
@@ -135,7 +136,7 @@ def _base_choices(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> lis
     return base
 
 
-def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
+def _per_replica_sizes(s: Searcher, results: Results[Estimate], sizes: list[int]) -> None:
     """Kind-pure choices whose kinds run different micro-batch sizes (a memory-poor kind at 1 beside
     a rich one at 4): every choice of one of each kind's top templates over all `sizes` (or none),
     replicated over the kind, leftovers filled at the template's size, the batch split in samples.
@@ -163,7 +164,7 @@ def _per_replica_sizes(s: Searcher, results: Results, sizes: list[int]) -> None:
                                          precision=s.config.precision, equal=s.config.equal_shares))
 
 
-def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | None:
+def _alone_all_sizes(s: Searcher, results: Results[Estimate], kind: str) -> Estimate | None:
     """The kind's best single-group plan over every usable micro-batch size. Sizes are tried best
     template rate first; a size is skipped only where every device at its best template rate (or
     rate bound) is below a plan found at an earlier size (`_alone`'s own stopping rule, no
@@ -174,18 +175,20 @@ def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | Non
         rate = max([r.rate for r in s.pure(kind, b, share=1.0)] + [0.0])
         return max(rate, *s.top_skipped(kind, b, share=1.0, above=rate, want=lambda tp, p: True) or [0.0])
 
-    # Sizes in that order, a heap keyed by an upper bound of top (the best rate bound, `Searcher.seeds`) until
-    # their turn, then by top (the same order): a size the bound rules out is never scanned (reference: top).
-    heap = [((-top(b), i, True) if reference() else (-max([x for x, _, _ in s.seeds(kind, b, share=1.0)] + [0.0])
-                                                       * (1 + 1e-9), i, False)) for i, b in enumerate(sizes)]
+    # Sizes in that order, a heap keyed by upper bounds of top until their turn (the largest BLIND bound, then the
+    # largest bound: `Searcher.top_bound`), then by top (the same order): a size a bound rules out is never
+    # scanned (reference: top). An entry's tier: the bound its key is (None: top).
+    heap = [(-top(b), i, None) if reference() else (-s.top_bound(kind, b, share=1.0, loose=True), i, BLIND)
+            for i, b in enumerate(sizes)]
     heapq.heapify(heap)
     exact, best = None, 0.0
     while heap:
-        key, i, known = heapq.heappop(heap)
+        key, i, tier = heapq.heappop(heap)
         if -key * s.counts[kind] < best * (1 - 1e-9):
             continue
-        if not known:
-            heapq.heappush(heap, (-top(sizes[i]), i, True))
+        if tier is not None:
+            heapq.heappush(heap, (-s.top_bound(kind, sizes[i], share=1.0), i, EXACT) if tier == BLIND
+                           else (-top(sizes[i]), i, None))
             continue
         found, best_b = _alone(s, results, kind, sizes[i])
         best = max(best, best_b)
@@ -194,7 +197,7 @@ def _alone_all_sizes(s: Searcher, results: Results, kind: str) -> Estimate | Non
     return exact
 
 
-def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate | None, float]:
+def _alone(s: Searcher, results: Results[Estimate], kind: str, mbs: int) -> tuple[Estimate | None, float]:
     """Every template of one kind (replicated over the kind, leftovers filled), not just the top few.
 
     Templates are rated per *used* device, so a slightly slower one that divides the kind's devices
@@ -264,17 +267,20 @@ def _alone(s: Searcher, results: Results, kind: str, mbs: int) -> tuple[Estimate
 
 def _promising_mbs(s: Searcher) -> list[int]:
     """Micro-batch sizes worth combining: on large clusters, those within MBS_KEEP of some kind's best
-    pure-template rate (the combination search costs far more than the template scan). A size whose every
-    kind's best rate bound (`Searcher.seeds`) is below MBS_KEEP of a rate found before is not scanned."""
+    pure-template rate (the combination search costs far more than the template scan). A kind whose best rate
+    bound at a size is below MBS_KEEP of its rate at an earlier size is not scanned there: its rate there could
+    neither keep the size nor raise the kind's best. Elsewhere only its best rate is found (`Searcher.best_rate`):
+    the sizes kept are scanned in full by their search (`_search_size`), the others never."""
     sizes = list(s.config.usable_micro_batch_sizes)
     if sum(s.counts.values()) <= SMALL_POOL:
         return sizes
     best: dict[tuple[str, int], float] = {}
-    for b in sizes:
-        if reference() or any(max([x for x, _, _ in s.seeds(k, b, share=s.share[k])] + [0.0]) * (1 + 1e-9)
-                              >= MBS_KEEP * max([best[k, a] for a in sizes if (k, a) in best] + [0.0])
-                              for k in s.counts):
-            best.update({(k, b): max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0) for k in s.counts})
+    for b, k in itertools.product(sizes, s.counts):
+        bar = MBS_KEEP * max([best[k, a] for a in sizes if (k, a) in best] + [0.0])
+        rate = (max((r.rate for r in s.pure(k, b, share=s.share[k])), default=0.0) if reference()  # the plain rule
+                else s.best_rate(k, b, share=s.share[k], bar=bar))
+        if rate is not None:
+            best[k, b] = rate
     top = {k: max(best.get((k, b), 0.0) for b in sizes) for k in s.counts}
     return [b for b in sizes if any(top[k] > 0 and best.get((k, b), 0.0) >= MBS_KEEP * top[k] for k in s.counts)]
 
@@ -309,11 +315,13 @@ def _aligned_groups(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> l
     stage_counts = {len(r.pipe.slots) for k in kinds for r in _top_distinct(ranked[k], TOP_PER_KIND)}
     out = []
     for p in sorted(stage_counts):
-        for k in kinds:  # the scan may have skipped templates of p stages that would be among the top 2
-            rates = [r.rate for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
-            bar = rates[1] if len(rates) == 2 else 0.0
-            s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, p=p: p_ == p, above=bar)
         per_kind = {k: [r for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2] for k in kinds}
+        for k in kinds:  # the scan may have skipped templates of p stages that would be among the top 2: split
+            # best rate bound first, while one left could beat the second (`complete` keeps `ranked` sorted)
+            while (top := s.top_skipped(k, mbs, share=s.share[k], above=per_kind[k][1].rate if len(per_kind[k]) == 2
+                                        else 0.0, want=lambda tp, p_, p=p: p_ == p)) is not None:
+                s.complete(k, mbs, share=s.share[k], want=lambda tp, p_, top=top: (tp, p_) == top[1:])
+                per_kind[k] = [r for r in ranked[k] if len(r.pipe.slots) == p and r.rate > 0][:2]
         for choice in itertools.product(*[[None, *per_kind[k]] for k in kinds]):
             used = [(k, r) for k, r in zip(kinds, choice, strict=True) if r is not None]
             if len(used) < 2:
@@ -328,74 +336,3 @@ def _aligned_groups(s: Searcher, ranked: dict[str, list[Ranked]], mbs: int) -> l
             else:
                 out.append(groups)
     return out
-
-
-class Results:
-    """Every priced candidate, plus the `keep` best distinct ones (the planner builds only those) and,
-    with `per_size`, the `per_size` best distinct ones of each micro-batch size (`size_key`).
-
-    The closed form ranks candidates of different micro-batch sizes with errors of their own (its
-    fill/drain and sync terms are not the predictor's event simulation), so the overall best few can
-    all be of one size while a slightly lower-ranked size predicts faster; the per-size places let
-    the predictor decide between sizes (without them allowing more sizes could give a worse plan
-    than allowing one: tests/unit/test_finalists_per_size.py). Pruning (`may_enter`) still reads the
-    overall kept ones only: the per-size places hold what the search priced anyway, so they cost
-    predictions, not search. The first size searched (the smallest) is priced before any other size
-    sets the bar, so its places hold exactly the finalists a search of that size alone would have;
-    a later size's hold its best among those priced under the bar the earlier sizes set."""
-
-    def __init__(self, keep: int, fits: Callable[[Estimate], bool] | None = None, *, per_size: int = 0) -> None:
-        self.items: list[Estimate] = []
-        self.checks: list[Later | None] = []  # per item: whether it fits, where it was kept when priced
-        self.keep, self.per_size = keep, per_size
-        self.fits = fits  # whether a candidate that would be kept fits memory laid out (Searcher.fits)
-        self._best = Places(keep)  # (step, plan_key) of the best distinct so far
-        self._by_size: dict[tuple[int, ...], Places] = {}  # the same per size_key
-
-    def may_enter(self, step_lower_bound: float) -> bool:
-        """Whether a candidate whose step is at least this could still be among the overall kept ones.
-        The per-size places do not widen the pruning: a size's search runs to the overall bar only."""
-        return self._best.enters(step_lower_bound, margin=1 + 1e-9)  # it covers allocate's bisection
-
-    def add(self, est: Estimate | None) -> None:
-        if est is None or est.step_time_s == math.inf:
-            return
-        step, fit = est.step_time_s, None
-        bucket = self._by_size.setdefault(size_key(est), Places(self.per_size)) if self.per_size else Places(0)
-        overall, own = self._best.enters(step), bucket.enters(step)
-        # finalists.finalist_plans's identity of a plan: identical candidates take one finalist place.
-        if (overall or own) and not self._best.holds(key := plan_key(est)) and not bucket.holds(key):
-            # Neither kept nor built: the pruning bar is the overall kept candidates', which fit (one
-            # that does not is dropped). A candidate entering its size's places only sets no bar, so it
-            # is not laid out here: the predictor drops it if it does not fit (while the smallest size
-            # is searched, its places are the overall ones). The check runs when a decision reads it.
-            fit = Later(functools.partial(self.fits, est)) if overall and self.fits is not None else None
-            for places in [p for p, enters in ((self._best, overall), (bucket, own)) if enters]:
-                places.insert(step, key, fit)
-        self.items.append(est)
-        self.checks.append(fit)
-
-    def ranked(self, first: int | None = None) -> list[Estimate]:
-        """The priced candidates but those kept that do not fit, best first; with ``first``, only as
-        far as the first ``first`` distinct plans (`plan_key`), whose checks alone are run."""
-        out, seen = [], set()
-        for est, fit in sorted(zip(self.items, self.checks, strict=True), key=lambda x: x[0].step_time_s):
-            if fit is None or fit.value:
-                if first is not None and (key := plan_key(est)) not in seen:
-                    if len(seen) == first:
-                        break
-                    seen.add(key)
-                out.append(est)
-        return out
-
-
-def size_key(est: Estimate) -> tuple[int, ...]:
-    """The micro-batch size of a one-size candidate, as a 1-tuple; () for one that mixes sizes
-    (per-replica sizes), which share one set of per-size places."""
-    sizes = {g.pipe.mbs for g in est.groups}
-    return (sizes.pop(),) if len(sizes) == 1 else ()
-
-
-def plan_key(est: Estimate) -> tuple:
-    """The identity of the plan a candidate builds (finalists.finalist_plans): its groups and allocation."""
-    return (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)

@@ -8,8 +8,9 @@ below the kind's third best template (they cannot enter the top).
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -257,12 +258,12 @@ class Searcher:
         """(rate bound, tp, stages) of the TOP_PER_KIND stage shapes of highest rate bound, best first
         (cached). The bound is within a few % of the rate (bounds.rate_bound), so these are near the top,
         and splitting them first puts the scan's bar near its final height before the other stage
-        counts are reached; the first bound is above every template's rate (hetero._promising_mbs). Exact
+        counts are reached; the first bound is above every template's rate (`top_bound`). Exact
         bounds are computed in the order of their loose ones (each at least its exact one), until the
         TOP_PER_KIND-th best exact (ties: in stage-shape order) is above every loose one left."""
-        key, n = (kind, mbs, share), self.counts[kind]
+        key = (kind, mbs, share)
         if key not in self._seeds:
-            cands = [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
+            cands = self._shapes(kind)
             loose = sorted((-self._bound(kind, tp, mbs, p, share, loose=BLIND), i) for i, (tp, p) in enumerate(cands))
             best: list[tuple[float, int]] = []  # (-exact bound, candidate), best first
             for neg, i in loose:
@@ -274,6 +275,51 @@ class Searcher:
                 best = sorted([*best, (-self._bound(kind, cands[i][0], mbs, cands[i][1], share), i)])
             self._seeds[key] = [(-b, *cands[i]) for b, i in best[:TOP_PER_KIND] if b < 0]
         return self._seeds[key]
+
+    def best_rate(self, kind: str, mbs: int, *, share: float, bar: float = 0.0) -> float | None:
+        """The best rate of `pure`'s templates (0.0: none) where it is at least ``bar``, else None (how far below
+        is not found): stage shapes split best bound first (`by_bound`), while a bound left is at least ``bar``
+        and above the best rate found, so a size no shape reaches costs about BLIND's bounds, and the best rate
+        the splits of the few shapes of highest bound (`pure` splits every shape that could hold one of the
+        kind's top templates)."""
+        best = 0.0  # read by the stop as it grows
+        for _, tp, p in self.by_bound(kind, mbs, share=share,
+                                      stop=lambda upper: upper < bar or upper <= best):  # noqa: B023
+            for pipe in self.splits((Slot(kind, tp),) * p, mbs):
+                best = max(best, self.rate(pipe, kind_devices=self.counts[kind], share=share))
+        return best if best >= bar else None
+
+    def top_bound(self, kind: str, mbs: int, *, share: float, loose: bool = False) -> float:
+        """An upper bound on the rate of every template of `kind` (0.0: none fits): the first of `seeds` times
+        1 + 1e-9, found best bound first (`by_bound`: no other seed's bound is read); ``loose``: the largest BLIND
+        bound, at least that."""
+        if loose:
+            return max([self._bound(kind, tp, mbs, p, share, loose=BLIND) for tp, p in self._shapes(kind)] + [0.0])
+        return next(self.by_bound(kind, mbs, share=share, stop=lambda upper: upper <= 0), (0.0,))[0]
+
+    def by_bound(self, kind: str, mbs: int, *, share: float,
+                 stop: Callable[[float], bool]) -> Iterator[tuple[float, int, int]]:
+        """`kind`'s stage shapes as (rate bound times 1 + 1e-9, tp, stages), largest first, until ``stop`` holds
+        for the largest bound left, loose or not (asked anew after each shape). A shape's GRID and exact bounds
+        are read only when its looser one is the largest left: each loose bound is at least the bound times
+        1 + 1e-9, which is at least the rate of every split of the shape (as `pure` prunes)."""
+        heap = [(-self._bound(kind, tp, mbs, p, share, loose=BLIND), i, BLIND, tp, p)
+                for i, (tp, p) in enumerate(self._shapes(kind))]
+        heapq.heapify(heap)
+        while heap and not stop(-heap[0][0]):
+            upper, i, tier, tp, p = heapq.heappop(heap)
+            if tier == EXACT:
+                yield -upper, tp, p
+                continue
+            tighter = GRID if tier == BLIND else EXACT
+            bound = self._bound(kind, tp, mbs, p, share, loose=tighter)
+            heapq.heappush(heap, (-bound * (1 + 1e-9 if tighter == EXACT else 1), i, tighter, tp, p))
+
+    def _shapes(self, kind: str) -> list[tuple[int, int]]:
+        """Every (TP, stages) of `kind` a template may have: up to L + 2 stages (the first and the last may
+        hold only the embedding / the head) over the kind's devices."""
+        n = self.counts[kind]
+        return [(tp, p) for tp in self.tps[kind] for p in range(1, min(n // tp, self.model.num_layers + 2) + 1)]
 
     def skipped(self, kind: str, mbs: int, *, share: float, above: float = 0.0,
                 want: Callable[[int, int], bool] | None = None) -> list[tuple[int, int, float]]:
