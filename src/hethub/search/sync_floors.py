@@ -205,7 +205,7 @@ class SyncFloors:
                 ends = (stage_modes(book, *segs[0][:2], mbs, True, p == 1, flights[0]),
                         stage_modes(book, *segs[-1][:2], mbs, p == 1, True, flights[-1]))
                 bound = max(floor.bottleneck_s * (1 + 1e-9) + max(self._middle_base(k, t, mbs) for k, t, _ in segs),
-                            *(min(b for c, _, b in modes if c >= 0) for modes in ends)) * max(s._slacks()) * (1 + 1e-9)
+                            *(min(b for c, _, b in modes if c >= 0) for modes in ends)) * max(s.slacks()) * (1 + 1e-9)
                 yield sure_spans([(low, most_within(held=held.most, stages=n, per_layer_s=held.per_layer_s,
                                                     time_s=bound)) for n, low, held in reach], n_layers)
         return halves()

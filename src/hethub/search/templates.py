@@ -113,19 +113,19 @@ class Searcher:
         if (hit := self.book.splits.get(key)) is None:
             hit = self.book.splits[key] = split_layers(self.book, slots, mbs=mbs, allow_recompute=recompute,
                                                        hops=self.links.pipe_hops, in_flight_hint=self._hint(slots, mbs),
-                                                       slacks=self._slacks())
+                                                       slacks=self.slacks())
         return hit
 
     def layer_splits(self, slots: tuple[Slot, ...], mbs: int, *, recompute: bool) -> LayerSplits:
         """`split_part`'s layer counts, unpriced (kept: `split_part` prices these): the mixed search floors
         a split by its boundaries and prices only those that could still enter the finalists."""
         return layer_splits(self.book, slots, mbs=mbs, allow_recompute=recompute, in_flight_hint=self._hint(slots, mbs),
-                            slacks=self._slacks())
+                            slacks=self.slacks())
 
     def _hint(self, slots: tuple[Slot, ...], mbs: int) -> int:
         return self.in_flight_hint(sum(sl.tp for sl in slots), mbs)
 
-    def _slacks(self) -> tuple[float, ...]:
+    def slacks(self) -> tuple[float, ...]:
         """Small clusters run few micro-batches per pipeline, where trading bottleneck for fill and drain
         pays; large ones do not, and the variants would cost search time."""
         return (1.0, 1.5, math.inf) if sum(self.counts.values()) <= SMALL_CLUSTER else (1.0,)
