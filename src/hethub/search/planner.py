@@ -300,13 +300,19 @@ def start_shape(plan: Plan) -> tuple:
 
 def _kept_firsts(v: Variant, names: list[str], starts: Firsts) -> tuple[Firsts, ...]:
     """What a variant's scoring keeps exact besides its schedule's first few (`scoring.Screen`): its best
-    (`_variant_notes`), and the plans read past those: an interleaved variant's first `INTERLEAVE_STARTS`
-    (`chunked_candidates`) and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleavings`)."""
+    of each optimizer sharding (`_variant_notes`; a sharded variant's plans of one replica are unsharded),
+    and the plans read past those: an interleaved variant's first `INTERLEAVE_STARTS` (`chunked_candidates`)
+    and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleavings`)."""
     if v.schedule == INTERLEAVED:
         return (Firsts(INTERLEAVE_STARTS),)
+    own = Firsts(2, _sharding)  # its sharding's and the unsharded
     if v.schedule == ONE_F_ONE_B and INTERLEAVED in names and zero_stage_of(v.sharding) < 3:
-        return Firsts(1), starts
-    return (Firsts(1),)
+        return own, starts
+    return (own,)
+
+
+def _sharding(plan: Plan) -> str:
+    return plan.optimizer_sharding
 
 
 def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], shardings: list[str]) -> list[str]:
