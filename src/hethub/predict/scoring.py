@@ -46,6 +46,11 @@ class Firsts:
         self.best[k] = min(step_s, self.best.get(k, math.inf))
 
 
+def sharding_of(plan: Plan) -> str:
+    """A plan's optimizer sharding: the key of a `Firsts` keeping each sharding's best (the planner's notes)."""
+    return plan.optimizer_sharding
+
+
 @dataclass
 class Screen:
     """What a scoring keeps exact, and so the step a plan's floor must be below to be predicted.

@@ -27,7 +27,7 @@ from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_b
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.proven_bound import ProvenBound, proven_bound
 from hethub.predict.result import Prediction
-from hethub.predict.scoring import Firsts, Screen, score_plans
+from hethub.predict.scoring import Firsts, Screen, score_plans, sharding_of
 from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.utilisation import cluster_mfu
@@ -305,14 +305,10 @@ def _kept_firsts(v: Variant, names: list[str], starts: Firsts) -> tuple[Firsts, 
     and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleavings`)."""
     if v.schedule == INTERLEAVED:
         return (Firsts(INTERLEAVE_STARTS),)
-    own = Firsts(2, _sharding)  # its sharding's and the unsharded
+    own = Firsts(2, sharding_of)  # its sharding's and the unsharded
     if v.schedule == ONE_F_ONE_B and INTERLEAVED in names and zero_stage_of(v.sharding) < 3:
         return own, starts
     return (own,)
-
-
-def _sharding(plan: Plan) -> str:
-    return plan.optimizer_sharding
 
 
 def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], shardings: list[str]) -> list[str]:
