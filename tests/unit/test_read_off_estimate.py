@@ -86,7 +86,8 @@ def test_refused_variants_price_the_reference_plans(monkeypatch):
             s = v.searcher(cfg, cluster=cluster, model=model, profiles=None, links=links, holders=4)
             for pool in (shapes[30:60], shapes[:3], [e for e in shapes if unequal_refused(e, "zero2")][:4]):
                 got = priced_plans(s, config=cfg, shapes=pool, screen=Screen(3), firsts=min(3, len(pool)))
-                out.append([(p.to_dict(), r.step_time_s) for p, r in got])
+                # the first three: what the screen keeps exact in any order of prediction (test_floor_order.py)
+                out.append([(p.to_dict(), r.step_time_s) for p, r in got[:3]])
         return out
     with reference_path():
         want = priced()

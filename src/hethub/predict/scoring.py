@@ -1,20 +1,23 @@
 """Predicting many plans of one job for their fastest few (the planner's finalists, each kind's part of
 its bound, a baseline's layouts): a plan whose step floor (``predictor.floor_reaches``, tight) cannot
 enter what its readers keep is not predicted, and what they keep is exactly what an unscreened
-scoring would give them (``Screen``)."""
+scoring would give them (``Screen``), in whichever order the plans are predicted (``in_floor_order``:
+the plans with the least floors first, so that the bar falls soonest)."""
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from hethub.memo import reference
 from hethub.plan import Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, predict
+from hethub.predict.predictor import floor_reaches, last_finish_s, predict, step_floor_s, sync_tail_s
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 
@@ -41,6 +44,11 @@ class Firsts:
     def add(self, plan: Plan, step_s: float) -> None:
         k = len(self.best) if self.key is None else self.key(plan)
         self.best[k] = min(step_s, self.best.get(k, math.inf))
+
+
+def sharding_of(plan: Plan) -> str:
+    """A plan's optimizer sharding: the key of a `Firsts` keeping each sharding's best (the planner's notes)."""
+    return plan.optimizer_sharding
 
 
 @dataclass
@@ -74,25 +82,63 @@ class Screen:
 
 def score_plans(plans: Iterable[Plan], profiles: ProfileSet | None, *, headroom: float = DEFAULT_MEM_HEADROOM,
                 require_fit: bool = True, host: HostModel | None = None, keep: int = 0,
-                steps: list[float] | None = None, screen: Screen | None = None) -> list[tuple[Plan, Prediction]]:
-    """`plans` predicted, those that fit (all with ``require_fit=False``), fastest first. With ``keep``,
-    a plan whose tight step floor is not below its ``screen``'s bar is not predicted: it could not be
-    among the first ``keep`` nor the call's own firsts (``Screen``), so those are exactly the
-    unscreened ones; the rest of the list may then lack such plans. ``steps``: the fastest predicted
-    steps of earlier calls whose plans compete with these (updated in place); ``screen``: one built
-    by the caller, who screens its layouts by the same bar (finalists.finalist_plans), instead of
-    ``keep``, ``host`` and ``steps``."""
+                steps: list[float] | None = None, screen: Screen | None = None,
+                in_floor_order: bool = False) -> list[tuple[Plan, Prediction]]:
+    """`plans` predicted, those that fit (all with ``require_fit=False``), fastest first (a tie: the
+    earlier in ``plans``). With ``keep``, a plan whose tight step floor is not below its ``screen``'s
+    bar is not predicted: it could not be among the first ``keep`` nor the call's own firsts
+    (``Screen``), so those are exactly the unscreened ones; the rest of the list may then lack such
+    plans. ``steps``: the fastest predicted steps of earlier calls whose plans compete with these
+    (updated in place); ``screen``: one built by the caller, who screens its layouts by the same bar
+    (finalists.finalist_plans), instead of ``keep``, ``host`` and ``steps``. ``in_floor_order``: all
+    of ``plans`` taken first and screened and predicted in the order of their floors (`_floor_order`),
+    for a caller whose layouts read no bar before this call predicts (each variant's own firsts are
+    unknown till then): its first predictions are then the plans likeliest to be kept, and the bar
+    they set screens more of the rest. What is kept exact is the same in any order (off the
+    reference path, a shortcut: memo.py; ``tests/unit/test_floor_order.py``)."""
     screen = Screen(keep, host, [] if steps is None else steps) if screen is None else screen
-    scored: list[tuple[Plan, Prediction]] = []
+    scored: list[tuple[int, Plan, Prediction]] = []
     costs = None
-    for plan in plans:
-        if (bar_s := screen.bar(plan)) < math.inf:
+    ordered = in_floor_order and screen.keep and screen.host is None and not reference()
+    for i, plan in _floor_order(list(plans), profiles, screen) if ordered else enumerate(plans):
+        if not ordered and (bar_s := screen.bar(plan)) < math.inf:
             costs = PlanCosts(plan, profiles) if costs is None else costs  # one job: stage costs are shared
             if floor_reaches(plan, bar_s, costs=costs, tight=True):
                 continue
         pred = predict(plan, profiles=profiles, host=host, mem_headroom=headroom)
         if pred.fits_memory or not require_fit:
-            scored.append((plan, pred))
+            scored.append((i, plan, pred))
             screen.add(plan, pred.step_time_s)
-    scored.sort(key=lambda x: x[1].step_time_s)
-    return scored
+    scored.sort(key=lambda x: (x[2].step_time_s, x[0]))
+    return [(plan, pred) for _, plan, pred in scored]
+
+
+def _floor_order(plans: list[Plan], profiles: ProfileSet | None, screen: Screen) -> Iterator[tuple[int, Plan]]:
+    """The ``plans`` (each with its place) that ``floor_reaches`` (tight) does not screen at the bar
+    ``screen`` has when each is given, by their tight floors (``last_finish_s`` plus ``sync_tail_s``)
+    and then their places. A plan's floor is found part by part as the order reaches it, least first
+    (a heap of each plan's floor so far: ``step_floor_s``, plus the tail, then the finish for the
+    floor), and a plan is dropped at the first part that reaches the bar, as ``floor_reaches`` drops
+    it, so that one the bar screens by a cheap part is not simulated. The caller predicts each as
+    given, which lowers the bar."""
+    if not plans:
+        return
+    costs = PlanCosts(plans[0], profiles)  # one job: stage costs are shared
+    parts = [[step_floor_s(plan, costs=costs, tight=True)] for plan in plans]  # each floor, tail, finish
+    heap = [(p[0], i) for i, p in enumerate(parts)]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        plan, part = plans[i], parts[i]
+        bar_s = screen.bar(plan)
+        if part[0] >= bar_s or (len(part) > 1 and part[0] + part[1] >= bar_s) or (
+                len(part) > 2 and (part[2] + part[1]) * (1 - 1e-12) >= bar_s):
+            continue  # floor_reaches' answer at this bar
+        if len(part) == 1:
+            part.append(sync_tail_s(plan, costs=costs, tight=True))
+            heapq.heappush(heap, (part[0] + part[1], i))
+        elif len(part) == 2:
+            part.append(last_finish_s(plan, costs=costs))
+            heapq.heappush(heap, ((part[2] + part[1]) * (1 - 1e-12), i))
+        else:
+            yield i, plan

@@ -27,7 +27,7 @@ from hethub.predict.memory import describe_peak, state_bytes_per_param, usable_b
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.proven_bound import ProvenBound, proven_bound
 from hethub.predict.result import Prediction
-from hethub.predict.scoring import Firsts, Screen, score_plans
+from hethub.predict.scoring import Firsts, Screen, score_plans, sharding_of
 from hethub.predict.stage_cost import StageJob, stage_memory_of
 from hethub.predict.stage_links import LinkBook
 from hethub.predict.utilisation import cluster_mfu
@@ -300,13 +300,15 @@ def start_shape(plan: Plan) -> tuple:
 
 def _kept_firsts(v: Variant, names: list[str], starts: Firsts) -> tuple[Firsts, ...]:
     """What a variant's scoring keeps exact besides its schedule's first few (`scoring.Screen`): its best
-    (`_variant_notes`), and the plans read past those: an interleaved variant's first `INTERLEAVE_STARTS`
-    (`chunked_candidates`) and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleavings`)."""
+    of each optimizer sharding (`_variant_notes`; a sharded variant's plans of one replica are unsharded),
+    and the plans read past those: an interleaved variant's first `INTERLEAVE_STARTS` (`chunked_candidates`)
+    and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleavings`)."""
     if v.schedule == INTERLEAVED:
         return (Firsts(INTERLEAVE_STARTS),)
+    own = Firsts(2, sharding_of)  # its sharding's and the unsharded
     if v.schedule == ONE_F_ONE_B and INTERLEAVED in names and zero_stage_of(v.sharding) < 3:
-        return Firsts(1), starts
-    return (Firsts(1),)
+        return own, starts
+    return (own,)
 
 
 def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], shardings: list[str]) -> list[str]:

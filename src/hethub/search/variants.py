@@ -189,7 +189,8 @@ def priced_plans(s: Searcher, *, config: PlannerConfig, shapes: list[Estimate], 
     n = config.finalists + config.top_k
     cfg = replace(s.config, top_k=config.top_k, finalists=config.finalists + got.promote(n, range(firsts)))
     plans = finalist_plans(s, got, config=cfg, strategy="hethub", per_size=config.per_size_finalists, bar=screen.bar)
-    return score_plans(plans, s.job.profiles, host=screen.host, headroom=config.mem_headroom, screen=screen)
+    return score_plans(plans, s.job.profiles, host=screen.host, headroom=config.mem_headroom, screen=screen,
+                       in_floor_order=True)
 
 
 def alone_plans(searchers: list[Searcher], shapes: list[Estimate], *, config: PlannerConfig,
