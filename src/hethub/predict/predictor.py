@@ -25,7 +25,7 @@ because the planner calls it in a loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import replace
 
 from hethub.memo import reference
@@ -260,20 +260,31 @@ def last_finish_s(plan: Plan, *, costs: PlanCosts, enough: Callable[[float], boo
     return last
 
 
-def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts, tight: bool = False) -> bool:
-    """Whether a floor under ``predict(plan).step_time_s`` (without a host) is already >= ``bar_s``, so
-    a caller looking for a step below ``bar_s`` need not predict the plan: ``step_floor_s``, and
-    where that is below, it plus ``sync_tail_s`` (which prices the plan's sync groups, ~1/5 of a
-    prediction on 512 devices). ``costs``: as for ``step_floor_s``; ``tight``: as there and for
-    ``sync_tail_s``, and where those are below, ``last_finish_s`` plus the tail (the pipelines
-    simulated: about half a prediction, which reuses them)."""
+def floor_steps(plan: Plan, *, costs: PlanCosts, tight: bool = False, bar_s: float | None = None,
+                ) -> Iterator[float]:
+    """Floors under ``predict(plan).step_time_s`` (without a host), each dearer to find than the one
+    before, found as they are asked: ``step_floor_s``; it plus ``sync_tail_s`` (which prices the plan's
+    sync groups, ~1/5 of a prediction on 512 devices); and with ``tight`` (as there and for the tail),
+    ``last_finish_s`` plus the tail (the pipelines simulated: about half a prediction, which reuses them),
+    rounded down so that it stays below the step (the sum and product round monotonically). ``costs``:
+    as for ``step_floor_s``; ``bar_s``: the simulation may stop once the last floor reaches it (its
+    value is then at least ``bar_s``, not the whole floor)."""
     floor = step_floor_s(plan, costs=costs, tight=tight)
-    if floor >= bar_s:
-        return True
+    yield floor
     tail = sync_tail_s(plan, costs=costs, tight=tight)
-    def reaches(last_s: float) -> bool:  # monotone: the sum and product round monotonically
-        return (last_s + tail) * (1 - 1e-12) >= bar_s
-    return floor + tail >= bar_s or (tight and reaches(last_finish_s(plan, costs=costs, enough=reaches)))
+    yield floor + tail
+    if tight:
+        def with_tail(last_s: float) -> float:
+            return (last_s + tail) * (1 - 1e-12)
+        enough = None if bar_s is None else (lambda last_s: with_tail(last_s) >= bar_s)
+        yield with_tail(last_finish_s(plan, costs=costs, enough=enough))
+
+
+def floor_reaches(plan: Plan, bar_s: float, *, costs: PlanCosts, tight: bool = False) -> bool:
+    """Whether a floor under ``predict(plan).step_time_s`` (without a host) is already >= ``bar_s``
+    (`floor_steps`, the cheaper first), so a caller looking for a step below ``bar_s`` need not
+    predict the plan."""
+    return any(f >= bar_s for f in floor_steps(plan, costs=costs, tight=tight, bar_s=bar_s))
 
 
 def may_fit_below(plan: Plan, *, mem_headroom: float, bar_s: float | None = None, costs: PlanCosts | None = None,

@@ -17,7 +17,7 @@ from hethub.plan import Plan
 from hethub.predict.host import HostModel
 from hethub.predict.memory import DEFAULT_MEM_HEADROOM
 from hethub.predict.plan_costs import PlanCosts
-from hethub.predict.predictor import floor_reaches, last_finish_s, predict, step_floor_s, sync_tail_s
+from hethub.predict.predictor import floor_reaches, floor_steps, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 
@@ -115,30 +115,22 @@ def score_plans(plans: Iterable[Plan], profiles: ProfileSet | None, *, headroom:
 
 def _floor_order(plans: list[Plan], profiles: ProfileSet | None, screen: Screen) -> Iterator[tuple[int, Plan]]:
     """The ``plans`` (each with its place) that ``floor_reaches`` (tight) does not screen at the bar
-    ``screen`` has when each is given, by their tight floors (``last_finish_s`` plus ``sync_tail_s``)
-    and then their places. A plan's floor is found part by part as the order reaches it, least first
-    (a heap of each plan's floor so far: ``step_floor_s``, plus the tail, then the finish for the
-    floor), and a plan is dropped at the first part that reaches the bar, as ``floor_reaches`` drops
-    it, so that one the bar screens by a cheap part is not simulated. The caller predicts each as
-    given, which lowers the bar."""
+    ``screen`` has when each is given, by their tight floors and then their places. A plan's floors
+    (``predictor.floor_steps``) are found one at a time as the order reaches it, least first (a heap of
+    each plan's most floor so far), and a plan is dropped at the first that reaches the bar, as
+    ``floor_reaches`` drops it, so that one the bar screens by a cheap floor is not simulated. The
+    caller predicts each as given, which lowers the bar."""
     if not plans:
         return
     costs = PlanCosts(plans[0], profiles)  # one job: stage costs are shared
-    parts = [[step_floor_s(plan, costs=costs, tight=True)] for plan in plans]  # each floor, tail, finish
-    heap = [(p[0], i) for i, p in enumerate(parts)]
+    steps = [floor_steps(plan, costs=costs, tight=True) for plan in plans]
+    heap = [(next(f), i) for i, f in enumerate(steps)]
     heapq.heapify(heap)
     while heap:
-        _, i = heapq.heappop(heap)
-        plan, part = plans[i], parts[i]
-        bar_s = screen.bar(plan)
-        if part[0] >= bar_s or (len(part) > 1 and part[0] + part[1] >= bar_s) or (
-                len(part) > 2 and (part[2] + part[1]) * (1 - 1e-12) >= bar_s):
+        floor_s, i = heapq.heappop(heap)
+        if floor_s >= screen.bar(plans[i]):
             continue  # floor_reaches' answer at this bar
-        if len(part) == 1:
-            part.append(sync_tail_s(plan, costs=costs, tight=True))
-            heapq.heappush(heap, (part[0] + part[1], i))
-        elif len(part) == 2:
-            part.append(last_finish_s(plan, costs=costs))
-            heapq.heappush(heap, ((part[2] + part[1]) * (1 - 1e-12), i))
-        else:
-            yield i, plan
+        if (after := next(steps[i], None)) is None:
+            yield i, plans[i]
+        else:  # the most of its floors so far: at the bar as floor_reaches reads them all
+            heapq.heappush(heap, (max(floor_s, after), i))
