@@ -7,7 +7,8 @@ the predictor's own sync (predict/sync_overlap.py) also overlaps buckets with th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -117,13 +118,15 @@ def _walk(groups: Sequence[SyncedGroup], *, links: LinkBook, model: ModelSpec, e
     matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
     norm = model.layer_params - matmul
     n, lasts = len(groups), [len(g.pipe.layers) - 1 for g in groups]
+    slots, counts = [g.pipe.slots for g in groups], [g.count for g in groups]
 
-    def ring_s(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
+    def ring_s(matrix: float, extra: float, holders: Iterable[tuple[int, int]]) -> float:
         count: dict[str, int] = {}  # holders per kind, in holder order (the all-reduce's islands)
+        tp = sys.maxsize  # their smallest TP degree
         for gi, si in holders:
-            kind = groups[gi].pipe.slots[si].kind
-            count[kind] = count.get(kind, 0) + groups[gi].count
-        tp = min(groups[gi].pipe.slots[si].tp for gi, si in holders)
+            kind, degree = slots[gi][si]
+            count[kind] = count.get(kind, 0) + counts[gi]
+            tp = min(tp, degree)
         key = (matrix, extra, tuple(sorted(count.items())), tp)
         if (t := rings.get(key)) is None:
             t = rings[key] = links.sync_allreduce_s(count, tp=tp, nbytes=(matrix / tp + extra) * gb,
@@ -153,10 +156,10 @@ def _walk(groups: Sequence[SyncedGroup], *, links: LinkBook, model: ModelSpec, e
     for (a, _), (matrix, extra) in zip(itertools.pairwise(cuts[first_too:]), parts[1:], strict=True):
         for gi, si in at[a]:  # a stage the embedding's group left at start_s, or one it waited for
             cur[gi], free[gi] = si, _EMB if si == 0 or (tied and si == lasts[gi]) else _START
-        steps.append(WalkStep(tuple(sorted(set(free))), ring_s(matrix, extra, list(enumerate(cur)))))
+        steps.append(WalkStep(tuple(set(free)), ring_s(matrix, extra, enumerate(cur))))
         free = [_PREV] * n
     if not last_too:  # a last stage without layers: free when the embedding's group ended (tied) or at start_s
         waits = {_PREV if cur[gi] == lasts[gi] else _EMB if tied else _START for gi in range(n)}
-        steps.append(WalkStep(tuple(sorted(waits)), ring_s(0.0 + head[0], 0.0 + head[1],
+        steps.append(WalkStep(tuple(waits), ring_s(0.0 + head[0], 0.0 + head[1],
                                                            [(gi, lasts[gi]) for gi in range(n)])))
     return SyncWalk(emb_s, tuple(steps))
