@@ -152,12 +152,14 @@ def _walk(groups: Sequence[SyncedGroup], *, links: LinkBook, model: ModelSpec, e
     if last_too:
         parts[-1][:] = parts[-1][0] + head[0], parts[-1][1] + head[1]
     emb_s, steps = ring_s(*parts[0], emb), []
-    cur, free = [0] * n, [_PREV] * n  # each replica's holder now, and what it waits for
+    cur = [0] * n  # each replica's holder now
     for (a, _), (matrix, extra) in zip(itertools.pairwise(cuts[first_too:]), parts[1:], strict=True):
-        for gi, si in at[a]:  # a stage the embedding's group left at start_s, or one it waited for
-            cur[gi], free[gi] = si, _EMB if si == 0 or (tied and si == lasts[gi]) else _START
-        steps.append(WalkStep(tuple(set(free)), ring_s(matrix, extra, enumerate(cur))))
-        free = [_PREV] * n
+        moved = at[a]  # at most one stage of each replica; the others wait for the group before
+        waits = {_PREV} if len(moved) < n else set()
+        for gi, si in moved:  # a stage the embedding's group left at start_s, or one it waited for
+            cur[gi] = si
+            waits.add(_EMB if si == 0 or (tied and si == lasts[gi]) else _START)
+        steps.append(WalkStep(tuple(waits), ring_s(matrix, extra, enumerate(cur))))
     if not last_too:  # a last stage without layers: free when the embedding's group ended (tied) or at start_s
         waits = {_PREV if cur[gi] == lasts[gi] else _EMB if tied else _START for gi in range(n)}
         steps.append(WalkStep(tuple(waits), ring_s(0.0 + head[0], 0.0 + head[1],
