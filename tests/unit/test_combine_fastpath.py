@@ -178,5 +178,12 @@ def test_sync_walk_kept_per_groups_equals_the_plain_rule():
     want = [plain_step_time_s([Group(p, c + more) for p, c in chosen], [t] * len(chosen), links=books[bi],
                               model=models[mi], precision="bf16-mixed") for chosen, more, mi, bi, t in calls]
     assert run() == want  # one pass, the walks kept between calls
+    # Each all-reduce time the walks kept is the rule's for its key's holders per kind and least degree.
+    gb = ModelSpec.state_bytes_per_param("bf16-mixed")["grads"]
+    for book in books:
+        for (_, devices, _), rings in book.ring_cache.items():
+            for (matrix, extra, kinds, tp), t in rings.items():
+                assert t == book.sync_allreduce_s(dict(kinds), tp=tp, nbytes=(matrix / tp + extra) * gb, elem_bytes=gb,
+                                                  devices=devices)
     with reference_path():
         assert run() == want

@@ -7,7 +7,6 @@ the predictor's own sync (predict/sync_overlap.py) also overlaps buckets with th
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -120,18 +119,24 @@ def _walk(groups: Sequence[SyncedGroup], *, links: LinkBook, model: ModelSpec, e
     n, lasts = len(groups), [len(g.pipe.layers) - 1 for g in groups]
     slots, counts = [g.pipe.slots for g in groups], [g.count for g in groups]
 
-    def ring_s(matrix: float, extra: float, holders: Iterable[tuple[int, int]]) -> float:
-        count: dict[str, int] = {}  # holders per kind, in holder order (the all-reduce's islands)
-        tp = sys.maxsize  # their smallest TP degree
-        for gi, si in holders:
-            kind, degree = slots[gi][si]
-            count[kind] = count.get(kind, 0) + counts[gi]
-            tp = min(tp, degree)
-        key = (matrix, extra, tuple(sorted(count.items())), tp)
+    def priced(matrix: float, extra: float, kinds: tuple[tuple[str, int], ...], tp: int,
+               holders: Iterable[tuple[int, int]]) -> float:
+        """The all-reduce among holders of these kinds (count per kind, sorted) and least TP degree."""
+        key = (matrix, extra, kinds, tp)
         if (t := rings.get(key)) is None:
+            count: dict[str, int] = {}  # holders per kind, in holder order (the all-reduce's islands)
+            for gi, si in holders:
+                count[slots[gi][si].kind] = count.get(slots[gi][si].kind, 0) + counts[gi]
             t = rings[key] = links.sync_allreduce_s(count, tp=tp, nbytes=(matrix / tp + extra) * gb,
                                                     elem_bytes=gb, devices=devices)
         return t
+
+    def ring_s(matrix: float, extra: float, holders: list[tuple[int, int]]) -> float:
+        count: dict[str, int] = {}
+        for gi, si in holders:
+            count[slots[gi][si].kind] = count.get(slots[gi][si].kind, 0) + counts[gi]
+        return priced(matrix, extra, tuple(sorted(count.items())), min(slots[gi][si].tp for gi, si in holders),
+                      holders)
 
     at: dict[int, list[tuple[int, int]]] = {}  # layer -> the replicas' stages holding layers from it on
     for gi, g in enumerate(groups):
@@ -152,16 +157,35 @@ def _walk(groups: Sequence[SyncedGroup], *, links: LinkBook, model: ModelSpec, e
     if last_too:
         parts[-1][:] = parts[-1][0] + head[0], parts[-1][1] + head[1]
     emb_s, steps = ring_s(*parts[0], emb), []
-    cur = [0] * n  # each replica's holder now
+    cur = [0] * n  # each replica's holder now; their count per kind and per TP degree, kept as they move
+    kinds: dict[str, int] = {}
+    degrees: dict[int, int] = {}
+    for gi in range(n):
+        _count(kinds, slots[gi][0].kind, counts[gi])
+        _count(degrees, slots[gi][0].tp, 1)
     for (a, _), (matrix, extra) in zip(itertools.pairwise(cuts[first_too:]), parts[1:], strict=True):
         moved = at[a]  # at most one stage of each replica; the others wait for the group before
         waits = {_PREV} if len(moved) < n else set()
         for gi, si in moved:  # a stage the embedding's group left at start_s, or one it waited for
+            if (was := slots[gi][cur[gi]]) != (now := slots[gi][si]):
+                _count(kinds, was.kind, -counts[gi])
+                _count(kinds, now.kind, counts[gi])
+                _count(degrees, was.tp, -1)
+                _count(degrees, now.tp, 1)
             cur[gi] = si
             waits.add(_EMB if si == 0 or (tied and si == lasts[gi]) else _START)
-        steps.append(WalkStep(tuple(waits), ring_s(matrix, extra, enumerate(cur))))
+        steps.append(WalkStep(tuple(waits), priced(matrix, extra, tuple(sorted(kinds.items())), min(degrees),
+                                                    enumerate(cur))))
     if not last_too:  # a last stage without layers: free when the embedding's group ended (tied) or at start_s
         waits = {_PREV if cur[gi] == lasts[gi] else _EMB if tied else _START for gi in range(n)}
         steps.append(WalkStep(tuple(waits), ring_s(0.0 + head[0], 0.0 + head[1],
                                                            [(gi, lasts[gi]) for gi in range(n)])))
     return SyncWalk(emb_s, tuple(steps))
+
+
+def _count(counts: dict, key: str | int, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, dropping it at zero (the walk's holders per kind and per degree)."""
+    if c := counts.get(key, 0) + delta:
+        counts[key] = c
+    else:
+        del counts[key]
