@@ -96,8 +96,8 @@ def _synced_s(groups: Sequence[SyncedGroup], start_s: float, *, links: LinkBook,
     it waits for, in the same float operations as a walk over every replica's ends."""
     gb = ModelSpec.state_bytes_per_param(precision)["grads"]
     key = (id(links), id(model), gb, replicas, devices, tuple((g.pipe.slots, g.pipe.layers, g.count) for g in groups))
-    walk = _WALKS.get(key, lambda: _walk(groups, links=links, model=model, elem_bytes=gb, replicas=replicas,
-                                         devices=devices), pin=(links, model))
+    walk = _WALKS.get(key, lambda: _walk(groups, links=links, model=model, elem_bytes=gb, devices=devices),
+                      pin=(links, model))
     ends = e_emb = start_s + walk.emb_s
     at = [e_emb, e_emb, start_s]  # the group before (none yet: the embedding's), the embedding's, start_s
     for sources, ring in walk.steps:
@@ -106,13 +106,15 @@ def _synced_s(groups: Sequence[SyncedGroup], start_s: float, *, links: LinkBook,
     return ends
 
 
-def _walk(groups: Sequence[SyncedGroup], *, links: LinkBook, model: ModelSpec, elem_bytes: float, replicas: int,
+def _walk(groups: Sequence[SyncedGroup], *, links: LinkBook, model: ModelSpec, elem_bytes: float,
           devices: int) -> SyncWalk:
     """The sync groups in order and what each waits for. Walked over the boundaries: a replica's holder
     changes only at its own, and every layer group is held by every replica, so all are free when it
     ends; a replica's new holder was free at start_s, or when the embedding's group ended."""
     gb = elem_bytes
-    rings = links.ring_cache.setdefault((replicas, devices, gb), {})  # all-reduce times; the rest of the key
+    # All-reduce times by what they read of the device count; the rest of the key below. The holders'
+    # order (in which the all-reduce forms its islands) changes no time: the sync rule is symmetric.
+    rings = links.ring_cache.setdefault((gb, links.within_node(devices)), {})
     tied = model.tied_embeddings
     matmul = model.layer_matmul_params  # a computed property: once per call, not once per block
     norm = model.layer_params - matmul
