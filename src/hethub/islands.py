@@ -44,6 +44,8 @@ from fractions import Fraction
 from itertools import pairwise
 from math import lcm
 
+from hethub.memo import kept_lru
+
 HOST_BACKENDS = ("gloo", "mpi")  # host memory: any two CPUs interoperate whatever their vendor
 
 
@@ -142,14 +144,22 @@ class Segment:
     owners: tuple[int, ...]
 
     def bounds(self, padded: int) -> tuple[int, int]:
-        """Element range in a buffer of ``padded`` elements (:func:`padded_numel`: exact)."""
-        return int(self.start * padded), int(self.end * padded)
+        """Element range in a buffer of ``padded`` elements (:func:`padded_numel`: exact), the fractions'
+        integer parts of start x padded and end x padded in integers (Fraction products are slow)."""
+        return (self.start.numerator * padded // self.start.denominator,
+                self.end.numerator * padded // self.end.denominator)
 
 
 def shard_segments(island_sizes: Sequence[int]) -> tuple[Segment, ...]:
     """The two-level all-reduce's segments (module doc): island i cuts the buffer into
     ``island_sizes[i]`` equal shards; every boundary of any island cuts a segment. Independent of
-    the buffer's length, so the bridge's groups of owners exist before any tensor does."""
+    the buffer's length, so the bridge's groups of owners exist before any tensor does; kept per
+    island sizes (the predictor prices each sync group's buckets with the same few)."""
+    return _segments(tuple(island_sizes))
+
+
+@kept_lru(maxsize=4096)
+def _segments(island_sizes: tuple[int, ...]) -> tuple[Segment, ...]:
     cuts = sorted({Fraction(j, k) for k in island_sizes for j in range(k + 1)})
     return tuple(Segment(a, b, tuple(int(a * k) for k in island_sizes)) for a, b in pairwise(cuts))
 

@@ -146,3 +146,53 @@ def test_estimates_and_splits_equal_the_reference_path():
         plain = run()
     assert fast == plain
     assert len(fast[0]) > 4 and any(fast[1])
+
+
+@pytest.mark.parametrize("seed", [27, 1])
+def test_sync_walk_kept_per_groups_equals_the_plain_rule(seed):
+    """closed_step keeps each set of groups' sync walk (memo `_WALKS`) and replays it per start time: the
+    same groups at many times, with other counts, models and books in between, in random order, equal
+    the plain rule bit for bit, and so does the reference path (no walk kept). One-kind TP-1 pipes of
+    2 and 6 stages: the same all-reduces among replicas that fit a node and replicas that do not."""
+    cluster, base, _ = instance(seed)
+    models = [replace(base, tied_embeddings=tied, vocab_size=base.vocab_size * 8) for tied in (False, True)]
+    books = [LinkBook(cluster, runtime="hethub"), LinkBook(cluster, runtime="deepspeed")]  # buckets, or one each
+    kinds = sorted(cluster.kinds)
+    rng = random.Random(11)
+    splits = [random_split(rng, models[0]) for _ in range(3)]
+    pipes = [random_pipe(rng, kinds, rng.choice(splits), rng.choice(("1f1b", "zb-h1", "interleaved")))
+             for _ in range(8)]
+    n = models[0].num_layers
+    small = [replace(rng.choice(pipes), slots=(Slot(k, 1),) * p, layers=tuple(n // p + (i < n % p) for i in range(p)),
+                     recompute=("none",) * p, fwd_s=(1e-2,) * p, bwd_s=(2e-2,) * p, update_s=(1e-3,) * p,
+                     p2p_s=(1e-4,) * (p - 1), params=(1.0,) * p, schedule="1f1b", chunks=1)
+             for k in kinds for p in (2, 6)]
+    sets = [[(rng.choice(pipes), rng.randint(1, 3)) for _ in range(rng.randint(1, 4))] for _ in range(20)]
+    sets += [[(p, c)] for p in small for c in (1, 2)]
+    # The same pipes at swapped counts: as many replicas and devices, other holders per kind.
+    sets += [[(p, c) for (p, _), (_, c) in zip(s, s[::-1], strict=True)] for s in sets]
+    calls = [(s, rng.randint(0, 1), rng.randint(0, 1), rng.randint(0, 1), rng.uniform(0.5, 2.0))
+             for s in sets for _ in range(6)]
+    rng.shuffle(calls)
+
+    def run():
+        out = []
+        for chosen, more, mi, bi, t in calls:
+            groups = [Group(p, c + more) for p, c in chosen]
+            out.append(step_time_s(groups, [t] * len(groups), links=books[bi], model=models[mi],
+                                   precision="bf16-mixed"))
+        return out
+
+    want = [plain_step_time_s([Group(p, c + more) for p, c in chosen], [t] * len(chosen), links=books[bi],
+                              model=models[mi], precision="bf16-mixed") for chosen, more, mi, bi, t in calls]
+    assert run() == want  # one pass, the walks kept between calls
+    # Each all-reduce time the walks kept is the rule's for its key's holders per kind and least degree.
+    gb = ModelSpec.state_bytes_per_param("bf16-mixed")["grads"]
+    for book in books:
+        for (_, within), rings in book.ring_cache.items():  # kept by what the device count decides
+            devices = next(d for d in range(1, 1 << 16) if book.within_node(d) == within)
+            for (matrix, extra, kinds, tp), t in rings.items():
+                assert t == book.sync_allreduce_s(dict(kinds), tp=tp, nbytes=(matrix / tp + extra) * gb, elem_bytes=gb,
+                                                  devices=devices)
+    with reference_path():
+        assert run() == want

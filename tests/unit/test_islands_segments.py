@@ -56,3 +56,22 @@ def test_predictor_prices_the_runtime_algorithm() -> None:
                                       bridge=slow)
     assert lone == pytest.approx(2 * ring_pass_time_s(chunk_bytes=4000, participants=3, link=fast)
                                  + 3 * allreduce_time_s(nbytes=4000, participants=2, link=slow))
+
+
+def test_kept_segments_and_integer_bounds_equal_the_plain_fractions() -> None:
+    """shard_segments is kept per island sizes (lists and tuples alike) and Segment.bounds works in
+    integers: both equal the plain construction, its Fraction products truncated, for random sizes
+    and buffer lengths, padded or not, asked in random order and again."""
+    import random
+
+    from hethub.islands import Segment
+
+    rng = random.Random(5)
+    sizes = [[rng.randint(1, 40) for _ in range(rng.randint(1, 4))] for _ in range(40)]
+    for ks in [*sizes, *rng.sample(sizes, 20)]:
+        cuts = sorted({Fraction(j, k) for k in ks for j in range(k + 1)})
+        plain = tuple(Segment(a, b, tuple(int(a * k) for k in ks)) for a, b in pairwise(cuts))
+        assert shard_segments(ks) == plain
+        assert shard_segments(tuple(ks)) == plain
+        for numel in (rng.randint(0, 10**9), padded_numel(rng.randint(1, 10**9), ks)):
+            assert [s.bounds(numel) for s in plain] == [(int(s.start * numel), int(s.end * numel)) for s in plain]

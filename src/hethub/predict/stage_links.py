@@ -41,12 +41,15 @@ class LinkBook:
         self.cluster = cluster
         # Whether the runtime reduces gradients in buckets (runtimes: dp_overlap), each its own all-reduce.
         self.buckets = runtime_profile(runtime).dp_overlap
-        self.ring_cache: dict[tuple, dict] = {}  # all-reduce times by ring size, shared by a search's estimates
+        # All-reduce times by gradient element size and `within_node` of the device count (all they read
+        # of it), shared by a search's estimates.
+        self.ring_cache: dict[tuple, dict] = {}
         self.node_size: dict[str, int] = {}
         self._hops: dict[tuple, float] = {}
         self._pipes: dict[tuple, tuple[float, ...]] = {}
         self._rings: dict[tuple, Link] = {}
         self._between: dict[tuple[str, str], Link] = {}
+        self._within: dict[int, frozenset[str]] = {}
         self._nodes: dict[str, list[list[int]]] = {}  # device ids of each node, by kind
         for d in cluster.devices:
             nodes = self._nodes.setdefault(d.kind, [])
@@ -143,6 +146,13 @@ class LinkBook:
             width = min([rings, *(len(n) for n in nodes)])
             link = self._rings[key] = rings_link(self.cluster, [[n[q] for n in nodes] for q in range(width)])
         return link
+
+    def within_node(self, devices: int) -> frozenset[str]:
+        """The kinds whose node could hold ``devices`` devices: all that `replicas` (and so
+        `sync_allreduce_s`) reads of a device count, so that their results can be kept per answer."""
+        if (out := self._within.get(devices)) is None:
+            out = self._within[devices] = frozenset(k for k, size in self.node_size.items() if devices <= size)
+        return out
 
     def sync_allreduce_s(self, kinds: dict[str, int], *, tp: int, nbytes: float, elem_bytes: float,
                          devices: int) -> float:
