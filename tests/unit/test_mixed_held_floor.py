@@ -10,12 +10,11 @@ import math
 import random
 
 import pytest
-from test_mixed_pricing_floor import _pure_groups, _search
+from test_mixed_pricing_floor import _pure_groups, _search, random_orders
 from test_reference_search import instance
 
 from hethub.predict.holding import most_within, sure_spans
 from hethub.search import templates
-from hethub.search.mixed import families
 from hethub.search.sync_floors import SyncFloors
 from hethub.search.templates import Searcher
 
@@ -37,32 +36,22 @@ def held_and_split_floors(s: Searcher, rng: random.Random, *, tries: int,
     for mbs in (1, 2):
         pure = _pure_groups(s, mbs, rng)
         ctx = SyncFloors(s, pure)
-        pool = {k: n - sum(g.count * g.pipe.devices_by_kind().get(k, 0) for g in pure) for k, n in s.counts.items()}
-        for fam, boxes in families(s, pool, mbs):
-            for clo, chi, lo, hi in boxes:
-                for _ in range(tries):
-                    c = rng.randint(clo, chi)
-                    top = [min(b, n // c) for b, n in zip(hi, fam.slots, strict=True)]
-                    if any(a > b for a, b in zip(lo, top, strict=True)):
-                        continue
-                    ns = [rng.randint(a, b) for a, b in zip(lo, top, strict=True)]
-                    order = rng.sample(range(len(ns)), len(ns))
-                    segs = tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
-                    slots = s.mixed_slots(segs)
-                    halves = [s.layer_splits(slots, mbs, recompute=r)
-                              for r in (s.config.allow_recompute, False)[:1 + s.config.allow_recompute]]
-                    splits = [counts for half in halves for counts in half.counts]
-                    for spans, half in zip(ctx._sure_spans(segs, mbs) or (), halves[::-1], strict=False):
-                        if spans is None:  # no split of the half fits
-                            assert not half.counts
-                            continue
-                        for counts in half.counts:
-                            for (a, b), (start, end) in zip(spans, _ranges(segs, counts), strict=True):
-                                assert a >= b or start <= a < b <= end, (segs, spans, counts)
-                        covered.append(sum(max(0, b - a) for a, b in spans) / s.model.num_layers)
-                    if splits:
-                        out.append((ctx.held_floor(segs, c, mbs), min(ctx.split_floor(slots, x, c) for x in splits),
-                                    ctx.order_floor(segs, c, sum(t * n for _, t, n in segs))))
+        for c, segs in random_orders(s, pure, mbs, rng, tries=tries):
+            slots = s.mixed_slots(segs)
+            halves = [s.layer_splits(slots, mbs, recompute=r)
+                      for r in (s.config.allow_recompute, False)[:1 + s.config.allow_recompute]]
+            splits = [counts for half in halves for counts in half.counts]
+            for spans, half in zip(ctx._sure_spans(segs, mbs) or (), halves[::-1], strict=False):
+                if spans is None:  # no split of the half fits
+                    assert not half.counts
+                    continue
+                for counts in half.counts:
+                    for (a, b), (start, end) in zip(spans, _ranges(segs, counts), strict=True):
+                        assert a >= b or start <= a < b <= end, (segs, spans, counts)
+                covered.append(sum(max(0, b - a) for a, b in spans) / s.model.num_layers)
+            if splits:
+                out.append((ctx.held_floor(segs, c, mbs), min(ctx.split_floor(slots, x, c) for x in splits),
+                            ctx.order_floor(segs, c, sum(t * n for _, t, n in segs))))
     return out
 
 

@@ -7,6 +7,7 @@ random candidates beside random pure groups."""
 import dataclasses
 import math
 import random
+from collections.abc import Iterator
 
 import pytest
 from test_reference_search import instance
@@ -36,12 +37,11 @@ def _pure_groups(s: Searcher, mbs: int, rng: random.Random) -> list[Group]:
     return out
 
 
-def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random, *, tries: int):
-    """(step floor, sync floor, step, split's sync floor, exact sync span) of random mixed candidates beside
-    `pure` whose allocation keeps every pipeline (the step floor with the order's sync floor)."""
-    ctx, total = SyncFloors(s, pure), s.total_mb(mbs)
+def random_orders(s: Searcher, pure: list[Group], mbs: int, rng: random.Random, *, tries: int,
+                  ) -> Iterator[tuple[int, tuple[tuple[str, int, int], ...]]]:
+    """(replicas c, segments in pipeline order) of random mixed candidates the search's boxes hold beside
+    `pure`: ``tries`` per box, a count drawn per segment within the box and the pool, in a random order."""
     pool = {k: n - sum(g.count * g.pipe.devices_by_kind().get(k, 0) for g in pure) for k, n in s.counts.items()}
-    out = []
     for fam, boxes in families(s, pool, mbs):
         for clo, chi, lo, hi in boxes:
             for _ in range(tries):
@@ -51,24 +51,32 @@ def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random
                     continue
                 ns = [rng.randint(a, b) for a, b in zip(lo, top, strict=True)]
                 order = rng.sample(range(len(ns)), len(ns))
-                segs = tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
-                after = ctx.order_floor(segs, c, sum(t * n for _, t, n in segs))
-                for pipe in s.mixed(segs, mbs):
-                    groups = [*pure, Group(pipe, c)]
-                    alloc, est = allocate(groups, total), s.estimate(groups, mbs)
-                    if est is not None and all(len(m) == g.count for g, m in zip(groups, alloc[0], strict=True)):
-                        times = [g.pipe.time_s(max(m)) for g, m in zip(groups, alloc[0], strict=True)]
-                        floor = step_time_s(groups, times, links=s.links, model=s.model, precision=s.config.precision,
-                                            sync_floor_s=after)
-                        synced = step_time_s(groups, times, links=s.links, model=s.model,
-                                             precision=s.config.precision, sync_floor_s=0.0)
-                        out.append((floor, after, est.step_time_s, ctx.split_floor(pipe.slots, pipe.layers, c),
-                                    est.step_time_s - synced))
-                        # The pruned estimate is the plain one wherever it is let in, and None where not,
-                        # whatever the bar (asked of the makespan plus `after` first, then of this floor).
-                        for bar in (math.inf, 0.0, floor * (1 - 1e-9), floor * (1 + 1e-9), alloc[1] + after):
-                            assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t, bar=bar: t < bar) == (
-                                est if floor < bar else None)
+                yield c, tuple((fam.subset[i], fam.tps[i], ns[i]) for i in order)
+
+
+def floor_and_steps(s: Searcher, pure: list[Group], mbs: int, rng: random.Random, *, tries: int):
+    """(step floor, sync floor, step, split's sync floor, exact sync span) of random mixed candidates beside
+    `pure` whose allocation keeps every pipeline (the step floor with the order's sync floor)."""
+    ctx, total = SyncFloors(s, pure), s.total_mb(mbs)
+    out = []
+    for c, segs in random_orders(s, pure, mbs, rng, tries=tries):
+        after = ctx.order_floor(segs, c, sum(t * n for _, t, n in segs))
+        for pipe in s.mixed(segs, mbs):
+            groups = [*pure, Group(pipe, c)]
+            alloc, est = allocate(groups, total), s.estimate(groups, mbs)
+            if est is not None and all(len(m) == g.count for g, m in zip(groups, alloc[0], strict=True)):
+                times = [g.pipe.time_s(max(m)) for g, m in zip(groups, alloc[0], strict=True)]
+                floor = step_time_s(groups, times, links=s.links, model=s.model, precision=s.config.precision,
+                                    sync_floor_s=after)
+                synced = step_time_s(groups, times, links=s.links, model=s.model,
+                                     precision=s.config.precision, sync_floor_s=0.0)
+                out.append((floor, after, est.step_time_s, ctx.split_floor(pipe.slots, pipe.layers, c),
+                            est.step_time_s - synced))
+                # The pruned estimate is the plain one wherever it is let in, and None where not,
+                # whatever the bar (asked of the makespan plus `after` first, then of this floor).
+                for bar in (math.inf, 0.0, floor * (1 - 1e-9), floor * (1 + 1e-9), alloc[1] + after):
+                    assert s.estimate(groups, mbs, after_s=after, may_enter=lambda t, bar=bar: t < bar) == (
+                        est if floor < bar else None)
     return out
 
 
