@@ -109,26 +109,10 @@ def test_greedy_on_kept_costs_equals_the_options_walk(seed, schedule):
     assert compared
 
 
-def _plain_least_layer_work(caps, n_layers):
-    """holding.least_layer_work as it was written first: every group's hull pieces, sorted, per call."""
-    pieces = []
-    for k, modes in caps:
-        pieces += [(slope, k * n) for slope, n in holding._hull(modes)]
-    pieces.sort()
-    total, left = 0.0, n_layers
-    for cost, n in pieces:
-        take = min(n, left)
-        total += take * cost
-        left -= take
-        if left <= 0:
-            break
-    return total
-
-
 @pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
 def test_least_layer_work_of_kept_segment_pieces_equals_the_plain_sum(seed):
     # pipe_floor keeps each segment's hull pieces (bounds.segment_memory) and sums a pipeline's from
-    # them: on random stage modes in random segments, exactly the sum over all its groups' hulls.
+    # them: on random stage modes in random segments, exactly the sum over all its groups' hulls at once.
     s, rng, kinds = _searcher(seed)
     for _ in range(200):
         segments = []
@@ -141,8 +125,8 @@ def test_least_layer_work_of_kept_segment_pieces_equals_the_plain_sum(seed):
             segments.append(groups)
         n_layers = rng.randint(1, 3 * s.model.num_layers)
         kept = [piece for groups in segments for piece in holding.hull_pieces(groups)]
-        assert holding.least_layer_work(kept, n_layers) == _plain_least_layer_work(
-            [g for groups in segments for g in groups], n_layers)
+        assert holding.least_layer_work(kept, n_layers) == holding.least_layer_work(
+            holding.hull_pieces([g for groups in segments for g in groups]), n_layers)
 
 
 @pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
