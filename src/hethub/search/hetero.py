@@ -175,9 +175,10 @@ def _alone_all_sizes(s: Searcher, results: Results[Estimate], kind: str) -> Esti
         rate = max([r.rate for r in s.pure(kind, b, share=1.0)] + [0.0])
         return max(rate, *s.top_skipped(kind, b, share=1.0, above=rate, want=lambda tp, p: True) or [0.0])
 
-    # Sizes in that order, a heap keyed by upper bounds of top until their turn (the largest BLIND bound, then the
-    # largest bound: `Searcher.top_bound`), then by top (the same order): a size a bound rules out is never
-    # scanned (reference: top). An entry's tier: the bound its key is (None: top).
+    # Sizes in that order, a heap keyed by upper bounds of top until their turn (the largest BLIND bound, then
+    # bounds `Searcher.top_above` tightens only below the next key, down to the largest bound: `top_bound`), then
+    # by top (the same order): a size a bound rules out is never scanned (reference: top). An entry's tier:
+    # the bound its key is (BLIND: a loose one; None: top).
     heap = [(-top(b), i, None) if reference() else (-s.top_bound(kind, b, share=1.0, loose=True), i, BLIND)
             for i, b in enumerate(sizes)]
     heapq.heapify(heap)
@@ -186,9 +187,12 @@ def _alone_all_sizes(s: Searcher, results: Results[Estimate], kind: str) -> Esti
         key, i, tier = heapq.heappop(heap)
         if -key * s.counts[kind] < best * (1 - 1e-9):
             continue
-        if tier is not None:
-            heapq.heappush(heap, (-s.top_bound(kind, sizes[i], share=1.0), i, EXACT) if tier == BLIND
-                           else (-top(sizes[i]), i, None))
+        if tier == BLIND:  # popped, so at least the next key: tightened at least once, or the bound
+            bound, sure = s.top_above(kind, sizes[i], share=1.0, above=-heap[0][0] if heap else 0.0)
+            heapq.heappush(heap, (-bound, i, EXACT if sure else BLIND))
+            continue
+        if tier == EXACT:
+            heapq.heappush(heap, (-top(sizes[i]), i, None))
             continue
         found, best_b = _alone(s, results, kind, sizes[i])
         best = max(best, best_b)

@@ -8,12 +8,12 @@ below the kind's third best template (they cannot enter the top).
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hethub.memo import Tiers
 from hethub.plan import zero_stage_of
 from hethub.predict.closed_step import step_time_s
 from hethub.predict.pipeline_floors import fits_some_mode_kept, floor_keys
@@ -87,6 +87,7 @@ class Searcher:
         self._skipped: dict[tuple[str, int, float], list[Skipped]] = {}  # `skipped` reads a bound only where it must
         self.fills: dict[tuple, tuple[list, int]] = {}  # hetero._fill's answers
         self._seeds: dict[tuple[str, int, float], list[tuple[float, int, int]]] = {}
+        self._tops: dict[tuple[str, int, float], Tiers[tuple[int, int]]] = {}  # top_above's orders
         self._fits: dict[tuple, bool] = {}
         self._hopeless: dict[tuple, bool] = {}  # fits_some_mode_kept's, by pipeline
         # mixed.families': (kinds, TP degrees, micro-batch size) -> its Family (a module above this one);
@@ -291,11 +292,20 @@ class Searcher:
 
     def top_bound(self, kind: str, mbs: int, *, share: float, loose: bool = False) -> float:
         """An upper bound on the rate of every template of `kind` (0.0: none fits): the first of `seeds` times
-        1 + 1e-9, found best bound first (`by_bound`: no other seed's bound is read); ``loose``: the largest BLIND
+        1 + 1e-9, found best bound first (`top_above`: no other seed's bound is read); ``loose``: the largest BLIND
         bound, at least that."""
         if loose:
             return max([self._bound(kind, tp, mbs, p, share, loose=BLIND) for tp, p in self._shapes(kind)] + [0.0])
-        return next(self.by_bound(kind, mbs, share=share, stop=lambda upper: upper <= 0), (0.0,))[0]
+        return self.top_above(kind, mbs, share=share, above=0.0)[0]
+
+    def top_above(self, kind: str, mbs: int, *, share: float, above: float) -> tuple[float, bool]:
+        """`top_bound` (True) where it is above ``above``, else an upper bound on it, below ``above`` or equal to
+        `top_bound` (False: not known which): `by_bound`'s order, kept per (kind, size, share) so that a later
+        call goes on from there (`hetero._alone_all_sizes` tightens a size's bound only below the next size's:
+        most sizes' exact bounds, which read their memory, then stay unread)."""
+        if (tiers := self._tops.get((kind, mbs, share))) is None:
+            tiers = self._tops[(kind, mbs, share)] = self._tiers(kind, mbs, share)
+        return tiers.top(above=above)
 
     def by_bound(self, kind: str, mbs: int, *, share: float,
                  stop: Callable[[float], bool]) -> Iterator[tuple[float, int, int]]:
@@ -303,17 +313,14 @@ class Searcher:
         for the largest bound left, loose or not (asked anew after each shape). A shape's GRID and exact bounds
         are read only when its looser one is the largest left: each loose bound is at least the bound times
         1 + 1e-9, which is at least the rate of every split of the shape (as `pure` prunes)."""
-        heap = [(-self._bound(kind, tp, mbs, p, share, loose=BLIND), i, BLIND, tp, p)
-                for i, (tp, p) in enumerate(self._shapes(kind))]
-        heapq.heapify(heap)
-        while heap and not stop(-heap[0][0]):
-            upper, i, tier, tp, p = heapq.heappop(heap)
-            if tier == EXACT:
-                yield -upper, tp, p
-                continue
-            tighter = GRID if tier == BLIND else EXACT
-            bound = self._bound(kind, tp, mbs, p, share, loose=tighter)
-            heapq.heappush(heap, (-bound * (1 + 1e-9 if tighter == EXACT else 1), i, tighter, tp, p))
+        tiers = self._tiers(kind, mbs, share)
+        while (got := tiers.pop(stop)) is not None:
+            yield got[0], *got[1]
+
+    def _tiers(self, kind: str, mbs: int, share: float) -> Tiers[tuple[int, int]]:
+        """`kind`'s stage shapes (tp, stages) by their rate bounds: BLIND, GRID, the bound times 1 + 1e-9."""
+        return Tiers(self._shapes(kind), lambda x, tier: self._bound(kind, x[0], mbs, x[1], share, loose=tier)
+                         * (1 + 1e-9 if tier == EXACT else 1), loosest=BLIND)
 
     def _shapes(self, kind: str) -> list[tuple[int, int]]:
         """Every (TP, stages) of `kind` a template may have: up to L + 2 stages (the first and the last may
