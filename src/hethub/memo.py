@@ -13,9 +13,10 @@ at scale"). A lazy order (``Ranked``: the planner's variants check each shape's 
 the finalists read that far, `search/variants.repriced`) is of the second sort, proved by
 ``tests/unit/test_lazy_reprice.py``; so are the enumeration's fit checks, run only where a decision
 reads them (``Later``, ``Places``: `search/hetero.Results`), proved by
-``tests/unit/test_enumeration_fastpath.py``. Memos live for one search (``search_scope``, which
-``make_plan`` opens). A top-level module so that the memory model, below the predictor's package,
-can use it.
+``tests/unit/test_enumeration_fastpath.py``; and the template scan's bounds tightened only as far as an
+order reads them (``Tiers``: `search/templates.Searcher.top_above`), proved by ``tests/unit/test_size_bounds.py``.
+Memos live for one search (``search_scope``, which ``make_plan`` opens). A top-level module so that the memory
+model, below the predictor's package, can use it.
 """
 
 from __future__ import annotations
