@@ -299,10 +299,10 @@ class Searcher:
         return self.top_above(kind, mbs, share=share, above=0.0)[0]
 
     def top_above(self, kind: str, mbs: int, *, share: float, above: float) -> tuple[float, bool]:
-        """`top_bound` (True) where it is above ``above``, else an upper bound on it, below ``above`` or equal to
-        `top_bound` (False: not known which): `by_bound`'s order, kept per (kind, size, share) so that a later
-        call goes on from there (`hetero._alone_all_sizes` tightens a size's bound only below the next size's:
-        most sizes' exact bounds, which read their memory, then stay unread)."""
+        """`top_bound` (True; always where it is at least ``above``), else an upper bound on it below ``above``
+        (False): `by_bound`'s order, kept per (kind, size, share) so that a later call goes on from there
+        (`hetero._alone_all_sizes` tightens a size's bound only below the next size's: most sizes' exact
+        bounds, which read their memory, then stay unread)."""
         if (tiers := self._tops.get((kind, mbs, share))) is None:
             tiers = self._tops[(kind, mbs, share)] = self._tiers(kind, mbs, share)
         return tiers.top(above=above)
