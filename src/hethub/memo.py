@@ -211,6 +211,7 @@ class Tiers(Generic[T]):
         heapq.heapify(self.heap)
 
     def _tighten(self) -> None:
+        """The largest bound left (a loose one) replaced by its item's next tighter one."""
         _, i, tier, x = self.heap[0]
         heapq.heapreplace(self.heap, (-self.bound(x, tier - 1), i, tier - 1, x))
 

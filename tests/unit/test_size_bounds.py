@@ -32,7 +32,7 @@ def _model(name: str) -> ModelSpec:
     return get_model(name)  # one object per name: books of one job share stage models by its id
 
 
-def _searcher(devices: int, schedule: str, kind: str) -> Searcher:
+def _searcher(devices: int, schedule: str, *, kind: str) -> Searcher:
     """The enumeration's searcher of one kind alone (`variants._alone`): ZeRO-1 at the loosest memory."""
     cluster, model, global_batch, seq_len = planner_scale.case(devices)
     config = PlannerConfig(global_batch=global_batch, seq_len=seq_len, schedule=schedule, optimizer_sharding="zero1",
@@ -46,7 +46,7 @@ def test_top_above_is_the_top_bound_or_below_its_threshold(devices, schedule):
     # answer is the plain rule's largest exact bound, an unsure one an upper bound on it below the threshold.
     rng = random.Random(devices)
     for kind in planner_scale.case(devices)[0].kind_names:
-        s = _searcher(devices, schedule, kind)
+        s = _searcher(devices, schedule, kind=kind)
         for mbs in s.config.usable_micro_batch_sizes:
             shapes = s._shapes(kind)
             plain = max([s._bound(kind, tp, mbs, p, 1.0) for tp, p in shapes] + [0.0]) * (1 + 1e-9)
@@ -54,14 +54,14 @@ def test_top_above_is_the_top_bound_or_below_its_threshold(devices, schedule):
             aboves = [0.0, plain, plain * (1 - 1e-12), plain * (1 + 1e-12), loose, loose * 1.1,
                       *(rng.uniform(plain * 0.5, loose) for _ in range(6))]
             rng.shuffle(aboves)
-            t = _searcher(devices, schedule, kind)  # cold: only what the thresholds ask is tightened
+            t = _searcher(devices, schedule, kind=kind)  # cold: only what the thresholds ask is tightened
             for above in aboves:
                 bound, sure = t.top_above(kind, mbs, share=1.0, above=above)
                 assert bound == plain if sure else plain <= bound < above
             assert t.top_bound(kind, mbs, share=1.0) == plain
 
 
-def _alone_sizes(devices: int, schedule: str, kind: str, monkeypatch) -> tuple:
+def _alone_sizes(devices: int, schedule: str, *, kind: str, monkeypatch) -> tuple:
     """`_alone_all_sizes`' answer, the plans it priced and the sizes it ran `_alone` on, in order."""
     ran = []
 
@@ -70,7 +70,7 @@ def _alone_sizes(devices: int, schedule: str, kind: str, monkeypatch) -> tuple:
         return _ALONE(s, results, kind, mbs)
 
     monkeypatch.setattr(hetero, "_alone", recorded)
-    s = _searcher(devices, schedule, kind)
+    s = _searcher(devices, schedule, kind=kind)
     results = Results(4, fits=s.fits)
     best = _alone_all_sizes(s, results, kind)
     return plan_key(best) if best else None, [plan_key(e) for e in results.ranked()], ran
@@ -92,9 +92,9 @@ def test_alone_runs_the_sizes_of_the_plain_order(devices, schedule, monkeypatch)
 
     for kind in planner_scale.case(devices)[0].kind_names:
         with reference_path():
-            want = _alone_sizes(devices, schedule, kind, monkeypatch)
+            want = _alone_sizes(devices, schedule, kind=kind, monkeypatch=monkeypatch)
         monkeypatch.setattr(Searcher, "top_above", counted)
-        assert _alone_sizes(devices, schedule, kind, monkeypatch) == want
+        assert _alone_sizes(devices, schedule, kind=kind, monkeypatch=monkeypatch) == want
         monkeypatch.undo()
     assert devices < 512 or not all(tightened)  # some size placed by a bound below the next, its own unread
 

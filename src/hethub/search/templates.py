@@ -304,7 +304,7 @@ class Searcher:
         (`hetero._alone_all_sizes` tightens a size's bound only below the next size's: most sizes' exact
         bounds, which read their memory, then stay unread)."""
         if (tiers := self._tops.get((kind, mbs, share))) is None:
-            tiers = self._tops[(kind, mbs, share)] = self._tiers(kind, mbs, share)
+            tiers = self._tops[(kind, mbs, share)] = self._tiers(kind, mbs, share=share)
         return tiers.top(above=above)
 
     def by_bound(self, kind: str, mbs: int, *, share: float,
@@ -313,11 +313,11 @@ class Searcher:
         for the largest bound left, loose or not (asked anew after each shape). A shape's GRID and exact bounds
         are read only when its looser one is the largest left: each loose bound is at least the bound times
         1 + 1e-9, which is at least the rate of every split of the shape (as `pure` prunes)."""
-        tiers = self._tiers(kind, mbs, share)
+        tiers = self._tiers(kind, mbs, share=share)
         while (got := tiers.pop(stop)) is not None:
             yield got[0], *got[1]
 
-    def _tiers(self, kind: str, mbs: int, share: float) -> Tiers[tuple[int, int]]:
+    def _tiers(self, kind: str, mbs: int, *, share: float) -> Tiers[tuple[int, int]]:
         """`kind`'s stage shapes (tp, stages) by their rate bounds: BLIND, GRID, the bound times 1 + 1e-9."""
         return Tiers(self._shapes(kind), lambda x, tier: self._bound(kind, x[0], mbs, x[1], share, loose=tier)
                          * (1 + 1e-9 if tier == EXACT else 1), loosest=BLIND)
