@@ -1,7 +1,9 @@
 """The mixed search's exact shortcuts against their plain paths (`memo.reference_path`, or the plain
 rule written out here): whether a split recomputes, read past each stage's `plain_upto` only
 (`split.LayerSplits.recomputes`); the layer greedy on each position's kept cost table (`split._greedy`);
-the least layer work summed from each segment's kept hull pieces (`holding.least_layer_work`)."""
+the least layer work summed from each segment's kept hull pieces (`holding.least_layer_work`); the
+families and boxes left out of the search's heap where their floor, made part way, cannot enter
+(`mixed.price_mixed`)."""
 
 import dataclasses
 import heapq
@@ -13,7 +15,7 @@ from test_reference_search import instance
 
 from hethub.memo import reference_path
 from hethub.predict import holding
-from hethub.search import split
+from hethub.search import hetero, mixed, split
 from hethub.search.bounds import stage_modes
 from hethub.search.split import layer_splits
 from hethub.search.templates import Searcher
@@ -151,3 +153,43 @@ def test_smallest_holding_of_undominated_modes_equals_all_modes(seed):
         for lo in (0.0, rng.uniform(0, top), rng.uniform(0, top / 4), top):
             assert holding.smallest_holding(kept, n_layers, lo) == holding.smallest_holding(caps, n_layers, lo)
     assert dropped
+
+
+def _recorded_items(s, monkeypatch):
+    """Every candidate the search of ``s`` prices, in the order it adds them to its results."""
+    made = []
+
+    class Recorded(hetero.Results):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(hetero, "Results", Recorded)
+    hetero.search(s)
+    return [[(e.step_time_s, e.groups, e.micro_batches) for e in r.items] for r in made]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize("seed", [3, 16, 40])
+def test_entries_that_cannot_enter_are_left_out_with_the_same_candidates(seed, schedule, monkeypatch):
+    # price_mixed leaves out a family or box whose floor, made part way (its water level, then with the
+    # embedding sync), cannot enter when it is made: the search prices the same candidates in the same
+    # order as with every floor made whole and pushed (the plain path: `enters` ignored).
+    fast = {name: getattr(mixed, name) for name in ("_box_level", "_rate_level", "_boxes_level")}
+    left = []
+
+    def counted(name):
+        def level(*a, enters=None, **k):
+            got = fast[name](*a, enters=enters, **k)
+            if got is None and enters is not None and fast[name](*a, **k) is not None:
+                left.append(name)
+            return got
+        return level
+
+    for name in fast:
+        monkeypatch.setattr(mixed, name, counted(name))
+    got = _recorded_items(_searcher(seed, schedule)[0], monkeypatch)
+    for name in fast:
+        monkeypatch.setattr(mixed, name, lambda *a, enters=None, name=name, **k: fast[name](*a, **k))
+    assert _recorded_items(_searcher(seed, schedule)[0], monkeypatch) == got
+    assert left  # some entry was left out
