@@ -7,6 +7,7 @@ families and boxes left out of the search's heap where their floor, made part wa
 
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 
@@ -193,3 +194,24 @@ def test_entries_that_cannot_enter_are_left_out_with_the_same_candidates(seed, s
         monkeypatch.setattr(mixed, name, lambda *a, enters=None, name=name, **k: fast[name](*a, **k))
     assert _recorded_items(_searcher(seed, schedule)[0], monkeypatch) == got
     assert left  # some entry was left out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
+def test_families_share_each_kinds_held_modes_and_runs(seed, schedule):
+    # The families' held modes and runs of them are kept per kind, TP degree and micro-batch size, one for
+    # every family holding the kind there: each family reads the plain rule on its own modes, in any order.
+    s, rng, _ = _searcher(seed, schedule)
+    fams = [fam for mbs in (1, 2) for fam, _ in mixed.families(s, dict(s.counts), mbs)]
+    assert len({(f.subset[i], f.tps[i]) for f in fams for i in range(len(f.subset))}) > len(s.counts)  # TPs differ
+    for fam in rng.sample(fams, min(30, len(fams))):
+        for i in range(len(fam.subset)):
+            def plain(f, fam=fam, i=i):
+                return holding.undominated(tuple((max(c, 0), w, 0.0) for c, w in fam.modes(i, f)))
+
+            lo = rng.randint(1, 30)
+            hi = lo + rng.randint(0, 30)
+            for f in rng.sample(range(1, 64), 5):
+                assert fam._held_modes(i, f) == plain(f)
+            runs = [(ms, sum(1 for _ in run)) for ms, run in itertools.groupby(plain(f) for f in range(lo, hi + 1))]
+            assert fam._held_runs(i, lo, hi) == runs

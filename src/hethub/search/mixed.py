@@ -33,6 +33,8 @@ from hethub.search.templates import Searcher
 
 # The mixed search's caches in each job's CostBook.
 _FAMILY_MODES: Cache[tuple[tuple[int, float], ...]] = Cache("family-modes", shared=True)
+_HELD_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("held-modes", shared=True)  # Family._held_modes'
+_HELD_RUNS: Cache[Runs] = Cache("held-runs", shared=True)  # Family._held_runs'
 _SORTED_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights-sorted")
 _KIND_CONSTANTS: Cache[tuple[float, float, float, float, float]] = Cache("mixed-consts")
 
@@ -290,8 +292,6 @@ class Family:
         self.hop = [c[3] for c in cs]
         self.extra = min([c[4] for c in cs if c[4] > 0] or [0.0])  # cheapest recomputation per layer
         self._caps: dict[int, tuple[list[int], list[int]]] = {}
-        self._held: dict[tuple[int, int], tuple] = {}
-        self._runs: dict[int, Runs] = {}  # `_held_modes` by in-flight count, per kind (_held_runs)
         self._orders: dict[int, tuple[int, ...]] = {}  # _saturation_order's, by in-flight count
         self._bottlenecks: dict[tuple, float | None] = {}  # by (top, flights): sibling boxes share them
         self.feasible = min(self.caps(1)[0]) >= 0 and min(self.w) > 0
@@ -409,10 +409,11 @@ class Family:
 
     def _held_runs(self, i: int, lo: int, hi: int) -> list[tuple[tuple, int]]:
         """(`_held_modes`, stages) of the i-th kind's stages holding lo .. hi micro-batches, one each, read
-        off `holding.Runs` of its modes by in-flight count (capacities only fall as it grows: few runs)."""
-        runs = self._runs.get(i)
-        if runs is None:
-            runs = self._runs[i] = Runs()
+        off `holding.Runs` of its modes by in-flight count (capacities only fall as it grows: few runs),
+        kept per kind and TP degree, so every family holding the kind there reads one."""
+        key = (self.subset[i], self.tps[i], self.mbs, self.allow)
+        if (runs := self.book.cache(_HELD_RUNS).get(key)) is None:
+            runs = self.book.cache(_HELD_RUNS)[key] = Runs()
         for f in range(runs.last + 1, hi + 1):
             runs.add(self._held_modes(i, f))
         return runs.counts(lo, hi)
@@ -425,10 +426,13 @@ class Family:
         return hit
 
     def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
-        """`modes` as holding.smallest_holding takes them, bases 0, capacities at least 0, `undominated`."""
-        key = (i, in_flight)
-        return self._held.get(key) or self._held.setdefault(key, undominated(tuple((max(c, 0), w, 0.0) for c, w in
-                                                                                    self.modes(i, in_flight))))
+        """`modes` as holding.smallest_holding takes them, bases 0, capacities at least 0, `undominated`; kept,
+        as `modes` is, for every family holding this kind at this TP degree."""
+        key = (self.subset[i], self.tps[i], self.mbs, in_flight, self.allow)
+        if (hit := self.book.cache(_HELD_MODES).get(key)) is None:
+            hit = self.book.cache(_HELD_MODES)[key] = undominated(tuple((max(c, 0), w, 0.0)
+                                                                        for c, w in self.modes(i, in_flight)))
+        return hit
 
 
 def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, list[tuple]]]:
