@@ -59,9 +59,9 @@ def _box_core(s: Searcher, fam: Family, box: tuple, *, refine: bool) -> tuple | 
 
 def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, *, refine: bool = True,
                core: tuple | None = None, enters: Callable[[float], bool] | None = None) -> float | None:
-    """A floor under the step of every candidate in the box (None: the box holds none, or none that
-    could enter: ``enters`` rejects the makespan floor, or it with the embedding sync, before the
-    syncs are added or the layers' are found; the floor only rises from there).
+    """A floor under the step of every candidate in the box (None: the box holds none, or, with
+    ``enters``, none that could enter: it rejects the makespan floor, or that with the embedding sync,
+    before the layers' syncs are floored; the floor only rises from there).
 
     Each kind has at most H_k = min(hi_k, slots_k // c_lo) stages (Family.bottleneck: the bottleneck
     floor B). One micro-batch's work is at least B and L min w + min e + min h plus the recomputation
