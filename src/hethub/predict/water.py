@@ -63,13 +63,13 @@ def lines_level_beside(gs: list[tuple[float, float, int]], total_mb: int, *, sta
                        at_start: int) -> float:
     """`water_level` of groups whose `finish_lines` are `gs` beside a stream that finishes `at_start`
     micro-batches at start_s and one more every per_s after it: the first time T the groups and the
-    stream finish total_mb (exact; mixed._rate_level's floor)."""
-    pure = filled_level(gs, total_mb)  # the groups alone (inf: they finish none)
+    stream finish total_mb (exact; mixed._rate_level's floor). The groups' level alone (inf: they finish
+    none) is found only where it is read: every family of the mixed search asks this beside one set."""
     if at_start >= total_mb:
-        return min(start_s, pure)
+        return min(start_s, filled_level(gs, total_mb))
     # The (total_mb - at_start)-th finish of the groups and the stream's later ones, which start at start_s.
     rest = filled_level(sorted([*gs, (start_s, per_s, 1)]), total_mb - at_start)
-    return rest if rest >= start_s else min(start_s, pure)
+    return rest if rest >= start_s else min(start_s, filled_level(gs, total_mb))
 
 
 def filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
