@@ -1,6 +1,6 @@
 """The mixed search's box floors evaluated fast give exactly the plain rule's numbers.
 
-`mixed._capped_level` asks its bisection's question (do the pure groups and the capped pipelines
+`water.capped_level` asks its bisection's question (do the pure groups and the capped pipelines
 finish `total` micro-batches by t?) only near the answer it computes from two water levels, and
 `Family.bottleneck` is kept by what it reads. Here the plain rule (the bisection asking everywhere,
 its start a fresh water level) is written out and compared bit for bit on random inputs, with ties
@@ -9,14 +9,13 @@ search's candidates against `memo.reference_path()` (every shortcut off)."""
 
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 from test_reference_search import instance
 
 import hethub.search.mixed as mixed
 from hethub.memo import reference_path
-from hethub.predict.water import bisect_time, finish_lines, finished_mb, water_level
+from hethub.predict.water import bisect_time, capped_level, finish_lines, finished_mb, water_level
 from hethub.search import hetero
 from hethub.search.bounds import PipeFloor
 from hethub.search.combine import Group
@@ -24,7 +23,7 @@ from hethub.search.templates import Searcher
 
 
 def plain_capped_level(pure, floor, count, rate, total):
-    """mixed._capped_level's rule, plainly: bisect from the water level, asking done(t) at every step."""
+    """water.capped_level's rule, plainly: bisect from the water level, asking done(t) at every step."""
     a, b = floor.base_s, floor.per_mb_s
 
     def done(t):
@@ -43,16 +42,9 @@ def plain_capped_level(pure, floor, count, rate, total):
     return lo
 
 
-def _ctx(pure):
-    """What _capped_level reads of a SyncFloors."""
-    lines = finish_lines(pure)
-    return SimpleNamespace(pure=pure, lines=lines, pure_level=lambda total: water_level(pure, total))
-
-
 def _fast(pure, floor, count, rate, total):
-    ctx = _ctx(pure)
     lo = water_level([*pure, Group(floor, count)], total)
-    return mixed._capped_level(ctx, floor, count, rate, total, lo)
+    return capped_level(pure, finish_lines(pure), floor, count=count, rate=rate, total=total, lo=lo)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -86,14 +78,14 @@ def test_capped_level_is_the_plain_bisection(seed):
 def test_a_search_asks_the_plain_capped_levels_and_prices_the_reference_candidates(seed, monkeypatch):
     cluster, model, config = instance(seed)
     asked = []
-    fast = mixed._capped_level
+    fast = mixed.capped_level
 
-    def record(ctx, floor, count, rate, total, lo):
-        got = fast(ctx, floor, count, rate, total, lo)
-        asked.append((ctx.pure, floor, count, rate, total, got))
+    def record(pure, lines, floor, *, count, rate, total, lo):
+        got = fast(pure, lines, floor, count=count, rate=rate, total=total, lo=lo)
+        asked.append((pure, floor, count, rate, total, got))
         return got
 
-    monkeypatch.setattr(mixed, "_capped_level", record)
+    monkeypatch.setattr(mixed, "capped_level", record)
 
     def candidates():
         s = Searcher(cluster=cluster, model=model, config=config, profiles=None)

@@ -1,10 +1,13 @@
 """The mixed search's exact shortcuts against their plain paths (`memo.reference_path`, or the plain
 rule written out here): whether a split recomputes, read past each stage's `plain_upto` only
 (`split.LayerSplits.recomputes`); the layer greedy on each position's kept cost table (`split._greedy`);
-the least layer work summed from each segment's kept hull pieces (`holding.least_layer_work`)."""
+the least layer work summed from each segment's kept hull pieces (`holding.least_layer_work`); the
+families and boxes left out of the search's heap where their floor, made part way, cannot enter
+(`mixed.price_mixed`)."""
 
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 
@@ -13,7 +16,7 @@ from test_reference_search import instance
 
 from hethub.memo import reference_path
 from hethub.predict import holding
-from hethub.search import split
+from hethub.search import hetero, mixed, split
 from hethub.search.bounds import stage_modes
 from hethub.search.split import layer_splits
 from hethub.search.templates import Searcher
@@ -151,3 +154,64 @@ def test_smallest_holding_of_undominated_modes_equals_all_modes(seed):
         for lo in (0.0, rng.uniform(0, top), rng.uniform(0, top / 4), top):
             assert holding.smallest_holding(kept, n_layers, lo) == holding.smallest_holding(caps, n_layers, lo)
     assert dropped
+
+
+def _recorded_items(s, monkeypatch):
+    """Every candidate the search of ``s`` prices, in the order it adds them to its results."""
+    made = []
+
+    class Recorded(hetero.Results):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(hetero, "Results", Recorded)
+    hetero.search(s)
+    return [[(e.step_time_s, e.groups, e.micro_batches) for e in r.items] for r in made]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize("seed", [3, 16, 40])
+def test_entries_that_cannot_enter_are_left_out_with_the_same_candidates(seed, schedule, monkeypatch):
+    # price_mixed leaves out a family or box whose floor, made part way (its water level, then with the
+    # embedding sync), cannot enter when it is made: the search prices the same candidates in the same
+    # order as with every floor made whole and pushed (the plain path: `enters` ignored).
+    fast = {name: getattr(mixed, name) for name in ("_box_level", "_rate_level", "_boxes_level")}
+    left = []
+
+    def counted(name):
+        def level(*a, enters=None, **k):
+            got = fast[name](*a, enters=enters, **k)
+            if got is None and enters is not None and fast[name](*a, **k) is not None:
+                left.append(name)
+            return got
+        return level
+
+    for name in fast:
+        monkeypatch.setattr(mixed, name, counted(name))
+    got = _recorded_items(_searcher(seed, schedule)[0], monkeypatch)
+    for name in fast:
+        monkeypatch.setattr(mixed, name, lambda *a, enters=None, name=name, **k: fast[name](*a, **k))
+    assert _recorded_items(_searcher(seed, schedule)[0], monkeypatch) == got
+    assert left  # some entry was left out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize("seed", [1, 3, 10, 16, 40])
+def test_families_share_each_kinds_held_modes_and_runs(seed, schedule):
+    # The families' held modes and runs of them are kept per kind, TP degree and micro-batch size, one for
+    # every family holding the kind there: each family reads the plain rule on its own modes, in any order.
+    s, rng, _ = _searcher(seed, schedule)
+    fams = [fam for mbs in (1, 2) for fam, _ in mixed.families(s, dict(s.counts), mbs)]
+    assert len({(f.subset[i], f.tps[i]) for f in fams for i in range(len(f.subset))}) > len(s.counts)  # TPs differ
+    for fam in rng.sample(fams, min(30, len(fams))):
+        for i in range(len(fam.subset)):
+            def plain(f, fam=fam, i=i):
+                return holding.undominated(tuple((max(c, 0), w, 0.0) for c, w in fam.modes(i, f)))
+
+            lo = rng.randint(1, 30)
+            hi = lo + rng.randint(0, 30)
+            for f in rng.sample(range(1, 64), 5):
+                assert fam._held_modes(i, f) == plain(f)
+            runs = [(ms, sum(1 for _ in run)) for ms, run in itertools.groupby(plain(f) for f in range(lo, hi + 1))]
+            assert fam._held_runs(i, lo, hi) == runs

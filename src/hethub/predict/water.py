@@ -9,6 +9,8 @@ import heapq
 import math
 from collections.abc import Callable
 
+from hethub.memo import reference
+
 
 def finished_mb(groups: list, t_s: float) -> int:
     """Micro-batches the groups' pipelines finish by time t_s (each at its base plus per-batch rate)."""
@@ -61,13 +63,13 @@ def lines_level_beside(gs: list[tuple[float, float, int]], total_mb: int, *, sta
                        at_start: int) -> float:
     """`water_level` of groups whose `finish_lines` are `gs` beside a stream that finishes `at_start`
     micro-batches at start_s and one more every per_s after it: the first time T the groups and the
-    stream finish total_mb (exact; mixed._rate_level's floor)."""
-    pure = filled_level(gs, total_mb)  # the groups alone (inf: they finish none)
+    stream finish total_mb (exact; mixed._rate_level's floor). The groups' level alone (inf: they finish
+    none) is found only where it is read: every family of the mixed search asks this beside one set."""
     if at_start >= total_mb:
-        return min(start_s, pure)
+        return min(start_s, filled_level(gs, total_mb))
     # The (total_mb - at_start)-th finish of the groups and the stream's later ones, which start at start_s.
     rest = filled_level(sorted([*gs, (start_s, per_s, 1)]), total_mb - at_start)
-    return rest if rest >= start_s else min(start_s, pure)
+    return rest if rest >= start_s else min(start_s, filled_level(gs, total_mb))
 
 
 def filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
@@ -94,3 +96,38 @@ def filled_level(gs: list[tuple[float, float, int]], total: int) -> float:
         if have >= total:
             return t
         heapq.heappush(heap, (gs[i][0] + (k + 1) * gs[i][1], i, k + 1))
+
+
+def capped_level(pure: list, lines: list[tuple[float, float, int]], floor, *, count: int, rate: float, total: int,
+                 lo: float) -> float:
+    """A floor under the makespan when `count` pipelines above `floor` (its base_s and per_mb_s) also run at
+    most `rate` micro-batches per second together after floor.base_s, beside the `pure` groups (their
+    `finish_lines`: ``lines``): bisected from ``lo`` (the water level of the groups beside them; the mixed
+    search's box floors). done(t), monotone, reaches `total` at about T* = max(that level, the one with
+    a stream of one finish every 1 / rate in the pipelines' place); once done brackets T* within 1e-9
+    the bisection asks done only there (the same answers; the reference path asks everywhere:
+    tests/unit/test_mixed_box_floors.py)."""
+    a, b = floor.base_s, floor.per_mb_s
+
+    def done(t: float) -> float:
+        n = finished_mb(pure, t)
+        if t > a:
+            n += min(count * max(0, math.floor((t - a) / b)), math.floor(rate * (t - a)))
+        return n
+
+    hi = a + max(-(-total // count) * b, total / rate) * (1 + 1e-9) + 1e-12
+    if pure:
+        hi = min(hi, water_level_with(lines, total, base_s=a, per_mb_s=b, count=0) * (1 + 1e-9) + 1e-12)
+    near, far = -math.inf, math.inf  # done asked between these
+    if not reference():
+        star = max(lo, water_level_with(lines, total, base_s=a, per_mb_s=1 / rate, count=1))
+        if 0 < star < math.inf and done(star * (1 - 1e-9)) < total <= done(star * (1 + 1e-9)):
+            near, far = star * (1 - 1e-9), star * (1 + 1e-9)
+
+    def ok(t: float) -> bool:
+        return t >= far or (t > near and done(t) >= total)
+
+    if ok(lo):
+        return lo
+    lo, _ = bisect_time(ok, lo_s=lo, hi_s=hi, rel_tol=1e-7, max_iter=40)
+    return lo

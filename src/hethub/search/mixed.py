@@ -17,12 +17,13 @@ import heapq
 import itertools
 import math
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from hethub.memo import reference
 from hethub.predict.holding import PipeFloor, Runs, smallest_holding, undominated
 from hethub.predict.memory import act_bytes_for
-from hethub.predict.water import bisect_time, finished_mb, lines_level_beside, water_level_with
+from hethub.predict.water import capped_level, lines_level_beside, water_level_with
 from hethub.schedules import get_schedule
 from hethub.search.bounds import pipe_floor, stage_modes
 from hethub.search.combine import Estimate, Group
@@ -32,6 +33,8 @@ from hethub.search.templates import Searcher
 
 # The mixed search's caches in each job's CostBook.
 _FAMILY_MODES: Cache[tuple[tuple[int, float], ...]] = Cache("family-modes", shared=True)
+_HELD_MODES: Cache[tuple[tuple[int, float, float], ...]] = Cache("held-modes", shared=True)  # Family._held_modes'
+_HELD_RUNS: Cache[Runs] = Cache("held-runs", shared=True)  # Family._held_runs'
 _SORTED_IN_FLIGHTS: Cache[tuple[int, ...]] = Cache("in-flights-sorted")
 _KIND_CONSTANTS: Cache[tuple[float, float, float, float, float]] = Cache("mixed-consts")
 
@@ -54,9 +57,11 @@ def _box_core(s: Searcher, fam: Family, box: tuple, *, refine: bool) -> tuple | 
     return None if bottleneck is None else (top, devices, flights, bottleneck)
 
 
-def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, *,
-               refine: bool = True, core: tuple | None = None) -> float | None:
-    """A floor under the step of every candidate in the box (None: the box holds none).
+def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, *, refine: bool = True,
+               core: tuple | None = None, enters: Callable[[float], bool] | None = None) -> float | None:
+    """A floor under the step of every candidate in the box (None: the box holds none, or, with
+    ``enters``, none that could enter: it rejects the makespan floor, or that with the embedding sync,
+    before the layers' syncs are floored; the floor only rises from there).
 
     Each kind has at most H_k = min(hi_k, slots_k // c_lo) stages (Family.bottleneck: the bottleneck
     floor B). One micro-batch's work is at least B and L min w + min e + min h plus the recomputation
@@ -83,12 +88,18 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
     # c n_k <= slots_k: a box's pipelines together cannot beat its devices' rate, however many there are.
     rate = sum(min(n, chi * t) / w for n, t, w in zip(fam.slots, top, fam.w, strict=True)) / n_layers
     if bottleneck > 0 and rate * bottleneck < chi:
-        level = max(level, _capped_level(ctx, floor, chi, rate, total, level))
+        level = max(level, capped_level(ctx.pure, ctx.lines, floor, count=chi, rate=rate, total=total, lo=level))
+    if enters is not None and not enters(level):
+        return None
+    sync = ctx.sync_floor(fam.pairs, clo, devices)
+    if enters is not None and not enters(level + sync):
+        return None
     segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
-    return level + max(ctx.sync_floor(fam.pairs, clo, devices), ctx.tail_floor(segs, clo, devices))
+    return level + max(sync, ctx.tail_floor(segs, clo, devices))
 
 
-def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = None) -> float:
+def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = None, *,
+                enters: Callable[[float], bool] | None = None) -> float | None:
     """A floor under the makespan of every candidate in the family's `boxes` beside ctx's pure
     groups. A mixed pipeline j finishes its m-th micro-batch no earlier than F + (m - 1) B_j (as in
     `_box_level`), its fill F at least F0, the fill floor of one micro-batch's least work with the
@@ -97,7 +108,7 @@ def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = N
     `_boxes_level`'s). By T >= F0 the c <= c_max pipelines finish at most c_max + R (T - F0), none
     before F0; the makespan T has finished_mb(pure, T) plus that >= total. Then `_box_level`'s sync
     floors (growing with replicas, devices and fewer stages) at the boxes' fewest replicas and
-    devices and most stages per kind."""
+    devices and most stages per kind. None: ``enters`` rejects it part way (`_box_level`'s)."""
     rate = fam.rate_terms[4] if rate is None else rate
     key = (id(fam), total, rate)
     if (hit := ctx.rate_levels.get(key)) is None:
@@ -106,55 +117,30 @@ def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = N
         # by T the stream of the family's pipelines finishes c_max at F0 and one more every 1 / R after
         hit = lines_level_beside(ctx.lines, total, start_s=f0, per_s=1 / rate, at_start=c_max) * (1 - 1e-12) \
             if rate > 0 else 0.0
+        if enters is not None and not enters(hit):
+            return None
+        sync = ctx.sync_floor(fam.pairs, c_min, devices)
+        if enters is not None and not enters(hit + sync):
+            return None
         segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
-        hit += max(ctx.sync_floor(fam.pairs, c_min, devices), ctx.tail_floor(segs, c_min, devices))
+        hit += max(sync, ctx.tail_floor(segs, c_min, devices))
         ctx.rate_levels[key] = hit
     return hit
 
 
-def _boxes_level(ctx: SyncFloors, fam: Family, cores: list[tuple[tuple, tuple | None]], total: int) -> float:
+def _boxes_level(ctx: SyncFloors, fam: Family, cores: list[tuple[tuple, tuple | None]], total: int, *,
+                 enters: Callable[[float], bool] | None = None) -> float | None:
     """`_rate_level` knowing each box's bottleneck floor B (`_box_core`): a box's c_hi pipelines finish
     at most c_hi / B micro-batches per second together after their first, so the family's at most the
-    largest of those over the boxes that hold candidates (or R, if that is less); inf where none does."""
+    largest of those over the boxes that hold candidates (or R, if that is less); inf where none does.
+    None: ``enters`` rejects it part way (`_rate_level`)."""
     held = [(box, core) for box, core in cores if core is not None]
     if not held:
         return math.inf
     if any(core[3] <= 0 for _, core in held):
-        return _rate_level(ctx, fam, total)
-    return _rate_level(ctx, fam, total, min(fam.rate_terms[4], max(box[1] / core[3] for box, core in held)))
-
-
-def _capped_level(ctx: SyncFloors, floor: PipeFloor, count: int, rate: float, total: int, lo: float) -> float:
-    """A floor under the makespan when `count` pipelines above `floor` also run at most `rate`
-    micro-batches per second together after floor.base_s: bisected from ``lo`` (the water level of
-    ctx's pure groups beside them). done(t), monotone, reaches `total` at about T* = max(that level,
-    the one with a stream of one finish every 1 / rate in the pipelines' place); once done brackets
-    T* within 1e-9 the bisection asks done only there (the same answers; the reference path asks
-    everywhere: tests/unit/test_mixed_box_floors.py)."""
-    a, b, pure = floor.base_s, floor.per_mb_s, ctx.pure
-
-    def done(t: float) -> float:
-        n = finished_mb(pure, t)
-        if t > a:
-            n += min(count * max(0, math.floor((t - a) / b)), math.floor(rate * (t - a)))
-        return n
-
-    hi = a + max(-(-total // count) * b, total / rate) * (1 + 1e-9) + 1e-12
-    if pure:
-        hi = min(hi, water_level_with(ctx.lines, total, base_s=a, per_mb_s=b, count=0) * (1 + 1e-9) + 1e-12)
-    near, far = -math.inf, math.inf  # done asked between these
-    if not reference():
-        star = max(lo, water_level_with(ctx.lines, total, base_s=a, per_mb_s=1 / rate, count=1))
-        if 0 < star < math.inf and done(star * (1 - 1e-9)) < total <= done(star * (1 + 1e-9)):
-            near, far = star * (1 - 1e-9), star * (1 + 1e-9)
-
-    def ok(t: float) -> bool:
-        return t >= far or (t > near and done(t) >= total)
-
-    if ok(lo):
-        return lo
-    lo, _ = bisect_time(ok, lo_s=lo, hi_s=hi, rel_tol=1e-7, max_iter=40)
-    return lo
+        return _rate_level(ctx, fam, total, enters=enters)
+    rate = min(fam.rate_terms[4], max(box[1] / core[3] for box, core in held))
+    return _rate_level(ctx, fam, total, rate, enters=enters)
 
 
 def _is_shape(fam: Family, box: tuple) -> bool:
@@ -184,15 +170,22 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
     Heap entries, each floor under the next: a family under its devices' rate, then its boxes'
     bottlenecks; a box (one shape: under its loose floor, then its tight one; a wider box the loose
     one); one shape's orders under their member floors; then the members' splits are priced. Once
-    the lowest floor cannot enter the finalists, nothing left can."""
+    the lowest floor cannot enter the finalists, nothing left can: so neither can an entry whose floor
+    cannot enter when it is made, which is left out (made only as far as that shows, `_box_level`)."""
     total = s.total_mb(mbs)
     heap: list[tuple] = []
     tie = itertools.count()
+
+    def above(first: float) -> Callable[[float], bool] | None:
+        """Whether a floor, at least ``first``, could enter (on the reference path every floor is made whole)."""
+        return None if reference() else lambda x: results.may_enter(max(first, x))
+
     for pure, pool in todo:
         ctx = SyncFloors(s, pure)
         for fam, boxes in families(s, pool, mbs):
             # Each family enters under its devices' rate floor; its boxes are floored only once popped.
-            heap.append((_rate_level(ctx, fam, total), next(tie), -2, ctx, fam, boxes))
+            if (lv := _rate_level(ctx, fam, total, enters=above(-math.inf))) is not None:
+                heap.append((lv, next(tie), -2, ctx, fam, boxes))
     heapq.heapify(heap)
     while heap:
         level, _, stage, ctx, fam, item = heapq.heappop(heap)
@@ -200,7 +193,8 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
             break
         if stage == -2:  # a family: its boxes' bottlenecks first, which may raise its floor
             cores = [(box, _box_core(s, fam, box, refine=False)) for box in item]
-            tight = _boxes_level(ctx, fam, cores, total)
+            if (tight := _boxes_level(ctx, fam, cores, total, enters=above(level))) is None:
+                continue
             if tight > level:
                 if tight < math.inf:
                     heapq.heappush(heap, (tight, next(tie), -3, ctx, fam, (level, cores)))
@@ -210,18 +204,19 @@ def price_mixed(s: Searcher, results: Sink, todo: list[tuple[list[Group], dict[s
         if stage == -3:  # a family's boxes under their loose floors (over its first floor, as they were)
             first, cores = item
             for box, core in cores:
-                lv = None if core is None else _box_level(s, ctx, fam, box, mbs, refine=False, core=core)
+                lv = None if core is None else _box_level(s, ctx, fam, box, mbs, refine=False, core=core,
+                                                          enters=above(first))
                 if lv is not None:
                     heapq.heappush(heap, (max(first, lv), next(tie), -1 if _is_shape(fam, box) else 0, ctx, fam, box))
             continue
         if stage == -1:  # one shape under its loose floor: the tight one only now that it could matter
-            if (lv := _box_level(s, ctx, fam, item, mbs)) is not None:
+            if (lv := _box_level(s, ctx, fam, item, mbs, enters=above(level))) is not None:
                 heapq.heappush(heap, (max(level, lv), next(tie), 0, ctx, fam, item))
             continue
         if stage == 0:
             if halves := _split(fam, item):
                 for half in halves:
-                    if (lv := _box_level(s, ctx, fam, half, mbs, refine=False)) is not None:
+                    if (lv := _box_level(s, ctx, fam, half, mbs, refine=False, enters=above(level))) is not None:
                         heapq.heappush(heap, (max(level, lv), next(tie), -1 if _is_shape(fam, half) else 0, ctx,
                                               fam, half))
                 continue
@@ -297,8 +292,6 @@ class Family:
         self.hop = [c[3] for c in cs]
         self.extra = min([c[4] for c in cs if c[4] > 0] or [0.0])  # cheapest recomputation per layer
         self._caps: dict[int, tuple[list[int], list[int]]] = {}
-        self._held: dict[tuple[int, int], tuple] = {}
-        self._runs: dict[int, Runs] = {}  # `_held_modes` by in-flight count, per kind (_held_runs)
         self._orders: dict[int, tuple[int, ...]] = {}  # _saturation_order's, by in-flight count
         self._bottlenecks: dict[tuple, float | None] = {}  # by (top, flights): sibling boxes share them
         self.feasible = min(self.caps(1)[0]) >= 0 and min(self.w) > 0
@@ -416,10 +409,11 @@ class Family:
 
     def _held_runs(self, i: int, lo: int, hi: int) -> list[tuple[tuple, int]]:
         """(`_held_modes`, stages) of the i-th kind's stages holding lo .. hi micro-batches, one each, read
-        off `holding.Runs` of its modes by in-flight count (capacities only fall as it grows: few runs)."""
-        runs = self._runs.get(i)
-        if runs is None:
-            runs = self._runs[i] = Runs()
+        off `holding.Runs` of its modes by in-flight count (capacities only fall as it grows: few runs),
+        kept per kind and TP degree, so every family holding the kind there reads one."""
+        key = (self.subset[i], self.tps[i], self.mbs, self.allow)
+        if (runs := self.book.cache(_HELD_RUNS).get(key)) is None:
+            runs = self.book.cache(_HELD_RUNS)[key] = Runs()
         for f in range(runs.last + 1, hi + 1):
             runs.add(self._held_modes(i, f))
         return runs.counts(lo, hi)
@@ -432,10 +426,13 @@ class Family:
         return hit
 
     def _held_modes(self, i: int, in_flight: int) -> tuple[tuple[int, float, float], ...]:
-        """`modes` as holding.smallest_holding takes them, bases 0, capacities at least 0, `undominated`."""
-        key = (i, in_flight)
-        return self._held.get(key) or self._held.setdefault(key, undominated(tuple((max(c, 0), w, 0.0) for c, w in
-                                                                                    self.modes(i, in_flight))))
+        """`modes` as holding.smallest_holding takes them, bases 0, capacities at least 0, `undominated`; kept,
+        as `modes` is, for every family holding this kind at this TP degree."""
+        key = (self.subset[i], self.tps[i], self.mbs, in_flight, self.allow)
+        if (hit := self.book.cache(_HELD_MODES).get(key)) is None:
+            hit = self.book.cache(_HELD_MODES)[key] = undominated(tuple((max(c, 0), w, 0.0)
+                                                                        for c, w in self.modes(i, in_flight)))
+        return hit
 
 
 def families(s: Searcher, pool: dict[str, int], mbs: int) -> list[tuple[Family, list[tuple]]]:
