@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hethub.layout_assemble import build_plan, to_pipeline
 from hethub.plan import zero_stage_of
 from hethub.predict.closed_step import step_time_s
 from hethub.predict.pipeline_floors import fits_some_mode_kept, floor_keys
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_cost import tp_options
 from hethub.predict.stage_links import LinkBook
-from hethub.search.assemble import build_plan, to_pipeline
 from hethub.search.bounds import BLIND, EXACT, GRID, rate_bound
 from hethub.search.combine import Estimate, Group, estimate
 from hethub.search.config import PlannerConfig
