@@ -258,7 +258,7 @@ _NODES = Kept(16, shortcut=True)
 
 def kind_nodes(cluster: Cluster) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Per kind, its devices' ids node by node (a run of consecutive devices on one node), in
-    cluster order: what the planner's ``search.assemble.allocate_devices`` hands out, each call from a fresh copy."""
+    cluster order: what the planner's ``layout_assemble.allocate_devices`` hands out, each call from a fresh copy."""
     return _NODES.get((id(cluster),), lambda: _kind_nodes(cluster), pin=(cluster,))
 
 

@@ -9,7 +9,7 @@ A plan in the space:
 * any layer split: stages in the middle hold >= 1 layer, the first and last may hold only the
   embedding / head;
 * recomputation per stage: the fastest of none, selective, full that fits the stage (each only adds
-  time; search/assemble.py);
+  time; layout_assemble.py);
 * any positive micro-batch counts summing to global_batch / b;
 * devices placed by assemble.allocate_devices; devices may stay idle; every stage must fit memory.
 
@@ -22,12 +22,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+from hethub.layout_assemble import allocate_devices, to_pipeline
 from hethub.plan import Plan
 from hethub.predict.predictor import predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
 from hethub.predict.stage_modes import choose_recompute
-from hethub.search.assemble import allocate_devices, to_pipeline
 from hethub.search.config import PlannerConfig
 from hethub.search.split import Slot
 from hethub.search.templates import Searcher

@@ -1,4 +1,4 @@
-"""The search's memory screen (search/assemble.py, ``PlanCosts.stage_shape(p2p_bound=True)``): the
+"""The search's memory screen (layout_assemble.py, ``PlanCosts.stage_shape(p2p_bound=True)``): the
 point-to-point buffers at the closed-form bound ``max_live_messages(in_flight)`` whole messages are
 never below the exact replay of the stage's order, so a stage that fits with the bound fits exactly,
 and the screened checks answer as the exact ones do."""

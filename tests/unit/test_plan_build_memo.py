@@ -1,4 +1,4 @@
-"""``search.assemble.build_plan`` keeps its plans by all they are built from: random candidates, each
+"""``layout_assemble.build_plan`` keeps its plans by all they are built from: random candidates, each
 asked again as an equal copy and under other job settings, give exactly the plain path's plans
 (``hethub.memo.reference_path``), placed or not, validated or not; a candidate that does not fit the
 cluster is refused each time."""
@@ -12,9 +12,9 @@ from test_prediction_memos import BRIDGED, CLUSTER
 
 from conftest import tiny_model
 from hethub.errors import InfeasibleError, PlanError
+from hethub.layout_assemble import build_plan
 from hethub.memo import clear_caches, reference_path
 from hethub.plan import Recompute
-from hethub.search.assemble import build_plan
 from hethub.search.combine import Estimate, Group
 from hethub.search.split import PipeCost, Slot
 

@@ -7,9 +7,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hethub.layout_assemble import allocate_devices
 from hethub.predict.predictor import predict
 from hethub.search import PlannerConfig
-from hethub.search.assemble import allocate_devices
 from hethub.search.combine import Group, allocate
 from hethub.search.split import PipeCost, Slot
 from hethub.search.templates import Searcher
@@ -71,7 +71,7 @@ def test_closed_form_stage_costs_agree_with_the_predictor():
                             where="test")
     model = get_model("llama-2-13b")
     s = _searcher(cluster, model, global_batch=32, seq_len=2048)
-    from hethub.search.assemble import build_plan
+    from hethub.layout_assemble import build_plan
     from hethub.search.combine import estimate
 
     pipe = s.splits((Slot("h100-sxm", 4),) * 2, 2)[0]

@@ -8,10 +8,10 @@ never absolute throughputs.
 import sys
 from pathlib import Path
 
+from hethub.layout_assemble import build_plan
 from hethub.plan import Pipeline, Plan, Stage
 from hethub.predict.predictor import predict
 from hethub.search import PlannerConfig, make_plan
-from hethub.search.assemble import build_plan
 from hethub.search.combine import Estimate, Group
 from hethub.search.templates import Searcher
 from hethub.spec.cluster import load_cluster

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import small_cluster, tiny_model, two_islands
 from hethub.errors import PlanError
+from hethub.layout_assemble import allocate_devices
 from hethub.memo import clear_caches, reference_path
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.plan_parts import interleave
@@ -25,7 +26,6 @@ from hethub.predict.sharding import stage_elems_of
 from hethub.predict.sync import sync_groups
 from hethub.predict.sync_overlap import exposed_sync_groups
 from hethub.predict.sync_rules import two_level_allreduce_time_s
-from hethub.search.assemble import allocate_devices
 from hethub.search.split import PipeCost, Slot
 from hethub.spec.cluster import Cluster, Link
 

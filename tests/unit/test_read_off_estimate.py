@@ -15,12 +15,12 @@ import pytest
 
 from conftest import EXAMPLES
 from hethub.layout import single_holder_units
+from hethub.layout_assemble import build_plan
 from hethub.memo import reference_path
 from hethub.plan import zero23_refusal
 from hethub.predict.scoring import Screen
 from hethub.predict.stage_links import LinkBook
 from hethub.search import PlannerConfig, finalists
-from hethub.search.assemble import build_plan
 from hethub.search.finalists import unequal_refused
 from hethub.search.variants import Variant, enumerate_shapes, priced_plans, repriced
 from hethub.spec.cluster import load_cluster

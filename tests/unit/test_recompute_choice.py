@@ -1,5 +1,5 @@
 """The planner's per-stage recomputation: none, selective (the attention core only) or full, the
-fastest that fits each stage's memory once the plan is laid out (search/assemble.py)."""
+fastest that fits each stage's memory once the plan is laid out (layout_assemble.py)."""
 
 from __future__ import annotations
 

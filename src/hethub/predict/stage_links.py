@@ -3,7 +3,7 @@ model's hop and ring times (``Cluster.link``, ``comm.boundary_time_s``, ``comm.r
 the devices a planner's layout would give, kept per cluster.
 
 The search prices a template without knowing which node each stage lands on. The device allocator
-(assemble.py) places a pipeline's stages of one kind on consecutive devices, so consecutive stages
+(layout_assemble.py) places a pipeline's stages of one kind on consecutive devices, so consecutive stages
 whose TP groups fit one node together usually share it; otherwise they cross the kind's NIC, or the
 cross-kind path at a kind boundary. Final scoring uses the real devices.
 """

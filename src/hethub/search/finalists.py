@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from hethub.layout import single_holder_units
+from hethub.layout_assemble import build_plan
 from hethub.memo import Ranked, reference
 from hethub.plan import Plan, zero23_refusal, zero_stage_of
 from hethub.predict.host import HostModel
@@ -20,7 +21,6 @@ from hethub.predict.result import Prediction
 from hethub.predict.scoring import Screen, score_plans
 from hethub.predict.stage_modes import ModeFits, choose_modes, modes_floor_s, stage_modes
 from hethub.runtimes import runtime_profile, runtime_refusals
-from hethub.search.assemble import build_plan
 from hethub.search.combine import Estimate
 from hethub.search.config import PlannerConfig
 from hethub.search.hetero import plan_key, search, size_key

@@ -10,6 +10,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
+from hethub.memo import reference
 from hethub.plan import Pipeline, Plan, Recompute, Stage
 from hethub.predict.host import HostModel
 from hethub.predict.interleave import pipeline_signature
@@ -157,6 +158,14 @@ def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], 
         ref = plan.pipelines[sigs.index(move[1])]
         if move[0] == "layer":  # two stages change: priced without new Stage objects
             if ref.stages[move[2]].num_layers - 1 < (0 if move[2] in (0, len(ref.stages) - 1) else 1):
+                return None
+            # The stage gaining a layer: its own term of the floor below (the fill and drain only add, in
+            # monotone rounding) already reaching the bar refuses the move unpriced (a shortcut: memo.py).
+            most = max(p.num_micro_batches for p, sig in zip(plan.pipelines, sigs, strict=True) if sig == move[1])
+            s = ref.stages[move[3]]
+            c = costs.stage_cost(kind=s.kind, layers=s.num_layers + 1, embedding=s.embedding, head=s.head, tp=s.tp,
+                                 mbs=ref.micro_batch_size, recompute=Recompute.NONE)
+            if most * (c.fwd_s + c.bwd_s) * (1 - 1e-12) >= bar_s and not reference():
                 return None
             fwd, bwd, hops = (list(x) for x in lists[move[1]])
             for i, d in ((move[2], -1), (move[3], 1)):

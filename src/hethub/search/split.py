@@ -271,7 +271,7 @@ def _options(book: CostBook, slot: Slot, *, mbs: int, emb: bool, head: bool, in_
     """Each stage mode (recomputation none, selective, full; with or without sequence parallelism, where
     ``allow_recompute`` lets the stage trade time for memory) where it fits and no other mode holds as
     many layers at no more cost; cached (templates share stage positions). Selective is an option of
-    the split itself, not only of the laid-out plan (search/assemble.py): a stage that fits only with
+    the split itself, not only of the laid-out plan (layout_assemble.py): a stage that fits only with
     selective would otherwise be priced with full recomputation and its template could rank out of the
     finalists (test_space's first case)."""
     key = (slot.kind, slot.tp, mbs, emb, head, in_flight, low, allow_recompute)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hethub.layout_assemble import build_plan, to_pipeline
 from hethub.memo import Tiers
 from hethub.plan import zero_stage_of
 from hethub.predict.closed_step import step_time_s
@@ -20,7 +21,6 @@ from hethub.predict.pipeline_floors import fits_some_mode_kept, floor_keys
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.stage_cost import tp_options
 from hethub.predict.stage_links import LinkBook
-from hethub.search.assemble import build_plan, to_pipeline
 from hethub.search.bounds import BLIND, EXACT, GRID, rate_bound
 from hethub.search.combine import Estimate, Group, estimate
 from hethub.search.config import PlannerConfig

@@ -1,16 +1,52 @@
-"""Turn a priced set of pipelines into a Plan: choose devices and write layer ranges (each stage's
-mode is then the fastest that fits, `predict/stage_modes.choose_recompute`)."""
+"""Turn a priced set of pipelines (the search's candidates) into a Plan: choose devices and write layer
+ranges (each stage's mode is then the fastest that fits, `predict/stage_modes.choose_recompute`). Below
+the search, which lays out its candidates with it, as it reads only their pipelines' shapes."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 from hethub.errors import InfeasibleError
 from hethub.layout import kind_nodes
 from hethub.memo import Kept
-from hethub.plan import Pipeline, Plan, Stage
-from hethub.search.combine import Estimate
-from hethub.search.split import PipeCost
+from hethub.plan import Pipeline, Plan, Recompute, Stage
+from hethub.predict.stage_links import Slot
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
+
+
+class PipeCost(Hashable, Protocol):
+    """What a layout reads of a priced pipeline (search/split.PipeCost): its stages, layers and modes."""
+
+    @property
+    def slots(self) -> tuple[Slot, ...]: ...
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+    @property
+    def recompute(self) -> tuple[Recompute, ...]: ...
+    @property
+    def sp(self) -> tuple[bool, ...]: ...
+    @property
+    def mbs(self) -> int: ...
+
+
+class Group(Protocol):
+    """Identical pipelines (search/combine.Group)."""
+
+    @property
+    def pipe(self) -> PipeCost: ...
+    @property
+    def count(self) -> int: ...
+
+
+class Estimate(Protocol):
+    """A candidate (search/combine.Estimate): its groups and each pipeline's micro-batches."""
+
+    @property
+    def groups(self) -> Sequence[Group]: ...
+    @property
+    def micro_batches(self) -> tuple[tuple[int, ...], ...]: ...
 
 
 def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple[int, ...]]]:
