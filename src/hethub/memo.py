@@ -203,26 +203,26 @@ class Tiers(Generic[T]):
     """Items by upper bounds, largest first, each bound read at its loosest tier first and the next tighter one
     only while it is the largest left: ``bound(item, tier)``, tiers from ``loosest`` down to 0 (the bound itself),
     each at least the next. The largest bounds are so found without reading the others' tighter ones; kept by
-    its reader, a later question goes on from where the last one stopped."""
+    its reader, a later question goes on from where the last one stopped. The reader passes ``bound`` with each
+    question, so a kept order holds no reference back to it (no reference cycle: `search_scope`)."""
 
     def __init__(self, items: list[T], bound: Callable[[T, int], float], *, loosest: int) -> None:
-        self.bound = bound
         self.heap = [(-bound(x, loosest), i, loosest, x) for i, x in enumerate(items)]
         heapq.heapify(self.heap)
 
-    def _tighten(self) -> None:
+    def _tighten(self, bound: Callable[[T, int], float]) -> None:
         """The largest bound left (a loose one) replaced by its item's next tighter one."""
         _, i, tier, x = self.heap[0]
-        heapq.heapreplace(self.heap, (-self.bound(x, tier - 1), i, tier - 1, x))
+        heapq.heapreplace(self.heap, (-bound(x, tier - 1), i, tier - 1, x))
 
-    def top(self, *, above: float) -> tuple[float, bool]:
+    def top(self, *, above: float, bound: Callable[[T, int], float]) -> tuple[float, bool]:
         """The largest bound left, its loose ones tightened while one at least ``above`` is the largest, and
         whether it is the bound itself (0.0, True where none is left)."""
         while self.heap and self.heap[0][2] > 0 and -self.heap[0][0] >= above:
-            self._tighten()
+            self._tighten(bound)
         return (-self.heap[0][0], self.heap[0][2] == 0) if self.heap else (0.0, True)
 
-    def pop(self, stop: Callable[[float], bool]) -> tuple[float, T] | None:
+    def pop(self, stop: Callable[[float], bool], *, bound: Callable[[T, int], float]) -> tuple[float, T] | None:
         """The item of the largest bound and its bound, taken out, its loose bounds (and others') tightened
         until that one is the bound itself; None where ``stop`` holds for the largest bound left first (asked
         after each bound read)."""
@@ -230,7 +230,7 @@ class Tiers(Generic[T]):
             if self.heap[0][2] == 0:
                 upper, _, _, x = heapq.heappop(self.heap)
                 return -upper, x
-            self._tighten()
+            self._tighten(bound)
         return None
 
 

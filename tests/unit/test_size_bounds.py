@@ -119,11 +119,11 @@ def test_tiers_give_the_plain_order_of_the_exact_bounds():
         plain = max(exact, default=0.0)
         order = Tiers(list(range(n)), bound, loosest=2)
         for above in sorted((rng.random() * 4 for _ in range(3)), key=lambda _: rng.random()):
-            got, sure = order.top(above=above)
+            got, sure = order.top(above=above, bound=bound)
             assert got == plain if sure else plain <= got < above
-        assert order.top(above=0.0) == (plain, True)
+        assert order.top(above=0.0, bound=bound) == (plain, True)
         popped = []
-        while (got := order.pop(lambda upper: False)) is not None:
+        while (got := order.pop(lambda upper: False, bound=bound)) is not None:
             popped.append(got)
         assert popped == sorted(((exact[i], i) for i in range(n)), key=lambda x: (-x[0], x[1]))
         assert len(read) == len(set(read))  # each bound read once

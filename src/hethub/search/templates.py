@@ -303,9 +303,10 @@ class Searcher:
         (False): `by_bound`'s order, kept per (kind, size, share) so that a later call goes on from there
         (`hetero._alone_all_sizes` tightens a size's bound only below the next size's: most sizes' exact
         bounds, which read their memory, then stay unread)."""
+        bound = self._tier_bound(kind, mbs, share=share)
         if (tiers := self._tops.get((kind, mbs, share))) is None:
-            tiers = self._tops[(kind, mbs, share)] = self._tiers(kind, mbs, share=share)
-        return tiers.top(above=above)
+            tiers = self._tops[(kind, mbs, share)] = Tiers(self._shapes(kind), bound, loosest=BLIND)
+        return tiers.top(above=above, bound=bound)
 
     def by_bound(self, kind: str, mbs: int, *, share: float,
                  stop: Callable[[float], bool]) -> Iterator[tuple[float, int, int]]:
@@ -313,14 +314,16 @@ class Searcher:
         for the largest bound left, loose or not (asked anew after each shape). A shape's GRID and exact bounds
         are read only when its looser one is the largest left: each loose bound is at least the bound times
         1 + 1e-9, which is at least the rate of every split of the shape (as `pure` prunes)."""
-        tiers = self._tiers(kind, mbs, share=share)
-        while (got := tiers.pop(stop)) is not None:
+        bound = self._tier_bound(kind, mbs, share=share)
+        tiers = Tiers(self._shapes(kind), bound, loosest=BLIND)
+        while (got := tiers.pop(stop, bound=bound)) is not None:
             yield got[0], *got[1]
 
-    def _tiers(self, kind: str, mbs: int, *, share: float) -> Tiers[tuple[int, int]]:
-        """`kind`'s stage shapes (tp, stages) by their rate bounds: BLIND, GRID, the bound times 1 + 1e-9."""
-        return Tiers(self._shapes(kind), lambda x, tier: self._bound(kind, x[0], mbs, x[1], share, loose=tier)
-                         * (1 + 1e-9 if tier == EXACT else 1), loosest=BLIND)
+    def _tier_bound(self, kind: str, mbs: int, *, share: float) -> Callable[[tuple[int, int], int], float]:
+        """The rate bound of one of `kind`'s stage shapes (tp, stages) at a tier (BLIND, GRID, or the bound times
+        1 + 1e-9), for `Tiers`: passed with each question, as a kept order must not hold this searcher."""
+        return lambda x, tier: (self._bound(kind, x[0], mbs, x[1], share, loose=tier)
+                                * (1 + 1e-9 if tier == EXACT else 1))
 
     def _shapes(self, kind: str) -> list[tuple[int, int]]:
         """Every (TP, stages) of `kind` a template may have: up to L + 2 stages (the first and the last may
