@@ -4,52 +4,16 @@ the search, which lays out its candidates with it, as it reads only their pipeli
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Protocol
-
 from hethub.errors import InfeasibleError
 from hethub.layout import kind_nodes
 from hethub.memo import Kept
-from hethub.plan import Pipeline, Plan, Recompute, Stage
-from hethub.predict.stage_links import Slot
+from hethub.plan import Pipeline, Plan, Stage
+from hethub.predict.candidate_shapes import CandidateShape, PipeShape
 from hethub.spec.cluster import Cluster
 from hethub.spec.model import ModelSpec
 
 
-class PipeCost(Hashable, Protocol):
-    """What a layout reads of a priced pipeline (search/split.PipeCost): its stages, layers and modes."""
-
-    @property
-    def slots(self) -> tuple[Slot, ...]: ...
-    @property
-    def layers(self) -> tuple[int, ...]: ...
-    @property
-    def recompute(self) -> tuple[Recompute, ...]: ...
-    @property
-    def sp(self) -> tuple[bool, ...]: ...
-    @property
-    def mbs(self) -> int: ...
-
-
-class Group(Protocol):
-    """Identical pipelines (search/combine.Group)."""
-
-    @property
-    def pipe(self) -> PipeCost: ...
-    @property
-    def count(self) -> int: ...
-
-
-class Estimate(Protocol):
-    """A candidate (search/combine.Estimate): its groups and each pipeline's micro-batches."""
-
-    @property
-    def groups(self) -> Sequence[Group]: ...
-    @property
-    def micro_batches(self) -> tuple[tuple[int, ...], ...]: ...
-
-
-def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple[int, ...]]]:
+def allocate_devices(cluster: Cluster, pipes: list[PipeShape]) -> list[list[tuple[int, ...]]]:
     """Device ids for every stage of every pipeline.
 
     Per kind, TP groups are placed largest first with a cursor over the kind's nodes. TP degrees are
@@ -81,7 +45,7 @@ def allocate_devices(cluster: Cluster, pipes: list[PipeCost]) -> list[list[tuple
 _PLANS = Kept(256, shortcut=True)
 
 
-def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
+def build_plan(*, cluster: Cluster, model: ModelSpec, est: CandidateShape, global_batch: int, seq_len: int,
                schedule: str, precision: str, strategy: str, validate: bool = True, place: bool = True) -> Plan:
     """The candidate laid out on devices. ``validate=False`` only for a layout the search checks and
     drops (templates.Searcher.fits's memory check): a plan made from it is validated when built.
@@ -95,7 +59,7 @@ def build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batc
                       pin=(cluster, model))
 
 
-def _build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_batch: int, seq_len: int,
+def _build_plan(*, cluster: Cluster, model: ModelSpec, est: CandidateShape, global_batch: int, seq_len: int,
                 schedule: str, precision: str, strategy: str, validate: bool, place: bool) -> Plan:
     pipes, counts = [], []
     for g, ms in zip(est.groups, est.micro_batches, strict=True):
@@ -113,7 +77,7 @@ def _build_plan(*, cluster: Cluster, model: ModelSpec, est: Estimate, global_bat
     return plan.validate() if validate else plan
 
 
-def to_pipeline(pc: PipeCost, devices: list[tuple[int, ...]], *, num_micro_batches: int, mbs: int) -> Pipeline:
+def to_pipeline(pc: PipeShape, devices: list[tuple[int, ...]], *, num_micro_batches: int, mbs: int) -> Pipeline:
     """A priced pipeline template on concrete devices: contiguous layers, embedding first, head last."""
     stages, start = [], 0
     for s, (slot, n) in enumerate(zip(pc.slots, pc.layers, strict=True)):

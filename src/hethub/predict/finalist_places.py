@@ -1,45 +1,18 @@
 """The enumeration's kept candidates (search/hetero.py): every candidate priced, the best distinct ones the
 planner builds and the best of each micro-batch size, each kept one's memory check run only where a decision
-reads it (``memo.Later``, ``memo.Places``). Candidates are read through ``Candidate`` (search/combine.Estimate)."""
+reads it (``memo.Later``, ``memo.Places``). Candidates are read as `predict/candidate_shapes` describes."""
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from hethub.memo import Later, Places
+from hethub.predict.candidate_shapes import CandidateShape
 
-
-class KeptPipe(Hashable, Protocol):
-    """What the places read of a pipeline (search/split.PipeCost): its micro-batch size, and it is hashable."""
-
-    @property
-    def mbs(self) -> int: ...
-
-
-class KeptGroup(Protocol):
-    """Identical pipelines (search/combine.Group)."""
-
-    @property
-    def pipe(self) -> KeptPipe: ...
-    @property
-    def count(self) -> int: ...
-
-
-class Candidate(Protocol):
-    """A priced candidate (search/combine.Estimate): its groups, their micro-batches and its step."""
-
-    @property
-    def groups(self) -> Sequence[KeptGroup]: ...
-    @property
-    def micro_batches(self) -> tuple[tuple[int, ...], ...]: ...
-    @property
-    def step_time_s(self) -> float: ...
-
-
-C = TypeVar("C", bound=Candidate)
+C = TypeVar("C", bound=CandidateShape)
 
 
 class Results(Generic[C]):
@@ -101,13 +74,13 @@ class Results(Generic[C]):
         return out
 
 
-def size_key(est: Candidate) -> tuple[int, ...]:
+def size_key(est: CandidateShape) -> tuple[int, ...]:
     """The micro-batch size of a one-size candidate, as a 1-tuple; () for one that mixes sizes
     (per-replica sizes), which share one set of per-size places."""
     sizes = {g.pipe.mbs for g in est.groups}
     return (sizes.pop(),) if len(sizes) == 1 else ()
 
 
-def plan_key(est: Candidate) -> tuple:
+def plan_key(est: CandidateShape) -> tuple:
     """The identity of the plan a candidate builds (finalists.finalist_plans): its groups and allocation."""
     return (tuple((g.pipe, g.count) for g in est.groups), est.micro_batches)
