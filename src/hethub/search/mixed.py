@@ -60,8 +60,7 @@ def _box_core(s: Searcher, fam: Family, box: tuple, *, refine: bool) -> tuple | 
 def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, *, refine: bool = True,
                core: tuple | None = None, enters: Callable[[float], bool] | None = None) -> float | None:
     """A floor under the step of every candidate in the box (None: the box holds none, or, with
-    ``enters``, none that could enter: it rejects the makespan floor, or that with the embedding sync,
-    before the layers' syncs are floored; the floor only rises from there).
+    ``enters``, none that could enter: `_with_syncs`).
 
     Each kind has at most H_k = min(hi_k, slots_k // c_lo) stages (Family.bottleneck: the bottleneck
     floor B). One micro-batch's work is at least B and L min w + min e + min h plus the recomputation
@@ -89,13 +88,21 @@ def _box_level(s: Searcher, ctx: SyncFloors, fam: Family, box: tuple, mbs: int, 
     rate = sum(min(n, chi * t) / w for n, t, w in zip(fam.slots, top, fam.w, strict=True)) / n_layers
     if bottleneck > 0 and rate * bottleneck < chi:
         level = max(level, capped_level(ctx.pure, ctx.lines, floor, count=chi, rate=rate, total=total, lo=level))
+    return _with_syncs(ctx, fam, level, top=top, replicas=clo, devices=devices, enters=enters)
+
+
+def _with_syncs(ctx: SyncFloors, fam: Family, level: float, *, top: tuple, replicas: int, devices: int,
+                enters: Callable[[float], bool] | None) -> float | None:
+    """``level`` plus the floor under what the step adds after the makespan: the embedding's sync, or the
+    layers' (`SyncFloors.tail_floor`) of `fam`'s pipelines at ``top`` stages per kind, ``replicas`` and
+    ``devices``; None where ``enters`` rejects the level, or it with the embedding sync (the floor only
+    rises from there), before the layers' syncs are floored."""
     if enters is not None and not enters(level):
         return None
-    sync = ctx.sync_floor(fam.pairs, clo, devices)
+    sync = ctx.sync_floor(fam.pairs, replicas, devices)
     if enters is not None and not enters(level + sync):
         return None
-    segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
-    return level + max(sync, ctx.tail_floor(segs, clo, devices))
+    return level + max(sync, ctx.tail_floor(tuple(zip(fam.subset, fam.tps, top, strict=True)), replicas, devices))
 
 
 def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = None, *,
@@ -117,13 +124,8 @@ def _rate_level(ctx: SyncFloors, fam: Family, total: int, rate: float | None = N
         # by T the stream of the family's pipelines finishes c_max at F0 and one more every 1 / R after
         hit = lines_level_beside(ctx.lines, total, start_s=f0, per_s=1 / rate, at_start=c_max) * (1 - 1e-12) \
             if rate > 0 else 0.0
-        if enters is not None and not enters(hit):
+        if (hit := _with_syncs(ctx, fam, hit, top=top, replicas=c_min, devices=devices, enters=enters)) is None:
             return None
-        sync = ctx.sync_floor(fam.pairs, c_min, devices)
-        if enters is not None and not enters(hit + sync):
-            return None
-        segs = tuple(zip(fam.subset, fam.tps, top, strict=True))
-        hit += max(sync, ctx.tail_floor(segs, c_min, devices))
         ctx.rate_levels[key] = hit
     return hit
 
