@@ -77,3 +77,5 @@ def test_planner_picks_zero_bubble_where_it_predicts_a_gain() -> None:
     assert auto.prediction.fits_memory
     assert auto.prediction.step_time_s < forced.prediction.step_time_s
     assert auto.notes[0].startswith("schedule zb-h1 chosen")
+    # Every schedule open is named: interleaving was tried on the best 1F1B plans and paid nowhere.
+    assert "1f1b" in auto.notes[0] and auto.notes[0].endswith("interleaved: no chunking of the best 1F1B plans pays")

@@ -320,8 +320,11 @@ def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], 
         for plan, pred in scored:
             own.setdefault(plan.schedule, pred.step_time_s)
         others = ", ".join(f"{n} {t:.3f} s" for n, t in own.items() if n != best[0].schedule)
+        # Under auto the interleaved plans are the best 1F1B plans' chunkings that pay (_interleavings).
+        unpaid = "; interleaved: no chunking of the best 1F1B plans pays" if INTERLEAVED in schedules \
+            and INTERLEAVED not in own else ""
         notes.append(f"schedule {best[0].schedule} chosen: predicted step {best[1].step_time_s:.3f} s"
-                     + (f" vs {others}" if others else ""))
+                     + (f" vs {others}" if others else "") + unpaid)
     if len(shardings) > 1:
         firsts: dict[str, tuple[Plan, Prediction]] = {}  # each sharding's best
         for p, r in scored:

@@ -8,8 +8,8 @@ differently (ZB-H1, 1F1B), each at the loosest memory (ZeRO-1 with more holders 
 sharding is open), so the pool holds every shape some variant can fit; each kind alone likewise. Every variant then
 splits and prices every shape of the pool with its own closed form and memory (`reprice`), which
 drops the shapes it cannot fit. The predictor scores each variant's best, the best are polished, and
-the interleaved schedule starts from the 1F1B plans and from the shapes priced with stages sized
-for two chunks.
+the interleaved schedule starts from the best 1F1B plans (and, where it is asked for, from the shapes
+priced with stages sized for two chunks).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Variant:
 
 
 def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
-    """The variants the config leaves open (the interleaved schedule's sized one included) and the
+    """The variants the config leaves open (the interleaved schedule's sized one where it is asked) and the
     shardings asked; the unsharded ones always, as a plan of one replica is (finalists.finalist_plans)."""
     runtime = runtime_profile(config.runtime)  # what it runs (hethub.runtimes)
     schedules = list(runtime.auto_schedules) if config.schedule == AUTO_SCHEDULE else [config.schedule]
@@ -91,7 +91,9 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
     priced = [z for z in PLANNED_SHARDINGS if z in runtime.shardings] if config.optimizer_sharding == "auto" \
         else list(dict.fromkeys([*shardings, "none"]))
     out = [Variant(sch, z) for sch in schedules if sch != INTERLEAVED for z in priced]
-    if INTERLEAVED in schedules and config.strategy == "hethub":
+    # Stages sized for chunks where the interleaved schedule is asked for; under auto its plans are the
+    # best 1F1B plans in chunks (planner._interleavings), as the sized ones never won (docs/planner.md).
+    if config.schedule == INTERLEAVED and config.strategy == "hethub":
         out += [Variant(INTERLEAVED, z, SIZED_CHUNKS) for z in priced if zero_stage_of(z) < 3]
     return out, shardings
 
