@@ -11,7 +11,8 @@ forked workers, hethub.fanout, so above the wall time when they overlap) and the
 it say how busy it was; HETHUB_PLAN_WORKERS=1 times the serial search. crit_s estimates an idle
 machine's wall time: the search's serial CPU s plus, per fan-out, its busiest worker's (fanout.timed);
 "crit parts" splits it: the serial rest, then each fan-out's busiest worker in the order they ran
-(the enumeration; the variants beside the bound's parts; the polish; the interleaving).
+(the enumeration; the variants beside the bound's parts; the polish beside the interleaving; the
+interleaving of starts the polish changed, where there are some).
 Each plan's tokens/s is printed beside main's at the commit named in REFERENCE, with their ratio: the
 plans must not get worse.
 """

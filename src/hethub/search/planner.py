@@ -135,15 +135,44 @@ def make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig,
     return result
 
 
-def _polished(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
-              host: HostModel | None) -> list[tuple[Plan, Prediction]]:
-    """``scored`` (fastest first) with its first plans polished (`polish_budget`), fastest first."""
-    polished = fan_out([partial(polish, *cand, profiles=profiles, budget=polish_budget(i, cand[0]), host=host,
-                                allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel,
-                                mem_headroom=config.mem_headroom, tp_degrees=config.tp_degrees)
-                        for i, cand in enumerate(scored[:len(POLISH_BUDGETS)])])
-    polished = [p if not runtime_refusals(p[0]) else c for p, c in zip(polished, scored, strict=False)]
-    return sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
+def _refined(scored: list[tuple[Plan, Prediction]], *, polish: bool, interleave: bool, config: PlannerConfig,
+             profiles: ProfileSet | None, host: HostModel | None) -> list[tuple[Plan, Prediction]]:
+    """``scored`` (fastest first) with its first plans polished where ``polish`` (`polish_budget`) and then,
+    where ``interleave``, the best 1F1B plans laid out in chunks (`interleave_plan` on `_interleave_starts`),
+    fastest first. The chunkings of the starts as they stand before the polish run beside it, in one
+    fan-out; only those of starts the polish changed run after it: the plans of polishing first."""
+    starts = _interleave_starts(scored) if interleave else []
+    n = len(POLISH_BUDGETS) if polish else 0
+    got = fan_out([*(partial(_polish, i, cand, config=config, profiles=profiles, host=host)
+                     for i, cand in enumerate(scored[:n])),
+                   *(partial(_chunked, x, config=config, profiles=profiles, host=host) for x in starts)])
+    if polish:
+        polished = got[:len(scored[:n])]
+        scored = sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
+    if not interleave:
+        return scored
+    early = {id(x[0]): r for x, r in zip(starts, got[len(got) - len(starts):], strict=True)}
+    now = _interleave_starts(scored)
+    late = iter(fan_out([partial(_chunked, x, config=config, profiles=profiles, host=host)
+                         for x in now if id(x[0]) not in early]))
+    tried = [early[id(x[0])] if id(x[0]) in early else next(late) for x in now]
+    chunked = [(p, r) for p, r in tried if any(q.virtual_stages > 1 for q in p.pipelines)]
+    return sorted([*scored, *chunked], key=lambda x: x[1].step_time_s)
+
+
+def _polish(start: int, cand: tuple[Plan, Prediction], *, config: PlannerConfig, profiles: ProfileSet | None,
+            host: HostModel | None) -> tuple[Plan, Prediction]:
+    """``cand``, the ``start``-th best, polished (`polish.polish`); unpolished where its runtime refuses the result."""
+    got = polish(*cand, profiles=profiles, budget=polish_budget(start, cand[0]), host=host,
+                 allow_recompute=config.allow_recompute, allow_sp=config.sequence_parallel,
+                 mem_headroom=config.mem_headroom, tp_degrees=config.tp_degrees)
+    return cand if runtime_refusals(got[0]) else got
+
+
+def _chunked(start: tuple[Plan, Prediction], *, config: PlannerConfig, profiles: ProfileSet | None,
+             host: HostModel | None) -> tuple[Plan, Prediction]:
+    """A 1F1B plan with the interleaved schedule's v chosen per group of identical pipelines where it pays."""
+    return interleave_plan(*start, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
 
 
 def polish_budget(start: int, plan: Plan) -> int:
@@ -227,11 +256,8 @@ def _make_plan(*, cluster: Cluster, model: ModelSpec, config: PlannerConfig, pro
     starts = scored[:FIRST_SHAPES] if hethub and config.context_parallel else []
     scored = sorted([*scored, *cp_candidates(starts, profiles=profiles, host=host, config=config)],
                     key=lambda x: x[1].step_time_s)
-    if config.polish and hethub:
-        scored = _polished(scored, config=config, profiles=profiles, host=host)
-    if INTERLEAVED in names:
-        scored = sorted([*scored, *_interleavings(scored, config=config, profiles=profiles, host=host)],
-                        key=lambda x: x[1].step_time_s)
+    scored = _refined(scored, polish=config.polish and hethub, interleave=INTERLEAVED in names, config=config,
+                      profiles=profiles, host=host)
     if config.schedule == INTERLEAVED:  # the 1F1B plans are the interleaved schedule's at v 1
         scored = [(replace(p, schedule=INTERLEAVED), r) for p, r in scored if p.zero_stage < 3]
     bar.update()
@@ -275,26 +301,23 @@ def _enumeration(enums: list[Searcher], *, host: HostModel | None, mixed: bool,
     return (got.mixed or []) if mixed else [], got.alone
 
 
-def _interleavings(scored: list[tuple[Plan, Prediction]], *, config: PlannerConfig, profiles: ProfileSet | None,
-                   host: HostModel | None) -> list[tuple[Plan, Prediction]]:
-    """The best 1F1B plans of distinct shapes with the interleaved schedule's v chosen per group of
-    identical pipelines where it pays (predict/interleave.py)."""
+def _interleave_starts(scored: list[tuple[Plan, Prediction]]) -> list[tuple[Plan, Prediction]]:
+    """What `_refined` lays out in chunks: the first `INTERLEAVE_STARTS` 1F1B plans of distinct shapes
+    (`start_shape`) in ``scored`` (ZeRO-3 runs no virtual stages)."""
     starts, shapes = [], set()
     for plan, pred in scored:
-        if plan.schedule != ONE_F_ONE_B or plan.zero_stage == 3:  # ZeRO-3 runs no virtual stages
+        if plan.schedule != ONE_F_ONE_B or plan.zero_stage == 3:
             continue
         if (shape := start_shape(plan)) not in shapes:
             shapes.add(shape)
             starts.append((plan, pred))
         if len(starts) == INTERLEAVE_STARTS:
             break
-    tried = fan_out([partial(interleave_plan, *x, profiles=profiles, host=host, mem_headroom=config.mem_headroom)
-                     for x in starts])
-    return [(p, r) for p, r in tried if any(q.virtual_stages > 1 for q in p.pipelines)]
+    return starts
 
 
 def start_shape(plan: Plan) -> tuple:
-    """What `_interleavings` tells its starts apart by: each pipeline's stages' kinds and device counts."""
+    """What `_interleave_starts` tells its starts apart by: each pipeline's stages' kinds and device counts."""
     return tuple(sorted(tuple((st.kind, len(st.devices)) for st in p.stages) for p in plan.pipelines))
 
 
@@ -302,7 +325,7 @@ def _kept_firsts(v: Variant, names: list[str], starts: Firsts) -> tuple[Firsts, 
     """What a variant's scoring keeps exact besides its schedule's first few (`scoring.Screen`): its best
     of each optimizer sharding (`_variant_notes`; a sharded variant's plans of one replica are unsharded),
     and the plans read past those: an interleaved variant's first `INTERLEAVE_STARTS` (`chunked_candidates`)
-    and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleavings`)."""
+    and, where the interleaved schedule is open, 1F1B's ``starts`` (`_interleave_starts`)."""
     if v.schedule == INTERLEAVED:
         return (Firsts(INTERLEAVE_STARTS),)
     own = Firsts(2, sharding_of)  # its sharding's and the unsharded
@@ -320,7 +343,7 @@ def _variant_notes(scored: list[tuple[Plan, Prediction]], schedules: list[str], 
         for plan, pred in scored:
             own.setdefault(plan.schedule, pred.step_time_s)
         others = ", ".join(f"{n} {t:.3f} s" for n, t in own.items() if n != best[0].schedule)
-        # Under auto the interleaved plans are the best 1F1B plans' chunkings that pay (_interleavings).
+        # Under auto the interleaved plans are the best 1F1B plans' chunkings that pay (_refined).
         unpaid = "; interleaved: no chunking of the best 1F1B plans pays" if INTERLEAVED in schedules \
             and INTERLEAVED not in own else ""
         notes.append(f"schedule {best[0].schedule} chosen: predicted step {best[1].step_time_s:.3f} s"

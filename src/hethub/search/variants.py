@@ -92,7 +92,7 @@ def variants_of(config: PlannerConfig) -> tuple[list[Variant], list[str]]:
         else list(dict.fromkeys([*shardings, "none"]))
     out = [Variant(sch, z) for sch in schedules if sch != INTERLEAVED for z in priced]
     # Stages sized for chunks where the interleaved schedule is asked for; under auto its plans are the
-    # best 1F1B plans in chunks (planner._interleavings), as the sized ones never won (docs/planner.md).
+    # best 1F1B plans in chunks (planner._refined), as the sized ones never won (docs/planner.md).
     if config.schedule == INTERLEAVED and config.strategy == "hethub":
         out += [Variant(INTERLEAVED, z, SIZED_CHUNKS) for z in priced if zero_stage_of(z) < 3]
     return out, shardings
