@@ -2,6 +2,7 @@
 before the polish run beside it, and only those of starts the polish changed run after it, so the
 plans are those of polishing first and then chunking the best 1F1B plans."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -24,13 +25,16 @@ def _cand(name: str, schedule: str, devices: int, step_s: float):
 @pytest.fixture
 def calls(monkeypatch):
     """Serial fan-outs; a polish that turns its second start (the 1F1B plan B) into another 1F1B plan
-    B' and keeps the others; a chunking that pays (v 2, 10 % faster) on B' and E only. Calls logged."""
+    B' and keeps the others (the third as an equal copy, as from a worker); a chunking that pays
+    (v 2, 10 % faster) on B' and E only. Calls logged."""
     monkeypatch.setenv("HETHUB_PLAN_WORKERS", "1")
     log = {"polish": [], "chunk": []}
 
     def polish(start, cand, **_):
         log["polish"].append(cand[0].name)
-        return _cand(cand[0].name + "'", ONE, 3, cand[1].step_time_s * 0.95) if start == 1 else cand
+        if start == 1:
+            return _cand(cand[0].name + "'", ONE, 3, cand[1].step_time_s * 0.95)
+        return copy.deepcopy(cand) if start == 2 else cand  # C comes back as a worker's equal copy
 
     def chunked(start, **_):
         plan, pred = start
@@ -65,7 +69,8 @@ def _refined(scored, *, polish=True, interleave=True):
 
 def test_the_starts_the_polish_changed_are_chunked_after_it_and_the_rest_beside_it(calls):
     got = _refined(_scored())
-    # Beside the polish: the pre-polish starts B, C, E; after it only B' (B is no start any more).
+    # Beside the polish: the pre-polish starts B, C, E; after it only B' (B is no start any more; C's
+    # equal copy is not chunked again).
     assert calls["polish"] == ["A", "B", "C"] and calls["chunk"] == ["B", "C", "E", "B'"]
     want = _reference(_scored())
     assert got == want and ("B'/v2", pytest.approx(1.1 * 0.95 * 0.9)) in want and ("E/v2", 1.4 * 0.9) in want

@@ -151,11 +151,12 @@ def _refined(scored: list[tuple[Plan, Prediction]], *, polish: bool, interleave:
         scored = sorted([*polished, *scored[len(polished):]], key=lambda x: x[1].step_time_s)
     if not interleave:
         return scored
-    early = {id(x[0]): r for x, r in zip(starts, got[len(got) - len(starts):], strict=True)}
-    now = _interleave_starts(scored)
+    # By value: a start the polish kept comes back from a worker as an equal copy.
+    early = list(zip((x[0] for x in starts), got[len(got) - len(starts):], strict=True))
+    now = [(x, next((r for p, r in early if p == x[0]), None)) for x in _interleave_starts(scored)]
     late = iter(fan_out([partial(_chunked, x, config=config, profiles=profiles, host=host)
-                         for x in now if id(x[0]) not in early]))
-    tried = [early[id(x[0])] if id(x[0]) in early else next(late) for x in now]
+                         for x, r in now if r is None]))
+    tried = [next(late) if r is None else r for _, r in now]
     chunked = [(p, r) for p, r in tried if any(q.virtual_stages > 1 for q in p.pipelines)]
     return sorted([*scored, *chunked], key=lambda x: x[1].step_time_s)
 
