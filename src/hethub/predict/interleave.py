@@ -1,7 +1,8 @@
 """The interleaved schedule's virtual stages (v model chunks per stage) on the planner's plans, where they
 pay under memory: a 1F1B plan's best v per group of identical pipelines (`interleave_plan`, the planner's
 refinement), and plans searched with stages sized for v chunks laid out in them (`chunked_candidates`, its
-interleaved variants). Plans and predictions only, so the search (search/planner.py) imports them."""
+interleaved variants where that schedule is asked for). Plans and predictions only, so the search
+(search/planner.py) imports them."""
 
 from __future__ import annotations
 
