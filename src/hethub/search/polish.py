@@ -19,6 +19,7 @@ from hethub.predict.plan_costs import PlanCosts
 from hethub.predict.predictor import floor_reaches, pipeline_floor_s, predict
 from hethub.predict.profiles import ProfileSet
 from hethub.predict.result import Prediction
+from hethub.predict.stage_cost import StageStepCost
 from hethub.predict.stage_modes import choose_recompute
 from hethub.schedules import get_schedule
 from hethub.search.config import TP_DEGREES
@@ -140,6 +141,13 @@ def _apply(plan: Plan, move: tuple, *, allow_recompute: bool, headroom: float, a
                             allow_sp=allow_sp, mem_headroom=headroom, strict=True)
 
 
+def _moved_cost(costs: PlanCosts, ref: Pipeline, i: int, d: int) -> StageStepCost:
+    """Stage ``i`` of ``ref`` with ``d`` layers more, priced without recomputation (`_score`'s layer moves)."""
+    s = ref.stages[i]
+    return costs.stage_cost(kind=s.kind, layers=s.num_layers + d, embedding=s.embedding, head=s.head, tp=s.tp,
+                            mbs=ref.micro_batch_size, recompute=Recompute.NONE)
+
+
 def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], move: tuple | None,
            costs: PlanCosts, bar_s: float = float("inf"), lists: dict | None = None) -> tuple | None:
     """The closed form's (slowest pipeline, sum) of ``plan`` with ``move`` made, the moved pipelines
@@ -156,22 +164,17 @@ def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], 
         (fwd, bwd, _), most = costs.pipeline_times(plan.pipelines[b]), plan.pipelines[b].num_micro_batches + 1
     else:
         ref = plan.pipelines[sigs.index(move[1])]
+        most = max(p.num_micro_batches for p, sig in zip(plan.pipelines, sigs, strict=True) if sig == move[1])
         if move[0] == "layer":  # two stages change: priced without new Stage objects
             if ref.stages[move[2]].num_layers - 1 < (0 if move[2] in (0, len(ref.stages) - 1) else 1):
                 return None
             # The stage gaining a layer: its own term of the floor below (the fill and drain only add, in
             # monotone rounding) already reaching the bar refuses the move unpriced (a shortcut: memo.py).
-            most = max(p.num_micro_batches for p, sig in zip(plan.pipelines, sigs, strict=True) if sig == move[1])
-            s = ref.stages[move[3]]
-            c = costs.stage_cost(kind=s.kind, layers=s.num_layers + 1, embedding=s.embedding, head=s.head, tp=s.tp,
-                                 mbs=ref.micro_batch_size, recompute=Recompute.NONE)
-            if most * (c.fwd_s + c.bwd_s) * (1 - 1e-12) >= bar_s and not reference():
+            gain = _moved_cost(costs, ref, move[3], 1)
+            if most * (gain.fwd_s + gain.bwd_s) * (1 - 1e-12) >= bar_s and not reference():
                 return None
             fwd, bwd, hops = (list(x) for x in lists[move[1]])
-            for i, d in ((move[2], -1), (move[3], 1)):
-                s = ref.stages[i]
-                c = costs.stage_cost(kind=s.kind, layers=s.num_layers + d, embedding=s.embedding, head=s.head,
-                                     tp=s.tp, mbs=ref.micro_batch_size, recompute=Recompute.NONE)
+            for i, c in ((move[2], _moved_cost(costs, ref, move[2], -1)), (move[3], gain)):
                 fwd[i], bwd[i] = c.fwd_s, c.bwd_s
         elif (q := _reshaped(plan, ref, move)) is None:
             return None
@@ -180,6 +183,5 @@ def _score(plan: Plan, sigs: Sequence[tuple], times: list[tuple[float, float]], 
         base, per = costs.closed_form(fwd, bwd, hops)
         ts = [base + p.num_micro_batches * per if sig == move[1] else t
               for p, sig, t in zip(plan.pipelines, sigs, ts, strict=True)]
-        most = max(p.num_micro_batches for p, sig in zip(plan.pipelines, sigs, strict=True) if sig == move[1])
     drain = not get_schedule(plan.schedule).split_backward
     return None if pipeline_floor_s(fwd, bwd, num_micro_batches=most, drain=drain) >= bar_s else (max(ts), sum(ts))
