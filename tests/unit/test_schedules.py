@@ -7,6 +7,7 @@ import random
 import pytest
 
 from hethub.schedules import SCHEDULES, get_schedule
+from hethub.schedules.event_sim import _codes, stage_codes
 from hethub.schedules.simulate import simulate_pipeline, simulate_pipeline_time
 
 
@@ -184,6 +185,22 @@ def test_simulation_runs_the_registry_op_order(schedule):
         for s, st in enumerate(stages):
             assert [(o.kind, o.micro_batch) for o in st.ops] == op_order(num_stages=p, stage=s, num_micro_batches=m,
                                                                          schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_simulations_codes_are_the_op_order_written_over_integers(schedule):
+    # stage_codes runs Schedule.order over integer codes instead of ops: the same order, code for code,
+    # and the shared alphabet comes back unchanged (every stage reads the one list).
+    for p in range(1, 9):
+        for m in range(1, 14):
+            alphabet = [list(x) for x in _codes(m)]
+            for s in range(p):
+                ops = get_schedule(schedule).ops(stage=s, num_stages=p, num_micro_batches=m)
+                want = tuple({"F": o.micro_batch, "B": ~o.micro_batch, "W": ~(m + o.micro_batch)}[o.kind] for o in ops)
+                assert stage_codes(p, s, m, schedule) == want
+            assert [list(x) for x in _codes(m)] == alphabet
+    with pytest.raises(ValueError, match="chunks"):
+        get_schedule("interleaved", chunks=2).order(stage=0, num_stages=2, alphabet=_codes(4))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

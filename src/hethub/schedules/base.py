@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, TypeVar
 
 # Stands for "as many micro-batches as you like" when asking a schedule for its in-flight bound.
 _MANY = 1 << 40
+T = TypeVar("T")
 
 
 class Op(NamedTuple):
@@ -34,6 +35,22 @@ class Op(NamedTuple):
     kind: str  # "F" forward, "B" backward (input gradient, or all of it), "W" weight gradient
     micro_batch: int
     chunk: int = 0  # model chunk (virtual stage) on this device; 0 without virtual stages
+
+
+# Ops are immutable, so every op order shares one Op per (kind, micro-batch): a long pipeline's
+# orders hold ~1e5 ops, and building them is then list slicing rather than object creation.
+_FWD: list[Op] = []
+_BWD: list[Op] = []
+_WGT: list[Op] = []
+
+
+def shared_ops(m: int) -> tuple[list[Op], list[Op], list[Op]]:
+    """The forward, backward and weight-gradient (W, a split backward's) ops of micro-batches 0..m-1."""
+    for i in range(len(_FWD), m):
+        _FWD.append(Op("F", i))
+        _BWD.append(Op("B", i))
+        _WGT.append(Op("W", i))
+    return _FWD[:m], _BWD[:m], _WGT[:m]
 
 
 class Schedule(ABC):
@@ -57,9 +74,17 @@ class Schedule(ABC):
         return self
 
     # ---- op order ---------------------------------------------------------------------------------
-    @abstractmethod
     def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
-        """The ops stage ``stage`` of ``num_stages`` runs in one step of ``num_micro_batches``."""
+        """The ops stage ``stage`` of ``num_stages`` runs in one step of ``num_micro_batches``: `order` over
+        the ops themselves (a schedule with virtual stages writes its own)."""
+        return tuple(self.order(stage=stage, num_stages=num_stages, alphabet=shared_ops(num_micro_batches)))
+
+    @abstractmethod
+    def order(self, *, stage: int, num_stages: int, alphabet: tuple[list[T], list[T], list[T]]) -> Sequence[T]:
+        """Stage ``stage``'s op order with one model chunk per device, written over ``alphabet``: the
+        forwards, backwards and weight-gradient passes of micro-batches 0..m-1, as any values (read, never
+        changed). `ops` passes the ops; the event simulation passes integers for its inner loop, so it
+        runs the very order the runtime executes without building ~1e5 ops per long pipeline."""
 
     # ---- activation memory ------------------------------------------------------------------------
     @abstractmethod

@@ -4,22 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hethub.schedules.base import Op, Schedule
-
-# Ops are immutable, so every op order shares one Op per (kind, micro-batch): a long pipeline's
-# orders hold ~1e5 ops, and building them is then list slicing rather than object creation.
-_FWD: list[Op] = []
-_BWD: list[Op] = []
-_WGT: list[Op] = []
-
-
-def shared_ops(m: int) -> tuple[list[Op], list[Op], list[Op]]:
-    """The forward, backward and weight-gradient (W, a split backward's) ops of micro-batches 0..m-1."""
-    for i in range(len(_FWD), m):
-        _FWD.append(Op("F", i))
-        _BWD.append(Op("B", i))
-        _WGT.append(Op("W", i))
-    return _FWD[:m], _BWD[:m], _WGT[:m]
+from hethub.schedules.base import Schedule, T
 
 
 class OneFOneB(Schedule):
@@ -31,14 +16,14 @@ class OneFOneB(Schedule):
 
     name = "1f1b"
 
-    def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
-        m = num_micro_batches
+    def order(self, *, stage: int, num_stages: int, alphabet: tuple[list[T], list[T], list[T]]) -> Sequence[T]:
+        fwd, bwd, _ = alphabet
+        m = len(fwd)
         w = min(num_stages - stage - 1, m)
-        fwd, bwd, _ = shared_ops(m)
-        steady: list[Op] = [fwd[0]] * (2 * (m - w))
+        steady: list[T] = fwd[:1] * (2 * (m - w))
         steady[0::2] = fwd[w:]  # F(w + j), B(j) for j < m - w
         steady[1::2] = bwd[:m - w]
-        return (*fwd[:w], *steady, *bwd[m - w:])
+        return [*fwd[:w], *steady, *bwd[m - w:]]
 
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
         return min(num_micro_batches, num_stages - stage)
@@ -86,9 +71,9 @@ class GPipe(Schedule):
 
     name = "gpipe"
 
-    def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
-        fwd, bwd, _ = shared_ops(num_micro_batches)
-        return (*fwd, *bwd)
+    def order(self, *, stage: int, num_stages: int, alphabet: tuple[list[T], list[T], list[T]]) -> Sequence[T]:
+        fwd, bwd, _ = alphabet
+        return [*fwd, *bwd]
 
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
         return num_micro_batches

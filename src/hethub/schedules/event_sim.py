@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from hethub.schedules import Op, get_schedule
+from hethub.schedules import get_schedule
 
 
 def link_arrival_s(*, sent_s: float, link_free_s: float, transfer_s: float) -> float:
@@ -21,11 +21,12 @@ def link_arrival_s(*, sent_s: float, link_free_s: float, transfer_s: float) -> f
 @functools.lru_cache(maxsize=1024)
 def stage_codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
     """The registry's op order for stage s as codes: i >= 0 is the forward of micro-batch i, ~i its
-    backward (B) and ~(m + i) its weight-gradient pass W (ints keep the inner loop cheap)."""
+    backward (B) and ~(m + i) its weight-gradient pass W (ints keep the inner loop cheap): the
+    schedule's own `Schedule.order` written over the codes."""
     sched = get_schedule(schedule)
     if sched.chunks_per_stage != 1:
         raise ValueError(f"schedule {schedule!r} has virtual stages, which the event simulation does not model yet")
-    return tuple(map(_code_of(m).__getitem__, sched.ops(stage=s, num_stages=p, num_micro_batches=m)))
+    return tuple(sched.order(stage=s, num_stages=p, alphabet=_codes(m)))
 
 
 def decode_op(code: int, m: int) -> tuple[str, int]:
@@ -37,10 +38,10 @@ def decode_op(code: int, m: int) -> tuple[str, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _code_of(m: int) -> dict[Op, int]:
-    """Each single-chunk op of m micro-batches and its code (``stage_codes``)."""
-    return {Op(kind, i): code for i in range(m)
-            for kind, code in (("F", i), ("B", ~i), ("W", ~(m + i)))}
+def _codes(m: int) -> tuple[list[int], list[int], list[int]]:
+    """The codes of the forwards, backwards and W's of micro-batches 0..m-1 (``stage_codes``): an
+    alphabet `Schedule.order` reads and never changes, so one serves every stage."""
+    return list(range(m)), [~i for i in range(m)], [~(m + i) for i in range(m)]
 
 
 class EventSim:

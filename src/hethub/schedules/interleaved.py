@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from hethub.schedules.base import Op, Schedule
+from hethub.schedules.base import Op, Schedule, T
 from hethub.schedules.classic import OneFOneB
 
 _ONE_F_ONE_B = OneFOneB()
@@ -107,6 +107,12 @@ class Interleaved(Schedule):
         return self if chunks == self.chunks_per_stage else Interleaved(chunks)
 
     # ---- op order ---------------------------------------------------------------------------------
+    def order(self, *, stage: int, num_stages: int, alphabet: tuple[list[T], list[T], list[T]]) -> Sequence[T]:
+        """1F1B's at v 1; with virtual stages an op names its chunk too, so only `ops` gives the order."""
+        if self.chunks_per_stage != 1:
+            raise ValueError(f"the interleaved schedule at v {self.chunks_per_stage} has its ops' chunks: read ops()")
+        return _ONE_F_ONE_B.order(stage=stage, num_stages=num_stages, alphabet=alphabet)
+
     def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
         v = self.chunks_per_stage
         if v == 1:

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hethub.schedules.base import Op, Schedule
-from hethub.schedules.classic import shared_ops
+from hethub.schedules.base import Schedule, T
 
 # Assumed where no model shape is at hand: W is half of the backward (the weight GEMMs' FLOPs equal
 # the input-gradient GEMMs', and the weightless attention backward is small at short sequences).
@@ -40,10 +39,10 @@ class ZeroBubbleH1(Schedule):
     name = "zb-h1"
     split_backward = True
 
-    def ops(self, *, stage: int, num_stages: int, num_micro_batches: int) -> tuple[Op, ...]:
-        m, d = num_micro_batches, stage
+    def order(self, *, stage: int, num_stages: int, alphabet: tuple[list[T], list[T], list[T]]) -> Sequence[T]:
+        fwd, bwd, wgt = alphabet
+        m, d = len(fwd), stage
         w = min(num_stages - stage - 1, m)
-        fwd, bwd, wgt = shared_ops(m)
         out = fwd[:w]
         for j in range(m):
             if j < m - w:
@@ -52,7 +51,7 @@ class ZeroBubbleH1(Schedule):
             if j >= d:
                 out.append(wgt[j - d])
         out += wgt[max(0, m - d):m]
-        return tuple(out)
+        return out
 
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
         return min(num_micro_batches, num_stages)
