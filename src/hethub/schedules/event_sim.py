@@ -37,6 +37,11 @@ def decode_op(code: int, m: int) -> tuple[str, int]:
     return ("B", i) if i < m else ("W", i - m)
 
 
+def code_kind(code: int, *, m: int) -> str:
+    """An op's kind, "F", "B" or "W", from its code (``stage_codes``)."""
+    return "F" if code >= 0 else "B" if ~code < m else "W"
+
+
 @functools.lru_cache(maxsize=64)
 def _codes(m: int) -> tuple[list[int], list[int], list[int]]:
     """The codes of the forwards, backwards and W's of micro-batches 0..m-1 (``stage_codes``): an

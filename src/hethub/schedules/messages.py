@@ -28,8 +28,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
+from typing import TypeVar
 
 from hethub.schedules.base import Op
+
+T = TypeVar("T")
+H = TypeVar("H")
 
 
 def consumer(op: Op, *, stage: int, num_stages: int, chunks: int) -> tuple[int, Op] | None:
@@ -108,42 +113,54 @@ def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1
     known = (known if known is not None else known_starts(orders, chunks=chunks))[stage]
     index = {b: {op: i for i, op in enumerate(o)} for b, o in enumerate(orders)}
     heard = {b: [k[b] for k in known] for b in range(p)}  # vector clocks never decrease
-    return _first_known(orders[stage], stage, num_stages=p, chunks=chunks, index=index, heard=heard)
+    return _first_known(orders[stage], [consumer(op, stage=stage, num_stages=p, chunks=chunks) for op in orders[stage]],
+                        index=index, heard=heard)
 
 
-def line_releases(orders: Sequence[Sequence[Op]], stage: int) -> dict[Op, Op | None]:
+def line_releases(orders: Sequence[Sequence[T]], stage: int, *,
+                  kind_of: Callable[[T], str] = attrgetter("kind")) -> dict[T, T | None]:
     """``send_releases`` of a pipeline without virtual stages, in O(ops) instead of ``known_starts``'
     O(ops x stages): on a line of stages every path from a neighbour to this stage ends with that
     neighbour's own message (a path through the far side passes this stage, which knew as much
     then), so what the stage knows of a neighbour is the last op of it whose message it took.
-    ``tests/unit/test_messages_line.py`` checks it against ``send_releases`` exhaustively."""
+    An op and the neighbour's op that shares its message are equal (one chunk), so the orders may be
+    of any values naming ops: `Op`s, or the event simulation's integer codes with ``kind_of`` giving
+    each one's kind ("F", "B" or "W"). ``tests/unit/test_messages_line.py`` checks it against
+    ``send_releases`` exhaustively."""
     p, order = len(orders), orders[stage]
-    index = {b: {op: i for i, op in enumerate(orders[b])} for b in (stage - 1, stage + 1) if 0 <= b < p}
-    heard: dict[int, list[int]] = {b: [] for b in index}  # per neighbour, per op: its last op known
-    last = dict.fromkeys(index, -1)
-    for op in order:
-        src = producer(op, stage=stage, num_stages=p, chunks=1)
-        if src is not None:
-            last[src[0]] = max(last[src[0]], index[src[0]][src[1]])
-        for b, col in heard.items():
-            col.append(last[b])
-    return _first_known(order, stage, num_stages=p, chunks=1, index=index, heard=heard)
+    up, down = stage - 1 if stage > 0 else None, stage + 1 if stage + 1 < p else None
+    index = {b: {op: i for i, op in enumerate(orders[b])} for b in (up, down) if b is not None}
+    kinds = [kind_of(op) for op in order]
+    # Per op, the neighbour it receives from and the one it sends to (None: none).
+    srcs = [up if k == "F" else down if k == "B" else None for k in kinds]
+    dests = [down if k == "F" else up if k == "B" else None for k in kinds]
+    heard: dict[int, list[int]] = {}  # per neighbour, per op: its last op known
+    for b, at in index.items():
+        last, col = -1, []
+        for op, src in zip(order, srcs, strict=True):
+            if src == b and (x := at[op]) > last:
+                last = x
+            col.append(last)
+        heard[b] = col
+    return _first_known(order, [None if b is None else (b, op) for op, b in zip(order, dests, strict=True)],
+                        index=index, heard=heard)
 
 
-def _first_known(order: Sequence[Op], stage: int, *, num_stages: int, chunks: int, index: Mapping[int, dict[Op, int]],
-                 heard: Mapping[int, list[int]]) -> dict[Op, Op | None]:
+def _first_known(order: Sequence[T], dests: Sequence[tuple[int, T] | None], *, index: Mapping[int, dict[T, int]],
+                 heard: Mapping[int, list[int]]) -> dict[T, T | None]:
     """``send_releases``' answer from ``heard[b][i]``, the last op of stage b the stage knows of after
-    its op i (never decreasing in i): for each sending op, the first later op where that reaches the
-    op before the consumer's (its receive is posted then), or None."""
-    out: dict[Op, Op | None] = {}
-    for i, op in enumerate(order):
-        dest = consumer(op, stage=stage, num_stages=num_stages, chunks=chunks)
+    its op i (never decreasing in i), and ``dests[i]``, the stage and op that take op i's message (None:
+    it sends none): for each sending op, the first later op where that reaches the op before the
+    consumer's (its receive is posted then), or None."""
+    out: dict[T, T | None] = {}
+    n = len(order)
+    for i, (op, dest) in enumerate(zip(order, dests, strict=True)):
         if dest is None:
             continue
         b, taken_by = dest
         x = index[b].get(taken_by)
-        j = len(order) if x is None else bisect.bisect_left(heard[b], max(x - 1, 0), lo=i + 1)
-        out[op] = order[j] if j < len(order) else None
+        j = n if x is None else bisect.bisect_left(heard[b], max(x - 1, 0), lo=i + 1)
+        out[op] = order[j] if j < n else None
     return out
 
 
@@ -203,7 +220,8 @@ def ring_releases(orders: Sequence[Sequence[Op]], *, chunks: int) -> list[dict[O
         for s in wanted[b]:
             heard[s][b] = col[base[s]:base[s + 1]]
     index = dict(enumerate(gid))
-    return [_first_known(orders[s], s, num_stages=p, chunks=chunks, index=index, heard=heard[s]) for s in range(p)]
+    return [_first_known(orders[s], [consumer(op, stage=s, num_stages=p, chunks=chunks) for op in orders[s]],
+                         index=index, heard=heard[s]) for s in range(p)]
 
 
 def max_live_messages(in_flight: float) -> float:
@@ -235,23 +253,32 @@ def peak_buffer_bytes(order: Sequence[Op], releases: dict[Op, Op | None], *, sen
     return peak
 
 
-def held_counts(order: Sequence[Op], releases: dict[Op, Op | None]) -> set[tuple[int, int, Op | None]]:
+def held_counts(order: Sequence[T], releases: Mapping[T, T | None], *, forward: Sequence[bool],
+                receives: Sequence[H]) -> set[tuple[int, int, H | None]]:
     """``peak_buffer_bytes``' walk as counts: after each op's sends are posted, (forward sends not yet
-    released, backward sends not yet released, the next op, whose receive is posted; None after the
-    last). With the bytes of a kind's sends and of each op's receive, the peak is the largest total
-    of these (``tests/unit/test_p2p_buffers.py`` checks it against ``peak_buffer_bytes``)."""
+    released, backward sends not yet released, what the next op receives: ``receives`` of it, None after
+    the last). ``forward[i]``: op i's send is an activation (an F's), not a gradient. With the bytes of
+    a kind's sends and of each receive, the peak is the largest total of these (``held_terms``, checked
+    against ``peak_buffer_bytes`` in ``tests/unit/test_p2p_buffers.py``). Ops of any values
+    (`line_releases`)."""
     pos = {op: i for i, op in enumerate(order)}
-    freed_at: dict[int, list[int]] = {}
-    live = [0, 0]
-    out: set[tuple[int, int, Op | None]] = set()
-    for i, op in enumerate(order):
-        for k in freed_at.pop(i, ()):
-            live[k] -= 1
+    freed_at: dict[int, list[bool]] = {}
+    fwd = bwd = 0
+    out: set[tuple[int, int, H | None]] = set()
+    for i, (op, nxt) in enumerate(zip(order, [*receives[1:], None], strict=True)):
+        if i in freed_at:
+            for f in freed_at.pop(i):
+                if f:
+                    fwd -= 1
+                else:
+                    bwd -= 1
         if op in releases:
-            k = 0 if op.kind == "F" else 1
-            live[k] += 1
-            rel = releases[op]
-            if rel is not None:
-                freed_at.setdefault(pos[rel], []).append(k)
-        out.add((live[0], live[1], order[i + 1] if i + 1 < len(order) else None))
+            f = forward[i]
+            if f:
+                fwd += 1
+            else:
+                bwd += 1
+            if (rel := releases[op]) is not None:
+                freed_at.setdefault(pos[rel], []).append(f)
+        out.add((fwd, bwd, nxt))
     return out

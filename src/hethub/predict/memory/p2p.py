@@ -13,6 +13,7 @@ stage that sends the activation (its gradient comes back in the same dtype).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hethub.layout import hop
@@ -20,6 +21,7 @@ from hethub.memo import Kept, kept_lru, reference
 from hethub.plan import Plan, Stage
 from hethub.predict.memory.model import act_bytes_for
 from hethub.schedules import Op, get_schedule
+from hethub.schedules.event_sim import code_kind, stage_codes
 from hethub.schedules.messages import (
     held_counts,
     known_starts,
@@ -107,19 +109,16 @@ def _ring(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int
     return ring_releases(orders, chunks=chunks)
 
 
-def _stage_releases(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int,
-                    ) -> tuple[tuple[Op, ...], dict[Op, Op | None]]:
-    """The stage's order and ``send_releases``, by the cheaper equal forms: on a line of stages from
-    its own and its neighbours' orders alone (``line_releases``), with virtual stages from the ring's."""
-    if chunks > 1:
-        order = _orders(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches, chunks=chunks)[stage]
-        return order, _ring(schedule, num_stages=num_stages, num_micro_batches=num_micro_batches,
-                            chunks=chunks)[stage]
-    sched = get_schedule(schedule)
-    orders: list[tuple[Op, ...]] = [()] * num_stages  # line_releases reads the stage and its neighbours only
-    for b in range(max(0, stage - 1), min(num_stages, stage + 2)):
-        orders[b] = tuple(sched.ops(stage=b, num_stages=num_stages, num_micro_batches=num_micro_batches))
-    return orders[stage], line_releases(orders, stage)
+def _line_orders(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int,
+                 ) -> tuple[tuple[int, ...], dict[int, int | None], int]:
+    """A stage's order without virtual stages and its ``send_releases``, on a line of stages from its own
+    and its neighbours' orders alone (``line_releases``), as the event simulation's integer codes
+    (``stage_codes``: the predictor walks every stage of pipelines 80 stages deep), and m."""
+    p, m = num_stages, num_micro_batches
+    orders: list[tuple[int, ...]] = [()] * p  # line_releases reads the stage and its neighbours only
+    for b in range(max(0, stage - 1), min(p, stage + 2)):
+        orders[b] = stage_codes(p, b, m, schedule)
+    return orders[stage], line_releases(orders, stage, kind_of=functools.partial(code_kind, m=m)), m
 
 
 @dataclass(frozen=True)
@@ -154,18 +153,27 @@ def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches:
 
 @kept_lru(maxsize=65536)
 def _held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int) -> HeldTerms:
-    order, releases = _stage_releases(schedule, stage=stage, num_stages=num_stages,
-                                      num_micro_batches=num_micro_batches, chunks=chunks)
     first, last = stage == 0, stage == num_stages - 1
 
-    def receives(op: Op | None) -> int:  # which receive the op posts, as `_peak`'s `received` prices it
-        if op is None or op.kind == "W":
+    def receives(kind: str | None, chunk: int = 0) -> int:  # which receive the next op posts, as `_peak` prices it
+        if kind is None or kind == "W":
             return 0
-        if op.kind == "F":
-            return 0 if first and op.chunk == 0 else 1
-        return 0 if last and op.chunk == chunks - 1 else 2
+        if kind == "F":
+            return 0 if first and chunk == 0 else 1
+        return 0 if last and chunk == chunks - 1 else 2
 
-    return HeldTerms(_uncovered({(f, b, receives(nxt)) for f, b, nxt in held_counts(order, releases)}))
+    if chunks == 1:
+        codes, releases, m = _line_orders(schedule, stage=stage, num_stages=num_stages,
+                                          num_micro_batches=num_micro_batches)
+        kinds = [code_kind(c, m=m) for c in codes]
+        rows = held_counts(codes, releases, forward=[k == "F" for k in kinds], receives=[receives(k) for k in kinds])
+    else:  # virtual stages: the ring's releases (``ring_releases``)
+        shape = {"num_stages": num_stages, "num_micro_batches": num_micro_batches, "chunks": chunks}
+        order, releases = _orders(schedule, **shape)[stage], _ring(schedule, **shape)[stage]
+        rows = held_counts(order, releases, forward=[op.kind == "F" for op in order],
+                           receives=[receives(op.kind, op.chunk) for op in order])
+    rows = {(f, b, 0 if r is None else r) for f, b, r in rows}
+    return HeldTerms(_uncovered(rows))
 
 
 def _uncovered(rows: set[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
