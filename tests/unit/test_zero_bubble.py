@@ -33,6 +33,25 @@ def test_defers_w_by_the_stage_index() -> None:
     assert ops[-2:] == [("W", 4), ("W", 5)]
 
 
+def test_the_order_is_the_docstrings_rule_on_every_shape() -> None:
+    # ZeroBubbleH1.order lays its runs out by slices; the rule as the class states it, op by op, on every
+    # stage of up to 24 stages and 60 micro-batches (warm-ups longer and shorter than the batch, deferrals
+    # past it).
+    def rule(s: int, p: int, m: int) -> list[tuple[str, int]]:
+        w = min(p - s - 1, m)
+        out = [("F", i) for i in range(w)]
+        for j in range(m):
+            out += [("F", w + j)] if j < m - w else []
+            out += [("B", j)] + ([("W", j - s)] if j >= s else [])
+        return out + [("W", i) for i in range(max(0, m - s), m)]
+    sched = get_schedule("zb-h1")
+    for p in range(1, 25):
+        for m in range(1, 61):
+            for s in range(p):
+                got = [(o.kind, o.micro_batch) for o in sched.ops(stage=s, num_stages=p, num_micro_batches=m)]
+                assert got == rule(s, p, m), (p, m, s)
+
+
 def test_equal_stages_reach_the_papers_bubble() -> None:
     # F = B = W = 1: 1F1B's bubble is (p-1)(F+B+W) = 9, ZB-H1's (p-1)(F+B-W) = 3 (Qi et al., Table 2).
     kw = dict(fwd_s=[1.0] * 4, bwd_s=[2.0] * 4, p2p_s=[0.0] * 3, num_micro_batches=8)

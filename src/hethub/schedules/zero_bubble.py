@@ -43,16 +43,19 @@ class ZeroBubbleH1(Schedule):
         fwd, bwd, wgt = alphabet
         m, d = len(fwd), stage
         w = min(num_stages - stage - 1, m)
+        # Micro-batch j's group is F(w + j) while j < m - w, then B(j), then W(j - d) once j >= d: the
+        # groups keep one shape between the two thresholds, so each run of them is laid out by slices
+        # (long pipelines' orders hold ~1e5 ops).
+        lo, hi = min(m - w, d), min(max(m - w, d), m)
         out = fwd[:w]
-        for j in range(m):
-            if j < m - w:
-                out.append(fwd[w + j])
-            out.append(bwd[j])
-            if j >= d:
-                out.append(wgt[j - d])
+        out += _interleaved(fwd[w:w + lo], bwd[:lo])  # F, B
+        if m - w <= d:
+            out += bwd[lo:hi]  # B alone
+        else:
+            out += _interleaved(fwd[w + lo:w + hi], bwd[lo:hi], wgt[lo - d:hi - d])  # F, B, W
+        out += _interleaved(bwd[hi:m], wgt[hi - d:m - d])  # B, W
         out += wgt[max(0, m - d):m]
         return out
-
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
         return min(num_micro_batches, num_stages)
 
@@ -82,3 +85,11 @@ class ZeroBubbleH1(Schedule):
     def stage_finish_s(self, *, step_s: float, bwd_s: Sequence[float], p2p_s: Sequence[float]) -> list[float]:
         # The later stages fill their tails with deferred W's; they finish at most when the first does.
         return [step_s] * len(bwd_s)
+
+
+def _interleaved(*runs: list[T]) -> list[T]:
+    """The runs' items taken in turns: a[0], b[0], ..., a[1], b[1], ... (runs of one length)."""
+    out = runs[0] * len(runs)
+    for i, run in enumerate(runs):
+        out[i::len(runs)] = run
+    return out
