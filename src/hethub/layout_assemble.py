@@ -81,9 +81,9 @@ def to_pipeline(pc: PipeShape, devices: list[tuple[int, ...]], *, num_micro_batc
     """A priced pipeline template on concrete devices: contiguous layers, embedding first, head last."""
     stages, start = [], 0
     for s, (slot, n) in enumerate(zip(pc.slots, pc.layers, strict=True)):
-        stages.append(Stage(kind=slot.kind, devices=devices[s], layers=(start, start + n), embedding=s == 0,
-                            head=s == len(pc.slots) - 1, recompute=pc.recompute[s],
-                            sequence_parallel=bool(pc.sp) and pc.sp[s]))
+        stages.append(Stage.laid(slot.kind, devices[s], (start, start + n), embedding=s == 0,
+                                 head=s == len(pc.slots) - 1, recompute=pc.recompute[s],
+                                 sequence_parallel=bool(pc.sp) and pc.sp[s]))
         start += n
     return Pipeline(micro_batch_size=mbs, num_micro_batches=num_micro_batches, stages=tuple(stages))
 

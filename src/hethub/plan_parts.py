@@ -149,6 +149,19 @@ class Stage(LayerChunks, SeqGrid):
     def _members(self) -> tuple[int, ...]:
         return self.devices
 
+    @classmethod
+    def laid(cls, kind: str, devices: tuple[int, ...], layers: tuple[int, int], *, embedding: bool, head: bool,
+             recompute: Recompute, sequence_parallel: bool) -> Stage:
+        """``Stage(...)`` of one chunk and no context parallelism from fields already of their types (the
+        mode a `Recompute`), its fields set at once rather than by the frozen ``__init__``'s one assignment
+        each: the planner lays out ~10^5 stages a search (`layout_assemble.to_pipeline`). Equal to the
+        constructor's stage (``tests/unit/test_plan.py``)."""
+        stage = object.__new__(cls)
+        stage.__dict__.update(kind=kind, devices=devices, layers=layers, embedding=embedding, head=head,
+                              recompute=recompute if type(recompute) is Recompute else Recompute.of(recompute),
+                              chunks=(), cp=1, sequence_parallel=sequence_parallel)
+        return stage
+
 
 @dataclass(frozen=True)
 class Pipeline:

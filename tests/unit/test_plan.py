@@ -188,3 +188,17 @@ def test_empty_chunks_pass_through_but_empty_stages_and_one_stage_pipelines_are_
         Stage("fast", (0,), (0, 3), embedding=True, head=True, chunks=((0, 3), (3, 6))),)),), schedule="interleaved")
     with pytest.raises(PlanError, match="virtual_stages' is 2 on a pipeline of one stage"):
         one.validate()
+
+
+def test_a_laid_stage_is_the_constructors_stage():
+    # Stage.laid sets the fields at once (the planner's layouts); it must give the very stage the
+    # constructor gives, every field set (a field added to Stage and not to laid fails here).
+    names = {f.name for f in dataclasses.fields(Stage)}
+    for recompute in (*Recompute, "selective", True):
+        for emb, head, sp in ((True, False, False), (False, True, True), (False, False, False)):
+            fast = Stage.laid("a100-80gb", (4, 5), (2, 9), embedding=emb, head=head, recompute=recompute,
+                              sequence_parallel=sp)
+            slow = Stage(kind="a100-80gb", devices=(4, 5), layers=(2, 9), embedding=emb, head=head,
+                         recompute=recompute, sequence_parallel=sp)
+            assert fast == slow and vars(fast) == vars(slow) and set(vars(fast)) == names
+            assert type(fast.recompute) is Recompute and hash(fast) == hash(slow)
