@@ -78,16 +78,17 @@ def stage_times(
     op = kernel_params(kind, precision)
     if op is not None:
         params_k, source = op
-        elem = act_bytes_for(precision)
         # flash and fused-softmax kernels need 16-bit inputs (Megatron's falls back to torch's softmax)
         attention = (attention or kind.attention) if precision != "fp32" else "math"
-        shape = opmodel.Shape.of(model, mbs=mbs, seq_len=seq_len, tp=tp, elem_bytes=elem, attention=attention)
-        lf, lb = _phase_times("layer", shape, params_k)
-        rerun = {Recompute.NONE: 0.0, Recompute.FULL: lf, Recompute.SELECTIVE: _core_time_s(shape, params_k)}
-        fwd, bwd = layers * lf, layers * (lb + rerun[recompute])
+        parts = _PER_SHAPE.get((id(model), id(kind), precision, mbs, seq_len, tp, attention),
+                               lambda: _op_parts(model, params_k, mbs=mbs, seq_len=seq_len, tp=tp, precision=precision,
+                                                 attention=attention), pin=(model, kind))
+        (lf, lb), core = parts["layer"], parts["core"]
+        rerun = 0.0 if recompute is Recompute.NONE else lf if recompute is Recompute.FULL else core
+        fwd, bwd = layers * lf, layers * (lb + rerun)
         for present, part in ((embedding, "embedding"), (head, "head")):
             if present:
-                f, b = _phase_times(part, shape, params_k)
+                f, b = parts[part]
                 fwd, bwd = fwd + f, bwd + b
         upd /= params_k.mem_eff
         fwd, bwd = fwd * kind.emulated_slowdown, bwd * kind.emulated_slowdown
@@ -135,6 +136,21 @@ def core_flop_share(model: ModelSpec, *, seq_len: int) -> float:
 
 
 _PARTS = {"layer": opmodel.layer_ops, "embedding": opmodel.embedding_ops, "head": opmodel.head_ops}
+
+
+# stage_times' op-model parts by what they read but the layer count and the stage's place: the model
+# and kind (ids, pinned), precision, micro-batch size, sequence length, TP degree and attention. The
+# planner asks stage_times for every layer count of thousands of stage shapes.
+_PER_SHAPE = Kept(4096, shortcut=True)
+
+
+def _op_parts(model: ModelSpec, params: KernelParams, *, mbs: int, seq_len: int, tp: int, precision: str,
+              attention: str) -> dict[str, tuple[float, float] | float]:
+    """One layer's, the embedding's and the head's forward and backward times on one TP rank, and the
+    attention core's forward (what selective recomputation re-runs), by the operator model."""
+    shape = opmodel.Shape.of(model, mbs=mbs, seq_len=seq_len, tp=tp, elem_bytes=act_bytes_for(precision),
+                             attention=attention)
+    return {**{part: _phase_times(part, shape, params) for part in _PARTS}, "core": _core_time_s(shape, params)}
 
 
 @functools.lru_cache(maxsize=4096)
