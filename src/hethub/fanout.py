@@ -51,6 +51,8 @@ _SHARED: list[object] = []  # `sharing`'s objects
 _TIMED: list[list[tuple[float, list[float]]]] = []  # `timed`'s records
 _INDEX = struct.Struct("<i")
 _QUEUE_BYTES = 65536  # a Linux pipe's default capacity
+# Types pickle never asks `_Pickler.reducer_override` about (`sharing` refuses them).
+_PLAIN = (bool, int, float, complex, str, bytes, bytearray, tuple, list, dict, set, frozenset)
 
 
 def workers() -> int:
@@ -75,7 +77,12 @@ def forks(n_tasks: int) -> int:
 @contextlib.contextmanager
 def sharing(*objects: object) -> Iterator[None]:
     """Within it, a fan-out's results that hold ``objects`` (a job's cluster, model, profiles) hold this
-    process's own, not copies: they cross as references (nested blocks add theirs)."""
+    process's own, not copies: they cross as references (nested blocks add theirs). Objects of their own
+    classes (not numbers, strings, bytes or plain containers, which results hold by the thousand)."""
+    plain = [o for o in objects if o is not None and type(o) in _PLAIN]  # None is one object everywhere
+    if plain:
+        raise TypeError(f"fanout.sharing: {type(plain[0]).__name__} objects cross by value; share an object of "
+                        "its own class (wrap the value in one)")
     n = len(_SHARED)
     _SHARED.extend(objects)
     try:
@@ -268,15 +275,23 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
+def _shared(n: int) -> object:
+    """What `_Pickler` writes for shared object ``n``; `_Unpickler` reads it as its own object ``n``."""
+    raise RuntimeError("a fan_out result's shared object is read back by fanout._Unpickler only")
+
+
 class _Pickler(pickle.Pickler):
-    """Pickles the objects whose ids ``ids`` numbers as those numbers (`fan_out`'s ``shared``)."""
+    """Pickles the objects whose ids ``ids`` numbers as those numbers (`fan_out`'s ``shared``). Asked by
+    ``reducer_override``, which pickle skips for numbers, strings and plain containers (a result is
+    mostly those; ``persistent_id`` is asked of every object), so `sharing` takes objects of other types."""
 
     def __init__(self, file: io.BytesIO, ids: dict[int, int]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.ids = ids
 
-    def persistent_id(self, obj: object) -> int | None:
-        return self.ids.get(id(obj))
+    def reducer_override(self, obj: object) -> Any:
+        n = self.ids.get(id(obj))
+        return NotImplemented if n is None else (_shared, (n,))
 
 
 class _Unpickler(pickle.Unpickler):
@@ -286,5 +301,7 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self.shared = shared
 
-    def persistent_load(self, pid: Any) -> object:
-        return self.shared[pid]
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == (__name__, "_shared"):
+            return self.shared.__getitem__
+        return super().find_class(module, name)

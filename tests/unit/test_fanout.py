@@ -226,7 +226,8 @@ def test_a_worker_that_dies_or_sends_what_does_not_pickle_is_an_error():
 
 def test_nested_fan_out_and_shared_objects():
     got = _run("""
-        shared = {"big": list(range(1000))}
+        import types
+        shared = types.SimpleNamespace(big=list(range(1000)))
         def slow_pid():
             time.sleep(0.3)  # long enough for a forked worker, were there one, to claim the other
             return os.getpid()
@@ -240,6 +241,15 @@ def test_nested_fan_out_and_shared_objects():
     """)
     assert all(len(set(n)) == 1 for n in got["nested"]) and got["nested"][0][0] != got["nested"][1][0]
     assert got["same"] == [True, True]  # crossed as a reference: the parent's own object
+
+
+def test_sharing_refuses_what_can_only_cross_by_value():
+    # Plain values (a dict, a list, a number) are pickled whole whatever sharing says: refused, with the fix.
+    with pytest.raises(TypeError, match="its own class"):
+        with fanout.sharing({"a": 1}):
+            pass
+    with fanout.sharing(None, fanout):  # None is one object everywhere; a module is an object of its own class
+        pass
 
 
 def test_serial_in_process_beside_a_live_thread(monkeypatch):
