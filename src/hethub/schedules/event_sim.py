@@ -20,6 +20,12 @@ def link_arrival_s(*, sent_s: float, link_free_s: float, transfer_s: float) -> f
 
 @functools.lru_cache(maxsize=1024)
 def stage_codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
+    """`order_codes`, kept for the simulations (a stage's order of a pipeline shape is simulated again
+    and again)."""
+    return order_codes(p, s, m, schedule)
+
+
+def order_codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
     """The registry's op order for stage s as codes: i >= 0 is the forward of micro-batch i, ~i its
     backward (B) and ~(m + i) its weight-gradient pass W (ints keep the inner loop cheap): the
     schedule's own `Schedule.order` written over the codes."""

@@ -21,7 +21,7 @@ from hethub.memo import Kept, kept_lru, reference
 from hethub.plan import Plan, Stage
 from hethub.predict.memory.model import act_bytes_for
 from hethub.schedules import Op, get_schedule
-from hethub.schedules.event_sim import code_kind, stage_codes
+from hethub.schedules.event_sim import code_kind, order_codes
 from hethub.schedules.messages import (
     held_counts,
     known_starts,
@@ -113,11 +113,11 @@ def _line_orders(schedule: str, *, stage: int, num_stages: int, num_micro_batche
                  ) -> tuple[tuple[int, ...], dict[int, int | None], int]:
     """A stage's order without virtual stages and its ``send_releases``, on a line of stages from its own
     and its neighbours' orders alone (``line_releases``), as the event simulation's integer codes
-    (``stage_codes``: the predictor walks every stage of pipelines 80 stages deep), and m."""
+    (``order_codes``: the predictor walks every stage of pipelines 80 stages deep), and m."""
     p, m = num_stages, num_micro_batches
     orders: list[tuple[int, ...]] = [()] * p  # line_releases reads the stage and its neighbours only
     for b in range(max(0, stage - 1), min(p, stage + 2)):
-        orders[b] = stage_codes(p, b, m, schedule)
+        orders[b] = order_codes(p, b, m, schedule)
     return orders[stage], line_releases(orders, stage, kind_of=functools.partial(code_kind, m=m)), m
 
 
