@@ -17,7 +17,8 @@ dies with it: the parent recomputes what it later asks of them (the same values,
 are not handed back because few are asked again: what two workers redo is mostly what tasks side by
 side each build (the stage models and their solves that a serial run shares), not a later fan-out's.
 Objects named by ``sharing`` (the job's cluster, model, profiles) cross as references, not copies, so
-a result's plans hold the parent's own objects.
+a result's plans hold the parent's own objects; the pickler finds them by ``reducer_override``, which
+pickle does not ask of numbers, strings and plain containers (most of a result), so those are refused.
 
 Serial, in this process and in task order (the plain path, `reference_path` or not): with one
 worker (``HETHUB_PLAN_WORKERS=1``), one task, no ``os.fork``, inside a worker (no nested forks) and
