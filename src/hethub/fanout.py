@@ -53,7 +53,7 @@ _TIMED: list[list[tuple[float, list[float]]]] = []  # `timed`'s records
 _INDEX = struct.Struct("<i")
 _QUEUE_BYTES = 65536  # a Linux pipe's default capacity
 # Types pickle never asks `_Pickler.reducer_override` about (`sharing` refuses them).
-_PLAIN = (bool, int, float, complex, str, bytes, bytearray, tuple, list, dict, set, frozenset)
+_PLAIN = (bool, int, float, str, bytes, bytearray, tuple, list, dict, set, frozenset)
 
 
 def workers() -> int:
