@@ -53,6 +53,15 @@ def shared_ops(m: int) -> tuple[list[Op], list[Op], list[Op]]:
     return _FWD[:m], _BWD[:m], _WGT[:m]
 
 
+def interleaved(*runs: list[T]) -> list[T]:
+    """The runs' items taken in turns, a[0], b[0], ..., a[1], b[1], ... (runs of one length): how an op
+    order lays out its steady phase by slices (long pipelines' orders hold ~1e5 ops)."""
+    out = runs[0] * len(runs)
+    for i, run in enumerate(runs):
+        out[i::len(runs)] = run
+    return out
+
+
 class Schedule(ABC):
     """One pipeline schedule. Subclass, set ``name``, implement the three abstract methods, and
     register an instance in :mod:`hethub.schedules`; every user picks it up from there."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hethub.schedules.base import Schedule, T
+from hethub.schedules.base import Schedule, T, interleaved
 
 
 class OneFOneB(Schedule):
@@ -20,10 +20,7 @@ class OneFOneB(Schedule):
         fwd, bwd, _ = alphabet
         m = len(fwd)
         w = min(num_stages - stage - 1, m)
-        steady: list[T] = fwd[:1] * (2 * (m - w))
-        steady[0::2] = fwd[w:]  # F(w + j), B(j) for j < m - w
-        steady[1::2] = bwd[:m - w]
-        return [*fwd[:w], *steady, *bwd[m - w:]]
+        return [*fwd[:w], *interleaved(fwd[w:], bwd[:m - w]), *bwd[m - w:]]  # F(w + j), B(j) for j < m - w
 
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
         return min(num_micro_batches, num_stages - stage)

@@ -37,10 +37,8 @@ def order_codes(p: int, s: int, m: int, schedule: str) -> tuple[int, ...]:
 
 def decode_op(code: int, m: int) -> tuple[str, int]:
     """An op's (kind, micro-batch) from its code (``stage_codes``)."""
-    if code >= 0:
-        return "F", code
-    i = ~code
-    return ("B", i) if i < m else ("W", i - m)
+    kind = code_kind(code, m=m)
+    return kind, code if kind == "F" else ~code if kind == "B" else ~code - m
 
 
 def code_kind(code: int, *, m: int) -> str:

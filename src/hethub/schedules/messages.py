@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
 from typing import TypeVar
 
 from hethub.schedules.base import Op
@@ -118,19 +117,19 @@ def send_releases(orders: Sequence[Sequence[Op]], stage: int, *, chunks: int = 1
 
 
 def line_releases(orders: Sequence[Sequence[T]], stage: int, *,
-                  kind_of: Callable[[T], str] = attrgetter("kind")) -> dict[T, T | None]:
+                  kinds: Sequence[str] | None = None) -> dict[T, T | None]:
     """``send_releases`` of a pipeline without virtual stages, in O(ops) instead of ``known_starts``'
     O(ops x stages): on a line of stages every path from a neighbour to this stage ends with that
     neighbour's own message (a path through the far side passes this stage, which knew as much
     then), so what the stage knows of a neighbour is the last op of it whose message it took.
     An op and the neighbour's op that shares its message are equal (one chunk), so the orders may be
-    of any values naming ops: `Op`s, or the event simulation's integer codes with ``kind_of`` giving
-    each one's kind ("F", "B" or "W"). ``tests/unit/test_messages_line.py`` checks it against
-    ``send_releases`` exhaustively."""
+    of any values naming ops: `Op`s, or the event simulation's integer codes with ``kinds``, the kind
+    ("F", "B" or "W") of each op of the stage's order (default: each `Op`'s). ``tests/unit/test_messages_line.py``
+    checks it against ``send_releases`` exhaustively."""
     p, order = len(orders), orders[stage]
     up, down = stage - 1 if stage > 0 else None, stage + 1 if stage + 1 < p else None
     index = {b: {op: i for i, op in enumerate(orders[b])} for b in (up, down) if b is not None}
-    kinds = [kind_of(op) for op in order]
+    kinds = [op.kind for op in order] if kinds is None else kinds
     # Per op, the neighbour it receives from and the one it sends to (None: none).
     srcs = [up if k == "F" else down if k == "B" else None for k in kinds]
     dests = [down if k == "F" else up if k == "B" else None for k in kinds]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hethub.schedules.base import Schedule, T
+from hethub.schedules.base import Schedule, T, interleaved
 
 # Assumed where no model shape is at hand: W is half of the backward (the weight GEMMs' FLOPs equal
 # the input-gradient GEMMs', and the weightless attention backward is small at short sequences).
@@ -48,14 +48,15 @@ class ZeroBubbleH1(Schedule):
         # (long pipelines' orders hold ~1e5 ops).
         lo, hi = min(m - w, d), min(max(m - w, d), m)
         out = fwd[:w]
-        out += _interleaved(fwd[w:w + lo], bwd[:lo])  # F, B
+        out += interleaved(fwd[w:w + lo], bwd[:lo])  # F, B
         if m - w <= d:
             out += bwd[lo:hi]  # B alone
         else:
-            out += _interleaved(fwd[w + lo:w + hi], bwd[lo:hi], wgt[lo - d:hi - d])  # F, B, W
-        out += _interleaved(bwd[hi:m], wgt[hi - d:m - d])  # B, W
+            out += interleaved(fwd[w + lo:w + hi], bwd[lo:hi], wgt[lo - d:hi - d])  # F, B, W
+        out += interleaved(bwd[hi:m], wgt[hi - d:m - d])  # B, W
         out += wgt[max(0, m - d):m]
         return out
+
     def in_flight(self, *, stage: int, num_stages: int, num_micro_batches: int) -> int:
         return min(num_micro_batches, num_stages)
 
@@ -85,11 +86,3 @@ class ZeroBubbleH1(Schedule):
     def stage_finish_s(self, *, step_s: float, bwd_s: Sequence[float], p2p_s: Sequence[float]) -> list[float]:
         # The later stages fill their tails with deferred W's; they finish at most when the first does.
         return [step_s] * len(bwd_s)
-
-
-def _interleaved(*runs: list[T]) -> list[T]:
-    """The runs' items taken in turns: a[0], b[0], ..., a[1], b[1], ... (runs of one length)."""
-    out = runs[0] * len(runs)
-    for i, run in enumerate(runs):
-        out[i::len(runs)] = run
-    return out

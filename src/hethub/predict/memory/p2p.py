@@ -13,7 +13,6 @@ stage that sends the activation (its gradient comes back in the same dtype).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from hethub.layout import hop
@@ -110,15 +109,16 @@ def _ring(schedule: str, *, num_stages: int, num_micro_batches: int, chunks: int
 
 
 def _line_orders(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int,
-                 ) -> tuple[tuple[int, ...], dict[int, int | None], int]:
-    """A stage's order without virtual stages and its ``send_releases``, on a line of stages from its own
-    and its neighbours' orders alone (``line_releases``), as the event simulation's integer codes
-    (``order_codes``: the predictor walks every stage of pipelines 80 stages deep), and m."""
+                 ) -> tuple[tuple[int, ...], list[str], dict[int, int | None]]:
+    """A stage's order without virtual stages, its ops' kinds and its ``send_releases``, on a line of stages
+    from its own and its neighbours' orders alone (``line_releases``), as the event simulation's integer
+    codes (``order_codes``: the predictor walks every stage of pipelines 80 stages deep)."""
     p, m = num_stages, num_micro_batches
     orders: list[tuple[int, ...]] = [()] * p  # line_releases reads the stage and its neighbours only
     for b in range(max(0, stage - 1), min(p, stage + 2)):
         orders[b] = order_codes(p, b, m, schedule)
-    return orders[stage], line_releases(orders, stage, kind_of=functools.partial(code_kind, m=m)), m
+    kinds = [code_kind(c, m=m) for c in orders[stage]]
+    return orders[stage], kinds, line_releases(orders, stage, kinds=kinds)
 
 
 @dataclass(frozen=True)
@@ -163,9 +163,8 @@ def _held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches
         return 0 if last and chunk == chunks - 1 else 2
 
     if chunks == 1:
-        codes, releases, m = _line_orders(schedule, stage=stage, num_stages=num_stages,
-                                          num_micro_batches=num_micro_batches)
-        kinds = [code_kind(c, m=m) for c in codes]
+        codes, kinds, releases = _line_orders(schedule, stage=stage, num_stages=num_stages,
+                                              num_micro_batches=num_micro_batches)
         rows = held_counts(codes, releases, forward=[k == "F" for k in kinds], receives=[receives(k) for k in kinds])
     else:  # virtual stages: the ring's releases (``ring_releases``)
         shape = {"num_stages": num_stages, "num_micro_batches": num_micro_batches, "chunks": chunks}
