@@ -50,3 +50,18 @@ def test_sailor_export_of_a_zero1_plan_names_zero(tmp_path, capsys):
     assert json.loads(plan.read_text())["training"]["optimizer_sharding"] == "zero1"
     code, _, err = run(["export-plan", "--format", "sailor", plan], capsys)
     assert code == 3 and "ZeRO-1" in err and "--optimizer-sharding none" in err
+
+
+def test_a_deepspeed_plan_sailor_cannot_take_says_so_and_how(tmp_path, capsys):
+    # DeepSpeed's engine runs ZeRO-1, so the default sharding may choose it; Sailor's format cannot say it.
+    # The plan's notes then carry the export's refusal and its fix, exactly where the export refuses.
+    for sharding in ("auto", "none"):
+        plan = tmp_path / f"{sharding}.json"
+        code, out, _ = run(["plan", *JOB, "--runtime", "deepspeed", "--optimizer-sharding", sharding, "--json",
+                            "--out", plan], capsys)
+        assert code == 0
+        said = [n for n in json.loads(out)["notes"] if "Sailor's format" in n]
+        code, _, err = run(["export-plan", "--format", "sailor", plan], capsys)
+        assert (code == 3) == bool(said), (sharding, said, err)
+        if said:
+            assert "ZeRO" in said[0] and "--optimizer-sharding none" in said[0]

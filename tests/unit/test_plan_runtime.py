@@ -80,6 +80,18 @@ def test_forcing_what_the_runtime_cannot_run_names_the_field_and_the_fix(runtime
     assert "Fix:" in str(err.value) and runtime in str(err.value)
 
 
+def test_a_deepspeed_plan_notes_why_sailors_format_refuses_it(deepspeed_plan):
+    from hethub.commands.plan import runtime_notes
+
+    config = PlannerConfig(global_batch=1024, seq_len=2048, runtime="deepspeed")
+    plan = deepspeed_plan.plan
+    assert not [n for n in runtime_notes(config, plan) if "Sailor's format" in n]  # it exports
+    said = [n for n in runtime_notes(config, replace(plan, optimizer_sharding="zero1")) if "Sailor's format" in n]
+    assert len(said) == 1 and "ZeRO-1" in said[0] and "--optimizer-sharding none" in said[0]
+    assert not [n for n in runtime_notes(replace(config, runtime="hethub"), replace(plan, optimizer_sharding="zero1"))
+                if "Sailor's format" in n]  # only DeepSpeed's engine is what Sailor runs
+
+
 def test_runtime_refusals_name_each_feature(deepspeed_plan):
     plan = deepspeed_plan.plan
     p0 = plan.pipelines[0]

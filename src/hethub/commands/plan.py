@@ -109,7 +109,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return cost_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host, as_json=args.json,
                           out=args.out)
     result = make_plan(cluster=cluster, model=model, config=config, profiles=profiles, host=host)
-    result = replace(result, plan=for_file(result.plan, config), notes=(*result.notes, *runtime_notes(config)))
+    plan = for_file(result.plan, config)
+    result = replace(result, plan=plan, notes=(*result.notes, *runtime_notes(config, plan)))
     if args.out:
         result.plan.save(args.out)
     pred = result.prediction
@@ -155,13 +156,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def runtime_notes(config: PlannerConfig) -> tuple[str, ...]:
-    """What planning for ``config.runtime`` left out of the plan space that hethub's runtime has."""
+def runtime_notes(config: PlannerConfig, plan: Plan) -> tuple[str, ...]:
+    """What planning for ``config.runtime`` left out of the plan space that hethub's runtime has, and,
+    for DeepSpeed's engine (what Sailor runs), why ``plan`` does not go to Sailor's plan format where
+    it does not: the export's own refusal, so a user planning for Sailor sees the fix before exporting."""
+    from hethub.errors import PlanError
+    from hethub.interop.sailor import export_sailor_plan
+
     r = RUNTIMES[config.runtime]
-    if r.stage_recompute:
-        return ()
-    return (f"runtime {r.name}: no activation recomputation planned ({r.source('stage_recompute')}; hethub "
-            "chooses it per stage)",)
+    notes = [] if r.stage_recompute else [f"runtime {r.name}: no activation recomputation planned "
+                                          f"({r.source('stage_recompute')}; hethub chooses it per stage)"]
+    if r.name == "deepspeed":
+        try:
+            export_sailor_plan(plan)
+        except PlanError as e:
+            notes.append(f"runtime deepspeed: {e}")
+    return tuple(notes)
 
 
 def for_file(plan: Plan, config: PlannerConfig) -> Plan:
