@@ -14,7 +14,9 @@ machine's wall time: the search's serial CPU s plus, per fan-out, its busiest wo
 (the enumeration; the variants beside the bound's parts; the polish beside the interleaving; the
 interleaving of starts the polish changed, where there are some).
 Each plan's tokens/s is printed beside main's at the commit named in REFERENCE, with their ratio: the
-plans must not get worse.
+plans must not get worse. The last line times a fixed Python loop before and after the table: this VM's
+speed then, which the host moves 2x within minutes while the load average stays the same (CPU seconds
+inflate with it too, so only that line tells a slowed machine from a slower planner).
 """
 
 from __future__ import annotations
@@ -70,10 +72,20 @@ def case(n: int) -> tuple[Cluster, str, int, int]:
     return cluster, model, gb, seq
 
 
+def loop_s(steps: int = 5_000_000) -> float:
+    """CPU seconds of a fixed pure-Python loop: this VM's speed when the table was made, printed beside it
+    (the host's load moves it 2x within minutes while the guest's load average stays the same)."""
+    t, acc = time.process_time(), 0
+    for i in range(steps):
+        acc += i * i % 7
+    return time.process_time() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="32,128,512,4096,768")
     args = ap.parse_args()
+    before = loop_s()
     print(f"{'devices':>8} {'model':>12} {'search_s':>9} {'cpu_s':>7} {'crit_s':>6} {'load':>5} {'efficiency':>10} "
           f"{'vs alone':>8} {'tokens/s':>12} {'main':>12} {'ratio':>7} {'pipelines':>9} {'used':>5}  schedule, "
           "sharding; crit parts")
@@ -94,6 +106,8 @@ def main() -> None:
               f"{r.efficiency:>10.3f} {r.vs_kinds_alone or 0:>8.3f} "
               f"{tps:>12,.0f} {ref or 0:>12,} {tps / ref if ref else float('nan'):>7.4f} {len(r.plan.pipelines):>9} "
               f"{r.plan.world_size:>5}  {r.plan.schedule}, {r.plan.optimizer_sharding}; {parts}")
+    print(f"this VM's speed: a 5*10^6-step Python loop took {before:.3f} s of CPU before the table, {loop_s():.3f} s "
+          "after (docs/planner.md, Measured, gives the figures beside it)")
 
 
 if __name__ == "__main__":
