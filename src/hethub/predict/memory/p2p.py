@@ -155,8 +155,8 @@ def held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches:
 def _held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches: int, chunks: int) -> HeldTerms:
     first, last = stage == 0, stage == num_stages - 1
 
-    def receives(kind: str | None, chunk: int = 0) -> int:  # which receive the next op posts, as `_peak` prices it
-        if kind is None or kind == "W":
+    def receives(kind: str, chunk: int = 0) -> int:  # which receive an op posts, as `_peak` prices it
+        if kind == "W":
             return 0
         if kind == "F":
             return 0 if first and chunk == 0 else 1
@@ -171,7 +171,7 @@ def _held_terms(schedule: str, *, stage: int, num_stages: int, num_micro_batches
         order, releases = _orders(schedule, **shape)[stage], _ring(schedule, **shape)[stage]
         rows = held_counts(order, releases, forward=[op.kind == "F" for op in order],
                            receives=[receives(op.kind, op.chunk) for op in order])
-    rows = {(f, b, 0 if r is None else r) for f, b, r in rows}
+    rows = {(f, b, 0 if r is None else r) for f, b, r in rows}  # None: after the last op, nothing is received
     return HeldTerms(_uncovered(rows))
 
 
